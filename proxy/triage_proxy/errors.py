@@ -1,0 +1,73 @@
+"""The one error tree of the proxy, grouped by what the caller does next.
+
+    TriageError                      root; `retriable` says whether trying again can help
+    +-- ConfigError                  fix the config file or flag it names (not retriable)
+    +-- AuthError                    wrong or missing token: refuse the call (not retriable)
+    +-- SettlementError              a settlement for a message that instance does not hold
+    +-- UnavailableError             a dependency is down: keep retrying, never lose data
+    |   +-- BrokerUnavailable        Kafka did not answer (fetch or commit)
+    |   +-- DeadLetterUnavailable    the dead-letter table did not take a write
+    +-- StateError                   a lifecycle method called in the wrong state (a bug)
+
+confluent-kafka and botocore exceptions are translated into these at the adapter edge
+(`kafka.py`, `deadletter.py`) with `raise ... from`; `grpc_status` maps them to gRPC
+status codes in one place.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class TriageError(Exception):
+    """Root of every error Triage raises on purpose."""
+
+    retriable: bool = False
+
+
+class ConfigError(TriageError):
+    """A config value is missing, malformed or of the wrong type; `key` names it."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"config key {key!r}: {problem}")
+        self.key = key
+        self.problem = problem
+
+
+class AuthError(TriageError):
+    """The call carried no token or a wrong one."""
+
+
+class SettlementError(TriageError):
+    """An instance settled an offset it does not hold (forged, duplicate or late)."""
+
+
+class UnavailableError(TriageError):
+    """A dependency did not answer; the operation can be retried as is."""
+
+    retriable = True
+
+
+class BrokerUnavailable(UnavailableError):
+    """Kafka did not answer a fetch or a commit."""
+
+
+class DeadLetterUnavailable(UnavailableError):
+    """The dead-letter store did not durably take a write."""
+
+
+class StateError(TriageError):
+    """A lifecycle method was called in a state that does not allow it."""
+
+
+def grpc_status(exc: BaseException) -> grpc.StatusCode:
+    """Map an error to the gRPC status a client sees; the one place that does."""
+    if isinstance(exc, AuthError):
+        return grpc.StatusCode.UNAUTHENTICATED
+    if isinstance(exc, SettlementError):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, ConfigError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, UnavailableError):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
