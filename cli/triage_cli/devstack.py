@@ -1,0 +1,264 @@
+"""Everything `triage dev` runs on one machine, owned by one object.
+
+Start order: broker -> AWS endpoint -> topic and dead-letter table -> config file
+-> one proxy process per partition. Stop order is the reverse, each process by
+PID (SIGTERM, then SIGKILL after a grace period), so nothing outlives the stack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from triage_proxy.embedded import (
+    HOST,
+    EmbeddedAWS,
+    EmbeddedBroker,
+    free_port_block,
+    wait_for_port,
+)
+from triage_proxy.errors import StateError, UnavailableError
+
+logger = logging.getLogger(__name__)
+
+TABLE = "triage-dead-letters"
+PROXY_START_TIMEOUT_S = 30.0
+PROXY_STOP_TIMEOUT_S = 15.0
+
+
+def write_config(path: Path, values: dict[str, dict[str, Any]]) -> None:
+    """Write a flat two-level TOML file readable only by its owner (it holds a token)."""
+    lines: list[str] = []
+    for section, table in values.items():
+        lines.append(f"[{section}]")
+        for key, value in table.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write("\n".join(lines))
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
+
+
+class DevStack:
+    """Tansu + moto server + proxies for `topic`, on loopback ports."""
+
+    def __init__(
+        self,
+        topic: str = "triage-dev",
+        partitions: int = 1,
+        state_dir: Path | None = None,
+        proxy_overrides: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        self.topic = topic
+        self.partitions = partitions
+        self.state_dir = state_dir or Path(tempfile.mkdtemp(prefix="triage-dev-"))
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.table = TABLE
+        self.token = secrets.token_urlsafe(32)
+        self.config_path = self.state_dir / "triage.toml"
+        self.broker = EmbeddedBroker(self.state_dir / "broker.log")
+        self.aws = EmbeddedAWS(self.state_dir / "moto.log")
+        self.proxy_ports: list[int] = []
+        self._overrides = proxy_overrides or {}
+        self._proxies: list[subprocess.Popen[bytes]] = []
+        self._started = False
+
+    @property
+    def group_id(self) -> str:
+        return f"triage-{self.topic}"
+
+    def config_values(self, base_port: int) -> dict[str, dict[str, Any]]:
+        values: dict[str, dict[str, Any]] = {
+            "kafka": {
+                "bootstrap_servers": self.broker.bootstrap,
+                "topic": self.topic,
+                "group_id": self.group_id,
+            },
+            "server": {"host": HOST, "port": base_port},
+            "auth": {"token": self.token},
+            "dead_letters": {"table": self.table, "endpoint_url": self.aws.endpoint_url},
+        }
+        for section, table in self._overrides.items():
+            values.setdefault(section, {}).update(table)
+        return values
+
+    def start(self) -> None:
+        if self._started:
+            raise StateError("dev stack already started")
+        self._started = True
+        try:
+            self.broker.start()
+            self.aws.start()
+            self._create_topic()
+            self._create_table()
+            base = free_port_block(self.partitions)
+            write_config(self.config_path, self.config_values(base))
+            for partition in range(self.partitions):
+                self.start_proxy(partition)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _create_topic(self) -> None:
+        from confluent_kafka.admin import AdminClient, NewTopic
+
+        admin = AdminClient({"bootstrap.servers": self.broker.bootstrap})
+        futures = admin.create_topics([NewTopic(self.topic, self.partitions, 1)])
+        for future in futures.values():
+            future.result(timeout=30)
+
+    def _create_table(self) -> None:
+        from triage_proxy.deadletter import create_table
+        from triage_proxy.settings import DeadLetterSettings
+
+        create_table(DeadLetterSettings(table=self.table, endpoint_url=self.aws.endpoint_url))
+
+    def proxy_command(self, partition: int) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "triage_cli.main",
+            "proxy",
+            "--config",
+            str(self.config_path),
+            "--partition",
+            str(partition),
+        ]
+
+    def start_proxy(self, partition: int) -> subprocess.Popen[bytes]:
+        """Start (or restart) the proxy process for `partition` and wait until it listens."""
+        from triage_proxy.settings import load_settings
+
+        port = load_settings(self.config_path).server.port + partition
+        log = open(self.state_dir / f"proxy-{partition}.log", "ab")  # noqa: SIM115
+        with log:
+            proc = subprocess.Popen(
+                self.proxy_command(partition),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
+        if partition < len(self._proxies):
+            self._proxies[partition] = proc
+            self.proxy_ports[partition] = port
+        else:
+            self._proxies.append(proc)
+            self.proxy_ports.append(port)
+        wait_for_port(HOST, port, PROXY_START_TIMEOUT_S, proc)
+        return proc
+
+    def proxy_process(self, partition: int) -> subprocess.Popen[bytes]:
+        return self._proxies[partition]
+
+    def stop_proxy(self, partition: int, sig: int = signal.SIGTERM) -> int | None:
+        """Signal the proxy by PID and wait for it; SIGKILL after the grace period."""
+        proc = self._proxies[partition]
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, sig)
+            try:
+                proc.wait(PROXY_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                logger.warning("proxy %d did not stop in time; killing it", partition)
+                proc.kill()
+                proc.wait()
+        return proc.returncode
+
+    def stop(self) -> None:
+        """Stop every process this stack started, proxies first; safe twice."""
+        for partition in range(len(self._proxies)):
+            self.stop_proxy(partition)
+        self.aws.stop()
+        self.broker.stop()
+
+    def __enter__(self) -> DevStack:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # --- for people and scripts -------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "bootstrap": self.broker.bootstrap,
+            "dynamodb_endpoint": self.aws.endpoint_url,
+            "topic": self.topic,
+            "table": self.table,
+            "token": self.token,
+            "config": str(self.config_path),
+            "proxies": [
+                {"partition": p, "target": f"{HOST}:{port}"}
+                for p, port in enumerate(self.proxy_ports)
+            ],
+        }
+
+    def describe_json(self) -> str:
+        return json.dumps(self.describe(), separators=(", ", ": "))
+
+    def print_endpoints(self) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        info = self.describe()
+        table = Table(title="triage dev", show_header=False)
+        table.add_row("Kafka bootstrap", info["bootstrap"])
+        table.add_row("DynamoDB endpoint", info["dynamodb_endpoint"])
+        table.add_row("topic / table", f"{info['topic']} / {info['table']}")
+        table.add_row("token", info["token"])
+        table.add_row("config", info["config"])
+        for proxy in info["proxies"]:
+            table.add_row(f"proxy partition {proxy['partition']}", proxy["target"])
+        console = Console(stderr=True)
+        console.print(table)
+        target = info["proxies"][0]["target"]
+        console.print(
+            "Try a consumer:\n  python client_lib/examples/consumer.py "
+            f"--target {target} --token {info['token']}\nCtrl-C stops everything."
+        )
+
+    def wait_for_signal(self) -> None:
+        """Block until SIGINT or SIGTERM, or until a proxy process dies."""
+        stop = threading.Event()
+
+        def handler(signum: int, frame: object) -> None:
+            stop.set()
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while not stop.wait(0.5):
+                for partition, proc in enumerate(self._proxies):
+                    if proc.poll() is not None:
+                        raise UnavailableError(
+                            f"proxy for partition {partition} exited with {proc.returncode}; "
+                            f"see {self.state_dir / f'proxy-{partition}.log'}"
+                        )
+        finally:
+            for signum, old in previous.items():
+                signal.signal(signum, old)

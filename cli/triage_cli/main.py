@@ -1,0 +1,140 @@
+"""The `triage` command.
+
+Heavy modules (confluent-kafka, boto3, grpc) are imported inside the commands
+that need them so `triage --help` stays instant. SIGINT and SIGTERM take the
+same graceful path everywhere.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    name="triage",
+    help="Triage: a Kafka consumer proxy that removes head-of-line blocking.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+class ExitCode(enum.IntEnum):
+    """What the process exit status means, for scripts and supervisors."""
+
+    OK = 0
+    FAILURE = 1
+    BAD_CONFIG = 2
+    UNAVAILABLE = 3
+    INTERRUPTED = 130
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _fail(code: ExitCode, message: str) -> typer.Exit:
+    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+    return typer.Exit(int(code))
+
+
+@app.command()
+def proxy(
+    config: Annotated[Path, typer.Option("--config", "-c", help="TOML config file.")],
+    partition: Annotated[int, typer.Option("--partition", "-p", help="Partition to own.")],
+    port: Annotated[
+        int | None, typer.Option(help="Listen on this port instead of server.port + partition.")
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Run one proxy for one partition until SIGTERM/SIGINT (then drain and commit)."""
+    import asyncio
+    import dataclasses
+    import signal
+
+    from triage_proxy.app import Proxy
+    from triage_proxy.errors import ConfigError, UnavailableError
+    from triage_proxy.settings import load_settings
+
+    _setup_logging(verbose)
+    try:
+        settings = load_settings(config)
+        if port is not None:
+            server = dataclasses.replace(settings.server, port=port - partition if port else 0)
+            settings = dataclasses.replace(settings, server=server)
+    except ConfigError as exc:
+        raise _fail(ExitCode.BAD_CONFIG, str(exc)) from None
+    if partition < 0:
+        raise _fail(ExitCode.BAD_CONFIG, "--partition must be >= 0")
+
+    async def main() -> None:
+        runner = Proxy(settings, partition)
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, runner.stop)
+        await runner.serve()
+
+    try:
+        asyncio.run(main())
+    except UnavailableError as exc:
+        raise _fail(ExitCode.UNAVAILABLE, str(exc)) from None
+
+
+@app.command()
+def dev(
+    topic: Annotated[str, typer.Option(help="Topic to create and proxy.")] = "triage-dev",
+    partitions: Annotated[int, typer.Option(min=1, max=64)] = 1,
+    json_: Annotated[
+        bool, typer.Option("--json", help="Print one JSON line with the endpoints.")
+    ] = False,
+    demo: Annotated[
+        bool, typer.Option("--demo", help="Run the head-of-line blocking demo, then exit.")
+    ] = False,
+    messages: Annotated[int, typer.Option(help="Demo: messages to produce.", min=10)] = 2000,
+    state_dir: Annotated[
+        Path | None, typer.Option(help="Where config and logs go (default: a temp folder).")
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Start a broker, a DynamoDB endpoint and one proxy per partition on this machine."""
+    from triage_cli.devstack import DevStack
+    from triage_proxy.errors import TriageError
+
+    _setup_logging(verbose)
+    if not verbose:
+        logging.getLogger().setLevel(logging.WARNING)
+    stack = DevStack(topic=topic, partitions=partitions, state_dir=state_dir)
+    try:
+        with stack:
+            if demo:
+                from triage_cli.demo import run_demo
+
+                run_demo(stack, messages=messages)
+                return
+            if json_:
+                print(stack.describe_json(), flush=True)
+            else:
+                stack.print_endpoints()
+            stack.wait_for_signal()
+    except TriageError as exc:
+        raise _fail(ExitCode.UNAVAILABLE, str(exc)) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
+
+
+def run() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,178 @@
+"""The proxy application: one process, one (topic, partition).
+
+`Proxy.serve()` is the one place that owns the long-lived tasks (a single
+TaskGroup: fetcher and committer; the gRPC server owns its per-stream handlers
+and the service its reader tasks). `stop()` only signals; `serve()` then shuts
+down in this order:
+
+    stop fetching (pause the partition)
+    -> drain: let in-flight work settle, up to shutdown.drain_timeout_s
+    -> flush dead letters still being written (bounded by what is left of the deadline)
+    -> end the streams and stop the gRPC server (accepting nothing new)
+    -> final commit of the committable offset
+    -> close the Kafka client
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from types import TracebackType
+
+from triage_proxy.committer import Committer
+from triage_proxy.deadletter import DeadLetterStore, DeadLetterWriter, DynamoDBStore
+from triage_proxy.dispatcher import Dispatcher
+from triage_proxy.errors import StateError
+from triage_proxy.fetcher import Fetcher
+from triage_proxy.kafka import ConfluentPartition, PartitionLog
+from triage_proxy.service import TriageService, create_server
+from triage_proxy.settings import Settings
+from triage_proxy.tracker import CommitTracker
+from triage_proxy.waiting import wait_any
+
+logger = logging.getLogger(__name__)
+
+SERVER_GRACE_S = 2.0
+
+
+class ProxyState(enum.Enum):
+    NEW = "new"
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class Proxy:
+    """Fetches one partition, fans it out over gRPC, commits what is settled."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        partition: int,
+        *,
+        log: PartitionLog | None = None,
+        store: DeadLetterStore | None = None,
+    ) -> None:
+        self.settings = settings
+        self.partition = partition
+        self._log = log
+        self._store = store
+        self.state = ProxyState.NEW
+        self.port = 0
+        """The gRPC port actually bound (known once ready)."""
+        self.ready = asyncio.Event()
+        self._closing = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.dispatcher: Dispatcher | None = None
+        self.committer: Committer | None = None
+        self.fetcher: Fetcher | None = None
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Run `serve()` in a task owned by this object; return once it accepts streams."""
+        if self.state is not ProxyState.NEW or self._task is not None:
+            raise StateError(f"proxy already {self.state.value}")
+        self._task = asyncio.create_task(self._run(), name=f"proxy-{self.partition}")
+        ready = asyncio.ensure_future(self.ready.wait())
+        await asyncio.wait([ready, self._task], return_when=asyncio.FIRST_COMPLETED)
+        if not self.ready.is_set():
+            ready.cancel()
+            await self._task  # raises what made serve() fail
+
+    def stop(self) -> None:
+        """Signal shutdown (safe from a signal handler, safe twice)."""
+        self._closing.set()
+
+    async def wait_stopped(self) -> None:
+        if self._task is not None:
+            await asyncio.shield(self._task)
+
+    async def __aenter__(self) -> Proxy:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+        await self.wait_stopped()
+
+    # --- the run ----------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        """Run in the caller's task until stop(); see the module docstring for the order."""
+        if self.state is not ProxyState.NEW or self._task is not None:
+            raise StateError(f"proxy already {self.state.value}")
+        await self._run()
+
+    async def _run(self) -> None:
+        self.state = ProxyState.STARTING
+        settings = self.settings
+        log = self._log or ConfluentPartition(settings.kafka, self.partition)
+        store = self._store or DynamoDBStore(settings.dead_letters)
+        start_offset = await asyncio.to_thread(log.open)
+        tracker = CommitTracker(start_offset)
+        writer_ref: list[DeadLetterWriter] = []
+        dispatcher = Dispatcher(
+            settings, self.partition, tracker, lambda dl: writer_ref[0].submit(dl)
+        )
+        writer = DeadLetterWriter(store, settings.dead_letters, dispatcher.dead_letter_written)
+        writer_ref.append(writer)
+        service = TriageService(settings, self.partition, dispatcher)
+        server, self.port = create_server(settings, self.partition, service)
+        fetch_closing = asyncio.Event()
+        fetcher = Fetcher(log, dispatcher, settings.kafka.fetch_batch, fetch_closing)
+        commit_closing = asyncio.Event()
+        committer = Committer(
+            log, tracker, start_offset, settings.commit.interval_s, commit_closing
+        )
+        self.dispatcher, self.committer, self.fetcher = dispatcher, committer, fetcher
+        try:
+            async with writer, asyncio.TaskGroup() as tasks:
+                fetch_task = tasks.create_task(fetcher.run(), name="fetcher")
+                tasks.create_task(committer.run(), name="committer")
+                await server.start()
+                self.state = ProxyState.RUNNING
+                self.ready.set()
+                logger.info(
+                    "proxy for %s[%d] serving on port %d from offset %d",
+                    settings.kafka.topic,
+                    self.partition,
+                    self.port,
+                    start_offset,
+                )
+                await self._closing.wait()
+                self.state = ProxyState.STOPPING
+                deadline = time.monotonic() + settings.shutdown.drain_timeout_s
+                logger.info("stopping: fetching stops, draining in-flight work")
+                fetch_closing.set()
+                await fetch_task
+                await wait_any(dispatcher.settled, timeout=_left(deadline))
+                logger.debug("drained; %d records still unsettled", dispatcher.in_window)
+                await writer.flush(timeout=_left(deadline))
+                service.stop_accepting()
+                dispatcher.end_sessions()
+                await server.stop(SERVER_GRACE_S)
+                await service.stop()
+                commit_closing.set()
+            await committer.commit()
+            logger.info(
+                "stopped; committed offset %d, %d records left for redelivery",
+                committer.committed,
+                dispatcher.in_window,
+            )
+        finally:
+            await server.stop(None)
+            await asyncio.to_thread(log.close)
+            self.state = ProxyState.STOPPED
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())

@@ -1,0 +1,344 @@
+"""The dispatcher: hands fetched records to consumer instances by credit, fairly.
+
+It owns the in-flight window (every fetched record until it is settled), the
+sessions of connected instances and what each one holds. Acks settle offsets in
+the commit tracker at once; nacks go to the dead-letter writer and settle only
+when it reports the item durably written. An instance that disconnects gives
+its records back to the queue with attempt+1, or to the dead-letter writer once
+they have used up their attempts (the crash-type poison pill).
+
+Everything here runs on the event loop thread and does no I/O: sending a frame
+is putting it on the session's outbox, which the gRPC stream drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from triage_client._proto import triage_pb2 as pb
+from triage_proxy.settings import Settings
+from triage_proxy.structs import DeadLetter, Record
+from triage_proxy.tracker import CommitTracker
+
+logger = logging.getLogger(__name__)
+
+FRAME_BUDGET_BYTES = 4 * 1024 * 1024
+"""Payload bytes per Deliveries frame before a batch is split into several frames."""
+FRAME_OVERHEAD_BYTES = 64 * 1024
+"""Room left in a frame for protobuf framing and headers of a single large record."""
+REASON_MAX_CHARS = 4000
+
+
+class EntryState(enum.Enum):
+    READY = "ready"
+    """Waiting for an instance with credit."""
+    HELD = "held"
+    """Delivered; the holder has not settled it yet."""
+    DEAD_LETTERING = "dead_lettering"
+    """Waiting for its dead letter to be durably written."""
+
+
+class Entry:
+    """One unsettled record in the window, with its delivery state."""
+
+    __slots__ = ("attempt", "holder", "record", "size", "state")
+
+    def __init__(self, record: Record) -> None:
+        self.record = record
+        self.size = record.size
+        self.attempt = 0
+        self.holder: Session | None = None
+        self.state = EntryState.READY
+
+
+@dataclass
+class Counters:
+    """Running totals the proxy reports (metrics and status read these)."""
+
+    fetched: int = 0
+    delivered: int = 0
+    redelivered: int = 0
+    acked: int = 0
+    nacked: int = 0
+    rejected: int = 0
+    dead_lettered: int = 0
+    sessions_opened: int = 0
+    sessions_closed: int = 0
+
+
+class Session:
+    """One connected consumer instance: its credits, what it holds, its outbox."""
+
+    __slots__ = ("closed", "consumer_id", "credits", "held", "outbox")
+
+    def __init__(self, consumer_id: str, credits: int) -> None:
+        self.consumer_id = consumer_id
+        self.credits = credits
+        self.held: dict[int, Entry] = {}
+        self.outbox: asyncio.Queue[pb.ProxyFrame | None] = asyncio.Queue()
+        self.closed = False
+
+    @property
+    def available(self) -> int:
+        return self.credits - len(self.held)
+
+
+class Dispatcher:
+    """Credit-based, fair fan-out of one partition's records; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        partition: int,
+        tracker: CommitTracker,
+        dead_letter: Callable[[DeadLetter], None],
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._topic = settings.kafka.topic
+        self._partition = partition
+        self._max_messages = settings.window.max_messages
+        self._max_bytes = settings.window.max_bytes
+        self._max_attempts = settings.delivery.max_attempts
+        self._max_record_bytes = settings.server.max_frame_bytes - FRAME_OVERHEAD_BYTES
+        self._tracker = tracker
+        self._dead_letter = dead_letter
+        self._clock = clock
+        self._entries: dict[int, Entry] = {}
+        self._ready: deque[Entry] = deque()
+        self._sessions: list[Session] = []
+        self._bytes = 0
+        self.counters = Counters()
+        self.room = asyncio.Event()
+        """Set while the window has room for more records."""
+        self.room.set()
+        self.settled = asyncio.Event()
+        """Set whenever the window holds nothing at all (drain waits on it)."""
+        self.settled.set()
+
+    # --- window -----------------------------------------------------------------------
+
+    @property
+    def in_window(self) -> int:
+        """Fetched records not yet settled."""
+        return len(self._entries)
+
+    @property
+    def window_bytes(self) -> int:
+        return self._bytes
+
+    @property
+    def room_for(self) -> int:
+        """How many more records the window takes before it is full (0 when full)."""
+        if self._bytes >= self._max_bytes:
+            return 0
+        return max(0, self._max_messages - len(self._entries))
+
+    @property
+    def sessions(self) -> Sequence[Session]:
+        return tuple(self._sessions)
+
+    def _update_window_events(self) -> None:
+        if self.room_for > 0:
+            self.room.set()
+        else:
+            self.room.clear()
+        if self._entries:
+            self.settled.clear()
+        else:
+            self.settled.set()
+
+    # --- records in -------------------------------------------------------------------
+
+    def add(self, records: Iterable[Record]) -> None:
+        """Take freshly fetched records (in offset order) into the window and deliver."""
+        track = self._tracker.track
+        for record in records:
+            track(record.offset)
+            entry = Entry(record)
+            self._entries[record.offset] = entry
+            self._bytes += entry.size
+            self.counters.fetched += 1
+            if entry.size > self._max_record_bytes:
+                entry.attempt = 1
+                self._to_dead_letter(
+                    entry,
+                    f"message of {entry.size} bytes exceeds server.max_frame_bytes",
+                    "",
+                )
+            else:
+                self._ready.append(entry)
+        self._update_window_events()
+        self._pump()
+
+    # --- sessions ---------------------------------------------------------------------
+
+    def open_session(self, consumer_id: str, credits: int) -> Session:
+        session = Session(consumer_id, credits)
+        self._sessions.append(session)
+        self.counters.sessions_opened += 1
+        logger.info("instance %s connected with %d credits", consumer_id, credits)
+        self._pump()
+        return session
+
+    def close_session(self, session: Session) -> None:
+        """The instance is gone: give back what it held (attempt+1) or dead-letter it."""
+        if session.closed:
+            return
+        session.closed = True
+        self._sessions.remove(session)
+        self.counters.sessions_closed += 1
+        held = sorted(session.held.values(), key=lambda e: e.record.offset)
+        session.held.clear()
+        back: list[Entry] = []
+        for entry in held:
+            entry.holder = None
+            if entry.attempt >= self._max_attempts:
+                self._to_dead_letter(
+                    entry,
+                    f"delivery attempts exhausted: instance {session.consumer_id} "
+                    "disconnected while handling it",
+                    session.consumer_id,
+                )
+            else:
+                entry.state = EntryState.READY
+                back.append(entry)
+        self._ready.extendleft(reversed(back))
+        logger.info(
+            "instance %s disconnected; %d records back to the queue",
+            session.consumer_id,
+            len(back),
+        )
+        session.outbox.put_nowait(None)
+        self._pump()
+
+    def end_sessions(self) -> None:
+        """Ask every stream to finish (shutdown); their close_session follows."""
+        for session in self._sessions:
+            session.outbox.put_nowait(None)
+
+    # --- settlements ------------------------------------------------------------------
+
+    def settle(self, session: Session, acks: Sequence[int], nacks: Sequence[pb.Nack]) -> list[int]:
+        """Apply a batch of settlements from `session`; return the offsets it did not hold."""
+        rejected: list[int] = []
+        held = session.held
+        entries = self._entries
+        settle = self._tracker.settle
+        freed = 0
+        for offset in acks:
+            entry = held.pop(offset, None)
+            if entry is None:
+                rejected.append(offset)
+                continue
+            settle(offset)
+            del entries[offset]
+            freed += entry.size
+        self._bytes -= freed
+        self.counters.acked += len(acks) - len(rejected)
+        for nack in nacks:
+            entry = held.pop(nack.offset, None)
+            if entry is None:
+                rejected.append(nack.offset)
+                continue
+            self.counters.nacked += 1
+            entry.holder = None
+            reason = nack.reason[:REASON_MAX_CHARS] or "nacked without a reason"
+            if nack.retry and entry.attempt < self._max_attempts:
+                entry.state = EntryState.READY
+                self._ready.append(entry)
+            else:
+                self._to_dead_letter(entry, reason, session.consumer_id)
+        if rejected:
+            self.counters.rejected += len(rejected)
+            logger.warning(
+                "rejected %d settlements from %s for offsets it does not hold",
+                len(rejected),
+                session.consumer_id,
+            )
+        self._update_window_events()
+        self._pump()
+        return rejected
+
+    def _to_dead_letter(self, entry: Entry, reason: str, consumer_id: str) -> None:
+        entry.state = EntryState.DEAD_LETTERING
+        self._dead_letter(
+            DeadLetter(
+                record=entry.record,
+                reason=reason,
+                attempts=entry.attempt,
+                consumer_id=consumer_id,
+                dead_lettered_at_ms=int(self._clock() * 1000),
+            )
+        )
+
+    def dead_letter_written(self, dl: DeadLetter) -> None:
+        """The writer made `dl` durable: only now may its offset count as settled."""
+        offset = dl.record.offset
+        entry = self._entries.get(offset)
+        if entry is None or entry.state is not EntryState.DEAD_LETTERING:
+            return
+        del self._entries[offset]
+        self._bytes -= entry.size
+        self._tracker.settle(offset)
+        self.counters.dead_lettered += 1
+        self._update_window_events()
+
+    # --- delivery ---------------------------------------------------------------------
+
+    def _pump(self) -> None:
+        """Deliver ready records to instances with credit, an even share each."""
+        ready = self._ready
+        while ready:
+            open_ = [s for s in self._sessions if s.available > 0]
+            if not open_:
+                return
+            share = -(-len(ready) // len(open_))
+            for session in open_:
+                n = min(session.available, share, len(ready))
+                if n <= 0:
+                    break
+                self._deliver(session, [ready.popleft() for _ in range(n)])
+            # Rotate so the first instance in line changes from pump to pump.
+            self._sessions.append(self._sessions.pop(0))
+
+    def _deliver(self, session: Session, batch: list[Entry]) -> None:
+        frame = pb.ProxyFrame()
+        budget = 0
+        held = session.held
+        redelivered = 0
+        for entry in batch:
+            if budget and budget + entry.size > FRAME_BUDGET_BYTES:
+                session.outbox.put_nowait(frame)
+                frame, budget = pb.ProxyFrame(), 0
+            deliveries = frame.deliveries
+            if not budget:
+                deliveries.topic = self._topic
+                deliveries.partition = self._partition
+            budget += entry.size + 1
+            entry.attempt += 1
+            if entry.attempt > 1:
+                redelivered += 1
+            entry.state = EntryState.HELD
+            entry.holder = session
+            record = entry.record
+            held[record.offset] = entry
+            delivery = deliveries.deliveries.add(
+                offset=record.offset,
+                key=record.key,
+                value=record.value,
+                timestamp_ms=record.timestamp_ms,
+                attempt=entry.attempt,
+            )
+            if record.headers:
+                for name, value in record.headers:
+                    delivery.headers.add(key=name, value=value)
+        session.outbox.put_nowait(frame)
+        self.counters.delivered += len(batch)
+        self.counters.redelivered += redelivered

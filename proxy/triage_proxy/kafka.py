@@ -1,0 +1,204 @@
+"""The proxy's one partition of Kafka, behind a small Protocol.
+
+`ConfluentPartition` is the real adapter (librdkafka via confluent-kafka, `assign`,
+auto-commit off); `MemoryPartition` is its in-memory twin for unit tests. Both are
+synchronous: the fetcher calls them from a worker thread so the event loop never
+blocks on the broker. confluent-kafka exceptions become `BrokerUnavailable` here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, TopicPartition
+from triage_proxy.errors import BrokerUnavailable
+from triage_proxy.settings import KafkaSettings
+from triage_proxy.structs import Record
+
+logger = logging.getLogger(__name__)
+
+FETCH_WAIT_S = 0.2
+"""How long one fetch waits for the first message when the partition is idle."""
+BROKER_TIMEOUT_S = 10.0
+
+
+class PartitionLog(Protocol):
+    """What the proxy needs from Kafka for the one partition it owns."""
+
+    def open(self) -> int:
+        """Connect, assign the partition at its committed position; return that offset."""
+        ...
+
+    def fetch(self, max_records: int) -> list[Record]:
+        """Return the next records in offset order (possibly none after a short wait)."""
+        ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def commit(self, offset: int) -> None:
+        """Synchronously commit `offset` (the next offset to process)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class ConfluentPartition:
+    """One assigned partition of a confluent-kafka Consumer."""
+
+    def __init__(self, settings: KafkaSettings, partition: int) -> None:
+        self._settings = settings
+        self._tp = TopicPartition(settings.topic, partition)
+        self._consumer: Any = None
+        self._lock = threading.Lock()  # librdkafka is thread-safe; this keeps close() clean
+
+    def _config(self) -> dict[str, Any]:
+        config: dict[str, Any] = {
+            "bootstrap.servers": self._settings.bootstrap_servers,
+            "group.id": self._settings.group_id,
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+            "enable.partition.eof": False,
+            # Bound librdkafka's own prefetch so pausing really bounds memory.
+            "queued.max.messages.kbytes": 16384,
+            "fetch.wait.max.ms": 100,
+            "error_cb": self._on_error,
+            "logger": logger,
+        }
+        config.update(_client_overrides(self._settings.client))
+        return config
+
+    @staticmethod
+    def _on_error(err: KafkaError) -> None:
+        logger.warning("kafka: %s", err.str())
+
+    def open(self) -> int:
+        try:
+            consumer = Consumer(self._config())
+            committed = consumer.committed([self._tp], timeout=BROKER_TIMEOUT_S)[0]
+            if committed.error:
+                raise BrokerUnavailable(f"reading committed offset: {committed.error}")
+            if committed.offset == OFFSET_INVALID or committed.offset < 0:
+                low, _high = consumer.get_watermark_offsets(self._tp, timeout=BROKER_TIMEOUT_S)
+                start = max(low, 0)
+            else:
+                start = committed.offset
+            consumer.assign([TopicPartition(self._tp.topic, self._tp.partition, start)])
+        except KafkaException as exc:
+            raise BrokerUnavailable(f"opening {self._tp.topic}[{self._tp.partition}]") from exc
+        self._consumer = consumer
+        logger.info("assigned %s[%d] at offset %d", self._tp.topic, self._tp.partition, start)
+        return start
+
+    def fetch(self, max_records: int) -> list[Record]:
+        consumer = self._consumer
+        try:
+            messages = consumer.consume(max_records, 0)
+            if not messages:
+                # Idle partition: wait for one message, then take whatever else is queued.
+                messages = consumer.consume(1, FETCH_WAIT_S)
+                if messages and max_records > 1:
+                    messages.extend(consumer.consume(max_records - 1, 0))
+        except KafkaException as exc:
+            raise BrokerUnavailable("fetch failed") from exc
+        records = []
+        topic, partition = self._tp.topic, self._tp.partition
+        for m in messages:
+            err = m.error()
+            if err is not None:
+                if err.fatal():
+                    raise BrokerUnavailable(f"fatal fetch error: {err.str()}")
+                logger.warning("fetch: %s", err.str())
+                continue
+            headers = m.headers()
+            records.append(
+                Record(
+                    topic,
+                    partition,
+                    m.offset(),
+                    m.key(),
+                    m.value(),
+                    tuple(headers) if headers else (),
+                    m.timestamp()[1],
+                )
+            )
+        return records
+
+    def pause(self) -> None:
+        self._consumer.pause([self._tp])
+
+    def resume(self) -> None:
+        self._consumer.resume([self._tp])
+
+    def commit(self, offset: int) -> None:
+        tp = TopicPartition(self._tp.topic, self._tp.partition, offset)
+        try:
+            result = self._consumer.commit(offsets=[tp], asynchronous=False)
+        except KafkaException as exc:
+            raise BrokerUnavailable(f"commit of offset {offset} failed") from exc
+        if result and result[0].error:
+            raise BrokerUnavailable(f"commit of offset {offset} failed: {result[0].error}")
+
+    def close(self) -> None:
+        with self._lock:
+            consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            consumer.close()
+
+
+def _client_overrides(client: Mapping[str, str | int | bool]) -> dict[str, Any]:
+    return {str(k): v for k, v in client.items()}
+
+
+class MemoryPartition:
+    """In-memory twin of `ConfluentPartition` for unit tests: a list is the log."""
+
+    def __init__(self, topic: str = "t", partition: int = 0, committed: int = 0) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.log: list[Record] = []
+        self.committed = committed
+        self.commits: list[int] = []
+        self.paused = False
+        self.closed = False
+        self._position = committed
+
+    def append(
+        self, value: bytes | None, key: bytes | None = None, offset: int | None = None
+    ) -> None:
+        """Add a record (offset defaults to the next one; pass a larger one for a gap)."""
+        if offset is None:
+            offset = self.log[-1].offset + 1 if self.log else 0
+        self.log.append(Record(self.topic, self.partition, offset, key, value, (), 0))
+
+    def open(self) -> int:
+        self._position = self.committed
+        return self.committed
+
+    def fetch(self, max_records: int) -> list[Record]:
+        out = [] if self.paused else [r for r in self.log if r.offset >= self._position]
+        out = out[:max_records]
+        if not out:
+            time.sleep(0.01)  # like a real idle fetch, so callers do not spin
+        if out:
+            self._position = out[-1].offset + 1
+        return out
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def commit(self, offset: int) -> None:
+        self.committed = offset
+        self.commits.append(offset)
+
+    def close(self) -> None:
+        self.closed = True

@@ -1,0 +1,152 @@
+"""Commit tracking for one partition: which offset is safe to commit.
+
+Why: the proxy hands messages out in any order and they settle (ack or durable
+dead letter) in any order, but Kafka only stores one committed offset per
+partition. The safe value is the smallest offset not yet settled; everything
+settled above it is reported separately so it can ride along in the commit
+metadata and a restarted proxy does not redeliver it.
+
+How: offsets are kept in fixed-size pages (``bytearray`` of per-offset states)
+held in a dict keyed by ``offset >> _PAGE_BITS`` and in a deque in offset
+order. A settle is one dict lookup and one byte write; the committable offset
+advances with a byte check for the contiguous case and ``bytearray.find``
+(memchr) across gaps. Pages are created only for offsets that are tracked, so
+a gap of any size costs at most one new page, and pages are dropped once the
+committable offset passes them. Memory is therefore bounded by the window
+(tracked offsets from the committable offset to the last tracked one), at
+worst one page per tracked offset when every offset sits in its own page.
+This module is pure logic: no I/O, no clock, no logging.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+__all__ = ["CommitTracker"]
+
+_PAGE_BITS = 8
+"""log2 of the offsets per page; 256 keeps sparse (compacted) topics cheap."""
+_PAGE_SIZE = 1 << _PAGE_BITS
+_PAGE_MASK = _PAGE_SIZE - 1
+
+# Per-offset states stored in a page. Untracked slots (gaps) stay 0.
+_UNTRACKED = 0
+_PENDING = 1
+_SETTLED = 2
+
+
+class CommitTracker:
+    """Tracks fetched offsets of one partition and computes the committable offset."""
+
+    __slots__ = ("_head", "_last", "_order", "_pages", "_pending", "_tail", "_tail_no")
+
+    def __init__(self, start_offset: int) -> None:
+        """Start at ``start_offset``, the committed position fetching resumes from."""
+        if start_offset < 0:
+            raise ValueError(f"start_offset must be >= 0, got {start_offset}")
+        self._last = start_offset - 1
+        """Last tracked offset, or start_offset - 1 before the first track."""
+        self._head = start_offset
+        """Smallest pending offset; meaningful only while _pending > 0."""
+        self._pending = 0
+        """Number of tracked offsets not yet settled."""
+        self._pages: dict[int, bytearray] = {}
+        """Page number -> per-offset states of that page."""
+        self._order: deque[tuple[int, bytearray]] = deque()
+        """Live pages in offset order; the first holds _head while _pending > 0."""
+        self._tail = bytearray()
+        """The page holding _last (a placeholder when _tail_no is -1)."""
+        self._tail_no = -1
+        """Page number of _tail, or -1 when no page is live."""
+
+    def track(self, offset: int) -> None:
+        """Record a fetched offset; offsets must strictly increase."""
+        if offset <= self._last:
+            raise ValueError(f"offset {offset} is not above the last tracked offset {self._last}")
+        self._last = offset
+        page_no = offset >> _PAGE_BITS
+        if page_no != self._tail_no:
+            tail = bytearray(_PAGE_SIZE)
+            self._pages[page_no] = tail
+            self._order.append((page_no, tail))
+            self._tail = tail
+            self._tail_no = page_no
+        self._tail[offset & _PAGE_MASK] = _PENDING
+        if not self._pending:
+            self._head = offset
+        self._pending += 1
+
+    def settle(self, offset: int) -> bool:
+        """Mark a pending offset settled; False if it was not pending."""
+        page = self._pages.get(offset >> _PAGE_BITS)
+        if page is None:
+            return False
+        slot = offset & _PAGE_MASK
+        if page[slot] != _PENDING:
+            return False
+        page[slot] = _SETTLED
+        self._pending -= 1
+        if offset != self._head:
+            return True
+        if not self._pending:
+            # Nothing in flight: committable is last + 1; drop every page.
+            self._pages.clear()
+            self._order.clear()
+            self._tail = bytearray()
+            self._tail_no = -1
+            return True
+        # Contiguous fast path: the next offset is the new head.
+        slot += 1
+        if slot < _PAGE_SIZE and page[slot] == _PENDING:
+            self._head = offset + 1
+            return True
+        self._advance(page, slot)
+        return True
+
+    def _advance(self, page: bytearray, slot: int) -> None:
+        """Move _head to the next pending offset at or after ``slot`` of the head page."""
+        order = self._order
+        found = page.find(_PENDING, slot)
+        while found < 0:
+            page_no, _ = order.popleft()
+            del self._pages[page_no]
+            page = order[0][1]
+            found = page.find(_PENDING)
+        self._head = (order[0][0] << _PAGE_BITS) | found
+
+    def is_pending(self, offset: int) -> bool:
+        """Whether ``offset`` is tracked and not yet settled."""
+        page = self._pages.get(offset >> _PAGE_BITS)
+        return page is not None and page[offset & _PAGE_MASK] == _PENDING
+
+    @property
+    def committable(self) -> int:
+        """The offset to commit: the smallest pending one, else last tracked + 1."""
+        return self._head if self._pending else self._last + 1
+
+    @property
+    def pending(self) -> int:
+        """Number of tracked offsets not yet settled."""
+        return self._pending
+
+    def settled_above(self) -> list[int]:
+        """Sorted settled offsets above the committable offset; O(window)."""
+        if not self._pending:
+            return []
+        head = self._head
+        out: list[int] = []
+        for page_no, page in self._order:
+            base = page_no << _PAGE_BITS
+            slot = page.find(_SETTLED)
+            while slot >= 0:
+                offset = base + slot
+                if offset > head:
+                    out.append(offset)
+                slot = page.find(_SETTLED, slot + 1)
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"CommitTracker(committable={self.committable}, pending={self._pending}, "
+            f"last={self._last})"
+        )

@@ -1,0 +1,207 @@
+"""Dispatcher logic with the real (pure) commit tracker; no broker, no network."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from triage_client._proto import triage_pb2 as pb
+from triage_proxy.dispatcher import Dispatcher, Session
+from triage_proxy.settings import Settings, settings_from_dict
+from triage_proxy.structs import DeadLetter, Record
+from triage_proxy.tracker import CommitTracker
+
+BASE = {
+    "kafka": {"bootstrap_servers": "b", "topic": "t", "group_id": "g"},
+    "auth": {"token": "x"},
+    "dead_letters": {"table": "d"},
+}
+
+
+def make(
+    *, max_messages: int = 1000, max_attempts: int = 3, max_frame_bytes: int = 1 << 20
+) -> tuple[Dispatcher, CommitTracker, list[DeadLetter]]:
+    raw = {
+        **BASE,
+        "window": {"max_messages": max_messages},
+        "delivery": {"max_attempts": max_attempts},
+        "server": {"max_frame_bytes": max_frame_bytes},
+    }
+    settings: Settings = settings_from_dict(raw, {})
+    tracker = CommitTracker(0)
+    dead: list[DeadLetter] = []
+    return Dispatcher(settings, 0, tracker, dead.append, clock=lambda: 1.5), tracker, dead
+
+
+def records(start: int, stop: int, value: bytes = b"v") -> list[Record]:
+    return [Record("t", 0, o, None, value, (), 0) for o in range(start, stop)]
+
+
+def drain(session: Session) -> list[pb.Delivery]:
+    out: list[pb.Delivery] = []
+    while not session.outbox.empty():
+        frame = session.outbox.get_nowait()
+        assert frame is not None
+        out.extend(frame.deliveries.deliveries)
+    return out
+
+
+def nack(offset: int, reason: str = "boom", retry: bool = False) -> pb.Nack:
+    return pb.Nack(offset=offset, reason=reason, retry=retry)
+
+
+def test_never_exceeds_credits() -> None:
+    d, _, _ = make()
+    s = d.open_session("a", 3)
+    d.add(records(0, 10))
+    got = drain(s)
+    assert [x.offset for x in got] == [0, 1, 2]
+    assert all(x.attempt == 1 for x in got)
+    d.settle(s, [1], [])
+    assert [x.offset for x in drain(s)] == [3]
+
+
+def test_even_share_between_instances() -> None:
+    d, _, _ = make()
+    a, b = d.open_session("a", 10), d.open_session("b", 10)
+    d.add(records(0, 6))
+    assert len(drain(a)) == 3
+    assert len(drain(b)) == 3
+
+
+def test_out_of_order_acks_commit_only_the_contiguous_prefix() -> None:
+    d, tracker, _ = make()
+    s = d.open_session("a", 10)
+    d.add(records(0, 5))
+    d.settle(s, [1, 3, 4], [])
+    assert tracker.committable == 0
+    d.settle(s, [0], [])
+    assert tracker.committable == 2
+    d.settle(s, [2], [])
+    assert tracker.committable == 5
+    assert d.in_window == 0
+    assert d.settled.is_set()
+
+
+def test_settlement_for_unheld_offset_is_rejected_and_counted() -> None:
+    d, tracker, _ = make()
+    a, b = d.open_session("a", 1), d.open_session("b", 1)
+    d.add(records(0, 2))
+    held_by_a = drain(a)[0].offset
+    held_by_b = drain(b)[0].offset
+    assert (held_by_a, held_by_b) == (0, 1)
+    assert d.settle(b, [held_by_a, 99], []) == [held_by_a, 99]
+    assert d.settle(a, [held_by_a], []) == []
+    assert d.settle(a, [held_by_a], [nack(held_by_a)]) == [held_by_a, held_by_a]
+    assert d.counters.rejected == 4
+    assert tracker.committable == 1
+
+
+def test_nack_settles_only_after_dead_letter_is_written() -> None:
+    d, tracker, dead = make()
+    s = d.open_session("a", 10)
+    d.add(records(0, 2, value=b"\x00\xff"))
+    d.settle(s, [1], [nack(0, "ValueError: bad")])
+    assert [(x.record.offset, x.reason, x.attempts, x.consumer_id) for x in dead] == [
+        (0, "ValueError: bad", 1, "a")
+    ]
+    assert dead[0].record.value == b"\x00\xff"
+    assert dead[0].dead_lettered_at_ms == 1500
+    assert tracker.committable == 0
+    d.dead_letter_written(dead[0])
+    assert tracker.committable == 2
+    assert d.counters.dead_lettered == 1
+
+
+def test_disconnect_redelivers_with_next_attempt() -> None:
+    d, tracker, dead = make()
+    a = d.open_session("a", 2)
+    d.add(records(0, 2))
+    assert [x.attempt for x in drain(a)] == [1, 1]
+    d.close_session(a)
+    b = d.open_session("b", 5)
+    got = drain(b)
+    assert [(x.offset, x.attempt) for x in got] == [(0, 2), (1, 2)]
+    assert d.counters.redelivered == 2
+    assert not dead
+    assert tracker.committable == 0
+
+
+def test_crash_type_poison_pill_is_dead_lettered_after_max_attempts() -> None:
+    d, tracker, dead = make(max_attempts=3)
+    d.add(records(0, 1))
+    for attempt in range(1, 4):
+        s = d.open_session(f"i{attempt}", 1)
+        assert [x.attempt for x in drain(s)] == [attempt]
+        d.close_session(s)
+    assert len(dead) == 1
+    assert dead[0].attempts == 3
+    assert "disconnected" in dead[0].reason
+    d.dead_letter_written(dead[0])
+    assert tracker.committable == 1
+
+
+def test_retry_nack_redelivers_until_attempts_run_out() -> None:
+    d, _, dead = make(max_attempts=2)
+    s = d.open_session("a", 1)
+    d.add(records(0, 1))
+    assert drain(s)[0].attempt == 1
+    d.settle(s, [], [nack(0, "Retry: later", retry=True)])
+    assert drain(s)[0].attempt == 2
+    d.settle(s, [], [nack(0, "Retry: later", retry=True)])
+    assert [x.attempts for x in dead] == [2]
+
+
+def test_full_window_clears_room_until_settled() -> None:
+    d, _, _ = make(max_messages=4)
+    s = d.open_session("a", 10)
+    d.add(records(0, 4))
+    assert d.room_for == 0
+    assert not d.room.is_set()
+    d.settle(s, [0, 1], [])
+    assert d.room_for == 2
+    assert d.room.is_set()
+
+
+def test_oversized_record_is_dead_lettered_not_delivered() -> None:
+    d, _, dead = make(max_frame_bytes=128 * 1024)
+    s = d.open_session("a", 10)
+    d.add(records(0, 1, value=b"x" * (200 * 1024)))
+    assert drain(s) == []
+    assert "exceeds server.max_frame_bytes" in dead[0].reason
+
+
+def test_large_batches_split_into_frames_within_budget() -> None:
+    d, _, _ = make(max_frame_bytes=64 << 20)
+    s = d.open_session("a", 100)
+    d.add(records(0, 10, value=b"x" * (1 << 20)))
+    frames = []
+    while not s.outbox.empty():
+        frames.append(s.outbox.get_nowait())
+    assert len(frames) >= 3
+    assert sum(len(f.deliveries.deliveries) for f in frames if f) == 10
+
+
+def test_headers_and_nulls_travel_byte_exact() -> None:
+    d, _, _ = make()
+    s = d.open_session("a", 1)
+    rec = Record("t", 0, 0, None, None, (("h", b"\x00"), ("h", None)), 42)
+    d.add([rec])
+    got = drain(s)[0]
+    assert not got.HasField("key")
+    assert not got.HasField("value")
+    assert [(h.key, h.value if h.HasField("value") else None) for h in got.headers] == [
+        ("h", b"\x00"),
+        ("h", None),
+    ]
+    assert got.timestamp_ms == 42
+
+
+@pytest.mark.parametrize("gap", [1, 7, 10**9])
+def test_gaps_in_offsets_commit_past_them(gap: int) -> None:
+    d, tracker, _ = make()
+    s = d.open_session("a", 10)
+    d.add([*records(0, 1), dataclasses.replace(records(0, 1)[0], offset=gap + 1)])
+    d.settle(s, [0, gap + 1], [])
+    assert tracker.committable == gap + 2

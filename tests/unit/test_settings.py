@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from triage_proxy.errors import ConfigError
+from triage_proxy.settings import DEFAULT_WINDOW_MESSAGES, load_settings, settings_from_dict
+
+MINIMAL = {
+    "kafka": {"bootstrap_servers": "b:9092", "topic": "orders", "group_id": "g"},
+    "auth": {"token": "secret"},
+    "dead_letters": {"table": "dlq"},
+}
+
+
+def with_(section: str, **values: object) -> dict[str, dict[str, object]]:
+    raw = {k: dict(v) for k, v in MINIMAL.items()}
+    raw.setdefault(section, {}).update(values)
+    return raw
+
+
+def test_minimal_config_gets_defaults() -> None:
+    settings = settings_from_dict(MINIMAL, {})
+    assert settings.kafka.topic == "orders"
+    assert settings.window.max_messages == DEFAULT_WINDOW_MESSAGES
+    assert settings.dead_letters.endpoint_url is None
+
+
+def test_token_from_environment() -> None:
+    raw = {**MINIMAL, "auth": {"token_env": "TRIAGE_TOKEN"}}
+    assert settings_from_dict(raw, {"TRIAGE_TOKEN": "t0k"}).auth.token == "t0k"
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        (with_("window", max_mesages=3), "window.max_mesages"),
+        (with_("window", max_messages="10"), "window.max_messages"),
+        (with_("window", max_messages=True), "window.max_messages"),
+        (with_("window", max_messages=0), "window.max_messages"),
+        (with_("server", port=70000), "server.port"),
+        (with_("dead_letters", batch_size=26), "dead_letters.batch_size"),
+        (with_("delivery", ack_deadline_s=-1), "delivery.ack_deadline_s"),
+        ({**MINIMAL, "kafka": {"topic": "t", "group_id": "g"}}, "kafka.bootstrap_servers"),
+        ({**MINIMAL, "extra": {}}, "extra"),
+        ({**MINIMAL, "auth": {"token_env": "MISSING"}}, "auth.token_env"),
+        ({**MINIMAL, "auth": {"token": "a", "token_env": "X"}}, "auth.token_env"),
+        ({**MINIMAL, "window": 3}, "window"),
+    ],
+)
+def test_bad_values_name_the_key(raw: dict[str, object], key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        settings_from_dict(raw, {})
+    assert info.value.key == key
+    assert key in str(info.value)
+
+
+def test_malformed_toml_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "triage.toml"
+    path.write_text("[kafka\nbootstrap_servers = 1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_settings(path)
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_settings(tmp_path / "nope.toml")
+
+
+def test_listen_address_per_partition() -> None:
+    settings = settings_from_dict(with_("server", port=9000), {})
+    assert settings.listen_address(3) == "127.0.0.1:9003"
