@@ -1,0 +1,186 @@
+"""Helpers for end-to-end tests: topics, tables, settings, a raw gRPC consumer.
+
+The raw consumer speaks the wire protocol directly so tests can do what a
+well-behaved client never would: ack out of order, forge settlements, vanish
+mid-batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import boto3
+import grpc
+from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from triage_client._proto import triage_pb2 as pb
+from triage_client._proto import triage_pb2_grpc as pb_grpc
+from triage_proxy.deadletter import create_table, dead_letter_from_item
+from triage_proxy.settings import Settings, settings_from_dict
+from triage_proxy.structs import DeadLetter
+
+TOKEN = "test-token"
+Message = tuple[bytes | None, bytes | None, list[tuple[str, bytes | None]] | None]
+
+
+def create_topic(bootstrap: str, topic: str, partitions: int = 1) -> None:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for future in admin.create_topics([NewTopic(topic, partitions, 1)]).values():
+        future.result(timeout=30)
+
+
+def produce(bootstrap: str, topic: str, messages: Iterable[Message], partition: int = 0) -> int:
+    """Produce (key, value, headers) tuples to one partition; return how many."""
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 2})
+    n = 0
+    for key, value, headers in messages:
+        producer.produce(topic, value=value, key=key, headers=headers, partition=partition)
+        n += 1
+    assert producer.flush(30) == 0
+    return n
+
+
+def committed(bootstrap: str, group: str, topic: str, partition: int = 0) -> int:
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    try:
+        return int(consumer.committed([TopicPartition(topic, partition)], 10)[0].offset)
+    finally:
+        consumer.close()
+
+
+def make_settings(
+    bootstrap: str, endpoint: str, topic: str, table: str, **sections: dict[str, Any]
+) -> Settings:
+    raw: dict[str, dict[str, Any]] = {
+        "kafka": {"bootstrap_servers": bootstrap, "topic": topic, "group_id": f"g-{topic}"},
+        "server": {"host": "127.0.0.1", "port": 0},
+        "auth": {"token": TOKEN},
+        "dead_letters": {"table": table, "endpoint_url": endpoint, "flush_interval_ms": 5},
+        "commit": {"interval_s": 0.1},
+        "shutdown": {"drain_timeout_s": 5},
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    settings = settings_from_dict(raw, {})
+    create_table(settings.dead_letters)
+    return settings
+
+
+def dead_letters(settings: Settings) -> list[DeadLetter]:
+    client = boto3.client(
+        "dynamodb",
+        endpoint_url=settings.dead_letters.endpoint_url,
+        region_name=settings.dead_letters.region,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+    try:
+        items: list[dict[str, Any]] = []
+        kwargs: dict[str, Any] = {"TableName": settings.dead_letters.table}
+        while True:
+            page = client.scan(**kwargs)
+            items.extend(page["Items"])
+            if "LastEvaluatedKey" not in page:
+                break
+            kwargs["ExclusiveStartKey"] = page["LastEvaluatedKey"]
+        return sorted(
+            (dead_letter_from_item(i) for i in items), key=lambda d: d.record.offset
+        )
+    finally:
+        client.close()
+
+
+def wait_until(predicate: Any, timeout: float = 15.0, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+async def await_until(predicate: Any, timeout: float = 15.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(0.02)
+
+
+class RawConsumer:
+    """One Consume stream driven by hand."""
+
+    def __init__(self, target: str, token: str | None = TOKEN, credits: int = 100) -> None:
+        self.target = target
+        self.token = token
+        self.credits = credits
+        self.consumer_id = f"raw-{id(self)}"
+        self._outgoing: asyncio.Queue[pb.ConsumerFrame | None] = asyncio.Queue()
+        self._channel: grpc.aio.Channel | None = None
+        self._call: Any = None
+        self.deliveries: list[pb.Delivery] = []
+        self.rejected: list[int] = []
+        self.welcome: pb.Welcome | None = None
+
+    async def __aenter__(self) -> RawConsumer:
+        self._channel = grpc.aio.insecure_channel(self.target)
+        stub = pb_grpc.TriageStub(self._channel)
+        metadata = [("authorization", f"Bearer {self.token}")] if self.token else []
+        self._outgoing.put_nowait(
+            pb.ConsumerFrame(hello=pb.Hello(consumer_id=self.consumer_id, credits=self.credits))
+        )
+        self._call = stub.Consume(self._frames(), metadata=metadata)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _frames(self) -> Any:
+        while True:
+            frame = await self._outgoing.get()
+            if frame is None:
+                return
+            yield frame
+
+    async def read(self) -> pb.ProxyFrame:
+        frame = await self._call.read()
+        if frame is grpc.aio.EOF:
+            raise EOFError
+        kind = frame.WhichOneof("frame")
+        if kind == "welcome":
+            self.welcome = frame.welcome
+        elif kind == "deliveries":
+            self.deliveries.extend(frame.deliveries.deliveries)
+        elif kind == "rejected":
+            self.rejected.extend(frame.rejected.offsets)
+        return frame
+
+    async def receive(self, count: int, timeout: float = 15.0) -> list[pb.Delivery]:
+        """Read until `count` more deliveries arrived; return them."""
+        before = len(self.deliveries)
+        async with asyncio.timeout(timeout):
+            while len(self.deliveries) < before + count:
+                await self.read()
+        return self.deliveries[before:]
+
+    def settle(self, acks: Sequence[int] = (), nacks: Sequence[tuple[int, str]] = ()) -> None:
+        frame = pb.ConsumerFrame(
+            settle=pb.Settle(
+                acks=list(acks), nacks=[pb.Nack(offset=o, reason=r) for o, r in nacks]
+            )
+        )
+        self._outgoing.put_nowait(frame)
+
+    async def close(self) -> None:
+        """Vanish: cancel the call without settling anything."""
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None

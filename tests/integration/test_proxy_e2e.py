@@ -1,0 +1,224 @@
+"""End to end through a real proxy, the real broker (Tansu) and real DynamoDB (moto server)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import grpc
+import pytest
+
+from tests.integration.harness import (
+    RawConsumer,
+    await_until,
+    committed,
+    create_topic,
+    dead_letters,
+    make_settings,
+    produce,
+)
+from triage_proxy.app import Proxy
+from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker
+from triage_proxy.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def topic(broker: EmbeddedBroker, unique_name: str) -> str:
+    create_topic(broker.bootstrap, unique_name)
+    return unique_name
+
+
+def settings_for(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str, **sections: dict[str, object]
+) -> Settings:
+    return make_settings(broker.bootstrap, aws.endpoint_url, topic, f"dlq-{topic}", **sections)
+
+
+def target(proxy: Proxy) -> str:
+    return f"127.0.0.1:{proxy.port}"
+
+
+def plain(n: int) -> list[tuple[bytes, bytes, None]]:
+    return [(b"k%d" % i, b"v%d" % i, None) for i in range(n)]
+
+
+def test_out_of_order_acks_commit_only_the_contiguous_prefix(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    settings = settings_for(broker, aws, topic)
+    produce(broker.bootstrap, topic, plain(5))
+
+    async def scenario() -> None:
+        async with Proxy(settings, 0) as proxy, RawConsumer(target(proxy)) as consumer:
+            got = await consumer.receive(5)
+            assert [d.offset for d in got] == [0, 1, 2, 3, 4]
+            consumer.settle(acks=[1, 2, 4])
+            await asyncio.sleep(0.5)  # several commit intervals
+            assert committed(broker.bootstrap, settings.kafka.group_id, topic) < 0
+            consumer.settle(acks=[0])
+            assert await await_until(
+                lambda: committed(broker.bootstrap, settings.kafka.group_id, topic) == 3
+            )
+            consumer.settle(acks=[3])
+            assert await await_until(
+                lambda: committed(broker.bootstrap, settings.kafka.group_id, topic) == 5
+            )
+
+    asyncio.run(scenario())
+
+
+def test_wrong_or_missing_token_gets_unauthenticated_and_no_data(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    settings = settings_for(broker, aws, topic)
+    produce(broker.bootstrap, topic, plain(3))
+
+    async def scenario() -> None:
+        async with Proxy(settings, 0) as proxy:
+            for token in ("wrong", None, ""):
+                async with RawConsumer(target(proxy), token=token) as consumer:
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await consumer.read()
+                    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                    assert consumer.deliveries == []
+            assert proxy.dispatcher is not None
+            assert proxy.dispatcher.counters.delivered == 0
+
+    asyncio.run(scenario())
+
+
+def test_instance_that_disconnects_mid_batch_has_its_messages_redelivered(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    settings = settings_for(broker, aws, topic)
+    produce(broker.bootstrap, topic, plain(10))
+
+    async def scenario() -> None:
+        async with Proxy(settings, 0) as proxy:
+            first = RawConsumer(target(proxy))
+            async with first:
+                await first.receive(10)
+                first.settle(acks=[0, 1, 2])
+                await asyncio.sleep(0.2)
+            # `first` vanished holding 3..9.
+            async with RawConsumer(target(proxy)) as second:
+                again = await second.receive(7)
+                assert [(d.offset, d.attempt) for d in again] == [(o, 2) for o in range(3, 10)]
+                assert [d.value for d in again] == [b"v%d" % o for o in range(3, 10)]
+                second.settle(acks=[d.offset for d in again])
+                assert await await_until(
+                    lambda: committed(broker.bootstrap, settings.kafka.group_id, topic) == 10
+                )
+
+    asyncio.run(scenario())
+
+
+def test_forged_and_duplicate_settlements_are_rejected_and_counted(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    settings = settings_for(broker, aws, topic)
+    produce(broker.bootstrap, topic, plain(2))
+
+    async def scenario() -> None:
+        async with (
+            Proxy(settings, 0) as proxy,
+            RawConsumer(target(proxy), credits=1) as a,
+            RawConsumer(target(proxy), credits=1) as b,
+        ):
+            (mine,) = await a.receive(1)
+            (theirs,) = await b.receive(1)
+            a.settle(acks=[theirs.offset, 12345])
+            a.settle(acks=[mine.offset])
+            a.settle(acks=[mine.offset])
+            async with asyncio.timeout(10):
+                while len(a.rejected) < 3:
+                    await a.read()
+            assert sorted(a.rejected) == sorted([theirs.offset, 12345, mine.offset])
+            assert proxy.dispatcher is not None
+            assert proxy.dispatcher.counters.rejected == 3
+            b.settle(acks=[theirs.offset])
+            assert await await_until(
+                lambda: committed(broker.bootstrap, settings.kafka.group_id, topic) == 2
+            )
+
+    asyncio.run(scenario())
+
+
+def test_restarted_proxy_resumes_from_the_committed_offset(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    settings = settings_for(broker, aws, topic)
+    produce(broker.bootstrap, topic, plain(20))
+
+    async def scenario() -> None:
+        async with Proxy(settings, 0) as proxy, RawConsumer(target(proxy)) as consumer:
+            got = await consumer.receive(20)
+            consumer.settle(acks=[d.offset for d in got if d.offset < 12])
+            assert await await_until(lambda: proxy.committer and proxy.committer.committed == 12)
+        # Graceful stop: the final commit says 12; offsets 12.. come back.
+        assert committed(broker.bootstrap, settings.kafka.group_id, topic) == 12
+        async with Proxy(settings, 0) as proxy, RawConsumer(target(proxy)) as consumer:
+            got = await consumer.receive(8)
+            assert [d.offset for d in got] == list(range(12, 20))
+            assert all(d.attempt == 1 for d in got)
+
+    asyncio.run(scenario())
+
+
+def test_full_window_pauses_fetching_and_stays_bounded(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    settings = settings_for(broker, aws, topic, window={"max_messages": 50})
+    produce(broker.bootstrap, topic, plain(500))
+
+    async def scenario() -> None:
+        async with Proxy(settings, 0) as proxy, RawConsumer(target(proxy), credits=20) as c:
+            await c.receive(20)
+            assert proxy.dispatcher is not None and proxy.fetcher is not None
+            assert await await_until(lambda: proxy.fetcher and proxy.fetcher.paused)
+            await asyncio.sleep(0.5)
+            assert proxy.dispatcher.in_window == 50
+            assert proxy.dispatcher.counters.fetched == 50
+            assert len(c.deliveries) == 20  # credits respected while the window is full
+            c.settle(acks=[d.offset for d in c.deliveries])
+            await c.receive(20)
+            assert await await_until(lambda: proxy.dispatcher.counters.fetched == 70)
+            assert proxy.dispatcher.in_window <= 50
+
+    asyncio.run(scenario())
+
+
+def test_nack_is_in_dynamodb_before_the_commit_passes_it(
+    broker: EmbeddedBroker, topic: str
+) -> None:
+    # A private moto server, so it can be frozen without disturbing other tests.
+    with EmbeddedAWS() as aws:
+        settings = settings_for(broker, aws, topic)
+        produce(broker.bootstrap, topic, [(None, b"\x00poison\xff", [("h", b"1")])] + plain(3))
+        group = settings.kafka.group_id
+
+        async def scenario() -> None:
+            async with Proxy(settings, 0) as proxy, RawConsumer(target(proxy)) as consumer:
+                await consumer.receive(4)
+                os.kill(aws.pid, signal.SIGSTOP)  # DynamoDB stops answering
+                try:
+                    consumer.settle(acks=[1, 2, 3], nacks=[(0, "ValueError: bad")])
+                    await asyncio.sleep(1.5)
+                    assert committed(broker.bootstrap, group, topic) < 0
+                    assert proxy.dispatcher is not None
+                    assert proxy.dispatcher.in_window == 1
+                finally:
+                    os.kill(aws.pid, signal.SIGCONT)
+                assert await await_until(
+                    lambda: committed(broker.bootstrap, group, topic) == 4, timeout=30
+                )
+            (dl,) = dead_letters(settings)
+            assert (dl.record.offset, dl.record.key, dl.record.value) == (0, None, b"\x00poison\xff")
+            assert dl.record.headers == (("h", b"1"),)
+            assert dl.reason == "ValueError: bad"
+            assert dl.attempts == 1
+
+        asyncio.run(scenario())
