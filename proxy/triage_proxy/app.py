@@ -6,7 +6,7 @@ and the service its reader tasks). `stop()` only signals; `serve()` then shuts
 down in this order:
 
     stop fetching (pause the partition)
-    -> drain: let in-flight work settle, up to shutdown.drain_timeout_s
+    -> deliver nothing new; let in-flight work settle, up to shutdown.drain_timeout_s
     -> flush dead letters still being written (bounded by what is left of the deadline)
     -> end the streams and stop the gRPC server (accepting nothing new)
     -> final commit of the committable offset
@@ -153,9 +153,10 @@ class Proxy:
                 deadline = time.monotonic() + settings.shutdown.drain_timeout_s
                 logger.info("stopping: fetching stops, draining in-flight work")
                 fetch_closing.set()
+                dispatcher.stop_delivering()
                 await fetch_task
-                await wait_any(dispatcher.settled, timeout=_left(deadline))
-                logger.debug("drained; %d records still unsettled", dispatcher.in_window)
+                await wait_any(dispatcher.quiet, timeout=_left(deadline))
+                logger.debug("drained; %d records still in flight", dispatcher.in_flight)
                 await writer.flush(timeout=_left(deadline))
                 service.stop_accepting()
                 dispatcher.end_sessions()

@@ -118,9 +118,11 @@ class Dispatcher:
         self.room = asyncio.Event()
         """Set while the window has room for more records."""
         self.room.set()
-        self.settled = asyncio.Event()
-        """Set whenever the window holds nothing at all (drain waits on it)."""
-        self.settled.set()
+        self.quiet = asyncio.Event()
+        """Set while nothing is delivered-and-unsettled or being dead-lettered (drain)."""
+        self.quiet.set()
+        self._dead_lettering = 0
+        self._delivering = True
 
     # --- window -----------------------------------------------------------------------
 
@@ -144,15 +146,24 @@ class Dispatcher:
     def sessions(self) -> Sequence[Session]:
         return tuple(self._sessions)
 
+    @property
+    def in_flight(self) -> int:
+        """Records delivered and not settled, plus dead letters not yet durable."""
+        return sum(len(s.held) for s in self._sessions) + self._dead_lettering
+
+    def stop_delivering(self) -> None:
+        """Shutdown: hand out nothing new; what is held may still be settled."""
+        self._delivering = False
+
     def _update_window_events(self) -> None:
         if self.room_for > 0:
             self.room.set()
         else:
             self.room.clear()
-        if self._entries:
-            self.settled.clear()
+        if self.in_flight:
+            self.quiet.clear()
         else:
-            self.settled.set()
+            self.quiet.set()
 
     # --- records in -------------------------------------------------------------------
 
@@ -216,6 +227,7 @@ class Dispatcher:
             len(back),
         )
         session.outbox.put_nowait(None)
+        self._update_window_events()
         self._pump()
 
     def end_sessions(self) -> None:
@@ -268,6 +280,7 @@ class Dispatcher:
 
     def _to_dead_letter(self, entry: Entry, reason: str, consumer_id: str) -> None:
         entry.state = EntryState.DEAD_LETTERING
+        self._dead_lettering += 1
         self._dead_letter(
             DeadLetter(
                 record=entry.record,
@@ -285,6 +298,7 @@ class Dispatcher:
         if entry is None or entry.state is not EntryState.DEAD_LETTERING:
             return
         del self._entries[offset]
+        self._dead_lettering -= 1
         self._bytes -= entry.size
         self._tracker.settle(offset)
         self.counters.dead_lettered += 1
@@ -295,7 +309,7 @@ class Dispatcher:
     def _pump(self) -> None:
         """Deliver ready records to instances with credit, an even share each."""
         ready = self._ready
-        while ready:
+        while ready and self._delivering:
             open_ = [s for s in self._sessions if s.available > 0]
             if not open_:
                 return
@@ -340,5 +354,6 @@ class Dispatcher:
                 for name, value in record.headers:
                     delivery.headers.add(key=name, value=value)
         session.outbox.put_nowait(frame)
+        self.quiet.clear()
         self.counters.delivered += len(batch)
         self.counters.redelivered += redelivered

@@ -81,7 +81,7 @@ def test_out_of_order_acks_commit_only_the_contiguous_prefix() -> None:
     d.settle(s, [2], [])
     assert tracker.committable == 5
     assert d.in_window == 0
-    assert d.settled.is_set()
+    assert d.quiet.is_set()
 
 
 def test_settlement_for_unheld_offset_is_rejected_and_counted() -> None:
@@ -205,3 +205,16 @@ def test_gaps_in_offsets_commit_past_them(gap: int) -> None:
     d.add([*records(0, 1), dataclasses.replace(records(0, 1)[0], offset=gap + 1)])
     d.settle(s, [0, gap + 1], [])
     assert tracker.committable == gap + 2
+
+
+def test_stop_delivering_keeps_held_work_settleable() -> None:
+    d, tracker, _ = make()
+    s = d.open_session("a", 2)
+    d.add(records(0, 5))
+    assert len(drain(s)) == 2
+    d.stop_delivering()
+    assert not d.quiet.is_set()
+    d.settle(s, [0, 1], [])
+    assert drain(s) == []
+    assert d.quiet.is_set()
+    assert tracker.committable == 2
