@@ -117,7 +117,7 @@ def run_serial_baseline(
                 if message.error():
                     continue
                 seen += 1
-                value = message.value()
+                value = message.value() or b""
                 if not value.startswith(Kind.POISON.value):
                     time.sleep(workload.work_s(value))
                 consumer.commit(message=message, asynchronous=True)
@@ -258,13 +258,12 @@ def count_dead_letters(endpoint_url: str, table: str) -> int:
         aws_access_key_id="testing",
         aws_secret_access_key="testing",
     )
-    total, kwargs = 0, {"TableName": table, "Select": "COUNT"}
-    while True:
-        page = client.scan(**kwargs)
+    total = 0
+    paginator = client.get_paginator("scan")
+    for page in paginator.paginate(TableName=table, Select="COUNT"):
         total += page["Count"]
-        if "LastEvaluatedKey" not in page:
-            return total
-        kwargs["ExclusiveStartKey"] = page["LastEvaluatedKey"]
+    client.close()
+    return total
 
 
 def run_demo(stack: DevStack, *, messages: int = 2000) -> None:

@@ -119,7 +119,8 @@ class DevStack:
             raise
 
     def _create_topic(self) -> None:
-        from confluent_kafka.admin import AdminClient, NewTopic
+        from confluent_kafka.admin import AdminClient
+        from confluent_kafka.cimpl import NewTopic
 
         admin = AdminClient({"bootstrap.servers": self.broker.bootstrap})
         futures = admin.create_topics([NewTopic(self.topic, self.partitions, 1)])

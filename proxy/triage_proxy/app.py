@@ -116,7 +116,8 @@ class Proxy:
         self.state = ProxyState.STARTING
         settings = self.settings
         log = self._log or ConfluentPartition(settings.kafka, self.partition)
-        store = self._store or DynamoDBStore(settings.dead_letters)
+        own_store = DynamoDBStore(settings.dead_letters) if self._store is None else None
+        store: DeadLetterStore = own_store or self._store  # type: ignore[assignment]
         start_offset = await asyncio.to_thread(log.open)
         tracker = CommitTracker(start_offset)
         writer_ref: list[DeadLetterWriter] = []
@@ -172,6 +173,8 @@ class Proxy:
         finally:
             await server.stop(None)
             await asyncio.to_thread(log.close)
+            if own_store is not None:
+                own_store.close()
             self.state = ProxyState.STOPPED
 
 

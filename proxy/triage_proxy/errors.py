@@ -4,6 +4,7 @@
     +-- ConfigError                  fix the config file or flag it names (not retriable)
     +-- AuthError                    wrong or missing token: refuse the call (not retriable)
     +-- SettlementError              a settlement for a message that instance does not hold
+    +-- DeadLetterTooLarge           a dead letter over DynamoDB's item limit (until S3 overflow)
     +-- UnavailableError             a dependency is down: keep retrying, never lose data
     |   +-- BrokerUnavailable        Kafka did not answer (fetch or commit)
     |   +-- DeadLetterUnavailable    the dead-letter table did not take a write
@@ -40,6 +41,19 @@ class AuthError(TriageError):
 
 class SettlementError(TriageError):
     """An instance settled an offset it does not hold (forged, duplicate or late)."""
+
+
+class DeadLetterTooLarge(TriageError):
+    """A record does not fit in one DynamoDB item; writing it again cannot help."""
+
+    def __init__(self, key: tuple[str, int, int], size: int, limit: int) -> None:
+        topic, partition, offset = key
+        super().__init__(
+            f"dead letter {topic}[{partition}]@{offset} needs {size} bytes, "
+            f"over DynamoDB's item limit of {limit}"
+        )
+        self.key = key
+        self.size = size
 
 
 class UnavailableError(TriageError):

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, TopicPartition
+
 from triage_proxy.errors import BrokerUnavailable
 from triage_proxy.settings import KafkaSettings
 from triage_proxy.structs import Record

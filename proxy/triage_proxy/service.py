@@ -12,9 +12,10 @@ import asyncio
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
+
 from triage_client._proto import triage_pb2 as pb
 from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_proxy.dispatcher import Dispatcher, Session
@@ -26,7 +27,11 @@ HELLO_TIMEOUT_S = 10.0
 MAX_CREDITS = 100_000
 
 
-class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+# Generic only in the type stubs, hence the string.
+_Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call whose `authorization` metadata is not `Bearer <token>`."""
 
     def __init__(self, token: str) -> None:
@@ -35,13 +40,13 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         async def deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
 
-        self._deny = grpc.stream_stream_rpc_method_handler(deny)
+        self._deny: _Handler = grpc.stream_stream_rpc_method_handler(deny)
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[_Handler | None]],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> _Handler | None:
         for key, value in details.invocation_metadata or ():
             if key == "authorization":
                 given = value.encode() if isinstance(value, str) else value
@@ -156,7 +161,7 @@ def create_server(
             ("grpc.so_reuseport", 0),
         ],
     )
-    pb_grpc.add_TriageServicer_to_server(service, server)
+    pb_grpc.add_TriageServicer_to_server(service, server)  # type: ignore[no-untyped-call]
     port = server.add_insecure_port(settings.listen_address(partition))
     if port == 0:
         raise OSError(f"cannot listen on {settings.listen_address(partition)}")

@@ -87,9 +87,7 @@ def dead_letters(settings: Settings) -> list[DeadLetter]:
             if "LastEvaluatedKey" not in page:
                 break
             kwargs["ExclusiveStartKey"] = page["LastEvaluatedKey"]
-        return sorted(
-            (dead_letter_from_item(i) for i in items), key=lambda d: d.record.offset
-        )
+        return sorted((dead_letter_from_item(i) for i in items), key=lambda d: d.record.offset)
     finally:
         client.close()
 
@@ -170,9 +168,7 @@ class RawConsumer:
 
     def settle(self, acks: Sequence[int] = (), nacks: Sequence[tuple[int, str]] = ()) -> None:
         frame = pb.ConsumerFrame(
-            settle=pb.Settle(
-                acks=list(acks), nacks=[pb.Nack(offset=o, reason=r) for o, r in nacks]
-            )
+            settle=pb.Settle(acks=list(acks), nacks=[pb.Nack(offset=o, reason=r) for o, r in nacks])
         )
         self._outgoing.put_nowait(frame)
 

@@ -177,7 +177,8 @@ def test_full_window_pauses_fetching_and_stays_bounded(
     async def scenario() -> None:
         async with Proxy(settings, 0) as proxy, RawConsumer(target(proxy), credits=20) as c:
             await c.receive(20)
-            assert proxy.dispatcher is not None and proxy.fetcher is not None
+            assert proxy.dispatcher is not None
+            assert proxy.fetcher is not None
             assert await await_until(lambda: proxy.fetcher and proxy.fetcher.paused)
             await asyncio.sleep(0.5)
             assert proxy.dispatcher.in_window == 50
@@ -197,7 +198,7 @@ def test_nack_is_in_dynamodb_before_the_commit_passes_it(
     # A private moto server, so it can be frozen without disturbing other tests.
     with EmbeddedAWS() as aws:
         settings = settings_for(broker, aws, topic)
-        produce(broker.bootstrap, topic, [(None, b"\x00poison\xff", [("h", b"1")])] + plain(3))
+        produce(broker.bootstrap, topic, [(None, b"\x00poison\xff", [("h", b"1")]), *plain(3)])
         group = settings.kafka.group_id
 
         async def scenario() -> None:
@@ -216,7 +217,11 @@ def test_nack_is_in_dynamodb_before_the_commit_passes_it(
                     lambda: committed(broker.bootstrap, group, topic) == 4, timeout=30
                 )
             (dl,) = dead_letters(settings)
-            assert (dl.record.offset, dl.record.key, dl.record.value) == (0, None, b"\x00poison\xff")
+            assert (dl.record.offset, dl.record.key, dl.record.value) == (
+                0,
+                None,
+                b"\x00poison\xff",
+            )
             assert dl.record.headers == (("h", b"1"),)
             assert dl.reason == "ValueError: bad"
             assert dl.attempts == 1

@@ -14,7 +14,8 @@ COMMITTED = ROOT / "client_lib" / "triage_client" / "_proto"
 
 def test_generated_modules_are_fresh(tmp_path: Path) -> None:
     spec = importlib.util.spec_from_file_location("triage_generate", ROOT / "proto" / "generate.py")
-    assert spec and spec.loader
+    assert spec
+    assert spec.loader
     module = importlib.util.module_from_spec(spec)
     sys.modules["triage_generate"] = module
     spec.loader.exec_module(module)

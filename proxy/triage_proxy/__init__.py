@@ -1,0 +1,1 @@
+"""Triage proxy: one process per Kafka partition, fanning messages out over gRPC."""

@@ -1,0 +1,106 @@
+"""Head-of-line benchmark: a plain serial consumer vs Triage with 32 concurrent handlers.
+
+Workload: 5,000 messages of 2 ms work, 1% slow (500 ms), 0.5% poison pills (the
+handler raises). Both run in this one invocation on the same machine, against the
+embedded stack (`triage dev`'s Tansu, moto server and a proxy process). Triage runs
+2 consumer instance processes x 16 handlers. Targets: at least 20x faster than
+serial, and no stall: while ordinary work remains, messages keep finishing (the
+longest gap between finishes stays far below one slow call).
+
+    .venv/bin/python tests/perf/bench_hol.py [--messages N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+
+from tests.perf.common import CommitWatcher, Instances, produce_values, table
+from triage_cli.demo import Kind, Workload, count_dead_letters, run_serial_baseline
+from triage_cli.devstack import DevStack
+
+TARGET_SPEEDUP = 20.0
+
+
+def longest_stall(finishes: list[tuple[float, bool]], start: float) -> float:
+    finishes = sorted(finishes)
+    last_ordinary = max(t for t, ordinary in finishes if ordinary)
+    times = [start] + [t for t, _ in finishes if t <= last_ordinary]
+    return max(b - a for a, b in itertools.pairwise(times))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--messages", type=int, default=5000)
+    parser.add_argument("--instances", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=16)
+    args = parser.parse_args()
+    workload = Workload.generate(args.messages)
+    overrides = {"commit": {"interval_s": 0.1}}
+    with DevStack(topic="bench-hol", proxy_overrides=overrides) as stack:
+        bootstrap = stack.broker.bootstrap
+        produce_values(bootstrap, stack.topic, (workload.value(i) for i in range(args.messages)))
+        serial_s = run_serial_baseline(bootstrap, stack.topic, workload)
+        watcher = CommitWatcher(bootstrap, stack.group_id, stack.topic, 1)
+        launched = time.time()
+        instances = Instances(
+            [p["target"] for p in stack.describe()["proxies"]],
+            stack.token,
+            args.instances,
+            args.concurrency,
+        )
+        try:
+            committed_at = watcher.wait_for([args.messages], timeout_s=300)
+        finally:
+            results = instances.stop()
+            watcher.close()
+        dead = count_dead_letters(stack.aws.endpoint_url, stack.table)
+    first = min(r.first for r in results)
+    handled_at = max(r.last for r in results)
+    triage_s = committed_at - first
+    finishes = [tuple(f) for r in results for f in r.finishes]
+    stall = longest_stall(finishes, first)  # type: ignore[arg-type]
+    handlers = args.instances * args.concurrency
+    ideal = workload.serial_ideal_s / handlers
+    speedup = serial_s / triage_s
+    print(f"head-of-line benchmark on {os.cpu_count()} cores")
+    print(
+        table(
+            [
+                (
+                    "messages (ordinary/slow/poison)",
+                    f"{args.messages} ({workload.count(Kind.ORDINARY)}"
+                    f"/{workload.count(Kind.SLOW)}/{workload.count(Kind.POISON)})",
+                ),
+                ("serial confluent-kafka consumer", f"{serial_s:.2f} s"),
+                (
+                    f"Triage, {handlers} handlers, first handled -> all committed",
+                    f"{triage_s:.2f} s",
+                ),
+                ("Triage, first -> last handled", f"{handled_at - first:.2f} s"),
+                ("Triage, instances launched -> all committed", f"{committed_at - launched:.2f} s"),
+                (f"ideal with {handlers} handlers", f"{ideal:.2f} s"),
+                ("speed-up vs serial", f"{speedup:.1f}x (target >= {TARGET_SPEEDUP:.0f}x)"),
+                (
+                    "acked / nacked by handlers",
+                    f"{sum(r.acked for r in results)} / {sum(r.nacked for r in results)}",
+                ),
+                ("dead letters in DynamoDB", dead),
+                (
+                    "longest stall while ordinary work remained",
+                    f"{stall * 1000:.0f} ms (slow call {workload.slow_s * 1000:.0f} ms)",
+                ),
+            ]
+        )
+    )
+    ok = speedup >= TARGET_SPEEDUP and stall < workload.slow_s / 5
+    ok = ok and dead == workload.count(Kind.POISON)
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
