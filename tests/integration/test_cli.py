@@ -1,0 +1,177 @@
+"""The `triage` command as a user runs it: real processes, real signals."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.integration.harness import (
+    TOKEN,
+    RawConsumer,
+    committed,
+    create_topic,
+    produce,
+    wait_until,
+)
+from triage_cli.devstack import write_config
+from triage_proxy.deadletter import create_table
+from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
+from triage_proxy.settings import DeadLetterSettings
+
+pytestmark = pytest.mark.integration
+
+TRIAGE = [sys.executable, "-m", "triage_cli.main"]
+
+
+def run_triage(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*TRIAGE, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def test_help_is_instant() -> None:
+    started = time.monotonic()
+    out = run_triage("--help")
+    assert out.returncode == 0
+    assert "proxy" in out.stdout
+    assert "dev" in out.stdout
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ("[kafka\n", "not valid TOML"),
+        ('[kafka]\ntopic = "t"\ngroup_id = "g"\n', "kafka.bootstrap_servers"),
+        (
+            '[kafka]\nbootstrap_servers = "b"\ntopic = "t"\ngroup_id = "g"\n'
+            '[auth]\ntoken = "x"\n[dead_letters]\ntable = "d"\n[window]\nmax_messages = "many"\n',
+            "window.max_messages",
+        ),
+    ],
+)
+def test_malformed_config_exits_2_naming_the_key(tmp_path: Path, body: str, needle: str) -> None:
+    path = tmp_path / "triage.toml"
+    path.write_text(body)
+    out = run_triage("proxy", "--config", str(path), "--partition", "0")
+    assert out.returncode == 2
+    assert needle in out.stderr
+
+
+def _config(tmp_path: Path, broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str) -> Path:
+    table = f"dlq-{topic}"
+    create_table(DeadLetterSettings(table=table, endpoint_url=aws.endpoint_url))
+    path = tmp_path / "triage.toml"
+    write_config(
+        path,
+        {
+            "kafka": {
+                "bootstrap_servers": broker.bootstrap,
+                "topic": topic,
+                "group_id": f"g-{topic}",
+            },
+            "server": {"host": "127.0.0.1", "port": free_port()},
+            "auth": {"token": TOKEN},
+            "dead_letters": {"table": table, "endpoint_url": aws.endpoint_url},
+            "shutdown": {"drain_timeout_s": 20},
+        },
+    )
+    return path
+
+
+def test_config_file_is_private(
+    tmp_path: Path, broker: EmbeddedBroker, aws: EmbeddedAWS, unique_name: str
+) -> None:
+    path = _config(tmp_path, broker, aws, unique_name)
+    assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_sigterm_drains_in_flight_work_commits_and_exits_0(
+    tmp_path: Path, broker: EmbeddedBroker, aws: EmbeddedAWS, unique_name: str
+) -> None:
+    topic = unique_name
+    create_topic(broker.bootstrap, topic)
+    produce(broker.bootstrap, topic, [(None, b"v%d" % i, None) for i in range(6)])
+    path = _config(tmp_path, broker, aws, topic)
+    port = int(path.read_text().split("port = ")[1].split()[0])
+    proc = subprocess.Popen(
+        [*TRIAGE, "proxy", "--config", str(path), "--partition", "0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        wait_for_port("127.0.0.1", port, 30, proc)  # type: ignore[arg-type]
+
+        async def scenario() -> None:
+            async with RawConsumer(f"127.0.0.1:{port}", credits=6) as consumer:
+                got = await consumer.receive(6)
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.5)
+                assert proc.poll() is None  # still draining: work is in flight
+                consumer.settle(acks=[d.offset for d in got])
+                for _ in range(100):
+                    if proc.poll() is not None:
+                        break
+                    await asyncio.sleep(0.1)
+
+        asyncio.run(scenario())
+        assert proc.wait(30) == 0
+        assert committed(broker.bootstrap, f"g-{topic}", topic) == 6
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stderr:
+            proc.stderr.close()
+
+
+def test_dev_json_prints_one_line_and_stops_everything_on_sigterm(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [*TRIAGE, "dev", "--json", "--partitions", "2", "--state-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        info = json.loads(line)
+        assert set(info) == {
+            "bootstrap",
+            "dynamodb_endpoint",
+            "topic",
+            "table",
+            "token",
+            "config",
+            "proxies",
+        }
+        assert [p["partition"] for p in info["proxies"]] == [0, 1]
+        assert Path(info["config"]).is_file()
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 4  # broker, moto, two proxies
+
+        async def consume_one() -> None:
+            async with RawConsumer(info["proxies"][1]["target"], token=info["token"]) as c:
+                assert (await c.read()).WhichOneof("frame") == "welcome"
+
+        asyncio.run(consume_one())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert wait_until(lambda: not any(c.is_running() for c in children), timeout=10)
+        assert proc.stdout.read() == ""  # exactly one line on stdout
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream:
+                stream.close()
