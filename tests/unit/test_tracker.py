@@ -9,10 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from triage_proxy.tracker import _PAGE_SIZE as PAGE
 from triage_proxy.tracker import CommitTracker
 
-PAGE = 256
-"""Offsets per page inside the tracker; cases straddle this boundary on purpose."""
+# PAGE is the tracker's internal page size: cases straddle page boundaries on purpose.
 
 
 def test_empty_tracker_commits_start_offset() -> None:
@@ -183,7 +184,7 @@ def test_tracking_resumes_after_window_drains() -> None:
     assert tracker.committable == PAGE
     assert tracker.settle(PAGE + 1)
     assert tracker.settled_above() == [PAGE + 1]
-    tracker.track(PAGE + 2)  # same page as before the drain check
+    tracker.track(PAGE + 2)
     assert tracker.settle(PAGE)
     assert tracker.committable == PAGE + 2
 
