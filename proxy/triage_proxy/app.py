@@ -5,7 +5,7 @@ TaskGroup: fetcher and committer; the gRPC server owns its per-stream handlers
 and the service its reader tasks). `stop()` only signals; `serve()` then shuts
 down in this order:
 
-    stop fetching (pause the partition)
+    stop fetching
     -> deliver nothing new; let in-flight work settle, up to shutdown.drain_timeout_s
     -> flush dead letters still being written (bounded by what is left of the deadline)
     -> end the streams and stop the gRPC server (accepting nothing new)
@@ -26,7 +26,7 @@ from triage_proxy.deadletter import DeadLetterStore, DeadLetterWriter, DynamoDBS
 from triage_proxy.dispatcher import Dispatcher
 from triage_proxy.errors import StateError
 from triage_proxy.fetcher import Fetcher
-from triage_proxy.kafka import ConfluentPartition, PartitionLog
+from triage_proxy.kafka import ConfluentPartition, KafkaThread, PartitionLog
 from triage_proxy.service import TriageService, create_server
 from triage_proxy.settings import Settings
 from triage_proxy.tracker import CommitTracker
@@ -118,7 +118,15 @@ class Proxy:
         log = self._log or ConfluentPartition(settings.kafka, self.partition)
         own_store = DynamoDBStore(settings.dead_letters) if self._store is None else None
         store: DeadLetterStore = own_store or self._store  # type: ignore[assignment]
-        start_offset = await asyncio.to_thread(log.open)
+        thread = KafkaThread()
+        try:
+            start_offset = await thread.run(log.open)
+        except BaseException:
+            thread.shutdown()
+            if own_store is not None:
+                own_store.close()
+            self.state = ProxyState.STOPPED
+            raise
         tracker = CommitTracker(start_offset)
         writer_ref: list[DeadLetterWriter] = []
         dispatcher = Dispatcher(
@@ -129,10 +137,10 @@ class Proxy:
         service = TriageService(settings, self.partition, dispatcher)
         server, self.port = create_server(settings, self.partition, service)
         fetch_closing = asyncio.Event()
-        fetcher = Fetcher(log, dispatcher, settings.kafka.fetch_batch, fetch_closing)
+        fetcher = Fetcher(log, thread, dispatcher, settings.kafka.fetch_batch, fetch_closing)
         commit_closing = asyncio.Event()
         committer = Committer(
-            log, tracker, start_offset, settings.commit.interval_s, commit_closing
+            log, thread, tracker, start_offset, settings.commit.interval_s, commit_closing
         )
         self.dispatcher, self.committer, self.fetcher = dispatcher, committer, fetcher
         try:
@@ -172,7 +180,8 @@ class Proxy:
             )
         finally:
             await server.stop(None)
-            await asyncio.to_thread(log.close)
+            await thread.run(log.close)
+            thread.shutdown()
             if own_store is not None:
                 own_store.close()
             self.state = ProxyState.STOPPED

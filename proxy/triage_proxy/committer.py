@@ -11,7 +11,7 @@ import asyncio
 import logging
 
 from triage_proxy.errors import BrokerUnavailable
-from triage_proxy.kafka import PartitionLog
+from triage_proxy.kafka import KafkaThread, PartitionLog
 from triage_proxy.tracker import CommitTracker
 from triage_proxy.waiting import wait_any
 
@@ -24,12 +24,14 @@ class Committer:
     def __init__(
         self,
         log: PartitionLog,
+        thread: KafkaThread,
         tracker: CommitTracker,
         start_offset: int,
         interval_s: float,
         closing: asyncio.Event,
     ) -> None:
         self._log = log
+        self._thread = thread
         self._tracker = tracker
         self._interval_s = interval_s
         self._closing = closing
@@ -48,7 +50,7 @@ class Committer:
         if offset <= self.committed:
             return True
         try:
-            await asyncio.to_thread(self._log.commit, offset)
+            await self._thread.run(self._log.commit, offset)
         except BrokerUnavailable as exc:
             if not self.degraded:
                 logger.warning("degraded: commit of %d failed (%s); will retry", offset, exc)

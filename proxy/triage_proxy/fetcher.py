@@ -1,8 +1,9 @@
 """The fetcher: pulls the partition into the dispatcher's window, never past it.
 
-When the window is full it pauses the partition (librdkafka stops prefetching
-too) and waits for room; it never drops. Broker trouble is retried with backoff
-and reported once as degraded, then once as recovered.
+When the window is full it stops taking records (librdkafka's capped prefetch then
+stops fetching from the broker, see kafka.py) and waits for room; it never drops.
+Broker trouble is retried with backoff and reported once as degraded, then once as
+recovered.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 
 from triage_proxy.dispatcher import Dispatcher
 from triage_proxy.errors import BrokerUnavailable
-from triage_proxy.kafka import PartitionLog
+from triage_proxy.kafka import KafkaThread, PartitionLog
 from triage_proxy.waiting import wait_any
 
 logger = logging.getLogger(__name__)
@@ -25,9 +26,15 @@ class Fetcher:
     """Runs the fetch loop until `closing` is set."""
 
     def __init__(
-        self, log: PartitionLog, dispatcher: Dispatcher, batch: int, closing: asyncio.Event
+        self,
+        log: PartitionLog,
+        thread: KafkaThread,
+        dispatcher: Dispatcher,
+        batch: int,
+        closing: asyncio.Event,
     ) -> None:
         self._log = log
+        self._thread = thread
         self._dispatcher = dispatcher
         self._batch = batch
         self._closing = closing
@@ -40,12 +47,12 @@ class Fetcher:
         while not self._closing.is_set():
             room = dispatcher.room_for
             if room == 0:
-                self._pause()
+                self._set_paused(True)
                 await wait_any(dispatcher.room, self._closing)
                 continue
-            self._resume()
+            self._set_paused(False)
             try:
-                records = await asyncio.to_thread(self._log.fetch, min(room, self._batch))
+                records = await self._thread.run(self._log.fetch, min(room, self._batch))
             except BrokerUnavailable as exc:
                 if not self.degraded:
                     logger.warning("degraded: fetch failing (%s); retrying", exc)
@@ -59,17 +66,10 @@ class Fetcher:
             backoff = RETRY_INITIAL_S
             if records:
                 dispatcher.add(records)
-        self._pause()
+        self._set_paused(True)
         logger.debug("fetcher stopped")
 
-    def _pause(self) -> None:
-        if not self.paused:
-            self._log.pause()
-            self.paused = True
-            logger.debug("partition paused")
-
-    def _resume(self) -> None:
-        if self.paused:
-            self._log.resume()
-            self.paused = False
-            logger.debug("partition resumed")
+    def _set_paused(self, paused: bool) -> None:
+        if paused != self.paused:
+            self.paused = paused
+            logger.debug("partition %s", "paused" if paused else "resumed")

@@ -2,17 +2,27 @@
 
 `ConfluentPartition` is the real adapter (librdkafka via confluent-kafka, `assign`,
 auto-commit off); `MemoryPartition` is its in-memory twin for unit tests. Both are
-synchronous: the fetcher calls them from a worker thread so the event loop never
-blocks on the broker. confluent-kafka exceptions become `BrokerUnavailable` here.
+synchronous and are called from one dedicated thread (`KafkaThread`): a confluent-kafka
+Consumer must not be used from two threads at once (a synchronous commit beside a
+blocking consume was seen to hang), and the event loop must never block on the broker.
+confluent-kafka exceptions become `BrokerUnavailable` here.
+
+Pausing: when the window is full the fetcher simply stops taking records. librdkafka's
+own prefetch queue is capped (`queued.min.messages`, `queued.max.messages.kbytes`), so
+the broker fetches stop too and memory stays bounded. librdkafka's pause()/resume()
+is not used: against Tansu the first record after a resume took ~450 ms, which turned
+every full window into a stall.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
-from collections.abc import Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
 
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, TopicPartition
 
@@ -21,9 +31,13 @@ from triage_proxy.settings import KafkaSettings
 from triage_proxy.structs import Record
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
-FETCH_WAIT_S = 0.2
-"""How long one fetch waits for the first message when the partition is idle."""
+FETCH_WAIT_S = 0.05
+"""How long one fetch waits for the first message when the partition is idle (a commit
+queued behind it waits at most this long)."""
+PREFETCH_MESSAGES = 10_000
+PREFETCH_KBYTES = 16_384
 BROKER_TIMEOUT_S = 10.0
 
 
@@ -37,10 +51,6 @@ class PartitionLog(Protocol):
     def fetch(self, max_records: int) -> list[Record]:
         """Return the next records in offset order (possibly none after a short wait)."""
         ...
-
-    def pause(self) -> None: ...
-
-    def resume(self) -> None: ...
 
     def commit(self, offset: int) -> None:
         """Synchronously commit `offset` (the next offset to process)."""
@@ -66,8 +76,12 @@ class ConfluentPartition:
             "enable.auto.offset.store": False,
             "auto.offset.reset": "earliest",
             "enable.partition.eof": False,
-            # Bound librdkafka's own prefetch so pausing really bounds memory.
-            "queued.max.messages.kbytes": 16384,
+            # Bound librdkafka's own prefetch so a full window really stops fetching.
+            "queued.min.messages": PREFETCH_MESSAGES,
+            "queued.max.messages.kbytes": PREFETCH_KBYTES,
+            # librdkafka postpones the next fetch by this much once its queue is over the
+            # caps (default 1 s): short, so the queue refills as soon as we drain it.
+            "fetch.queue.backoff.ms": 20,
             "fetch.wait.max.ms": 100,
             "error_cb": self._on_error,
             "logger": logger,
@@ -131,12 +145,6 @@ class ConfluentPartition:
             )
         return records
 
-    def pause(self) -> None:
-        self._consumer.pause([self._tp])
-
-    def resume(self) -> None:
-        self._consumer.resume([self._tp])
-
     def commit(self, offset: int) -> None:
         tp = TopicPartition(self._tp.topic, self._tp.partition, offset)
         try:
@@ -153,6 +161,19 @@ class ConfluentPartition:
             consumer.close()
 
 
+class KafkaThread:
+    """The one thread that talks to the Kafka client; calls queue up in order."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kafka")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
 def _client_overrides(client: Mapping[str, str | int | bool]) -> dict[str, Any]:
     return {str(k): v for k, v in client.items()}
 
@@ -166,7 +187,6 @@ class MemoryPartition:
         self.log: list[Record] = []
         self.committed = committed
         self.commits: list[int] = []
-        self.paused = False
         self.closed = False
         self._position = committed
 
@@ -183,19 +203,12 @@ class MemoryPartition:
         return self.committed
 
     def fetch(self, max_records: int) -> list[Record]:
-        out = [] if self.paused else [r for r in self.log if r.offset >= self._position]
-        out = out[:max_records]
+        out = [r for r in self.log if r.offset >= self._position][:max_records]
         if not out:
             time.sleep(0.01)  # like a real idle fetch, so callers do not spin
         if out:
             self._position = out[-1].offset + 1
         return out
-
-    def pause(self) -> None:
-        self.paused = True
-
-    def resume(self) -> None:
-        self.paused = False
 
     def commit(self, offset: int) -> None:
         self.committed = offset

@@ -5,7 +5,7 @@ offset can commit, so the writer's throughput bounds how fast a partition can dr
 Batching (BatchWriteItem, 25 items a call, a few calls in flight) must beat writing one
 item per call by at least TARGET_RATIO on the same endpoint.
 
-Run as a script: ``.venv/bin/python tests/perf/bench_deadletter.py [N]``. It starts its
+Run as a script: ``.venv/bin/python -m tests.perf.bench_deadletter [N]``. It starts its
 own moto server (stopped at the end, even on error), writes N dead letters each way into
 fresh tables, checks every item arrived, prints items/s and the ratio. Exits 1 when the
 target is missed.

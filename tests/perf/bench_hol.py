@@ -7,7 +7,7 @@ embedded stack (`triage dev`'s Tansu, moto server and a proxy process). Triage r
 serial, and no stall: while ordinary work remains, messages keep finishing (the
 longest gap between finishes stays far below one slow call).
 
-    .venv/bin/python tests/perf/bench_hol.py [--messages N]
+    .venv/bin/python -m tests.perf.bench_hol [--messages N]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Why: the tracker sits on every message's ack path, so it must settle at least
 1,000,000 offsets/s and must not slow down when many messages are in flight.
-Run as a script: ``.venv/bin/python tests/perf/bench_tracker.py``. Settling
+Run as a script: ``.venv/bin/python -m tests.perf.bench_tracker``. Settling
 and tracking are timed apart (offsets are contiguous); ns/settle is the one
 judged.
 Exits 1 when a target is missed.
