@@ -1,0 +1,60 @@
+"""A runnable Triage consumer: prints what it handles and fails values starting with b"poison".
+
+    python client_lib/examples/consumer.py --target localhost:7700 --token TOKEN [--concurrency N]
+
+Returning from the handler acks the message; raising nacks it, and the proxy writes it to the
+dead-letter table instead of blocking the partition. Ctrl-C or SIGTERM stops gracefully:
+running handlers finish and their settlements are sent before the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from triage_client import AuthenticationError, Consumer, Message, StreamError
+
+
+class PoisonPill(Exception):
+    """This example's stand-in for a message the application cannot process."""
+
+
+async def handle(message: Message) -> None:
+    value = message.value or b""
+    print(
+        f"{message.topic}[{message.partition}]@{message.offset} attempt {message.attempt}: "
+        f"{len(value)} bytes, starts {value[:20]!r}",
+        flush=True,
+    )
+    if value.startswith(b"poison"):
+        raise PoisonPill(f"cannot process offset {message.offset}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", required=True, help="proxy address, HOST:PORT")
+    parser.add_argument("--token", required=True, help="the proxy's bearer token")
+    parser.add_argument("--concurrency", type=int, default=16, help="handlers at once")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+    consumer = Consumer(args.target, args.token, handle, concurrency=args.concurrency)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: consumer.stop())
+    try:
+        consumer.run()
+    except AuthenticationError as exc:
+        print(f"error: {exc} (check --token)", file=sys.stderr)
+        return 2
+    except StreamError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    stats = consumer.stats
+    print(f"stopped: {stats.acked} acked, {stats.nacked} nacked, {stats.dropped} released")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,549 @@
+"""The client library against an in-process fake proxy.
+
+The fake is a real grpc.aio server on 127.0.0.1 that speaks the wire protocol and is honest
+about credits; the real proxy is covered by the integration tests. It runs on its own thread
+and event loop, so `Consumer.run()` can block a test thread exactly as it blocks an app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from typing import Any, ClassVar
+
+import grpc
+import pytest
+
+from triage_client import AuthenticationError, Consumer, Message, Retry, StateError
+from triage_client._proto import triage_pb2, triage_pb2_grpc
+from triage_client.consumer import MAX_REASON_CHARS, _reason, backoff_delay
+
+TOKEN = "s3cret-token"
+WAIT_S = 5.0
+
+
+def delivery(
+    offset: int,
+    key: bytes | None = b"key",
+    value: bytes | None = b"value",
+    headers: Iterable[tuple[str, bytes | None]] = (),
+    timestamp_ms: int = 1_700_000_000_000,
+    attempt: int = 1,
+) -> triage_pb2.Delivery:
+    d = triage_pb2.Delivery(offset=offset, timestamp_ms=timestamp_ms, attempt=attempt)
+    if key is not None:
+        d.key = key
+    if value is not None:
+        d.value = value
+    for name, hvalue in headers:
+        h = d.headers.add(key=name)
+        if hvalue is not None:
+            h.value = hvalue
+    return d
+
+
+class FakeProxy(triage_pb2_grpc.TriageServicer):
+    """A Triage proxy in miniature: checks the token, honours credits, records settlements."""
+
+    def __init__(self, *, batch: int = 64) -> None:
+        self.batch = batch
+        self.port = 0
+        self.reject: set[int] = set()  # offsets whose settlement is answered with Rejected
+        self.hellos: list[triage_pb2.Hello] = []
+        self.acks: list[tuple[int, int]] = []  # (stream number, offset)
+        self.nacks: list[tuple[int, triage_pb2.Nack]] = []
+        self.events: list[tuple[int, str]] = []  # (stream number, "settle" | "half-close")
+        self.max_unsettled = 0
+        self._queue: deque[triage_pb2.Delivery] = deque()
+        self._generation = 0  # bumped by restart(): a dead server's streams requeue nothing
+        self._cond = threading.Condition()
+        self._wakes: set[asyncio.Event] = set()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="fake-proxy")
+        self._server: grpc.aio.Server | None = None
+
+    # -- test thread ----------------------------------------------------------------------
+
+    def start(self) -> FakeProxy:
+        self._thread.start()
+        self._call(self._start_server())
+        return self
+
+    def close(self) -> None:
+        self.stop_server()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(WAIT_S)
+        self._loop.close()
+
+    def stop_server(self) -> None:
+        """Kill the server and every stream on it, as a proxy restart does."""
+        if self._server is not None:
+            self._call(self._server.stop(grace=None))
+            self._server = None
+
+    def restart(self, deliveries: Iterable[triage_pb2.Delivery]) -> None:
+        """Start again on the same port with a fresh queue (nothing redelivered)."""
+        with self._cond:
+            self._generation += 1
+            self._queue = deque(deliveries)
+        self._call(self._start_server())
+
+    def feed(self, deliveries: Iterable[triage_pb2.Delivery]) -> None:
+        with self._cond:
+            self._queue.extend(deliveries)
+        self._loop.call_soon_threadsafe(self._wake_all)
+
+    def wait_for(self, predicate: Callable[[], object], what: str) -> None:
+        """Wait until `predicate()` holds; it is re-checked on every server event and every
+        10 ms, since it may also look at state the handlers change."""
+        deadline = time.monotonic() + WAIT_S
+        with self._cond:
+            while not predicate():
+                assert time.monotonic() < deadline, f"timed out waiting for {what}"
+                self._cond.wait(0.01)
+
+    def acked(self, stream: int | None = None) -> list[int]:
+        with self._cond:
+            return [o for s, o in self.acks if stream is None or s == stream]
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(WAIT_S)
+
+    # -- server loop ----------------------------------------------------------------------
+
+    async def _start_server(self) -> None:
+        server = grpc.aio.server()
+        triage_pb2_grpc.add_TriageServicer_to_server(self, server)  # type: ignore[no-untyped-call]
+        self.port = server.add_insecure_port(f"127.0.0.1:{self.port}")
+        await server.start()
+        self._server = server
+
+    def _wake_all(self) -> None:
+        for wake in self._wakes:
+            wake.set()
+
+    async def Consume(
+        self,
+        request_iterator: AsyncIterator[triage_pb2.ConsumerFrame],
+        context: grpc.aio.ServicerContext[triage_pb2.ConsumerFrame, triage_pb2.ProxyFrame],
+    ) -> None:
+        metadata = dict(context.invocation_metadata() or ())
+        if metadata.get("authorization") != f"Bearer {TOKEN}":
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing token")
+        frames = aiter(request_iterator)
+        hello = (await anext(frames)).hello
+        with self._cond:
+            self.hellos.append(hello)
+            stream = len(self.hellos)
+            generation = self._generation
+            self._cond.notify_all()
+        await context.write(
+            triage_pb2.ProxyFrame(welcome=triage_pb2.Welcome(topic="orders", partition=3))
+        )
+        unsettled: dict[int, triage_pb2.Delivery] = {}
+        rejected: list[int] = []
+        wake = asyncio.Event()
+        half_closed = False
+
+        async def read() -> None:
+            nonlocal half_closed
+            async for frame in frames:
+                with self._cond:
+                    for offset in frame.settle.acks:
+                        self.acks.append((stream, offset))
+                        unsettled.pop(offset, None)
+                    for nack in frame.settle.nacks:
+                        self.nacks.append((stream, nack))
+                        unsettled.pop(nack.offset, None)
+                    rejected.extend(o for o in frame.settle.acks if o in self.reject)
+                    self.events.append((stream, "settle"))
+                    self._cond.notify_all()
+                wake.set()
+            with self._cond:
+                self.events.append((stream, "half-close"))
+                self._cond.notify_all()
+            half_closed = True
+            wake.set()
+
+        self._wakes.add(wake)
+        reader = asyncio.create_task(read())
+        try:
+            while not half_closed:
+                if rejected:
+                    refusal = triage_pb2.Rejected(offsets=rejected, reason="not held")
+                    rejected = []
+                    await context.write(triage_pb2.ProxyFrame(rejected=refusal))
+                with self._cond:
+                    room = min(self.batch, hello.credits - len(unsettled))
+                    batch = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
+                    for d in batch:
+                        unsettled[d.offset] = d
+                    self.max_unsettled = max(self.max_unsettled, len(unsettled))
+                if batch:
+                    frame = triage_pb2.Deliveries(topic="orders", partition=3, deliveries=batch)
+                    await context.write(triage_pb2.ProxyFrame(deliveries=frame))
+                    continue
+                await wake.wait()
+                wake.clear()
+        finally:
+            self._wakes.discard(wake)
+            reader.cancel()
+            with self._cond:  # what this stream still held goes back for redelivery
+                held = unsettled.values() if generation == self._generation else ()
+                for d in sorted(held, key=lambda d: -d.offset):
+                    d.attempt += 1
+                    self._queue.appendleft(d)
+
+
+class Running:
+    """Consumer.run() on a background thread, as an app's main thread would run it."""
+
+    live: ClassVar[list[Running]] = []  # stopped by the proxy fixture, even if a test failed
+
+    def __init__(self, consumer: Consumer) -> None:
+        self.consumer = consumer
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="consumer", daemon=True)
+        self.thread.start()
+        Running.live.append(self)
+
+    def _run(self) -> None:
+        try:
+            self.consumer.run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            self.error = exc
+
+    def join(self) -> None:
+        self.thread.join(WAIT_S)
+        if self.thread.is_alive():
+            self.consumer.stop()
+            pytest.fail("run() did not return")
+        if self.error is not None:
+            raise self.error
+
+    def stop(self) -> None:
+        self.consumer.stop()
+        self.join()
+
+
+@pytest.fixture
+def proxy() -> Iterator[FakeProxy]:
+    fake = FakeProxy().start()
+    yield fake
+    while Running.live:
+        run = Running.live.pop()
+        run.consumer.stop()
+        run.thread.join(WAIT_S)
+    fake.close()
+
+
+def consumer(proxy: FakeProxy, handler: Any, **kwargs: Any) -> Consumer:
+    kwargs.setdefault("consumer_id", "test-instance")
+    return Consumer(proxy.target, TOKEN, handler, **kwargs)
+
+
+def sync_and_async(body: Callable[[Message], None]) -> dict[str, Any]:
+    """The same handler body, once as a plain function and once as a coroutine function."""
+
+    def sync_handler(message: Message) -> None:
+        body(message)
+
+    async def async_handler(message: Message) -> None:
+        body(message)
+
+    return {"sync": sync_handler, "async": async_handler}
+
+
+@pytest.mark.parametrize(
+    ("concurrency", "prefetch", "credits"), [(3, None, 6), (3, 0, 3), (2, 5, 7)]
+)
+def test_hello_announces_concurrency_plus_prefetch_as_credits(
+    proxy: FakeProxy, concurrency: int, prefetch: int | None, credits: int
+) -> None:
+    c = consumer(proxy, lambda m: None, concurrency=concurrency, prefetch=prefetch)
+    run = Running(c)
+    proxy.wait_for(lambda: proxy.hellos, "hello")
+    run.stop()
+    assert c.credits == credits
+    assert [(h.consumer_id, h.credits) for h in proxy.hellos] == [("test-instance", credits)]
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_return_acks_and_raise_nacks_with_reason(proxy: FakeProxy, kind: str) -> None:
+    def body(message: Message) -> None:
+        if message.offset == 1:
+            raise ValueError("boom")
+
+    proxy.feed(delivery(o) for o in range(3))
+    run = Running(consumer(proxy, sync_and_async(body)[kind]))
+    proxy.wait_for(lambda: len(proxy.acks) + len(proxy.nacks) == 3, "3 settlements")
+    run.stop()
+    assert sorted(proxy.acked()) == [0, 2]
+    assert [(n.offset, n.reason, n.retry) for _, n in proxy.nacks] == [
+        (1, "ValueError: boom", False)
+    ]
+    stats = run.consumer.stats
+    assert (stats.delivered, stats.acked, stats.nacked) == (3, 2, 1)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_raising_retry_nacks_with_retry_flag(proxy: FakeProxy, kind: str) -> None:
+    def body(message: Message) -> None:
+        raise Retry("downstream busy")
+
+    proxy.feed([delivery(7)])
+    run = Running(consumer(proxy, sync_and_async(body)[kind]))
+    proxy.wait_for(lambda: proxy.nacks, "the nack")
+    run.stop()
+    assert [(n.offset, n.reason, n.retry) for _, n in proxy.nacks] == [
+        (7, "Retry: downstream busy", True)
+    ]
+
+
+def test_messages_are_byte_exact_including_none(proxy: FakeProxy) -> None:
+    binary = bytes(range(256))
+    headers: list[tuple[str, bytes | None]] = [("a", b"1"), ("a", None), ("b", b""), ("c", binary)]
+    proxy.feed(
+        [
+            delivery(0, key=None, value=None),
+            delivery(1, key=b"", value=b"", headers=headers, attempt=3, timestamp_ms=42),
+            delivery(2, key=binary, value=b"\x00" * 100_000),
+        ]
+    )
+    seen: list[Message] = []
+    run = Running(consumer(proxy, seen.append))
+    proxy.wait_for(lambda: len(proxy.acks) == 3, "3 acks")
+    run.stop()
+    assert sorted(seen, key=lambda m: m.offset) == [
+        Message("orders", 3, 0, None, None, [], 1_700_000_000_000, 1),
+        Message("orders", 3, 1, b"", b"", headers, 42, 3),
+        Message("orders", 3, 2, binary, b"\x00" * 100_000, [], 1_700_000_000_000, 1),
+    ]
+    assert "value" not in repr(seen[0])  # payloads stay out of logs
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_never_more_than_credits_held_or_concurrency_running(proxy: FakeProxy, kind: str) -> None:
+    lock = threading.Lock()
+    running = 0
+    peak = 0
+
+    def enter() -> None:
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+
+    def leave() -> None:
+        nonlocal running
+        with lock:
+            running -= 1
+
+    def sync_handler(message: Message) -> None:
+        enter()
+        time.sleep(0.002)
+        leave()
+
+    async def async_handler(message: Message) -> None:
+        enter()
+        await asyncio.sleep(0.002)
+        leave()
+
+    proxy.batch = 3  # small batches, so credits come back many times
+    proxy.feed(delivery(o) for o in range(200))
+    handler = sync_handler if kind == "sync" else async_handler
+    run = Running(consumer(proxy, handler, concurrency=4, prefetch=4))
+    proxy.wait_for(lambda: len(proxy.acks) == 200, "200 acks")
+    run.stop()
+    assert sorted(proxy.acked()) == list(range(200))
+    assert peak == 4
+    assert proxy.max_unsettled == 8  # the proxy filled every credit and the client coped
+    assert run.consumer.stats.dropped == 0
+
+
+def test_a_slow_message_does_not_block_the_others(proxy: FakeProxy) -> None:
+    release = asyncio.Event()
+    loop: asyncio.AbstractEventLoop | None = None
+
+    async def handler(message: Message) -> None:
+        nonlocal loop
+        loop = asyncio.get_running_loop()
+        if message.offset == 0:
+            await release.wait()
+
+    proxy.feed(delivery(o) for o in range(50))
+    run = Running(consumer(proxy, handler, concurrency=2, prefetch=2))
+    proxy.wait_for(lambda: len(proxy.acks) == 49, "every message but the slow one")
+    assert 0 not in proxy.acked()
+    assert loop is not None
+    loop.call_soon_threadsafe(release.set)
+    proxy.wait_for(lambda: len(proxy.acks) == 50, "the slow message")
+    run.stop()
+
+
+def test_stop_from_another_thread_waits_for_running_handlers_and_their_acks(
+    proxy: FakeProxy,
+) -> None:
+    started: list[int] = []
+    release = threading.Event()
+
+    def handler(message: Message) -> None:
+        started.append(message.offset)
+        assert release.wait(WAIT_S)
+
+    proxy.feed(delivery(o) for o in range(4))
+    run = Running(consumer(proxy, handler, concurrency=2, prefetch=2))
+    proxy.wait_for(lambda: len(started) == 2, "two running handlers")
+    run.consumer.stop()
+    run.consumer.stop()  # idempotent
+    time.sleep(0.2)
+    assert run.thread.is_alive(), "run() returned while handlers were still running"
+    assert proxy.acks == []
+    release.set()
+    run.join()
+    assert sorted(started) == [0, 1], "queued deliveries must not start after stop()"
+    assert sorted(proxy.acked()) == [0, 1]
+    assert proxy.events[-1] == (1, "half-close")  # acks first, then the half-close
+    assert run.consumer.stats.dropped == 2
+
+
+def test_stop_from_inside_an_async_handler(proxy: FakeProxy) -> None:
+    def body(message: Message) -> None:
+        if message.offset == 2:
+            c.stop()
+
+    c = consumer(proxy, sync_and_async(body)["async"], concurrency=1, prefetch=0)
+    proxy.feed(delivery(o) for o in range(10))
+    Running(c).join()
+    assert proxy.acked() == [0, 1, 2]
+
+
+def test_run_async_runs_in_the_callers_loop(proxy: FakeProxy) -> None:
+    handled: list[int] = []
+
+    async def handler(message: Message) -> None:
+        handled.append(message.offset)
+
+    async def main() -> None:
+        c = consumer(proxy, handler)
+        task = asyncio.create_task(c.run_async())
+        await asyncio.to_thread(proxy.wait_for, lambda: len(proxy.acks) == 5, "5 acks")
+        c.stop()
+        await asyncio.wait_for(task, WAIT_S)
+        with pytest.raises(StateError):
+            await c.run_async()
+
+    proxy.feed(delivery(o) for o in range(5))
+    asyncio.run(main())
+    assert sorted(handled) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_reconnects_after_proxy_restart_and_drops_results_of_the_dead_stream(
+    proxy: FakeProxy, kind: str
+) -> None:
+    in_slow = threading.Event()
+    release = threading.Event()
+
+    def sync_handler(message: Message) -> None:
+        if message.offset == 2:
+            in_slow.set()
+            assert release.wait(WAIT_S)
+
+    async def async_handler(message: Message) -> None:
+        if message.offset == 2:
+            in_slow.set()
+            assert await asyncio.to_thread(release.wait, WAIT_S)
+
+    handler = sync_handler if kind == "sync" else async_handler
+    proxy.feed(delivery(o) for o in range(5))
+    run = Running(consumer(proxy, handler, concurrency=4, max_backoff=0.2))
+    proxy.wait_for(lambda: len(proxy.acks) == 4 and in_slow.is_set(), "all but the slow one")
+    proxy.stop_server()
+    proxy.restart(delivery(o) for o in range(5, 8))
+    proxy.wait_for(lambda: len(proxy.hellos) == 2, "the second stream")
+    release.set()
+    proxy.wait_for(lambda: {5, 6, 7} <= set(proxy.acked(stream=2)), "the second stream's acks")
+    run.stop()
+    assert sorted(proxy.acked(stream=1)) == [0, 1, 3, 4]
+    assert sorted(proxy.acked(stream=2)) == [5, 6, 7], "offset 2 belonged to the dead stream"
+    stats = run.consumer.stats
+    assert stats.reconnects >= 1
+    assert stats.dropped == 1
+
+
+def test_wrong_token_raises_promptly(proxy: FakeProxy) -> None:
+    run = Running(Consumer(proxy.target, "wrong", lambda m: None, max_backoff=0.1))
+    run.thread.join(2.0)
+    assert not run.thread.is_alive(), "run() kept retrying a wrong token"
+    with pytest.raises(AuthenticationError) as info:
+        run.join()
+    assert info.value.code is grpc.StatusCode.UNAUTHENTICATED
+    assert proxy.hellos == []
+
+
+def test_settlements_are_batched(proxy: FakeProxy) -> None:
+    async def handler(message: Message) -> None:
+        pass
+
+    proxy.batch = 100
+    proxy.feed(delivery(o) for o in range(100))
+    run = Running(consumer(proxy, handler, concurrency=50, prefetch=50))
+    proxy.wait_for(lambda: len(proxy.acks) == 100, "100 acks")
+    run.stop()
+    settles = [e for e in proxy.events if e[1] == "settle"]
+    assert len(settles) <= 3, f"{len(settles)} Settle frames for 100 acks"
+
+
+def test_rejected_settlements_are_logged_and_counted(
+    proxy: FakeProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    proxy.reject = {1}
+    proxy.feed(delivery(o) for o in range(3))
+    caplog.set_level(logging.WARNING, logger="triage_client")
+    run = Running(consumer(proxy, lambda m: None))
+    deadline = time.monotonic() + WAIT_S
+    while run.consumer.stats.rejected == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    run.stop()
+    assert run.consumer.stats.rejected == 1
+    assert any("rejected 1 settlements" in r.getMessage() for r in caplog.records)
+
+
+def test_stop_before_run_returns_at_once(proxy: FakeProxy) -> None:
+    c = consumer(proxy, lambda m: None)
+    c.stop()
+    c.run()
+    with pytest.raises(StateError):
+        c.run()
+
+
+def test_reason_is_bounded_and_valid_utf8() -> None:
+    reason = _reason(ValueError("x" * 5000 + "\udc80"))
+    assert len(reason) == MAX_REASON_CHARS
+    assert reason.startswith("ValueError: xxx")
+    reason.encode("utf-8")
+    assert _reason(ValueError("\udc80")) == "ValueError: ?"
+
+
+@pytest.mark.parametrize("failures", [0, 1, 5, 100])
+def test_backoff_is_capped_and_jittered(failures: int) -> None:
+    low = backoff_delay(failures, initial=0.1, cap=2.0, rand=lambda: 0.0)
+    high = backoff_delay(failures, initial=0.1, cap=2.0, rand=lambda: 1.0)
+    ceiling = min(2.0, 0.1 * 2**failures)
+    assert (low, high) == pytest.approx((ceiling / 2, ceiling))
+
+
+def test_invalid_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="concurrency"):
+        Consumer("x:1", TOKEN, lambda m: None, concurrency=0)
+    with pytest.raises(ValueError, match="prefetch"):
+        Consumer("x:1", TOKEN, lambda m: None, prefetch=-1)
