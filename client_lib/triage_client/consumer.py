@@ -69,7 +69,8 @@ CLOSE_TIMEOUT_S = 5.0
 _SERVICE = triage_pb2.DESCRIPTOR.services_by_name["Triage"]
 _CONSUME = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['Consume'].name}"
 _MAX_CREDITS = 2**32 - 1  # Hello.credits is a uint32
-_SKIPPED = -1  # epoch of a delivery a handler thread released without running it
+_SKIPPED = -1  # epoch of a delivery a handler thread let go because its stream died
+_RELEASE = triage_pb2.Nack()  # result of a delivery a handler thread let go because of stop()
 
 
 class _State(enum.Enum):
@@ -186,6 +187,8 @@ class Consumer:
         self._drained = asyncio.Event()  # set whenever _outstanding drops to 0
         self._acks: list[int] = []
         self._nacks: list[triage_pb2.Nack] = []
+        self._releases: list[int] = []
+        """Deliveries given back unstarted at stop(): sent as Release, no attempt used."""
         self._flush_wanted = asyncio.Event()
         self._flush_timer: asyncio.TimerHandle | None = None
         # async handlers
@@ -307,6 +310,7 @@ class Consumer:
             return
         self._stopping.set()
         released = len(self._pending)
+        self._releases.extend(message.offset for message in self._pending)
         self._pending.clear()
         self._outstanding -= released
         self._dropped += released
@@ -419,6 +423,7 @@ class Consumer:
         unsent = len(self._acks) + len(self._nacks)
         self._acks = []
         self._nacks = []
+        self._releases = []
         self._dropped += released + unsent
         self._held = 0
         if self._flush_timer is not None:
@@ -480,7 +485,7 @@ class Consumer:
                 self._flush_wanted.clear()
                 await self._flush(call)
                 if self._stopping.is_set() and not self._outstanding:
-                    while self._acks or self._nacks:
+                    while self._acks or self._nacks or self._releases:
                         await self._flush(call)
                     await call.done_writing()
                     logger.debug(
@@ -501,6 +506,10 @@ class Consumer:
             raise
 
     async def _flush(self, call: _Call) -> None:
+        if self._releases:
+            releases, self._releases = self._releases, []
+            self._held -= len(releases)
+            await call.write(triage_pb2.ConsumerFrame(release=triage_pb2.Release(offsets=releases)))
         acks, nacks = self._acks, self._nacks
         if not acks and not nacks:
             return
@@ -557,7 +566,9 @@ class Consumer:
                 self._credits,
             )
         if self._stopping.is_set():
-            self._dropped += count  # released: the proxy redelivers them once the stream ends
+            self._dropped += count  # released: the proxy redelivers them
+            self._releases.extend(message.offset for message in messages)
+            self._flush_wanted.set()
             return
         self._outstanding += count
         if self._pool is None:
@@ -649,8 +660,10 @@ class Consumer:
     def _run_sync(self, message: Message, epoch: int) -> None:
         """Runs in a handler thread."""
         nack = None
-        if self._stop_requested or epoch != self._epoch:
-            epoch = _SKIPPED  # queued behind a stop or a dead stream: let the proxy redeliver
+        if epoch != self._epoch:
+            epoch = _SKIPPED  # queued behind a dead stream: the proxy redelivers it
+        elif self._stop_requested:
+            nack = _RELEASE  # queued behind stop(): give it back unstarted
         else:
             try:
                 result = self._handler(message)
@@ -676,6 +689,9 @@ class Consumer:
         for epoch, offset, nack in results:
             if epoch != current:
                 self._dropped += 1
+            elif nack is _RELEASE:
+                self._dropped += 1
+                self._releases.append(offset)
             elif nack is None:
                 self._acks.append(offset)
             else:

@@ -46,7 +46,7 @@ class Fetcher:
         backoff = RETRY_INITIAL_S
         while not self._closing.is_set():
             room = dispatcher.room_for
-            if room == 0:
+            if not dispatcher.room.is_set():
                 self._set_paused(True)
                 await wait_any(dispatcher.room, self._closing)
                 continue

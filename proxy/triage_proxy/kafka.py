@@ -122,8 +122,10 @@ class ConfluentPartition:
                     messages.extend(consumer.consume(max_records - 1, 0))
         except KafkaException as exc:
             raise BrokerUnavailable("fetch failed") from exc
-        records = []
+        records: list[Record] = []
+        append = records.append
         topic, partition = self._tp.topic, self._tp.partition
+        new = tuple.__new__
         for m in messages:
             err = m.error()
             if err is not None:
@@ -132,15 +134,18 @@ class ConfluentPartition:
                 logger.warning("fetch: %s", err.str())
                 continue
             headers = m.headers()
-            records.append(
-                Record(
-                    topic,
-                    partition,
-                    m.offset(),
-                    m.key(),
-                    m.value(),
-                    tuple(headers) if headers else (),
-                    m.timestamp()[1],
+            append(
+                new(
+                    Record,
+                    (
+                        topic,
+                        partition,
+                        m.offset(),
+                        m.key(),
+                        m.value(),
+                        tuple(headers) if headers else (),
+                        m.timestamp()[1],
+                    ),
                 )
             )
         return records

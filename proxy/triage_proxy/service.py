@@ -137,6 +137,16 @@ class TriageService(pb_grpc.TriageServicer):
                                 )
                             )
                         )
+                elif kind == "release":
+                    rejected = dispatcher.release(session, frame.release.offsets)
+                    if rejected:
+                        session.outbox.put_nowait(
+                            pb.ProxyFrame(
+                                rejected=pb.Rejected(
+                                    offsets=rejected, reason="offset not held by this instance"
+                                )
+                            )
+                        )
                 elif kind == "extend":
                     pass  # leases arrive with the delivery-guarantees work
         except asyncio.CancelledError:

@@ -56,6 +56,7 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
         self.hellos: list[triage_pb2.Hello] = []
         self.acks: list[tuple[int, int]] = []  # (stream number, offset)
         self.nacks: list[tuple[int, triage_pb2.Nack]] = []
+        self.releases: list[tuple[int, int]] = []  # (stream number, offset)
         self.events: list[tuple[int, str]] = []  # (stream number, "settle" | "half-close")
         self.max_unsettled = 0
         self._queue: deque[triage_pb2.Delivery] = deque()
@@ -163,6 +164,9 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
                     for nack in frame.settle.nacks:
                         self.nacks.append((stream, nack))
                         unsettled.pop(nack.offset, None)
+                    for offset in frame.release.offsets:
+                        self.releases.append((stream, offset))
+                        unsettled.pop(offset, None)
                     rejected.extend(o for o in frame.settle.acks if o in self.reject)
                     self.events.append((stream, "settle"))
                     self._cond.notify_all()
@@ -411,8 +415,27 @@ def test_stop_from_another_thread_waits_for_running_handlers_and_their_acks(
     run.join()
     assert sorted(started) == [0, 1], "queued deliveries must not start after stop()"
     assert sorted(proxy.acked()) == [0, 1]
+    assert sorted(o for _, o in proxy.releases) == [2, 3], "unstarted ones are released"
     assert proxy.events[-1] == (1, "half-close")  # acks first, then the half-close
     assert run.consumer.stats.dropped == 2
+
+
+def test_stop_releases_queued_deliveries_of_async_handlers(proxy: FakeProxy) -> None:
+    gate = threading.Event()
+    started: list[int] = []
+
+    async def handler(message: Message) -> None:
+        started.append(message.offset)
+        await asyncio.to_thread(gate.wait, WAIT_S)
+
+    proxy.feed(delivery(o) for o in range(6))
+    run = Running(consumer(proxy, handler, concurrency=2, prefetch=4))
+    proxy.wait_for(lambda: len(started) == 2 and proxy.max_unsettled == 6, "6 delivered")
+    run.consumer.stop()
+    gate.set()
+    run.join()
+    assert sorted(proxy.acked()) == sorted(started)
+    assert sorted(o for _, o in proxy.releases) == sorted(set(range(6)) - set(started))
 
 
 def test_stop_from_inside_an_async_handler(proxy: FakeProxy) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from triage_client._proto import triage_pb2 as pb
@@ -202,7 +200,7 @@ def test_headers_and_nulls_travel_byte_exact() -> None:
 def test_gaps_in_offsets_commit_past_them(gap: int) -> None:
     d, tracker, _ = make()
     s = d.open_session("a", 10)
-    d.add([*records(0, 1), dataclasses.replace(records(0, 1)[0], offset=gap + 1)])
+    d.add([*records(0, 1), records(0, 1)[0]._replace(offset=gap + 1)])
     d.settle(s, [0, gap + 1], [])
     assert tracker.committable == gap + 2
 
@@ -218,3 +216,16 @@ def test_stop_delivering_keeps_held_work_settleable() -> None:
     assert drain(s) == []
     assert d.quiet.is_set()
     assert tracker.committable == 2
+
+
+def test_released_deliveries_come_back_without_using_an_attempt() -> None:
+    d, _, dead = make(max_attempts=1)
+    a = d.open_session("a", 3)
+    d.add(records(0, 3))
+    assert [x.attempt for x in drain(a)] == [1, 1, 1]
+    d.settle(a, [0], [])
+    assert d.release(a, [2, 1, 7]) == [7]
+    d.close_session(a)
+    b = d.open_session("b", 3)
+    assert [(x.offset, x.attempt) for x in drain(b)] == [(1, 1), (2, 1)]
+    assert not dead

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ConsumerFrame(_message.Message):
-    __slots__ = ("hello", "settle", "extend")
+    __slots__ = ("hello", "settle", "extend", "release")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     SETTLE_FIELD_NUMBER: _ClassVar[int]
     EXTEND_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     settle: Settle
     extend: Extend
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., settle: _Optional[_Union[Settle, _Mapping]] = ..., extend: _Optional[_Union[Extend, _Mapping]] = ...) -> None: ...
+    release: Release
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., settle: _Optional[_Union[Settle, _Mapping]] = ..., extend: _Optional[_Union[Extend, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
 
 class ProxyFrame(_message.Message):
     __slots__ = ("welcome", "deliveries", "rejected")
@@ -100,6 +102,12 @@ class Settle(_message.Message):
     def __init__(self, acks: _Optional[_Iterable[int]] = ..., nacks: _Optional[_Iterable[_Union[Nack, _Mapping]]] = ...) -> None: ...
 
 class Extend(_message.Message):
+    __slots__ = ("offsets",)
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Release(_message.Message):
     __slots__ = ("offsets",)
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     offsets: _containers.RepeatedScalarFieldContainer[int]
