@@ -39,7 +39,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--messages", type=int, default=200_000)
     parser.add_argument("--instances", type=int, default=2)
-    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=256)
     args = parser.parse_args()
     overrides = {"commit": {"interval_s": 0.1}}
     with DevStack(topic="bench-throughput", proxy_overrides=overrides) as stack:
