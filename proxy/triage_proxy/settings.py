@@ -8,8 +8,9 @@ Nothing below the CLI reads files or the environment: `load_settings` resolves
     [auth]         token | token_env
     [dead_letters] table, region, endpoint_url, batch_size, flush_interval_ms, retry_max_s
     [window]       max_messages, max_bytes
-    [delivery]     ack_deadline_s, max_attempts
-    [commit]       interval_s
+    [delivery]     ack_deadline_s, max_attempts, ordering ("none" | "key")
+    [retry]        initial_backoff_s, max_backoff_s, multiplier
+    [commit]       interval_s, encode_settled
     [shutdown]     drain_timeout_s
 """
 
@@ -35,6 +36,10 @@ DEFAULT_WINDOW_BYTES = 64 * 1024 * 1024
 DEFAULT_ACK_DEADLINE_S = 30.0
 DEFAULT_MAX_ATTEMPTS = 5
 DEFAULT_COMMIT_INTERVAL_S = 1.0
+DEFAULT_RETRY_INITIAL_S = 1.0
+DEFAULT_RETRY_MAX_S = 60.0
+DEFAULT_RETRY_MULTIPLIER = 2.0
+ORDERINGS = ("none", "key")
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 DEFAULT_DLQ_BATCH = 25  # DynamoDB BatchWriteItem takes at most 25 items
 DEFAULT_DLQ_FLUSH_MS = 20
@@ -102,12 +107,28 @@ class DeliverySettings:
     """Time a delivery may stay unsettled before it is redelivered."""
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     """Deliveries of one message before it is dead-lettered."""
+    ordering: str = "none"
+    """"key": messages with the same key are never in flight at once and go in offset
+    order (null keys stay unordered); "none": any order, most parallel."""
+
+
+@dataclass(frozen=True)
+class RetrySettings:
+    initial_backoff_s: float = DEFAULT_RETRY_INITIAL_S
+    """Wait before the first redelivery of a message nacked with retry."""
+    max_backoff_s: float = DEFAULT_RETRY_MAX_S
+    """Cap of the wait between redeliveries."""
+    multiplier: float = DEFAULT_RETRY_MULTIPLIER
+    """Growth of the wait per attempt."""
 
 
 @dataclass(frozen=True)
 class CommitSettings:
     interval_s: float = DEFAULT_COMMIT_INTERVAL_S
     """How often the committable offset is committed when it advanced."""
+    encode_settled: bool = True
+    """Encode offsets settled above the committed one into the commit (and a checkpoint
+    item), so a restarted proxy does not redeliver them."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +145,7 @@ class Settings:
     server: ServerSettings = field(default_factory=ServerSettings)
     window: WindowSettings = field(default_factory=WindowSettings)
     delivery: DeliverySettings = field(default_factory=DeliverySettings)
+    retry: RetrySettings = field(default_factory=RetrySettings)
     commit: CommitSettings = field(default_factory=CommitSettings)
     shutdown: ShutdownSettings = field(default_factory=ShutdownSettings)
 
@@ -134,6 +156,12 @@ class Settings:
         _positive("delivery.max_attempts", self.delivery.max_attempts)
         _positive("delivery.ack_deadline_s", self.delivery.ack_deadline_s)
         _positive("commit.interval_s", self.commit.interval_s)
+        _positive("retry.initial_backoff_s", self.retry.initial_backoff_s)
+        _positive("retry.max_backoff_s", self.retry.max_backoff_s)
+        if self.retry.multiplier < 1:
+            raise ConfigError("retry.multiplier", "must be >= 1")
+        if self.delivery.ordering not in ORDERINGS:
+            raise ConfigError("delivery.ordering", f"must be one of {', '.join(ORDERINGS)}")
         _positive("server.max_frame_bytes", self.server.max_frame_bytes)
         if not 0 <= self.server.port <= 65535:
             raise ConfigError("server.port", f"must be 0..65535, got {self.server.port}")
@@ -162,6 +190,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "dead_letters": DeadLetterSettings,
     "window": WindowSettings,
     "delivery": DeliverySettings,
+    "retry": RetrySettings,
     "commit": CommitSettings,
     "shutdown": ShutdownSettings,
 }
@@ -243,5 +272,7 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
     if hint is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     if hint is str and isinstance(value, str):
+        return value
+    if hint is bool and isinstance(value, bool):
         return value
     raise ConfigError(key, f"must be {hint.__name__}, got {type(value).__name__} {value!r}")
