@@ -9,7 +9,7 @@ down in this order:
     -> deliver nothing new; let in-flight work settle, up to shutdown.drain_timeout_s
     -> flush dead letters still being written (bounded by what is left of the deadline)
     -> end the streams and stop the gRPC server (accepting nothing new)
-    -> final commit of the committable offset
+    -> final commit of the committable offset (with the settled-above encoding)
     -> close the Kafka client
 """
 
@@ -21,10 +21,12 @@ import logging
 import time
 from types import TracebackType
 
+from triage_proxy.checkpoint import CheckpointError, decode_settled
+from triage_proxy.checkpoint_store import CheckpointStore, DynamoDBCheckpoints
 from triage_proxy.committer import Committer
 from triage_proxy.deadletter import DeadLetterStore, DeadLetterWriter, DynamoDBStore
 from triage_proxy.dispatcher import Dispatcher
-from triage_proxy.errors import StateError
+from triage_proxy.errors import DeadLetterUnavailable, StateError
 from triage_proxy.fetcher import Fetcher
 from triage_proxy.kafka import ConfluentPartition, KafkaThread, PartitionLog
 from triage_proxy.service import TriageService, create_server
@@ -55,11 +57,13 @@ class Proxy:
         *,
         log: PartitionLog | None = None,
         store: DeadLetterStore | None = None,
+        checkpoints: CheckpointStore | None = None,
     ) -> None:
         self.settings = settings
         self.partition = partition
         self._log = log
         self._store = store
+        self._checkpoints = checkpoints
         self.state = ProxyState.NEW
         self.port = 0
         """The gRPC port actually bound (known once ready)."""
@@ -118,19 +122,36 @@ class Proxy:
         log = self._log or ConfluentPartition(settings.kafka, self.partition)
         own_store = DynamoDBStore(settings.dead_letters) if self._store is None else None
         store: DeadLetterStore = own_store or self._store  # type: ignore[assignment]
+        checkpoints = self._checkpoints
+        own_checkpoints = None
+        if checkpoints is None and settings.commit.encode_settled:
+            own_checkpoints = checkpoints = DynamoDBCheckpoints(
+                settings.dead_letters, settings.kafka.topic, self.partition, settings.kafka.group_id
+            )
         thread = KafkaThread()
-        try:
-            start_offset = await thread.run(log.open)
-        except BaseException:
-            thread.shutdown()
+
+        def close_clients() -> None:
             if own_store is not None:
                 own_store.close()
+            if own_checkpoints is not None:
+                own_checkpoints.close()
+
+        try:
+            start_offset, metadata = await thread.run(log.open)
+            settled = await self._settled_above(start_offset, metadata, checkpoints)
+        except BaseException:
+            thread.shutdown()
+            close_clients()
             self.state = ProxyState.STOPPED
             raise
         tracker = CommitTracker(start_offset)
         writer_ref: list[DeadLetterWriter] = []
         dispatcher = Dispatcher(
-            settings, self.partition, tracker, lambda dl: writer_ref[0].submit(dl)
+            settings,
+            self.partition,
+            tracker,
+            lambda dl: writer_ref[0].submit(dl),
+            already_settled=settled,
         )
         writer = DeadLetterWriter(store, settings.dead_letters, dispatcher.dead_letter_written)
         writer_ref.append(writer)
@@ -140,22 +161,31 @@ class Proxy:
         fetcher = Fetcher(log, thread, dispatcher, settings.kafka.fetch_batch, fetch_closing)
         commit_closing = asyncio.Event()
         committer = Committer(
-            log, thread, tracker, start_offset, settings.commit.interval_s, commit_closing
+            log,
+            thread,
+            tracker,
+            start_offset,
+            settings.commit.interval_s,
+            commit_closing,
+            checkpoints=checkpoints if settings.commit.encode_settled else None,
         )
         self.dispatcher, self.committer, self.fetcher = dispatcher, committer, fetcher
         try:
             async with writer, asyncio.TaskGroup() as tasks:
                 fetch_task = tasks.create_task(fetcher.run(), name="fetcher")
                 tasks.create_task(committer.run(), name="committer")
+                tasks.create_task(dispatcher.run_timers(commit_closing), name="timers")
                 await server.start()
                 self.state = ProxyState.RUNNING
                 self.ready.set()
                 logger.info(
-                    "proxy for %s[%d] serving on port %d from offset %d",
+                    "proxy for %s[%d] serving on port %d from offset %d "
+                    "(%d offsets above it already settled)",
                     settings.kafka.topic,
                     self.partition,
                     self.port,
                     start_offset,
+                    len(settled),
                 )
                 await self._closing.wait()
                 self.state = ProxyState.STOPPING
@@ -182,9 +212,27 @@ class Proxy:
             await server.stop(None)
             await thread.run(log.close)
             thread.shutdown()
-            if own_store is not None:
-                own_store.close()
+            close_clients()
             self.state = ProxyState.STOPPED
+
+    async def _settled_above(
+        self, committed: int, metadata: str | None, checkpoints: CheckpointStore | None
+    ) -> list[int]:
+        """Offsets a previous run settled above `committed`: from the commit's metadata,
+        else from the checkpoint item if it belongs to this very commit. Trouble here only
+        costs redeliveries, so it is logged and ignored."""
+        if not self.settings.commit.encode_settled:
+            return []
+        text = metadata
+        try:
+            if not text and checkpoints is not None:
+                found = await asyncio.to_thread(checkpoints.get)
+                if found is not None and found[0] == committed:
+                    text = found[1]
+            return decode_settled(committed, text)
+        except (CheckpointError, DeadLetterUnavailable) as exc:
+            logger.warning("ignoring the settled-above checkpoint: %s", exc)
+            return []
 
 
 def _left(deadline: float) -> float:

@@ -1,8 +1,12 @@
 """The committer: commits the tracker's committable offset on an interval.
 
-It commits only when the offset advanced, retries a failed commit on the next
-tick (the offset stays uncommitted, so nothing is lost), and makes one final
-commit on shutdown.
+It commits when the committable offset advanced or, with `commit.encode_settled`,
+when the set of offsets settled above it changed: that set rides along encoded in
+the commit's metadata (and in a checkpoint item, see checkpoint_store.py) so a
+restarted proxy does not redeliver it. When the encoding does not fit the broker's
+metadata limit it commits the plain offset (at-least-once) and counts the overflow.
+A failed commit is retried on the next tick (the offset stays uncommitted, so
+nothing is lost), and there is one final commit on shutdown.
 """
 
 from __future__ import annotations
@@ -10,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from triage_proxy.errors import BrokerUnavailable
+from triage_proxy.checkpoint import encode_settled
+from triage_proxy.checkpoint_store import CheckpointStore
+from triage_proxy.errors import BrokerUnavailable, DeadLetterUnavailable
 from triage_proxy.kafka import KafkaThread, PartitionLog
 from triage_proxy.tracker import CommitTracker
 from triage_proxy.waiting import wait_any
@@ -29,28 +35,49 @@ class Committer:
         start_offset: int,
         interval_s: float,
         closing: asyncio.Event,
+        *,
+        checkpoints: CheckpointStore | None = None,
     ) -> None:
         self._log = log
         self._thread = thread
         self._tracker = tracker
         self._interval_s = interval_s
         self._closing = closing
+        self._checkpoints = checkpoints
         self.committed = start_offset
         """The last offset Kafka acknowledged as committed."""
+        self.metadata: str | None = None
+        """The settled-above encoding committed with it (None: plain commit)."""
         self.degraded = False
+        self.commits = 0
+        self.metadata_overflows = 0
+        """Commits made without the encoding because it did not fit."""
+        self._checkpoint_degraded = False
 
     async def run(self) -> None:
         while not await wait_any(self._closing, timeout=self._interval_s):
             await self.commit()
         logger.debug("committer stopped")
 
+    def _encoding(self, offset: int) -> str | None:
+        if self._checkpoints is None:
+            return None
+        settled = self._tracker.settled_above()
+        if not settled:
+            return ""
+        text = encode_settled(offset, settled)
+        if text is None:
+            self.metadata_overflows += 1
+        return text
+
     async def commit(self) -> bool:
-        """Commit if the committable offset advanced; False if the broker refused."""
+        """Commit if anything changed; False if the broker refused."""
         offset = self._tracker.committable
-        if offset <= self.committed:
+        metadata = self._encoding(offset)
+        if offset < self.committed or (offset == self.committed and metadata == self.metadata):
             return True
         try:
-            await self._thread.run(self._log.commit, offset)
+            await self._thread.run(self._log.commit, offset, metadata)
         except BrokerUnavailable as exc:
             if not self.degraded:
                 logger.warning("degraded: commit of %d failed (%s); will retry", offset, exc)
@@ -59,5 +86,20 @@ class Committer:
         if self.degraded:
             logger.info("recovered: committed offset %d", offset)
             self.degraded = False
-        self.committed = offset
+        self.committed, self.metadata = offset, metadata
+        self.commits += 1
+        if self._checkpoints is not None:
+            await self._write_checkpoint(offset, metadata or "")
         return True
+
+    async def _write_checkpoint(self, offset: int, text: str) -> None:
+        """Best effort: a missing or stale checkpoint only means more redeliveries."""
+        assert self._checkpoints is not None
+        try:
+            await asyncio.to_thread(self._checkpoints.put, offset, text)
+        except DeadLetterUnavailable as exc:
+            if not self._checkpoint_degraded:
+                logger.warning("commit checkpoint not written (%s); retrying next commit", exc)
+                self._checkpoint_degraded = True
+            return
+        self._checkpoint_degraded = False

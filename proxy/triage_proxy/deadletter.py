@@ -253,7 +253,7 @@ class DynamoDBStore:
 
         self.table = settings.table
         self._errors = (BotoCoreError, ClientError)
-        self._client = _dynamodb_client(
+        self._client = dynamodb_client(
             settings,
             connect_timeout_s=connect_timeout_s,
             read_timeout_s=read_timeout_s,
@@ -393,7 +393,7 @@ def _is_loopback(url: str) -> bool:
         return False
 
 
-def _dynamodb_client(
+def dynamodb_client(
     settings: DeadLetterSettings,
     *,
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
@@ -434,7 +434,7 @@ def create_table(settings: DeadLetterSettings, *, timeout_s: float = 120.0) -> N
     """
     from botocore.exceptions import BotoCoreError, ClientError
 
-    client = _dynamodb_client(settings)
+    client = dynamodb_client(settings)
     try:
         try:
             client.create_table(

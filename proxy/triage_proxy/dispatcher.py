@@ -3,9 +3,24 @@
 It owns the in-flight window (every fetched record until it is settled), the
 sessions of connected instances and what each one holds. Acks settle offsets in
 the commit tracker at once; nacks go to the dead-letter writer and settle only
-when it reports the item durably written. An instance that disconnects gives
-its records back to the queue with attempt+1, or to the dead-letter writer once
-they have used up their attempts (the crash-type poison pill).
+when it reports the item durably written.
+
+A delivery fails (and uses up its attempt) when it is nacked with retry, when its
+ack deadline passes (its lease expires), or when its instance vanishes. The pure
+policy `after_failure` then says: redeliver (after `retry_delay` for a retry nack,
+at once otherwise) or, once the attempts are exhausted, dead-letter it with the
+last cause. Rules for settlements that do not match a held delivery:
+
+- a settlement for an offset the instance does not hold (forged, duplicate, or
+  late: its lease expired and it went back to the queue) is rejected, reported
+  back to the instance and counted; the redelivered attempt decides;
+- `release` (a stopping instance giving back what it never started) returns
+  deliveries without using an attempt.
+
+With `delivery.ordering = "key"` a key is owned by one entry at a time, from the
+moment it enters the queue until it is acked or handed to the dead-letter writer;
+later records with that key wait behind it, so they are never in flight together
+and go in offset order. Null keys are unordered.
 
 Everything here runs on the event loop thread and does no I/O: sending a frame
 is putting it on the session's outbox, which the gRPC stream drains.
@@ -18,13 +33,16 @@ import enum
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from triage_client._proto import triage_pb2 as pb
+from triage_proxy.policies import Outcome, after_failure, retry_delay
 from triage_proxy.settings import Settings
 from triage_proxy.structs import DeadLetter, Record
+from triage_proxy.timers import Timers
 from triage_proxy.tracker import CommitTracker
+from triage_proxy.waiting import wait_any
 
 logger = logging.getLogger(__name__)
 
@@ -33,13 +51,19 @@ FRAME_BUDGET_BYTES = 4 * 1024 * 1024
 FRAME_OVERHEAD_BYTES = 64 * 1024
 """Room left in a frame for protobuf framing and headers of a single large record."""
 REASON_MAX_CHARS = 4000
+TICK_S = 0.05
+"""How often expired leases and due retries are looked at."""
 
 
 class EntryState(enum.Enum):
     READY = "ready"
     """Waiting for an instance with credit."""
     HELD = "held"
-    """Delivered; the holder has not settled it yet."""
+    """Delivered; the holder has not settled it yet (its lease is running)."""
+    BACKOFF = "backoff"
+    """Nacked with retry; waiting out its backoff before it is ready again."""
+    WAITING = "waiting"
+    """Ordering by key: an earlier record with the same key is not done yet."""
     DEAD_LETTERING = "dead_lettering"
     """Waiting for its dead letter to be durably written."""
 
@@ -47,7 +71,7 @@ class EntryState(enum.Enum):
 class Entry:
     """One unsettled record in the window, with its delivery state."""
 
-    __slots__ = ("attempt", "holder", "record", "size", "state")
+    __slots__ = ("attempt", "holder", "last_cause", "record", "size", "state")
 
     def __init__(self, record: Record) -> None:
         self.record = record
@@ -55,6 +79,7 @@ class Entry:
         self.attempt = 0
         self.holder: Session | None = None
         self.state = EntryState.READY
+        self.last_cause = ""
 
 
 @dataclass
@@ -66,8 +91,12 @@ class Counters:
     redelivered: int = 0
     acked: int = 0
     nacked: int = 0
+    retried: int = 0
+    expired: int = 0
+    extended: int = 0
     rejected: int = 0
     released: int = 0
+    skipped_settled: int = 0
     dead_lettered: int = 0
     frames_out: int = 0
     settle_frames: int = 0
@@ -103,6 +132,8 @@ class Dispatcher:
         dead_letter: Callable[[DeadLetter], None],
         *,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        already_settled: Collection[int] = (),
     ) -> None:
         self._topic = settings.kafka.topic
         self._partition = partition
@@ -112,13 +143,23 @@ class Dispatcher:
         # every few settled messages (each fetch round trip has a fixed cost).
         self._refill = max(1, min(settings.kafka.fetch_batch, self._max_messages // 4))
         self._max_attempts = settings.delivery.max_attempts
+        self._ack_deadline_s = settings.delivery.ack_deadline_s
+        self._retry = settings.retry
+        self._ordered = settings.delivery.ordering == "key"
         self._max_record_bytes = settings.server.max_frame_bytes - FRAME_OVERHEAD_BYTES
         self._tracker = tracker
         self._dead_letter = dead_letter
         self._clock = clock
+        self._monotonic = monotonic
+        self._skip = set(already_settled)
+        """Offsets a previous run settled above its committed offset (commit metadata)."""
         self._entries: dict[int, Entry] = {}
         self._ready: deque[Entry] = deque()
         self._sessions: list[Session] = []
+        self._leases: Timers[int] = Timers()
+        self._backoffs: Timers[int] = Timers()
+        self._key_owner: dict[bytes, Entry] = {}
+        self._key_waiting: dict[bytes, deque[Entry]] = {}
         self._bytes = 0
         self.counters = Counters()
         self.room = asyncio.Event()
@@ -176,20 +217,31 @@ class Dispatcher:
     def add(self, records: Iterable[Record]) -> None:
         """Take freshly fetched records (in offset order) into the window and deliver."""
         track = self._tracker.track
+        skip = self._skip
         for record in records:
-            track(record.offset)
+            offset = record.offset
+            track(offset)
+            if skip and offset in skip:
+                # Settled by a previous run above its committed offset: not again.
+                skip.discard(offset)
+                self._tracker.settle(offset)
+                self.counters.skipped_settled += 1
+                continue
             entry = Entry(record)
-            self._entries[record.offset] = entry
+            self._entries[offset] = entry
             self._bytes += entry.size
             self.counters.fetched += 1
             if entry.size > self._max_record_bytes:
                 entry.attempt = 1
                 self._to_dead_letter(
-                    entry,
-                    f"message of {entry.size} bytes exceeds server.max_frame_bytes",
-                    "",
+                    entry, f"message of {entry.size} bytes exceeds server.max_frame_bytes", ""
                 )
+            elif self._ordered and record.key is not None and record.key in self._key_owner:
+                entry.state = EntryState.WAITING
+                self._key_waiting.setdefault(record.key, deque()).append(entry)
             else:
+                if self._ordered and record.key is not None:
+                    self._key_owner[record.key] = entry
                 self._ready.append(entry)
         self._update_window_events()
         self._pump()
@@ -205,7 +257,7 @@ class Dispatcher:
         return session
 
     def close_session(self, session: Session) -> None:
-        """The instance is gone: give back what it held (attempt used up) or dead-letter it.
+        """The instance is gone: each held delivery failed (attempt used up).
 
         A gracefully stopping instance first releases what it never started (`release`),
         so only deliveries that may have reached a handler count as attempts here.
@@ -217,20 +269,13 @@ class Dispatcher:
         self.counters.sessions_closed += 1
         held = sorted(session.held.values(), key=lambda e: e.record.offset)
         session.held.clear()
+        cause = f"instance {session.consumer_id} disconnected while handling it"
         back: list[Entry] = []
         for entry in held:
-            entry.holder = None
-            if entry.attempt >= self._max_attempts:
-                self._to_dead_letter(
-                    entry,
-                    f"delivery attempts exhausted: instance {session.consumer_id} "
-                    "disconnected while handling it",
-                    session.consumer_id,
-                )
-            else:
-                entry.state = EntryState.READY
+            self._leases.cancel(entry.record.offset)
+            if self._failed(entry, cause, session.consumer_id):
                 back.append(entry)
-        self._ready.extendleft(reversed(back))
+        self._requeue_front(back)
         logger.info(
             "instance %s disconnected; %d records back to the queue",
             session.consumer_id,
@@ -254,15 +299,20 @@ class Dispatcher:
         held = session.held
         entries = self._entries
         settle = self._tracker.settle
+        cancel = self._leases.cancel
+        ordered = self._ordered
         freed = 0
         for offset in acks:
             entry = held.pop(offset, None)
             if entry is None:
                 rejected.append(offset)
                 continue
+            cancel(offset)
             settle(offset)
             del entries[offset]
             freed += entry.size
+            if ordered:
+                self._release_key(entry)
         self._bytes -= freed
         self.counters.acked += len(acks) - len(rejected)
         for nack in nacks:
@@ -270,14 +320,16 @@ class Dispatcher:
             if entry is None:
                 rejected.append(nack.offset)
                 continue
+            cancel(nack.offset)
             self.counters.nacked += 1
-            entry.holder = None
             reason = nack.reason[:REASON_MAX_CHARS] or "nacked without a reason"
-            if nack.retry and entry.attempt < self._max_attempts:
-                entry.state = EntryState.READY
-                self._ready.append(entry)
-            else:
+            if not nack.retry:
                 self._to_dead_letter(entry, reason, session.consumer_id)
+            elif self._failed(entry, reason, session.consumer_id):
+                self.counters.retried += 1
+                entry.state = EntryState.BACKOFF
+                delay = retry_delay(entry.attempt, self._retry)
+                self._backoffs.schedule(nack.offset, self._monotonic() + delay)
         if rejected:
             self.counters.rejected += len(rejected)
             logger.warning(
@@ -288,6 +340,17 @@ class Dispatcher:
         self._update_window_events()
         self._pump()
         return rejected
+
+    def extend(self, session: Session, offsets: Sequence[int]) -> None:
+        """The instance is still working on these: push their ack deadlines out."""
+        deadline = self._monotonic() + self._ack_deadline_s
+        held = session.held
+        n = 0
+        for offset in offsets:
+            if offset in held:
+                self._leases.schedule(offset, deadline)
+                n += 1
+        self.counters.extended += n
 
     def release(self, session: Session, offsets: Sequence[int]) -> list[int]:
         """The instance is stopping: take back what it never started, send it nothing more.
@@ -302,21 +365,40 @@ class Dispatcher:
             if entry is None:
                 rejected.append(offset)
                 continue
+            self._leases.cancel(offset)
             entry.holder = None
             entry.attempt -= 1
-            entry.state = EntryState.READY
             back.append(entry)
-        back.sort(key=lambda e: e.record.offset)
-        self._ready.extendleft(reversed(back))
+        self._requeue_front(back)
         self.counters.released += len(back)
         self.counters.rejected += len(rejected)
         self._update_window_events()
         self._pump()
         return rejected
 
+    def _failed(self, entry: Entry, cause: str, consumer_id: str) -> bool:
+        """A delivery of `entry` failed: True to redeliver, False if it was dead-lettered."""
+        entry.holder = None
+        entry.last_cause = cause
+        if after_failure(entry.attempt, self._max_attempts) is Outcome.DEAD_LETTER:
+            self._to_dead_letter(
+                entry, f"delivery attempts exhausted ({entry.attempt}): {cause}", consumer_id
+            )
+            return False
+        return True
+
+    def _requeue_front(self, entries: list[Entry]) -> None:
+        entries.sort(key=lambda e: e.record.offset)
+        for entry in entries:
+            entry.state = EntryState.READY
+        self._ready.extendleft(reversed(entries))
+
     def _to_dead_letter(self, entry: Entry, reason: str, consumer_id: str) -> None:
         entry.state = EntryState.DEAD_LETTERING
+        entry.holder = None
         self._dead_lettering += 1
+        if self._ordered:
+            self._release_key(entry)  # it is out of the consumers' hands: the key moves on
         self._dead_letter(
             DeadLetter(
                 record=entry.record,
@@ -326,6 +408,22 @@ class Dispatcher:
                 dead_lettered_at_ms=int(self._clock() * 1000),
             )
         )
+
+    def _release_key(self, entry: Entry) -> None:
+        """Ordering by key: `entry` is done; the next record with its key may go."""
+        key = entry.record.key
+        if key is None or self._key_owner.get(key) is not entry:
+            return
+        waiting = self._key_waiting.get(key)
+        if not waiting:
+            del self._key_owner[key]
+            return
+        successor = waiting.popleft()
+        if not waiting:
+            del self._key_waiting[key]
+        self._key_owner[key] = successor
+        successor.state = EntryState.READY
+        self._ready.append(successor)
 
     def dead_letter_written(self, dl: DeadLetter) -> None:
         """The writer made `dl` durable: only now may its offset count as settled."""
@@ -339,6 +437,42 @@ class Dispatcher:
         self._tracker.settle(offset)
         self.counters.dead_lettered += 1
         self._update_window_events()
+        self._pump()
+
+    # --- timers -----------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Expire overdue leases and make due retries ready again."""
+        now = self._monotonic()
+        back: list[Entry] = []
+        for offset in self._leases.pop_due(now):
+            entry = self._entries.get(offset)
+            if entry is None or entry.holder is None:
+                continue
+            session = entry.holder
+            del session.held[offset]
+            self.counters.expired += 1
+            cause = (
+                f"ack deadline of {self._ack_deadline_s:g} s passed at instance "
+                f"{session.consumer_id}"
+            )
+            if self._failed(entry, cause, session.consumer_id):
+                back.append(entry)
+        if back:
+            logger.warning("%d deliveries passed their ack deadline; redelivering", len(back))
+            self._requeue_front(back)
+        for offset in self._backoffs.pop_due(now):
+            entry = self._entries.get(offset)
+            if entry is not None and entry.state is EntryState.BACKOFF:
+                entry.state = EntryState.READY
+                self._ready.appendleft(entry)
+        self._update_window_events()
+        self._pump()
+
+    async def run_timers(self, closing: asyncio.Event) -> None:
+        """Tick until `closing` is set (owned by the proxy's task group)."""
+        while not await wait_any(closing, timeout=TICK_S):
+            self.tick()
 
     # --- delivery ---------------------------------------------------------------------
 
@@ -363,6 +497,8 @@ class Dispatcher:
         budget = 0
         held = session.held
         redelivered = 0
+        schedule = self._leases.schedule
+        deadline = self._monotonic() + self._ack_deadline_s
         for entry in batch:
             if budget and budget + entry.size > FRAME_BUDGET_BYTES:
                 session.outbox.put_nowait(frame)
@@ -381,6 +517,7 @@ class Dispatcher:
             entry.holder = session
             record = entry.record
             held[record.offset] = entry
+            schedule(record.offset, deadline)
             # Setting fields one by one is ~20% cheaper than add(**kwargs) (measured).
             delivery = add()
             delivery.offset = record.offset

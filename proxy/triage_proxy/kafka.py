@@ -44,16 +44,19 @@ BROKER_TIMEOUT_S = 10.0
 class PartitionLog(Protocol):
     """What the proxy needs from Kafka for the one partition it owns."""
 
-    def open(self) -> int:
-        """Connect, assign the partition at its committed position; return that offset."""
+    def open(self) -> tuple[int, str | None]:
+        """Connect, assign the partition at its committed position.
+
+        Returns that offset and the metadata committed with it (None if none was kept).
+        """
         ...
 
     def fetch(self, max_records: int) -> list[Record]:
         """Return the next records in offset order (possibly none after a short wait)."""
         ...
 
-    def commit(self, offset: int) -> None:
-        """Synchronously commit `offset` (the next offset to process)."""
+    def commit(self, offset: int, metadata: str | None = None) -> None:
+        """Synchronously commit `offset` (the next offset to process) with `metadata`."""
         ...
 
     def close(self) -> None: ...
@@ -93,7 +96,8 @@ class ConfluentPartition:
     def _on_error(err: KafkaError) -> None:
         logger.warning("kafka: %s", err.str())
 
-    def open(self) -> int:
+    def open(self) -> tuple[int, str | None]:
+        metadata: str | None = None
         try:
             consumer = Consumer(self._config())
             committed = consumer.committed([self._tp], timeout=BROKER_TIMEOUT_S)[0]
@@ -104,12 +108,13 @@ class ConfluentPartition:
                 start = max(low, 0)
             else:
                 start = committed.offset
+                metadata = committed.metadata
             consumer.assign([TopicPartition(self._tp.topic, self._tp.partition, start)])
         except KafkaException as exc:
             raise BrokerUnavailable(f"opening {self._tp.topic}[{self._tp.partition}]") from exc
         self._consumer = consumer
         logger.info("assigned %s[%d] at offset %d", self._tp.topic, self._tp.partition, start)
-        return start
+        return start, metadata
 
     def fetch(self, max_records: int) -> list[Record]:
         consumer = self._consumer
@@ -150,8 +155,8 @@ class ConfluentPartition:
             )
         return records
 
-    def commit(self, offset: int) -> None:
-        tp = TopicPartition(self._tp.topic, self._tp.partition, offset)
+    def commit(self, offset: int, metadata: str | None = None) -> None:
+        tp = TopicPartition(self._tp.topic, self._tp.partition, offset, metadata=metadata)
         try:
             result = self._consumer.commit(offsets=[tp], asynchronous=False)
         except KafkaException as exc:
@@ -191,7 +196,8 @@ class MemoryPartition:
         self.partition = partition
         self.log: list[Record] = []
         self.committed = committed
-        self.commits: list[int] = []
+        self.metadata: str | None = None
+        self.commits: list[tuple[int, str | None]] = []
         self.closed = False
         self._position = committed
 
@@ -203,9 +209,9 @@ class MemoryPartition:
             offset = self.log[-1].offset + 1 if self.log else 0
         self.log.append(Record(self.topic, self.partition, offset, key, value, (), 0))
 
-    def open(self) -> int:
+    def open(self) -> tuple[int, str | None]:
         self._position = self.committed
-        return self.committed
+        return self.committed, self.metadata
 
     def fetch(self, max_records: int) -> list[Record]:
         out = [r for r in self.log if r.offset >= self._position][:max_records]
@@ -215,9 +221,10 @@ class MemoryPartition:
             self._position = out[-1].offset + 1
         return out
 
-    def commit(self, offset: int) -> None:
+    def commit(self, offset: int, metadata: str | None = None) -> None:
         self.committed = offset
-        self.commits.append(offset)
+        self.metadata = metadata
+        self.commits.append((offset, metadata))
 
     def close(self) -> None:
         self.closed = True

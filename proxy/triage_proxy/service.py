@@ -148,7 +148,7 @@ class TriageService(pb_grpc.TriageServicer):
                             )
                         )
                 elif kind == "extend":
-                    pass  # leases arrive with the delivery-guarantees work
+                    dispatcher.extend(session, frame.extend.offsets)
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as exc:

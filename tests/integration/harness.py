@@ -87,7 +87,8 @@ def dead_letters(settings: Settings) -> list[DeadLetter]:
             if "LastEvaluatedKey" not in page:
                 break
             kwargs["ExclusiveStartKey"] = page["LastEvaluatedKey"]
-        return sorted((dead_letter_from_item(i) for i in items), key=lambda d: d.record.offset)
+        letters = (dead_letter_from_item(i) for i in items if int(i["offset"]["N"]) >= 0)
+        return sorted(letters, key=lambda d: d.record.offset)
     finally:
         client.close()
 

@@ -57,7 +57,8 @@ def test_out_of_order_acks_commit_only_the_contiguous_prefix(
             assert [d.offset for d in got] == [0, 1, 2, 3, 4]
             consumer.settle(acks=[1, 2, 4])
             await asyncio.sleep(0.5)  # several commit intervals
-            assert committed(broker.bootstrap, settings.kafka.group_id, topic) < 0
+            # Offset 0 may be committed (carrying the settled-above encoding), never past it.
+            assert committed(broker.bootstrap, settings.kafka.group_id, topic) <= 0
             consumer.settle(acks=[0])
             assert await await_until(
                 lambda: committed(broker.bootstrap, settings.kafka.group_id, topic) == 3
@@ -208,7 +209,7 @@ def test_nack_is_in_dynamodb_before_the_commit_passes_it(
                 try:
                     consumer.settle(acks=[1, 2, 3], nacks=[(0, "ValueError: bad")])
                     await asyncio.sleep(1.5)
-                    assert committed(broker.bootstrap, group, topic) < 0
+                    assert committed(broker.bootstrap, group, topic) <= 0
                     assert proxy.dispatcher is not None
                     assert proxy.dispatcher.in_window == 1
                 finally:

@@ -17,19 +17,45 @@ BASE = {
 }
 
 
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def make(
-    *, max_messages: int = 1000, max_attempts: int = 3, max_frame_bytes: int = 1 << 20
+    *,
+    max_messages: int = 1000,
+    max_attempts: int = 3,
+    max_frame_bytes: int = 1 << 20,
+    ordering: str = "none",
+    clock: Clock | None = None,
+    already_settled: tuple[int, ...] = (),
 ) -> tuple[Dispatcher, CommitTracker, list[DeadLetter]]:
     raw = {
         **BASE,
         "window": {"max_messages": max_messages},
-        "delivery": {"max_attempts": max_attempts},
+        "delivery": {"max_attempts": max_attempts, "ack_deadline_s": 10, "ordering": ordering},
+        "retry": {"initial_backoff_s": 1, "multiplier": 2, "max_backoff_s": 3},
         "server": {"max_frame_bytes": max_frame_bytes},
     }
     settings: Settings = settings_from_dict(raw, {})
     tracker = CommitTracker(0)
     dead: list[DeadLetter] = []
-    return Dispatcher(settings, 0, tracker, dead.append, clock=lambda: 1.5), tracker, dead
+    dispatcher = Dispatcher(
+        settings,
+        0,
+        tracker,
+        dead.append,
+        clock=lambda: 1.5,
+        monotonic=clock or Clock(),
+        already_settled=already_settled,
+    )
+    return dispatcher, tracker, dead
 
 
 def records(start: int, stop: int, value: bytes = b"v") -> list[Record]:
@@ -135,20 +161,39 @@ def test_crash_type_poison_pill_is_dead_lettered_after_max_attempts() -> None:
         d.close_session(s)
     assert len(dead) == 1
     assert dead[0].attempts == 3
-    assert "disconnected" in dead[0].reason
+    assert dead[0].reason == (
+        "delivery attempts exhausted (3): instance i3 disconnected while handling it"
+    )
     d.dead_letter_written(dead[0])
     assert tracker.committable == 1
 
 
-def test_retry_nack_redelivers_until_attempts_run_out() -> None:
-    d, _, dead = make(max_attempts=2)
+def test_retry_nack_waits_out_its_backoff_without_blocking_others() -> None:
+    clock = Clock()
+    d, _, dead = make(max_attempts=3, clock=clock)
     s = d.open_session("a", 1)
-    d.add(records(0, 1))
-    assert drain(s)[0].attempt == 1
+    d.add(records(0, 2))
+    assert [x.offset for x in drain(s)] == [0]
     d.settle(s, [], [nack(0, "Retry: later", retry=True)])
-    assert drain(s)[0].attempt == 2
+    assert [(x.offset, x.attempt) for x in drain(s)] == [(1, 1)]  # not blocked by 0
+    d.settle(s, [1], [])
+    clock.now += 0.9
+    d.tick()
+    assert drain(s) == []  # initial backoff is 1 s
+    clock.now += 0.2
+    d.tick()
+    assert [(x.offset, x.attempt) for x in drain(s)] == [(0, 2)]
     d.settle(s, [], [nack(0, "Retry: later", retry=True)])
-    assert [x.attempts for x in dead] == [2]
+    clock.now += 1.5
+    d.tick()
+    assert drain(s) == []  # second backoff is 2 s
+    clock.now += 0.6
+    d.tick()
+    assert [x.attempt for x in drain(s)] == [3]
+    d.settle(s, [], [nack(0, "TimeoutError: still down", retry=True)])
+    assert [(x.attempts, x.reason) for x in dead] == [
+        (3, "delivery attempts exhausted (3): TimeoutError: still down")
+    ]
 
 
 def test_full_window_clears_room_until_settled() -> None:
@@ -229,3 +274,101 @@ def test_released_deliveries_come_back_without_using_an_attempt() -> None:
     b = d.open_session("b", 3)
     assert [(x.offset, x.attempt) for x in drain(b)] == [(1, 1), (2, 1)]
     assert not dead
+
+
+def test_expired_lease_redelivers_and_a_late_ack_is_rejected() -> None:
+    clock = Clock()
+    d, tracker, _ = make(clock=clock)
+    a = d.open_session("a", 1)
+    b = d.open_session("b", 1)
+    d.add(records(0, 1))
+    assert [x.attempt for x in drain(a)] == [1]
+    a.credits = 0  # a is stuck; it takes nothing more
+    d.add(records(1, 2))
+    assert [x.offset for x in drain(b)] == [1]
+    clock.now += 5
+    d.extend(b, [1])
+    clock.now += 5.1
+    d.tick()  # a's lease on 0 expired; b's on 1 was extended
+    assert d.counters.expired == 1
+    d.settle(b, [1], [])
+    assert [(x.offset, x.attempt) for x in drain(b)] == [(0, 2)]
+    assert d.settle(a, [0], []) == [0]  # late: its lease expired, b holds it now
+    assert tracker.committable == 0
+    assert d.settle(b, [0], []) == []
+    assert tracker.committable == 2
+
+
+def test_extend_keeps_a_long_delivery_from_expiring() -> None:
+    clock = Clock()
+    d, _, _ = make(clock=clock)
+    a = d.open_session("a", 1)
+    d.add(records(0, 1))
+    drain(a)
+    for _ in range(5):
+        clock.now += 6
+        d.extend(a, [0, 99])  # 99 is not held: ignored
+        d.tick()
+    assert d.counters.expired == 0
+    assert d.counters.extended == 5
+    clock.now += 10.1
+    d.tick()
+    assert d.counters.expired == 1
+
+
+def test_expiry_counts_as_an_attempt_until_dead_lettered() -> None:
+    clock = Clock()
+    d, _, dead = make(max_attempts=2, clock=clock)
+    a = d.open_session("a", 1)
+    d.add(records(0, 1))
+    for _ in range(2):
+        drain(a)
+        clock.now += 11
+        d.tick()
+    assert [x.attempts for x in dead] == [2]
+    assert "ack deadline of 10 s passed at instance a" in dead[0].reason
+
+
+def key_records(keys: list[bytes | None]) -> list[Record]:
+    return [Record("t", 0, o, k, b"v", (), 0) for o, k in enumerate(keys)]
+
+
+def test_ordering_by_key_never_has_a_key_in_flight_twice() -> None:
+    d, tracker, dead = make(ordering="key")
+    a = d.open_session("a", 10)
+    d.add(key_records([b"x", b"y", b"x", None, None, b"x", b"y"]))
+    assert [x.offset for x in drain(a)] == [0, 1, 3, 4]
+    d.settle(a, [1], [])
+    assert [x.offset for x in drain(a)] == [6]
+    d.settle(a, [], [nack(0, "boom")])  # dead-lettering moves the key on
+    assert [x.offset for x in drain(a)] == [2]
+    d.settle(a, [2], [])
+    assert [x.offset for x in drain(a)] == [5]
+    d.dead_letter_written(dead[0])
+    d.settle(a, [3, 4, 5, 6], [])
+    assert tracker.committable == 7
+
+
+def test_ordering_by_key_holds_the_key_through_retries_and_disconnects() -> None:
+    clock = Clock()
+    d, _, _ = make(ordering="key", clock=clock)
+    a = d.open_session("a", 10)
+    d.add(key_records([b"k", b"k"]))
+    assert [x.offset for x in drain(a)] == [0]
+    d.settle(a, [], [nack(0, "later", retry=True)])
+    clock.now += 5
+    d.tick()
+    assert [(x.offset, x.attempt) for x in drain(a)] == [(0, 2)]
+    d.close_session(a)
+    b = d.open_session("b", 10)
+    assert [(x.offset, x.attempt) for x in drain(b)] == [(0, 3)]
+
+
+def test_offsets_settled_by_a_previous_run_are_not_delivered() -> None:
+    d, tracker, _ = make(already_settled=(1, 3))
+    a = d.open_session("a", 10)
+    d.add(records(0, 5))
+    assert [x.offset for x in drain(a)] == [0, 2, 4]
+    d.settle(a, [0, 2, 4], [])
+    assert tracker.committable == 5
+    assert d.counters.skipped_settled == 2

@@ -1,0 +1,103 @@
+"""Where the settled-above-committed checkpoint survives a restart besides Kafka.
+
+The encoding (checkpoint.py) rides in the commit's metadata, which Apache Kafka,
+MSK, Confluent Cloud and Redpanda keep. Some brokers drop it: Tansu 0.6 (the
+embedded broker) accepts a commit's metadata and returns null on fetch. So the
+committer also writes the same text, tagged with the committed offset it belongs
+to, to one item of the dead-letter table; a restarting proxy uses it only when that
+offset equals Kafka's committed offset, so a stale item is never trusted.
+
+Item: `source` = "<topic>#<partition>#checkpoint#<group>" (topic names cannot hold
+'#', so it never collides with a dead letter's "<topic>#<partition>"), `offset` = -1,
+`committed` (N), `settled` (S), `updated_at` (S). Tools listing dead letters skip
+items whose `offset` is negative.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime
+from typing import Protocol
+
+from triage_proxy.deadletter import dynamodb_client
+from triage_proxy.errors import DeadLetterUnavailable
+from triage_proxy.settings import DeadLetterSettings
+
+CHECKPOINT_OFFSET = -1
+
+
+def checkpoint_source(topic: str, partition: int, group: str) -> str:
+    return f"{topic}#{partition}#checkpoint#{group}"
+
+
+class CheckpointStore(Protocol):
+    """Sync; called from a worker thread."""
+
+    def put(self, committed: int, settled: str) -> None: ...
+
+    def get(self) -> tuple[int, str] | None: ...
+
+    def close(self) -> None: ...
+
+
+class DynamoDBCheckpoints:
+    """One item per (topic, partition, group) in the dead-letter table."""
+
+    def __init__(
+        self, settings: DeadLetterSettings, topic: str, partition: int, group: str
+    ) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        self._errors = (BotoCoreError, ClientError)
+        self._table = settings.table
+        self._key = {
+            "source": {"S": checkpoint_source(topic, partition, group)},
+            "offset": {"N": str(CHECKPOINT_OFFSET)},
+        }
+        self._client = dynamodb_client(settings)
+
+    def put(self, committed: int, settled: str) -> None:
+        item = {
+            **self._key,
+            "committed": {"N": str(committed)},
+            "settled": {"S": settled},
+            "updated_at": {"S": datetime.now(UTC).isoformat()},
+        }
+        try:
+            self._client.put_item(TableName=self._table, Item=item)
+        except self._errors as exc:
+            raise DeadLetterUnavailable("writing the commit checkpoint failed") from exc
+
+    def get(self) -> tuple[int, str] | None:
+        try:
+            found = self._client.get_item(TableName=self._table, Key=self._key, ConsistentRead=True)
+        except self._errors as exc:
+            raise DeadLetterUnavailable("reading the commit checkpoint failed") from exc
+        item = found.get("Item")
+        if item is None:
+            return None
+        return int(item["committed"]["N"]), item["settled"]["S"]
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class MemoryCheckpoints:
+    """In-memory twin for unit tests."""
+
+    def __init__(self) -> None:
+        self.value: tuple[int, str] | None = None
+        self.puts = 0
+        self._lock = threading.Lock()
+
+    def put(self, committed: int, settled: str) -> None:
+        with self._lock:
+            self.value = (committed, settled)
+            self.puts += 1
+
+    def get(self) -> tuple[int, str] | None:
+        with self._lock:
+            return self.value
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,152 @@
+"""Retry policy: worked examples, validation, and hypothesis properties."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from triage_proxy.policies import Outcome, after_failure, retry_delay
+from triage_proxy.settings import RetrySettings
+
+
+def reference_delay(attempt: int, s: RetrySettings) -> float:
+    """The formula written out the obvious way (fine for attempts that cannot overflow)."""
+    return min(s.max_backoff_s, s.initial_backoff_s * s.multiplier ** (attempt - 1))
+
+
+def test_default_schedule() -> None:
+    s = RetrySettings()  # 1 s, doubling, capped at 60 s
+    got = [retry_delay(attempt, s) for attempt in range(1, 10)]
+    assert got == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0]
+
+
+def test_fractional_multiplier() -> None:
+    s = RetrySettings(initial_backoff_s=0.1, max_backoff_s=10.0, multiplier=1.5)
+    assert retry_delay(1, s) == 0.1
+    assert retry_delay(2, s) == pytest.approx(0.15)
+    assert retry_delay(3, s) == pytest.approx(0.225)
+    assert retry_delay(50, s) == 10.0
+
+
+def test_multiplier_one_is_constant() -> None:
+    s = RetrySettings(initial_backoff_s=2.5, max_backoff_s=60.0, multiplier=1.0)
+    assert {retry_delay(a, s) for a in (1, 2, 10, 10**30)} == {2.5}
+
+
+def test_initial_above_cap_is_capped() -> None:
+    s = RetrySettings(initial_backoff_s=90.0, max_backoff_s=60.0, multiplier=2.0)
+    assert retry_delay(1, s) == 60.0
+    assert retry_delay(5, s) == 60.0
+
+
+@pytest.mark.parametrize("attempt", [10**4, 10**18, 10**400])
+def test_huge_attempts_do_not_overflow(attempt: int) -> None:
+    assert retry_delay(attempt, RetrySettings()) == 60.0
+
+
+def test_multiplier_barely_above_one() -> None:
+    # ln(60) / ln(1.0000001) is about 4.1e7 steps to the cap.
+    barely = RetrySettings(initial_backoff_s=1.0, max_backoff_s=60.0, multiplier=1.0000001)
+    assert retry_delay(10**4, barely) == pytest.approx(1.0000001**9999)
+    assert retry_delay(4 * 10**7, barely) < 60.0
+    for attempt in (5 * 10**7, 10**18, 10**400):
+        assert retry_delay(attempt, barely) == 60.0
+
+
+def test_extreme_cap_to_initial_ratio_does_not_overflow() -> None:
+    s = RetrySettings(initial_backoff_s=1e-300, max_backoff_s=1e300, multiplier=10.0)
+    assert retry_delay(1, s) == 1e-300
+    assert retry_delay(301, s) == pytest.approx(1.0)
+    assert retry_delay(601, s) == pytest.approx(1e300)
+    assert retry_delay(10**9, s) == 1e300
+
+
+@pytest.mark.parametrize("attempt", [0, -1])
+def test_attempt_must_be_positive(attempt: int) -> None:
+    with pytest.raises(ValueError, match="attempt"):
+        retry_delay(attempt, RetrySettings())
+
+
+@pytest.mark.parametrize(
+    "s",
+    [
+        RetrySettings(initial_backoff_s=0.0),
+        RetrySettings(initial_backoff_s=-1.0),
+        RetrySettings(max_backoff_s=math.inf),
+        RetrySettings(initial_backoff_s=math.nan),
+        RetrySettings(multiplier=0.5),
+        RetrySettings(multiplier=math.nan),
+        RetrySettings(multiplier=math.inf),
+    ],
+)
+def test_nonsense_settings_raise(s: RetrySettings) -> None:
+    with pytest.raises(ValueError, match="must be"):
+        retry_delay(3, s)
+
+
+SECONDS = st.floats(min_value=1e-3, max_value=1e4)
+SETTINGS = st.builds(
+    RetrySettings,
+    initial_backoff_s=SECONDS,
+    max_backoff_s=SECONDS,
+    multiplier=st.one_of(st.just(1.0), st.floats(min_value=1.0, max_value=10.0)),
+)
+ATTEMPTS = st.integers(min_value=1, max_value=200)
+
+
+@given(s=SETTINGS, attempt=ATTEMPTS)
+def test_matches_the_formula(s: RetrySettings, attempt: int) -> None:
+    assert math.isclose(retry_delay(attempt, s), reference_delay(attempt, s), rel_tol=1e-9)
+
+
+@given(s=SETTINGS, attempt=st.one_of(ATTEMPTS, st.integers(min_value=1, max_value=10**30)))
+def test_monotone_and_never_above_cap(s: RetrySettings, attempt: int) -> None:
+    now = retry_delay(attempt, s)
+    after = retry_delay(attempt + 1, s)
+    assert 0 < now <= after <= s.max_backoff_s
+
+
+@given(s=SETTINGS)
+def test_first_is_initial_or_cap(s: RetrySettings) -> None:
+    assert retry_delay(1, s) == min(s.initial_backoff_s, s.max_backoff_s)
+
+
+@given(s=SETTINGS)
+def test_eventually_reaches_cap_exactly(s: RetrySettings) -> None:
+    if s.multiplier > 1 or s.initial_backoff_s >= s.max_backoff_s:
+        assert retry_delay(10**6, s) == s.max_backoff_s
+
+
+# -- after_failure ------------------------------------------------------------------------
+
+
+def test_after_failure_examples() -> None:
+    assert after_failure(1, 5) is Outcome.REDELIVER
+    assert after_failure(4, 5) is Outcome.REDELIVER
+    assert after_failure(5, 5) is Outcome.DEAD_LETTER
+    assert after_failure(6, 5) is Outcome.DEAD_LETTER
+    assert after_failure(1, 1) is Outcome.DEAD_LETTER
+
+
+@pytest.mark.parametrize(("attempt", "max_attempts"), [(0, 5), (-3, 5), (1, 0), (2, -1)])
+def test_after_failure_rejects_nonsense(attempt: int, max_attempts: int) -> None:
+    with pytest.raises(ValueError, match="must be >= 1"):
+        after_failure(attempt, max_attempts)
+
+
+@given(max_attempts=st.integers(1, 10**6), attempt=st.integers(1, 10**6))
+def test_after_failure_boundary(max_attempts: int, attempt: int) -> None:
+    expected = Outcome.REDELIVER if attempt < max_attempts else Outcome.DEAD_LETTER
+    assert after_failure(attempt, max_attempts) is expected
+
+
+@given(max_attempts=st.integers(1, 1000))
+def test_exactly_max_attempts_deliveries_before_dead_letter(max_attempts: int) -> None:
+    # Walk one message through its failures: it is delivered max_attempts times in all.
+    deliveries = 1
+    while after_failure(deliveries, max_attempts) is Outcome.REDELIVER:
+        deliveries += 1
+    assert deliveries == max_attempts
