@@ -3,8 +3,10 @@
     python client_lib/examples/consumer.py --target localhost:7700 --token TOKEN [--concurrency N]
 
 Returning from the handler acks the message; raising nacks it, and the proxy writes it to the
-dead-letter table instead of blocking the partition. Ctrl-C or SIGTERM stops gracefully:
-running handlers finish and their settlements are sent before the process exits.
+dead-letter table instead of blocking the partition. Values starting with b"busy" raise
+TimeoutError, which `retry_on` makes a retryable nack: the proxy redelivers them after a
+backoff. Ctrl-C or SIGTERM stops gracefully: running handlers finish and their settlements
+are sent before the process exits.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ async def handle(message: Message) -> None:
     )
     if value.startswith(b"poison"):
         raise PoisonPill(f"cannot process offset {message.offset}")
+    if value.startswith(b"busy"):
+        raise TimeoutError(f"downstream busy for offset {message.offset}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
-    consumer = Consumer(args.target, args.token, handle, concurrency=args.concurrency)
+    consumer = Consumer(
+        args.target,
+        args.token,
+        handle,
+        concurrency=args.concurrency,
+        retry_on=(TimeoutError,),
+    )
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: consumer.stop())
     try:
@@ -52,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     stats = consumer.stats
-    print(f"stopped: {stats.acked} acked, {stats.nacked} nacked, {stats.dropped} released")
+    print(
+        f"stopped: {stats.acked} acked, {stats.nacked} nacked, {stats.dropped} released, "
+        f"{stats.extended} lease extensions"
+    )
     return 0
 
 

@@ -16,6 +16,14 @@ drains (the moment the proxy's next batch is needed).
 A broken stream is reopened with capped, jittered backoff. Each stream is an epoch: results
 of handlers that started on an earlier stream are dropped and counted, never settled on the
 new stream, because the proxy redelivers whatever the broken stream held.
+
+Leases: the proxy redelivers a delivery left unsettled for the Welcome's `ack_deadline_ms`.
+Every third of that deadline one Extend frame lists the offsets whose handlers are running
+right then (started, not finished), so long work keeps its lease; a per-stream ticker task
+asks for it and the writer builds and sends it, so frames never interleave and an offset is
+never extended after its settlement was sent. Queued, unstarted deliveries are not extended:
+at most `prefetch` wait, each for a free handler slot, which takes well under the deadline
+unless every slot is busy with work that long (then lower `prefetch`; prefetch=0 queues none).
 """
 
 from __future__ import annotations
@@ -45,7 +53,8 @@ __all__ = ["Consumer", "Handler", "backoff_delay"]
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[Message], Any] | Callable[[Message], Awaitable[Any]]
-"""Returning acks the message; raising nacks it (raise `Retry` to ask for redelivery)."""
+"""Returning acks the message; raising nacks it (raise `Retry`, or an exception the Consumer's
+`retry_on` lists, to ask for redelivery)."""
 _AsyncHandler = Callable[[Message], Awaitable[Any]]
 # grpc.aio's classes are generic only in the type stubs, hence the string.
 _Call: TypeAlias = "grpc.aio.StreamStreamCall[triage_pb2.ConsumerFrame, triage_pb2.ProxyFrame]"
@@ -104,8 +113,10 @@ def _reason(exc: BaseException) -> str:
     return text.encode("utf-8", "replace").decode("utf-8")
 
 
-def _nack(offset: int, exc: BaseException) -> triage_pb2.Nack:
-    return triage_pb2.Nack(offset=offset, reason=_reason(exc), retry=isinstance(exc, Retry))
+def _nack(
+    offset: int, exc: BaseException, retry_on: tuple[type[BaseException], ...]
+) -> triage_pb2.Nack:
+    return triage_pb2.Nack(offset=offset, reason=_reason(exc), retry=isinstance(exc, retry_on))
 
 
 def _is_async(handler: Handler) -> bool:
@@ -126,6 +137,13 @@ class Consumer:
     A Consumer runs once. Shutdown order on stop(): stop taking deliveries (queued ones are
     released for the proxy to redeliver) -> wait for running handlers -> send their
     settlements -> half-close the stream -> wait for the proxy to end it -> return.
+
+    A handler that raises `Retry`, or an instance of a class in `retry_on`, nacks with
+    retry=True: the proxy redelivers the message after its backoff (until its attempt limit).
+    Any other exception nacks with retry=False: the proxy dead-letters the message now.
+    While a handler runs, its lease is extended automatically every third of the proxy's ack
+    deadline, however long it takes; deliveries still queued are not extended (see the
+    module docstring).
     """
 
     def __init__(
@@ -139,6 +157,7 @@ class Consumer:
         consumer_id: str | None = None,
         secure: bool = False,
         max_backoff: float = DEFAULT_MAX_BACKOFF_S,
+        retry_on: tuple[type[BaseException], ...] = (),
     ) -> None:
         """Configure, without connecting.
 
@@ -148,6 +167,8 @@ class Consumer:
         consumer_id: stable instance name recorded on dead letters (default: host-pid).
         secure: TLS with the system's root certificates.
         max_backoff: longest wait, in seconds, between reconnect attempts.
+        retry_on: exception classes (subclasses included) that nack with retry=True, as
+            `Retry` always does, e.g. `(TimeoutError, ConnectionError)` for a flaky downstream.
         """
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
@@ -158,6 +179,9 @@ class Consumer:
             raise ValueError("concurrency + prefetch does not fit the protocol's uint32 credits")
         if max_backoff <= 0:
             raise ValueError(f"max_backoff must be positive, got {max_backoff}")
+        for cls in retry_on:
+            if not (isinstance(cls, type) and issubclass(cls, BaseException)):
+                raise TypeError(f"retry_on takes exception classes, got {cls!r}")
         self._target = target
         self._metadata = (("authorization", f"Bearer {token}"),)
         self._handler = handler
@@ -168,6 +192,7 @@ class Consumer:
         self._consumer_id = consumer_id or f"{socket.gethostname()}-{os.getpid()}"
         self._secure = secure
         self._max_backoff = max_backoff
+        self._retry_on: tuple[type[BaseException], ...] = (Retry, *retry_on)
 
         self._state = _State.IDLE
         # stop() may run on any thread or in a signal handler: it only sets this flag and
@@ -191,6 +216,12 @@ class Consumer:
         """Deliveries given back unstarted at stop(): sent as Release, no attempt used."""
         self._flush_wanted = asyncio.Event()
         self._flush_timer: asyncio.TimerHandle | None = None
+        self._running: set[int] = set()
+        """Offsets whose handlers run on this stream: the next Extend lists them. Handler
+        threads change it under _results_lock. A new stream gets a new set, and a handler
+        removes its offset from the set it started in, so one that outlives its stream never
+        touches the next stream's leases (even when that stream redelivers its offset)."""
+        self._extend_due = False  # the ticker asked the writer for an Extend
         # async handlers
         self._pending: deque[Message] = deque()
         self._idle_workers: deque[asyncio.Future[None]] = deque()
@@ -208,6 +239,7 @@ class Consumer:
         self._rejected = 0
         self._dropped = 0
         self._streams = 0
+        self._extended = 0
 
     @property
     def consumer_id(self) -> str:
@@ -229,6 +261,7 @@ class Consumer:
             rejected=self._rejected,
             dropped=self._dropped,
             reconnects=max(0, self._streams - 1),
+            extended=self._extended,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -396,15 +429,19 @@ class Consumer:
         self._flush_wanted.clear()
         call = consume(metadata=self._metadata)
         self._call = call
-        writer = asyncio.get_running_loop().create_task(
-            self._write_loop(call), name="triage-writer"
-        )
+        loop = asyncio.get_running_loop()
+        deadline_ms: asyncio.Future[int] = loop.create_future()  # the Welcome's ack deadline
+        writer = loop.create_task(self._write_loop(call), name="triage-writer")
+        ticker = loop.create_task(self._extend_loop(deadline_ms), name="triage-extender")
         try:
-            await self._read_loop(call)
+            await self._read_loop(call, deadline_ms)
         finally:
             writer.cancel()
-            await asyncio.wait([writer])
+            ticker.cancel()
+            await asyncio.wait([writer, ticker])
             call.cancel()
+            if not ticker.cancelled() and (bug := ticker.exception()) is not None:
+                raise bug
             if not writer.cancelled():
                 exc = writer.exception()
                 # A failed write also fails the read, which reports it; anything else is a bug.
@@ -424,6 +461,8 @@ class Consumer:
         self._acks = []
         self._nacks = []
         self._releases = []
+        self._running = set()
+        self._extend_due = False
         self._dropped += released + unsent
         self._held = 0
         if self._flush_timer is not None:
@@ -439,7 +478,7 @@ class Consumer:
         if not self._outstanding:
             self._drained.set()
 
-    async def _read_loop(self, call: _Call) -> None:
+    async def _read_loop(self, call: _Call, deadline_ms: asyncio.Future[int]) -> None:
         task = asyncio.current_task()
         while True:
             try:
@@ -466,6 +505,8 @@ class Consumer:
             elif kind == "welcome":
                 self._established = True
                 welcome = frame.welcome
+                if not deadline_ms.done():
+                    deadline_ms.set_result(welcome.ack_deadline_ms)
                 logger.info(
                     "consumer %s connected to %s: %s[%d], ack deadline %d ms, max attempts %d",
                     self._consumer_id,
@@ -505,7 +546,30 @@ class Consumer:
             call.cancel()  # wake the reader, which reports how the stream ended
             raise
 
+    async def _extend_loop(self, deadline_ms: asyncio.Future[int]) -> None:
+        """The stream's ticker: every third of the ack deadline, while handlers run, ask the
+        writer for an Extend (a deadline of 0 means leases never lapse: nothing to do)."""
+        interval = (await deadline_ms) / 3000
+        if not interval:
+            return
+        while True:
+            await asyncio.sleep(interval)
+            if self._running:
+                self._extend_due = True
+                self._flush_wanted.set()
+
     async def _flush(self, call: _Call) -> None:
+        if self._extend_due:
+            # Listed at send time, before any settlement that follows it: a handler that has
+            # finished is out of the set before its result can be settled, so the proxy never
+            # sees an offset extended after it was settled.
+            self._extend_due = False
+            with self._results_lock:
+                offsets = sorted(self._running)
+            if offsets:
+                extend = triage_pb2.Extend(offsets=offsets)
+                await call.write(triage_pb2.ConsumerFrame(extend=extend))
+                self._extended += len(offsets)
         if self._releases:
             releases, self._releases = self._releases, []
             self._held -= len(releases)
@@ -576,9 +640,14 @@ class Consumer:
             if not self._wakes_pending:
                 self._wake_worker()
         else:
-            submit, run, epoch = self._pool.submit, self._run_sync, self._epoch
+            submit, run, epoch, running = (
+                self._pool.submit,
+                self._run_sync,
+                self._epoch,
+                self._running,
+            )
             for message in messages:
-                submit(run, message, epoch)
+                submit(run, message, epoch, running)
 
     def _after_settle(self, queue_drained: bool) -> None:
         """Send now if the batch is full or nobody is queued behind it; else soon."""
@@ -614,6 +683,7 @@ class Consumer:
         task = asyncio.current_task()
         pending = self._pending
         handler = cast(_AsyncHandler, self._handler)
+        retry_on = self._retry_on
         streak = 0
         while not self._closing:
             if not pending:
@@ -632,20 +702,29 @@ class Consumer:
                 self._deck_check_scheduled = True
                 loop.call_soon(self._check_deck)
             epoch = self._epoch
+            offset = message.offset
+            running = self._running  # this stream's: see _running
+            running.add(offset)
             nack = None
             try:
                 await handler(message)
             except asyncio.CancelledError as exc:
                 if task is not None and task.cancelling():
                     raise
-                nack = _nack(message.offset, exc)  # the handler's own, not ours
+                nack = _nack(offset, exc, retry_on)  # the handler's own, not ours
             except Exception as exc:  # noqa: BLE001 - raising is how a handler says nack
-                nack = _nack(message.offset, exc)
+                nack = _nack(offset, exc, retry_on)
+            except BaseException as exc:
+                if not isinstance(exc, retry_on):
+                    running.discard(offset)  # no settlement: let the lease lapse
+                    raise
+                nack = _nack(offset, exc, retry_on)
+            running.discard(offset)
             self._outstanding -= 1
             if epoch != self._epoch:
                 self._dropped += 1
             elif nack is None:
-                self._acks.append(message.offset)
+                self._acks.append(offset)
             else:
                 self._nacks.append(nack)
             self._after_settle(not pending)
@@ -657,22 +736,36 @@ class Consumer:
 
     # -- sync handlers: a thread pool, results handed back in batches -----------------------
 
-    def _run_sync(self, message: Message, epoch: int) -> None:
-        """Runs in a handler thread."""
+    def _run_sync(self, message: Message, epoch: int, running: set[int]) -> None:
+        """Runs in a handler thread; `running` is the set of the stream it was delivered on."""
         nack = None
+        offset = message.offset
+        started = False
+        lock = self._results_lock
         if epoch != self._epoch:
             epoch = _SKIPPED  # queued behind a dead stream: the proxy redelivers it
         elif self._stop_requested:
             nack = _RELEASE  # queued behind stop(): give it back unstarted
         else:
+            started = True
+            with lock:
+                running.add(offset)
             try:
                 result = self._handler(message)
                 if inspect.isawaitable(result) and (loop := self._loop) is not None:
                     asyncio.run_coroutine_threadsafe(_await(result), loop).result()
             except Exception as exc:  # noqa: BLE001 - raising is how a handler says nack
-                nack = _nack(message.offset, exc)
-        with self._results_lock:
-            self._results.append((epoch, message.offset, nack))
+                nack = _nack(offset, exc, self._retry_on)
+            except BaseException as exc:
+                if not isinstance(exc, self._retry_on):
+                    with lock:
+                        running.discard(offset)  # no settlement: let the lease lapse
+                    raise
+                nack = _nack(offset, exc, self._retry_on)
+        with lock:
+            if started:
+                running.discard(offset)
+            self._results.append((epoch, offset, nack))
             if self._collect_scheduled:
                 return
             self._collect_scheduled = True

@@ -85,3 +85,6 @@ class ConsumerStats:
     before a handler started. The proxy redelivers them."""
     reconnects: int = 0
     """Streams opened after the first one."""
+    extended: int = 0
+    """Lease extensions sent: each offset listed in each Extend frame counts once (a handler
+    running for n ack deadlines counts about 3n)."""

@@ -156,7 +156,9 @@ class ConfluentPartition:
         return records
 
     def commit(self, offset: int, metadata: str | None = None) -> None:
-        tp = TopicPartition(self._tp.topic, self._tp.partition, offset, metadata=metadata)
+        tp = TopicPartition(self._tp.topic, self._tp.partition, offset)
+        if metadata is not None:  # confluent-kafka refuses metadata=None
+            tp = TopicPartition(self._tp.topic, self._tp.partition, offset, metadata=metadata)
         try:
             result = self._consumer.commit(offsets=[tp], asynchronous=False)
         except KafkaException as exc:

@@ -1,19 +1,21 @@
 """The client library against an in-process fake proxy.
 
 The fake is a real grpc.aio server on 127.0.0.1 that speaks the wire protocol and is honest
-about credits; the real proxy is covered by the integration tests. It runs on its own thread
+about credits and, when given an ack deadline, about leases; the real proxy is covered by the
+integration tests. It runs on its own thread
 and event loop, so `Consumer.run()` can block a test thread exactly as it blocks an app.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import grpc
 import pytest
@@ -47,17 +49,26 @@ def delivery(
 
 
 class FakeProxy(triage_pb2_grpc.TriageServicer):
-    """A Triage proxy in miniature: checks the token, honours credits, records settlements."""
+    """A Triage proxy in miniature: checks the token, honours credits, records settlements.
+
+    With `ack_deadline_ms` set, a delivery left unsettled and unextended that long is taken
+    back and queued again with its attempt raised, as the real proxy does.
+    """
 
     def __init__(self, *, batch: int = 64) -> None:
         self.batch = batch
         self.port = 0
+        self.ack_deadline_ms = 0  # sent in the Welcome of each new stream; 0: leases never lapse
         self.reject: set[int] = set()  # offsets whose settlement is answered with Rejected
         self.hellos: list[triage_pb2.Hello] = []
         self.acks: list[tuple[int, int]] = []  # (stream number, offset)
         self.nacks: list[tuple[int, triage_pb2.Nack]] = []
         self.releases: list[tuple[int, int]] = []  # (stream number, offset)
-        self.events: list[tuple[int, str]] = []  # (stream number, "settle" | "half-close")
+        self.extends: list[tuple[int, list[int]]] = []  # (stream number, offsets of one frame)
+        self.stale_extends: list[tuple[int, int]] = []  # extended, but not held by that stream
+        self.expired: list[tuple[int, int]] = []  # (stream number, offset whose lease lapsed)
+        # (stream number, "settle" | "release" | "extend" | "half-close")
+        self.events: list[tuple[int, str]] = []
         self.max_unsettled = 0
         self._queue: deque[triage_pb2.Delivery] = deque()
         self._generation = 0  # bumped by restart(): a dead server's streams requeue nothing
@@ -146,10 +157,12 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
             stream = len(self.hellos)
             generation = self._generation
             self._cond.notify_all()
-        await context.write(
-            triage_pb2.ProxyFrame(welcome=triage_pb2.Welcome(topic="orders", partition=3))
-        )
+        deadline_ms = self.ack_deadline_ms
+        welcome = triage_pb2.Welcome(topic="orders", partition=3, ack_deadline_ms=deadline_ms)
+        await context.write(triage_pb2.ProxyFrame(welcome=welcome))
+        loop = asyncio.get_running_loop()
         unsettled: dict[int, triage_pb2.Delivery] = {}
+        leases: dict[int, float] = {}  # offset -> loop time its lease lapses
         rejected: list[int] = []
         wake = asyncio.Event()
         half_closed = False
@@ -167,8 +180,19 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
                     for offset in frame.release.offsets:
                         self.releases.append((stream, offset))
                         unsettled.pop(offset, None)
+                    if frame.HasField("extend"):
+                        self.extends.append((stream, list(frame.extend.offsets)))
+                        for offset in frame.extend.offsets:
+                            if offset in leases:
+                                leases[offset] = loop.time() + deadline_ms / 1000
+                            else:
+                                self.stale_extends.append((stream, offset))
+                    for offset in (*frame.settle.acks, *frame.release.offsets):
+                        leases.pop(offset, None)
+                    for nack in frame.settle.nacks:
+                        leases.pop(nack.offset, None)
                     rejected.extend(o for o in frame.settle.acks if o in self.reject)
-                    self.events.append((stream, "settle"))
+                    self.events.append((stream, frame.WhichOneof("frame") or "empty"))
                     self._cond.notify_all()
                 wake.set()
             with self._cond:
@@ -190,13 +214,26 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
                     batch = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
                     for d in batch:
                         unsettled[d.offset] = d
+                        if deadline_ms:
+                            leases[d.offset] = loop.time() + deadline_ms / 1000
                     self.max_unsettled = max(self.max_unsettled, len(unsettled))
                 if batch:
                     frame = triage_pb2.Deliveries(topic="orders", partition=3, deliveries=batch)
                     await context.write(triage_pb2.ProxyFrame(deliveries=frame))
                     continue
-                await wake.wait()
+                timeout = max(0.0, min(leases.values()) - loop.time()) if leases else None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), timeout)
                 wake.clear()
+                now = loop.time()
+                with self._cond:  # lapsed leases: taken back and redelivered, attempt raised
+                    for offset in [o for o, lapse in leases.items() if lapse <= now]:
+                        del leases[offset]
+                        lapsed = unsettled.pop(offset)
+                        lapsed.attempt += 1
+                        self.expired.append((stream, offset))
+                        self._queue.appendleft(lapsed)
+                    self._cond.notify_all()
         finally:
             self._wakes.discard(wake)
             reader.cancel()
@@ -312,6 +349,37 @@ def test_raising_retry_nacks_with_retry_flag(proxy: FakeProxy, kind: str) -> Non
     ]
 
 
+class Abort(BaseException):
+    """Not an Exception, like the cancellation errors of some frameworks."""
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_retry_on_exceptions_nack_with_retry_flag_and_others_do_not(
+    proxy: FakeProxy, kind: str
+) -> None:
+    def body(message: Message) -> None:
+        if message.offset == 0:
+            raise ConnectionResetError("reset")  # an OSError: listed by its base class
+        if message.offset == 1:
+            raise ValueError("bad value")
+        if message.offset == 2:
+            raise Retry("busy")  # retried whatever retry_on says
+        if message.offset == 3:
+            raise Abort("gave up")
+
+    proxy.feed(delivery(o) for o in range(5))
+    run = Running(consumer(proxy, sync_and_async(body)[kind], retry_on=(OSError, Abort)))
+    proxy.wait_for(lambda: len(proxy.acks) + len(proxy.nacks) == 5, "5 settlements")
+    run.stop()
+    assert proxy.acked() == [4]
+    assert sorted((n.offset, n.reason, n.retry) for _, n in proxy.nacks) == [
+        (0, "ConnectionResetError: reset", True),
+        (1, "ValueError: bad value", False),
+        (2, "Retry: busy", True),
+        (3, "Abort: gave up", True),
+    ]
+
+
 def test_messages_are_byte_exact_including_none(proxy: FakeProxy) -> None:
     binary = bytes(range(256))
     headers: list[tuple[str, bytes | None]] = [("a", b"1"), ("a", None), ("b", b""), ("c", binary)]
@@ -391,6 +459,111 @@ def test_a_slow_message_does_not_block_the_others(proxy: FakeProxy) -> None:
     loop.call_soon_threadsafe(release.set)
     proxy.wait_for(lambda: len(proxy.acks) == 50, "the slow message")
     run.stop()
+
+
+DEADLINE_MS = 150
+
+
+def sleeper(kind: str, seconds: dict[int, float]) -> Any:
+    """A handler that takes `seconds[offset]` (default: returns at once), sync or async."""
+
+    def sync_handler(message: Message) -> None:
+        time.sleep(seconds.get(message.offset, 0))
+
+    async def async_handler(message: Message) -> None:
+        if message.offset in seconds:
+            await asyncio.sleep(seconds[message.offset])
+
+    return sync_handler if kind == "sync" else async_handler
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_running_handler_is_extended_until_it_finishes(proxy: FakeProxy, kind: str) -> None:
+    proxy.ack_deadline_ms = DEADLINE_MS
+    proxy.feed(delivery(o) for o in range(4))
+    handler = sleeper(kind, {0: 3 * DEADLINE_MS / 1000})
+    run = Running(consumer(proxy, handler, concurrency=2))
+    proxy.wait_for(lambda: len(proxy.acks) == 4, "4 acks")
+    time.sleep(DEADLINE_MS / 1000)  # room for Extend frames that should not come
+    run.stop()
+    frames = [offsets for _, offsets in proxy.extends]
+    assert sum(0 in offsets for offsets in frames) >= 2, frames
+    assert all(offsets == [0] for offsets in frames), "only the running handler is extended"
+    assert proxy.stale_extends == [], "extended after its settlement"
+    assert proxy.expired == [], "a lease lapsed although its handler was running"
+    assert sorted(proxy.acked()) == [0, 1, 2, 3]
+    assert run.consumer.stats.extended == len(frames)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_extends_list_every_running_handler_and_only_while_it_runs(
+    proxy: FakeProxy, kind: str
+) -> None:
+    proxy.ack_deadline_ms = DEADLINE_MS
+    proxy.feed(delivery(o) for o in range(3))
+    long_s, short_s = 4 * DEADLINE_MS / 1000, 2 * DEADLINE_MS / 1000
+    run = Running(consumer(proxy, sleeper(kind, {0: long_s, 1: short_s}), concurrency=3))
+    proxy.wait_for(lambda: len(proxy.acks) == 3, "3 acks")
+    run.stop()
+    frames = [offsets for _, offsets in proxy.extends]
+    assert [0, 1] in frames, "one Extend for all running handlers"
+    assert frames[-1] == [0], "offset 1 is no longer extended once its handler finished"
+    assert not any(2 in offsets for offsets in frames), "a fast handler is never extended"
+    assert (proxy.stale_extends, proxy.expired) == ([], [])
+    assert run.consumer.stats.extended == sum(map(len, frames))
+
+
+def test_no_extends_when_the_proxy_sets_no_deadline(proxy: FakeProxy) -> None:
+    proxy.feed([delivery(0)])
+    run = Running(consumer(proxy, sleeper("async", {0: 0.3})))
+    proxy.wait_for(lambda: proxy.acks, "the ack")
+    run.stop()
+    assert proxy.extends == []
+    assert run.consumer.stats.extended == 0
+
+
+def test_queued_deliveries_are_not_extended_so_their_lease_can_lapse(proxy: FakeProxy) -> None:
+    """Documented limit, and proof the fake enforces leases: only running handlers extend."""
+    proxy.ack_deadline_ms = DEADLINE_MS
+    proxy.feed(delivery(o) for o in range(2))
+    handler = sleeper("async", {0: 2 * DEADLINE_MS / 1000})
+    run = Running(consumer(proxy, handler, concurrency=1, prefetch=1))
+    proxy.wait_for(lambda: proxy.expired, "a lapsed lease")
+    run.stop()
+    assert (1, 1) in proxy.expired
+    assert (1, 0) not in proxy.expired
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_handlers_of_a_dead_stream_are_not_extended_on_the_next(
+    proxy: FakeProxy, kind: str
+) -> None:
+    in_slow = threading.Event()
+    release = threading.Event()
+
+    def sync_handler(message: Message) -> None:
+        if message.offset == 2:
+            in_slow.set()
+            assert release.wait(WAIT_S)
+
+    async def async_handler(message: Message) -> None:
+        if message.offset == 2:
+            in_slow.set()
+            assert await asyncio.to_thread(release.wait, WAIT_S)
+
+    proxy.ack_deadline_ms = DEADLINE_MS
+    proxy.feed(delivery(o) for o in range(5))
+    handler = sync_handler if kind == "sync" else async_handler
+    run = Running(consumer(proxy, handler, concurrency=4, max_backoff=0.2))
+    proxy.wait_for(lambda: (1, [2]) in proxy.extends, "the slow handler extended")
+    proxy.stop_server()
+    proxy.restart(delivery(o) for o in range(5, 8))
+    proxy.wait_for(lambda: len(proxy.acked(stream=2)) == 3, "the second stream's acks")
+    time.sleep(DEADLINE_MS / 1000)  # a few ticks of stream 2 while offset 2 still runs
+    release.set()
+    run.stop()
+    assert [offsets for stream, offsets in proxy.extends if stream == 2] == []
+    assert proxy.stale_extends == []
 
 
 def test_stop_from_another_thread_waits_for_running_handlers_and_their_acks(
@@ -570,3 +743,7 @@ def test_invalid_settings_are_refused() -> None:
         Consumer("x:1", TOKEN, lambda m: None, concurrency=0)
     with pytest.raises(ValueError, match="prefetch"):
         Consumer("x:1", TOKEN, lambda m: None, prefetch=-1)
+    with pytest.raises(TypeError, match="retry_on"):
+        Consumer("x:1", TOKEN, lambda m: None, retry_on=cast(Any, (OSError, "timeout")))
+    with pytest.raises(TypeError, match="retry_on"):
+        Consumer("x:1", TOKEN, lambda m: None, retry_on=cast(Any, (ValueError("x"),)))
