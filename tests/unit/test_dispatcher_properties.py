@@ -1,0 +1,140 @@
+"""Hypothesis: the dispatcher's promises hold under any interleaving of events."""
+
+from __future__ import annotations
+
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from triage_client._proto import triage_pb2 as pb
+from triage_proxy.dispatcher import Dispatcher, Session
+from triage_proxy.settings import settings_from_dict
+from triage_proxy.structs import DeadLetter, Record
+from triage_proxy.tracker import CommitTracker
+
+KEYS = [b"a", b"b", b"c", None]
+
+
+class DispatcherMachine(RuleBasedStateMachine):
+    """Random fetches, acks, nacks, retries, expiries, disconnects and releases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        raw = {
+            "kafka": {"bootstrap_servers": "b", "topic": "t", "group_id": "g"},
+            "auth": {"token": "x"},
+            "dead_letters": {"table": "d"},
+            "window": {"max_messages": 40},
+            "delivery": {"max_attempts": 3, "ack_deadline_s": 5, "ordering": "key"},
+            "retry": {"initial_backoff_s": 1, "max_backoff_s": 2},
+        }
+        self.tracker = CommitTracker(0)
+        self.dead: list[DeadLetter] = []
+        self.d = Dispatcher(
+            settings_from_dict(raw, {}),
+            0,
+            self.tracker,
+            self.dead.append,
+            monotonic=lambda: self.now,
+        )
+        self.sessions: list[Session] = []
+        self.next_offset = 0
+        self.keys: dict[int, bytes | None] = {}
+        self.first_delivery: list[int] = []  # offsets in the order first delivered
+        self.settled: set[int] = set()
+
+    def _drain(self) -> None:
+        for s in self.sessions:
+            while not s.outbox.empty():
+                frame = s.outbox.get_nowait()
+                if frame is None:
+                    continue
+                for d in frame.deliveries.deliveries:
+                    if d.attempt == 1 and d.offset not in self.first_delivery:
+                        self.first_delivery.append(d.offset)
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=5))
+    def fetch(self, keys: list[bytes | None]) -> None:
+        room = self.d.room_for
+        records = []
+        for key in keys[:room]:
+            records.append(Record("t", 0, self.next_offset, key, b"v", (), 0))
+            self.keys[self.next_offset] = key
+            self.next_offset += 1
+        self.d.add(records)
+        self._drain()
+
+    @rule(credits=st.integers(1, 4))
+    def connect(self, credits: int) -> None:
+        self.sessions.append(self.d.open_session(f"i{len(self.sessions)}", credits))
+        self._drain()
+
+    @precondition(lambda self: self.sessions)
+    @rule(data=st.data())
+    def settle_some(self, data: st.DataObject) -> None:
+        s = data.draw(st.sampled_from(self.sessions))
+        held = sorted(s.held)
+        if not held:
+            return
+        chosen = data.draw(st.lists(st.sampled_from(held), unique=True, max_size=3))
+        kind = data.draw(st.sampled_from(["ack", "nack", "retry"]))
+        if kind == "ack":
+            self.d.settle(s, chosen, [])
+            self.settled.update(chosen)
+        else:
+            nacks = [pb.Nack(offset=o, reason="r", retry=kind == "retry") for o in chosen]
+            self.d.settle(s, [], nacks)
+        self._drain()
+
+    @precondition(lambda self: self.sessions)
+    @rule(data=st.data())
+    def disconnect(self, data: st.DataObject) -> None:
+        s = data.draw(st.sampled_from(self.sessions))
+        self.sessions.remove(s)
+        self.d.close_session(s)
+        self._drain()
+
+    @rule(dt=st.floats(0.1, 6))
+    def time_passes(self, dt: float) -> None:
+        self.now += dt
+        self.d.tick()
+        self._drain()
+
+    @rule()
+    def dead_letters_written(self) -> None:
+        for dl in self.dead:
+            self.d.dead_letter_written(dl)
+            self.settled.add(dl.record.offset)
+        self.dead.clear()
+        self._drain()
+
+    @invariant()
+    def a_key_is_never_in_flight_twice(self) -> None:
+        in_flight = [o for s in self.sessions for o in s.held]
+        keys = [self.keys[o] for o in in_flight if self.keys[o] is not None]
+        assert len(keys) == len(set(keys))
+
+    @invariant()
+    def same_key_goes_in_offset_order(self) -> None:
+        for key in (b"a", b"b", b"c"):
+            order = [o for o in self.first_delivery if self.keys[o] == key]
+            assert order == sorted(order)
+
+    @invariant()
+    def credits_are_respected(self) -> None:
+        for s in self.sessions:
+            assert len(s.held) <= max(s.credits, 0)
+
+    @invariant()
+    def commit_never_passes_an_unsettled_offset(self) -> None:
+        committable = self.tracker.committable
+        assert all(o in self.settled for o in range(committable))
+
+    @invariant()
+    def window_is_bounded(self) -> None:
+        assert self.d.in_window <= 40
+
+
+DispatcherMachine.TestCase.settings = hsettings(max_examples=150, stateful_step_count=40)
+TestDispatcherMachine = DispatcherMachine.TestCase
