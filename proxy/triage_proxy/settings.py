@@ -6,7 +6,9 @@ Nothing below the CLI reads files or the environment: `load_settings` resolves
     [kafka]        bootstrap_servers, topic, group_id, fetch_batch, client (librdkafka extras)
     [server]       host, port (partition p listens on port + p), max_frame_bytes
     [auth]         token | token_env
-    [dead_letters] table, region, endpoint_url, batch_size, flush_interval_ms, retry_max_s
+    [dead_letters] table, region, endpoint_url, batch_size, flush_interval_ms, retry_max_s,
+                   overflow_bucket, ttl_days, notify_sns_topic_arn, notify_webhook_url,
+                   notify_interval_s
     [window]       max_messages, max_bytes
     [delivery]     ack_deadline_s, max_attempts, ordering ("none" | "key")
     [retry]        initial_backoff_s, max_backoff_s, multiplier
@@ -91,6 +93,16 @@ class DeadLetterSettings:
     """How long a dead letter may wait for others to share its batch."""
     retry_max_s: float = DEFAULT_DLQ_RETRY_MAX_S
     """Cap of the exponential backoff between failed writes."""
+    overflow_bucket: str | None = None
+    """S3 bucket for payloads too large for a DynamoDB item (None: such items wait)."""
+    ttl_days: float | None = None
+    """Replayed and discarded items expire this long after (DynamoDB TTL); None keeps them."""
+    notify_sns_topic_arn: str | None = None
+    """SNS topic that gets aggregated dead-letter notifications."""
+    notify_webhook_url: str | None = None
+    """Alternative to SNS: a URL that gets the same summaries as JSON POSTs."""
+    notify_interval_s: float = 60.0
+    """Longest a notification waits to aggregate more dead letters into one summary."""
 
 
 @dataclass(frozen=True)
