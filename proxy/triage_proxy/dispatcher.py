@@ -71,7 +71,7 @@ class EntryState(enum.Enum):
 class Entry:
     """One unsettled record in the window, with its delivery state."""
 
-    __slots__ = ("attempt", "holder", "last_cause", "record", "size", "state")
+    __slots__ = ("attempt", "deadline", "holder", "last_cause", "record", "size", "state")
 
     def __init__(self, record: Record) -> None:
         self.record = record
@@ -80,6 +80,8 @@ class Entry:
         self.holder: Session | None = None
         self.state = EntryState.READY
         self.last_cause = ""
+        self.deadline = 0.0
+        """When the current delivery's lease expires (monotonic seconds)."""
 
 
 @dataclass
@@ -156,7 +158,12 @@ class Dispatcher:
         self._entries: dict[int, Entry] = {}
         self._ready: deque[Entry] = deque()
         self._sessions: list[Session] = []
-        self._leases: Timers[int] = Timers()
+        # Leases: one (deadline, offsets) batch per delivered frame or Extend, in deadline
+        # order (the ack deadline is a constant, so appends stay sorted). An offset is
+        # expired only if its entry is still held with that deadline: settling costs
+        # nothing, unlike a per-offset timer (measured 2.4 us per message).
+        self._lease_batches: deque[tuple[float, list[int]]] = deque()
+        self._lease_refs = 0
         self._backoffs: Timers[int] = Timers()
         self._key_owner: dict[bytes, Entry] = {}
         self._key_waiting: dict[bytes, deque[Entry]] = {}
@@ -272,7 +279,6 @@ class Dispatcher:
         cause = f"instance {session.consumer_id} disconnected while handling it"
         back: list[Entry] = []
         for entry in held:
-            self._leases.cancel(entry.record.offset)
             if self._failed(entry, cause, session.consumer_id):
                 back.append(entry)
         self._requeue_front(back)
@@ -299,7 +305,6 @@ class Dispatcher:
         held = session.held
         entries = self._entries
         settle = self._tracker.settle
-        cancel = self._leases.cancel
         ordered = self._ordered
         freed = 0
         for offset in acks:
@@ -307,7 +312,6 @@ class Dispatcher:
             if entry is None:
                 rejected.append(offset)
                 continue
-            cancel(offset)
             settle(offset)
             del entries[offset]
             freed += entry.size
@@ -320,7 +324,6 @@ class Dispatcher:
             if entry is None:
                 rejected.append(nack.offset)
                 continue
-            cancel(nack.offset)
             self.counters.nacked += 1
             reason = nack.reason[:REASON_MAX_CHARS] or "nacked without a reason"
             if not nack.retry:
@@ -345,12 +348,39 @@ class Dispatcher:
         """The instance is still working on these: push their ack deadlines out."""
         deadline = self._monotonic() + self._ack_deadline_s
         held = session.held
-        n = 0
+        extended = []
         for offset in offsets:
-            if offset in held:
-                self._leases.schedule(offset, deadline)
-                n += 1
-        self.counters.extended += n
+            entry = held.get(offset)
+            if entry is not None:
+                entry.deadline = deadline
+                extended.append(offset)
+        if extended:
+            self._add_lease_batch(deadline, extended)
+        self.counters.extended += len(extended)
+
+    def _add_lease_batch(self, deadline: float, offsets: list[int]) -> None:
+        self._lease_batches.append((deadline, offsets))
+        self._lease_refs += len(offsets)
+        if self._lease_refs > 4 * max(self._max_messages, 1024):
+            self._compact_leases()
+
+    def _compact_leases(self) -> None:
+        """Drop references to settled offsets; amortized O(1) per delivery."""
+        entries = self._entries
+        kept: deque[tuple[float, list[int]]] = deque()
+        refs = 0
+        for deadline, offsets in self._lease_batches:
+            live = [
+                o
+                for o in offsets
+                if (e := entries.get(o)) is not None
+                and e.state is EntryState.HELD
+                and e.deadline == deadline
+            ]
+            if live:
+                kept.append((deadline, live))
+                refs += len(live)
+        self._lease_batches, self._lease_refs = kept, refs
 
     def release(self, session: Session, offsets: Sequence[int]) -> list[int]:
         """The instance is stopping: take back what it never started, send it nothing more.
@@ -365,7 +395,6 @@ class Dispatcher:
             if entry is None:
                 rejected.append(offset)
                 continue
-            self._leases.cancel(offset)
             entry.holder = None
             entry.attempt -= 1
             back.append(entry)
@@ -445,10 +474,21 @@ class Dispatcher:
         """Expire overdue leases and make due retries ready again."""
         now = self._monotonic()
         back: list[Entry] = []
-        for offset in self._leases.pop_due(now):
+        batches = self._lease_batches
+        due: list[int] = []
+        while batches and batches[0][0] <= now:
+            _, offsets = batches.popleft()
+            self._lease_refs -= len(offsets)
+            due.extend(offsets)
+        for offset in due:
             entry = self._entries.get(offset)
-            if entry is None or entry.holder is None:
-                continue
+            if (
+                entry is None
+                or entry.state is not EntryState.HELD
+                or entry.deadline > now
+                or entry.holder is None
+            ):
+                continue  # settled, redelivered or extended since
             session = entry.holder
             del session.held[offset]
             self.counters.expired += 1
@@ -497,8 +537,8 @@ class Dispatcher:
         budget = 0
         held = session.held
         redelivered = 0
-        schedule = self._leases.schedule
         deadline = self._monotonic() + self._ack_deadline_s
+        leased: list[int] = []
         for entry in batch:
             if budget and budget + entry.size > FRAME_BUDGET_BYTES:
                 session.outbox.put_nowait(frame)
@@ -517,7 +557,8 @@ class Dispatcher:
             entry.holder = session
             record = entry.record
             held[record.offset] = entry
-            schedule(record.offset, deadline)
+            entry.deadline = deadline
+            leased.append(record.offset)
             # Setting fields one by one is ~20% cheaper than add(**kwargs) (measured).
             delivery = add()
             delivery.offset = record.offset
@@ -532,6 +573,7 @@ class Dispatcher:
                     delivery.headers.add(key=name, value=value)
         session.outbox.put_nowait(frame)
         self.counters.frames_out += 1
+        self._add_lease_batch(deadline, leased)
         self.quiet.clear()
         self.counters.delivered += len(batch)
         self.counters.redelivered += redelivered

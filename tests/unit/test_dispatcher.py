@@ -372,3 +372,20 @@ def test_offsets_settled_by_a_previous_run_are_not_delivered() -> None:
     d.settle(a, [0, 2, 4], [])
     assert tracker.committable == 5
     assert d.counters.skipped_settled == 2
+
+
+def test_lease_bookkeeping_stays_bounded_and_still_expires_after_compaction() -> None:
+    clock = Clock()
+    d, _, _ = make(max_messages=10, clock=clock)
+    a = d.open_session("a", 5)
+    d.add(records(0, 1))  # held, never settled: must still expire
+    drain(a)
+    for start in range(1, 20_001, 4):
+        d.add(records(start, start + 4))
+        got = [x.offset for x in drain(a)]
+        d.settle(a, got, [])
+        clock.now += 0.0001
+    assert d._lease_refs <= 4 * 1024 + 5
+    clock.now += 10.1
+    d.tick()
+    assert d.counters.expired == 1
