@@ -219,17 +219,22 @@ class Proxy:
         self, committed: int, metadata: str | None, checkpoints: CheckpointStore | None
     ) -> list[int]:
         """Offsets a previous run settled above `committed`: from the commit's metadata,
-        else from the checkpoint item if it belongs to this very commit. Trouble here only
-        costs redeliveries, so it is logged and ignored."""
+        else from the checkpoint item unless it is newer than Kafka's commit. Trouble here
+        only costs redeliveries, so it is logged and ignored."""
         if not self.settings.commit.encode_settled:
             return []
-        text = metadata
         try:
-            if not text and checkpoints is not None:
-                found = await asyncio.to_thread(checkpoints.get)
-                if found is not None and found[0] == committed:
-                    text = found[1]
-            return decode_settled(committed, text)
+            if metadata:
+                return decode_settled(committed, metadata)
+            if checkpoints is None:
+                return []
+            found = await asyncio.to_thread(checkpoints.get)
+            if found is None or found[0] > committed:
+                # None yet, or newer than Kafka's commit (the group was rewound): unusable.
+                return []
+            # The item may trail Kafka by a commit (it is written just after it). Offsets
+            # settled then are still settled now; the ones below Kafka's commit drop out.
+            return [o for o in decode_settled(found[0], found[1]) if o >= committed]
         except (CheckpointError, DeadLetterUnavailable) as exc:
             logger.warning("ignoring the settled-above checkpoint: %s", exc)
             return []

@@ -4,8 +4,10 @@ The encoding (checkpoint.py) rides in the commit's metadata, which Apache Kafka,
 MSK, Confluent Cloud and Redpanda keep. Some brokers drop it: Tansu 0.6 (the
 embedded broker) accepts a commit's metadata and returns null on fetch. So the
 committer also writes the same text, tagged with the committed offset it belongs
-to, to one item of the dead-letter table; a restarting proxy uses it only when that
-offset equals Kafka's committed offset, so a stale item is never trusted.
+to, to one item of the dead-letter table, just after each Kafka commit. A restarting
+proxy uses it unless it is newer than Kafka's committed offset (the group was rewound);
+when it trails Kafka by a commit, the offsets below Kafka's commit are dropped from it
+(they are settled anyway). An operator who rewinds a group should delete the item.
 
 Item: `source` = "<topic>#<partition>#checkpoint#<group>" (topic names cannot hold
 '#', so it never collides with a dead letter's "<topic>#<partition>"), `offset` = -1,
@@ -54,7 +56,11 @@ class DynamoDBCheckpoints:
             "source": {"S": checkpoint_source(topic, partition, group)},
             "offset": {"N": str(CHECKPOINT_OFFSET)},
         }
-        self._client = dynamodb_client(settings)
+        # Short timeouts and one attempt: commits wait for this write, and a missing
+        # checkpoint only costs redeliveries, so DynamoDB trouble must not stall them.
+        self._client = dynamodb_client(
+            settings, connect_timeout_s=1.0, read_timeout_s=1.0, max_attempts=1
+        )
 
     def put(self, committed: int, settled: str) -> None:
         item = {

@@ -157,6 +157,11 @@ class Dispatcher:
         """Offsets a previous run settled above its committed offset (commit metadata)."""
         self._entries: dict[int, Entry] = {}
         self._ready: deque[Entry] = deque()
+        self._suspects: deque[Entry] = deque()
+        """Records whose instance vanished or whose lease expired while holding them. One
+        of them may be a crash-type poison pill; each goes out with at most one other
+        suspect per batch, so healthy neighbours do not follow the pill from instance to
+        instance and run out of attempts with it."""
         self._sessions: list[Session] = []
         # Leases: one (deadline, offsets) batch per delivered frame or Extend, in deadline
         # order (the ack deadline is a constant, so appends stay sorted). An offset is
@@ -199,6 +204,11 @@ class Dispatcher:
     @property
     def sessions(self) -> Sequence[Session]:
         return tuple(self._sessions)
+
+    @property
+    def queued(self) -> int:
+        """Records ready for delivery, suspects included."""
+        return len(self._ready) + len(self._suspects)
 
     @property
     def in_flight(self) -> int:
@@ -281,7 +291,7 @@ class Dispatcher:
         for entry in held:
             if self._failed(entry, cause, session.consumer_id):
                 back.append(entry)
-        self._requeue_front(back)
+        self._suspect(back)
         logger.info(
             "instance %s disconnected; %d records back to the queue",
             session.consumer_id,
@@ -416,6 +426,12 @@ class Dispatcher:
             return False
         return True
 
+    def _suspect(self, entries: list[Entry]) -> None:
+        entries.sort(key=lambda e: e.record.offset)
+        for entry in entries:
+            entry.state = EntryState.READY
+        self._suspects.extend(entries)
+
     def _requeue_front(self, entries: list[Entry]) -> None:
         entries.sort(key=lambda e: e.record.offset)
         for entry in entries:
@@ -500,7 +516,7 @@ class Dispatcher:
                 back.append(entry)
         if back:
             logger.warning("%d deliveries passed their ack deadline; redelivering", len(back))
-            self._requeue_front(back)
+            self._suspect(back)
         for offset in self._backoffs.pop_due(now):
             entry = self._entries.get(offset)
             if entry is not None and entry.state is EntryState.BACKOFF:
@@ -517,18 +533,23 @@ class Dispatcher:
     # --- delivery ---------------------------------------------------------------------
 
     def _pump(self) -> None:
-        """Deliver ready records to instances with credit, an even share each."""
-        ready = self._ready
-        while ready and self._delivering:
+        """Deliver ready records to instances with credit, an even share each.
+
+        Each batch carries at most one suspect (see `_suspects`), first in line.
+        """
+        ready, suspects = self._ready, self._suspects
+        while (ready or suspects) and self._delivering:
             open_ = [s for s in self._sessions if s.available > 0]
             if not open_:
                 return
-            share = -(-len(ready) // len(open_))
+            share = -(-(len(ready) + min(len(suspects), len(open_))) // len(open_))
             for session in open_:
-                n = min(session.available, share, len(ready))
-                if n <= 0:
+                n = min(session.available, share)
+                if n <= 0 or not (ready or suspects):
                     break
-                self._deliver(session, [ready.popleft() for _ in range(n)])
+                batch = [suspects.popleft()] if suspects else []
+                batch.extend(ready.popleft() for _ in range(min(n - len(batch), len(ready))))
+                self._deliver(session, batch)
             # Rotate so the first instance in line changes from pump to pump.
             self._sessions.append(self._sessions.pop(0))
 

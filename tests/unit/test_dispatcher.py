@@ -389,3 +389,23 @@ def test_lease_bookkeeping_stays_bounded_and_still_expires_after_compaction() ->
     clock.now += 10.1
     d.tick()
     assert d.counters.expired == 1
+
+
+def test_a_vanished_instances_records_are_spread_one_suspect_per_batch() -> None:
+    d, _, _ = make()
+    a = d.open_session("a", 10)
+    d.add(records(0, 10))
+    drain(a)
+    others = [d.open_session(name, 10) for name in "bcde"]
+    d.close_session(a)  # it crashed holding all ten: any of them may be the pill
+    per_session = []
+    for s in others:
+        frames = []
+        while not s.outbox.empty():
+            frame = s.outbox.get_nowait()
+            assert frame is not None
+            frames.append([x.attempt for x in frame.deliveries.deliveries])
+        assert all(sum(1 for attempt in f if attempt >= 2) <= 1 for f in frames)
+        per_session.append(sum(len(f) for f in frames))
+    assert sum(per_session) == 10
+    assert max(per_session) <= 3  # spread, not one contiguous run to one instance

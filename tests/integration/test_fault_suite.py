@@ -1,0 +1,52 @@
+"""The fault suite, shortened for CI: real processes killed, nothing lost.
+
+Why here as well as in tests/perf: the full suite takes minutes and is run by hand, but
+"nothing is lost when a process dies" is the product's core promise, so every CI run
+repeats it on a small scale. Same code path (`run_suite`), same real kills: 3 proxy
+SIGKILLs with restarts, 3 instance SIGKILLs, crash pills that os._exit their instance,
+and 3 s SIGSTOPs of moto and the broker, with the settled-above encoding on.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.perf.fault_suite import Options, render, run_suite
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+CI_BUDGET_S = 150
+
+
+def test_kill_9_and_outages_lose_nothing(tmp_path: Path) -> None:
+    options = Options(
+        messages=3000,
+        proxy_kills=3,
+        consumer_kills=3,
+        outage_s=3.0,
+        instances=3,
+        seed=7,
+        encode_settled=True,
+        timeout_s=60.0,
+        work_dir=tmp_path,
+    )
+    started = time.monotonic()
+    report = run_suite(options)
+    elapsed = time.monotonic() - started
+    summary = render([report])
+
+    assert not report.unfinished, summary
+    assert report.lost == [], summary
+    assert report.proxy_kills == 3, summary
+    assert report.consumer_kills == 3, summary
+    assert sorted(report.outages) == ["aws-outage", "broker-outage"], summary
+    assert report.crash_pills >= 1
+    assert report.crash_pills_ok == report.crash_pills, report.crash_detail
+    assert report.instance_crashes >= options.max_attempts, summary
+    assert not report.not_exact, summary
+    assert not report.mismatched, report.mismatched[:5]
+    assert report.acked + report.dead_lettered >= options.messages, summary
+    assert elapsed < CI_BUDGET_S, summary
