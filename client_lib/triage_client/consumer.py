@@ -18,12 +18,12 @@ of handlers that started on an earlier stream are dropped and counted, never set
 new stream, because the proxy redelivers whatever the broken stream held.
 
 Leases: the proxy redelivers a delivery left unsettled for the Welcome's `ack_deadline_ms`.
-Every third of that deadline one Extend frame lists the offsets whose handlers are running
-right then (started, not finished), so long work keeps its lease; a per-stream ticker task
-asks for it and the writer builds and sends it, so frames never interleave and an offset is
-never extended after its settlement was sent. Queued, unstarted deliveries are not extended:
-at most `prefetch` wait, each for a free handler slot, which takes well under the deadline
-unless every slot is busy with work that long (then lower `prefetch`; prefetch=0 queues none).
+Every third of that deadline one Extend frame lists the offsets this instance holds right
+then (running or queued for a handler slot, not yet settled), so long work keeps its lease
+and so do the deliveries queued behind it (as Pub/Sub's client does); a per-stream ticker
+task asks for it and the writer builds and sends it, so frames never interleave and an
+offset is never extended after its settlement was sent. A delivery whose instance dies or
+hangs its event loop stops being extended and is redelivered after the deadline.
 """
 
 from __future__ import annotations
@@ -141,9 +141,8 @@ class Consumer:
     A handler that raises `Retry`, or an instance of a class in `retry_on`, nacks with
     retry=True: the proxy redelivers the message after its backoff (until its attempt limit).
     Any other exception nacks with retry=False: the proxy dead-letters the message now.
-    While a handler runs, its lease is extended automatically every third of the proxy's ack
-    deadline, however long it takes; deliveries still queued are not extended (see the
-    module docstring).
+    While a delivery is in this instance's hands (running or queued), its lease is extended
+    automatically every third of the proxy's ack deadline (see the module docstring).
     """
 
     def __init__(
@@ -344,6 +343,8 @@ class Consumer:
         self._stopping.set()
         released = len(self._pending)
         self._releases.extend(message.offset for message in self._pending)
+        with self._results_lock:
+            self._running.difference_update(message.offset for message in self._pending)
         self._pending.clear()
         self._outstanding -= released
         self._dropped += released
@@ -635,6 +636,10 @@ class Consumer:
             self._flush_wanted.set()
             return
         self._outstanding += count
+        # Leases cover queued deliveries too: they are in this instance's hands and will
+        # start as soon as a handler slot frees, however long the running ones take.
+        with self._results_lock:
+            self._running.update(message.offset for message in messages)
         if self._pool is None:
             self._pending.extend(messages)
             if not self._wakes_pending:
@@ -763,8 +768,7 @@ class Consumer:
                     raise
                 nack = _nack(offset, exc, self._retry_on)
         with lock:
-            if started:
-                running.discard(offset)
+            running.discard(offset)
             self._results.append((epoch, offset, nack))
             if self._collect_scheduled:
                 return

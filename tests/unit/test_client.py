@@ -522,16 +522,19 @@ def test_no_extends_when_the_proxy_sets_no_deadline(proxy: FakeProxy) -> None:
     assert run.consumer.stats.extended == 0
 
 
-def test_queued_deliveries_are_not_extended_so_their_lease_can_lapse(proxy: FakeProxy) -> None:
-    """Documented limit, and proof the fake enforces leases: only running handlers extend."""
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_queued_deliveries_keep_their_lease_behind_a_slow_handler(
+    proxy: FakeProxy, kind: str
+) -> None:
+    """A delivery waiting for a busy handler slot is extended too, so it is not redelivered."""
     proxy.ack_deadline_ms = DEADLINE_MS
     proxy.feed(delivery(o) for o in range(2))
-    handler = sleeper("async", {0: 2 * DEADLINE_MS / 1000})
+    handler = sleeper(kind, {0: 2 * DEADLINE_MS / 1000})
     run = Running(consumer(proxy, handler, concurrency=1, prefetch=1))
-    proxy.wait_for(lambda: proxy.expired, "a lapsed lease")
+    proxy.wait_for(lambda: sorted(proxy.acked()) == [0, 1], "both acked")
     run.stop()
-    assert (1, 1) in proxy.expired
-    assert (1, 0) not in proxy.expired
+    assert proxy.expired == []
+    assert any(1 in offsets for _, offsets in proxy.extends), "the queued one was extended"
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
