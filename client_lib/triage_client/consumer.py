@@ -745,16 +745,12 @@ class Consumer:
         """Runs in a handler thread; `running` is the set of the stream it was delivered on."""
         nack = None
         offset = message.offset
-        started = False
         lock = self._results_lock
         if epoch != self._epoch:
             epoch = _SKIPPED  # queued behind a dead stream: the proxy redelivers it
         elif self._stop_requested:
             nack = _RELEASE  # queued behind stop(): give it back unstarted
         else:
-            started = True
-            with lock:
-                running.add(offset)
             try:
                 result = self._handler(message)
                 if inspect.isawaitable(result) and (loop := self._loop) is not None:
