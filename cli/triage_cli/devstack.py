@@ -33,6 +33,7 @@ from triage_proxy.errors import StateError, UnavailableError
 logger = logging.getLogger(__name__)
 
 TABLE = "triage-dead-letters"
+BUCKET = "triage-dead-letters-overflow"
 PROXY_START_TIMEOUT_S = 30.0
 PROXY_STOP_TIMEOUT_S = 15.0
 
@@ -95,7 +96,11 @@ class DevStack:
             },
             "server": {"host": HOST, "port": base_port},
             "auth": {"token": self.token},
-            "dead_letters": {"table": self.table, "endpoint_url": self.aws.endpoint_url},
+            "dead_letters": {
+                "table": self.table,
+                "endpoint_url": self.aws.endpoint_url,
+                "overflow_bucket": BUCKET,
+            },
         }
         for section, table in self._overrides.items():
             values.setdefault(section, {}).update(table)
@@ -128,10 +133,14 @@ class DevStack:
             future.result(timeout=30)
 
     def _create_table(self) -> None:
-        from triage_proxy.deadletter import create_table
+        from triage_proxy.deadletter import create_bucket, create_table
         from triage_proxy.settings import DeadLetterSettings
 
-        create_table(DeadLetterSettings(table=self.table, endpoint_url=self.aws.endpoint_url))
+        settings = DeadLetterSettings(
+            table=self.table, endpoint_url=self.aws.endpoint_url, overflow_bucket=BUCKET
+        )
+        create_table(settings)
+        create_bucket(settings)
 
     def proxy_command(self, partition: int) -> list[str]:
         return [

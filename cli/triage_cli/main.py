@@ -15,6 +15,8 @@ from typing import Annotated
 
 import typer
 
+from triage_cli.dlq import dlq_app
+
 app = typer.Typer(
     name="triage",
     help="Triage: a Kafka consumer proxy that removes head-of-line blocking.",
@@ -129,6 +131,9 @@ def dev(
         raise _fail(ExitCode.UNAVAILABLE, str(exc)) from None
     except KeyboardInterrupt:
         raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
+
+
+app.add_typer(dlq_app, name="dlq")
 
 
 def run() -> None:

@@ -16,6 +16,7 @@ down in this order:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import time
@@ -29,6 +30,7 @@ from triage_proxy.dispatcher import Dispatcher
 from triage_proxy.errors import DeadLetterUnavailable, StateError
 from triage_proxy.fetcher import Fetcher
 from triage_proxy.kafka import ConfluentPartition, KafkaThread, PartitionLog
+from triage_proxy.notifier import notifier_from_settings
 from triage_proxy.service import TriageService, create_server
 from triage_proxy.settings import Settings
 from triage_proxy.tracker import CommitTracker
@@ -153,7 +155,12 @@ class Proxy:
             lambda dl: writer_ref[0].submit(dl),
             already_settled=settled,
         )
-        writer = DeadLetterWriter(store, settings.dead_letters, dispatcher.dead_letter_written)
+        notifier = notifier_from_settings(
+            settings.dead_letters, source=f"{settings.kafka.topic}[{self.partition}]"
+        )
+        writer = DeadLetterWriter(
+            store, settings.dead_letters, dispatcher.dead_letter_written, notifier=notifier
+        )
         writer_ref.append(writer)
         service = TriageService(settings, self.partition, dispatcher)
         server, self.port = create_server(settings, self.partition, service)
@@ -171,7 +178,8 @@ class Proxy:
         )
         self.dispatcher, self.committer, self.fetcher = dispatcher, committer, fetcher
         try:
-            async with writer, asyncio.TaskGroup() as tasks:
+            # The notifier stops after the writer, so the last dead letters are summarized.
+            async with notifier or contextlib.nullcontext(), writer, asyncio.TaskGroup() as tasks:
                 fetch_task = tasks.create_task(fetcher.run(), name="fetcher")
                 tasks.create_task(committer.run(), name="committer")
                 tasks.create_task(dispatcher.run_timers(commit_closing), name="timers")

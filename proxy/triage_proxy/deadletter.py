@@ -8,12 +8,12 @@ backoff; the offsets then simply do not commit and the in-flight window eventual
 pauses fetching. Nothing is dropped, nothing is reported written that was not.
 
 Writes go through `DeadLetterStore`, a small sync Protocol with the real
-`DynamoDBStore` (BatchWriteItem, up to 25 items a call) and the in-memory
-`MemoryStore` for unit tests. `DeadLetterWriter` batches submissions, runs
-`put_batch` in worker threads (up to `DEFAULT_MAX_IN_FLIGHT` batches at once) and
-retries what was not written.
+`DynamoDBStore` and the in-memory `MemoryStore` for unit tests. `DeadLetterWriter`
+batches submissions, runs `put_batch` in worker threads (up to `DEFAULT_MAX_IN_FLIGHT`
+batches at once), retries what was not written, and tells an optional observer (the
+notifier) about every dead letter once it is durable.
 
-Item schema (one item per dead message; writing the same message again overwrites it):
+Item schema (one item per dead message):
 
 | attribute          | type | content                                                       |
 |--------------------|------|---------------------------------------------------------------|
@@ -21,28 +21,52 @@ Item schema (one item per dead message; writing the same message again overwrite
 | `offset`           | N    | sort key: the message's offset                                |
 | `topic`            | S    | source topic                                                  |
 | `partition`        | N    | source partition                                              |
-| `key`              | B    | message key; absent when null                                 |
-| `value`            | B    | message value; absent when null (tombstone)                   |
+| `key`              | B    | message key; absent when null (or when the payload is in S3)  |
+| `value`            | B    | message value; absent when null (tombstone) or in S3          |
 | `headers`          | L    | of M {`k`: S, `v`: B, no `v` if null}, in order; absent if () |
 | `timestamp_ms`     | N    | Kafka timestamp, ms since the epoch                           |
 | `reason`           | S    | the consumer's nack reason or the proxy's own cause           |
 | `attempts`         | N    | deliveries before it was dead-lettered                        |
 | `consumer_id`      | S    | instance that settled it last (empty if none)                 |
 | `dead_lettered_at` | S    | ISO-8601 UTC with ms and Z, e.g. `2024-05-01T12:00:00.123Z`   |
-| `status`           | S    | `pending` when written (replay: `replayed`, `discarded`)      |
+| `status`           | S    | `pending` when written; later `replayed` or `discarded`       |
+| `payload_s3`       | S    | only for large payloads: `s3://bucket/key` of key+value+headers |
+| `payload_bytes`    | N    | only with `payload_s3`: the S3 object's length                |
+
+Replay and discard (`dlqtable.py`) add `replayed_at`, `replayed_to`, `replay_count`,
+`replay_id`, `discarded_at`, `expires_at` (TTL) and, while a replay is producing it,
+`replay_claim`/`replay_claim_until`.
 
 Byte strings may be empty (then present, unlike null); headers keep duplicates and order.
 `dead_letter_from_item` inverts `item_from_dead_letter` exactly (an empty `headers` list
-reads as no headers).
+reads as no headers); `load_dead_letter` also follows an S3 pointer.
 
-Items over DynamoDB's 400 KB limit (`MAX_ITEM_BYTES`, counted the way DynamoDB
-counts, rounded up): until large payloads move to S3, such a dead letter can never be
-written, and writing it truncated or without its value would lose data. So the writer
-never sends it (one oversized item would fail its whole batch forever); it logs ERROR
-once, counts it in `too_large`, and holds it as pending for good. Its offset never
+Idempotent writes: a write never clobbers an item that is `replayed`, `discarded` or
+claimed by a running replay (otherwise a retried write, or a message redelivered after
+a proxy restart and dead-lettered again, would turn a replayed item back to `pending`
+and the next replay would produce it twice). BatchWriteItem takes no conditions, and
+TransactWriteItems costs twice the write units and caps a call at 4 MB (fewer than ten
+large items). So `DynamoDBStore.put_batch` first reads the batch's keys with one
+consistent BatchGetItem (status and claim only), then
+- writes the keys that do not exist with one BatchWriteItem (the common case),
+- writes the keys that exist as unclaimed `pending` with a conditional PutItem each
+  (`attribute_not_exists(status) OR (status = pending AND attribute_not_exists(claim))`),
+- leaves the others as they are and counts them written (the table holds the message).
+A one-item batch is a single conditional PutItem. What is left unguarded: an item that
+did not exist at the read and was both created by another writer and replayed in the
+milliseconds before our BatchWriteItem lands.
+
+Large payloads: an item over DynamoDB's 400 KB limit (`MAX_ITEM_BYTES`, counted the way
+DynamoDB counts, rounded up) keeps its key, value and headers in one S3 object
+(`<table>/<topic>/<partition>/<offset>` in `dead_letters.overflow_bucket`, format in
+`encode_payload`), written before the item that points to it, so a pointer never
+dangles. Without a bucket (or if even the pointer item is too large) the dead letter can
+never be written, and writing it truncated or without its value would lose data. So the
+writer never sends it (one oversized item would fail its whole batch forever); it logs
+ERROR once, counts it in `too_large`, and holds it as pending for good. Its offset never
 commits, the window stalls behind it after `window.max_messages`, and a restart
 redelivers it: no loss, loudly visible. `item_from_dead_letter` raises
-`DeadLetterTooLarge` for such a record so no other caller can send it either.
+`DeadLetterTooLarge` for such a record so no other caller can send it inline either.
 
 Shutdown of the writer (`stop()`): stop taking batches -> let the `put_batch` calls in
 flight finish and report what they wrote (no further retries) -> cancel only what
@@ -59,7 +83,9 @@ import contextlib
 import enum
 import ipaddress
 import logging
+import math
 import random
+import struct
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -75,10 +101,11 @@ from triage_proxy.errors import (
     StateError,
 )
 from triage_proxy.settings import DEFAULT_DLQ_BATCH, DeadLetterSettings
-from triage_proxy.structs import DeadLetter, Record
+from triage_proxy.structs import DeadLetter, Headers, Record
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb.client import DynamoDBClient
+    from mypy_boto3_s3.client import S3Client
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +124,23 @@ DEFAULT_READ_TIMEOUT_S = 5.0
 DEFAULT_BOTO_ATTEMPTS = 2
 """botocore's own attempts per call (ours retry forever above it)."""
 STATUS_PENDING = "pending"
+STATUS_REPLAYED = "replayed"
+STATUS_DISCARDED = "discarded"
+STATUSES = (STATUS_PENDING, STATUS_REPLAYED, STATUS_DISCARDED)
+"""Every status an item can have, in lifecycle order."""
+CLAIM_ATTR = "replay_claim"
+"""Set (to a replay id) while a replay is producing the item; writes leave such items be."""
+CLAIM_UNTIL_ATTR = "replay_claim_until"
+"""Epoch ms after which a claim is stale (its replay died) and may be taken over."""
+EXPIRES_AT_ATTR = "expires_at"
+"""DynamoDB TTL attribute (epoch seconds), set on replayed/discarded items when ttl_days is."""
+PAYLOAD_S3_ATTR = "payload_s3"
+PAYLOAD_BYTES_ATTR = "payload_bytes"
+PAYLOAD_MAGIC = b"TDL\x01"
+"""First bytes of every S3 payload object (format version 1)."""
+S3_SETTLED_TAG = ("triage-status", "settled")
+"""Tag put on the S3 payload of a replayed/discarded item; a lifecycle rule expires them."""
+S3_LIFECYCLE_RULE_ID = "triage-expire-settled-payloads"
 LOCAL_CREDENTIALS = ("triage-local", "triage-local")
 """Placeholder key pair for a loopback endpoint (moto accepts any credentials)."""
 
@@ -131,7 +175,15 @@ def item_size(dl: DeadLetter) -> int:
 
 
 def dead_letter_from_item(item: Mapping[str, Any]) -> DeadLetter:
-    """Inverse of item_from_dead_letter: the same bytes, headers and times back."""
+    """Inverse of item_from_dead_letter: the same bytes, headers and times back.
+
+    ValueError for an item whose payload is in S3: use `load_dead_letter` for those.
+    """
+    if PAYLOAD_S3_ATTR in item:
+        raise ValueError(
+            f"the payload of this item is in S3 ({item[PAYLOAD_S3_ATTR]['S']}): "
+            "use load_dead_letter"
+        )
     headers: list[tuple[str, bytes | None]] = []
     for entry in item.get("headers", {}).get("L", []):
         header = entry["M"]
@@ -150,7 +202,7 @@ def dead_letter_from_item(item: Mapping[str, Any]) -> DeadLetter:
         reason=item["reason"]["S"],
         attempts=int(item["attempts"]["N"]),
         consumer_id=item["consumer_id"]["S"],
-        dead_lettered_at_ms=_parse_iso_ms(item["dead_lettered_at"]["S"]),
+        dead_lettered_at_ms=parse_iso_ms(item["dead_lettered_at"]["S"]),
     )
 
 
@@ -160,7 +212,8 @@ def format_iso_ms(ms: int) -> str:
     return stamp.removesuffix("+00:00") + "Z"
 
 
-def _parse_iso_ms(text: str) -> int:
+def parse_iso_ms(text: str) -> int:
+    """Inverse of format_iso_ms (the item's `dead_lettered_at`)."""
     moment = datetime.strptime(text, _ISO_FORMAT).replace(tzinfo=UTC)
     return (moment - _EPOCH) // timedelta(milliseconds=1)
 
@@ -218,6 +271,168 @@ def _value_size(attr: Mapping[str, Any]) -> int:
     raise ValueError(f"attribute type {kind!r} is not used in dead-letter items")
 
 
+# --- large payloads in S3 ---------------------------------------------------------------
+
+
+def payload_object_key(table: str, topic: str, partition: int, offset: int) -> str:
+    """S3 key of a dead letter's payload: `<table>/<topic>/<partition>/<offset>`.
+
+    The table name leads so that several tables (environments) can share one bucket.
+    """
+    return f"{table}/{topic}/{partition}/{offset}"
+
+
+def encode_payload(record: Record) -> bytes:
+    """Key, value and headers of `record` as one byte string (the S3 object).
+
+    Format 1, all integers big-endian: `PAYLOAD_MAGIC`; key as i64 length (-1 for null)
+    and bytes; value likewise; u32 header count; per header u32 name length, UTF-8 name,
+    i64 value length (-1 for null) and bytes.
+    """
+    parts = [PAYLOAD_MAGIC, *_blob(record.key), *_blob(record.value)]
+    parts.append(struct.pack(">I", len(record.headers)))
+    for name, value in record.headers:
+        raw = name.encode()
+        parts.extend((struct.pack(">I", len(raw)), raw, *_blob(value)))
+    return b"".join(parts)
+
+
+def payload_size(record: Record) -> int:
+    """len(encode_payload(record)) without building it."""
+    size = len(PAYLOAD_MAGIC) + 8 + len(record.key or b"") + 8 + len(record.value or b"") + 4
+    for name, value in record.headers:
+        size += 4 + len(name.encode()) + 8 + len(value or b"")
+    return size
+
+
+def decode_payload(data: bytes) -> tuple[bytes | None, bytes | None, Headers]:
+    """Inverse of encode_payload: (key, value, headers); ValueError if malformed."""
+    if not data.startswith(PAYLOAD_MAGIC):
+        raise ValueError("not a Triage dead-letter payload (bad magic)")
+    view = memoryview(data)
+    pos = len(PAYLOAD_MAGIC)
+
+    def take(n: int) -> bytes:
+        nonlocal pos
+        if n < 0 or pos + n > len(data):
+            raise ValueError("truncated dead-letter payload")
+        chunk = bytes(view[pos : pos + n])
+        pos += n
+        return chunk
+
+    def blob() -> bytes | None:
+        (length,) = struct.unpack(">q", take(8))
+        return None if length == -1 else take(length)
+
+    key = blob()
+    value = blob()
+    (count,) = struct.unpack(">I", take(4))
+    headers: list[tuple[str, bytes | None]] = []
+    for _ in range(count):
+        (length,) = struct.unpack(">I", take(4))
+        headers.append((take(length).decode(), blob()))
+    if pos != len(data):
+        raise ValueError("trailing bytes after the dead-letter payload")
+    return key, value, tuple(headers)
+
+
+def _blob(data: bytes | None) -> tuple[bytes, ...]:
+    if data is None:
+        return (struct.pack(">q", -1),)
+    return (struct.pack(">q", len(data)), data)
+
+
+def pointer_item(
+    dl: DeadLetter, bucket: str, object_key: str, payload_bytes: int
+) -> dict[str, Any]:
+    """The item of a dead letter whose key, value and headers live in S3.
+
+    Raises DeadLetterTooLarge if even that item exceeds the limit (a huge reason).
+    """
+    item = _build_item(dl)
+    for name in ("key", "value", "headers"):
+        item.pop(name, None)
+    item[PAYLOAD_S3_ATTR] = {"S": f"s3://{bucket}/{object_key}"}
+    item[PAYLOAD_BYTES_ATTR] = {"N": str(payload_bytes)}
+    size = _item_size(item)
+    if size > MAX_ITEM_BYTES:
+        raise DeadLetterTooLarge(dead_letter_key(dl), size, MAX_ITEM_BYTES)
+    return item
+
+
+def fits_with_overflow(dl: DeadLetter, settings: DeadLetterSettings) -> bool:
+    """Whether `dl` can be written under `settings`: inline, or via the overflow bucket."""
+    if item_size(dl) <= MAX_ITEM_BYTES:
+        return True
+    if settings.overflow_bucket is None:
+        return False
+    topic, partition, offset = dead_letter_key(dl)
+    object_key = payload_object_key(settings.table, topic, partition, offset)
+    try:
+        pointer_item(dl, settings.overflow_bucket, object_key, payload_size(dl.record))
+    except DeadLetterTooLarge:
+        return False
+    return True
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """("bucket", "key") of "s3://bucket/key"; ValueError otherwise."""
+    parts = urlsplit(url)
+    if parts.scheme != "s3" or not parts.netloc or len(parts.path) < 2:
+        raise ValueError(f"not an s3://bucket/key URL: {url!r}")
+    return parts.netloc, parts.path[1:]
+
+
+def dead_letter_with_payload(item: Mapping[str, Any], payload: bytes) -> DeadLetter:
+    """The dead letter of a pointer item, given the bytes of its S3 object."""
+    expected = int(item[PAYLOAD_BYTES_ATTR]["N"])
+    if len(payload) != expected:
+        raise ValueError(
+            f"S3 payload {item[PAYLOAD_S3_ATTR]['S']} has {len(payload)} bytes, "
+            f"the item says {expected}"
+        )
+    key, value, headers = decode_payload(payload)
+    inline = {k: v for k, v in item.items() if k not in (PAYLOAD_S3_ATTR, PAYLOAD_BYTES_ATTR)}
+    dl = dead_letter_from_item(inline)
+    return DeadLetter(
+        record=dl.record._replace(key=key, value=value, headers=headers),
+        reason=dl.reason,
+        attempts=dl.attempts,
+        consumer_id=dl.consumer_id,
+        dead_lettered_at_ms=dl.dead_lettered_at_ms,
+    )
+
+
+def load_dead_letter(item: Mapping[str, Any], s3_client: S3Client | None) -> DeadLetter:
+    """The dead letter of any item, byte-exact, fetching its payload from S3 if it is there.
+
+    `s3_client` (see `s3_client()`) is only used, and only required, for items with a
+    `payload_s3` pointer: ValueError without one. Raises DeadLetterUnavailable when S3
+    does not answer and ValueError when the object is missing or does not match the item.
+    """
+    if PAYLOAD_S3_ATTR not in item:
+        return dead_letter_from_item(item)
+    url = item[PAYLOAD_S3_ATTR]["S"]
+    if s3_client is None:
+        raise ValueError(f"the payload is in S3 ({url}); an S3 client is needed to load it")
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, key = parse_s3_url(url)
+    try:
+        body = s3_client.get_object(Bucket=bucket, Key=key)["Body"]
+        try:
+            data = body.read()
+        finally:
+            body.close()
+    except ClientError as exc:
+        if _error_code(exc) in ("NoSuchKey", "NoSuchBucket", "404"):
+            raise ValueError(f"the S3 payload {url} does not exist") from exc
+        raise DeadLetterUnavailable(f"reading {url} failed: {_describe(exc)}") from exc
+    except BotoCoreError as exc:
+        raise DeadLetterUnavailable(f"reading {url} failed: {_describe(exc)}") from exc
+    return dead_letter_with_payload(item, data)
+
+
 # --- stores ---------------------------------------------------------------------------
 
 
@@ -232,9 +447,24 @@ class DeadLetterStore(Protocol):
         ...
 
 
-class DynamoDBStore:
-    """The real store: BatchWriteItem against the table in DeadLetterSettings.
+_WRITE_CONDITION = "attribute_not_exists(#s) OR (#s = :pending AND attribute_not_exists(#c))"
+"""What a write may replace: nothing, or a pending item no replay has claimed."""
+_WRITE_NAMES = {"#s": "status", "#c": CLAIM_ATTR}
+_WRITE_VALUES = {":pending": {"S": STATUS_PENDING}}
 
+
+def writable(existing: Mapping[str, Any] | None) -> bool:
+    """Whether a write may replace `existing` (None: no item); the write condition, pure."""
+    if existing is None or "status" not in existing:
+        return True
+    return existing["status"].get("S") == STATUS_PENDING and CLAIM_ATTR not in existing
+
+
+class DynamoDBStore:
+    """The real store: idempotent batched writes to the table in DeadLetterSettings.
+
+    See the module docstring for the write path (BatchGetItem, then BatchWriteItem for
+    new keys and conditional PutItem for existing pending ones) and for S3 overflow.
     Timeouts are short and botocore retries little, since the writer retries forever
     above it. A loopback endpoint_url (moto, for `triage dev` and tests) gets
     placeholder credentials; anything else uses boto3's usual credential chain.
@@ -252,24 +482,100 @@ class DynamoDBStore:
         from botocore.exceptions import BotoCoreError, ClientError
 
         self.table = settings.table
+        self.bucket = settings.overflow_bucket
+        self.kept = 0
+        """Writes skipped because the item was already replayed, discarded or claimed."""
         self._errors = (BotoCoreError, ClientError)
+        self._client_error = ClientError
         self._client = dynamodb_client(
             settings,
             connect_timeout_s=connect_timeout_s,
             read_timeout_s=read_timeout_s,
             max_attempts=max_attempts,
         )
+        self._s3: S3Client | None = None
+        if self.bucket is not None:
+            self._s3 = s3_client(
+                settings,
+                connect_timeout_s=connect_timeout_s,
+                read_timeout_s=read_timeout_s,
+                max_attempts=max_attempts,
+            )
+        self._lock = threading.Lock()
 
     def put_batch(self, items: Sequence[DeadLetter]) -> list[DeadLetter]:
-        """One BatchWriteItem call; returns the UnprocessedItems as DeadLetters."""
+        """Write `items` idempotently; return those NOT written (unprocessed or failed).
+
+        Items found replayed, discarded or claimed are left as they are and count as
+        written. Raises DeadLetterUnavailable when DynamoDB (or S3) does not answer.
+        """
         _check_batch(items)
+        if not items:
+            return []
+        if len(items) == 1:
+            return self._put_conditional(items)
+        existing, unread = self._read_states(items)
+        fresh: list[DeadLetter] = []
+        pending: list[DeadLetter] = []
+        kept = 0
+        for dl in items:
+            key = _item_key(dl)
+            if key in unread:
+                continue
+            state = existing.get(key)
+            if state is None:
+                fresh.append(dl)
+            elif writable(state):
+                pending.append(dl)
+            else:
+                kept += 1
+        self._count_kept(kept)
+        unwritten = [dl for dl in items if _item_key(dl) in unread]
+        unwritten.extend(self._batch_write(fresh))
+        unwritten.extend(self._put_conditional(pending))
+        return unwritten
+
+    def _read_states(
+        self, items: Sequence[DeadLetter]
+    ) -> tuple[dict[tuple[str, str], dict[str, Any]], set[tuple[str, str]]]:
+        """Status and claim of every key (consistent read); also the keys left unread."""
+        keys = [_item_key(dl) for dl in items]
+        request: Any = {
+            self.table: {
+                "Keys": [{"source": {"S": s}, "offset": {"N": o}} for s, o in keys],
+                "ConsistentRead": True,
+                "ProjectionExpression": "#src, #o, #s, #c",
+                "ExpressionAttributeNames": {
+                    "#src": "source",
+                    "#o": "offset",
+                    "#s": "status",
+                    "#c": CLAIM_ATTR,
+                },
+            }
+        }
+        try:
+            response = self._client.batch_get_item(RequestItems=request)
+        except self._errors as exc:
+            raise DeadLetterUnavailable(
+                f"BatchGetItem on table {self.table!r} failed: {_describe(exc)}"
+            ) from exc
+        found = {
+            (i["source"]["S"], i["offset"]["N"]): dict(i)
+            for i in response.get("Responses", {}).get(self.table, [])
+        }
+        left: Any = response.get("UnprocessedKeys", {}).get(self.table, {})
+        unread = {(k["source"]["S"], k["offset"]["N"]) for k in left.get("Keys", [])}
+        return found, unread
+
+    def _batch_write(self, items: Sequence[DeadLetter]) -> list[DeadLetter]:
+        """One BatchWriteItem for keys known not to exist; returns the unprocessed ones."""
         if not items:
             return []
         by_key: dict[tuple[str, str], DeadLetter] = {}
         requests: list[Any] = []
         for dl in items:
-            item = item_from_dead_letter(dl)
-            by_key[(item["source"]["S"], item["offset"]["N"])] = dl
+            item = self._prepare(dl)
+            by_key[_item_key(dl)] = dl
             requests.append({"PutRequest": {"Item": item}})
         try:
             response = self._client.batch_write_item(RequestItems={self.table: requests})
@@ -286,9 +592,71 @@ class DynamoDBStore:
                 unwritten.append(found)
         return unwritten
 
+    def _put_conditional(self, items: Sequence[DeadLetter]) -> list[DeadLetter]:
+        """A conditional PutItem each; a lone item's failure raises, later ones are returned."""
+        unwritten: list[DeadLetter] = []
+        kept = 0
+        for dl in items:
+            try:
+                self._client.put_item(
+                    TableName=self.table,
+                    Item=self._prepare(dl),
+                    ConditionExpression=_WRITE_CONDITION,
+                    ExpressionAttributeNames=_WRITE_NAMES,
+                    ExpressionAttributeValues=_WRITE_VALUES,
+                )
+            except self._client_error as exc:
+                if _error_code(exc) == "ConditionalCheckFailedException":
+                    kept += 1
+                    continue
+                if len(items) == 1:
+                    raise DeadLetterUnavailable(
+                        f"PutItem on table {self.table!r} failed: {_describe(exc)}"
+                    ) from exc
+                unwritten.append(dl)
+            except self._errors as exc:
+                raise DeadLetterUnavailable(
+                    f"PutItem on table {self.table!r} failed: {_describe(exc)}"
+                ) from exc
+        self._count_kept(kept)
+        return unwritten
+
+    def _prepare(self, dl: DeadLetter) -> dict[str, Any]:
+        """The item to write; uploads the payload to S3 first when it is too large inline."""
+        if self.bucket is None or self._s3 is None or item_size(dl) <= MAX_ITEM_BYTES:
+            return item_from_dead_letter(dl)
+        topic, partition, offset = dead_letter_key(dl)
+        object_key = payload_object_key(self.table, topic, partition, offset)
+        payload = encode_payload(dl.record)
+        item = pointer_item(dl, self.bucket, object_key, len(payload))
+        try:
+            self._s3.put_object(
+                Bucket=self.bucket,
+                Key=object_key,
+                Body=payload,
+                ContentType="application/octet-stream",
+            )
+        except self._errors as exc:
+            raise DeadLetterUnavailable(
+                f"PutObject s3://{self.bucket}/{object_key} failed: {_describe(exc)}"
+            ) from exc
+        return item
+
+    def _count_kept(self, kept: int) -> None:
+        if not kept:
+            return
+        with self._lock:
+            self.kept += kept
+        logger.info(
+            "%d dead letters already replayed, discarded or being replayed: kept as they are",
+            kept,
+        )
+
     def close(self) -> None:
         """Close the HTTP connections; safe twice."""
         self._client.close()
+        if self._s3 is not None:
+            self._s3.close()
 
     def __enter__(self) -> DynamoDBStore:
         return self
@@ -302,17 +670,31 @@ class DynamoDBStore:
         self.close()
 
 
+def _item_key(dl: DeadLetter) -> tuple[str, str]:
+    """(source, offset) of a dead letter's item as DynamoDB spells them."""
+    record = dl.record
+    return (f"{record.topic}#{record.partition}", str(record.offset))
+
+
 class MemoryStore:
     """In-memory twin of DynamoDBStore for unit tests; thread-safe.
 
-    `items` maps (source, offset) to the item as DynamoDB would hold it. Tests can make
+    `items` maps (source, offset) to the item as DynamoDB would hold it; like the real
+    store it leaves replayed, discarded and claimed items as they are (counted in
+    `kept`), and with `overflow_bucket` keeps large payloads in `objects`. Tests can make
     the next calls fail (`fail_next`), leave items unprocessed (`leave_unprocessed`),
     or hold calls in flight by clearing `gate`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, table: str = "dead-letters", overflow_bucket: str | None = None) -> None:
         self.items: dict[tuple[str, int], dict[str, Any]] = {}
         """Written items by (source, offset)."""
+        self.objects: dict[tuple[str, str], bytes] = {}
+        """Large payloads by (bucket, key), like S3 would hold them."""
+        self.kept = 0
+        """Writes skipped because the item was already replayed, discarded or claimed."""
+        self.table = table
+        self.bucket = overflow_bucket
         self.calls: list[int] = []
         """Size of every put_batch call, failed ones included, in call order."""
         self.gate = threading.Event()
@@ -336,14 +718,22 @@ class MemoryStore:
             self._unprocessed.extend([count] * calls)
 
     def dead_letters(self) -> list[DeadLetter]:
-        """Every written item decoded, by (source, offset)."""
+        """Every written item decoded (payloads from `objects`), by (source, offset)."""
         with self._lock:
-            return [dead_letter_from_item(self.items[k]) for k in sorted(self.items)]
+            out = []
+            for k in sorted(self.items):
+                item = self.items[k]
+                if PAYLOAD_S3_ATTR in item:
+                    payload = self.objects[parse_s3_url(item[PAYLOAD_S3_ATTR]["S"])]
+                    out.append(dead_letter_with_payload(item, payload))
+                else:
+                    out.append(dead_letter_from_item(item))
+            return out
 
     def put_batch(self, items: Sequence[DeadLetter]) -> list[DeadLetter]:
-        """Write items like BatchWriteItem would, unless told to fail or leave some."""
+        """Write items like DynamoDBStore would, unless told to fail or leave some."""
         _check_batch(items)
-        built = [item_from_dead_letter(dl) for dl in items]
+        built = [self._build(dl) for dl in items]
         with self._lock:
             self.calls.append(len(items))
             self._active += 1
@@ -356,14 +746,29 @@ class MemoryStore:
                     left = -1
                 else:
                     left = min(len(items), self._unprocessed.popleft() if self._unprocessed else 0)
-                    for item in built[: len(items) - left]:
-                        self.items[(item["source"]["S"], int(item["offset"]["N"]))] = item
+                    for item, upload in built[: len(items) - left]:
+                        key = (item["source"]["S"], int(item["offset"]["N"]))
+                        if not writable(self.items.get(key)):
+                            self.kept += 1
+                            continue
+                        if upload is not None:
+                            self.objects[upload[0]] = upload[1]
+                        self.items[key] = item
         finally:
             with self._lock:
                 self._active -= 1
         if left < 0:
             raise DeadLetterUnavailable("memory store told to fail")
         return list(items[len(items) - left :])
+
+    def _build(self, dl: DeadLetter) -> tuple[dict[str, Any], tuple[tuple[str, str], bytes] | None]:
+        if self.bucket is None or item_size(dl) <= MAX_ITEM_BYTES:
+            return item_from_dead_letter(dl), None
+        topic, partition, offset = dead_letter_key(dl)
+        object_key = payload_object_key(self.table, topic, partition, offset)
+        payload = encode_payload(dl.record)
+        item = pointer_item(dl, self.bucket, object_key, len(payload))
+        return item, ((self.bucket, object_key), payload)
 
 
 def _check_batch(items: Sequence[DeadLetter]) -> None:
@@ -372,6 +777,14 @@ def _check_batch(items: Sequence[DeadLetter]) -> None:
         raise ValueError(f"a batch holds at most {MAX_BATCH} items, got {len(items)}")
     if len({dead_letter_key(dl) for dl in items}) != len(items):
         raise ValueError("a batch must not hold two items with the same key")
+
+
+def _error_code(exc: BaseException) -> str:
+    """The AWS error code of a botocore ClientError ("" for anything else)."""
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    return ""
 
 
 def _describe(exc: BaseException) -> str:
@@ -402,25 +815,70 @@ def dynamodb_client(
 ) -> DynamoDBClient:
     """A boto3 DynamoDB client with short timeouts; placeholder credentials on loopback."""
     import boto3
+
+    return boto3.session.Session().client(
+        "dynamodb", **_client_options(settings, connect_timeout_s, read_timeout_s, max_attempts)
+    )
+
+
+def s3_client(
+    settings: DeadLetterSettings,
+    *,
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+    max_attempts: int = DEFAULT_BOTO_ATTEMPTS,
+) -> S3Client:
+    """A boto3 S3 client for the overflow bucket: same endpoint, region and credentials
+    logic as dynamodb_client (path-style addressing when an endpoint_url is set, since a
+    local endpoint has no per-bucket host names)."""
+    import boto3
+
+    options = _client_options(settings, connect_timeout_s, read_timeout_s, max_attempts)
+    return boto3.session.Session().client("s3", **options)
+
+
+def aws_client(
+    service: str,
+    settings: DeadLetterSettings,
+    *,
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+    max_attempts: int = DEFAULT_BOTO_ATTEMPTS,
+) -> Any:
+    """A boto3 client of any `service` (e.g. "sns") with the same endpoint, region,
+    timeouts and loopback-credentials logic as dynamodb_client."""
+    import boto3
+
+    options = _client_options(settings, connect_timeout_s, read_timeout_s, max_attempts)
+    return boto3.session.Session().client(service, **options)  # type: ignore[call-overload]
+
+
+def _client_options(
+    settings: DeadLetterSettings,
+    connect_timeout_s: float,
+    read_timeout_s: float,
+    max_attempts: int,
+) -> dict[str, Any]:
+    """Keyword arguments of boto3's client() shared by every AWS client of Triage."""
     from botocore.config import Config
 
     config = Config(
         connect_timeout=connect_timeout_s,
         read_timeout=read_timeout_s,
         retries={"mode": "standard", "total_max_attempts": max_attempts},
+        s3={"addressing_style": "path"} if settings.endpoint_url is not None else None,
     )
     access_key: str | None = None
     secret_key: str | None = None
     if settings.endpoint_url is not None and _is_loopback(settings.endpoint_url):
         access_key, secret_key = LOCAL_CREDENTIALS
-    return boto3.session.Session().client(
-        "dynamodb",
-        region_name=settings.region,
-        endpoint_url=settings.endpoint_url,
-        config=config,
-        aws_access_key_id=access_key,
-        aws_secret_access_key=secret_key,
-    )
+    return {
+        "region_name": settings.region,
+        "endpoint_url": settings.endpoint_url,
+        "config": config,
+        "aws_access_key_id": access_key,
+        "aws_secret_access_key": secret_key,
+    }
 
 
 _KEY_SCHEMA = [("source", "HASH"), ("offset", "RANGE")]
@@ -429,8 +887,9 @@ _KEY_SCHEMA = [("source", "HASH"), ("offset", "RANGE")]
 def create_table(settings: DeadLetterSettings, *, timeout_s: float = 120.0) -> None:
     """Create the dead-letter table (on-demand) unless it exists; wait until it is ACTIVE.
 
-    Raises ConfigError if a table of that name exists with another key schema, and
-    DeadLetterUnavailable if DynamoDB cannot be reached or refuses.
+    With `ttl_days` set it also enables DynamoDB TTL on `expires_at`. Raises ConfigError
+    if a table of that name exists with another key schema (or TTL on another
+    attribute), and DeadLetterUnavailable if DynamoDB cannot be reached or refuses.
     """
     from botocore.exceptions import BotoCoreError, ClientError
 
@@ -457,18 +916,102 @@ def create_table(settings: DeadLetterSettings, *, timeout_s: float = 120.0) -> N
             WaiterConfig={"Delay": 1, "MaxAttempts": max(1, int(timeout_s))},
         )
         schema = client.describe_table(TableName=settings.table)["Table"].get("KeySchema", [])
+        found = [(k["AttributeName"], k["KeyType"]) for k in schema]
+        if found != _KEY_SCHEMA:
+            raise ConfigError(
+                "dead_letters.table",
+                f"table {settings.table!r} has key schema {found}, expected {_KEY_SCHEMA}",
+            )
+        if settings.ttl_days is not None:
+            _enable_ttl(client, settings.table)
     except (BotoCoreError, ClientError) as exc:
         raise DeadLetterUnavailable(
             f"creating table {settings.table!r} failed: {_describe(exc)}"
         ) from exc
     finally:
         client.close()
-    found = [(k["AttributeName"], k["KeyType"]) for k in schema]
-    if found != _KEY_SCHEMA:
-        raise ConfigError(
-            "dead_letters.table",
-            f"table {settings.table!r} has key schema {found}, expected {_KEY_SCHEMA}",
-        )
+
+
+def _enable_ttl(client: DynamoDBClient, table: str) -> None:
+    ttl = client.describe_time_to_live(TableName=table).get("TimeToLiveDescription", {})
+    status = ttl.get("TimeToLiveStatus", "DISABLED")
+    if status in ("ENABLED", "ENABLING"):
+        if ttl.get("AttributeName") != EXPIRES_AT_ATTR:
+            raise ConfigError(
+                "dead_letters.ttl_days",
+                f"table {table!r} already has TTL on {ttl.get('AttributeName')!r}, "
+                f"not {EXPIRES_AT_ATTR!r}",
+            )
+        return
+    client.update_time_to_live(
+        TableName=table,
+        TimeToLiveSpecification={"Enabled": True, "AttributeName": EXPIRES_AT_ATTR},
+    )
+    logger.info("enabled TTL on %s.%s", table, EXPIRES_AT_ATTR)
+
+
+def create_bucket(settings: DeadLetterSettings) -> None:
+    """Create the overflow bucket unless it exists (no-op without `overflow_bucket`).
+
+    With `ttl_days` it also installs (or updates) one lifecycle rule that expires the
+    payloads of replayed and discarded items, which `dlqtable` tags when it marks them;
+    other rules of a shared bucket are kept. Raises ConfigError for an invalid bucket
+    name and DeadLetterUnavailable if S3 cannot be reached or refuses.
+    """
+    bucket = settings.overflow_bucket
+    if bucket is None:
+        return
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    client = s3_client(settings)
+    try:
+        try:
+            if settings.region == "us-east-1":
+                client.create_bucket(Bucket=bucket)
+            else:
+                client.create_bucket(
+                    Bucket=bucket,
+                    CreateBucketConfiguration={"LocationConstraint": settings.region},  # type: ignore[typeddict-item]
+                )
+            logger.info("created overflow bucket %s", bucket)
+        except ClientError as exc:
+            if _error_code(exc) == "InvalidBucketName":
+                raise ConfigError(
+                    "dead_letters.overflow_bucket", f"not a valid S3 bucket name: {bucket!r}"
+                ) from exc
+            if _error_code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise
+            client.head_bucket(Bucket=bucket)  # ours to use? raises (403) if not
+            logger.debug("overflow bucket %s already exists", bucket)
+        if settings.ttl_days is not None:
+            _expire_settled_payloads(client, bucket, math.ceil(settings.ttl_days))
+    except (BotoCoreError, ClientError) as exc:
+        raise DeadLetterUnavailable(f"creating bucket {bucket!r} failed: {_describe(exc)}") from exc
+    finally:
+        client.close()
+
+
+def _expire_settled_payloads(client: S3Client, bucket: str, days: int) -> None:
+    from botocore.exceptions import ClientError
+
+    try:
+        rules = list(client.get_bucket_lifecycle_configuration(Bucket=bucket).get("Rules", []))
+    except ClientError as exc:
+        if _error_code(exc) != "NoSuchLifecycleConfiguration":
+            raise
+        rules = []
+    tag_key, tag_value = S3_SETTLED_TAG
+    rule: Any = {
+        "ID": S3_LIFECYCLE_RULE_ID,
+        "Status": "Enabled",
+        "Filter": {"Tag": {"Key": tag_key, "Value": tag_value}},
+        "Expiration": {"Days": max(1, days)},
+    }
+    rules = [r for r in rules if r.get("ID") != S3_LIFECYCLE_RULE_ID] + [rule]
+    client.put_bucket_lifecycle_configuration(
+        Bucket=bucket,
+        LifecycleConfiguration={"Rules": rules},
+    )
 
 
 # --- the writer -----------------------------------------------------------------------
@@ -484,6 +1027,14 @@ def backoff_delay(
     """
     full = min(cap, base * 2.0 ** min(max(failures, 1) - 1, 64))
     return full * (0.5 + 0.5 * rand)
+
+
+class DeadLetterObserver(Protocol):
+    """Told about every dead letter once it is durable (the notifier); on the loop thread."""
+
+    def record(self, dl: DeadLetter) -> None:
+        """Take note of `dl`; must be cheap and must not block."""
+        ...
 
 
 class WriterState(enum.Enum):
@@ -502,7 +1053,11 @@ class _Entry:
 
 
 class DeadLetterWriter:
-    """Batches dead letters into the store and reports each once it is durable."""
+    """Batches dead letters into the store and reports each once it is durable.
+
+    `on_written(dl)` runs for every dead letter once the store holds it (the commit
+    tracker settles its offset); then `notifier.record(dl)`, if a notifier is given.
+    """
 
     def __init__(
         self,
@@ -510,6 +1065,7 @@ class DeadLetterWriter:
         settings: DeadLetterSettings,
         on_written: Callable[[DeadLetter], None],
         *,
+        notifier: DeadLetterObserver | None = None,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S,
         sleep: Sleep = asyncio.sleep,
@@ -522,6 +1078,7 @@ class DeadLetterWriter:
         self._store = store
         self._settings = settings
         self._on_written = on_written
+        self._notifier = notifier
         self._stop_timeout_s = stop_timeout_s
         self._sleep = sleep
         self._rand = rand
@@ -625,18 +1182,20 @@ class DeadLetterWriter:
             raise StateError(f"dead-letter writer is {self._state.value}")
         seq = self._next_seq
         self._next_seq += 1
-        size = item_size(dl)
-        if size > MAX_ITEM_BYTES:
+        if not fits_with_overflow(dl, self._settings):
             self._parked.append(seq)
             topic, partition, offset = dead_letter_key(dl)
             logger.error(
                 "dead letter %s[%d]@%d needs %d bytes, over DynamoDB's item limit of %d: "
-                "holding it unwritten, so its offset will not commit (large payloads need S3)",
+                "holding it unwritten, so its offset will not commit (%s)",
                 topic,
                 partition,
                 offset,
-                size,
+                item_size(dl),
                 MAX_ITEM_BYTES,
+                "even with its payload in S3"
+                if self._settings.overflow_bucket
+                else "set dead_letters.overflow_bucket to keep large payloads in S3",
             )
             return
         self._outstanding[seq] = None
@@ -655,7 +1214,7 @@ class DeadLetterWriter:
 
     @property
     def too_large(self) -> int:
-        """Dead letters held because they exceed DynamoDB's item limit."""
+        """Dead letters held because they exceed DynamoDB's item limit (and no S3 helps)."""
         return len(self._parked)
 
     @property
@@ -780,6 +1339,8 @@ class DeadLetterWriter:
         try:
             for entry in written:
                 self._on_written(entry.dl)
+                if self._notifier is not None:
+                    self._notifier.record(entry.dl)
         finally:
             if written:
                 self._notify()

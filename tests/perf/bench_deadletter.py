@@ -2,8 +2,14 @@
 
 Why: when consumers nack in bulk, every dead letter must be in DynamoDB before its
 offset can commit, so the writer's throughput bounds how fast a partition can drain.
-Batching (BatchWriteItem, 25 items a call, a few calls in flight) must beat writing one
-item per call by at least TARGET_RATIO on the same endpoint.
+Writes are idempotent (never clobber a replayed item), so the two ways compared are:
+- one item per call: a conditional PutItem per dead letter (what `put_batch` does for a
+  single item, and what a writer without batching would have to do);
+- the writer: per batch of 25, one consistent BatchGetItem of the keys' status, then one
+  BatchWriteItem for the new keys (all of them here), a few batches in flight.
+The writer must beat one item per call by at least TARGET_RATIO on the same endpoint.
+(TransactWriteItems would also be conditional and batched, but moto copies the whole
+table per transaction item, which would make this comparison meaningless locally.)
 
 Run as a script: ``.venv/bin/python -m tests.perf.bench_deadletter [N]``. It starts its
 own moto server (stopped at the end, even on error), writes N dead letters each way into
@@ -135,7 +141,7 @@ def main() -> int:
     dls = dead_letters(n)
     with EmbeddedAWS() as aws:
         rates = {
-            "one item per call (sequential)": measure(
+            "one conditional PutItem per call (sequential)": measure(
                 aws, "single", n, lambda store, _: one_at_a_time(store, dls)
             ),
             "writer, batch 25, 1 in flight": measure(

@@ -1,0 +1,607 @@
+"""`triage dlq`: find out why messages died, then put them back or let them go.
+
+Why a CLI next to the Spark job: most incidents are a handful of dead letters that a
+person wants to read, fix the cause of, and replay, using the same config file the
+proxy runs from (the one `triage dev` writes works as is). The selection, rendering
+and replay protocol live in `triage_proxy.dlqtable`, shared with the Spark job, so the
+two never disagree about which items a filter selects or whether an item was replayed.
+
+    triage dlq list    --config F [filters] [--json] [--limit N]
+    triage dlq show    --config F TOPIC PARTITION OFFSET [--json]
+    triage dlq replay  --config F (filters | --offset N | --all) [--to-topic T] [--dry-run]
+    triage dlq discard --config F (filters | --offset N | --all) [--dry-run]
+
+Filters: --topic, --partition, --status (list only; replay and discard act on
+pending items), --reason SUBSTRING (case-insensitive), --since/--until (ISO-8601 or an
+age like 30m, 1h, 2d; on dead_lettered_at, since inclusive, until exclusive).
+
+Exit codes (`DlqExitCode`): 0 ok; 1 some items failed to replay; 2 bad config or bad
+arguments (malformed time range ...); 3 DynamoDB, S3 or Kafka unreachable; 4 the table
+or the item does not exist; 130 interrupted (SIGINT or SIGTERM: a replay finishes and
+marks the chunk in flight, then stops).
+
+Heavy modules (boto3, confluent-kafka, rich) are imported inside the commands.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+if TYPE_CHECKING:
+    from triage_proxy.dlqtable import DeadLetterTable, Filters
+    from triage_proxy.settings import Settings
+
+dlq_app = typer.Typer(
+    name="dlq",
+    help="Inspect, replay and discard dead letters (the table the proxy writes).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+class DlqExitCode(enum.IntEnum):
+    """What `triage dlq` exit statuses mean, for scripts."""
+
+    OK = 0
+    FAILURE = 1
+    BAD_INPUT = 2
+    UNAVAILABLE = 3
+    NOT_FOUND = 4
+    INTERRUPTED = 130
+
+
+class Status(enum.StrEnum):
+    pending = "pending"
+    replayed = "replayed"
+    discarded = "discarded"
+
+
+ConfigOption = Annotated[
+    Path, typer.Option("--config", "-c", help="The proxy's TOML config file.", show_default=False)
+]
+TopicOption = Annotated[str | None, typer.Option(help="Only this source topic.")]
+PartitionOption = Annotated[int | None, typer.Option(help="Only this source partition.")]
+ReasonOption = Annotated[
+    str | None, typer.Option(help="Only reasons containing this text (case-insensitive).")
+]
+SinceOption = Annotated[
+    str | None,
+    typer.Option(help="Dead-lettered at or after: ISO-8601 or an age (30m, 1h, 2d)."),
+]
+UntilOption = Annotated[
+    str | None, typer.Option(help="Dead-lettered before: ISO-8601 or an age (30m, 1h, 2d).")
+]
+OffsetOption = Annotated[
+    int | None, typer.Option(help="Only this offset (with --topic and --partition).")
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+
+
+class _Failed(Exception):
+    """Ends a command with an exit code and a message for stderr."""
+
+    def __init__(self, code: DlqExitCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@contextlib.contextmanager
+def _errors() -> Iterator[None]:
+    """Turn the errors a dlq command can meet into a message and a named exit code."""
+    from triage_proxy.dlqtable import NotFoundError
+    from triage_proxy.errors import ConfigError, UnavailableError
+
+    try:
+        yield
+    except _Failed as exc:
+        _say_error(str(exc))
+        raise typer.Exit(int(exc.code)) from None
+    except ConfigError as exc:
+        _say_error(str(exc))
+        raise typer.Exit(int(DlqExitCode.BAD_INPUT)) from None
+    except NotFoundError as exc:
+        _say_error(str(exc))
+        raise typer.Exit(int(DlqExitCode.NOT_FOUND)) from None
+    except UnavailableError as exc:
+        _say_error(str(exc))
+        raise typer.Exit(int(DlqExitCode.UNAVAILABLE)) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(int(DlqExitCode.INTERRUPTED)) from None
+
+
+def _say_error(message: str) -> None:
+    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+
+
+def _open(config: Path) -> tuple[Settings, DeadLetterTable]:
+    """Settings from the config file and the table, checked to exist and answer."""
+    from triage_proxy.dlqtable import DeadLetterTable
+    from triage_proxy.settings import load_settings
+
+    settings = load_settings(config)
+    table = DeadLetterTable(settings.dead_letters)
+    try:
+        table.check()
+    except BaseException:
+        table.close()
+        raise
+    return settings, table
+
+
+def _filters(
+    *,
+    topic: str | None,
+    partition: int | None,
+    offset: int | None = None,
+    status: str | None = None,
+    reason: str | None = None,
+    since: str | None = None,
+    until: str | None = None,
+) -> Filters:
+    import time
+
+    from triage_proxy.dlqtable import Filters, parse_time
+
+    if offset is not None and (topic is None or partition is None):
+        raise _Failed(DlqExitCode.BAD_INPUT, "--offset needs --topic and --partition")
+    now_ms = int(time.time() * 1000)
+    times: dict[str, int | None] = {"since": None, "until": None}
+    for name, text in (("since", since), ("until", until)):
+        if text is not None:
+            try:
+                times[name] = parse_time(text, now_ms)
+            except ValueError as exc:
+                raise _Failed(DlqExitCode.BAD_INPUT, f"malformed --{name}: {exc}") from None
+    try:
+        return Filters(
+            topic=topic,
+            partition=partition,
+            offset=offset,
+            status=status,
+            reason=reason,
+            since_ms=times["since"],
+            until_ms=times["until"],
+        )
+    except ValueError as exc:
+        raise _Failed(DlqExitCode.BAD_INPUT, str(exc)) from None
+
+
+def _print_table(items: list[dict[str, Any]], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from triage_proxy.dlqtable import item_summary, safe_text, short_text
+
+    table = Table(title=title, title_justify="left")
+    for name, justify, wrap in (
+        ("topic", "left", True),
+        ("part", "right", False),
+        ("offset", "right", False),
+        ("status", "left", False),
+        ("att", "right", False),
+        ("dead-lettered at", "left", False),
+        ("key", "left", True),
+        ("reason", "left", True),
+    ):
+        table.add_column(
+            name,
+            justify=justify,  # type: ignore[arg-type]
+            no_wrap=not wrap,
+            overflow="fold" if wrap else "ellipsis",
+            min_width=8 if wrap else None,
+        )
+    for item in items:
+        info = item_summary(item)
+        if info["payload_s3"] is not None:
+            key = "(in S3)"
+        else:
+            key = short_text(bytes(item["key"]["B"]) if "key" in item else None, 24)
+        reason = safe_text(info["reason"] or "").replace("\n", " ")
+        table.add_row(
+            Text(safe_text(info["topic"] or "")),
+            str(info["partition"]),
+            str(info["offset"]),
+            Text(info["status"] or ""),
+            str(info["attempts"]),
+            Text(info["dead_lettered_at"] or ""),
+            Text(key),
+            Text(reason if len(reason) <= 80 else reason[:79] + "…"),
+        )
+    Console(highlight=False).print(table)
+
+
+def _sorted(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from triage_proxy.dlqtable import item_key
+
+    return sorted(items, key=item_key)
+
+
+def _json_line(value: Any) -> None:
+    typer.echo(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+
+
+# --- list -----------------------------------------------------------------------------
+
+
+@dlq_app.command("list")
+def list_(
+    config: ConfigOption,
+    topic: TopicOption = None,
+    partition: PartitionOption = None,
+    status: Annotated[Status | None, typer.Option(help="Only this status.")] = None,
+    reason: ReasonOption = None,
+    since: SinceOption = None,
+    until: UntilOption = None,
+    json_: JsonOption = False,
+    limit: Annotated[int | None, typer.Option(min=1, help="Show at most this many.")] = None,
+) -> None:
+    """List dead letters (a table, or one JSON object per line with --json)."""
+    from triage_proxy.dlqtable import LIST_ATTRIBUTES, item_summary
+
+    with _errors():
+        filters = _filters(
+            topic=topic,
+            partition=partition,
+            status=status.value if status else None,
+            reason=reason,
+            since=since,
+            until=until,
+        )
+        _, table = _open(config)
+        with table:
+            found = table.scan(filters, attributes=LIST_ATTRIBUTES)
+            if json_:
+                for n, item in enumerate(found, 1):
+                    _json_line(item_summary(item))
+                    if limit is not None and n >= limit:
+                        break
+                return
+            items: list[dict[str, Any]] = []
+            for item in found:
+                items.append(item)
+            shown = _sorted(items)[:limit] if limit is not None else _sorted(items)
+            more = f" (first {len(shown)} of {len(items)})" if len(shown) < len(items) else ""
+            _print_table(shown, f"{len(items)} dead letters in {table.table}{more}")
+
+
+# --- show -----------------------------------------------------------------------------
+
+
+@dlq_app.command()
+def show(
+    config: ConfigOption,
+    topic: Annotated[str, typer.Argument(help="Source topic.")],
+    partition: Annotated[int, typer.Argument(help="Source partition.", min=0)],
+    offset: Annotated[int, typer.Argument(help="Offset of the message.", min=0)],
+    json_: JsonOption = False,
+) -> None:
+    """Show one dead letter with its key, headers and value rendered safely."""
+    with _errors():
+        _, table = _open(config)
+        with table:
+            item = table.get((topic, partition, offset))
+            try:
+                dl = table.load(item)
+            except ValueError as exc:
+                raise _Failed(DlqExitCode.FAILURE, str(exc)) from None
+            if json_:
+                _json_line(_show_json(item, dl))
+            else:
+                typer.echo(_show_text(item, dl))
+
+
+def _show_json(item: dict[str, Any], dl: Any) -> dict[str, Any]:
+    import base64
+
+    from triage_proxy.dlqtable import item_summary, render_bytes
+
+    def blob(data: bytes | None) -> dict[str, Any]:
+        shown = render_bytes(data)
+        encoded = None if data is None else base64.b64encode(data).decode("ascii")
+        return {"kind": shown.kind, "text": shown.text, "base64": encoded}
+
+    out = item_summary(item)
+    out["key"] = blob(dl.record.key)
+    out["value"] = blob(dl.record.value)
+    out["headers"] = [{"name": name, **blob(value)} for name, value in dl.record.headers]
+    return out
+
+
+def _show_text(item: dict[str, Any], dl: Any) -> str:
+    from triage_proxy.dlqtable import item_summary, render_bytes, safe_text
+
+    info = item_summary(item)
+    record = dl.record
+    rows = [
+        ("dead letter", f"{record.topic}/{record.partition}/{record.offset}"),
+        ("status", info["status"]),
+        ("reason", info["reason"]),
+        ("attempts", info["attempts"]),
+        ("consumer", info["consumer_id"] or "-"),
+        ("dead-lettered at", info["dead_lettered_at"]),
+        ("kafka timestamp", f"{record.timestamp_ms} ms"),
+    ]
+    if info["payload_s3"]:
+        rows.append(("payload", f"{info['payload_s3']} ({info['payload_bytes']} bytes)"))
+    for name in ("replayed_at", "replayed_to", "replay_id", "replay_count", "discarded_at"):
+        if info[name] is not None:
+            rows.append((name.replace("_", " "), info[name]))
+    if info["expires_at"] is not None:
+        rows.append(("expires at (epoch s)", info["expires_at"]))
+    if info["replay_claim"] is not None:
+        rows.append(("being replayed by", info["replay_claim"]))
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{name:<{width}}  {safe_text(str(value))}" for name, value in rows]
+
+    def block(title: str, data: bytes | None) -> None:
+        shown = render_bytes(data)
+        size = "" if data is None else f", {len(data)} bytes"
+        lines.append(f"{title} ({shown.kind}{size}):")
+        lines.extend(f"  {line}" for line in shown.text.split("\n"))
+
+    block("key", record.key)
+    lines.append(f"headers ({len(record.headers)}):")
+    for name, value in record.headers:
+        shown = render_bytes(value)
+        size = "" if value is None else f", {len(value)} bytes"
+        lines.append(f"  {safe_text(name) or '(empty name)'} ({shown.kind}{size}):")
+        lines.extend(f"    {line}" for line in shown.text.split("\n"))
+    block("value", record.value)
+    return "\n".join(lines)
+
+
+# --- replay and discard ---------------------------------------------------------------
+
+
+def _select(
+    table: DeadLetterTable, filters: Filters, everything: bool, *, what: str
+) -> list[dict[str, Any]]:
+    """Pending items the arguments select (one `get` for --offset, a scan otherwise)."""
+    import dataclasses
+
+    from triage_proxy.deadletter import STATUS_PENDING
+
+    if not filters.narrows and not everything:
+        raise _Failed(
+            DlqExitCode.BAD_INPUT,
+            f"refusing to {what} every pending dead letter: give a filter or --all",
+        )
+    if filters.offset is not None:
+        assert filters.topic is not None
+        assert filters.partition is not None
+        item = table.get((filters.topic, filters.partition, filters.offset))
+        status = item["status"]["S"]
+        if status != STATUS_PENDING:
+            typer.echo(f"nothing to {what}: that dead letter is {status}", err=True)
+            return []
+        return [item]
+    pending = dataclasses.replace(filters, status=STATUS_PENDING)
+    return _sorted(list(table.scan(pending, consistent=True)))
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[threading.Event]:
+    """An event set by SIGINT or SIGTERM while the block runs (main thread only)."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+@dlq_app.command()
+def replay(
+    config: ConfigOption,
+    topic: TopicOption = None,
+    partition: PartitionOption = None,
+    offset: OffsetOption = None,
+    reason: ReasonOption = None,
+    since: SinceOption = None,
+    until: UntilOption = None,
+    to_topic: Annotated[
+        str | None,
+        typer.Option(help="Produce here instead of back to each message's source partition."),
+    ] = None,
+    dry_run: Annotated[bool, typer.Option(help="Only list what would be replayed.")] = False,
+    everything: Annotated[
+        bool, typer.Option("--all", help="Replay every pending dead letter (no filter).")
+    ] = False,
+    json_: JsonOption = False,
+) -> None:
+    """Produce pending dead letters again and mark them replayed.
+
+    Same key, value and headers plus the provenance headers triage-replay-of,
+    triage-replay-reason and triage-replay-id. Items are marked replayed only once the
+    broker confirmed them, so a rerun (or a concurrent run) replays nothing twice.
+    """
+    from triage_proxy.dlqtable import item_summary, new_replay_id
+    from triage_proxy.dlqtable import replay as replay_items
+
+    with _errors():
+        filters = _filters(
+            topic=topic,
+            partition=partition,
+            offset=offset,
+            reason=reason,
+            since=since,
+            until=until,
+        )
+        if to_topic is not None and (not to_topic or "#" in to_topic):
+            raise _Failed(DlqExitCode.BAD_INPUT, f"not a Kafka topic name: {to_topic!r}")
+        settings, table = _open(config)
+        with table:
+            items = _select(table, filters, everything, what="replay")
+            if dry_run:
+                if json_:
+                    for item in items:
+                        _json_line(item_summary(item))
+                else:
+                    _print_table(items, f"{len(items)} dead letters would be replayed")
+                return
+            if not items:
+                _report_replay(None, 0, json_)
+                return
+            producer = _producer(settings, to_topic, items)
+            replay_id = new_replay_id()
+            with _stop_on_signals() as stop:
+                result = replay_items(
+                    table, producer, items, replay_id=replay_id, to_topic=to_topic, stop=stop
+                )
+            if not json_:
+                for key in result.replayed:
+                    typer.echo(f"replayed  {'/'.join(map(str, key))}")
+                for key, why in result.skipped:
+                    typer.echo(f"skipped   {'/'.join(map(str, key))}: {why}")
+                for key, why in result.failed:
+                    typer.echo(f"FAILED    {'/'.join(map(str, key))}: {why}", err=True)
+            _report_replay(result, len(items), json_, replay_id)
+            if result.interrupted or stop.is_set():
+                raise typer.Exit(int(DlqExitCode.INTERRUPTED))
+            if result.failed:
+                raise typer.Exit(int(DlqExitCode.FAILURE))
+
+
+def _report_replay(result: Any, selected: int, json_: bool, replay_id: str | None = None) -> None:
+    replayed = len(result.replayed) if result else 0
+    skipped = len(result.skipped) if result else 0
+    failed = len(result.failed) if result else 0
+    if json_:
+        _json_line(
+            {
+                "replay_id": replay_id,
+                "selected": selected,
+                "replayed": replayed,
+                "skipped": skipped,
+                "failed": failed,
+                "failures": [
+                    {"dead_letter": "/".join(map(str, key)), "why": why}
+                    for key, why in (result.failed if result else [])
+                ],
+                "interrupted": bool(result and result.interrupted),
+            }
+        )
+        return
+    suffix = f" (replay id {replay_id})" if replay_id else ""
+    typer.echo(
+        f"selected {selected}, replayed {replayed}, skipped {skipped}, failed {failed}{suffix}"
+    )
+
+
+def _producer(settings: Settings, to_topic: str | None, items: list[dict[str, Any]]) -> Any:
+    """A confluent-kafka producer, after checking the broker answers and the targets exist."""
+    from confluent_kafka import KafkaException, Producer
+
+    from triage_proxy.dlqtable import item_key
+
+    conf: dict[str, Any] = {
+        **settings.kafka.client,
+        "bootstrap.servers": settings.kafka.bootstrap_servers,
+        "acks": "all",
+        "linger.ms": 5,
+        "enable.idempotence": True,
+        "message.timeout.ms": 60_000,
+        "socket.connection.setup.timeout.ms": 10_000,
+        "logger": _quiet_kafka_logger(),
+    }
+    producer = Producer(conf)
+    try:
+        metadata = producer.list_topics(timeout=10)
+    except KafkaException as exc:
+        raise _Failed(
+            DlqExitCode.UNAVAILABLE,
+            f"cannot reach Kafka at {settings.kafka.bootstrap_servers}: {exc}",
+        ) from None
+    wanted = {to_topic} if to_topic else {item_key(i)[0] for i in items}
+    missing = sorted(t for t in wanted if t not in metadata.topics)
+    if missing:
+        raise _Failed(DlqExitCode.NOT_FOUND, f"topic {', '.join(missing)} does not exist")
+    return producer
+
+
+def _quiet_kafka_logger() -> Any:
+    """librdkafka's own log lines go to a logger that only shows errors."""
+    import logging
+
+    log = logging.getLogger("triage_cli.dlq.kafka")
+    log.setLevel(logging.ERROR)
+    return log
+
+
+@dlq_app.command()
+def discard(
+    config: ConfigOption,
+    topic: TopicOption = None,
+    partition: PartitionOption = None,
+    offset: OffsetOption = None,
+    reason: ReasonOption = None,
+    since: SinceOption = None,
+    until: UntilOption = None,
+    dry_run: Annotated[bool, typer.Option(help="Only list what would be discarded.")] = False,
+    everything: Annotated[
+        bool, typer.Option("--all", help="Discard every pending dead letter (no filter).")
+    ] = False,
+    json_: JsonOption = False,
+) -> None:
+    """Mark pending dead letters discarded (never replayed; expire with TTL if it is on)."""
+    from triage_proxy.dlqtable import item_key, item_summary
+
+    with _errors():
+        filters = _filters(
+            topic=topic,
+            partition=partition,
+            offset=offset,
+            reason=reason,
+            since=since,
+            until=until,
+        )
+        _, table = _open(config)
+        with table:
+            items = _select(table, filters, everything, what="discard")
+            if dry_run:
+                if json_:
+                    for item in items:
+                        _json_line(item_summary(item))
+                else:
+                    _print_table(items, f"{len(items)} dead letters would be discarded")
+                return
+            discarded = skipped = 0
+            with _stop_on_signals() as stop:
+                for item in items:
+                    if stop.is_set():
+                        break
+                    key = item_key(item)
+                    name = "/".join(map(str, key))
+                    if table.discard(key, item):
+                        discarded += 1
+                        if not json_:
+                            typer.echo(f"discarded {name}")
+                    else:
+                        skipped += 1
+                        if not json_:
+                            typer.echo(f"skipped   {name}: no longer pending, or being replayed")
+            if json_:
+                _json_line({"selected": len(items), "discarded": discarded, "skipped": skipped})
+            else:
+                typer.echo(f"selected {len(items)}, discarded {discarded}, skipped {skipped}")
+            if stop.is_set():
+                raise typer.Exit(int(DlqExitCode.INTERRUPTED))
