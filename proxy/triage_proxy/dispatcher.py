@@ -71,7 +71,16 @@ class EntryState(enum.Enum):
 class Entry:
     """One unsettled record in the window, with its delivery state."""
 
-    __slots__ = ("attempt", "deadline", "holder", "last_cause", "record", "size", "state")
+    __slots__ = (
+        "attempt",
+        "deadline",
+        "holder",
+        "last_cause",
+        "record",
+        "size",
+        "state",
+        "suspect",
+    )
 
     def __init__(self, record: Record) -> None:
         self.record = record
@@ -82,6 +91,8 @@ class Entry:
         self.last_cause = ""
         self.deadline = 0.0
         """When the current delivery's lease expires (monotonic seconds)."""
+        self.suspect = False
+        """Its instance vanished (or its lease lapsed) while holding it: maybe a poison pill."""
 
 
 @dataclass
@@ -109,11 +120,13 @@ class Counters:
 class Session:
     """One connected consumer instance: its credits, what it holds, its outbox."""
 
-    __slots__ = ("closed", "consumer_id", "credits", "held", "outbox")
+    __slots__ = ("closed", "consumer_id", "credits", "held", "outbox", "suspects")
 
     def __init__(self, consumer_id: str, credits: int) -> None:
         self.consumer_id = consumer_id
         self.credits = credits
+        self.suspects = 0
+        """Suspect records this instance holds (at most one at a time, see `_pump`)."""
         self.held: dict[int, Entry] = {}
         self.outbox: asyncio.Queue[pb.ProxyFrame | None] = asyncio.Queue()
         self.closed = False
@@ -159,9 +172,10 @@ class Dispatcher:
         self._ready: deque[Entry] = deque()
         self._suspects: deque[Entry] = deque()
         """Records whose instance vanished or whose lease expired while holding them. One
-        of them may be a crash-type poison pill; each goes out with at most one other
-        suspect per batch, so healthy neighbours do not follow the pill from instance to
-        instance and run out of attempts with it."""
+        of them may be a crash-type poison pill, so an instance holds at most one suspect at
+        a time: when the pill crashes it again, the only other suspect it takes down is
+        none, and healthy neighbours do not follow the pill from instance to instance until
+        they run out of attempts with it."""
         self._sessions: list[Session] = []
         # Leases: one (deadline, offsets) batch per delivered frame or Extend, in deadline
         # order (the ack deadline is a constant, so appends stay sorted). An offset is
@@ -322,6 +336,9 @@ class Dispatcher:
             if entry is None:
                 rejected.append(offset)
                 continue
+            if entry.suspect:
+                entry.suspect = False
+                session.suspects -= 1
             settle(offset)
             del entries[offset]
             freed += entry.size
@@ -335,6 +352,9 @@ class Dispatcher:
                 rejected.append(nack.offset)
                 continue
             self.counters.nacked += 1
+            if entry.suspect:  # it was handled, so it is no crash-type pill
+                entry.suspect = False
+                session.suspects -= 1
             reason = nack.reason[:REASON_MAX_CHARS] or "nacked without a reason"
             if not nack.retry:
                 self._to_dead_letter(entry, reason, session.consumer_id)
@@ -407,7 +427,12 @@ class Dispatcher:
                 continue
             entry.holder = None
             entry.attempt -= 1
-            back.append(entry)
+            if entry.suspect:
+                session.suspects -= 1
+                entry.suspect = False
+                self._suspect([entry])
+            else:
+                back.append(entry)
         self._requeue_front(back)
         self.counters.released += len(back)
         self.counters.rejected += len(rejected)
@@ -430,6 +455,7 @@ class Dispatcher:
         entries.sort(key=lambda e: e.record.offset)
         for entry in entries:
             entry.state = EntryState.READY
+            entry.suspect = True
         self._suspects.extend(entries)
 
     def _requeue_front(self, entries: list[Entry]) -> None:
@@ -507,6 +533,8 @@ class Dispatcher:
                 continue  # settled, redelivered or extended since
             session = entry.holder
             del session.held[offset]
+            if entry.suspect:
+                session.suspects -= 1
             self.counters.expired += 1
             cause = (
                 f"ack deadline of {self._ack_deadline_s:g} s passed at instance "
@@ -535,7 +563,7 @@ class Dispatcher:
     def _pump(self) -> None:
         """Deliver ready records to instances with credit, an even share each.
 
-        Each batch carries at most one suspect (see `_suspects`), first in line.
+        An instance gets a suspect (see `_suspects`) only while it holds none.
         """
         ready, suspects = self._ready, self._suspects
         while (ready or suspects) and self._delivering:
@@ -543,13 +571,18 @@ class Dispatcher:
             if not open_:
                 return
             share = -(-(len(ready) + min(len(suspects), len(open_))) // len(open_))
+            delivered = False
             for session in open_:
                 n = min(session.available, share)
                 if n <= 0 or not (ready or suspects):
                     break
-                batch = [suspects.popleft()] if suspects else []
+                batch = [suspects.popleft()] if suspects and not session.suspects else []
                 batch.extend(ready.popleft() for _ in range(min(n - len(batch), len(ready))))
-                self._deliver(session, batch)
+                if batch:
+                    self._deliver(session, batch)
+                    delivered = True
+            if not delivered:
+                return  # only suspects left, and every instance with credit holds one
             # Rotate so the first instance in line changes from pump to pump.
             self._sessions.append(self._sessions.pop(0))
 
@@ -576,6 +609,8 @@ class Dispatcher:
                 redelivered += 1
             entry.state = EntryState.HELD
             entry.holder = session
+            if entry.suspect:
+                session.suspects += 1
             record = entry.record
             held[record.offset] = entry
             entry.deadline = deadline

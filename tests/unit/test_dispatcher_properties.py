@@ -132,6 +132,11 @@ class DispatcherMachine(RuleBasedStateMachine):
         assert all(o in self.settled for o in range(committable))
 
     @invariant()
+    def an_instance_holds_at_most_one_suspect(self) -> None:
+        for s in self.sessions:
+            assert sum(1 for e in s.held.values() if e.suspect) == s.suspects <= 1
+
+    @invariant()
     def window_is_bounded(self) -> None:
         assert self.d.in_window <= 40
 
