@@ -19,7 +19,9 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from triage_client._proto import triage_pb2 as pb
 from triage_client._proto import triage_pb2_grpc as pb_grpc
+from triage_proxy.app import Proxy
 from triage_proxy.deadletter import create_table, dead_letter_from_item
+from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.settings import Settings, settings_from_dict
 from triage_proxy.structs import DeadLetter
 
@@ -181,3 +183,14 @@ class RawConsumer:
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
+
+
+def settings_for(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str, **sections: dict[str, Any]
+) -> Settings:
+    """Settings for a proxy of `topic` on the given broker and AWS endpoint (table created)."""
+    return make_settings(broker.bootstrap, aws.endpoint_url, topic, f"dlq-{topic}", **sections)
+
+
+def target(proxy: Proxy) -> str:
+    return f"127.0.0.1:{proxy.port}"

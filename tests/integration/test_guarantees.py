@@ -19,32 +19,16 @@ from tests.integration.harness import (
     committed,
     create_topic,
     dead_letters,
-    make_settings,
     produce,
+    settings_for,
+    target,
     wait_until,
 )
 from triage_cli.devstack import write_config
 from triage_proxy.app import Proxy
 from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
-from triage_proxy.settings import Settings
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def topic(broker: EmbeddedBroker, unique_name: str) -> str:
-    create_topic(broker.bootstrap, unique_name)
-    return unique_name
-
-
-def settings_for(
-    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str, **sections: dict[str, object]
-) -> Settings:
-    return make_settings(broker.bootstrap, aws.endpoint_url, topic, f"dlq-{topic}", **sections)
-
-
-def target(proxy: Proxy) -> str:
-    return f"127.0.0.1:{proxy.port}"
 
 
 def plain(n: int, key: bytes | None = None) -> list[tuple[bytes | None, bytes, None]]:
