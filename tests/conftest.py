@@ -7,13 +7,25 @@ the session ends, pass or fail.
 from __future__ import annotations
 
 import itertools
+import signal
 from collections.abc import Iterator
+from types import FrameType
 
 import pytest
 
 from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker
 
 _names = itertools.count()
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A SIGTERM (CI timeout, kill) then tears the fixtures down like Ctrl-C does, so the
+    # broker and moto server are stopped by PID instead of outliving the run.
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 @pytest.fixture(scope="session")
