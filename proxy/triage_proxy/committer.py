@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from triage_proxy.checkpoint import encode_settled
 from triage_proxy.checkpoint_store import CheckpointStore
@@ -22,6 +23,11 @@ from triage_proxy.tracker import CommitTracker
 from triage_proxy.waiting import wait_any
 
 logger = logging.getLogger(__name__)
+
+CHECKPOINT_INTERVAL_S = 1.0
+"""Least time between checkpoint-item writes. A checkpoint that trails Kafka's commit is
+still used (see app.py), so writing it on every fast commit would only cost DynamoDB
+writes and proxy CPU (measured ~10% of no-op throughput at 10 commits/s)."""
 
 
 class Committer:
@@ -53,10 +59,14 @@ class Committer:
         self.metadata_overflows = 0
         """Commits made without the encoding because it did not fit."""
         self._checkpoint_degraded = False
+        self._checkpoint_at = -CHECKPOINT_INTERVAL_S
+        self._checkpoint_due: tuple[int, str] | None = None
+        """The latest (committed, encoding) not yet written to the checkpoint item."""
 
     async def run(self) -> None:
         while not await wait_any(self._closing, timeout=self._interval_s):
             await self.commit()
+            await self._flush_checkpoint()
         logger.debug("committer stopped")
 
     def _encoding(self, offset: int) -> str | None:
@@ -89,8 +99,20 @@ class Committer:
         self.committed, self.metadata = offset, metadata
         self.commits += 1
         if self._checkpoints is not None:
-            await self._write_checkpoint(offset, metadata or "")
+            self._checkpoint_due = (offset, metadata or "")
+            await self._flush_checkpoint(force=self._closing.is_set())
         return True
+
+    async def _flush_checkpoint(self, *, force: bool = False) -> None:
+        """Write the due checkpoint if CHECKPOINT_INTERVAL_S passed since the last write."""
+        now = time.monotonic()
+        if self._checkpoint_due is None or (
+            not force and now - self._checkpoint_at < CHECKPOINT_INTERVAL_S
+        ):
+            return
+        (offset, text), self._checkpoint_due = self._checkpoint_due, None
+        self._checkpoint_at = now
+        await self._write_checkpoint(offset, text)
 
     async def _write_checkpoint(self, offset: int, text: str) -> None:
         """Best effort: a missing or stale checkpoint only means more redeliveries."""

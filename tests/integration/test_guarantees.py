@@ -199,7 +199,7 @@ def test_kill_9_loses_nothing_and_settled_offsets_are_not_redelivered(
         async with RawConsumer(f"127.0.0.1:{port}") as c:
             await c.receive(20)
             c.settle(acks=list(range(1, 20)))  # 0 stays unsettled
-            await asyncio.sleep(0.6)  # several commits
+            await asyncio.sleep(1.5)  # several commits, and a checkpoint write (1/s)
 
     async def second_run() -> list[int]:
         async with RawConsumer(f"127.0.0.1:{port}") as c:
