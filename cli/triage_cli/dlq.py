@@ -15,7 +15,7 @@ Filters: --topic, --partition, --status (list only; replay and discard act on
 pending items), --reason SUBSTRING (case-insensitive), --since/--until (ISO-8601 or an
 age like 30m, 1h, 2d; on dead_lettered_at, since inclusive, until exclusive).
 
-Exit codes (`DlqExitCode`): 0 ok; 1 some items failed to replay; 2 bad config or bad
+Exit codes (`exitcodes.ExitCode`): 0 ok; 1 some items failed to replay; 2 bad config or bad
 arguments (malformed time range ...); 3 DynamoDB, S3 or Kafka unreachable; 4 the table
 or the item does not exist; 130 interrupted (SIGINT or SIGTERM: a replay finishes and
 marks the chunk in flight, then stops).
@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from triage_cli.exitcodes import ExitCode
+
 if TYPE_CHECKING:
     from triage_proxy.dlqtable import DeadLetterTable, Filters
     from triage_proxy.settings import Settings
@@ -47,17 +49,6 @@ dlq_app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-
-class DlqExitCode(enum.IntEnum):
-    """What `triage dlq` exit statuses mean, for scripts."""
-
-    OK = 0
-    FAILURE = 1
-    BAD_INPUT = 2
-    UNAVAILABLE = 3
-    NOT_FOUND = 4
-    INTERRUPTED = 130
 
 
 class Status(enum.StrEnum):
@@ -90,7 +81,7 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable outpu
 class _Failed(Exception):
     """Ends a command with an exit code and a message for stderr."""
 
-    def __init__(self, code: DlqExitCode, message: str) -> None:
+    def __init__(self, code: ExitCode, message: str) -> None:
         super().__init__(message)
         self.code = code
 
@@ -108,15 +99,15 @@ def _errors() -> Iterator[None]:
         raise typer.Exit(int(exc.code)) from None
     except ConfigError as exc:
         _say_error(str(exc))
-        raise typer.Exit(int(DlqExitCode.BAD_INPUT)) from None
+        raise typer.Exit(int(ExitCode.BAD_INPUT)) from None
     except NotFoundError as exc:
         _say_error(str(exc))
-        raise typer.Exit(int(DlqExitCode.NOT_FOUND)) from None
+        raise typer.Exit(int(ExitCode.NOT_FOUND)) from None
     except UnavailableError as exc:
         _say_error(str(exc))
-        raise typer.Exit(int(DlqExitCode.UNAVAILABLE)) from None
+        raise typer.Exit(int(ExitCode.UNAVAILABLE)) from None
     except KeyboardInterrupt:
-        raise typer.Exit(int(DlqExitCode.INTERRUPTED)) from None
+        raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
 
 
 def _say_error(message: str) -> None:
@@ -153,7 +144,7 @@ def _filters(
     from triage_proxy.dlqtable import Filters, parse_time
 
     if offset is not None and (topic is None or partition is None):
-        raise _Failed(DlqExitCode.BAD_INPUT, "--offset needs --topic and --partition")
+        raise _Failed(ExitCode.BAD_INPUT, "--offset needs --topic and --partition")
     now_ms = int(time.time() * 1000)
     times: dict[str, int | None] = {"since": None, "until": None}
     for name, text in (("since", since), ("until", until)):
@@ -161,7 +152,7 @@ def _filters(
             try:
                 times[name] = parse_time(text, now_ms)
             except ValueError as exc:
-                raise _Failed(DlqExitCode.BAD_INPUT, f"malformed --{name}: {exc}") from None
+                raise _Failed(ExitCode.BAD_INPUT, f"malformed --{name}: {exc}") from None
     try:
         return Filters(
             topic=topic,
@@ -173,7 +164,7 @@ def _filters(
             until_ms=times["until"],
         )
     except ValueError as exc:
-        raise _Failed(DlqExitCode.BAD_INPUT, str(exc)) from None
+        raise _Failed(ExitCode.BAD_INPUT, str(exc)) from None
 
 
 def _print_table(items: list[dict[str, Any]], title: str) -> None:
@@ -294,7 +285,7 @@ def show(
             try:
                 dl = table.load(item)
             except ValueError as exc:
-                raise _Failed(DlqExitCode.FAILURE, str(exc)) from None
+                raise _Failed(ExitCode.FAILURE, str(exc)) from None
             if json_:
                 _json_line(_show_json(item, dl))
             else:
@@ -374,7 +365,7 @@ def _select(
 
     if not filters.narrows and not everything:
         raise _Failed(
-            DlqExitCode.BAD_INPUT,
+            ExitCode.BAD_INPUT,
             f"refusing to {what} every pending dead letter: give a filter or --all",
         )
     if filters.offset is not None:
@@ -447,7 +438,7 @@ def replay(
             until=until,
         )
         if to_topic is not None and (not to_topic or "#" in to_topic):
-            raise _Failed(DlqExitCode.BAD_INPUT, f"not a Kafka topic name: {to_topic!r}")
+            raise _Failed(ExitCode.BAD_INPUT, f"not a Kafka topic name: {to_topic!r}")
         settings, table = _open(config)
         with table:
             items = _select(table, filters, everything, what="replay")
@@ -476,9 +467,9 @@ def replay(
                     typer.echo(f"FAILED    {'/'.join(map(str, key))}: {why}", err=True)
             _report_replay(result, len(items), json_, replay_id)
             if result.interrupted or stop.is_set():
-                raise typer.Exit(int(DlqExitCode.INTERRUPTED))
+                raise typer.Exit(int(ExitCode.INTERRUPTED))
             if result.failed:
-                raise typer.Exit(int(DlqExitCode.FAILURE))
+                raise typer.Exit(int(ExitCode.FAILURE))
 
 
 def _report_replay(result: Any, selected: int, json_: bool, replay_id: str | None = None) -> None:
@@ -528,13 +519,13 @@ def _producer(settings: Settings, to_topic: str | None, items: list[dict[str, An
         metadata = producer.list_topics(timeout=10)
     except KafkaException as exc:
         raise _Failed(
-            DlqExitCode.UNAVAILABLE,
+            ExitCode.UNAVAILABLE,
             f"cannot reach Kafka at {settings.kafka.bootstrap_servers}: {exc}",
         ) from None
     wanted = {to_topic} if to_topic else {item_key(i)[0] for i in items}
     missing = sorted(t for t in wanted if t not in metadata.topics)
     if missing:
-        raise _Failed(DlqExitCode.NOT_FOUND, f"topic {', '.join(missing)} does not exist")
+        raise _Failed(ExitCode.NOT_FOUND, f"topic {', '.join(missing)} does not exist")
     return producer
 
 
@@ -604,4 +595,4 @@ def discard(
             else:
                 typer.echo(f"selected {len(items)}, discarded {discarded}, skipped {skipped}")
             if stop.is_set():
-                raise typer.Exit(int(DlqExitCode.INTERRUPTED))
+                raise typer.Exit(int(ExitCode.INTERRUPTED))

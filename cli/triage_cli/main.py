@@ -7,7 +7,6 @@ same graceful path everywhere.
 
 from __future__ import annotations
 
-import enum
 import logging
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Annotated
 import typer
 
 from triage_cli.dlq import dlq_app
+from triage_cli.exitcodes import ExitCode
 
 app = typer.Typer(
     name="triage",
@@ -24,16 +24,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-
-class ExitCode(enum.IntEnum):
-    """What the process exit status means, for scripts and supervisors."""
-
-    OK = 0
-    FAILURE = 1
-    BAD_CONFIG = 2
-    UNAVAILABLE = 3
-    INTERRUPTED = 130
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -74,9 +64,9 @@ def proxy(
             server = dataclasses.replace(settings.server, port=port - partition if port else 0)
             settings = dataclasses.replace(settings, server=server)
     except ConfigError as exc:
-        raise _fail(ExitCode.BAD_CONFIG, str(exc)) from None
+        raise _fail(ExitCode.BAD_INPUT, str(exc)) from None
     if partition < 0:
-        raise _fail(ExitCode.BAD_CONFIG, "--partition must be >= 0")
+        raise _fail(ExitCode.BAD_INPUT, "--partition must be >= 0")
 
     async def main() -> None:
         runner = Proxy(settings, partition)

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from tests.integration.harness import TOKEN, create_topic
 from triage_cli.devstack import write_config
-from triage_cli.dlq import DlqExitCode
+from triage_cli.exitcodes import ExitCode
 from triage_cli.main import app
 from triage_proxy.deadletter import (
     MAX_ITEM_BYTES,
@@ -234,7 +234,7 @@ def test_show_json_gives_the_exact_bytes(stack: Stack) -> None:
 
 def test_show_of_a_missing_item(stack: Stack) -> None:
     out = triage("dlq", "show", "--config", stack.config, stack.topic, "0", "99")
-    assert out.exit_code == DlqExitCode.NOT_FOUND
+    assert out.exit_code == ExitCode.NOT_FOUND
     assert f"no dead letter {stack.topic}/0/99" in out.stderr
 
 
@@ -299,19 +299,19 @@ def test_replay_one_offset_to_another_topic(stack: Stack) -> None:
 @pytest.mark.parametrize(
     ("args", "code", "needle"),
     [
-        ((), DlqExitCode.BAD_INPUT, "give a filter or --all"),
-        (("--since", "yesterday"), DlqExitCode.BAD_INPUT, "malformed --since"),
-        (("--since", "1h", "--until", "2h"), DlqExitCode.BAD_INPUT, "empty time range"),
-        (("--offset", "1"), DlqExitCode.BAD_INPUT, "--offset needs --topic and --partition"),
-        (("--topic", "T", "--partition", "0", "--offset", "99"), DlqExitCode.NOT_FOUND,
+        ((), ExitCode.BAD_INPUT, "give a filter or --all"),
+        (("--since", "yesterday"), ExitCode.BAD_INPUT, "malformed --since"),
+        (("--since", "1h", "--until", "2h"), ExitCode.BAD_INPUT, "empty time range"),
+        (("--offset", "1"), ExitCode.BAD_INPUT, "--offset needs --topic and --partition"),
+        (("--topic", "T", "--partition", "0", "--offset", "99"), ExitCode.NOT_FOUND,
          "no dead letter T/0/99"),
-        (("--all", "--to-topic", "no-such-topic"), DlqExitCode.NOT_FOUND,
+        (("--all", "--to-topic", "no-such-topic"), ExitCode.NOT_FOUND,
          "topic no-such-topic does not exist"),
-        (("--partition", "-1"), DlqExitCode.BAD_INPUT, "partition must be >= 0"),
+        (("--partition", "-1"), ExitCode.BAD_INPUT, "partition must be >= 0"),
     ],
 )  # fmt: skip
 def test_replay_refuses_bad_input(
-    stack: Stack, args: tuple[str, ...], code: DlqExitCode, needle: str
+    stack: Stack, args: tuple[str, ...], code: ExitCode, needle: str
 ) -> None:
     out = triage("dlq", "replay", "--config", stack.config, *args)
     assert out.exit_code == code, out.output
@@ -336,7 +336,7 @@ def test_discard_is_conditional(stack: Stack) -> None:
         "dlq", "discard", "-c", stack.config, "--topic", stack.topic, "--partition", "0",
         "--offset", "42",
     )  # fmt: skip
-    assert missing.exit_code == DlqExitCode.NOT_FOUND
+    assert missing.exit_code == ExitCode.NOT_FOUND
     assert "no dead letter" in missing.stderr
     with DeadLetterTable(stack.settings) as table:
         assert not table.discard((stack.topic, 0, 1))  # twice: no-op
@@ -361,7 +361,7 @@ def test_unknown_table(aws: EmbeddedAWS, broker: EmbeddedBroker, tmp_path: Path)
         ["discard", "--all"],
     ):
         out = triage("dlq", command[0], "--config", config, *command[1:])
-        assert out.exit_code == DlqExitCode.NOT_FOUND, out.output
+        assert out.exit_code == ExitCode.NOT_FOUND, out.output
         assert "table 'no-such-table' does not exist" in out.stderr
 
 
@@ -373,15 +373,15 @@ def test_unreachable_endpoint_and_bad_config(tmp_path: Path) -> None:
         {"table": "t", "endpoint_url": f"http://127.0.0.1:{free_port()}"},
     )
     out = triage("dlq", "list", "--config", config)
-    assert out.exit_code == DlqExitCode.UNAVAILABLE
+    assert out.exit_code == ExitCode.UNAVAILABLE
     assert "127.0.0.1" in out.stderr
     bad = tmp_path / "bad.toml"
     bad.write_text("[kafka\n")
     out = triage("dlq", "list", "--config", bad)
-    assert out.exit_code == DlqExitCode.BAD_INPUT
+    assert out.exit_code == ExitCode.BAD_INPUT
     assert "not valid TOML" in out.stderr
     out = triage("dlq", "list", "--config", tmp_path / "missing.toml")
-    assert out.exit_code == DlqExitCode.BAD_INPUT
+    assert out.exit_code == ExitCode.BAD_INPUT
 
 
 def test_unreachable_broker_replays_nothing(stack: Stack, tmp_path: Path) -> None:
@@ -396,7 +396,7 @@ def test_unreachable_broker_replays_nothing(stack: Stack, tmp_path: Path) -> Non
         },
     )
     out = triage("dlq", "replay", "--config", config, "--all")
-    assert out.exit_code == DlqExitCode.UNAVAILABLE, out.output
+    assert out.exit_code == ExitCode.UNAVAILABLE, out.output
     assert "cannot reach Kafka" in out.stderr
     assert listed(stack, "--status", "pending") == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0)]
 
