@@ -505,8 +505,7 @@ def _producer(settings: Settings, to_topic: str | None, items: list[dict[str, An
     from triage_proxy.dlqtable import item_key
 
     conf: dict[str, Any] = {
-        **settings.kafka.client,
-        "bootstrap.servers": settings.kafka.bootstrap_servers,
+        **settings.kafka.librdkafka_config(),
         "acks": "all",
         "linger.ms": 5,
         "enable.idempotence": True,

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
@@ -73,7 +73,6 @@ class ConfluentPartition:
 
     def _config(self) -> dict[str, Any]:
         config: dict[str, Any] = {
-            "bootstrap.servers": self._settings.bootstrap_servers,
             "group.id": self._settings.group_id,
             "enable.auto.commit": False,
             "enable.auto.offset.store": False,
@@ -89,7 +88,8 @@ class ConfluentPartition:
             "error_cb": self._on_error,
             "logger": logger,
         }
-        config.update(_client_overrides(self._settings.client))
+        # Connection and secrets last, so they win; the password is resolved only here.
+        config.update(self._settings.librdkafka_config())
         return config
 
     @staticmethod
@@ -184,10 +184,6 @@ class KafkaThread:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)
-
-
-def _client_overrides(client: Mapping[str, str | int | bool]) -> dict[str, Any]:
-    return {str(k): v for k, v in client.items()}
 
 
 class MemoryPartition:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeAlias
 
 import grpc
@@ -32,10 +32,11 @@ _Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call whose `authorization` metadata is not `Bearer <token>`."""
+    """Refuses every call whose `authorization` metadata is not `Bearer <token>` for one
+    of the active named tokens."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, tokens: Mapping[str, str]) -> None:
+        self._expected = [f"Bearer {token}".encode() for token in tokens.values()]
 
         async def deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
@@ -50,8 +51,12 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         for key, value in details.invocation_metadata or ():
             if key == "authorization":
                 given = value.encode() if isinstance(value, str) else value
-                # Constant time, so the token cannot be guessed byte by byte.
-                if hmac.compare_digest(given, self._expected):
+                # Constant time, so the token cannot be guessed byte by byte; every
+                # candidate is compared, so timing does not tell which name matched.
+                matched = False
+                for expected in self._expected:
+                    matched |= hmac.compare_digest(given, expected)
+                if matched:
                     return await continuation(details)
                 break
         logger.warning("refused a call to %s: missing or wrong token", details.method)
@@ -164,7 +169,7 @@ def create_server(
     """A gRPC server for `service` bound to the partition's address; returns (server, port)."""
     limit = settings.server.max_frame_bytes
     server = grpc.aio.server(
-        interceptors=[TokenInterceptor(settings.auth.token)],
+        interceptors=[TokenInterceptor(settings.auth.active())],
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),

@@ -3,9 +3,16 @@
 Nothing below the CLI reads files or the environment: `load_settings` resolves
 `token_env` and friends here and hands the proxy a complete `Settings`.
 
-    [kafka]        bootstrap_servers, topic, group_id, fetch_batch, client (librdkafka extras)
-    [server]       host, port (partition p listens on port + p), max_frame_bytes
-    [auth]         token | token_env
+    [kafka]        bootstrap_servers, topic, group_id, fetch_batch, security_protocol,
+                   sasl_mechanism, sasl_username, sasl_password (a reference: "env:VAR" or
+                   "secret:NAME", never inline), client (librdkafka extras)
+    [server]       host, port (partition p listens on port + p), max_frame_bytes,
+                   http_port (metrics/health/status; partition p on http_port + p)
+    [auth]         token | token_env, tokens (name -> token or "env:VAR"/"secret:NAME"),
+                   revoked (names refused even though listed)
+    [tls]          cert_file, key_file, client_ca_file (set: client certificates required)
+    [ownership]    enabled, lease_s, renew_interval_s
+    [rate_limit]   messages_per_s, bytes_per_s
     [dead_letters] table, region, endpoint_url, batch_size, flush_interval_ms, retry_max_s,
                    overflow_bucket, ttl_days, notify_sns_topic_arn, notify_webhook_url,
                    notify_interval_s
@@ -23,7 +30,7 @@ import os
 import tomllib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +54,11 @@ DEFAULT_DLQ_BATCH = 25  # DynamoDB BatchWriteItem takes at most 25 items
 DEFAULT_DLQ_FLUSH_MS = 20
 DEFAULT_DLQ_RETRY_MAX_S = 5.0
 DEFAULT_REGION = "us-east-1"
+DEFAULT_HTTP_PORT = 9700
+DEFAULT_LEASE_S = 10.0
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER")
+DEFAULT_TOKEN_NAME = "default"
 
 
 @dataclass(frozen=True)
@@ -59,8 +71,34 @@ class KafkaSettings:
     """Consumer group under which offsets are committed."""
     fetch_batch: int = DEFAULT_FETCH_BATCH
     """Most messages taken from librdkafka per fetch."""
+    security_protocol: str = "PLAINTEXT"
+    """PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL."""
+    sasl_mechanism: str | None = None
+    """PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or OAUTHBEARER (with a SASL protocol)."""
+    sasl_username: str | None = None
+    """SASL user name (not a secret)."""
+    sasl_password: str | None = None
+    """A reference, never the password: "env:VAR" or "secret:NAME" (Secrets Manager).
+    Resolved when the client is built (`librdkafka_config`), so it never sits in Settings."""
     client: Mapping[str, str | int | bool] = field(default_factory=dict)
-    """Extra librdkafka properties (security.protocol, sasl.*), passed through."""
+    """Extra librdkafka properties, passed through."""
+
+    def librdkafka_config(self, resolve: SecretResolver | None = None) -> dict[str, Any]:
+        """Connection properties for a confluent-kafka client, secrets resolved now."""
+        config: dict[str, Any] = {
+            "bootstrap.servers": self.bootstrap_servers,
+            "security.protocol": self.security_protocol.lower(),
+        }
+        if self.sasl_mechanism:
+            config["sasl.mechanism"] = self.sasl_mechanism
+        if self.sasl_username:
+            config["sasl.username"] = self.sasl_username
+        if self.sasl_password:
+            config["sasl.password"] = (resolve or resolve_secret)(
+                "kafka.sasl_password", self.sasl_password
+            )
+        config.update(self.client)
+        return config
 
 
 @dataclass(frozen=True)
@@ -71,12 +109,69 @@ class ServerSettings:
     """Base port: the proxy for partition p listens on port + p."""
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     """Largest gRPC frame either side may send; bounds one oversized message."""
+    http_port: int | None = DEFAULT_HTTP_PORT
+    """Base port of the HTTP endpoint (/metrics, /healthz, /readyz, /status): partition p
+    serves on http_port + p; 0 picks a free port; None turns it off."""
+
+    def http_address(self, partition: int) -> tuple[str, int] | None:
+        """(host, port) the HTTP endpoint for `partition` binds, or None when off."""
+        if self.http_port is None:
+            return None
+        return self.host, self.http_port + partition if self.http_port else 0
 
 
 @dataclass(frozen=True)
 class AuthSettings:
-    token: str
-    """Bearer token every call must carry (resolved from token_env if given)."""
+    token: str | None = None
+    """The unnamed token (named "default"), resolved from token_env if given."""
+    tokens: Mapping[str, str] = field(default_factory=dict)
+    """Named tokens, one per consumer app, so one can be revoked alone. Values are the
+    token or a reference ("env:VAR", "secret:NAME"), resolved at load."""
+    revoked: tuple[str, ...] = ()
+    """Names whose tokens are refused (keeps the entry, documents the revocation)."""
+
+    def active(self) -> dict[str, str]:
+        """name -> token for every token a call may present."""
+        named = dict(self.tokens)
+        if self.token:
+            named.setdefault(DEFAULT_TOKEN_NAME, self.token)
+        return {name: tok for name, tok in named.items() if name not in self.revoked}
+
+
+@dataclass(frozen=True)
+class TlsSettings:
+    cert_file: str | None = None
+    """PEM certificate chain the gRPC listener presents; set with key_file to turn TLS on."""
+    key_file: str | None = None
+    """PEM private key of cert_file."""
+    client_ca_file: str | None = None
+    """PEM CA bundle; when set, clients must present a certificate it signed (mTLS)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
+
+
+@dataclass(frozen=True)
+class OwnershipSettings:
+    enabled: bool = True
+    """Hold a DynamoDB lease on the partition, so two proxies never deliver it at once."""
+    lease_s: float = DEFAULT_LEASE_S
+    """How long a lease lives without renewal; a standby takes over after it lapses."""
+    renew_interval_s: float | None = None
+    """How often the holder renews (default: lease_s / 3)."""
+
+    @property
+    def renew_every_s(self) -> float:
+        return self.renew_interval_s or self.lease_s / 3
+
+
+@dataclass(frozen=True)
+class RateLimitSettings:
+    messages_per_s: float | None = None
+    """Most messages delivered per second by this proxy (None: no cap)."""
+    bytes_per_s: float | None = None
+    """Most payload bytes delivered per second by this proxy (None: no cap)."""
 
 
 @dataclass(frozen=True)
@@ -160,6 +255,9 @@ class Settings:
     retry: RetrySettings = field(default_factory=RetrySettings)
     commit: CommitSettings = field(default_factory=CommitSettings)
     shutdown: ShutdownSettings = field(default_factory=ShutdownSettings)
+    tls: TlsSettings = field(default_factory=TlsSettings)
+    ownership: OwnershipSettings = field(default_factory=OwnershipSettings)
+    rate_limit: RateLimitSettings = field(default_factory=RateLimitSettings)
 
     def __post_init__(self) -> None:
         _positive("kafka.fetch_batch", self.kafka.fetch_batch)
@@ -181,8 +279,40 @@ class Settings:
             raise ConfigError("dead_letters.batch_size", "must be 1..25 (DynamoDB's limit)")
         if self.shutdown.drain_timeout_s < 0:
             raise ConfigError("shutdown.drain_timeout_s", "must be >= 0")
-        if not self.auth.token:
-            raise ConfigError("auth.token", "must not be empty")
+        if not self.auth.active():
+            raise ConfigError("auth.tokens", "no usable token: set auth.token or auth.tokens")
+        for name, tok in self.auth.active().items():
+            if len(tok) < 16:
+                raise ConfigError(f"auth.tokens.{name}", "must be at least 16 characters")
+        if self.kafka.security_protocol not in SECURITY_PROTOCOLS:
+            raise ConfigError(
+                "kafka.security_protocol", f"must be one of {', '.join(SECURITY_PROTOCOLS)}"
+            )
+        if self.kafka.sasl_mechanism is not None:
+            if self.kafka.sasl_mechanism not in SASL_MECHANISMS:
+                raise ConfigError(
+                    "kafka.sasl_mechanism", f"must be one of {', '.join(SASL_MECHANISMS)}"
+                )
+            if not self.kafka.security_protocol.startswith("SASL"):
+                raise ConfigError("kafka.sasl_mechanism", "needs a SASL_* security_protocol")
+        if self.kafka.sasl_password is not None and not _is_reference(self.kafka.sasl_password):
+            raise ConfigError(
+                "kafka.sasl_password",
+                'must reference the secret ("env:VAR" or "secret:NAME"), never hold it',
+            )
+        if (self.tls.cert_file is None) != (self.tls.key_file is None):
+            raise ConfigError("tls.key_file", "set tls.cert_file and tls.key_file together")
+        if self.tls.client_ca_file is not None and not self.tls.enabled:
+            raise ConfigError("tls.client_ca_file", "client certificates need tls.cert_file")
+        if self.server.http_port is not None and not 0 <= self.server.http_port <= 65535:
+            raise ConfigError("server.http_port", "must be 0..65535")
+        _positive("ownership.lease_s", self.ownership.lease_s)
+        if not 0 < self.ownership.renew_every_s < self.ownership.lease_s:
+            raise ConfigError("ownership.renew_interval_s", "must be > 0 and < lease_s")
+        for key in ("messages_per_s", "bytes_per_s"):
+            limit = getattr(self.rate_limit, key)
+            if limit is not None:
+                _positive(f"rate_limit.{key}", limit)
 
     def listen_address(self, partition: int) -> str:
         """host:port the proxy for `partition` binds (port 0 picks a free one)."""
@@ -195,6 +325,36 @@ def _positive(key: str, value: float) -> None:
         raise ConfigError(key, f"must be > 0, got {value}")
 
 
+SecretResolver = Callable[[str, str], str]
+"""(config key, reference) -> secret value; raises ConfigError naming the key."""
+
+
+def _is_reference(value: str) -> bool:
+    return value.startswith(("env:", "secret:"))
+
+
+def resolve_secret(key: str, reference: str, env: Mapping[str, str] | None = None) -> str:
+    """Resolve "env:VAR" from the environment or "secret:NAME" from AWS Secrets Manager
+    (standard credential chain and AWS_ENDPOINT_URL); anything else is returned as is."""
+    kind, _, name = reference.partition(":")
+    if kind == "env" and name:
+        value = (os.environ if env is None else env).get(name)
+        if not value:
+            raise ConfigError(key, f"environment variable {name} is not set")
+        return value
+    if kind == "secret" and name:
+        import boto3
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            client = boto3.client("secretsmanager")
+            found = client.get_secret_value(SecretId=name)
+        except (BotoCoreError, ClientError) as exc:
+            raise ConfigError(key, f"cannot read secret {name!r}: {exc}") from None
+        return str(found["SecretString"])
+    return reference
+
+
 _SECTIONS: dict[str, type[Any]] = {
     "kafka": KafkaSettings,
     "server": ServerSettings,
@@ -205,6 +365,9 @@ _SECTIONS: dict[str, type[Any]] = {
     "retry": RetrySettings,
     "commit": CommitSettings,
     "shutdown": ShutdownSettings,
+    "tls": TlsSettings,
+    "ownership": OwnershipSettings,
+    "rate_limit": RateLimitSettings,
 }
 
 
@@ -240,7 +403,7 @@ def _resolve_token(table: dict[str, Any], env: Mapping[str, str]) -> dict[str, A
     table = dict(table)
     var = table.pop("token_env", None)
     if var is None:
-        return table
+        return _resolve_named_tokens(table, env)
     if "token" in table:
         raise ConfigError("auth.token_env", "give either token or token_env, not both")
     if not isinstance(var, str):
@@ -248,7 +411,19 @@ def _resolve_token(table: dict[str, Any], env: Mapping[str, str]) -> dict[str, A
     if not env.get(var):
         raise ConfigError("auth.token_env", f"environment variable {var} is not set")
     table["token"] = env[var]
-    return table
+    return _resolve_named_tokens(table, env)
+
+
+def _resolve_named_tokens(table: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    tokens = table.get("tokens")
+    if tokens is None:
+        return table
+    if not isinstance(tokens, dict) or not all(isinstance(v, str) for v in tokens.values()):
+        raise ConfigError("auth.tokens", "must be a table of name = token strings")
+    resolved = {
+        name: resolve_secret(f"auth.tokens.{name}", value, env) for name, value in tokens.items()
+    }
+    return {**table, "tokens": resolved}
 
 
 def _build(section: str, cls: type[Any], table: Mapping[str, Any]) -> Any:
@@ -273,6 +448,10 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
     if origin in (types.UnionType, typing.Union):
         options = [a for a in typing.get_args(hint) if a is not type(None)]
         return _check_type(key, value, options[0])
+    if origin is tuple:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(key, "must be a list of strings")
+        return tuple(value)
     if origin is not None and issubclass(origin, Mapping):
         if not isinstance(value, dict) or not all(
             isinstance(v, str | int | bool) for v in value.values()

@@ -25,7 +25,7 @@ from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.settings import Settings, settings_from_dict
 from triage_proxy.structs import DeadLetter
 
-TOKEN = "test-token"
+TOKEN = "test-token-0123456789"
 Message = tuple[bytes | None, bytes | None, list[tuple[str, bytes | None]] | None]
 
 

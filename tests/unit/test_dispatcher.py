@@ -12,7 +12,7 @@ from triage_proxy.tracker import CommitTracker
 
 BASE = {
     "kafka": {"bootstrap_servers": "b", "topic": "t", "group_id": "g"},
-    "auth": {"token": "x"},
+    "auth": {"token": "unit-test-token-0123"},
     "dead_letters": {"table": "d"},
 }
 

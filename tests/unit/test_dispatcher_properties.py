@@ -23,7 +23,7 @@ class DispatcherMachine(RuleBasedStateMachine):
         self.now = 0.0
         raw = {
             "kafka": {"bootstrap_servers": "b", "topic": "t", "group_id": "g"},
-            "auth": {"token": "x"},
+            "auth": {"token": "unit-test-token-0123"},
             "dead_letters": {"table": "d"},
             "window": {"max_messages": 40},
             "delivery": {"max_attempts": 3, "ack_deadline_s": 5, "ordering": "key"},

@@ -9,7 +9,7 @@ from triage_proxy.settings import DEFAULT_WINDOW_MESSAGES, load_settings, settin
 
 MINIMAL = {
     "kafka": {"bootstrap_servers": "b:9092", "topic": "orders", "group_id": "g"},
-    "auth": {"token": "secret"},
+    "auth": {"token": "unit-test-token-0123"},
     "dead_letters": {"table": "dlq"},
 }
 
@@ -29,7 +29,10 @@ def test_minimal_config_gets_defaults() -> None:
 
 def test_token_from_environment() -> None:
     raw = {**MINIMAL, "auth": {"token_env": "TRIAGE_TOKEN"}}
-    assert settings_from_dict(raw, {"TRIAGE_TOKEN": "t0k"}).auth.token == "t0k"
+    assert (
+        settings_from_dict(raw, {"TRIAGE_TOKEN": "t0k-0123456789abcdef"}).auth.token
+        == "t0k-0123456789abcdef"
+    )
 
 
 @pytest.mark.parametrize(
@@ -47,6 +50,20 @@ def test_token_from_environment() -> None:
         ({**MINIMAL, "auth": {"token_env": "MISSING"}}, "auth.token_env"),
         ({**MINIMAL, "auth": {"token": "a", "token_env": "X"}}, "auth.token_env"),
         ({**MINIMAL, "window": 3}, "window"),
+        ({**MINIMAL, "auth": {"token": "short"}}, "auth.tokens.default"),
+        ({**MINIMAL, "auth": {"tokens": {"a": "env:NOPE"}}}, "auth.tokens.a"),
+        ({**MINIMAL, "auth": {"tokens": {"a": 5}}}, "auth.tokens"),
+        ({**MINIMAL, "auth": {"token": "t" * 20, "revoked": ["default"]}}, "auth.tokens"),
+        ({**MINIMAL, "auth": {"token": "t" * 20, "revoked": "default"}}, "auth.revoked"),
+        (with_("kafka", security_protocol="TLS"), "kafka.security_protocol"),
+        (with_("kafka", sasl_mechanism="PLAIN"), "kafka.sasl_mechanism"),
+        (with_("kafka", sasl_password="hunter2"), "kafka.sasl_password"),
+        (with_("tls", cert_file="c.pem"), "tls.key_file"),
+        (with_("tls", client_ca_file="ca.pem"), "tls.client_ca_file"),
+        (with_("ownership", lease_s=0), "ownership.lease_s"),
+        (with_("ownership", lease_s=3, renew_interval_s=3), "ownership.renew_interval_s"),
+        (with_("rate_limit", messages_per_s=0), "rate_limit.messages_per_s"),
+        (with_("server", http_port=-1), "server.http_port"),
     ],
 )
 def test_bad_values_name_the_key(raw: dict[str, object], key: str) -> None:
@@ -71,3 +88,40 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
 def test_listen_address_per_partition() -> None:
     settings = settings_from_dict(with_("server", port=9000), {})
     assert settings.listen_address(3) == "127.0.0.1:9003"
+
+
+def test_named_tokens_resolve_references_and_skip_revoked() -> None:
+    raw = {
+        **MINIMAL,
+        "auth": {
+            "tokens": {"orders": "orders-token-0123456789", "billing": "env:BILLING"},
+            "revoked": ["orders"],
+        },
+    }
+    settings = settings_from_dict(raw, {"BILLING": "billing-token-0123456789"})
+    assert settings.auth.active() == {"billing": "billing-token-0123456789"}
+
+
+def test_kafka_password_is_resolved_only_for_the_client() -> None:
+    raw = with_(
+        "kafka",
+        security_protocol="SASL_SSL",
+        sasl_mechanism="SCRAM-SHA-512",
+        sasl_username="svc",
+        sasl_password="env:KAFKA_PASSWORD",
+    )
+    settings = settings_from_dict(raw, {})
+    assert settings.kafka.sasl_password == "env:KAFKA_PASSWORD"
+    config = settings.kafka.librdkafka_config(lambda key, ref: f"resolved({ref})")
+    assert config["sasl.password"] == "resolved(env:KAFKA_PASSWORD)"
+    assert config["security.protocol"] == "sasl_ssl"
+    assert config["bootstrap.servers"] == "b:9092"
+
+
+def test_http_address_per_partition() -> None:
+    settings = settings_from_dict(with_("server", http_port=9800), {})
+    assert settings.server.http_address(2) == ("127.0.0.1", 9802)
+    assert settings_from_dict(with_("server", http_port=0), {}).server.http_address(2) == (
+        "127.0.0.1",
+        0,
+    )
