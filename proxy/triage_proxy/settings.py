@@ -3,7 +3,7 @@
 Nothing below the CLI reads files or the environment: `load_settings` resolves
 `token_env` and friends here and hands the proxy a complete `Settings`.
 
-    [kafka]        bootstrap_servers, topic, group_id, fetch_batch, security_protocol,
+    [kafka]        bootstrap_servers, topic, group_id, fetch_batch, partitions, security_protocol,
                    sasl_mechanism, sasl_username, sasl_password (a reference: "env:VAR" or
                    "secret:NAME", never inline), client (librdkafka extras)
     [server]       host, port (partition p listens on port + p), max_frame_bytes,
@@ -71,6 +71,9 @@ class KafkaSettings:
     """Consumer group under which offsets are committed."""
     fetch_batch: int = DEFAULT_FETCH_BATCH
     """Most messages taken from librdkafka per fetch."""
+    partitions: int | None = None
+    """Partitions to deploy proxies for (`triage init` writes what the broker reported);
+    None: ask the broker at deploy time."""
     security_protocol: str = "PLAINTEXT"
     """PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL."""
     sasl_mechanism: str | None = None
@@ -261,6 +264,8 @@ class Settings:
 
     def __post_init__(self) -> None:
         _positive("kafka.fetch_batch", self.kafka.fetch_batch)
+        if self.kafka.partitions is not None:
+            _positive("kafka.partitions", self.kafka.partitions)
         _positive("window.max_messages", self.window.max_messages)
         _positive("window.max_bytes", self.window.max_bytes)
         _positive("delivery.max_attempts", self.delivery.max_attempts)
