@@ -249,8 +249,9 @@ class DevStack:
         console.print(table)
         target = info["proxies"][0]["target"]
         console.print(
-            "Try a consumer:\n  python client_lib/examples/consumer.py "
-            f"--target {target} --token {info['token']}\nCtrl-C stops everything."
+            f"Try a consumer:\n  TRIAGE_TOKEN={info['token']} "
+            f"python client_lib/examples/consumer.py --target {target}\n"
+            "Ctrl-C stops everything."
         )
 
     def wait_for_signal(self) -> None:

@@ -1,6 +1,6 @@
 """A runnable Triage consumer: prints what it handles and fails values starting with b"poison".
 
-    python client_lib/examples/consumer.py --target localhost:7700 --token TOKEN [--concurrency N]
+    TRIAGE_TOKEN=... python client_lib/examples/consumer.py --target localhost:7700
 
 Returning from the handler acks the message; raising nacks it, and the proxy writes it to the
 dead-letter table instead of blocking the partition. Values starting with b"busy" raise
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 
@@ -39,14 +40,22 @@ async def handle(message: Message) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True, help="proxy address, HOST:PORT")
-    parser.add_argument("--token", required=True, help="the proxy's bearer token")
+    parser.add_argument(
+        "--token-env",
+        default="TRIAGE_TOKEN",
+        help="environment variable holding the proxy's bearer token (kept out of `ps`)",
+    )
     parser.add_argument("--concurrency", type=int, default=16, help="handlers at once")
     args = parser.parse_args(argv)
+    token = os.environ.get(args.token_env)
+    if not token:
+        print(f"error: set {args.token_env} to the proxy's token", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
     consumer = Consumer(
         args.target,
-        args.token,
+        token,
         handle,
         concurrency=args.concurrency,
         retry_on=(TimeoutError,),
@@ -56,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         consumer.run()
     except AuthenticationError as exc:
-        print(f"error: {exc} (check --token)", file=sys.stderr)
+        print(f"error: {exc} (check ${args.token_env})", file=sys.stderr)
         return 2
     except StreamError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -74,7 +74,7 @@ class Instances:
     """Consumer instance processes (tests/perf/instance.py), stopped by PID."""
 
     def __init__(self, targets: list[str], token: str, per_target: int, concurrency: int) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TRIAGE_TOKEN": token}
         self._procs = [
             subprocess.Popen(
                 [
@@ -82,8 +82,6 @@ class Instances:
                     str(ROOT / "tests" / "perf" / "instance.py"),
                     "--target",
                     target,
-                    "--token",
-                    token,
                     "--concurrency",
                     str(concurrency),
                     "--id",

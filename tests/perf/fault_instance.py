@@ -58,7 +58,6 @@ def plan_for(behaviour: str, attempt: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", required=True)
-    parser.add_argument("--token", required=True)
     parser.add_argument("--log", required=True, help="file to append one line per invocation")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--slow-s", type=float, default=3.0)
@@ -86,7 +85,7 @@ def main() -> None:
 
     consumer = Consumer(
         args.target,
-        args.token,
+        os.environ["TRIAGE_TOKEN"],
         handle,
         concurrency=args.concurrency,
         consumer_id=args.id,

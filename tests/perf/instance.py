@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import time
 
@@ -22,7 +23,6 @@ from triage_client import Consumer, Message
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", required=True)
-    parser.add_argument("--token", required=True)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--id", default="bench")
     args = parser.parse_args()
@@ -55,7 +55,11 @@ def main() -> None:
             finishes.append((now, value.startswith(b"ordinary")))
 
     consumer = Consumer(
-        args.target, args.token, handle, concurrency=args.concurrency, consumer_id=args.id
+        args.target,
+        os.environ["TRIAGE_TOKEN"],
+        handle,
+        concurrency=args.concurrency,
+        consumer_id=args.id,
     )
     signal.signal(signal.SIGTERM, lambda *_: consumer.stop())
     consumer.run()
