@@ -1,0 +1,608 @@
+"""The Spark dead-letter job: parallel scan -> filters -> replay to Kafka, or export to Parquet.
+
+Why Spark: one person replays a handful of dead letters with `triage dlq replay`; after
+an outage there can be millions. DynamoDB's parallel scan splits a table into
+`TotalSegments` disjoint segments that can be read at once, so the job makes one Spark
+partition per segment (`parallelize(range(N), N)` + `mapPartitions`): reading,
+producing and marking scale out with the cluster's cores, and each executor builds its
+own boto3 client and Kafka producer (`segment.py`). DynamoDB keeps an item collection
+(one partition key) in one segment, and the key is `<topic>#<partition>`, so the
+parallelism is also bounded by the number of source partitions in the table.
+
+Replay protocol: claim -> produce -> mark. The promise is "marked `replayed` only after
+the broker acknowledged the produce, and never replayed twice" (by a rerun, a retried
+Spark task or a failed one). The two ways to order it:
+- produce, then mark (one conditional write per item): a task that dies between the
+  broker's ack and its mark leaves items `pending` that are already in Kafka, and the
+  rerun (or Spark's retry of the task) silently produces them again.
+- claim, produce, mark (two conditional writes per item; chosen, and the protocol of
+  `triage_proxy.dlqtable`, which both tools use). Each selected item is first claimed
+  (pending and unclaimed -> `replay_claim = <run id>`, `replay_claim_until = now +
+  lease`). Only claimed items are produced. After the delivery reports, a delivered item
+  becomes `replayed` (condition: the claim is still ours) with `replay_id`,
+  `replayed_at`, `replayed_to` (topic/partition/offset of the copy), `replay_count` and,
+  with TTL on, `expires_at`; a claim whose message certainly never reached the broker
+  is released (pending again, counted `failed`). A rerun or a retried task never
+  produces an item claimed by someone else, or by an earlier attempt of the same run;
+  it counts it `in_doubt`.
+The window that is left: a hard crash (worker SIGKILLed, executor lost) after a chunk
+was claimed and before it was marked leaves that chunk (at most `chunk_size` items per
+task) claimed, and the table cannot say whether those messages reached Kafka. This job
+never replays them on its own (for them it is at-most-once, never a duplicate): every
+run reports them as `in_doubt` until an operator checks the target topic for their
+`triage-replay-of` headers and reruns with `retry_in_doubt` (which takes over claims
+whose lease expired) for what is missing. (`dlqtable.claim` itself takes over a stale
+claim, so `triage dlq replay` would replay such an item again once the lease is over;
+the job checks the claim it scanned before it claims.) Exceptions are no window at
+all: the task marks what was delivered and releases what was not before it gives up,
+so the rerun replays exactly the rest. Two writes per item is the price.
+
+Task failures: claims belong to the run, so two attempts of one task running at once
+could both produce an item: the job refuses to replay with `spark.speculation` on. (A
+zombie attempt on an executor Spark gave up for lost is the remaining, narrow case.)
+A segment that raises reports the error in the Summary rather than
+failing its Spark task. A failed task aborts the job (at once in local mode) and Spark
+SIGKILLs the sibling tasks mid-chunk, which would turn one error into in-doubt chunks
+everywhere. A worker that really dies still fails the job: `run_replay` raises
+`ReplayFailed`, and a rerun is safe.
+
+Export writes the selected items to Parquet (columns in `segment.EXPORT_COLUMNS`) and
+changes nothing in the table.
+
+Entry points: `run_replay(options, spark=None) -> Summary` (tests, `triage dlq replay
+--spark`), and `python -m triage_replay.job --table T --endpoint-url URL --bootstrap B
+[filters] [--to-topic T | --export PATH] [--master M]`, which also runs under plain
+`spark-submit replay/triage_replay/job.py ...` (then the master is spark-submit's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from triage_proxy.deadletter import STATUSES
+from triage_proxy.dlqtable import (
+    DEFAULT_CLAIM_LEASE_S,
+    Filters,
+    TableNotFound,
+    new_replay_id,
+    parse_time,
+)
+from triage_proxy.errors import ConfigError, DeadLetterUnavailable, TriageError
+from triage_proxy.settings import DEFAULT_REGION, Settings
+from triage_replay.segment import (
+    DEFAULT_CHUNK,
+    DEFAULT_DELIVERY_TIMEOUT_S,
+    DEFAULT_WRITE_CONCURRENCY,
+    EXPORT_COLUMNS,
+    Fault,
+    SegmentCounts,
+    SegmentJob,
+    TableConfig,
+    export_partition,
+    replay_partition,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+    from pyspark.sql.types import StructType
+
+logger = logging.getLogger(__name__)
+
+APP_NAME = "triage-replay"
+DEFAULT_MASTER = "local[*]"
+"""Where the job runs when neither --master nor spark-submit says."""
+SEGMENTS_PER_CORE = 2
+"""Default scan segments per Spark core: small segments even out uneven ones."""
+MAX_SEGMENTS = 1_000_000
+"""DynamoDB's limit on TotalSegments."""
+
+EXIT_OK = 0
+EXIT_INCOMPLETE = 1
+"""The job ran, but some items failed, are in doubt, or a segment stopped early."""
+EXIT_USAGE = 2
+EXIT_FAILED = 3
+"""DynamoDB unreachable, or the Spark job itself failed (e.g. a worker died); a rerun
+is safe. (The exit codes match `triage dlq`'s.)"""
+EXIT_NOT_FOUND = 4
+"""The table does not exist."""
+EXIT_INTERRUPTED = 130
+
+
+class ReplayFailed(TriageError):
+    """The Spark job failed as a whole; items it claimed stay claimed, a rerun is safe."""
+
+    retriable = True
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """Everything one run needs; build it with `from_settings` or field by field."""
+
+    table: str
+    """DynamoDB dead-letter table."""
+    endpoint_url: str | None = None
+    """DynamoDB endpoint override (moto server); None means AWS itself."""
+    region: str = DEFAULT_REGION
+    """AWS region of the table."""
+    bootstrap: str | None = None
+    """Kafka bootstrap servers; required to replay, unused by export."""
+    filters: Filters = field(default_factory=Filters)
+    """Which dead letters to act on (the same filters as `triage dlq list`)."""
+    to_topic: str | None = None
+    """Replay every item to this topic instead of its source topic."""
+    export_path: str | None = None
+    """Export to Parquet here instead of replaying (any path Spark can write)."""
+    overwrite: bool = False
+    """Export: replace what is at export_path."""
+    master: str | None = None
+    """Spark master; None: spark-submit's, else local[*]. Ignored when a session is passed."""
+    segments: int | None = None
+    """Scan segments (= Spark partitions); None: SEGMENTS_PER_CORE per default core."""
+    chunk_size: int = DEFAULT_CHUNK
+    """Items claimed, produced and marked together; bounds what a crash leaves in doubt."""
+    write_concurrency: int = DEFAULT_WRITE_CONCURRENCY
+    """Conditional writes in flight per task."""
+    delivery_timeout_s: float = DEFAULT_DELIVERY_TIMEOUT_S
+    """How long one produced message may wait for the broker's acknowledgement."""
+    claim_lease_s: float = DEFAULT_CLAIM_LEASE_S
+    """How long a claim is honoured; after it, retry_in_doubt may take the item over."""
+    retry_in_doubt: bool = False
+    """Replay items whose claim by an earlier run expired: they may already be in Kafka."""
+    ttl_days: float | None = None
+    """Replayed items expire (DynamoDB TTL `expires_at`) this long after; None keeps them."""
+    kafka_config: Mapping[str, str | int | bool] = field(default_factory=dict)
+    """Extra librdkafka producer properties (security.protocol, sasl.*)."""
+    aws_access_key_id: str | None = field(default=None, repr=False)
+    """Explicit credentials for the executors; None uses each executor's own chain."""
+    aws_secret_access_key: str | None = field(default=None, repr=False)
+    """Secret of aws_access_key_id."""
+    aws_session_token: str | None = field(default=None, repr=False)
+    """Session token for temporary credentials."""
+    fault: Fault | None = None
+    """Tests only: inject a failure into every segment's replay."""
+
+    def __post_init__(self) -> None:
+        if not self.table:
+            raise ConfigError("table", "must not be empty")
+        if self.export_path is None and not self.bootstrap:
+            raise ConfigError("bootstrap", "is required to replay (or give export_path)")
+        if self.export_path is not None and self.to_topic is not None:
+            raise ConfigError("to_topic", "means nothing to an export")
+        if self.segments is not None and not 1 <= self.segments <= MAX_SEGMENTS:
+            raise ConfigError("segments", f"must be 1..{MAX_SEGMENTS}, got {self.segments}")
+        for name in ("chunk_size", "write_concurrency"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("delivery_timeout_s", "claim_lease_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
+        if self.claim_lease_s <= self.delivery_timeout_s:
+            raise ConfigError("claim_lease_s", "must be longer than delivery_timeout_s")
+
+    @property
+    def mode(self) -> str:
+        """ "export" or "replay"."""
+        return "export" if self.export_path is not None else "replay"
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **overrides: Any) -> ReplayOptions:
+        """Options for the table, broker and TTL of a proxy's config, plus `overrides`."""
+        dl = settings.dead_letters
+        base: dict[str, Any] = {
+            "table": dl.table,
+            "endpoint_url": dl.endpoint_url,
+            "region": dl.region,
+            "bootstrap": settings.kafka.bootstrap_servers,
+            "kafka_config": dict(settings.kafka.client),
+            "ttl_days": dl.ttl_days,
+        }
+        return cls(**{**base, **overrides})
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What one run did, summed over its segments."""
+
+    mode: str
+    """"replay" or "export"."""
+    replay_id: str
+    """The run's id (the `triage-replay-id` header and the claim owner)."""
+    segments: int
+    """Scan segments (= Spark partitions)."""
+    read: int = 0
+    """Items DynamoDB evaluated (ScannedCount): the whole table for a Scan, one source
+    partition for a topic+partition Query; commit checkpoint items included."""
+    selected: int = 0
+    """Items the filters matched."""
+    replayed: int = 0
+    """Produced, acknowledged and marked `replayed`."""
+    skipped: int = 0
+    """Selected but already replayed or discarded (or taken by another run between our
+    scan and our claim)."""
+    failed: int = 0
+    """Selected, not replayed, left pending for a rerun: the broker refused it, its
+    payload is unreadable, or its segment stopped before producing it."""
+    in_doubt: int = 0
+    """Claimed by another run (running, or stopped midway) or left unconfirmed by this one:
+    maybe in Kafka, never replayed automatically (see retry_in_doubt)."""
+    exported: int = 0
+    """Rows written to Parquet."""
+    errors: tuple[str, ...] = ()
+    """One line per segment that stopped early."""
+    elapsed_s: float = 0.0
+    """Wall time of run_replay (Spark's start included when it made the session)."""
+
+    @property
+    def ok(self) -> bool:
+        """Nothing failed, nothing is in doubt, every segment ran to the end."""
+        return not self.errors and self.failed == 0 and self.in_doubt == 0
+
+    def __str__(self) -> str:
+        counts = (
+            f"exported={self.exported}"
+            if self.mode == "export"
+            else f"replayed={self.replayed} skipped={self.skipped} failed={self.failed} "
+            f"in_doubt={self.in_doubt}"
+        )
+        lines = [
+            f"{self.mode} {self.replay_id}: read={self.read} selected={self.selected} "
+            f"{counts} segments={self.segments} in {self.elapsed_s:.1f}s"
+        ]
+        lines.extend(f"  error: {error}" for error in self.errors)
+        return "\n".join(lines)
+
+
+def local_session(
+    master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None = None
+) -> SparkSession:
+    """A SparkSession whose local-mode Python workers run this interpreter (the venv).
+
+    PySpark starts workers with $PYSPARK_PYTHON (default: whatever `python3` is on the
+    PATH), which would lack boto3, confluent-kafka and triage; so in local mode it is
+    set to sys.executable unless the caller already chose one.
+    """
+    from pyspark.sql import SparkSession
+
+    if master.startswith("local"):
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    builder = (
+        SparkSession.builder.master(master)
+        .appName(APP_NAME)
+        .config("spark.sql.session.timeZone", "UTC")
+    )
+    for key, value in (conf or {}).items():
+        builder = builder.config(key, value)
+    return builder.getOrCreate()
+
+
+def stop_session(session: SparkSession, timeout_s: float = 30.0) -> None:
+    """Stop `session` and, when this process launched the JVM, the JVM too.
+
+    `SparkSession.stop()` leaves the driver JVM running until the Python process exits;
+    a test run or a CLI call that starts Spark more than once would pile them up. The
+    JVM exits when its stdin closes; it is waited for (killed after `timeout_s`) so
+    nothing is left behind, and the next session launches a fresh one. Under
+    spark-submit the JVM is our parent and is left alone.
+    """
+    import subprocess
+
+    from pyspark import SparkContext
+
+    session.stop()
+    gateway = SparkContext._gateway
+    proc: subprocess.Popen[bytes] | None = getattr(gateway, "proc", None)
+    if gateway is None or proc is None:
+        return
+    gateway.shutdown()
+    SparkContext._gateway = None
+    SparkContext._jvm = None
+    if proc.stdin is not None:
+        proc.stdin.close()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        logger.warning("the Spark JVM (pid %d) did not exit in %.0fs; killed", proc.pid, timeout_s)
+        proc.kill()
+        proc.wait()
+
+
+def run_replay(options: ReplayOptions, *, spark: SparkSession | None = None) -> Summary:
+    """Replay (or export) the selected dead letters; return the summary.
+
+    Uses `spark` if given (left running), else creates a session (stopped at the end).
+    Checks the table from the driver first: TableNotFound or DeadLetterUnavailable
+    before any Spark work. Raises ReplayFailed when the Spark job itself fails; a
+    segment that stops early does not raise but shows in `Summary.errors`.
+    """
+    from py4j.protocol import Py4JError
+    from pyspark.errors import PySparkException
+
+    started = time.monotonic()
+    _check_table(_table_config(options))
+    owned = spark is None
+    session = spark if spark is not None else _session(options.master)
+    try:
+        sc = session.sparkContext
+        if options.mode == "replay" and sc.getConf().get("spark.speculation", "false") == "true":
+            raise ConfigError(
+                "spark.speculation",
+                "must be off to replay: two attempts of one task would share the run's claims",
+            )
+        total = options.segments or min(MAX_SEGMENTS, SEGMENTS_PER_CORE * sc.defaultParallelism)
+        job = _segment_job(options, total, replay_id=new_replay_id())
+        logger.info(
+            "%s %s started: table=%s segments=%d filters=%s",
+            options.mode,
+            job.replay_id,
+            options.table,
+            total,
+            options.filters,
+        )
+        try:
+            if options.export_path is not None:
+                summary = _export(session, job, options.export_path, options.overwrite)
+            else:
+                summary = _replay(session, job)
+        except (Py4JError, PySparkException) as exc:
+            raise ReplayFailed(
+                f"the Spark job of {options.mode} {job.replay_id} failed (a rerun is safe): "
+                f"{_first_line(exc)}"
+            ) from exc
+    finally:
+        if owned:
+            stop_session(session)
+    summary = replace(summary, elapsed_s=time.monotonic() - started)
+    logger.info("%s", summary)
+    return summary
+
+
+def _session(master: str | None) -> SparkSession:
+    if master is None and "PYSPARK_GATEWAY_PORT" in os.environ:
+        from pyspark.sql import SparkSession
+
+        return SparkSession.builder.appName(APP_NAME).getOrCreate()  # under spark-submit
+    return local_session(master or DEFAULT_MASTER)
+
+
+def _table_config(options: ReplayOptions) -> TableConfig:
+    return TableConfig(
+        table=options.table,
+        region=options.region,
+        endpoint_url=options.endpoint_url,
+        ttl_days=options.ttl_days,
+        access_key_id=options.aws_access_key_id,
+        secret_access_key=options.aws_secret_access_key,
+        session_token=options.aws_session_token,
+    )
+
+
+def _check_table(config: TableConfig) -> None:
+    opened = config.open(max_connections=1)
+    try:
+        opened.table.check()
+    finally:
+        opened.close()
+
+
+def _segment_job(options: ReplayOptions, total: int, *, replay_id: str) -> SegmentJob:
+    return SegmentJob(
+        table=_table_config(options),
+        total_segments=total,
+        filters=options.filters,
+        replay_id=replay_id,
+        bootstrap=options.bootstrap,
+        to_topic=options.to_topic,
+        kafka_config=tuple(sorted(options.kafka_config.items())),
+        chunk_size=options.chunk_size,
+        write_concurrency=options.write_concurrency,
+        delivery_timeout_s=options.delivery_timeout_s,
+        claim_lease_s=options.claim_lease_s,
+        retry_in_doubt=options.retry_in_doubt,
+        fault=options.fault,
+    )
+
+
+def _replay(session: SparkSession, job: SegmentJob) -> Summary:
+    sc = session.sparkContext
+    sc.setJobDescription(f"triage replay {job.replay_id}")
+    segments = sc.parallelize(range(job.total_segments), job.total_segments)
+    results: list[SegmentCounts] = segments.mapPartitions(
+        functools.partial(replay_partition, job)
+    ).collect()
+    return Summary(
+        "replay",
+        job.replay_id,
+        job.total_segments,
+        read=sum(r.read for r in results),
+        selected=sum(r.selected for r in results),
+        replayed=sum(r.replayed for r in results),
+        skipped=sum(r.skipped for r in results),
+        failed=sum(r.failed for r in results),
+        in_doubt=sum(r.in_doubt for r in results),
+        errors=tuple(r.error for r in sorted(results, key=lambda r: r.segment) if r.error),
+    )
+
+
+def export_schema() -> StructType:
+    """Spark schema of the Parquet export (EXPORT_COLUMNS, in order)."""
+    from pyspark.sql.types import (
+        ArrayType,
+        BinaryType,
+        IntegerType,
+        LongType,
+        StringType,
+        StructField,
+        StructType,
+        TimestampType,
+    )
+
+    header = StructType(
+        [StructField("key", StringType(), False), StructField("value", BinaryType(), True)]
+    )
+    types = {
+        "topic": (StringType(), False),
+        "partition": (IntegerType(), False),
+        "offset": (LongType(), False),
+        "key": (BinaryType(), True),
+        "value": (BinaryType(), True),
+        "headers": (ArrayType(header, False), False),
+        "timestamp": (TimestampType(), False),
+        "reason": (StringType(), False),
+        "attempts": (IntegerType(), False),
+        "consumer_id": (StringType(), False),
+        "dead_lettered_at": (TimestampType(), False),
+        "status": (StringType(), False),
+        "replay_id": (StringType(), True),
+        "replayed_at": (StringType(), True),
+        "replayed_to": (StringType(), True),
+        "replay_count": (IntegerType(), True),
+        "payload_s3": (StringType(), True),
+    }
+    return StructType([StructField(name, *types[name]) for name in EXPORT_COLUMNS])
+
+
+def _export(session: SparkSession, job: SegmentJob, path: str, overwrite: bool) -> Summary:
+    sc = session.sparkContext
+    sc.setJobDescription(f"triage export {job.replay_id}")
+    read = sc.accumulator(0)
+    selected = sc.accumulator(0)
+    segments = sc.parallelize(range(job.total_segments), job.total_segments)
+    rows = segments.mapPartitions(functools.partial(export_partition, job, read, selected))
+    frame = session.createDataFrame(rows, export_schema(), verifySchema=False)
+    frame.write.mode("overwrite" if overwrite else "errorifexists").parquet(path)
+    # Accumulators may count a retried task twice; the Parquet files never hold it twice.
+    return Summary(
+        "export",
+        job.replay_id,
+        job.total_segments,
+        read=read.value,
+        selected=selected.value,
+        exported=selected.value,
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# --- command line -------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m triage_replay.job",
+        description="Replay dead letters from DynamoDB to Kafka, or export them to Parquet.",
+    )
+    parser.add_argument("--table", required=True, help="DynamoDB dead-letter table")
+    parser.add_argument("--endpoint-url", help="DynamoDB endpoint (local moto server)")
+    parser.add_argument("--region", default=DEFAULT_REGION)
+    parser.add_argument("--bootstrap", help="Kafka bootstrap servers (replay)")
+    pick = parser.add_argument_group("filters")
+    pick.add_argument("--topic", help="source topic")
+    pick.add_argument("--partition", type=int, help="source partition")
+    pick.add_argument("--status", choices=STATUSES)
+    pick.add_argument("--reason", help="substring of the reason (case-insensitive)")
+    pick.add_argument("--offset", type=int, help="source offset")
+    pick.add_argument("--since", help="dead-lettered at or after (ISO-8601, or an age: 30m, 2d)")
+    pick.add_argument("--until", help="dead-lettered before (ISO-8601, or an age: 30m, 2d)")
+    out = parser.add_mutually_exclusive_group()
+    out.add_argument("--to-topic", help="replay to this topic instead of the source topic")
+    out.add_argument("--export", metavar="PATH", help="write Parquet here instead of replaying")
+    parser.add_argument("--overwrite", action="store_true", help="export: replace PATH")
+    parser.add_argument("--master", help="Spark master (default: spark-submit's, else local[*])")
+    parser.add_argument("--segments", type=int, help="scan segments (default: 2 per core)")
+    parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK)
+    parser.add_argument("--ttl-days", type=float, help="replayed items expire after this")
+    parser.add_argument(
+        "--retry-in-doubt",
+        action="store_true",
+        help="also replay items an earlier run claimed and never finished (may duplicate)",
+    )
+    parser.add_argument(
+        "-X",
+        dest="kafka_config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra librdkafka producer property (repeatable)",
+    )
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> ReplayOptions:
+    """ReplayOptions from parsed arguments; ValueError/ConfigError name the bad one."""
+    kafka_config: dict[str, str | int | bool] = {}
+    for pair in args.kafka_config:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"-X takes KEY=VALUE, got {pair!r}")
+        kafka_config[key] = value
+    now_ms = int(time.time() * 1000)
+    filters = Filters(
+        topic=args.topic,
+        partition=args.partition,
+        offset=args.offset,
+        status=args.status,
+        reason=args.reason,
+        since_ms=parse_time(args.since, now_ms) if args.since else None,
+        until_ms=parse_time(args.until, now_ms) if args.until else None,
+    )
+    return ReplayOptions(
+        table=args.table,
+        endpoint_url=args.endpoint_url,
+        region=args.region,
+        bootstrap=args.bootstrap,
+        filters=filters,
+        to_topic=args.to_topic,
+        export_path=args.export,
+        overwrite=args.overwrite,
+        master=args.master,
+        segments=args.segments,
+        chunk_size=args.chunk_size,
+        ttl_days=args.ttl_days,
+        retry_in_doubt=args.retry_in_doubt,
+        kafka_config=kafka_config,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the job from the command line; returns an EXIT_* code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    for name in ("triage_replay", __name__):  # __name__ is "__main__" under -m
+        logging.getLogger(name).setLevel(logging.INFO)
+    try:
+        options = options_from_args(args)
+    except (ValueError, ConfigError) as exc:
+        parser.print_usage(sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        summary = run_replay(options)
+    except TableNotFound as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    except (ReplayFailed, DeadLetterUnavailable) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("interrupted: claimed items stay claimed; a rerun is safe", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(summary)
+    return EXIT_OK if summary.ok else EXIT_INCOMPLETE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,520 @@
+"""The Spark replay job for real: PySpark local mode, the moto server and the Tansu broker.
+
+What must hold: replayed messages (null keys, binary values, headers with None, a
+payload kept in S3) arrive byte-exact with provenance headers; a rerun replays nothing
+new; a failure midway (an exception in a task, or a worker killed after its chunk was
+delivered and before it was marked) followed by a rerun leaves every selected item in
+Kafka exactly once; filters select exactly what they say. Dead letters are written
+straight into the table in the proxy's own item format (`item_from_dead_letter`, and
+the store itself for the S3 one). One SparkSession (local[2]) serves the module.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
+
+from tests.integration.harness import create_topic
+from triage_proxy.deadletter import (
+    DynamoDBStore,
+    create_bucket,
+    create_table,
+    item_from_dead_letter,
+)
+from triage_proxy.dlqtable import TableNotFound
+from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker
+from triage_proxy.settings import DeadLetterSettings
+from triage_proxy.structs import DeadLetter, Headers, Record
+from triage_replay import Fault, Filters, ReplayFailed, ReplayOptions, Summary, run_replay
+from triage_replay.job import build_parser, local_session, options_from_args, stop_session
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+BASE_MS = 1_714_564_800_000
+"""2024-05-01T12:00:00Z: dead letters are dead-lettered at BASE_MS + offset seconds."""
+ALL_BYTES = bytes(range(256))
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    """One local[2] session for the module; its JVM is stopped (and reaped) at the end."""
+    session = local_session(
+        "local[2]",
+        {
+            "spark.ui.enabled": "false",
+            "spark.ui.showConsoleProgress": "false",
+            "spark.sql.shuffle.partitions": "2",
+            "spark.default.parallelism": "2",
+        },
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    stop_session(session)
+
+
+@pytest.fixture
+def table(aws: EmbeddedAWS, unique_name: str) -> DeadLetterSettings:
+    settings = DeadLetterSettings(
+        table=unique_name, endpoint_url=aws.endpoint_url, overflow_bucket=f"{unique_name}-payloads"
+    )
+    create_table(settings)
+    create_bucket(settings)
+    return settings
+
+
+@pytest.fixture
+def dynamodb(aws: EmbeddedAWS) -> Iterator[Any]:
+    client = boto3.client(
+        "dynamodb",
+        endpoint_url=aws.endpoint_url,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+    yield client
+    client.close()
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def make_dl(
+    topic: str,
+    partition: int,
+    offset: int,
+    *,
+    key: bytes | None = b"k",
+    value: bytes | None = b"v",
+    headers: Headers = (),
+    reason: str = "handler raised ValueError",
+) -> DeadLetter:
+    record = Record(topic, partition, offset, key, value, headers, BASE_MS - 5000 + offset)
+    return DeadLetter(record, reason, 3, "worker-1", BASE_MS + offset * 1000)
+
+
+def write(dynamodb: Any, table: str, dls: Iterable[DeadLetter], status: str = "pending") -> None:
+    requests = []
+    for dl in dls:
+        item = item_from_dead_letter(dl)
+        item["status"] = {"S": status}
+        requests.append({"PutRequest": {"Item": item}})
+    for start in range(0, len(requests), 25):
+        response = dynamodb.batch_write_item(RequestItems={table: requests[start : start + 25]})
+        assert not response.get("UnprocessedItems")
+
+
+def write_checkpoint(dynamodb: Any, table: str, topic: str) -> None:
+    """A commit checkpoint item (offset -1) shares the table; the job must skip it."""
+    dynamodb.put_item(
+        TableName=table,
+        Item={
+            "source": {"S": f"{topic}#0#checkpoint#g"},
+            "offset": {"N": "-1"},
+            "committed": {"N": "7"},
+            "settled": {"S": ""},
+        },
+    )
+
+
+def items(dynamodb: Any, table: str) -> dict[tuple[str, int, int], dict[str, Any]]:
+    """Every dead-letter item by (topic, partition, offset)."""
+    found: dict[tuple[str, int, int], dict[str, Any]] = {}
+    kwargs: dict[str, Any] = {"TableName": table, "ConsistentRead": True}
+    while True:
+        page = dynamodb.scan(**kwargs)
+        for item in page["Items"]:
+            if int(item["offset"]["N"]) >= 0:
+                key = (item["topic"]["S"], int(item["partition"]["N"]), int(item["offset"]["N"]))
+                found[key] = item
+        if "LastEvaluatedKey" not in page:
+            return found
+        kwargs["ExclusiveStartKey"] = page["LastEvaluatedKey"]
+
+
+def consume(
+    bootstrap: str, topic: str, partitions: int, expected: int, quiet_s: float = 1.5
+) -> list[Message]:
+    """Everything in the topic: read until `expected` arrived and then `quiet_s` of silence
+    (so duplicates would show), or 30 s. Never trusts the high watermark (Tansu)."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"check-{uuid.uuid4().hex}",
+            "enable.auto.commit": False,
+        }
+    )
+    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
+    out: list[Message] = []
+    deadline = time.monotonic() + 30
+    quiet_until = None
+    try:
+        while time.monotonic() < deadline:
+            batch = consumer.consume(1000, 0.2)
+            for msg in batch:
+                assert msg.error() is None, msg.error()
+                out.append(msg)
+            if batch:
+                quiet_until = None
+            if len(out) >= expected:
+                if quiet_until is None:
+                    quiet_until = time.monotonic() + quiet_s
+                elif time.monotonic() > quiet_until:
+                    break
+        return out
+    finally:
+        consumer.close()
+
+
+def header(msg: Message, name: str) -> bytes | None:
+    values = [v for k, v in msg.headers() or [] if k == name]
+    assert len(values) == 1, (name, msg.headers())
+    return values[0]
+
+
+def replay_of(msg: Message) -> str:
+    value = header(msg, "triage-replay-of")
+    assert value is not None
+    return value.decode()
+
+
+def options(
+    table: DeadLetterSettings, broker: EmbeddedBroker | None = None, **kwargs: Any
+) -> ReplayOptions:
+    return ReplayOptions(
+        table=table.table,
+        endpoint_url=table.endpoint_url,
+        bootstrap=broker.bootstrap if broker else None,
+        segments=kwargs.pop("segments", 4),
+        delivery_timeout_s=kwargs.pop("delivery_timeout_s", 20.0),
+        **kwargs,
+    )
+
+
+def coords(dls: Sequence[DeadLetter]) -> set[str]:
+    return {f"{d.record.topic}/{d.record.partition}/{d.record.offset}" for d in dls}
+
+
+def mixed_set(topic: str) -> list[DeadLetter]:
+    """Null and empty keys, binary and null values, headers with None, duplicates, order."""
+    return [
+        make_dl(topic, 0, 0, key=None, value=ALL_BYTES),
+        make_dl(topic, 0, 1, key=b"", value=b""),
+        make_dl(topic, 0, 2, key=b"\x00\xff", value=None),
+        make_dl(
+            topic,
+            1,
+            0,
+            key=b"order-7",
+            value=b'{"total": 12}',
+            headers=(("trace", b"\x01\x02"), ("empty", None), ("trace", b""), ("z", b"last")),
+        ),
+        make_dl(topic, 1, 5, key=ALL_BYTES[::-1], value=ALL_BYTES * 40, headers=(("n", None),)),
+        make_dl(topic, 1, 9, reason="caf\u00e9 timeout \u2603"),
+    ]
+
+
+# --- tests --------------------------------------------------------------------------------
+
+
+def test_replay_arrives_byte_exact_with_provenance(
+    spark: Any, broker: EmbeddedBroker, table: DeadLetterSettings, dynamodb: Any, unique_name: str
+) -> None:
+    topic = unique_name
+    create_topic(broker.bootstrap, topic, partitions=2)
+    large = make_dl(  # over DynamoDB's item limit: the store keeps its payload in S3
+        topic,
+        1,
+        11,
+        key=b"big",
+        value=ALL_BYTES * 2000,
+        headers=(("h", ALL_BYTES), ("none", None)),
+    )
+    dls = [*mixed_set(topic), large]
+    write(dynamodb, table.table, dls[:-1])
+    with DynamoDBStore(table) as store:
+        assert store.put_batch([large]) == []
+    assert "payload_s3" in items(dynamodb, table.table)[(topic, 1, 11)]
+    write_checkpoint(dynamodb, table.table, topic)
+
+    summary = run_replay(options(table, broker, ttl_days=7), spark=spark)
+
+    # read counts what DynamoDB evaluated: the checkpoint item too
+    assert (summary.read, summary.selected, summary.replayed) == (8, 7, 7), summary
+    assert (summary.skipped, summary.failed, summary.in_doubt, summary.errors) == (0, 0, 0, ())
+    assert summary.ok
+    messages = consume(broker.bootstrap, topic, 2, expected=7)
+    by_origin = {replay_of(m): m for m in messages}
+    assert len(messages) == len(by_origin) == 7
+    for dl in dls:
+        record = dl.record
+        msg = by_origin[f"{record.topic}/{record.partition}/{record.offset}"]
+        assert msg.partition() == record.partition  # back to where it came from
+        assert msg.key() == record.key
+        assert msg.value() == record.value
+        provenance = [
+            ("triage-replay-of", f"{record.topic}/{record.partition}/{record.offset}".encode()),
+            ("triage-replay-reason", dl.reason.encode()),
+            ("triage-replay-id", summary.replay_id.encode()),
+        ]
+        assert (msg.headers() or []) == [*record.headers, *provenance]
+    stored = items(dynamodb, table.table)
+    for dl in dls:
+        item = stored[(dl.record.topic, dl.record.partition, dl.record.offset)]
+        msg = by_origin[f"{dl.record.topic}/{dl.record.partition}/{dl.record.offset}"]
+        assert item["status"]["S"] == "replayed"
+        assert item["replay_id"]["S"] == summary.replay_id
+        assert item["replayed_to"]["S"] == f"{topic}/{msg.partition()}/{msg.offset()}"
+        assert item["replay_count"]["N"] == "1"
+        assert int(item["expires_at"]["N"]) > time.time() + 6 * 86400
+        assert "replay_claim" not in item
+        assert "replay_claim_until" not in item
+
+
+def test_rerun_replays_nothing_new(
+    spark: Any, broker: EmbeddedBroker, table: DeadLetterSettings, dynamodb: Any, unique_name: str
+) -> None:
+    topic = unique_name
+    create_topic(broker.bootstrap, topic, partitions=2)
+    write(dynamodb, table.table, mixed_set(topic))
+
+    first = run_replay(options(table, broker), spark=spark)
+    second = run_replay(options(table, broker), spark=spark)
+
+    assert first.replayed == 6
+    assert (second.read, second.selected, second.replayed, second.skipped) == (6, 6, 0, 6)
+    assert second.ok
+    assert second.replay_id != first.replay_id
+    messages = consume(broker.bootstrap, topic, 2, expected=6)
+    assert sorted(Counter(replay_of(m) for m in messages).values()) == [1] * 6
+
+
+def test_replay_to_another_topic_with_filters(
+    spark: Any, broker: EmbeddedBroker, table: DeadLetterSettings, dynamodb: Any, unique_name: str
+) -> None:
+    source, target = unique_name, f"{unique_name}-fixed"
+    create_topic(broker.bootstrap, target, partitions=3)
+    dls = [
+        make_dl(source, p, o, reason=f"{'Timeout' if o % 2 else 'bad json'}")
+        for p in (0, 1)
+        for o in range(6)
+    ]
+    write(dynamodb, table.table, dls)
+    chosen = [d for d in dls if d.record.partition == 1 and "timeout" in d.reason.lower()]
+
+    filters = Filters(topic=source, partition=1, reason="TIMEOUT")
+    summary = run_replay(options(table, broker, filters=filters, to_topic=target), spark=spark)
+
+    # topic + partition is one Query on that partition: only its 6 items are read
+    assert (summary.read, summary.selected, summary.replayed) == (6, 3, 3), summary
+    messages = consume(broker.bootstrap, target, 3, expected=3)
+    assert sorted(replay_of(m) for m in messages) == sorted(coords(chosen))
+    stored = items(dynamodb, table.table)
+    replayed = {k for k, item in stored.items() if item["status"]["S"] == "replayed"}
+    assert replayed == {(d.record.topic, d.record.partition, d.record.offset) for d in chosen}
+
+
+def export_offsets(spark: Any, table: DeadLetterSettings, path: Path, filters: Filters) -> set[str]:
+    summary = run_replay(options(table, export_path=str(path), filters=filters), spark=spark)
+    rows = spark.read.parquet(str(path)).select("topic", "partition", "offset").collect()
+    assert summary.exported == summary.selected == len(rows)
+    return {f"{r.topic}/{r.partition}/{r.offset}" for r in rows}
+
+
+def test_filters_select_exactly_what_they_say(
+    spark: Any, table: DeadLetterSettings, dynamodb: Any, tmp_path: Path
+) -> None:
+    dls = [
+        make_dl(topic, partition, offset, reason=reason)
+        for topic in ("orders", "payments")
+        for partition in (0, 1)
+        for offset, reason in enumerate(["Timeout calling bank", "bad JSON", "timeout", "oops"])
+    ]
+    pending = [d for d in dls if d.record.offset != 3]
+    write(dynamodb, table.table, pending)
+    write(dynamodb, table.table, [d for d in dls if d.record.offset == 3], status="replayed")
+    write_checkpoint(dynamodb, table.table, "orders")
+
+    cases: list[tuple[Filters, list[DeadLetter]]] = [
+        (Filters(), dls),
+        (Filters(topic="orders"), [d for d in dls if d.record.topic == "orders"]),
+        (
+            Filters(topic="payments", partition=1),
+            [d for d in dls if d.record.topic == "payments" and d.record.partition == 1],
+        ),
+        (Filters(status="replayed"), [d for d in dls if d.record.offset == 3]),
+        (Filters(status="discarded"), []),
+        (Filters(reason="TIMEOUT"), [d for d in dls if "timeout" in d.reason.lower()]),
+        (  # dead-lettered at BASE + offset s: [BASE+1s, BASE+3s) holds offsets 1 and 2
+            Filters(since_ms=BASE_MS + 1000, until_ms=BASE_MS + 3000),
+            [d for d in dls if d.record.offset in (1, 2)],
+        ),
+        (
+            Filters(topic="orders", status="pending", reason="json", since_ms=BASE_MS),
+            [d for d in dls if d.record.topic == "orders" and d.record.offset == 1],
+        ),
+    ]
+    for n, (filters, expected) in enumerate(cases):
+        got = export_offsets(spark, table, tmp_path / f"case{n}", filters)
+        assert got == coords(expected), filters
+
+
+def test_export_writes_every_column(
+    spark: Any, table: DeadLetterSettings, dynamodb: Any, tmp_path: Path
+) -> None:
+    dls = mixed_set("orders")
+    write(dynamodb, table.table, dls)
+    path = tmp_path / "export"
+
+    summary = run_replay(options(table, export_path=str(path)), spark=spark)
+
+    assert (summary.mode, summary.read, summary.selected, summary.exported) == ("export", 6, 6, 6)
+    rows = {(r.topic, r.partition, r.offset): r for r in spark.read.parquet(str(path)).collect()}
+    for dl in dls:
+        row = rows[(dl.record.topic, dl.record.partition, dl.record.offset)]
+        assert (row.key, row.value) == (dl.record.key, dl.record.value)
+        assert [(h.key, h.value) for h in row.headers] == list(dl.record.headers)
+        assert (row.reason, row.attempts, row.consumer_id) == (dl.reason, 3, "worker-1")
+        assert row.status == "pending"
+        assert int(row.timestamp.timestamp() * 1000) == dl.record.timestamp_ms
+        assert int(row.dead_lettered_at.timestamp() * 1000) == dl.dead_lettered_at_ms
+        assert row.replay_id is None
+    assert {item["status"]["S"] for item in items(dynamodb, table.table).values()} == {"pending"}
+
+
+def many(topic: str, partitions: int, per_partition: int) -> list[DeadLetter]:
+    return [
+        make_dl(topic, p, o, key=f"k{p}-{o}".encode(), value=bytes([o % 256]) * (o + 1))
+        for p in range(partitions)
+        for o in range(per_partition)
+    ]
+
+
+def test_failure_midway_then_rerun_replays_each_item_exactly_once(
+    spark: Any, broker: EmbeddedBroker, table: DeadLetterSettings, dynamodb: Any, unique_name: str
+) -> None:
+    """A segment raises mid-chunk (after producing 15 messages, chunk size 10): it marks
+    what was delivered, releases the rest, and the rerun replays exactly the rest."""
+    topic = unique_name
+    create_topic(broker.bootstrap, topic, partitions=3)
+    dls = many(topic, 3, 40)
+    write(dynamodb, table.table, dls)
+
+    first = run_replay(options(table, broker, chunk_size=10, fault=Fault(after=15)), spark=spark)
+
+    assert first.errors, first  # every segment holding a partition's 40 items failed
+    assert all("InjectedFault" in e for e in first.errors)
+    assert first.in_doubt == 0  # an exception leaves nothing claimed
+    assert 0 < first.replayed < 120
+    stored = items(dynamodb, table.table)
+    assert not [k for k, item in stored.items() if "replay_claim" in item]
+    assert sum(item["status"]["S"] == "replayed" for item in stored.values()) == first.replayed
+
+    second = run_replay(options(table, broker, chunk_size=10), spark=spark)
+
+    assert second.ok, second
+    assert second.replayed == 120 - first.replayed
+    assert second.skipped == first.replayed
+    messages = consume(broker.bootstrap, topic, 3, expected=120)
+    counts = Counter(replay_of(m) for m in messages)
+    assert set(counts) == coords(dls)
+    assert set(counts.values()) == {1}
+    by_origin = {replay_of(m): m for m in messages}
+    for dl in dls:  # and byte-exact, from whichever run
+        msg = by_origin[f"{topic}/{dl.record.partition}/{dl.record.offset}"]
+        assert (msg.key(), msg.value()) == (dl.record.key, dl.record.value)
+
+
+def test_worker_crash_after_produce_never_replays_twice(
+    spark: Any, broker: EmbeddedBroker, table: DeadLetterSettings, dynamodb: Any, unique_name: str
+) -> None:
+    """The worst moment: the worker dies after its chunk was delivered and before it was
+    marked. The chunk stays claimed (in doubt) and no later run produces it again."""
+    topic = unique_name
+    create_topic(broker.bootstrap, topic, partitions=1)
+    dls = many(topic, 1, 40)  # one partition key: one segment holds them all
+    write(dynamodb, table.table, dls)
+
+    with pytest.raises(ReplayFailed):
+        run_replay(
+            options(table, broker, chunk_size=10, fault=Fault(after=15, crash=True)), spark=spark
+        )
+
+    stored = items(dynamodb, table.table)
+    claimed = {k[2] for k, item in stored.items() if "replay_claim" in item}
+    replayed = {k[2] for k, item in stored.items() if item["status"]["S"] == "replayed"}
+    assert claimed == set(range(10, 20))  # the chunk holding the 15th message
+    assert replayed == set(range(10))
+
+    second = run_replay(options(table, broker, chunk_size=10), spark=spark)
+    third = run_replay(options(table, broker, chunk_size=10), spark=spark)
+
+    assert (second.replayed, second.skipped, second.in_doubt) == (20, 10, 10), second
+    assert (third.replayed, third.skipped, third.in_doubt) == (0, 30, 10), third
+    assert not second.ok
+    messages = consume(broker.bootstrap, topic, 1, expected=40)
+    counts = Counter(replay_of(m) for m in messages)
+    assert set(counts) == coords(dls)  # the in-doubt chunk did reach Kafka, once
+    assert set(counts.values()) == {1}
+
+
+def test_retry_in_doubt_takes_over_expired_claims_only(
+    spark: Any, broker: EmbeddedBroker, table: DeadLetterSettings, dynamodb: Any, unique_name: str
+) -> None:
+    """Claims left by a run that died before producing: reported in doubt, and replayed
+    once an operator asks for it, but only after their lease expired."""
+    topic = unique_name
+    create_topic(broker.bootstrap, topic, partitions=1)
+    dls = many(topic, 1, 6)
+    write(dynamodb, table.table, dls)
+    now_ms = int(time.time() * 1000)
+    for offset, until in [(0, now_ms - 1000), (1, now_ms - 1000), (2, now_ms + 600_000)]:
+        dynamodb.update_item(
+            TableName=table.table,
+            Key={"source": {"S": f"{topic}#0"}, "offset": {"N": str(offset)}},
+            UpdateExpression="SET replay_claim = :c, replay_claim_until = :u",
+            ExpressionAttributeValues={":c": {"S": "dead-run"}, ":u": {"N": str(until)}},
+        )
+
+    plain = run_replay(options(table, broker), spark=spark)
+    taken = run_replay(options(table, broker, retry_in_doubt=True), spark=spark)
+
+    assert (plain.replayed, plain.in_doubt, plain.skipped) == (3, 3, 0), plain
+    assert (taken.replayed, taken.in_doubt, taken.skipped) == (2, 1, 3), taken
+    messages = consume(broker.bootstrap, topic, 1, expected=5)
+    assert sorted(replay_of(m) for m in messages) == sorted(
+        f"{topic}/0/{o}" for o in (0, 1, 3, 4, 5)
+    )
+
+
+def test_unknown_table_fails_before_spark_starts(spark: Any, aws: EmbeddedAWS) -> None:
+    missing = DeadLetterSettings(table="no-such-table", endpoint_url=aws.endpoint_url)
+    with pytest.raises(TableNotFound):
+        run_replay(options(missing, export_path="/nonexistent"), spark=spark)
+
+
+def test_command_line_options_and_summary() -> None:
+    argv = ["--table", "t", "--bootstrap", "b:9092", "--topic", "orders", "--reason", "json"]
+    argv += ["--since", "2024-05-01T12:00:01Z", "--until", "2024-05-01T16:00:01+02:00"]
+    argv += ["--to-topic", "fixed", "-X", "security.protocol=SSL", "--master", "local[2]"]
+    args = build_parser().parse_args(argv)
+    opts = options_from_args(args)
+    assert opts.filters == Filters(
+        topic="orders", reason="json", since_ms=BASE_MS + 1000, until_ms=BASE_MS + 7201000
+    )
+    assert (opts.to_topic, opts.master, opts.mode) == ("fixed", "local[2]", "replay")
+    assert opts.kafka_config == {"security.protocol": "SSL"}
+    bad = build_parser().parse_args(["--table", "t", "--bootstrap", "b", "--since", "yesterday"])
+    with pytest.raises(ValueError, match="not a time"):
+        options_from_args(bad)
+    with pytest.raises(Exception, match="bootstrap"):
+        ReplayOptions(table="t")
+    text = str(Summary("replay", "abc", 4, read=3, selected=2, replayed=1, skipped=1))
+    assert "read=3 selected=2 replayed=1 skipped=1 failed=0 in_doubt=0" in text
