@@ -5,12 +5,14 @@ TaskGroup: fetcher and committer; the gRPC server owns its per-stream handlers
 and the service its reader tasks). `stop()` only signals; `serve()` then shuts
 down in this order:
 
-    stop fetching
+    stop fetching (and polling the log end)
     -> deliver nothing new; let in-flight work settle, up to shutdown.drain_timeout_s
     -> flush dead letters still being written (bounded by what is left of the deadline)
     -> end the streams and stop the gRPC server (accepting nothing new)
     -> final commit of the committable offset (with the settled-above encoding)
     -> close the Kafka client
+    -> stop the HTTP endpoint (observer.py; it starts first, before Kafka is opened, so
+       a starting or standby proxy can be watched)
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ from triage_proxy.errors import DeadLetterUnavailable, StateError
 from triage_proxy.fetcher import Fetcher
 from triage_proxy.kafka import ConfluentPartition, KafkaThread, PartitionLog
 from triage_proxy.notifier import notifier_from_settings
+from triage_proxy.observer import Observer
 from triage_proxy.service import TriageService, create_server
 from triage_proxy.settings import Settings
 from triage_proxy.tracker import CommitTracker
 from triage_proxy.waiting import wait_any
+from triage_proxy.watermark import LogEndWatcher
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +79,10 @@ class Proxy:
         self.dispatcher: Dispatcher | None = None
         self.committer: Committer | None = None
         self.fetcher: Fetcher | None = None
+        self.writer: DeadLetterWriter | None = None
+        self.watermarks: LogEndWatcher | None = None
+        self.http_port: int | None = None
+        """The HTTP (metrics/health/status) port bound; None when off or not started."""
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -110,6 +118,16 @@ class Proxy:
         self.stop()
         await self.wait_stopped()
 
+    @property
+    def is_alive(self) -> bool:
+        """Liveness: started and not yet stopped."""
+        return self.state not in (ProxyState.NEW, ProxyState.STOPPED)
+
+    @property
+    def is_ready(self) -> bool:
+        """Readiness: delivering the partition (not starting, standing by or stopping)."""
+        return self.state is ProxyState.RUNNING
+
     # --- the run ----------------------------------------------------------------------
 
     async def serve(self) -> None:
@@ -120,6 +138,16 @@ class Proxy:
 
     async def _run(self) -> None:
         self.state = ProxyState.STARTING
+        observer = Observer(self, self.settings.server.http_address(self.partition))
+        try:
+            await observer.start()
+            self.http_port = observer.port
+            await self._serve_partition()
+        finally:
+            await observer.stop()  # last, see the module docstring
+            self.state = ProxyState.STOPPED
+
+    async def _serve_partition(self) -> None:
         settings = self.settings
         log = self._log or ConfluentPartition(settings.kafka, self.partition)
         own_store = DynamoDBStore(settings.dead_letters) if self._store is None else None
@@ -176,13 +204,16 @@ class Proxy:
             commit_closing,
             checkpoints=checkpoints if settings.commit.encode_settled else None,
         )
+        watermarks = LogEndWatcher(log, thread, tracker, fetch_closing)
         self.dispatcher, self.committer, self.fetcher = dispatcher, committer, fetcher
+        self.writer, self.watermarks = writer, watermarks
         try:
             # The notifier stops after the writer, so the last dead letters are summarized.
             async with notifier or contextlib.nullcontext(), writer, asyncio.TaskGroup() as tasks:
                 fetch_task = tasks.create_task(fetcher.run(), name="fetcher")
                 tasks.create_task(committer.run(), name="committer")
                 tasks.create_task(dispatcher.run_timers(commit_closing), name="timers")
+                tasks.create_task(watermarks.run(), name="log-end")
                 await server.start()
                 self.state = ProxyState.RUNNING
                 self.ready.set()

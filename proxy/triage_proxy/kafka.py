@@ -39,6 +39,8 @@ queued behind it waits at most this long)."""
 PREFETCH_MESSAGES = 10_000
 PREFETCH_KBYTES = 16_384
 BROKER_TIMEOUT_S = 10.0
+WATERMARK_TIMEOUT_S = 1.0
+"""Longest a log-end query may hold the Kafka thread (fetches and commits queue behind it)."""
 
 
 class PartitionLog(Protocol):
@@ -57,6 +59,10 @@ class PartitionLog(Protocol):
 
     def commit(self, offset: int, metadata: str | None = None) -> None:
         """Synchronously commit `offset` (the next offset to process) with `metadata`."""
+        ...
+
+    def log_end(self) -> int:
+        """The partition's high watermark as the broker reports it now (for lag)."""
         ...
 
     def close(self) -> None: ...
@@ -166,6 +172,18 @@ class ConfluentPartition:
         if result and result[0].error:
             raise BrokerUnavailable(f"commit of offset {offset} failed: {result[0].error}")
 
+    def log_end(self) -> int:
+        consumer = self._consumer
+        if consumer is None:
+            raise BrokerUnavailable("the partition is not open")
+        try:
+            _low, high = consumer.get_watermark_offsets(
+                self._tp, timeout=WATERMARK_TIMEOUT_S, cached=False
+            )
+        except KafkaException as exc:
+            raise BrokerUnavailable("reading the log end offset") from exc
+        return int(high)
+
     def close(self) -> None:
         with self._lock:
             consumer, self._consumer = self._consumer, None
@@ -223,6 +241,9 @@ class MemoryPartition:
         self.committed = offset
         self.metadata = metadata
         self.commits.append((offset, metadata))
+
+    def log_end(self) -> int:
+        return self.log[-1].offset + 1 if self.log else self.committed
 
     def close(self) -> None:
         self.closed = True

@@ -127,6 +127,11 @@ class CommitTracker:
         return self._head if self._pending else self._last + 1
 
     @property
+    def next_offset(self) -> int:
+        """Last tracked offset + 1: where fetching continues (a floor for the log end)."""
+        return self._last + 1
+
+    @property
     def pending(self) -> int:
         """Number of tracked offsets not yet settled."""
         return self._pending

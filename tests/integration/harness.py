@@ -59,7 +59,7 @@ def make_settings(
 ) -> Settings:
     raw: dict[str, dict[str, Any]] = {
         "kafka": {"bootstrap_servers": bootstrap, "topic": topic, "group_id": f"g-{topic}"},
-        "server": {"host": "127.0.0.1", "port": 0},
+        "server": {"host": "127.0.0.1", "port": 0, "http_port": 0},
         "auth": {"token": TOKEN},
         "dead_letters": {"table": table, "endpoint_url": endpoint, "flush_interval_ms": 5},
         "commit": {"interval_s": 0.1},

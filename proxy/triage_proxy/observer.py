@@ -1,0 +1,121 @@
+"""The observer: one proxy's HTTP endpoint for monitoring and orchestration.
+
+    GET /metrics   Prometheus text format (this proxy's own registry, see metrics.py)
+    GET /healthz   liveness: 200 while the proxy's event loop answers (and it has not stopped)
+    GET /readyz    readiness: 200 only while RUNNING and delivering; 503 while starting,
+                   standing by for the partition lease, or stopping
+    GET /status    JSON snapshot (`metrics.Snapshot.to_json`); `triage status` reads it
+
+It runs on the proxy's event loop (aiohttp), starts before the proxy opens Kafka so a
+standby or a slow start can be watched, and stops last. It carries no secrets and no
+payloads, so it has no token; bind it to an interface only monitoring can reach.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from triage_proxy.errors import ConfigError, StateError
+from triage_proxy.metrics import proxy_registry, snapshot
+
+if TYPE_CHECKING:
+    from triage_proxy.app import Proxy
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 1.0
+"""How long an in-progress HTTP request may finish when the proxy stops."""
+
+
+class ObserverState(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    STOPPED = "stopped"
+
+
+class Observer:
+    """Serves /metrics, /healthz, /readyz and /status for one proxy."""
+
+    def __init__(self, proxy: Proxy, address: tuple[str, int] | None) -> None:
+        self._proxy = proxy
+        self._address = address
+        self._registry = proxy_registry(proxy)
+        self._runner: web.AppRunner | None = None
+        self.state = ObserverState.NEW
+        self.port: int | None = None
+        """The port bound (None when `server.http_port` turns the endpoint off)."""
+
+    async def start(self) -> None:
+        if self.state is not ObserverState.NEW:
+            raise StateError(f"observer already {self.state.value}")
+        self.state = ObserverState.RUNNING
+        if self._address is None:
+            return
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        app.router.add_get("/status", self._status)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+        await runner.setup()
+        host, port = self._address
+        site = web.TCPSite(runner, host, port)
+        try:
+            await site.start()
+        except OSError as exc:
+            await runner.cleanup()
+            self.state = ObserverState.STOPPED
+            raise ConfigError("server.http_port", f"cannot listen on {host}:{port}: {exc}") from exc
+        self._runner = runner
+        self.port = int(runner.addresses[0][1])
+        logger.info("metrics, health and status on http://%s:%d", host, self.port)
+
+    async def stop(self) -> None:
+        """Stop answering (safe twice)."""
+        if self.state is ObserverState.STOPPED:
+            return
+        self.state = ObserverState.STOPPED
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+            logger.debug("HTTP endpoint stopped")
+
+    async def __aenter__(self) -> Observer:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    # --- endpoints --------------------------------------------------------------------
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self._registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        if self._proxy.is_alive:
+            return web.Response(text="ok\n")
+        return web.Response(status=503, text=f"{self._proxy.state.value}\n")
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        if self._proxy.is_ready:
+            return web.Response(text="ready\n")
+        return web.Response(status=503, text=f"{self._proxy.state.value}\n")
+
+    async def _status(self, request: web.Request) -> web.Response:
+        doc = snapshot(self._proxy).to_json()
+        doc["http_port"] = self.port
+        return web.json_response(doc)
