@@ -4,8 +4,9 @@ Why collected at scrape time: the dispatcher, committer and dead-letter writer a
 keep the totals an operator asks for (`dispatcher.Counters` and friends), so a custom
 Collector reads them when Prometheus scrapes and the hot path pays nothing. The one
 per-message measure, the settle latency, is a `LatencyHistogram`: plain bucket counts
-bumped on the event-loop thread (no lock; ~0.1 us per settled delivery, measured in
-`tests/perf/bench_metrics.py`), exported as a Prometheus histogram.
+bumped on the event-loop thread (no lock; ~0.2 us per settled delivery, within the
+noise of a ~1 us settle, measured by `tests/perf/bench_metrics.py`), exported as a
+Prometheus histogram (prometheus-client's own takes a lock per observation).
 
 Each proxy has its own `CollectorRegistry` (tests run several proxies in one process,
 and the global registry would mix them). Every metric carries `topic` and `partition`:
