@@ -5,11 +5,15 @@ TaskGroup: fetcher and committer; the gRPC server owns its per-stream handlers
 and the service its reader tasks). `stop()` only signals; `serve()` then shuts
 down in this order:
 
+    (with ownership.enabled, before Kafka is opened: wait as a standby until this process
+    holds the partition's lease, see ownership.py; it is renewed by a task in the TaskGroup)
     stop fetching (and polling the log end)
     -> deliver nothing new; let in-flight work settle, up to shutdown.drain_timeout_s
     -> flush dead letters still being written (bounded by what is left of the deadline)
     -> end the streams and stop the gRPC server (accepting nothing new)
-    -> final commit of the committable offset (with the settled-above encoding)
+    -> final commit of the committable offset (with the settled-above encoding), only while
+       the lease is still ours
+    -> release the lease (a standby takes over at once)
     -> close the Kafka client
     -> stop the HTTP endpoint (observer.py; it starts first, before Kafka is opened, so
        a starting or standby proxy can be watched)
@@ -34,6 +38,7 @@ from triage_proxy.fetcher import Fetcher
 from triage_proxy.kafka import ConfluentPartition, KafkaThread, PartitionLog
 from triage_proxy.notifier import notifier_from_settings
 from triage_proxy.observer import Observer
+from triage_proxy.ownership import DynamoDBLeases, Ownership
 from triage_proxy.service import TriageService, create_server
 from triage_proxy.settings import Settings
 from triage_proxy.tracker import CommitTracker
@@ -47,6 +52,8 @@ SERVER_GRACE_S = 2.0
 
 class ProxyState(enum.Enum):
     NEW = "new"
+    STANDBY = "standby"
+    """Waiting for another proxy's lease on the partition to lapse (ownership.py)."""
     STARTING = "starting"
     RUNNING = "running"
     STOPPING = "stopping"
@@ -81,6 +88,7 @@ class Proxy:
         self.fetcher: Fetcher | None = None
         self.writer: DeadLetterWriter | None = None
         self.watermarks: LogEndWatcher | None = None
+        self.ownership: Ownership | None = None
         self.http_port: int | None = None
         """The HTTP (metrics/health/status) port bound; None when off or not started."""
 
@@ -159,17 +167,35 @@ class Proxy:
                 settings.dead_letters, settings.kafka.topic, self.partition, settings.kafka.group_id
             )
         thread = KafkaThread()
+        ownership = None
+        if settings.ownership.enabled:
+            leases = DynamoDBLeases(settings.dead_letters, settings.kafka.topic, self.partition)
+            self.ownership = ownership = Ownership(leases, settings.ownership)
+        lease_lost = ownership.lost if ownership is not None else asyncio.Event()
 
         def close_clients() -> None:
             if own_store is not None:
                 own_store.close()
             if own_checkpoints is not None:
                 own_checkpoints.close()
+            if ownership is not None:
+                ownership.store.close()
 
         try:
+            if ownership is not None:
+                self.state = ProxyState.STANDBY
+                if not await ownership.acquire(self._closing):
+                    thread.shutdown()
+                    close_clients()
+                    return
+                self.state = ProxyState.STARTING
             start_offset, metadata = await thread.run(log.open)
             settled = await self._settled_above(start_offset, metadata, checkpoints)
+            if ownership is not None:
+                await ownership.renew()  # the start may have been slow: still ours?
         except BaseException:
+            if ownership is not None:
+                await ownership.release()
             thread.shutdown()
             close_clients()
             self.state = ProxyState.STOPPED
@@ -207,6 +233,15 @@ class Proxy:
         watermarks = LogEndWatcher(log, thread, tracker, fetch_closing)
         self.dispatcher, self.committer, self.fetcher = dispatcher, committer, fetcher
         self.writer, self.watermarks = writer, watermarks
+
+        def on_lease_lost() -> None:
+            # Synchronously, before any other task runs: nothing more is delivered, and
+            # no commit starts (a new holder may be ahead of us), then the shutdown below.
+            dispatcher.stop_delivering()
+            fetch_closing.set()
+            commit_closing.set()
+            self._closing.set()
+
         try:
             # The notifier stops after the writer, so the last dead letters are summarized.
             async with notifier or contextlib.nullcontext(), writer, asyncio.TaskGroup() as tasks:
@@ -214,6 +249,9 @@ class Proxy:
                 tasks.create_task(committer.run(), name="committer")
                 tasks.create_task(dispatcher.run_timers(commit_closing), name="timers")
                 tasks.create_task(watermarks.run(), name="log-end")
+                if ownership is not None:
+                    # Renews until the streams have ended (commit_closing), drain included.
+                    tasks.create_task(ownership.keep(commit_closing, on_lease_lost), name="lease")
                 await server.start()
                 self.state = ProxyState.RUNNING
                 self.ready.set()
@@ -233,14 +271,18 @@ class Proxy:
                 fetch_closing.set()
                 dispatcher.stop_delivering()
                 await fetch_task
-                await wait_any(dispatcher.quiet, timeout=_left(deadline))
+                await wait_any(dispatcher.quiet, lease_lost, timeout=_left(deadline))
                 logger.debug("drained; %d records still in flight", dispatcher.in_flight)
-                await writer.flush(timeout=_left(deadline))
+                # Lost lease: no commit follows, so waiting for dead letters is pointless.
+                await writer.flush(timeout=0 if lease_lost.is_set() else _left(deadline))
                 service.stop_accepting()
                 dispatcher.end_sessions()
                 await server.stop(SERVER_GRACE_S)
                 await service.stop()
                 commit_closing.set()
+            if ownership is not None and not ownership.holding:
+                # Settled-but-uncommitted offsets are redelivered by the new holder.
+                raise ownership.lost_error()
             await committer.commit()
             logger.info(
                 "stopped; committed offset %d, %d records left for redelivery",
@@ -249,6 +291,8 @@ class Proxy:
             )
         finally:
             await server.stop(None)
+            if ownership is not None:
+                await ownership.release()
             await thread.run(log.close)
             thread.shutdown()
             close_clients()

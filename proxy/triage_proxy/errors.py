@@ -8,6 +8,8 @@
     +-- UnavailableError             a dependency is down: keep retrying, never lose data
     |   +-- BrokerUnavailable        Kafka did not answer (fetch or commit)
     |   +-- DeadLetterUnavailable    the dead-letter table did not take a write
+    |   +-- OwnershipLost            the partition lease lapsed or was taken: stop delivering,
+    |                                exit, restart as a standby (ownership.py)
     +-- StateError                   a lifecycle method called in the wrong state (a bug)
 
 confluent-kafka and botocore exceptions are translated into these at the adapter edge
@@ -68,6 +70,10 @@ class BrokerUnavailable(UnavailableError):
 
 class DeadLetterUnavailable(UnavailableError):
     """The dead-letter store did not durably take a write."""
+
+
+class OwnershipLost(UnavailableError):
+    """This proxy no longer holds the partition's lease; it must not deliver or commit."""
 
 
 class StateError(TriageError):

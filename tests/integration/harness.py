@@ -26,6 +26,7 @@ from triage_proxy.settings import Settings, settings_from_dict
 from triage_proxy.structs import DeadLetter
 
 TOKEN = "test-token-0123456789"
+LEASE_S = 5.0
 Message = tuple[bytes | None, bytes | None, list[tuple[str, bytes | None]] | None]
 
 
@@ -64,6 +65,9 @@ def make_settings(
         "dead_letters": {"table": table, "endpoint_url": endpoint, "flush_interval_ms": 5},
         "commit": {"interval_s": 0.1},
         "shutdown": {"drain_timeout_s": 5},
+        # Short enough that a restart after a kill waits little for the lease to lapse,
+        # long enough to ride out the 1.5 s DynamoDB freezes some tests make.
+        "ownership": {"lease_s": LEASE_S},
     }
     for name, values in sections.items():
         raw.setdefault(name, {}).update(values)

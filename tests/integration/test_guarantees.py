@@ -191,6 +191,7 @@ def test_kill_9_loses_nothing_and_settled_offsets_are_not_redelivered(
                 "endpoint_url": aws.endpoint_url,
             },
             "commit": {"interval_s": 0.1, "encode_settled": encode},
+            "ownership": {"lease_s": 2.0},  # the restart waits for the killed one's lease
         },
     )
     produce(broker.bootstrap, topic, plain(20))
@@ -239,7 +240,8 @@ def test_broker_and_dynamodb_outages_do_not_crash_the_proxy_or_lose_data(
 ) -> None:
     with EmbeddedBroker() as broker, EmbeddedAWS() as aws:
         create_topic(broker.bootstrap, unique_name)
-        settings = settings_for(broker, aws, unique_name)
+        # A lease that outlives the 3 s DynamoDB freeze (a shorter one would stop the proxy).
+        settings = settings_for(broker, aws, unique_name, ownership={"lease_s": 10.0})
         produce(broker.bootstrap, unique_name, plain(30))
 
         async def scenario() -> None:

@@ -78,6 +78,7 @@ from confluent_kafka import KafkaException, Producer
 from tests.perf.common import ROOT, CommitWatcher
 from tests.perf.fault_instance import plan_for
 from triage_cli.devstack import DevStack
+from triage_cli.exitcodes import ExitCode
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,12 @@ PROXY_KILL_SLACK_S = 1.0
 delivered by the dead proxy (it sat in the instance's local queue)."""
 SETTLE_SLACK_S = 1.0
 """An instance that died this long after a handler completed may not have sent the ack."""
+LEASE_S = 2.0
+"""The proxy's ownership.lease_s: a restarted proxy waits up to this long (as a standby)
+for the killed one's lease to lapse, and a DynamoDB outage longer than ~0.8x this makes the
+proxy give the partition up (exit 3), after which the suite restarts it as a standby."""
+LEASE_LOSS_SLACK_S = 5.0
+"""A proxy exit 3 up to this long after a DynamoDB outage is its lease lapsing in it."""
 MAX_UNEXPECTED_PROXY_EXITS = 5
 """A proxy that dies on its own this often is broken: the run stops and reports it."""
 TICK_S = 0.05
@@ -687,6 +694,8 @@ class Report:
     outages: list[str] = field(default_factory=list)
     instance_crashes: int = 0
     unexpected_proxy_exits: list[str] = field(default_factory=list)
+    lease_losses: list[str] = field(default_factory=list)
+    """Proxy exits because the lease lapsed in a DynamoDB outage (expected; restarted)."""
     committed: int = -1
     end_offset: int = 0
     unfinished: str = ""
@@ -860,6 +869,7 @@ def proxy_overrides(options: Options) -> dict[str, dict[str, Any]]:
         "retry": {"initial_backoff_s": RETRY_INITIAL_S, "max_backoff_s": RETRY_MAX_S},
         "commit": {"interval_s": COMMIT_INTERVAL_S, "encode_settled": options.encode_settled},
         "shutdown": {"drain_timeout_s": DRAIN_TIMEOUT_S},
+        "ownership": {"lease_s": LEASE_S},
     }
 
 
@@ -958,9 +968,11 @@ def _supervise(
             try:
                 proc = stack.proxy_process(0)
                 if proc.poll() is not None:
-                    report.unexpected_proxy_exits.append(
-                        f"pid {proc.pid} exited with {proc.returncode}"
-                    )
+                    exit_ = f"pid {proc.pid} exited with {proc.returncode}"
+                    if proc.returncode == ExitCode.UNAVAILABLE and _after_aws_outage(faults):
+                        report.lease_losses.append(exit_)
+                    else:
+                        report.unexpected_proxy_exits.append(exit_)
                     if len(report.unexpected_proxy_exits) >= MAX_UNEXPECTED_PROXY_EXITS:
                         return "aborted: the proxy keeps exiting on its own", time.time()
                     restart_proxy(stack)
@@ -973,6 +985,15 @@ def _supervise(
         if time.monotonic() > deadline:
             return f"timed out (committed {poller.committed})", time.time()
         time.sleep(TICK_S)
+
+
+def _after_aws_outage(faults: FaultRunner) -> bool:
+    """Whether a DynamoDB outage is under way or ended less than LEASE_LOSS_SLACK_S ago."""
+    now = time.time()
+    return any(
+        r.kind == "aws-outage" and (not r.ended or now - r.ended < LEASE_LOSS_SLACK_S)
+        for r in list(faults.records)
+    )
 
 
 # --- the table -----------------------------------------------------------------------------
@@ -999,6 +1020,7 @@ def rows(report: Report) -> list[tuple[str, str]]:
         ("instance crashes (crash pills)", str(report.instance_crashes)),
         ("outages (SIGSTOP)", f"{', '.join(report.outages) or 'none'} ({o.outage_s:g} s each)"),
         ("unexpected proxy exits", str(len(report.unexpected_proxy_exits))),
+        ("lease lost in the DynamoDB outage (exit 3)", str(len(report.lease_losses))),
         ("committed offset / end", f"{report.committed} / {report.end_offset}"),
         ("acked (handler completed)", str(report.acked)),
         ("dead-lettered", f"{report.dead_lettered} ({dead or 'none'})"),

@@ -1,0 +1,86 @@
+"""The lease holder's fencing against the in-memory lease store (real time, short leases)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from triage_proxy.errors import OwnershipLost, StateError
+from triage_proxy.ownership import Lease, MemoryLeases, Ownership, OwnershipState, wall_ms
+from triage_proxy.settings import OwnershipSettings
+
+LEASE = OwnershipSettings(lease_s=0.5, renew_interval_s=0.1)
+
+
+def test_the_lease_lapses_locally_before_the_standby_may_take_it() -> None:
+    """The store goes away: the holder stops at sent + lease - margin, before the wall-clock
+    expiry a standby compares with."""
+
+    async def scenario() -> None:
+        store = MemoryLeases()
+        holder = Ownership(store, LEASE)
+        assert await holder.acquire(asyncio.Event())
+        assert holder.holding
+        assert store.lease is not None
+        until_ms = store.lease.until_ms
+        store.down = True
+        lost_at: list[int] = []
+        await asyncio.wait_for(
+            holder.keep(asyncio.Event(), lambda: lost_at.append(wall_ms())), timeout=2
+        )
+        assert holder.state is OwnershipState.LOST
+        assert holder.lost.is_set()
+        assert not holder.holding
+        assert len(lost_at) == 1
+        assert lost_at[0] <= until_ms - 1000 * holder.margin_s + 50
+        assert store.calls > 2  # it kept trying while the store was down
+
+    asyncio.run(scenario())
+
+
+def test_renewal_keeps_it_and_a_takeover_ends_it() -> None:
+    async def scenario() -> None:
+        store = MemoryLeases()
+        holder = Ownership(store, LEASE)
+        assert await holder.acquire(asyncio.Event())
+        lost: list[bool] = []
+        keeping = asyncio.ensure_future(holder.keep(asyncio.Event(), lambda: lost.append(True)))
+        await asyncio.sleep(1.0)  # twice the lease: only renewals keep it
+        assert holder.holding
+        assert not lost
+        store.lease = Lease("someone-else", wall_ms() + 10_000)  # a forged takeover
+        await asyncio.wait_for(keeping, timeout=1)
+        assert lost == [True]
+        with pytest.raises(OwnershipLost):
+            await holder.renew()
+
+    asyncio.run(scenario())
+
+
+def test_standby_waits_for_expiry_then_takes_over_and_honours_closing() -> None:
+    async def scenario() -> None:
+        store = MemoryLeases()
+        store.lease = Lease("dead-holder", wall_ms() + 300)
+        standby = Ownership(store, LEASE)
+        started = time.monotonic()
+        assert await standby.acquire(asyncio.Event())
+        waited = time.monotonic() - started
+        assert 0.25 < waited < 0.5
+        assert store.lease is not None
+        assert store.lease.owner == standby.owner
+
+        other = Ownership(store, LEASE)
+        closing = asyncio.Event()
+        waiting = asyncio.ensure_future(other.acquire(closing))
+        await asyncio.sleep(0.2)
+        assert other.state is OwnershipState.STANDBY
+        closing.set()
+        assert await asyncio.wait_for(waiting, timeout=1) is False
+        await standby.release()
+        assert store.lease is None
+        with pytest.raises(StateError):
+            await standby.acquire(asyncio.Event())
+
+    asyncio.run(scenario())
