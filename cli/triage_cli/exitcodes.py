@@ -15,4 +15,7 @@ class ExitCode(enum.IntEnum):
     """A dependency (broker, DynamoDB) could not be reached."""
     NOT_FOUND = 4
     """The table or item asked for does not exist."""
+    CONFLICT = 5
+    """Something already exists that the command will not replace (a config file without
+    --force, a live deployment)."""
     INTERRUPTED = 130

@@ -14,8 +14,10 @@ from typing import Annotated
 
 import typer
 
+from triage_cli.deploy import deploy, destroy, supervise
 from triage_cli.dlq import dlq_app
 from triage_cli.exitcodes import ExitCode
+from triage_cli.init import config_app, init
 
 app = typer.Typer(
     name="triage",
@@ -124,6 +126,11 @@ def dev(
 
 
 app.add_typer(dlq_app, name="dlq")
+app.command()(init)
+app.add_typer(config_app, name="config")
+app.command()(deploy)
+app.command()(destroy)
+app.command(hidden=True)(supervise)
 
 
 def run() -> None:

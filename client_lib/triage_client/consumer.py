@@ -157,6 +157,9 @@ class Consumer:
         secure: bool = False,
         max_backoff: float = DEFAULT_MAX_BACKOFF_S,
         retry_on: tuple[type[BaseException], ...] = (),
+        root_certificates: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
     ) -> None:
         """Configure, without connecting.
 
@@ -164,10 +167,14 @@ class Consumer:
         prefetch: deliveries queued locally beyond the running ones (default: concurrency),
             so handlers never wait for a round trip; credits = concurrency + prefetch.
         consumer_id: stable instance name recorded on dead letters (default: host-pid).
-        secure: TLS with the system's root certificates.
+        secure: TLS with the system's root certificates (default: plaintext).
         max_backoff: longest wait, in seconds, between reconnect attempts.
         retry_on: exception classes (subclasses included) that nack with retry=True, as
             `Retry` always does, e.g. `(TimeoutError, ConnectionError)` for a flaky downstream.
+        root_certificates: PEM bytes of the CA that signed the proxy's certificate, for a
+            private CA (implies TLS).
+        certificate_chain, private_key: PEM bytes of this app's client certificate and its
+            key, for a proxy that requires client certificates (mTLS; implies TLS).
         """
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
@@ -181,6 +188,8 @@ class Consumer:
         for cls in retry_on:
             if not (isinstance(cls, type) and issubclass(cls, BaseException)):
                 raise TypeError(f"retry_on takes exception classes, got {cls!r}")
+        if (certificate_chain is None) != (private_key is None):
+            raise ValueError("give certificate_chain and private_key together")
         self._target = target
         self._metadata = (("authorization", f"Bearer {token}"),)
         self._handler = handler
@@ -189,7 +198,11 @@ class Consumer:
         self._credits = concurrency + prefetch
         self._batch_limit = min(SETTLE_BATCH, self._credits)
         self._consumer_id = consumer_id or f"{socket.gethostname()}-{os.getpid()}"
-        self._secure = secure
+        self._credentials: grpc.ChannelCredentials | None = None
+        if secure or root_certificates or certificate_chain:
+            self._credentials = grpc.ssl_channel_credentials(
+                root_certificates, private_key, certificate_chain
+            )
         self._max_backoff = max_backoff
         self._retry_on: tuple[type[BaseException], ...] = (Retry, *retry_on)
 
@@ -386,8 +399,8 @@ class Consumer:
             ("grpc.initial_reconnect_backoff_ms", int(INITIAL_BACKOFF_S * 1000)),
             ("grpc.max_reconnect_backoff_ms", int(self._max_backoff * 1000)),
         ]
-        if self._secure:
-            return grpc.aio.secure_channel(self._target, grpc.ssl_channel_credentials(), options)
+        if self._credentials is not None:
+            return grpc.aio.secure_channel(self._target, self._credentials, options)
         return grpc.aio.insecure_channel(self._target, options)
 
     # -- streams ---------------------------------------------------------------------------

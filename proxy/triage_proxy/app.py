@@ -26,6 +26,7 @@ import contextlib
 import enum
 import logging
 import time
+from collections.abc import Callable
 from types import TracebackType
 
 from triage_proxy.checkpoint import CheckpointError, decode_settled
@@ -33,14 +34,14 @@ from triage_proxy.checkpoint_store import CheckpointStore, DynamoDBCheckpoints
 from triage_proxy.committer import Committer
 from triage_proxy.deadletter import DeadLetterStore, DeadLetterWriter, DynamoDBStore
 from triage_proxy.dispatcher import Dispatcher
-from triage_proxy.errors import DeadLetterUnavailable, StateError
+from triage_proxy.errors import DeadLetterUnavailable, StateError, TriageError
 from triage_proxy.fetcher import Fetcher
 from triage_proxy.kafka import ConfluentPartition, KafkaThread, PartitionLog
 from triage_proxy.notifier import notifier_from_settings
 from triage_proxy.observer import Observer
 from triage_proxy.ownership import DynamoDBLeases, Ownership
-from triage_proxy.service import TriageService, create_server
-from triage_proxy.settings import Settings
+from triage_proxy.service import TriageService, create_server, server_credentials
+from triage_proxy.settings import AuthSettings, Settings
 from triage_proxy.tracker import CommitTracker
 from triage_proxy.waiting import wait_any
 from triage_proxy.watermark import LogEndWatcher
@@ -71,6 +72,7 @@ class Proxy:
         log: PartitionLog | None = None,
         store: DeadLetterStore | None = None,
         checkpoints: CheckpointStore | None = None,
+        auth_source: Callable[[], AuthSettings] | None = None,
     ) -> None:
         self.settings = settings
         self.partition = partition
@@ -81,6 +83,9 @@ class Proxy:
         self.port = 0
         """The gRPC port actually bound (known once ready)."""
         self.ready = asyncio.Event()
+        self._auth_source = auth_source
+        """Re-reads the [auth] section (the config file) when `reload_auth()` is called."""
+        self._reload_wanted = asyncio.Event()
         self._closing = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.dispatcher: Dispatcher | None = None
@@ -104,6 +109,10 @@ class Proxy:
         if not self.ready.is_set():
             ready.cancel()
             await self._task  # raises what made serve() fail
+
+    def reload_auth(self) -> None:
+        """Ask for the tokens to be re-read (SIGHUP; safe from a signal handler)."""
+        self._reload_wanted.set()
 
     def stop(self) -> None:
         """Signal shutdown (safe from a signal handler, safe twice)."""
@@ -157,6 +166,7 @@ class Proxy:
 
     async def _serve_partition(self) -> None:
         settings = self.settings
+        credentials = server_credentials(settings.tls)  # bad TLS files: fail before opening
         log = self._log or ConfluentPartition(settings.kafka, self.partition)
         own_store = DynamoDBStore(settings.dead_letters) if self._store is None else None
         store: DeadLetterStore = own_store or self._store  # type: ignore[assignment]
@@ -217,7 +227,7 @@ class Proxy:
         )
         writer_ref.append(writer)
         service = TriageService(settings, self.partition, dispatcher)
-        server, self.port = create_server(settings, self.partition, service)
+        server, self.port = create_server(settings, self.partition, service, credentials)
         fetch_closing = asyncio.Event()
         fetcher = Fetcher(log, thread, dispatcher, settings.kafka.fetch_batch, fetch_closing)
         commit_closing = asyncio.Event()
@@ -248,6 +258,8 @@ class Proxy:
                 fetch_task = tasks.create_task(fetcher.run(), name="fetcher")
                 tasks.create_task(committer.run(), name="committer")
                 tasks.create_task(dispatcher.run_timers(commit_closing), name="timers")
+                if self._auth_source is not None:
+                    tasks.create_task(self._reload_tokens(service, self._auth_source))
                 tasks.create_task(watermarks.run(), name="log-end")
                 if ownership is not None:
                     # Renews until the streams have ended (commit_closing), drain included.
@@ -297,6 +309,22 @@ class Proxy:
             thread.shutdown()
             close_clients()
             self.state = ProxyState.STOPPED
+
+    async def _reload_tokens(
+        self, service: TriageService, source: Callable[[], AuthSettings]
+    ) -> None:
+        """On each reload_auth() until stop(): read [auth] again (in a thread: it may ask
+        Secrets Manager) and apply it; a bad file keeps the current tokens."""
+        while await wait_any(self._reload_wanted, self._closing):
+            if self._closing.is_set():
+                return
+            self._reload_wanted.clear()
+            try:
+                auth = await asyncio.to_thread(source)
+            except (TriageError, OSError) as exc:
+                logger.error("token reload failed, keeping the current tokens: %s", exc)  # noqa: TRY400 - the message is the whole story
+                continue
+            service.update_tokens(auth.active())
 
     async def _settled_above(
         self, committed: int, metadata: str | None, checkpoints: CheckpointStore | None

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from triage_client._proto import triage_pb2 as pb
 from triage_proxy.metrics import LatencyHistogram
-from triage_proxy.policies import Outcome, after_failure, retry_delay
+from triage_proxy.policies import Outcome, after_failure, rate_limit, retry_delay
 from triage_proxy.settings import Settings
 from triage_proxy.structs import DeadLetter, Record
 from triage_proxy.timers import Timers
@@ -205,6 +205,10 @@ class Dispatcher:
         self.quiet.set()
         self._dead_lettering = 0
         self._delivering = True
+        self._rate = rate_limit(settings.rate_limit, monotonic())
+        """The [rate_limit] caps; None (no caps) costs `_pump` one attribute test."""
+        self._rate_wake: asyncio.TimerHandle | None = None
+        """The pending pump for when the caps let the next record go."""
 
     # --- window -----------------------------------------------------------------------
 
@@ -599,8 +603,11 @@ class Dispatcher:
                 n = min(session.available, share)
                 if n <= 0 or not (ready or suspects):
                     break
-                batch = [suspects.popleft()] if suspects and not session.suspects else []
-                batch.extend(ready.popleft() for _ in range(min(n - len(batch), len(ready))))
+                if self._rate is None:
+                    batch = [suspects.popleft()] if suspects and not session.suspects else []
+                    batch.extend(ready.popleft() for _ in range(min(n - len(batch), len(ready))))
+                else:
+                    batch = self._take_within_rate(n, bool(suspects) and not session.suspects)
                 if batch:
                     self._deliver(session, batch)
                     delivered = True
@@ -608,6 +615,38 @@ class Dispatcher:
                 return  # only suspects left, and every instance with credit holds one
             # Rotate so the first instance in line changes from pump to pump.
             self._sessions.append(self._sessions.pop(0))
+
+    def _take_within_rate(self, n: int, suspect_first: bool) -> list[Entry]:
+        """`_pump`'s batch under `[rate_limit]`: up to `n` records (a suspect first) while
+        the caps allow; when they stop it, a pump is scheduled for when tokens refill."""
+        rate, now = self._rate, self._monotonic()
+        assert rate is not None
+        batch: list[Entry] = []
+        queues = (self._suspects, self._ready) if suspect_first else (self._ready,)
+        for queue in queues:
+            while queue and len(batch) < n:
+                size = queue[0].size
+                if not rate.admit(size, now):
+                    self._pump_after(rate.wait_s(size, now))
+                    return batch
+                batch.append(queue.popleft())
+                if queue is self._suspects:
+                    break  # one suspect per batch, as in `_pump`
+        return batch
+
+    def _pump_after(self, delay: float) -> None:
+        """Pump again in `delay` seconds (once; without a loop, unit tests, tick() pumps)."""
+        if self._rate_wake is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._rate_wake = loop.call_later(delay, self._on_rate_wake)
+
+    def _on_rate_wake(self) -> None:
+        self._rate_wake = None
+        self._pump()
 
     def _deliver(self, session: Session, batch: list[Entry]) -> None:
         frame = pb.ProxyFrame()

@@ -1,9 +1,10 @@
-"""Retry policy as pure functions: how long to back off, and when to give up.
+"""Delivery policies, free of I/O and clocks: retry backoff, when to give up, rate limits.
 
 Why: the dispatcher decides what happens to a failed delivery (nacked with retry,
-lease expired, instance vanished). Keeping the arithmetic here, free of I/O and
-clocks, lets it be tested exhaustively and with hypothesis, and keeps the
-dispatcher to bookkeeping.
+lease expired, instance vanished) and how fast it may hand records out. Keeping the
+arithmetic here lets it be tested exhaustively (and with a fake clock: every rate-limit
+call takes `now`), and keeps the dispatcher to bookkeeping. The token buckets hold
+state (tokens, last refill), but never read a clock or do I/O.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 import enum
 import math
 
-from triage_proxy.settings import RetrySettings
+from triage_proxy.settings import RateLimitSettings, RetrySettings
 
-__all__ = ["Outcome", "after_failure", "retry_delay"]
+__all__ = ["Outcome", "RateLimit", "TokenBucket", "after_failure", "rate_limit", "retry_delay"]
 
 
 class Outcome(enum.Enum):
@@ -66,3 +67,85 @@ def after_failure(attempt: int, max_attempts: int) -> Outcome:
     if max_attempts < 1:
         raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
     return Outcome.DEAD_LETTER if attempt >= max_attempts else Outcome.REDELIVER
+
+
+_SLACK = 1e-9
+"""Relative float slack: after waiting exactly `wait_s`, the take succeeds."""
+
+
+class TokenBucket:
+    """`rate` tokens a second, holding at most `burst` (default: one second's worth).
+
+    A cost larger than the burst is still admitted, when the bucket is full; the bucket
+    then goes into debt, so the average rate holds (one huge message is never stuck).
+    """
+
+    __slots__ = ("burst", "rate", "stamp", "tokens")
+
+    def __init__(self, rate: float, now: float, burst: float | None = None) -> None:
+        if not 0 < rate < math.inf:
+            raise ValueError(f"rate must be finite and > 0, got {rate}")
+        self.rate = rate
+        self.burst = rate if burst is None else burst
+        if not 0 < self.burst < math.inf:
+            raise ValueError(f"burst must be finite and > 0, got {self.burst}")
+        self.tokens = self.burst
+        """Starts full: a fresh proxy may send one burst at once."""
+        self.stamp = now
+
+    def _refill(self, now: float) -> None:
+        if now > self.stamp:
+            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+
+    def _need(self, cost: float) -> float:
+        return min(cost, self.burst) * (1 - _SLACK)
+
+    def allows(self, cost: float, now: float) -> bool:
+        """Whether `cost` may go at `now` (takes nothing)."""
+        self._refill(now)
+        return self.tokens >= self._need(cost)
+
+    def take(self, cost: float) -> None:
+        """Spend `cost` (after `allows` said yes); may leave the bucket in debt."""
+        self.tokens -= cost
+
+    def wait_s(self, cost: float, now: float) -> float:
+        """Seconds from `now` until `cost` may go (0: now)."""
+        self._refill(now)
+        return max(0.0, (min(cost, self.burst) - self.tokens) / self.rate)
+
+
+class RateLimit:
+    """The `[rate_limit]` caps of one proxy: a record goes only when every bucket (messages
+    per second, payload bytes per second) allows it, and then it is paid from all of them."""
+
+    __slots__ = ("_buckets",)
+
+    def __init__(self, messages_per_s: float | None, bytes_per_s: float | None, now: float):
+        self._buckets: list[tuple[TokenBucket, bool]] = []
+        """(bucket, counts bytes) pairs; a message bucket costs 1 per record."""
+        if messages_per_s is not None:
+            self._buckets.append((TokenBucket(messages_per_s, now), False))
+        if bytes_per_s is not None:
+            self._buckets.append((TokenBucket(bytes_per_s, now), True))
+
+    def admit(self, size: int, now: float) -> bool:
+        """Take one record of `size` bytes if every cap allows it now."""
+        buckets = self._buckets
+        if not all(b.allows(size if by_size else 1, now) for b, by_size in buckets):
+            return False
+        for bucket, by_size in buckets:
+            bucket.take(size if by_size else 1)
+        return True
+
+    def wait_s(self, size: int, now: float) -> float:
+        """Seconds from `now` until a record of `size` bytes may go."""
+        return max((b.wait_s(size if s else 1, now) for b, s in self._buckets), default=0.0)
+
+
+def rate_limit(settings: RateLimitSettings, now: float) -> RateLimit | None:
+    """The caps `settings` asks for, or None when there are none (no cost at all)."""
+    if settings.messages_per_s is None and settings.bytes_per_s is None:
+        return None
+    return RateLimit(settings.messages_per_s, settings.bytes_per_s, now)

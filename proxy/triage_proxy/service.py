@@ -4,6 +4,12 @@ Authentication happens in an interceptor, before any handler runs, so a wrong
 or missing token gets UNAUTHENTICATED and never a byte of data. Each accepted
 stream gets a dispatcher session; a reader task applies its settlements while
 the handler itself writes the session's outbox to the wire.
+
+Tokens are named (one per consumer app). The service remembers which app each
+stream belongs to (by name: a token is never logged), so `update_tokens` can
+revoke one app's token and end only its streams, with UNAUTHENTICATED.
+With `[tls]` the listener speaks TLS, and with `tls.client_ca_file` it also
+requires a client certificate signed by that CA (mTLS).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import asyncio
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any, TypeAlias
 
 import grpc
@@ -19,7 +26,8 @@ import grpc
 from triage_client._proto import triage_pb2 as pb
 from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_proxy.dispatcher import Dispatcher, Session
-from triage_proxy.settings import Settings
+from triage_proxy.errors import ConfigError
+from triage_proxy.settings import Settings, TlsSettings
 
 logger = logging.getLogger(__name__)
 
@@ -33,32 +41,46 @@ _Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call whose `authorization` metadata is not `Bearer <token>` for one
-    of the active named tokens."""
+    of the active named tokens; `replace` swaps the set (a reload) for calls after it."""
 
     def __init__(self, tokens: Mapping[str, str]) -> None:
-        self._expected = [f"Bearer {token}".encode() for token in tokens.values()]
+        self._expected: dict[str, bytes] = {}
+        self.replace(tokens)
 
         async def deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
 
         self._deny: _Handler = grpc.stream_stream_rpc_method_handler(deny)
 
+    @property
+    def expected(self) -> Mapping[str, bytes]:
+        """name -> the `authorization` value that app presents."""
+        return self._expected
+
+    def replace(self, tokens: Mapping[str, str]) -> None:
+        self._expected = {name: f"Bearer {token}".encode() for name, token in tokens.items()}
+
+    def identify(self, metadata: Any) -> str | None:
+        """The name of the app whose token `metadata` carries, or None."""
+        for key, value in metadata or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else value
+                # Constant time, so the token cannot be guessed byte by byte; every
+                # candidate is compared, so timing does not tell which name matched.
+                found = None
+                for name, expected in self._expected.items():
+                    if hmac.compare_digest(given, expected) and found is None:
+                        found = name
+                return found
+        return None
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[_Handler | None]],
         details: grpc.HandlerCallDetails,
     ) -> _Handler | None:
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization":
-                given = value.encode() if isinstance(value, str) else value
-                # Constant time, so the token cannot be guessed byte by byte; every
-                # candidate is compared, so timing does not tell which name matched.
-                matched = False
-                for expected in self._expected:
-                    matched |= hmac.compare_digest(given, expected)
-                if matched:
-                    return await continuation(details)
-                break
+        if self.identify(details.invocation_metadata) is not None:
+            return await continuation(details)
         logger.warning("refused a call to %s: missing or wrong token", details.method)
         return self._deny
 
@@ -72,10 +94,50 @@ class TriageService(pb_grpc.TriageServicer):
         self._dispatcher = dispatcher
         self._readers: set[asyncio.Task[None]] = set()
         self._accepting = True
+        self.auth = TokenInterceptor(settings.auth.active())
+        """Checks every call's token; the server runs it before any handler."""
+        self._apps: dict[Session, str] = {}
+        """Open streams -> the name of the app whose token opened them."""
+        self._revoked: set[Session] = set()
+        """Streams ended because their app's token was revoked (they end UNAUTHENTICATED)."""
 
     def stop_accepting(self) -> None:
         """New streams are refused with UNAVAILABLE from now on (shutdown)."""
         self._accepting = False
+
+    def update_tokens(self, tokens: Mapping[str, str]) -> list[str]:
+        """Accept exactly `tokens` (name -> token) from now on. Streams of an app whose
+        token is gone or changed end with UNAUTHENTICATED; other apps' streams go on.
+        Returns the names revoked."""
+        old = dict(self.auth.expected)
+        self.auth.replace(tokens)
+        new = self.auth.expected
+        gone = sorted(name for name, value in old.items() if new.get(name) != value)
+        ended = [s for s, app in self._apps.items() if app in gone and s not in self._revoked]
+        for session in ended:
+            self._end_revoked(session)
+        logger.info(
+            "tokens reloaded: %d active (%s); revoked %s; ended %d streams",
+            len(new),
+            ", ".join(sorted(new)),
+            ", ".join(gone) or "none",
+            len(ended),
+        )
+        return gone
+
+    def _end_revoked(self, session: Session) -> None:
+        """End a revoked app's stream now: what is queued for it is not sent, and goes
+        back to the queue without using an attempt."""
+        self._revoked.add(session)
+        outbox = session.outbox
+        unsent: list[int] = []
+        while not outbox.empty():
+            frame = outbox.get_nowait()
+            if frame is not None and frame.WhichOneof("frame") == "deliveries":
+                unsent.extend(d.offset for d in frame.deliveries.deliveries)
+        if not session.closed:
+            self._dispatcher.release(session, unsent)  # also: no credits, nothing new
+        outbox.put_nowait(None)
 
     async def stop(self) -> None:
         """Cancel and await the per-stream reader tasks that are left."""
@@ -90,6 +152,10 @@ class TriageService(pb_grpc.TriageServicer):
     ) -> AsyncIterator[pb.ProxyFrame]:
         if not self._accepting:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "proxy is shutting down")
+        app = self.auth.identify(context.invocation_metadata())
+        if app is None:  # revoked since the interceptor let it in
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+            return
         try:
             first = await asyncio.wait_for(anext(request_iterator), HELLO_TIMEOUT_S)
         except (TimeoutError, StopAsyncIteration):
@@ -111,7 +177,9 @@ class TriageService(pb_grpc.TriageServicer):
                 max_attempts=delivery.max_attempts,
             )
         )
+        logger.info("instance %s authenticated as app %r", consumer_id, app)
         session = self._dispatcher.open_session(consumer_id, hello.credits)
+        self._apps[session] = app
         reader = asyncio.create_task(self._read(session, request_iterator))
         self._readers.add(reader)
         reader.add_done_callback(self._readers.discard)
@@ -122,7 +190,12 @@ class TriageService(pb_grpc.TriageServicer):
                 if frame is None:
                     break
                 yield frame
+            if session in self._revoked:
+                logger.info("ended the stream of %s: app %r was revoked", consumer_id, app)
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "token revoked")
         finally:
+            self._apps.pop(session, None)
+            self._revoked.discard(session)
             reader.cancel()
             self._dispatcher.close_session(session)
 
@@ -163,13 +236,48 @@ class TriageService(pb_grpc.TriageServicer):
             dispatcher.close_session(session)
 
 
+def server_credentials(tls: TlsSettings) -> grpc.ServerCredentials | None:
+    """TLS credentials for the listener from `[tls]` (None: plaintext). Reads the PEM
+    files now, so a missing, unreadable or non-PEM file is a ConfigError naming its key
+    before anything else starts. mTLS when `client_ca_file` is set."""
+    if tls.cert_file is None or tls.key_file is None:
+        return None
+    chain = _read_pem("tls.cert_file", tls.cert_file, b"CERTIFICATE")
+    key = _read_pem("tls.key_file", tls.key_file, b"PRIVATE KEY")
+    client_ca = None
+    if tls.client_ca_file is not None:
+        client_ca = _read_pem("tls.client_ca_file", tls.client_ca_file, b"CERTIFICATE")
+    return grpc.ssl_server_credentials(
+        [(key, chain)],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+
+
+def _read_pem(key: str, path: str, label: bytes) -> bytes:
+    """The file's bytes, if it holds a PEM block of `label`; the error never quotes it."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(key, f"cannot read {path}: {exc.strerror or exc}") from None
+    if b"-----BEGIN " not in data or label not in data:
+        raise ConfigError(key, f"{path} is not a PEM file with a {label.decode()}")
+    return data
+
+
 def create_server(
-    settings: Settings, partition: int, service: TriageService
+    settings: Settings,
+    partition: int,
+    service: TriageService,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    """A gRPC server for `service` bound to the partition's address; returns (server, port)."""
+    """A gRPC server for `service` bound to the partition's address; returns (server, port).
+
+    `credentials` (from `server_credentials`) makes the listener TLS; when not given they
+    are read from `settings.tls` here."""
     limit = settings.server.max_frame_bytes
     server = grpc.aio.server(
-        interceptors=[TokenInterceptor(settings.auth.active())],
+        interceptors=[service.auth],
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
@@ -177,7 +285,13 @@ def create_server(
         ],
     )
     pb_grpc.add_TriageServicer_to_server(service, server)  # type: ignore[no-untyped-call]
-    port = server.add_insecure_port(settings.listen_address(partition))
+    if credentials is None:
+        credentials = server_credentials(settings.tls)
+    address = settings.listen_address(partition)
+    if credentials is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, credentials)
     if port == 0:
-        raise OSError(f"cannot listen on {settings.listen_address(partition)}")
+        raise OSError(f"cannot listen on {address}")
     return server, port

@@ -471,4 +471,9 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
         return value
     if hint is bool and isinstance(value, bool):
         return value
-    raise ConfigError(key, f"must be {hint.__name__}, got {type(value).__name__} {value!r}")
+    shown = "(value hidden)" if key in _SECRET_KEYS else repr(value)  # errors get printed
+    raise ConfigError(key, f"must be {hint.__name__}, got {type(value).__name__} {shown}")
+
+
+_SECRET_KEYS = frozenset({"auth.token", "kafka.sasl_password"})
+"""Keys whose values an error message must not quote."""

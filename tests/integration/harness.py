@@ -120,8 +120,16 @@ async def await_until(predicate: Any, timeout: float = 15.0) -> Any:
 class RawConsumer:
     """One Consume stream driven by hand."""
 
-    def __init__(self, target: str, token: str | None = TOKEN, credits: int = 100) -> None:
+    def __init__(
+        self,
+        target: str,
+        token: str | None = TOKEN,
+        credits: int = 100,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.target = target
+        self.credentials = credentials
+        """TLS channel credentials; None: plaintext."""
         self.token = token
         self.credits = credits
         self.consumer_id = f"raw-{id(self)}"
@@ -133,7 +141,10 @@ class RawConsumer:
         self.welcome: pb.Welcome | None = None
 
     async def __aenter__(self) -> RawConsumer:
-        self._channel = grpc.aio.insecure_channel(self.target)
+        if self.credentials is None:
+            self._channel = grpc.aio.insecure_channel(self.target)
+        else:
+            self._channel = grpc.aio.secure_channel(self.target, self.credentials)
         stub = pb_grpc.TriageStub(self._channel)
         metadata = [("authorization", f"Bearer {self.token}")] if self.token else []
         self._outgoing.put_nowait(

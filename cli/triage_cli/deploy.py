@@ -1,0 +1,402 @@
+"""`triage deploy` and `triage destroy`: run Triage on this machine or on AWS.
+
+    triage deploy  --target local --config F [--state-dir D] [--timeout S]
+    triage destroy --target local --config F [--state-dir D]
+    triage deploy  --target aws   --config F [--image IMAGE]
+    triage destroy --target aws   --config F [--yes] [--delete-data]
+
+local: creates the dead-letter table (and overflow bucket) if missing, starts a detached
+supervisor (`supervisor.py`) that keeps one proxy per partition alive, and returns once
+every proxy is ready (HTTP /readyz when the proxy serves it, else its gRPC port accepts).
+State lives in the project folder (default `.triage/` next to the config). A second
+deploy is refused while the first one lives; a dead one's leftovers are cleaned up.
+The token is never printed: deploy prints its NAME and the file that holds it (the
+config, mode 0600), so it stays out of terminal scrollback and CI logs.
+
+aws: `triage_cli.aws` (imported only then, so `triage --help` stays instant) builds the
+stack and returns its outputs; destroy asks for confirmation unless `--yes` and keeps
+the dead-letter data unless `--delete-data`.
+
+Exit codes (`exitcodes.ExitCode`): 2 bad config or flag; 3 broker/AWS unreachable or a
+proxy never became ready; 5 a live local deployment already exists; 1 other failures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import importlib
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from triage_cli.exitcodes import ExitCode
+from triage_cli.supervisor import (
+    STOP_MARGIN_S,
+    ProjectDir,
+    pid_alive,
+    run_supervisor,
+    signal_pid,
+    supervisor_command,
+    wait_gone,
+)
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from triage_proxy.settings import Settings
+
+DEFAULT_CONFIG = Path("triage.toml")
+READY_TIMEOUT_S = 60.0
+"""Plus ownership.lease_s: a proxy may wait out a dead predecessor's lease first."""
+FALLBACK_DRAIN_S = 30.0
+
+
+class Target(enum.StrEnum):
+    local = "local"
+    aws = "aws"
+
+
+ConfigOption = Annotated[
+    Path, typer.Option("--config", "-c", help="The TOML config (`triage init` writes one).")
+]
+TargetOption = Annotated[Target, typer.Option("--target", "-t", help="Where to run.")]
+StateDirOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="local: project folder for pids, logs, state (default: .triage/ by the config)."
+    ),
+]
+
+
+class _Failed(Exception):
+    """Ends a command with an exit code and a message for stderr."""
+
+    def __init__(self, code: ExitCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@contextlib.contextmanager
+def _errors() -> Iterator[None]:
+    """Turn the errors deploy/destroy meet into a message and a named exit code."""
+    from triage_proxy.errors import ConfigError, TriageError, UnavailableError
+
+    try:
+        yield
+    except _Failed as exc:
+        _say_error(str(exc))
+        raise typer.Exit(int(exc.code)) from None
+    except ConfigError as exc:
+        _say_error(str(exc))
+        raise typer.Exit(int(ExitCode.BAD_INPUT)) from None
+    except UnavailableError as exc:
+        _say_error(str(exc))
+        raise typer.Exit(int(ExitCode.UNAVAILABLE)) from None
+    except TriageError as exc:
+        _say_error(str(exc))
+        raise typer.Exit(int(ExitCode.FAILURE)) from None
+    except (KeyboardInterrupt, typer.Abort):
+        raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
+
+
+def _say_error(message: str) -> None:
+    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+
+
+def _console() -> Console:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+# --- commands -----------------------------------------------------------------------------
+
+
+def deploy(
+    target: TargetOption = Target.local,
+    config: ConfigOption = DEFAULT_CONFIG,
+    state_dir: StateDirOption = None,
+    image: Annotated[
+        str | None, typer.Option(help="aws: container image (default: the one infra/ builds).")
+    ] = None,
+    timeout: Annotated[
+        float | None,
+        typer.Option(help="local: seconds to wait for every proxy (default 60 + lease_s)."),
+    ] = None,
+) -> None:
+    """Run one proxy per partition (local processes, or ECS on AWS); print the endpoints."""
+    with _errors():
+        if target is Target.aws:
+            outputs = _aws().deploy_aws(config, image=image, console=_console())
+            typer.echo("Deployed. Stack outputs:")
+            for key, value in dict(outputs).items():
+                typer.echo(f"  {key}: {value}")
+            return
+        deploy_local(config, state_dir, timeout)
+
+
+def destroy(
+    target: TargetOption = Target.local,
+    config: ConfigOption = DEFAULT_CONFIG,
+    state_dir: StateDirOption = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="aws: do not ask to confirm.")] = False,
+    delete_data: Annotated[
+        bool,
+        typer.Option("--delete-data", help="aws: also delete the dead-letter table and bucket."),
+    ] = False,
+) -> None:
+    """Stop what deploy started (local: every proxy and the supervisor, by pid)."""
+    with _errors():
+        if target is Target.aws:
+            if not yes:
+                what = "the stack AND its dead-letter data" if delete_data else "the stack"
+                typer.confirm(f"Delete {what} deployed from {config}?", abort=True, err=True)
+            _aws().destroy_aws(config, delete_data=delete_data, console=_console())
+            typer.echo("Destroyed." + ("" if delete_data else " Dead-letter data kept."))
+            return
+        destroy_local(config, state_dir)
+
+
+def supervise(
+    config: ConfigOption,
+    state_dir: Annotated[Path, typer.Option(help="Project folder.")],
+    partitions: Annotated[int, typer.Option(min=1)],
+) -> None:
+    """(internal) The detached supervisor that `deploy --target local` starts."""
+    import logging
+    import sys
+
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    with _errors():
+        code = run_supervisor(config, ProjectDir(state_dir), partitions)
+    raise typer.Exit(code)
+
+
+def _aws() -> Any:
+    """The AWS deployer, imported only for --target aws (boto3 and the template)."""
+    try:
+        return importlib.import_module("triage_cli.aws")
+    except ModuleNotFoundError as exc:
+        if exc.name != "triage_cli.aws":
+            raise
+        raise _Failed(ExitCode.FAILURE, "--target aws is not available in this build") from None
+
+
+# --- local --------------------------------------------------------------------------------
+
+
+def deploy_local(config: Path, state_dir: Path | None, timeout: float | None) -> None:
+    from triage_proxy.deadletter import create_bucket, create_table
+    from triage_proxy.errors import ConfigError
+    from triage_proxy.settings import load_settings
+
+    config = config.resolve()
+    settings = load_settings(config)
+    if settings.server.port == 0:
+        raise ConfigError("server.port", "deploy needs a fixed base port (consumers dial it)")
+    partitions = settings.kafka.partitions or _ask_partitions(settings)
+    project = ProjectDir.for_config(config, state_dir)
+    project.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    marker = str(config)
+    pid = project.read_pid(project.supervisor_pid_file)
+    if pid is not None and pid_alive(pid, marker):
+        raise _Failed(
+            ExitCode.CONFLICT,
+            f"a local deployment of {config} is running (supervisor pid {pid}, state in "
+            f"{project.root}); run `triage destroy --target local --config {config}` first",
+        )
+    if pid is not None or project.proxy_pid_files():
+        typer.echo(f"cleaning up a previous deployment that is no longer running ({project.root})")
+        _stop_local(project, marker, FALLBACK_DRAIN_S)
+
+    create_table(settings.dead_letters)
+    create_bucket(settings.dead_letters)
+    project.state_file.unlink(missing_ok=True)
+    with open(project.supervisor_log, "ab") as log:
+        proc = subprocess.Popen(
+            supervisor_command(config, project, partitions),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,  # detached: a Ctrl-C here must not reach it
+        )
+    project.write_pid(project.supervisor_pid_file, proc.pid)
+    limit = timeout if timeout is not None else READY_TIMEOUT_S + _lease_s(settings)
+    try:
+        _wait_ready(settings, project, proc, partitions, limit)
+    except BaseException:
+        _stop_local(project, marker, settings.shutdown.drain_timeout_s)
+        raise
+    _print_deployment(config, settings, project, partitions)
+
+
+def _lease_s(settings: Settings) -> float:
+    return settings.ownership.lease_s if settings.ownership.enabled else 0.0
+
+
+def _ask_partitions(settings: Settings) -> int:
+    """kafka.partitions unset: ask the broker (what `triage init` does)."""
+    import dataclasses
+
+    from triage_cli.init import discover_partitions
+
+    fields = dataclasses.fields(settings.kafka)
+    return discover_partitions({f.name: getattr(settings.kafka, f.name) for f in fields})
+
+
+def _wait_ready(
+    settings: Settings,
+    project: ProjectDir,
+    proc: subprocess.Popen[bytes],
+    partitions: int,
+    timeout_s: float,
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = set(range(partitions))
+    while pending:
+        if proc.poll() is not None:
+            raise _Failed(
+                ExitCode.UNAVAILABLE,
+                f"the supervisor exited with {proc.returncode}; see {project.supervisor_log}",
+            )
+        state = project.read_state() or {}
+        for entry in state.get("partitions", []):
+            if entry.get("status") == "failed":
+                raise _Failed(
+                    ExitCode.UNAVAILABLE,
+                    f"the proxy for partition {entry['partition']} keeps crashing; "
+                    f"see {entry['log']}",
+                )
+        pending = {p for p in pending if not proxy_ready(settings, p)}
+        if pending and time.monotonic() > deadline:
+            logs = ", ".join(str(project.proxy_log(p)) for p in sorted(pending))
+            raise _Failed(
+                ExitCode.UNAVAILABLE,
+                f"partition(s) {sorted(pending)} not ready after {timeout_s:g}s; see {logs}",
+            )
+        if pending:
+            time.sleep(0.2)
+
+
+def proxy_ready(settings: Settings, partition: int) -> bool:
+    """GET /readyz when the proxy serves HTTP; else whether its gRPC port accepts."""
+    http = settings.server.http_address(partition)
+    if http is not None and http[1]:
+        url = f"http://{_dialable(http[0])}:{http[1]}/readyz"
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                return int(response.status) == 200
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            if exc.code != 404:
+                return False  # it answers: not ready yet (e.g. a standby waiting for a lease)
+        except OSError:
+            pass  # no HTTP endpoint (older proxy or turned off): fall back to gRPC
+    port = settings.server.port + partition
+    try:
+        with socket.create_connection((_dialable(settings.server.host), port), 0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _dialable(host: str) -> str:
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+
+
+def _print_deployment(
+    config: Path, settings: Settings, project: ProjectDir, partitions: int
+) -> None:
+    state = project.read_state() or {}
+    pids = {e["partition"]: e.get("pid") for e in state.get("partitions", [])}
+    typer.echo(f"Deployed {settings.kafka.topic!r}: {partitions} proxies (state in {project.root})")
+    for p in range(partitions):
+        http = settings.server.http_address(p)
+        extra = f"  http {_dialable(http[0])}:{http[1]}" if http else ""
+        typer.echo(
+            f"  partition {p}: {_dialable(settings.server.host)}:{settings.server.port + p}"
+            f"{extra}  pid {pids.get(p)}"
+        )
+    names = ", ".join(sorted(settings.auth.active()))
+    typer.echo(
+        f"Token(s): {names} (in {config}, [auth] section; never printed)\n"
+        f"TLS: {'on' if settings.tls.enabled else 'off'}\n"
+        f"Stop: triage destroy --target local --config {config}"
+    )
+
+
+def destroy_local(config: Path, state_dir: Path | None) -> None:
+    from triage_proxy.errors import ConfigError
+    from triage_proxy.settings import load_settings
+
+    config = config.resolve()
+    project = ProjectDir.for_config(config, state_dir)
+    has_state = project.state_file.exists() or project.supervisor_pid_file.exists()
+    if not has_state and not (project.root.exists() and project.proxy_pid_files()):
+        typer.echo(f"nothing deployed from {config} (no state in {project.root})")
+        return
+    try:
+        drain_s = load_settings(config).shutdown.drain_timeout_s
+    except ConfigError:
+        drain_s = FALLBACK_DRAIN_S  # a broken config must not keep processes alive
+    stopped = _stop_local(project, str(config), drain_s)
+    typer.echo(
+        f"Destroyed: stopped {len(stopped)} process(es){_pids(stopped)}; "
+        f"logs kept in {project.root}"
+    )
+
+
+def _pids(pids: list[int]) -> str:
+    return f" (pids {', '.join(map(str, pids))})" if pids else ""
+
+
+def _stop_local(project: ProjectDir, marker: str, drain_s: float) -> list[int]:
+    """Stop a local deployment by pid, live or half dead; return the pids stopped.
+
+    Order: SIGTERM the supervisor (it drains its proxies) and wait -> SIGKILL it if it
+    outlives the drain -> SIGTERM, wait, SIGKILL any proxy still alive (the supervisor was
+    killed, or just did not finish) -> remove pid files and state.json (logs stay).
+    """
+    import signal
+
+    stopped: list[int] = []
+    wait_s = drain_s + STOP_MARGIN_S + 5
+    pid = project.read_pid(project.supervisor_pid_file)
+    if pid is not None and pid_alive(pid, marker):
+        signal_pid(pid, signal.SIGTERM)
+        if wait_gone([pid], wait_s, marker):
+            typer.echo(
+                f"warning: supervisor {pid} did not stop in {wait_s:g}s; killing it", err=True
+            )
+            signal_pid(pid, signal.SIGKILL)
+            wait_gone([pid], 5.0, marker)
+        stopped.append(pid)
+    elif pid is not None:
+        typer.echo(
+            f"the supervisor (pid {pid}) is not running; cleaning up its leftovers", err=True
+        )
+    orphans = []
+    for path in project.proxy_pid_files():
+        proxy = project.read_pid(path)
+        if proxy is not None and pid_alive(proxy, marker):
+            signal_pid(proxy, signal.SIGTERM)
+            orphans.append(proxy)
+    for proxy in wait_gone(orphans, wait_s, marker):
+        signal_pid(proxy, signal.SIGKILL)
+    wait_gone(orphans, 5.0, marker)
+    stopped.extend(orphans)
+    for path in [*project.proxy_pid_files(), project.supervisor_pid_file, project.state_file]:
+        path.unlink(missing_ok=True)
+    return stopped

@@ -1,0 +1,397 @@
+"""The local deployment: one supervised `triage proxy` process per partition.
+
+`triage deploy --target local` starts `triage supervise` detached (its own session, so a
+Ctrl-C in the deploying terminal does not reach it) and returns once every proxy is
+ready. The supervisor restarts a proxy that dies, with exponential backoff, and gives a
+partition up after repeated fast crashes (or at once when the proxy says its config is
+bad: restarting cannot fix that). SIGTERM (what `triage destroy` sends) stops it:
+SIGTERM every proxy -> wait for them to drain (shutdown.drain_timeout_s + a margin) ->
+SIGKILL what is left -> remove the pid files -> exit 0.
+
+Everything lives in one project folder (default `.triage/` next to the config):
+
+    supervisor.pid  supervisor.log  state.json
+    proxy-P.pid     proxy-P.log     (one each per partition)
+
+`state.json` holds endpoints, pids, statuses and the token NAMES; no file here holds a
+token (the proxies never log one), so the folder is safe to attach to a bug report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from triage_cli.exitcodes import ExitCode
+
+if TYPE_CHECKING:
+    from triage_proxy.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DIR_NAME = ".triage"
+POLL_S = 0.2
+STOP_MARGIN_S = 10.0
+"""Added to shutdown.drain_timeout_s before a proxy that ignores SIGTERM is killed."""
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    initial_backoff_s: float = 0.5
+    """Wait before the first restart of a crashed proxy."""
+    max_backoff_s: float = 30.0
+    """Cap of the wait between restarts."""
+    multiplier: float = 2.0
+    """Growth of the wait per consecutive fast crash."""
+    fast_crash_s: float = 10.0
+    """A run shorter than this counts as a fast crash; a longer one resets the count."""
+    max_fast_crashes: int = 5
+    """Consecutive fast crashes after which the partition is given up."""
+
+
+@dataclass(frozen=True)
+class RestartDecision:
+    fast_crashes: int
+    """Consecutive fast crashes, counting this exit."""
+    delay_s: float | None
+    """Wait before restarting; None: give the partition up."""
+
+
+def restart_decision(
+    policy: RestartPolicy, fast_crashes: int, ran_s: float, returncode: int
+) -> RestartDecision:
+    """What to do after a proxy exited on its own (a pure policy, tested exhaustively)."""
+    if returncode == ExitCode.BAD_INPUT:
+        return RestartDecision(fast_crashes + 1, None)  # its config is bad: retrying won't help
+    crashes = fast_crashes + 1 if ran_s < policy.fast_crash_s else 1
+    if crashes > policy.max_fast_crashes:
+        return RestartDecision(crashes, None)
+    delay = policy.initial_backoff_s * policy.multiplier ** (crashes - 1)
+    return RestartDecision(crashes, min(delay, policy.max_backoff_s))
+
+
+# --- the project folder -------------------------------------------------------------------
+
+
+class ProjectDir:
+    """Paths, pid files and state.json of one local deployment."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    @classmethod
+    def for_config(cls, config: Path, state_dir: Path | None = None) -> ProjectDir:
+        return cls(state_dir if state_dir is not None else config.parent / DEFAULT_DIR_NAME)
+
+    @property
+    def supervisor_pid_file(self) -> Path:
+        return self.root / "supervisor.pid"
+
+    @property
+    def supervisor_log(self) -> Path:
+        return self.root / "supervisor.log"
+
+    @property
+    def state_file(self) -> Path:
+        return self.root / "state.json"
+
+    def proxy_pid_file(self, partition: int) -> Path:
+        return self.root / f"proxy-{partition}.pid"
+
+    def proxy_log(self, partition: int) -> Path:
+        return self.root / f"proxy-{partition}.log"
+
+    def proxy_pid_files(self) -> list[Path]:
+        return sorted(self.root.glob("proxy-*.pid"))
+
+    def read_pid(self, path: Path) -> int | None:
+        try:
+            return int(path.read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def write_pid(self, path: Path, pid: int) -> None:
+        _write_atomic(path, f"{pid}\n")
+
+    def read_state(self) -> dict[str, Any] | None:
+        try:
+            state = json.loads(self.state_file.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        return state if isinstance(state, dict) else None
+
+    def write_state(self, state: dict[str, Any]) -> None:
+        _write_atomic(self.state_file, json.dumps(state, indent=2) + "\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Readers (deploy, destroy, status) never see half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def pid_alive(pid: int, marker: str | None = None) -> bool:
+    """Whether `pid` runs (not a zombie) and, when /proc tells, its command line holds
+    `marker` (so a recycled pid is never taken for ours)."""
+    with contextlib.suppress(ChildProcessError):
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False  # it was our child and has just been reaped
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False  # someone else's process now: not ours
+    proc = Path(f"/proc/{pid}")
+    if not proc.exists():
+        return True  # no /proc (macOS): trust the pid
+    try:
+        if proc.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+        cmdline = (
+            proc.joinpath("cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        )
+    except (OSError, IndexError):
+        return False
+    return marker is None or marker in cmdline
+
+
+def wait_gone(pids: Sequence[int], timeout_s: float, marker: str | None = None) -> list[int]:
+    """Wait until none of `pids` is alive; return those still alive at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    alive = [p for p in pids if pid_alive(p, marker)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [p for p in alive if pid_alive(p, marker)]
+    return alive
+
+
+def signal_pid(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signum)
+
+
+def proxy_command(config: Path, partition: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "triage_cli.main",
+        "proxy",
+        "--config",
+        str(config),
+        "--partition",
+        str(partition),
+    ]
+
+
+def supervisor_command(config: Path, project: ProjectDir, partitions: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "triage_cli.main",
+        "supervise",
+        "--config",
+        str(config),
+        "--state-dir",
+        str(project.root),
+        "--partitions",
+        str(partitions),
+    ]
+
+
+# --- the supervisor -----------------------------------------------------------------------
+
+
+@dataclass
+class _Child:
+    partition: int
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    next_start_at: float = 0.0
+    fast_crashes: int = 0
+    restarts: int = 0
+    status: str = "starting"
+    last_exit: int | None = None
+
+
+class Supervisor:
+    """Keeps one proxy process per partition alive until stopped (runs in the foreground
+    of the detached `triage supervise` process; `stop()` is signal-safe)."""
+
+    def __init__(
+        self,
+        config: Path,
+        project: ProjectDir,
+        settings: Settings,
+        partitions: int,
+        policy: RestartPolicy | None = None,
+    ) -> None:
+        self.config = config
+        self.project = project
+        self.settings = settings
+        self.policy = policy or RestartPolicy()
+        self.children = [_Child(p) for p in range(partitions)]
+        self._stopping = threading.Event()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def run(self) -> int:
+        """Start every proxy, keep them alive until stop(), then stop them; exit status."""
+        logger.info(
+            "supervisor pid=%d: %d proxies for %s",
+            os.getpid(),
+            len(self.children),
+            self.config,
+        )
+        self.project.write_pid(self.project.supervisor_pid_file, os.getpid())
+        code = ExitCode.OK
+        try:
+            while not self._stopping.is_set():
+                if self._tick(time.monotonic()):
+                    self._write_state("running")
+                if all(c.status == "failed" for c in self.children):
+                    logger.error("every partition was given up; the supervisor exits")
+                    code = ExitCode.FAILURE
+                    break
+                self._stopping.wait(POLL_S)
+        finally:
+            self._stop_children()
+            self._write_state("stopped" if code == ExitCode.OK else "failed")
+            if self.project.read_pid(self.project.supervisor_pid_file) == os.getpid():
+                self.project.supervisor_pid_file.unlink(missing_ok=True)
+            logger.info("supervisor stopped")
+        return int(code)
+
+    def _tick(self, now: float) -> bool:
+        """Reap exited proxies and (re)start due ones; True if anything changed."""
+        changed = False
+        for child in self.children:
+            if child.proc is not None and child.proc.poll() is not None:
+                self._exited(child, now)
+                changed = True
+            if child.proc is None and child.status != "failed" and now >= child.next_start_at:
+                self._start(child, now)
+                changed = True
+        return changed
+
+    def _exited(self, child: _Child, now: float) -> None:
+        assert child.proc is not None
+        code = child.proc.returncode
+        self.project.proxy_pid_file(child.partition).unlink(missing_ok=True)
+        child.proc = None
+        child.last_exit = code
+        decision = restart_decision(self.policy, child.fast_crashes, now - child.started_at, code)
+        child.fast_crashes = decision.fast_crashes
+        if decision.delay_s is None:
+            child.status = "failed"
+            logger.error(
+                "proxy for partition %d exited with %s %d time(s) in a row; giving it up (see %s)",
+                child.partition,
+                code,
+                decision.fast_crashes,
+                self.project.proxy_log(child.partition),
+            )
+            return
+        child.status = "restarting"
+        child.next_start_at = now + decision.delay_s
+        logger.warning(
+            "proxy for partition %d exited with %s; restarting in %.1fs",
+            child.partition,
+            code,
+            decision.delay_s,
+        )
+
+    def _start(self, child: _Child, now: float) -> None:
+        log = open(self.project.proxy_log(child.partition), "ab")  # noqa: SIM115
+        with log:
+            child.proc = subprocess.Popen(
+                proxy_command(self.config, child.partition),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+            )
+        if child.started_at:
+            child.restarts += 1
+        child.started_at = now
+        child.status = "running"
+        self.project.write_pid(self.project.proxy_pid_file(child.partition), child.proc.pid)
+        logger.info("proxy for partition %d started pid=%d", child.partition, child.proc.pid)
+
+    def _stop_children(self) -> None:
+        """SIGTERM every proxy, wait for the drain, SIGKILL what outlives it."""
+        live = [c for c in self.children if c.proc is not None]
+        for child in live:
+            assert child.proc is not None
+            logger.debug("stopping proxy for partition %d", child.partition)
+            signal_pid(child.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.settings.shutdown.drain_timeout_s + STOP_MARGIN_S
+        for child in live:
+            assert child.proc is not None
+            try:
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("proxy for partition %d ignored SIGTERM; killing", child.partition)
+                child.proc.kill()
+                child.proc.wait()
+            child.last_exit = child.proc.returncode
+            child.proc = None
+            child.status = "stopped"
+            self.project.proxy_pid_file(child.partition).unlink(missing_ok=True)
+
+    def _write_state(self, status: str) -> None:
+        self.project.write_state(describe(self, status))
+
+
+def describe(supervisor: Supervisor, status: str) -> dict[str, Any]:
+    """state.json: what deploy, destroy and people read (token names, never tokens)."""
+    settings = supervisor.settings
+    partitions = []
+    for child in supervisor.children:
+        http = settings.server.http_address(child.partition)
+        partitions.append(
+            {
+                "partition": child.partition,
+                "pid": child.proc.pid if child.proc is not None else None,
+                "status": child.status,
+                "restarts": child.restarts,
+                "last_exit": child.last_exit,
+                "target": settings.listen_address(child.partition),
+                "http": f"{http[0]}:{http[1]}" if http else None,
+                "log": str(supervisor.project.proxy_log(child.partition)),
+            }
+        )
+    return {
+        "status": status,
+        "config": str(supervisor.config),
+        "supervisor_pid": os.getpid(),
+        "topic": settings.kafka.topic,
+        "tls": settings.tls.enabled,
+        "token_names": sorted(settings.auth.active()),
+        "partitions": partitions,
+    }
+
+
+def run_supervisor(config: Path, project: ProjectDir, partitions: int) -> int:
+    """Body of `triage supervise`: SIGTERM/SIGINT stop it gracefully, SIGHUP is ignored
+    (it outlives the terminal that deployed it)."""
+    from triage_proxy.settings import load_settings
+
+    settings = load_settings(config)
+    supervisor = Supervisor(config, project, settings, partitions)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: supervisor.stop())
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    return supervisor.run()

@@ -1,0 +1,350 @@
+"""`triage init`, `triage config check`, `triage deploy/destroy --target local`, as users
+run them: real processes against the real broker (Tansu) and AWS endpoint (moto server)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from typer.testing import CliRunner
+
+from tests.integration.harness import RawConsumer, create_topic, produce, wait_until
+from triage_cli.main import app
+from triage_cli.supervisor import ProjectDir
+from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker, free_port, free_port_block
+from triage_proxy.settings import load_settings
+
+pytestmark = pytest.mark.integration
+
+TRIAGE = [sys.executable, "-m", "triage_cli.main"]
+
+
+def run_triage(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*TRIAGE, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def init_args(config: Path, bootstrap: str, topic: str, *extra: str) -> list[str]:
+    return [
+        "init",
+        "--non-interactive",
+        "--config",
+        str(config),
+        "--bootstrap-servers",
+        bootstrap,
+        "--topic",
+        topic,
+        *extra,
+    ]
+
+
+# --- init ---------------------------------------------------------------------------------
+
+
+def test_init_discovers_partitions_and_writes_a_private_valid_config(
+    tmp_path: Path, broker: EmbeddedBroker, unique_name: str
+) -> None:
+    create_topic(broker.bootstrap, unique_name, partitions=3)
+    config = tmp_path / "triage.toml"
+    out = run_triage(*init_args(config, broker.bootstrap, unique_name, "--app-name", "billing"))
+    assert out.returncode == 0, out.stderr
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600
+    settings = load_settings(config, env={})
+    assert settings.kafka.partitions == 3
+    token = settings.auth.tokens["billing"]
+    assert len(token) >= 43  # 32 random bytes, url-safe base64
+    assert token not in out.stdout + out.stderr
+    assert "triage deploy --target local" in out.stdout
+    assert "[auth.tokens] billing" in out.stdout
+
+
+def test_init_unreachable_broker_needs_partitions(tmp_path: Path, unique_name: str) -> None:
+    config = tmp_path / "triage.toml"
+    closed = f"127.0.0.1:{free_port()}"
+    out = run_triage(*init_args(config, closed, unique_name))
+    assert out.returncode == 3
+    assert "did not answer" in out.stderr
+    assert "--partitions" in out.stderr
+    assert not config.exists()
+    out = run_triage(*init_args(config, closed, unique_name, "--partitions", "4"))
+    assert out.returncode == 0, out.stderr
+    assert load_settings(config, env={}).kafka.partitions == 4
+
+
+def test_init_never_overwrites_without_force(tmp_path: Path, unique_name: str) -> None:
+    config = tmp_path / "triage.toml"
+    config.write_text("# mine\n")
+    args = init_args(config, f"127.0.0.1:{free_port()}", unique_name, "--partitions", "1")
+    out = run_triage(*args)
+    assert out.returncode == 5
+    assert "already exists" in out.stderr
+    assert config.read_text() == "# mine\n"
+    out = run_triage(*args, "--force")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "triage.toml.bak").read_text() == "# mine\n"
+    assert load_settings(config, env={}).kafka.topic == unique_name
+
+
+def test_init_refuses_an_inline_password(tmp_path: Path, unique_name: str) -> None:
+    config = tmp_path / "triage.toml"
+    sasl = ["--security-protocol", "SASL_SSL", "--sasl-mechanism", "PLAIN"]
+    sasl += ["--sasl-username", "svc", "--sasl-password", "hunter2", "--partitions", "1"]
+    out = run_triage(*init_args(config, f"127.0.0.1:{free_port()}", unique_name, *sasl))
+    assert out.returncode == 2
+    assert "--sasl-password" in out.stderr
+    assert not config.exists()
+
+
+def test_init_interactive_prompts(
+    tmp_path: Path, broker: EmbeddedBroker, unique_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts in order; an inline password is re-asked; an unresolvable reference means the
+    broker cannot be asked, so the partition count is prompted for."""
+    monkeypatch.delenv("TRIAGE_TEST_KAFKA_PW", raising=False)
+    config = tmp_path / "triage.toml"
+    answers = [
+        broker.bootstrap,  # bootstrap servers
+        "sasl_plaintext",  # security protocol (case-insensitive)
+        "PLAIN",  # mechanism
+        "svc",  # user name
+        "hunter2",  # inline password: refused, asked again
+        "env:TRIAGE_TEST_KAFKA_PW",
+        unique_name,  # topic
+        "",  # group: default
+        "",  # table: default
+        "",  # bucket: none
+        "arn:aws:sns:us-east-1:000000000000:dlq",  # notify
+        "",  # region: default
+        "",  # endpoint: none
+        "2",  # partitions (the broker could not be asked)
+    ]
+    result = CliRunner().invoke(app, ["init", "--config", str(config)], input="\n".join(answers))
+    assert result.exit_code == 0, result.output
+    assert "never hold it" in result.output
+    settings = load_settings(config, env={})
+    assert settings.kafka.security_protocol == "SASL_PLAINTEXT"
+    assert settings.kafka.sasl_password == "env:TRIAGE_TEST_KAFKA_PW"
+    assert settings.kafka.partitions == 2
+    assert settings.kafka.group_id == f"triage-{unique_name}"
+    assert settings.dead_letters.notify_sns_topic_arn == "arn:aws:sns:us-east-1:000000000000:dlq"
+    assert "hunter2" not in config.read_text()
+
+
+# --- config check -------------------------------------------------------------------------
+
+
+def _good_config(tmp_path: Path, bootstrap: str, topic: str, *extra: str) -> Path:
+    config = tmp_path / "triage.toml"
+    out = run_triage(*init_args(config, bootstrap, topic, *extra))
+    assert out.returncode == 0, out.stderr
+    return config
+
+
+@pytest.mark.parametrize(
+    ("edit", "key"),
+    [
+        ("[kafka]", "kafka.bogus"),
+        ("[server]", "server.port"),
+        ("[dead_letters]", "dead_letters.batch_size"),
+    ],
+)
+def test_config_check_names_the_offending_key(
+    tmp_path: Path, broker: EmbeddedBroker, topic: str, edit: str, key: str
+) -> None:
+    config = _good_config(tmp_path, broker.bootstrap, topic)
+    ok = run_triage("config", "check", "--config", str(config))
+    assert ok.returncode == 0, ok.stderr
+    assert "OK" in ok.stdout
+    assert "consumer" in ok.stdout
+    assert load_settings(config).auth.tokens["consumer"] not in ok.stdout
+    bad = {
+        "kafka.bogus": 'bogus = "x"',
+        "server.port": 'port = "7700"',
+        "dead_letters.batch_size": "batch_size = 100",
+    }[key]
+    text = config.read_text().replace(edit, f"{edit}\n{bad}", 1)
+    if key == "server.port":
+        text = text.replace("port = 7700\n", "", 1)
+    config.write_text(text)
+    out = run_triage("config", "check", "--config", str(config))
+    assert out.returncode == 2
+    assert key in out.stderr
+
+
+def test_config_check_connect(
+    tmp_path: Path, broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    config = _good_config(tmp_path, broker.bootstrap, topic, "--endpoint-url", aws.endpoint_url)
+    out = run_triage("config", "check", "--config", str(config), "--connect")
+    assert out.returncode == 4  # the table does not exist yet
+    assert "does not exist" in out.stderr or "not found" in out.stderr.lower()
+    from triage_proxy.deadletter import create_table
+
+    create_table(load_settings(config).dead_letters)
+    out = run_triage("config", "check", "--config", str(config), "--connect")
+    assert out.returncode == 0, out.stderr
+    assert "reachable" in out.stdout
+
+
+# --- deploy / destroy --target local ------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+class Deployment:
+    """A local deployment under test; remembers every pid it saw so the fixture can kill
+    anything left (by pid) even when the test fails."""
+
+    def __init__(self, config: Path) -> None:
+        self.config = config
+        self.project = ProjectDir.for_config(config.resolve())
+        self.seen: set[int] = set()
+
+    def state(self) -> dict[str, Any]:
+        state = self.project.read_state() or {}
+        self.seen.update(int(e["pid"]) for e in state.get("partitions", []) if e.get("pid"))
+        if state.get("supervisor_pid"):
+            self.seen.add(int(state["supervisor_pid"]))
+        return state
+
+    def pids(self) -> dict[int, int]:
+        entries = self.state()["partitions"]
+        return {int(e["partition"]): int(e["pid"]) for e in entries if e["pid"]}
+
+    def supervisor_pid(self) -> int:
+        pid = self.project.read_pid(self.project.supervisor_pid_file)
+        assert pid is not None
+        self.seen.add(pid)
+        return pid
+
+    def kill_leftovers(self) -> None:
+        for path in self.project.root.glob("*.pid"):
+            pid = self.project.read_pid(path)
+            if pid is not None:
+                self.seen.add(pid)
+        marker = str(self.config.resolve())
+        for pid in self.seen:
+            with contextlib.suppress(psutil.Error):
+                if marker in " ".join(psutil.Process(pid).cmdline()):
+                    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def deployment(
+    tmp_path: Path, broker: EmbeddedBroker, aws: EmbeddedAWS, unique_name: str
+) -> Iterator[Deployment]:
+    """`triage init` for a 2-partition topic, with a short ownership lease and drain."""
+    create_topic(broker.bootstrap, unique_name, partitions=2)
+    ports = ["--port", str(free_port_block(2)), "--http-port", str(free_port_block(2))]
+    config = _good_config(
+        tmp_path, broker.bootstrap, unique_name, "--endpoint-url", aws.endpoint_url, *ports
+    )
+    with config.open("a") as out:
+        out.write("\n[ownership]\nlease_s = 2.0\n\n[shutdown]\ndrain_timeout_s = 3.0\n")
+        out.write("\n[commit]\ninterval_s = 0.2\n")
+    found = Deployment(config)
+    try:
+        yield found
+    finally:
+        found.kill_leftovers()
+
+
+async def _consume_one(target: str, token: str, value: bytes, timeout: float = 30) -> None:
+    """Connect (retrying while the proxy is not serving yet) until `value` is delivered."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            async with RawConsumer(target, token) as consumer:
+                while True:
+                    [delivery] = await consumer.receive(1, timeout=deadline - loop.time())
+                    consumer.settle(acks=[delivery.offset])
+                    if delivery.value == value:
+                        await asyncio.sleep(0.3)  # let the ack reach the proxy
+                        return
+        except (EOFError, Exception) as exc:
+            if loop.time() > deadline:
+                raise AssertionError(f"{value!r} never delivered by {target}") from exc
+            await asyncio.sleep(0.3)
+
+
+@pytest.mark.slow
+def test_deploy_local_supervises_and_destroy_stops_everything(
+    deployment: Deployment, broker: EmbeddedBroker
+) -> None:
+    config = deployment.config
+    settings = load_settings(config)
+    token = settings.auth.tokens["consumer"]
+    out = run_triage("deploy", "--target", "local", "--config", str(config))
+    deployment.state()
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert "consumer" in out.stdout
+    assert token not in out.stdout + out.stderr
+    pids = deployment.pids()
+    supervisor = deployment.supervisor_pid()
+    assert sorted(pids) == [0, 1]
+    assert all(_alive(pid) for pid in [*pids.values(), supervisor])
+
+    targets = {p: f"127.0.0.1:{settings.server.port + p}" for p in (0, 1)}
+    for p in (0, 1):
+        produce(broker.bootstrap, settings.kafka.topic, [(None, f"first-{p}".encode(), None)], p)
+        asyncio.run(_consume_one(targets[p], token, f"first-{p}".encode()))
+
+    again = run_triage("deploy", "--target", "local", "--config", str(config))
+    assert again.returncode == 5
+    assert "is running" in again.stderr
+
+    os.kill(pids[0], signal.SIGKILL)
+    restarted = wait_until(lambda: deployment.pids().get(0, pids[0]) != pids[0], timeout=20)
+    assert restarted, "the supervisor did not restart the killed proxy"
+    new_pid = deployment.pids()[0]
+    assert _alive(new_pid)
+    assert not _alive(pids[0])
+    produce(broker.bootstrap, settings.kafka.topic, [(None, b"after-restart", None)], 0)
+    asyncio.run(_consume_one(targets[0], token, b"after-restart", timeout=40))
+    assert deployment.state()["partitions"][0]["restarts"] == 1
+
+    everything = [supervisor, new_pid, pids[1]]
+    out = run_triage("destroy", "--target", "local", "--config", str(config))
+    assert out.returncode == 0, out.stderr
+    assert wait_until(lambda: not any(_alive(pid) for pid in everything), timeout=10)
+    assert not list(deployment.project.root.glob("*.pid"))
+    for log in deployment.project.root.glob("*.log"):
+        assert token not in log.read_text()
+    out = run_triage("destroy", "--target", "local", "--config", str(config))
+    assert out.returncode == 0
+    assert "nothing deployed" in out.stdout
+
+
+@pytest.mark.slow
+def test_destroy_cleans_up_after_a_dead_supervisor(deployment: Deployment) -> None:
+    config = deployment.config
+    out = run_triage("deploy", "--target", "local", "--config", str(config))
+    assert out.returncode == 0, out.stderr + out.stdout
+    pids = list(deployment.pids().values())
+    supervisor = deployment.supervisor_pid()
+    os.kill(supervisor, signal.SIGKILL)
+    assert wait_until(lambda: not _alive(supervisor), timeout=10)
+    assert all(_alive(pid) for pid in pids)  # orphans now
+    out = run_triage("destroy", "--target", "local", "--config", str(config))
+    assert out.returncode == 0, out.stderr
+    assert "not running" in out.stderr
+    assert wait_until(lambda: not any(_alive(pid) for pid in pids), timeout=10)
+    assert json.dumps(deployment.project.read_state()) == "null"

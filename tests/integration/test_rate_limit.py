@@ -1,0 +1,62 @@
+"""`[rate_limit]` against a real proxy: the observed delivery rate stays under the cap."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from tests.integration.harness import RawConsumer, create_topic, produce, settings_for, target
+from triage_proxy.app import Proxy
+from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker
+
+pytestmark = pytest.mark.integration
+
+MESSAGES = 600
+CAP = 200.0
+
+
+def _arrivals(settings: Any) -> list[float]:
+    """Monotonic arrival time of each of MESSAGES deliveries at one consumer."""
+
+    async def scenario() -> list[float]:
+        async with Proxy(settings, 0) as proxy, RawConsumer(target(proxy), credits=1000) as c:
+            times: list[float] = []
+            async with asyncio.timeout(30):
+                while len(times) < MESSAGES:
+                    frame = await c.read()
+                    if frame.WhichOneof("frame") == "deliveries":
+                        now = time.monotonic()
+                        times.extend(now for _ in frame.deliveries.deliveries)
+            return times
+
+    return asyncio.run(scenario())
+
+
+def test_messages_per_second_cap_holds_and_no_cap_is_much_faster(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, unique_name: str
+) -> None:
+    limited_topic, free_topic = f"{unique_name}-cap", f"{unique_name}-free"
+    for topic in (limited_topic, free_topic):
+        create_topic(broker.bootstrap, topic)
+        produce(broker.bootstrap, topic, [(None, b"m%d" % i, None) for i in range(MESSAGES)])
+
+    limited = _arrivals(
+        settings_for(broker, aws, limited_topic, rate_limit={"messages_per_s": CAP})
+    )
+    free = _arrivals(settings_for(broker, aws, free_topic))
+
+    start = limited[0]
+    elapsed = limited[-1] - start
+    # One second's burst at once, then CAP a second: (600 - 200) / 200 = 2 s at least.
+    assert elapsed >= (MESSAGES - CAP) / CAP * 0.95
+    after_burst = [t for t in limited if t >= start + 1.0]
+    span = limited[-1] - (start + 1.0)
+    assert len(after_burst) / span <= CAP * 1.2
+    # Never more than a burst plus CAP a second in any prefix of the run.
+    for i, t in enumerate(limited):
+        assert i + 1 <= CAP + CAP * (t - start) + 1
+    free_elapsed = free[-1] - free[0]
+    assert free_elapsed < elapsed / 4
