@@ -34,6 +34,17 @@ def _setup_logging(verbose: bool) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    quiet_noisy_loggers()
+
+
+NOISY_LOGGERS = ("botocore", "boto3", "s3transfer", "urllib3")
+"""At DEBUG these log whole request and response bodies: dead-letter payloads, and the
+secrets Secrets Manager returns. Never below INFO, even with --verbose."""
+
+
+def quiet_noisy_loggers() -> None:
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.INFO)
 
 
 def _fail(code: ExitCode, message: str) -> typer.Exit:
@@ -50,7 +61,10 @@ def proxy(
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
-    """Run one proxy for one partition until SIGTERM/SIGINT (then drain and commit)."""
+    """Run one proxy for one partition until SIGTERM/SIGINT (then drain and commit).
+
+    SIGHUP re-reads the [auth] section of the config: revoked tokens are refused from
+    then on and their open streams end; a bad file keeps the current tokens."""
     import asyncio
     import dataclasses
     import signal
@@ -71,14 +85,17 @@ def proxy(
         raise _fail(ExitCode.BAD_INPUT, "--partition must be >= 0")
 
     async def main() -> None:
-        runner = Proxy(settings, partition)
+        runner = Proxy(settings, partition, auth_source=lambda: load_settings(config).auth)
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, runner.stop)
+        loop.add_signal_handler(signal.SIGHUP, runner.reload_auth)
         await runner.serve()
 
     try:
         asyncio.run(main())
+    except ConfigError as exc:  # e.g. a TLS file that is missing or not PEM
+        raise _fail(ExitCode.BAD_INPUT, str(exc)) from None
     except UnavailableError as exc:
         raise _fail(ExitCode.UNAVAILABLE, str(exc)) from None
 
