@@ -11,6 +11,8 @@
     |   +-- OwnershipLost            the partition lease lapsed or was taken: stop delivering,
     |                                exit, restart as a standby (ownership.py)
     +-- StateError                   a lifecycle method called in the wrong state (a bug)
+    +-- DeployError                  `triage deploy/destroy` could not finish: the cloud
+                                     refused a call or a stack failed; read why, fix, rerun
 
 confluent-kafka and botocore exceptions are translated into these at the adapter edge
 (`kafka.py`, `deadletter.py`) with `raise ... from`; `grpc_status` maps them to gRPC
@@ -78,6 +80,11 @@ class OwnershipLost(UnavailableError):
 
 class StateError(TriageError):
     """A lifecycle method was called in a state that does not allow it."""
+
+
+class DeployError(TriageError):
+    """A deployment step failed (an AWS call refused, a stack rolled back); rerunning the
+    command after fixing the cause continues where it stopped."""
 
 
 def grpc_status(exc: BaseException) -> grpc.StatusCode:

@@ -13,6 +13,10 @@ Nothing below the CLI reads files or the environment: `load_settings` resolves
     [tls]          cert_file, key_file, client_ca_file (set: client certificates required)
     [ownership]    enabled, lease_s, renew_interval_s
     [rate_limit]   messages_per_s, bytes_per_s
+    [aws]          image, certificate_arn, vpc_id, subnet_ids, scheme, client_cidr,
+                   assign_public_ip, cpu, memory_mb, log_retention_days, stack_name,
+                   tls_listeners
+                   (read only by `triage deploy --target aws`)
     [dead_letters] table, region, endpoint_url, batch_size, flush_interval_ms, retry_max_s,
                    overflow_bucket, ttl_days, notify_sns_topic_arn, notify_webhook_url,
                    notify_interval_s
@@ -59,6 +63,10 @@ DEFAULT_LEASE_S = 10.0
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER")
 DEFAULT_TOKEN_NAME = "default"
+DEFAULT_AWS_CPU = 512
+DEFAULT_AWS_MEMORY_MB = 1024
+DEFAULT_LOG_RETENTION_DAYS = 30
+LB_SCHEMES = ("internal", "internet-facing")
 
 
 @dataclass(frozen=True)
@@ -170,6 +178,37 @@ class OwnershipSettings:
 
 
 @dataclass(frozen=True)
+class AwsSettings:
+    """How `triage deploy --target aws` lays out the stack; the proxy never reads it."""
+
+    image: str | None = None
+    """Container image of the proxy (built from infra/Dockerfile); --image overrides."""
+    certificate_arn: str | None = None
+    """ACM certificate the TLS listener presents (required to deploy)."""
+    vpc_id: str | None = None
+    """VPC of the load balancer and the tasks (None: the account's default VPC)."""
+    subnet_ids: tuple[str, ...] = ()
+    """Subnets of the load balancer and the tasks (empty: the VPC's default subnets)."""
+    scheme: str = "internal"
+    """"internal" (reachable inside the VPC) or "internet-facing"."""
+    client_cidr: str = "0.0.0.0/0"
+    """Addresses allowed to reach the listener ports."""
+    assign_public_ip: bool = False
+    """Give tasks a public IP (public subnets without a NAT gateway need it to pull)."""
+    cpu: int = DEFAULT_AWS_CPU
+    """Fargate CPU units per proxy task (256, 512, 1024, ...)."""
+    memory_mb: int = DEFAULT_AWS_MEMORY_MB
+    """Fargate memory per proxy task, MiB (must suit cpu)."""
+    log_retention_days: int = DEFAULT_LOG_RETENTION_DAYS
+    """How long CloudWatch keeps the proxies' logs."""
+    stack_name: str | None = None
+    """CloudFormation stack name (None: derived from the topic and group)."""
+    tls_listeners: bool = True
+    """False leaves the NLB's TLS listeners out: only for an endpoint whose CloudFormation
+    cannot create them (moto server, in the tests); a real deployment needs them."""
+
+
+@dataclass(frozen=True)
 class RateLimitSettings:
     messages_per_s: float | None = None
     """Most messages delivered per second by this proxy (None: no cap)."""
@@ -261,6 +300,7 @@ class Settings:
     tls: TlsSettings = field(default_factory=TlsSettings)
     ownership: OwnershipSettings = field(default_factory=OwnershipSettings)
     rate_limit: RateLimitSettings = field(default_factory=RateLimitSettings)
+    aws: AwsSettings = field(default_factory=AwsSettings)
 
     def __post_init__(self) -> None:
         _positive("kafka.fetch_batch", self.kafka.fetch_batch)
@@ -318,6 +358,11 @@ class Settings:
             limit = getattr(self.rate_limit, key)
             if limit is not None:
                 _positive(f"rate_limit.{key}", limit)
+        if self.aws.scheme not in LB_SCHEMES:
+            raise ConfigError("aws.scheme", f"must be one of {', '.join(LB_SCHEMES)}")
+        _positive("aws.cpu", self.aws.cpu)
+        _positive("aws.memory_mb", self.aws.memory_mb)
+        _positive("aws.log_retention_days", self.aws.log_retention_days)
 
     def listen_address(self, partition: int) -> str:
         """host:port the proxy for `partition` binds (port 0 picks a free one)."""
@@ -373,6 +418,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "tls": TlsSettings,
     "ownership": OwnershipSettings,
     "rate_limit": RateLimitSettings,
+    "aws": AwsSettings,
 }
 
 

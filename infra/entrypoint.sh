@@ -1,0 +1,11 @@
+#!/bin/sh
+# Writes TRIAGE_CONFIG (the TOML that `triage deploy --target aws` rendered; it holds
+# secret references, never secrets) to a private file and runs `triage proxy` for
+# TRIAGE_PARTITION. exec: the proxy gets ECS's SIGTERM directly and drains.
+set -eu
+: "${TRIAGE_CONFIG:?TRIAGE_CONFIG must hold the triage.toml text}"
+: "${TRIAGE_PARTITION:?TRIAGE_PARTITION must name the partition to own}"
+umask 077
+config="${TMPDIR:-/tmp}/triage.toml"
+printf '%s\n' "$TRIAGE_CONFIG" > "$config"
+exec triage proxy --config "$config" --partition "$TRIAGE_PARTITION" "$@"

@@ -1,0 +1,242 @@
+"""`deploy_aws` / `destroy_aws` end to end against moto server, through AWS_ENDPOINT_URL.
+
+moto's CloudFormation creates every ELBv2 load balancer as an application load balancer
+(it ignores `Type: network`), which refuses TLS listeners; so these tests deploy with
+`aws.tls_listeners = false`, which leaves out only the per-partition Listener resources.
+Everything else in the template (cluster, task definitions, services, target groups,
+NLB, security groups, roles, log group) is created by moto's CloudFormation.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import logging
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from botocore.exceptions import ClientError
+from rich.console import Console
+
+from triage_cli.aws import deploy_aws, destroy_aws, stack_name
+from triage_proxy.embedded import EmbeddedAWS
+from triage_proxy.errors import ConfigError
+from triage_proxy.settings import load_settings, settings_from_dict
+
+pytestmark = pytest.mark.integration
+
+TOKENS = {"billing": "billing-token-0123456789abcdef", "audit": "audit-token-0123456789abcdef"}
+REVOKED = "old-token-0123456789abcdef"
+PASSWORD = "kafka-password-do-not-print"
+REGION = "us-east-1"
+
+
+@pytest.fixture
+def aws_env(aws: EmbeddedAWS, monkeypatch: pytest.MonkeyPatch) -> EmbeddedAWS:
+    """Point the standard boto3 chain at moto server, as an operator would at AWS."""
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_REGION"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", aws.endpoint_url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+    monkeypatch.setenv("TEST_KAFKA_PASSWORD", PASSWORD)
+    return aws
+
+
+def client(service: str) -> Any:
+    return boto3.client(service, region_name=REGION)  # type: ignore[call-overload]
+
+
+@pytest.fixture
+def config(aws_env: EmbeddedAWS, tmp_path: Path, unique_name: str) -> Iterator[Path]:
+    """A two-partition config with named tokens (one revoked), a SASL password by env
+    reference, an overflow bucket and TTL; no endpoint_url (AWS_ENDPOINT_URL decides)."""
+    certificate = client("acm").request_certificate(DomainName="triage.example.com")
+    path = tmp_path / "triage.toml"
+    name = unique_name.lower()
+    path.write_text(
+        f"""
+[kafka]
+bootstrap_servers = "b-1.kafka.example.com:9096"
+topic = "orders.{name}"
+group_id = "billing"
+partitions = 2
+security_protocol = "SASL_SSL"
+sasl_mechanism = "SCRAM-SHA-512"
+sasl_username = "triage"
+sasl_password = "env:TEST_KAFKA_PASSWORD"
+
+[auth]
+tokens = {{ billing = "{TOKENS["billing"]}", audit = "{TOKENS["audit"]}", old = "{REVOKED}" }}
+revoked = ["old"]
+
+[dead_letters]
+table = "dlq-{name}"
+region = "{REGION}"
+overflow_bucket = "overflow-{name}"
+ttl_days = 7
+
+[aws]
+image = "123456789012.dkr.ecr.{REGION}.amazonaws.com/triage:1"
+certificate_arn = "{certificate["CertificateArn"]}"
+tls_listeners = false
+"""
+    )
+    yield path
+    # leave moto clean even when a test failed half-way
+    destroy_aws(path, delete_data=True, console=Console(file=io.StringIO()))
+
+
+def recorded() -> tuple[Console, io.StringIO]:
+    out = io.StringIO()
+    return Console(file=out, width=200), out
+
+
+def stack_status(stack: str) -> str | None:
+    try:
+        status = client("cloudformation").describe_stacks(StackName=stack)["Stacks"][0]
+    except ClientError as exc:
+        if "does not exist" not in str(exc):
+            raise
+        return None
+    return None if status["StackStatus"] == "DELETE_COMPLETE" else str(status["StackStatus"])
+
+
+def secret_names(stack: str) -> set[str]:
+    found = client("secretsmanager").list_secrets()["SecretList"]
+    return {s["Name"] for s in found if s["Name"].startswith(f"{stack}/")}
+
+
+def test_deploy_creates_data_secrets_and_stack_then_destroy_keeps_data(
+    config: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="triage_cli")
+    caplog.set_level(logging.DEBUG, logger="triage_proxy")
+    settings = load_settings(config)
+    stack = stack_name(settings)
+    table = settings.dead_letters.table
+    bucket = settings.dead_letters.overflow_bucket
+    console, out = recorded()
+
+    outputs = deploy_aws(config, image=None, console=console)
+
+    # the stack and its outputs
+    assert stack.startswith(f"triage-orders-{settings.kafka.topic.split('.', 1)[1]}-billing")
+    assert stack_status(stack) == "CREATE_COMPLETE"
+    dns = outputs["LoadBalancerDns"]
+    assert outputs["ConsumerEndpoint"] == f"{dns}:7700"
+    assert outputs["Partition1Endpoint"] == f"{dns}:7701"
+    assert outputs["ConsumerEndpoint"] in out.getvalue().replace("\n", "")
+    services = client("ecs").list_services(cluster=outputs["ClusterName"])["serviceArns"]
+    assert sorted(s.rsplit("/", 1)[1] for s in services) == ["partition-0", "partition-1"]
+
+    # the table: PITR and TTL on
+    ddb = client("dynamodb")
+    backups = ddb.describe_continuous_backups(TableName=table)["ContinuousBackupsDescription"]
+    assert backups["PointInTimeRecoveryDescription"]["PointInTimeRecoveryStatus"] == "ENABLED"
+    ttl = ddb.describe_time_to_live(TableName=table)["TimeToLiveDescription"]
+    assert (ttl["TimeToLiveStatus"], ttl["AttributeName"]) == ("ENABLED", "expires_at")
+
+    # the bucket: encrypted, no public access
+    s3 = client("s3")
+    encryption = s3.get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"]
+    assert encryption["Rules"][0]["ApplyServerSideEncryptionByDefault"]["SSEAlgorithm"] == "AES256"
+    block = s3.get_public_access_block(Bucket=bucket)["PublicAccessBlockConfiguration"]
+    assert all(block.values())
+    assert len(block) == 4
+
+    # the secrets: active tokens and the Kafka password, not the revoked token
+    assert secret_names(stack) == {
+        f"{stack}/token/audit",
+        f"{stack}/token/billing",
+        f"{stack}/kafka-sasl-password",
+    }
+    sm = client("secretsmanager")
+    assert (
+        sm.get_secret_value(SecretId=f"{stack}/token/billing")["SecretString"] == TOKENS["billing"]
+    )
+    assert sm.get_secret_value(SecretId=f"{stack}/kafka-sasl-password")["SecretString"] == PASSWORD
+
+    # the containers' config: references only, and they resolve to the real values
+    params = {
+        p["ParameterKey"]: p["ParameterValue"]
+        for p in client("cloudformation").describe_stacks(StackName=stack)["Stacks"][0][
+            "Parameters"
+        ]
+    }
+    container = params["TriageConfig"]
+    for secret in [*TOKENS.values(), REVOKED, PASSWORD]:
+        assert secret not in container
+        assert secret not in out.getvalue()
+        assert secret not in caplog.text
+    loaded = settings_from_dict(tomllib.loads(container), env={})
+    assert loaded.auth.active() == TOKENS
+    assert loaded.server.host == "0.0.0.0"
+    assert loaded.dead_letters.endpoint_url is None
+    assert loaded.kafka.partitions == 2
+    assert loaded.kafka.librdkafka_config()["sasl.password"] == PASSWORD
+
+    # least privilege: the task role names exactly our table, bucket and secrets
+    iam = client("iam")
+    role = client("cloudformation").describe_stack_resource(
+        StackName=stack, LogicalResourceId="TaskRole"
+    )["StackResourceDetail"]["PhysicalResourceId"]
+    policy = iam.get_role_policy(RoleName=role, PolicyName="triage-proxy")["PolicyDocument"]
+    # moto keeps the document as a Python repr, with AWS::NoValue as None
+    document = policy if isinstance(policy, dict) else ast.literal_eval(policy)
+    granted = {}
+    for statement in filter(None, document["Statement"]):
+        resources = statement["Resource"]
+        for resource in [resources] if isinstance(resources, str) else resources:
+            granted.setdefault(resource, set()).update(
+                [statement["Action"]]
+                if isinstance(statement["Action"], str)
+                else statement["Action"]
+            )
+    arns = {sm.describe_secret(SecretId=name)["ARN"] for name in secret_names(stack)}
+    assert set(granted) == {
+        f"arn:aws:dynamodb:{REGION}:123456789012:table/{table}",
+        f"arn:aws:s3:::{bucket}/*",
+        *arns,
+    }
+    assert all(granted[arn] == {"secretsmanager:GetSecretValue"} for arn in arns)
+
+    # a second deploy is an update (or nothing to do), not an error
+    again = deploy_aws(config, image=None, console=recorded()[0])
+    assert again == outputs
+    assert stack_status(stack) in ("CREATE_COMPLETE", "UPDATE_COMPLETE")
+
+    # destroy keeps the data
+    destroy_aws(config, delete_data=False, console=recorded()[0])
+    assert stack_status(stack) is None
+    assert ddb.describe_table(TableName=table)["Table"]["TableStatus"] == "ACTIVE"
+    s3.head_bucket(Bucket=bucket)
+    assert len(secret_names(stack)) == 3
+
+    # a redeploy finds everything in place; destroy --delete-data removes it all
+    deploy_aws(config, image="example/triage:2", console=recorded()[0])
+    assert stack_status(stack) == "CREATE_COMPLETE"
+    s3.put_object(Bucket=bucket, Key="payloads/x", Body=b"large payload")
+    destroy_aws(config, delete_data=True, console=recorded()[0])
+    assert stack_status(stack) is None
+    with pytest.raises(ClientError, match="ResourceNotFound"):
+        ddb.describe_table(TableName=table)
+    with pytest.raises(ClientError, match=r"404|NoSuchBucket|Not Found"):
+        s3.head_bucket(Bucket=bucket)
+    assert secret_names(stack) == set()
+
+
+def test_deploy_without_certificate_names_the_key(config: Path) -> None:
+    text = config.read_text()
+    config.write_text(
+        "\n".join(line for line in text.splitlines() if not line.startswith("certificate_arn"))
+    )
+    with pytest.raises(ConfigError) as caught:
+        deploy_aws(config, image=None, console=recorded()[0])
+    assert caught.value.key == "aws.certificate_arn"
+    assert stack_status(stack_name(load_settings(config))) is None
