@@ -71,6 +71,7 @@ def proxy(
 
     from triage_proxy.app import Proxy
     from triage_proxy.errors import ConfigError, UnavailableError
+    from triage_proxy.service import server_credentials
     from triage_proxy.settings import load_settings
 
     _setup_logging(verbose)
@@ -79,6 +80,7 @@ def proxy(
         if port is not None:
             server = dataclasses.replace(settings.server, port=port - partition if port else 0)
             settings = dataclasses.replace(settings, server=server)
+        server_credentials(settings.tls)  # a bad TLS file: exit 2 before anything starts
     except ConfigError as exc:
         raise _fail(ExitCode.BAD_INPUT, str(exc)) from None
     if partition < 0:

@@ -315,3 +315,36 @@ def test_sighup_revokes_one_app_and_leaves_the_others_alone(
     assert "authenticated as app 'alpha'" in stderr
     assert "revoked alpha" in stderr
     assert "token reload failed" in stderr
+
+
+@pytest.mark.parametrize(
+    ("key", "content"),
+    [("cert_file", None), ("key_file", b"not PEM at all")],
+)
+def test_triage_proxy_exits_2_naming_a_bad_tls_file(
+    tmp_path: Path, pki: Pki, key: str, content: bytes | None
+) -> None:
+    bad = tmp_path / "bad.pem"
+    if content is not None:
+        bad.write_bytes(content)
+    tls = {"cert_file": str(pki.server_cert), "key_file": str(pki.server_key), key: str(bad)}
+    config = tmp_path / "triage.toml"
+    write_toml(
+        config,
+        {
+            "kafka": {"bootstrap_servers": "127.0.0.1:1", "topic": "t", "group_id": "g"},
+            "auth": {"token": ALPHA},
+            "dead_letters": {"table": "d"},
+            "tls": tls,
+        },
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "triage_cli.main", "proxy", "-c", str(config), "-p", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 2
+    assert f"tls.{key}" in out.stderr
+    assert ALPHA not in out.stderr
