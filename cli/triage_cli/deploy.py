@@ -156,9 +156,9 @@ def destroy(
     """Stop what deploy started (local: every proxy and the supervisor, by pid)."""
     with _errors():
         if target is Target.aws:
-            if not yes:
-                what = "the stack AND its dead-letter data" if delete_data else "the stack"
-                typer.confirm(f"Delete {what} deployed from {config}?", abort=True, err=True)
+            what = "the stack AND its dead-letter data" if delete_data else "the stack"
+            if not yes and not typer.confirm(f"Delete {what} deployed from {config}?", err=True):
+                raise _Failed(ExitCode.FAILURE, "not confirmed; nothing was deleted")
             _aws().destroy_aws(config, delete_data=delete_data, console=_console())
             typer.echo("Destroyed." + ("" if delete_data else " Dead-letter data kept."))
             return
@@ -266,19 +266,20 @@ def _wait_ready(
     deadline = time.monotonic() + timeout_s
     pending = set(range(partitions))
     while pending:
-        if proc.poll() is not None:
-            raise _Failed(
-                ExitCode.UNAVAILABLE,
-                f"the supervisor exited with {proc.returncode}; see {project.supervisor_log}",
-            )
+        exited = proc.poll()
         state = project.read_state() or {}
         for entry in state.get("partitions", []):
             if entry.get("status") == "failed":
                 raise _Failed(
                     ExitCode.UNAVAILABLE,
-                    f"the proxy for partition {entry['partition']} keeps crashing; "
-                    f"see {entry['log']}",
+                    f"the proxy for partition {entry['partition']} was given up (last exit "
+                    f"status {entry.get('last_exit')}); see {entry['log']}",
                 )
+        if exited is not None:
+            raise _Failed(
+                ExitCode.UNAVAILABLE,
+                f"the supervisor exited with {exited}; see {project.supervisor_log}",
+            )
         pending = {p for p in pending if not proxy_ready(settings, p)}
         if pending and time.monotonic() > deadline:
             logs = ", ".join(str(project.proxy_log(p)) for p in sorted(pending))

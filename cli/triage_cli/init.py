@@ -134,7 +134,10 @@ class _Asker:
         if given is not None:
             return given
         if not self.interactive:
-            raise _Failed(ExitCode.UNAVAILABLE, f"{prompt}: give {flag} with --non-interactive")
+            raise _Failed(
+                ExitCode.UNAVAILABLE,
+                f"the broker cannot be asked: give {flag} with --non-interactive",
+            )
         return int(typer.prompt(prompt, type=int, err=True))
 
 

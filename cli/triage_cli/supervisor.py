@@ -298,7 +298,8 @@ class Supervisor:
         if decision.delay_s is None:
             child.status = "failed"
             logger.error(
-                "proxy for partition %d exited with %s %d time(s) in a row; giving it up (see %s)",
+                "proxy for partition %d exited with status %s (%d fast exit(s) in a row); "
+                "giving it up (see %s)",
                 child.partition,
                 code,
                 decision.fast_crashes,

@@ -348,3 +348,25 @@ def test_destroy_cleans_up_after_a_dead_supervisor(deployment: Deployment) -> No
     assert "not running" in out.stderr
     assert wait_until(lambda: not any(_alive(pid) for pid in pids), timeout=10)
     assert json.dumps(deployment.project.read_state()) == "null"
+
+
+def test_deploy_reports_a_proxy_that_cannot_start(deployment: Deployment) -> None:
+    """A proxy that exits on a config error is given up at once (no restart loop); deploy
+    says so, exits 3 and leaves nothing running."""
+    with deployment.config.open("a") as out:
+        out.write('\n[tls]\ncert_file = "/nonexistent/c.pem"\nkey_file = "/nonexistent/k.pem"\n')
+    out = run_triage("deploy", "--target", "local", "--config", str(deployment.config))
+    assert out.returncode == 3, out.stderr
+    assert "given up" in out.stderr
+    assert "proxy-" in out.stderr  # points at the log
+    assert not list(deployment.project.root.glob("*.pid"))
+    assert not any(_alive(pid) for pid in deployment.seen)
+
+
+def test_destroy_aws_asks_before_deleting(tmp_path: Path) -> None:
+    config = tmp_path / "triage.toml"
+    result = CliRunner().invoke(
+        app, ["destroy", "--target", "aws", "--config", str(config)], input="n\n"
+    )
+    assert result.exit_code == 1
+    assert "nothing was deleted" in result.output
