@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 import io
 import logging
+import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -239,4 +241,57 @@ def test_deploy_without_certificate_names_the_key(config: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         deploy_aws(config, image=None, console=recorded()[0])
     assert caught.value.key == "aws.certificate_arn"
+    assert stack_status(stack_name(load_settings(config))) is None
+
+
+# --- through the CLI ------------------------------------------------------------------
+
+
+def triage(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    """The installed `triage` command in a child process (it inherits AWS_ENDPOINT_URL)."""
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "triage"), *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
+def test_cli_deploy_then_destroy_asks_keeps_data_and_deletes_it_on_request(config: Path) -> None:
+    settings = load_settings(config)
+    stack = stack_name(settings)
+    table = settings.dead_letters.table
+
+    deployed = triage("deploy", "--target", "aws", "--config", str(config))
+    assert deployed.returncode == 0, deployed.stderr
+    endpoint = client("cloudformation").describe_stacks(StackName=stack)["Stacks"][0]["Outputs"]
+    consumer = next(o["OutputValue"] for o in endpoint if o["OutputKey"] == "ConsumerEndpoint")
+    assert consumer in deployed.stdout
+    for secret in [*TOKENS.values(), REVOKED, PASSWORD]:
+        assert secret not in deployed.stdout + deployed.stderr
+
+    refused = triage("destroy", "--target", "aws", "--config", str(config), stdin="n\n")
+    assert refused.returncode != 0
+    assert stack_status(stack) == "CREATE_COMPLETE"
+
+    kept = triage("destroy", "--target", "aws", "--config", str(config), "--yes")
+    assert kept.returncode == 0, kept.stderr
+    assert stack_status(stack) is None
+    assert client("dynamodb").describe_table(TableName=table)["Table"]["TableStatus"] == "ACTIVE"
+
+    gone = triage("destroy", "--target", "aws", "--config", str(config), "--yes", "--delete-data")
+    assert gone.returncode == 0, gone.stderr
+    with pytest.raises(ClientError, match="ResourceNotFound"):
+        client("dynamodb").describe_table(TableName=table)
+    assert secret_names(stack) == set()
+
+
+def test_cli_deploy_without_image_is_a_config_error(config: Path) -> None:
+    text = config.read_text()
+    config.write_text("\n".join(line for line in text.splitlines() if not line.startswith("image")))
+    result = triage("deploy", "--target", "aws", "--config", str(config))
+    assert result.returncode == 2, result.stderr
+    assert "aws.image" in result.stderr
     assert stack_status(stack_name(load_settings(config))) is None
