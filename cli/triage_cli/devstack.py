@@ -94,7 +94,8 @@ class DevStack:
                 "topic": self.topic,
                 "group_id": self.group_id,
             },
-            "server": {"host": HOST, "port": base_port},
+            # gRPC on base_port + p, the HTTP endpoint (metrics, status) right after them.
+            "server": {"host": HOST, "port": base_port, "http_port": base_port + self.partitions},
             "auth": {"token": self.token},
             "dead_letters": {
                 "table": self.table,
@@ -115,7 +116,7 @@ class DevStack:
             self.aws.start()
             self._create_topic()
             self._create_table()
-            base = free_port_block(self.partitions)
+            base = free_port_block(2 * self.partitions)  # gRPC ports, then HTTP ports
             write_config(self.config_path, self.config_values(base))
             for partition in range(self.partitions):
                 self.start_proxy(partition)

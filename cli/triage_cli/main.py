@@ -18,6 +18,7 @@ from triage_cli.deploy import deploy, destroy, supervise
 from triage_cli.dlq import dlq_app
 from triage_cli.exitcodes import ExitCode
 from triage_cli.init import config_app, init
+from triage_cli.status import status
 
 app = typer.Typer(
     name="triage",
@@ -150,6 +151,7 @@ app.add_typer(config_app, name="config")
 app.command()(deploy)
 app.command()(destroy)
 app.command(hidden=True)(supervise)
+app.command()(status)
 
 
 def run() -> None:

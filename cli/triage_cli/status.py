@@ -1,0 +1,464 @@
+"""`triage status`: is every partition keeping up? One row per partition.
+
+    triage status --config F [--watch [--interval S]] [--json] [--host H]
+
+Each row joins three sources, so one that is down costs only its own columns:
+
+- the broker (a confluent-kafka client): the group's committed offset and the log end
+  (high watermark); lag = log end - committed (log end - low watermark when nothing is
+  committed yet). The partition count is `kafka.partitions`, else the topic's metadata.
+- each proxy's `/status` (`server.host`, or `--host`, at `server.http_port + p`):
+  state, in-flight, connected instances, oldest unsettled age, dead letters still being
+  written. A proxy that does not answer is shown as down. Its log end also raises the
+  broker's (Tansu's high watermark can trail what was fetched, see DESIGN.md).
+- the dead-letter table: items of the partition with `status = pending`.
+
+Exit codes (`exitcodes.ExitCode`): 0 every proxy answered; 1 some proxy is down (the
+report is still printed); 2 bad config or flags; 3 the broker could not be read (what
+could be read is printed); `--watch` runs until Ctrl-C or SIGTERM and exits 0.
+
+Heavy modules (confluent-kafka, boto3, rich) are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from triage_cli.exitcodes import ExitCode
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from triage_proxy.settings import Settings
+
+PROXY_TIMEOUT_S = 2.0
+"""How long one proxy's /status may take before it counts as down."""
+BROKER_TIMEOUT_S = 5.0
+DEFAULT_WATCH_INTERVAL_S = 2.0
+ANY_INTERFACE = ("", "0.0.0.0", "::")
+
+
+@dataclass(frozen=True)
+class BrokerView:
+    """What the broker says about the group's partitions (None: could not be read)."""
+
+    committed: Mapping[int, int | None] = field(default_factory=dict)
+    """Committed offset per partition (None: the group committed nothing there)."""
+    low: Mapping[int, int] = field(default_factory=dict)
+    """Low watermark per partition (where an uncommitted group would start)."""
+    high: Mapping[int, int] = field(default_factory=dict)
+    """High watermark per partition."""
+    error: str | None = None
+    """Why the broker could not be read."""
+
+
+@dataclass(frozen=True)
+class ProxyView:
+    """One proxy's /status answer, or why there was none."""
+
+    url: str | None
+    """Where it was asked (None: `server.http_port` is off)."""
+    doc: Mapping[str, Any] | None = None
+    """The /status document."""
+    error: str | None = None
+    """Why it did not answer."""
+
+
+@dataclass(frozen=True)
+class Report:
+    """Everything `triage status` prints, for every partition."""
+
+    topic: str
+    group_id: str
+    partitions: Sequence[dict[str, Any]]
+    broker_error: str | None = None
+    dead_letters_error: str | None = None
+    generated_at: str = ""
+
+    @property
+    def proxies_down(self) -> list[int]:
+        return [row["partition"] for row in self.partitions if row["proxy"] == "down"]
+
+    def to_json(self) -> dict[str, Any]:
+        def total(key: str) -> int | None:
+            values = [row[key] for row in self.partitions]
+            return None if any(v is None for v in values) else sum(values)
+
+        return {
+            "topic": self.topic,
+            "group_id": self.group_id,
+            "generated_at": self.generated_at,
+            "broker_error": self.broker_error,
+            "dead_letters_error": self.dead_letters_error,
+            "totals": {
+                "lag": total("lag"),
+                "in_flight": total("in_flight"),
+                "dead_letters_pending": total("dead_letters_pending"),
+                "proxies_down": len(self.proxies_down),
+            },
+            "partitions": list(self.partitions),
+        }
+
+
+def partition_row(
+    partition: int, broker: BrokerView, proxy: ProxyView, dead_letters_pending: int | None
+) -> dict[str, Any]:
+    """One partition's row from the three sources (pure)."""
+    doc = proxy.doc or {}
+    committed = broker.committed.get(partition)
+    high = broker.high.get(partition)
+    proxy_end = doc.get("log_end_offset")
+    log_end = max((v for v in (high, proxy_end) if v is not None), default=None)
+    lag: int | None = None
+    if log_end is not None:
+        if committed is not None:
+            lag = max(0, log_end - committed)
+        elif partition in broker.low:
+            lag = max(0, log_end - broker.low[partition])
+    if proxy.url is None:
+        state = "unobserved"
+    elif proxy.doc is None:
+        state = "down"
+    else:
+        state = str(doc.get("state", "unknown"))
+    return {
+        "partition": partition,
+        "committed_offset": committed,
+        "log_end_offset": log_end,
+        "lag": lag,
+        "proxy": state,
+        "proxy_url": proxy.url,
+        "proxy_error": proxy.error,
+        "in_flight": doc.get("in_flight"),
+        "in_window": doc.get("in_window"),
+        "connected_instances": doc.get("connected_instances"),
+        "instances": [i["consumer_id"] for i in doc.get("instances", [])],
+        "oldest_unsettled_age_s": doc.get("oldest_unsettled_age_s"),
+        "dead_letters_pending": dead_letters_pending,
+        "dead_letters_writing": doc.get("dead_letters_pending"),
+    }
+
+
+# --- reading the sources ------------------------------------------------------------------
+
+
+class Sources:
+    """The clients one `triage status` run reads from (kept across --watch refreshes)."""
+
+    def __init__(self, settings: Settings, host: str | None) -> None:
+        from confluent_kafka import Consumer
+
+        from triage_proxy.dlqtable import DeadLetterTable
+
+        self.settings = settings
+        self._host = host
+        config = {
+            **settings.kafka.librdkafka_config(),
+            "group.id": settings.kafka.group_id,
+            "enable.auto.commit": False,
+        }
+        self._consumer: Any = Consumer(config)
+        self._table = DeadLetterTable(settings.dead_letters)
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="status")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._consumer.close()
+        self._table.close()
+
+    def partitions(self) -> int:
+        """`kafka.partitions`, else the topic's partition count from the broker."""
+        from confluent_kafka import KafkaException
+
+        from triage_proxy.errors import BrokerUnavailable
+
+        if self.settings.kafka.partitions is not None:
+            return self.settings.kafka.partitions
+        topic = self.settings.kafka.topic
+        try:
+            meta = self._consumer.list_topics(topic, timeout=BROKER_TIMEOUT_S)
+        except KafkaException as exc:
+            raise BrokerUnavailable(f"reading the metadata of {topic}: {exc}") from exc
+        found = meta.topics.get(topic)
+        if found is None or found.error is not None or not found.partitions:
+            raise BrokerUnavailable(f"the broker does not know topic {topic!r}")
+        return len(found.partitions)
+
+    def broker(self, partitions: int) -> BrokerView:
+        from confluent_kafka import KafkaException, TopicPartition
+
+        topic = self.settings.kafka.topic
+        tps = [TopicPartition(topic, p) for p in range(partitions)]
+        try:
+            committed = {
+                tp.partition: tp.offset if tp.offset >= 0 else None
+                for tp in self._consumer.committed(tps, timeout=BROKER_TIMEOUT_S)
+            }
+            low: dict[int, int] = {}
+            high: dict[int, int] = {}
+            for tp in tps:
+                low[tp.partition], high[tp.partition] = self._consumer.get_watermark_offsets(
+                    tp, timeout=BROKER_TIMEOUT_S, cached=False
+                )
+        except KafkaException as exc:
+            return BrokerView(error=f"broker unreachable: {exc.args[0] if exc.args else exc}")
+        return BrokerView(committed=committed, low=low, high=high)
+
+    def proxy_url(self, partition: int) -> str | None:
+        address = self.settings.server.http_address(partition)
+        if address is None or address[1] == 0:
+            return None
+        host = self._host or address[0]
+        if host in ANY_INTERFACE:
+            host = "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{address[1]}/status"
+
+    def ask_proxies(self, partitions: int) -> list[Future[ProxyView]]:
+        """Ask every proxy at once, in the background; the futures hold the answers."""
+        return [self._pool.submit(self._proxy, p) for p in range(partitions)]
+
+    def _proxy(self, partition: int) -> ProxyView:
+        url = self.proxy_url(partition)
+        if url is None:
+            return ProxyView(url=None)
+        return fetch_status(url)
+
+    def dead_letters(self, partitions: int) -> tuple[dict[int, int | None], str | None]:
+        """Pending dead letters per partition (a Query each, status only)."""
+        from triage_proxy.dlqtable import Filters
+        from triage_proxy.errors import TriageError
+
+        topic = self.settings.kafka.topic
+        counts: dict[int, int | None] = {}
+        try:
+            for p in range(partitions):
+                items = self._table.scan(
+                    Filters(topic=topic, partition=p, status="pending"), attributes=["status"]
+                )
+                counts[p] = sum(1 for _ in items)
+        except TriageError as exc:
+            return dict.fromkeys(range(partitions)), str(exc)
+        return counts, None
+
+
+def fetch_status(url: str, timeout: float = PROXY_TIMEOUT_S) -> ProxyView:
+    """GET a proxy's /status; any failure means down (with the reason)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            doc = json.loads(response.read())
+    except (OSError, ValueError) as exc:  # URLError, timeouts and refusals are OSErrors
+        reason = getattr(exc, "reason", None) or exc
+        return ProxyView(url=url, error=str(reason))
+    if not isinstance(doc, dict):
+        return ProxyView(url=url, error="not a status document")
+    return ProxyView(url=url, doc=doc)
+
+
+def gather(sources: Sources, *, now: Callable[[], float] = time.time) -> Report:
+    """Read every source once; raises BrokerUnavailable only when the partition count
+    cannot be known (no `kafka.partitions` and no broker)."""
+    settings = sources.settings
+    count = sources.partitions()
+    asked = sources.ask_proxies(count)
+    broker = sources.broker(count)
+    pending, dl_error = sources.dead_letters(count)
+    views = [future.result() for future in asked]
+    rows = [partition_row(p, broker, views[p], pending.get(p)) for p in range(count)]
+    stamp = datetime.fromtimestamp(now(), UTC).isoformat(timespec="seconds")
+    return Report(
+        topic=settings.kafka.topic,
+        group_id=settings.kafka.group_id,
+        partitions=rows,
+        broker_error=broker.error,
+        dead_letters_error=dl_error,
+        generated_at=stamp,
+    )
+
+
+# --- rendering ----------------------------------------------------------------------------
+
+
+def _n(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+PROXY_STYLES = {"running": "green", "down": "bold red", "standby": "yellow"}
+
+
+def render_table(report: Report) -> Table:
+    """The report as a rich table (pure; the caller prints it). Fits 80 columns."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(
+        title=f"{report.topic}  (group {report.group_id})  {report.generated_at}",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        collapse_padding=True,
+    )
+    for name in (
+        "part",
+        "proxy",
+        "committed",
+        "log\nend",
+        "lag",
+        "in\nflight",
+        "inst-\nances",
+        "oldest\nunsettled",
+        "dead\nletters",
+    ):
+        table.add_column(name, justify="left" if name == "proxy" else "right", no_wrap=True)
+    writing = False
+    for row in report.partitions:
+        state = row["proxy"]
+        dead = _n(row["dead_letters_pending"])
+        if row["dead_letters_writing"]:
+            dead += f" (+{row['dead_letters_writing']})"
+            writing = True
+        table.add_row(
+            str(row["partition"]),
+            Text(state, style=PROXY_STYLES.get(state, "")),
+            _n(row["committed_offset"]),
+            _n(row["log_end_offset"]),
+            Text(_n(row["lag"]), style="bold" if row["lag"] else ""),
+            _n(row["in_flight"]),
+            _n(row["connected_instances"]),
+            _age(row["oldest_unsettled_age_s"]),
+            dead,
+        )
+    notes = []
+    if writing:
+        notes.append("dead letters (+n): n more the proxy is still writing")
+    if report.broker_error:
+        notes.append(f"broker: {report.broker_error}")
+    if report.dead_letters_error:
+        notes.append(f"dead letters: {report.dead_letters_error}")
+    for row in report.partitions:
+        if row["proxy"] == "down":
+            where = f"proxy {row['partition']} down ({row['proxy_url']})"
+            notes.append(f"{where}: {row['proxy_error']}")
+    if notes:
+        table.caption = "\n".join(notes)
+        table.caption_justify = "left"
+    return table
+
+
+# --- the command --------------------------------------------------------------------------
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM ends a watch the way Ctrl-C does."""
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _fail(code: ExitCode, message: str) -> typer.Exit:
+    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+    return typer.Exit(int(code))
+
+
+def status(
+    config: Annotated[Path, typer.Option("--config", "-c", help="The proxies' TOML config file.")],
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C.")] = False,
+    interval: Annotated[
+        float, typer.Option(help="Seconds between refreshes with --watch.", min=0.2)
+    ] = DEFAULT_WATCH_INTERVAL_S,
+    json_: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
+    host: Annotated[
+        str | None, typer.Option(help="Ask the proxies on this host instead of server.host.")
+    ] = None,
+) -> None:
+    """Per partition: committed offset, log end, lag, in-flight, instances, dead letters."""
+    from rich.console import Console
+
+    from triage_proxy.errors import ConfigError, TriageError, UnavailableError
+    from triage_proxy.settings import load_settings
+
+    if watch and json_:
+        raise _fail(ExitCode.BAD_INPUT, "--watch and --json do not go together")
+    try:
+        settings = load_settings(config)
+        sources = Sources(settings, host)
+    except ConfigError as exc:
+        raise _fail(ExitCode.BAD_INPUT, str(exc)) from None
+    console = Console(highlight=False)
+    try:
+        if watch:
+            _watch(sources, console, interval)
+            return
+        report = gather(sources)
+    except UnavailableError as exc:
+        raise _fail(ExitCode.UNAVAILABLE, str(exc)) from None
+    except TriageError as exc:
+        raise _fail(ExitCode.FAILURE, str(exc)) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
+    finally:
+        sources.close()
+    if json_:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        console.print(render_table(report))
+    if report.broker_error:
+        raise typer.Exit(int(ExitCode.UNAVAILABLE))
+    if report.proxies_down:
+        raise typer.Exit(int(ExitCode.FAILURE))
+
+
+def _watch(sources: Sources, console: Any, interval: float) -> None:
+    """Redraw the table every `interval` until Ctrl-C or SIGTERM (exit 0)."""
+    from rich.live import Live
+    from rich.text import Text
+
+    from triage_proxy.errors import UnavailableError
+
+    def frame() -> Any:
+        try:
+            return render_table(gather(sources))
+        except UnavailableError as exc:
+            return Text(f"{exc} (retrying every {interval:g} s)", style="red")
+
+    with (
+        _sigterm_as_interrupt(),
+        contextlib.suppress(KeyboardInterrupt),
+        Live(frame(), console=console, auto_refresh=False) as live,
+    ):
+        while True:
+            time.sleep(interval)
+            live.update(frame(), refresh=True)

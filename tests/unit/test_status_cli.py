@@ -1,0 +1,131 @@
+"""`triage status`: joining the sources and rendering (pure parts, no broker)."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from typing import Any
+
+from rich.console import Console
+
+from triage_cli.status import (
+    BrokerView,
+    ProxyView,
+    Report,
+    Sources,
+    fetch_status,
+    partition_row,
+    render_table,
+)
+from triage_proxy.settings import Settings, settings_from_dict
+
+RUNNING: dict[str, Any] = {
+    "state": "running",
+    "in_flight": 3,
+    "connected_instances": 1,
+    "instances": [{"consumer_id": "c1", "credits": 10, "held": 3}],
+    "oldest_unsettled_age_s": 2.5,
+    "dead_letters_pending": 1,
+    "log_end_offset": 12,
+}
+
+
+def test_lag_is_log_end_minus_committed_and_the_proxy_can_raise_the_log_end() -> None:
+    broker = BrokerView(committed={0: 4}, low={0: 0}, high={0: 10})
+    row = partition_row(0, broker, ProxyView("u", doc=RUNNING), 2)
+    # Tansu's watermark can trail what the proxy fetched: the larger one is the log end.
+    assert (row["committed_offset"], row["log_end_offset"], row["lag"]) == (4, 12, 8)
+    assert row["proxy"] == "running"
+    assert row["instances"] == ["c1"]
+    assert (row["in_flight"], row["connected_instances"]) == (3, 1)
+    assert (row["dead_letters_pending"], row["dead_letters_writing"]) == (2, 1)
+
+
+def test_nothing_committed_counts_lag_from_the_low_watermark() -> None:
+    broker = BrokerView(committed={0: None}, low={0: 3}, high={0: 10})
+    row = partition_row(0, broker, ProxyView("u", error="refused"), 0)
+    assert (row["committed_offset"], row["lag"]) == (None, 7)
+    assert row["proxy"] == "down"
+    assert row["proxy_error"] == "refused"
+    assert row["in_flight"] is None
+
+
+def test_unreadable_broker_leaves_offsets_unknown() -> None:
+    row = partition_row(0, BrokerView(error="down"), ProxyView(None), None)
+    assert (row["committed_offset"], row["log_end_offset"], row["lag"]) == (None, None, None)
+    assert row["proxy"] == "unobserved"
+
+
+def report() -> Report:
+    broker = BrokerView(committed={0: 4, 1: 0}, low={0: 0, 1: 0}, high={0: 10, 1: 3})
+    return Report(
+        topic="orders",
+        group_id="g",
+        partitions=[
+            partition_row(0, broker, ProxyView("u0", doc=RUNNING), 2),
+            partition_row(1, broker, ProxyView("http://h:1/status", error="refused"), 0),
+        ],
+        generated_at="2026-01-01T00:00:00+00:00",
+    )
+
+
+def test_totals_are_unknown_when_any_partition_is() -> None:
+    doc = report().to_json()
+    assert doc["totals"] == {
+        "lag": 8 + 3,
+        "in_flight": None,  # partition 1's proxy is down
+        "dead_letters_pending": 2,
+        "proxies_down": 1,
+    }
+    assert report().proxies_down == [1]
+
+
+def test_the_table_fits_80_columns_and_names_the_down_proxy() -> None:
+    console = Console(width=80, record=True, color_system=None)
+    console.print(render_table(report()))
+    text = console.export_text()
+    assert "running" in text
+    assert "proxy 1 down (http://h:1/status): refused" in text
+    assert "2 (+1)" in text  # pending in the table, +1 still being written
+    assert "…" not in text  # nothing truncated at 80 columns
+
+
+def make_settings(**server: Any) -> Settings:
+    return settings_from_dict(
+        {
+            "kafka": {"bootstrap_servers": "127.0.0.1:1", "topic": "t", "group_id": "g"},
+            "auth": {"token": "0123456789abcdef"},
+            "dead_letters": {"table": "d", "endpoint_url": "http://127.0.0.1:1"},
+            "server": server,
+        },
+        {},
+    )
+
+
+def test_proxy_urls_follow_http_port_and_host() -> None:
+    sources = Sources(make_settings(host="0.0.0.0", http_port=9800), None)
+    try:
+        assert sources.proxy_url(2) == "http://127.0.0.1:9802/status"
+    finally:
+        sources.close()
+    sources = Sources(make_settings(http_port=9800), "proxy.internal")
+    try:
+        assert sources.proxy_url(0) == "http://proxy.internal:9800/status"
+    finally:
+        sources.close()
+    off = make_settings()
+    off = dataclasses.replace(off, server=dataclasses.replace(off.server, http_port=None))
+    sources = Sources(off, None)
+    try:
+        assert sources.proxy_url(0) is None
+    finally:
+        sources.close()
+
+
+def test_a_proxy_that_does_not_answer_is_down_not_a_crash() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, not listening: refused
+        view = fetch_status(f"http://127.0.0.1:{port}/status", timeout=1)
+    assert view.doc is None
+    assert view.error
