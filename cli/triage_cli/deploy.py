@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import importlib
 import socket
 import subprocess
 import time
@@ -33,7 +32,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -135,7 +134,9 @@ def deploy(
     """Run one proxy per partition (local processes, or ECS on AWS); print the endpoints."""
     with _errors():
         if target is Target.aws:
-            outputs = _aws().deploy_aws(config, image=image, console=_console())
+            from triage_cli.aws import deploy_aws  # boto3 and the template: only here
+
+            outputs = deploy_aws(config, image=image, console=_console())
             typer.echo("Deployed. Stack outputs:")
             for key, value in dict(outputs).items():
                 typer.echo(f"  {key}: {value}")
@@ -159,7 +160,9 @@ def destroy(
             what = "the stack AND its dead-letter data" if delete_data else "the stack"
             if not yes and not typer.confirm(f"Delete {what} deployed from {config}?", err=True):
                 raise _Failed(ExitCode.FAILURE, "not confirmed; nothing was deleted")
-            _aws().destroy_aws(config, delete_data=delete_data, console=_console())
+            from triage_cli.aws import destroy_aws
+
+            destroy_aws(config, delete_data=delete_data, console=_console())
             typer.echo("Destroyed." + ("" if delete_data else " Dead-letter data kept."))
             return
         destroy_local(config, state_dir)
@@ -182,16 +185,6 @@ def supervise(
     with _errors():
         code = run_supervisor(config, ProjectDir(state_dir), partitions)
     raise typer.Exit(code)
-
-
-def _aws() -> Any:
-    """The AWS deployer, imported only for --target aws (boto3 and the template)."""
-    try:
-        return importlib.import_module("triage_cli.aws")
-    except ModuleNotFoundError as exc:
-        if exc.name != "triage_cli.aws":
-            raise
-        raise _Failed(ExitCode.FAILURE, "--target aws is not available in this build") from None
 
 
 # --- local --------------------------------------------------------------------------------
