@@ -207,3 +207,33 @@ def test_healthz_and_readyz_follow_the_lifecycle(
             await proxy.wait_stopped()
 
     asyncio.run(scenario())
+
+
+def test_a_standby_is_observable_but_not_ready(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    settings = settings_for(broker, aws, topic)
+    one_by_one(broker.bootstrap, topic, 1)
+
+    async def scenario() -> None:
+        async with Proxy(settings, 0) as holder:
+            standby = Proxy(settings, 0)
+            waiting = asyncio.create_task(standby.start())
+            try:
+                assert await await_until(lambda: standby.state is ProxyState.STANDBY)
+                assert await get(standby.http_port, "/healthz") == (200, "ok\n")
+                assert await get(standby.http_port, "/readyz") == (503, "standby\n")
+                doc = await status_of(standby.http_port)
+                assert (doc["state"], doc["ready"], doc["committed_offset"]) == (
+                    "standby",
+                    False,
+                    None,
+                )
+                assert (await scrape(standby.http_port))["triage_ready"] == 0
+                assert await get(holder.http_port, "/readyz") == (200, "ready\n")
+            finally:
+                standby.stop()
+                await asyncio.gather(waiting, return_exceptions=True)
+                await standby.wait_stopped()
+
+    asyncio.run(scenario())
