@@ -79,7 +79,7 @@ def _config(tmp_path: Path, broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
                 "topic": topic,
                 "group_id": f"g-{topic}",
             },
-            "server": {"host": "127.0.0.1", "port": free_port()},
+            "server": {"host": "127.0.0.1", "port": free_port(), "http_port": 0},
             "auth": {"token": TOKEN},
             "dead_letters": {"table": table, "endpoint_url": aws.endpoint_url},
             "shutdown": {"drain_timeout_s": 20},
