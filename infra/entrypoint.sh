@@ -6,6 +6,6 @@ set -eu
 : "${TRIAGE_CONFIG:?TRIAGE_CONFIG must hold the triage.toml text}"
 : "${TRIAGE_PARTITION:?TRIAGE_PARTITION must name the partition to own}"
 umask 077
-config="${TMPDIR:-/tmp}/triage.toml"
+config="$(mktemp -d)/triage.toml"  # a fresh 0700 folder: nothing else can read or plant it
 printf '%s\n' "$TRIAGE_CONFIG" > "$config"
 exec triage proxy --config "$config" --partition "$TRIAGE_PARTITION" "$@"

@@ -10,8 +10,12 @@ NLB, security groups, roles, log group) is created by moto's CloudFormation.
 from __future__ import annotations
 
 import ast
+import asyncio
 import io
 import logging
+import os
+import signal
+import stat
 import subprocess
 import sys
 import tomllib
@@ -20,12 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import grpc
 import pytest
+import tomli_w
 from botocore.exceptions import ClientError
 from rich.console import Console
 
+from tests.integration.harness import RawConsumer, create_topic, produce
 from triage_cli.aws import deploy_aws, destroy_aws, stack_name
-from triage_proxy.embedded import EmbeddedAWS
+from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
 from triage_proxy.errors import ConfigError
 from triage_proxy.settings import load_settings, settings_from_dict
 
@@ -35,6 +42,7 @@ TOKENS = {"billing": "billing-token-0123456789abcdef", "audit": "audit-token-012
 REVOKED = "old-token-0123456789abcdef"
 PASSWORD = "kafka-password-do-not-print"
 REGION = "us-east-1"
+ENTRYPOINT = Path(__file__).resolve().parents[2] / "infra" / "entrypoint.sh"
 
 
 @pytest.fixture
@@ -295,3 +303,67 @@ def test_cli_deploy_without_image_is_a_config_error(config: Path) -> None:
     assert result.returncode == 2, result.stderr
     assert "aws.image" in result.stderr
     assert stack_status(stack_name(load_settings(config))) is None
+
+
+# --- the container's side -------------------------------------------------------------
+
+
+def test_container_entrypoint_runs_a_proxy_from_the_deployed_config(
+    config: Path, broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    """What a Fargate task does, minus Docker: infra/entrypoint.sh with the TriageConfig and
+    TRIAGE_PARTITION the stack passes. The tokens are resolved from Secrets Manager (moto)
+    at start. Only the network changes: the local broker instead of the SASL one, and
+    loopback instead of 0.0.0.0."""
+    settings = load_settings(config)
+    deploy_aws(config, image=None, console=recorded()[0])
+    params = client("cloudformation").describe_stacks(StackName=stack_name(settings))["Stacks"][0][
+        "Parameters"
+    ]
+    container = tomllib.loads(
+        next(p["ParameterValue"] for p in params if p["ParameterKey"] == "TriageConfig")
+    )
+    topic = container["kafka"]["topic"]
+    create_topic(broker.bootstrap, topic)
+    produce(broker.bootstrap, topic, [(b"k", b"hello", None)])
+    kafka = container["kafka"]
+    for key in ("security_protocol", "sasl_mechanism", "sasl_username", "sasl_password"):
+        kafka.pop(key)
+    kafka["bootstrap_servers"] = broker.bootstrap
+    port = free_port()
+    container["server"].update(host="127.0.0.1", port=port, http_port=free_port())
+    env = {
+        **os.environ,
+        "TRIAGE_CONFIG": tomli_w.dumps(container),
+        "TRIAGE_PARTITION": "0",
+        "TMPDIR": str(tmp_path / "task"),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
+    (tmp_path / "task").mkdir()
+    proc = subprocess.Popen(["sh", str(ENTRYPOINT)], env=env, stderr=subprocess.PIPE)
+    try:
+        wait_for_port("127.0.0.1", port, 60, proc)  # type: ignore[arg-type]
+        (written,) = (tmp_path / "task").glob("*/triage.toml")
+        assert stat.S_IMODE(written.stat().st_mode) == 0o600
+        assert stat.S_IMODE(written.parent.stat().st_mode) == 0o700
+
+        async def scenario() -> None:
+            async with RawConsumer(f"127.0.0.1:{port}", token=TOKENS["billing"]) as good:
+                delivered = await good.receive(1, timeout=30)
+                assert delivered[0].value == b"hello"
+                good.settle(acks=[delivered[0].offset])
+            async with RawConsumer(f"127.0.0.1:{port}", token=REVOKED) as revoked:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await revoked.read()
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+        asyncio.run(scenario())
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0, stderr.decode(errors="replace")[-2000:]
+        for secret in TOKENS.values():
+            assert secret.encode() not in stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
