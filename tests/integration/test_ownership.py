@@ -26,11 +26,14 @@ from tests.integration.harness import (
     committed,
     produce,
     settings_for,
+    target,
     wait_until,
 )
 from triage_cli.devstack import write_config
+from triage_proxy.app import Proxy, ProxyState
 from triage_proxy.dlqtable import DeadLetterTable, Filters
 from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
+from triage_proxy.errors import OwnershipLost
 from triage_proxy.ownership import DynamoDBLeases, Lease, lease_source
 
 pytestmark = pytest.mark.integration
@@ -215,3 +218,44 @@ def test_standby_takes_over_after_kill_9_and_never_delivers_at_once(
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def test_holder_cut_off_from_dynamodb_stops_delivering_and_exits_before_expiry(
+    broker: EmbeddedBroker, topic: str
+) -> None:
+    # A private moto server, so it can be frozen without disturbing other tests.
+    with EmbeddedAWS() as aws:
+        settings = settings_for(broker, aws, topic, ownership={"lease_s": 1.0})
+        produce(broker.bootstrap, topic, [(None, b"m%d" % i, None) for i in range(10)])
+
+        async def scenario() -> None:
+            proxy = Proxy(settings, 0)
+            await proxy.start()
+            try:
+                ownership = proxy.ownership
+                assert ownership is not None
+                assert ownership.holding
+                async with RawConsumer(target(proxy), credits=5) as c:
+                    await c.receive(5)
+                    os.kill(aws.pid, signal.SIGSTOP)
+                    frozen = time.monotonic()
+                    try:
+                        await asyncio.wait_for(ownership.lost.wait(), timeout=3)
+                        # Before the standby's earliest takeover (last sent + lease_s).
+                        assert time.monotonic() - frozen < 1.0
+                        with pytest.raises(OwnershipLost):
+                            await asyncio.wait_for(proxy.wait_stopped(), timeout=5)
+                        assert proxy.state is ProxyState.STOPPED
+                        c.settle(acks=[d.offset for d in c.deliveries])
+                        with pytest.raises((EOFError, grpc.aio.AioRpcError)):
+                            await c.receive(1, timeout=2)  # the stream ended, nothing more
+                        assert len(c.deliveries) == 5
+                    finally:
+                        os.kill(aws.pid, signal.SIGCONT)
+            finally:
+                proxy.stop()
+                with contextlib.suppress(OwnershipLost):
+                    await proxy.wait_stopped()
+            assert committed(broker.bootstrap, settings.kafka.group_id, topic) <= 0
+
+        asyncio.run(scenario())
