@@ -175,6 +175,12 @@ def deploy_aws(config: Path, *, image: str | None, console: Console) -> dict[str
         container_config = _container_config(dep, partitions, token_refs, kafka_ref)
         vpc_id, subnets = _network(dep)
         step(f"stack {dep.stack}")
+    bucket = dep.dead_letters.overflow_bucket
+    console.print(
+        f"[green]ready:[/] table {dep.dead_letters.table} (point-in-time recovery on)"
+        + (f", bucket {bucket} (encrypted, not public)" if bucket else "")
+        + f", {len(secret_arns)} secret(s)"
+    )
     parameters = {
         "Image": image,
         "CertificateArn": aws.certificate_arn,
@@ -226,7 +232,6 @@ def _steps(console: Console, total: int) -> Iterator[Callable[[str], None]]:
 
         yield step
         progress.advance(task)
-    console.print("[green]ready:[/] table (point-in-time recovery on), bucket, secrets")
 
 
 def _enable_pitr(dep: _Deployment) -> None:

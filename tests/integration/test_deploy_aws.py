@@ -33,7 +33,7 @@ from rich.console import Console
 from tests.integration.harness import RawConsumer, create_topic, produce
 from triage_cli.aws import deploy_aws, destroy_aws, stack_name
 from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
-from triage_proxy.errors import ConfigError
+from triage_proxy.errors import ConfigError, DeployError
 from triage_proxy.settings import load_settings, settings_from_dict
 
 pytestmark = pytest.mark.integration
@@ -367,3 +367,18 @@ def test_container_entrypoint_runs_a_proxy_from_the_deployed_config(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_an_aws_refusal_raises_deploy_error_and_a_fixed_rerun_succeeds(config: Path) -> None:
+    """A Kafka password referencing a secret that does not exist: Secrets Manager refuses,
+    deploy stops before the stack with DeployError naming the step; fixed, it goes on."""
+    stack = stack_name(load_settings(config))
+    good = config.read_text()
+    config.write_text(good.replace('"env:TEST_KAFKA_PASSWORD"', '"secret:no-such-secret"'))
+    with pytest.raises(DeployError, match="reading secret no-such-secret failed"):
+        deploy_aws(config, image=None, console=recorded()[0])
+    assert stack_status(stack) is None
+    config.write_text(good)
+    outputs = deploy_aws(config, image=None, console=recorded()[0])
+    assert stack_status(stack) == "CREATE_COMPLETE"
+    assert outputs["ConsumerEndpoint"].endswith(":7700")
