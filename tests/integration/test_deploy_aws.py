@@ -382,3 +382,21 @@ def test_an_aws_refusal_raises_deploy_error_and_a_fixed_rerun_succeeds(config: P
     outputs = deploy_aws(config, image=None, console=recorded()[0])
     assert stack_status(stack) == "CREATE_COMPLETE"
     assert outputs["ConsumerEndpoint"].endswith(":7700")
+
+
+def test_deploy_asks_the_broker_for_the_partition_count_when_the_config_has_none(
+    config: Path, broker: EmbeddedBroker
+) -> None:
+    settings = load_settings(config)
+    create_topic(broker.bootstrap, settings.kafka.topic, partitions=3)
+    text = config.read_text().replace("partitions = 2\n", "")
+    text = text.replace('"b-1.kafka.example.com:9096"', f'"{broker.bootstrap}"')
+    for key in ("security_protocol", "sasl_mechanism", "sasl_username", "sasl_password"):
+        text = "\n".join(line for line in text.splitlines() if not line.startswith(key))
+    config.write_text(text)
+    outputs = deploy_aws(config, image=None, console=recorded()[0])
+    assert {k for k in outputs if k.startswith("Partition")} == {
+        "Partition0Endpoint",
+        "Partition1Endpoint",
+        "Partition2Endpoint",
+    }

@@ -10,8 +10,9 @@ import pytest
 import yaml
 from cfnlint.api import ManualArgs, lint
 
-from triage_cli.aws import stack_name
+from triage_cli.aws import _repository_arn, stack_name
 from triage_cli.awsstack import REFERENCE_PARTITIONS, REFERENCE_PATH, render, template
+from triage_proxy.errors import ConfigError
 from triage_proxy.settings import settings_from_dict
 
 
@@ -118,3 +119,31 @@ def test_stack_names_include_the_topic_and_stay_apart_after_sanitizing() -> None
     assert stack_name(_settings("x", stack_name="mine")) == "mine"
     for name in (dotted, underscored, stack_name(_settings("t" * 249))):
         assert re.fullmatch(r"[A-Za-z][A-Za-z0-9-]{0,127}", name)
+
+
+def test_aws_settings_are_validated_and_name_the_key() -> None:
+    with pytest.raises(ConfigError) as bad_scheme:
+        _settings("t", scheme="public")
+    assert bad_scheme.value.key == "aws.scheme"
+    with pytest.raises(ConfigError) as unknown:
+        _settings("t", region="eu-west-1")
+    assert unknown.value.key == "aws.region"
+    with pytest.raises(ConfigError) as wrong_type:
+        _settings("t", subnet_ids="subnet-1")
+    assert wrong_type.value.key == "aws.subnet_ids"
+    assert _settings("t", subnet_ids=["subnet-1", "subnet-2"]).aws.subnet_ids == (
+        "subnet-1",
+        "subnet-2",
+    )
+
+
+def test_execution_role_may_pull_only_from_the_images_ecr_repository() -> None:
+    assert (
+        _repository_arn("123456789012.dkr.ecr.eu-west-1.amazonaws.com/team/triage:1.2")
+        == "arn:aws:ecr:eu-west-1:123456789012:repository/team/triage"
+    )
+    assert (
+        _repository_arn("123456789012.dkr.ecr.eu-west-1.amazonaws.com/triage@sha256:ab")
+        == "arn:aws:ecr:eu-west-1:123456789012:repository/triage"
+    )
+    assert _repository_arn("ghcr.io/acme/triage:1") == "*"
