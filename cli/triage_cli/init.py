@@ -216,11 +216,7 @@ def write_private(path: Path, text: str, *, force: bool) -> Path | None:
     backup: Path | None = None
     if path.exists():
         if not force:
-            raise _Failed(
-                ExitCode.CONFLICT,
-                f"{path} already exists; not overwriting it (use --force, which keeps "
-                f"{path.name}.bak, or --config for another file)",
-            )
+            raise _exists(path)
         backup = path.with_name(path.name + ".bak")
         _create_0600(backup, path.read_bytes(), replace=True)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
@@ -232,6 +228,14 @@ def write_private(path: Path, text: str, *, force: bool) -> Path | None:
             tmp.unlink()
         raise ConfigError("--config", f"cannot write {path}: {exc}") from None
     return backup
+
+
+def _exists(path: Path) -> _Failed:
+    return _Failed(
+        ExitCode.CONFLICT,
+        f"{path} already exists; not overwriting it (use --force, which keeps "
+        f"{path.name}.bak, or --config for another file)",
+    )
 
 
 def _create_0600(path: Path, data: bytes, *, replace: bool) -> None:
@@ -312,7 +316,7 @@ def init(
 
     with _errors():
         if config.exists() and not force:
-            write_private(config, "", force=False)  # refuses with the standard message
+            raise _exists(config)  # before any question, not after all of them
         ask = _Asker(interactive=not non_interactive)
         kafka: dict[str, Any] = {
             "bootstrap_servers": ask.text(
@@ -405,11 +409,13 @@ def _print_next(config: Path, raw: dict[str, Any], token_name: str, backup: Path
         "Next:\n"
         f"  triage config check --config {config} --connect\n"
         f"  triage deploy --target local --config {config}   # or --target aws\n\n"
-        "A consumer (pip install ./client_lib):\n"
+        f"A consumer (pip install ./client_lib; export TRIAGE_TOKEN from [auth.tokens]):\n"
+        "  import os\n"
         "  from triage_client import Consumer\n"
         "  async def handle(message):  # return = ack, raise = nack\n"
         "      ...\n"
-        f'  Consumer("127.0.0.1:{port}", token, handle).run()  # partition p: port {port} + p'
+        f'  Consumer("127.0.0.1:{port}", os.environ["TRIAGE_TOKEN"], handle).run()'
+        f"  # partition p: port {port} + p"
     )
 
 

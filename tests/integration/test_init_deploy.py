@@ -257,7 +257,7 @@ def deployment(
         tmp_path, broker.bootstrap, unique_name, "--endpoint-url", aws.endpoint_url, *ports
     )
     with config.open("a") as out:
-        out.write("\n[ownership]\nlease_s = 2.0\n\n[shutdown]\ndrain_timeout_s = 3.0\n")
+        out.write("\n[ownership]\nlease_s = 3.0\n\n[shutdown]\ndrain_timeout_s = 3.0\n")
         out.write("\n[commit]\ninterval_s = 0.2\n")
     found = Deployment(config)
     try:
@@ -342,11 +342,12 @@ def test_destroy_cleans_up_after_a_dead_supervisor(deployment: Deployment) -> No
     supervisor = deployment.supervisor_pid()
     os.kill(supervisor, signal.SIGKILL)
     assert wait_until(lambda: not _alive(supervisor), timeout=10)
-    assert all(_alive(pid) for pid in pids)  # orphans now
+    logs = {p.name: p.read_text()[-2000:] for p in deployment.project.root.glob("*.log")}
+    assert all(_alive(pid) for pid in pids), logs  # orphans now
     out = run_triage("destroy", "--target", "local", "--config", str(config))
     assert out.returncode == 0, out.stderr
-    assert "not running" in out.stderr
-    assert wait_until(lambda: not any(_alive(pid) for pid in pids), timeout=10)
+    assert "not running" in out.stderr, out.stdout + out.stderr
+    assert wait_until(lambda: not any(_alive(pid) for pid in pids), timeout=10), out.stdout
     assert json.dumps(deployment.project.read_state()) == "null"
 
 
