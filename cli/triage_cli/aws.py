@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 STACK_TIMEOUT_S = 3600.0
 """Longest a create/update/delete may take before deploy gives up waiting (not the stack)."""
 POLL_INTERVAL_S = 2.0
+PITR_TIMEOUT_S = 120.0
+"""How long a new table may refuse point-in-time recovery before deploy gives up."""
 PARAMETER_LIMIT = 4096
 """CloudFormation's limit on one parameter value (the container config travels in one)."""
 CAPABILITIES = ["CAPABILITY_IAM"]
@@ -234,17 +236,31 @@ def _steps(console: Console, total: int) -> Iterator[Callable[[str], None]]:
         progress.advance(task)
 
 
-def _enable_pitr(dep: _Deployment) -> None:
-    """Point-in-time recovery: dead letters are the only copy of what failed."""
+def _enable_pitr(dep: _Deployment, *, timeout_s: float = PITR_TIMEOUT_S) -> None:
+    """Point-in-time recovery: dead letters are the only copy of what failed. A table
+    created moments ago answers ContinuousBackupsUnavailable for a while: retry that."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    table = dep.dead_letters.table
     client = dynamodb_client(dep.dead_letters)
+    deadline = time.monotonic() + timeout_s
     try:
-        _aws_call(
-            "enabling point-in-time recovery",
-            lambda: client.update_continuous_backups(
-                TableName=dep.dead_letters.table,
-                PointInTimeRecoverySpecification={"PointInTimeRecoveryEnabled": True},
-            ),
-        )
+        while True:
+            try:
+                client.update_continuous_backups(
+                    TableName=table,
+                    PointInTimeRecoverySpecification={"PointInTimeRecoveryEnabled": True},
+                )
+                return
+            except ClientError as exc:
+                if (
+                    _code(exc) != "ContinuousBackupsUnavailableException"
+                    or time.monotonic() > deadline
+                ):
+                    raise DeployError(f"enabling point-in-time recovery failed: {exc}") from exc
+            except BotoCoreError as exc:
+                raise DeployError(f"enabling point-in-time recovery failed: {exc}") from exc
+            time.sleep(POLL_INTERVAL_S)
     finally:
         client.close()
 
