@@ -363,11 +363,7 @@ def _select(
 
     from triage_proxy.deadletter import STATUS_PENDING
 
-    if not filters.narrows and not everything:
-        raise _Failed(
-            ExitCode.BAD_INPUT,
-            f"refusing to {what} every pending dead letter: give a filter or --all",
-        )
+    _require_filter(filters, everything, what)
     if filters.offset is not None:
         assert filters.topic is not None
         assert filters.partition is not None
@@ -379,6 +375,14 @@ def _select(
         return [item]
     pending = dataclasses.replace(filters, status=STATUS_PENDING)
     return _sorted(list(table.scan(pending, consistent=True)))
+
+
+def _require_filter(filters: Filters, everything: bool, what: str) -> None:
+    if not filters.narrows and not everything:
+        raise _Failed(
+            ExitCode.BAD_INPUT,
+            f"refusing to {what} every pending dead letter: give a filter or --all",
+        )
 
 
 @contextlib.contextmanager
@@ -418,12 +422,21 @@ def replay(
         bool, typer.Option("--all", help="Replay every pending dead letter (no filter).")
     ] = False,
     json_: JsonOption = False,
+    spark: Annotated[
+        bool,
+        typer.Option(
+            "--spark", help="Run the PySpark job instead (parallel scan; for many items)."
+        ),
+    ] = False,
+    master: Annotated[str, typer.Option(help="Spark master of --spark.")] = "local[*]",
 ) -> None:
     """Produce pending dead letters again and mark them replayed.
 
     Same key, value and headers plus the provenance headers triage-replay-of,
     triage-replay-reason and triage-replay-id. Items are marked replayed only once the
     broker confirmed them, so a rerun (or a concurrent run) replays nothing twice.
+    With --spark the Spark job (triage_replay) does the same at scale; --dry-run still
+    lists without Spark.
     """
     from triage_proxy.dlqtable import item_summary, new_replay_id
     from triage_proxy.dlqtable import replay as replay_items
@@ -439,6 +452,10 @@ def replay(
         )
         if to_topic is not None and (not to_topic or "#" in to_topic):
             raise _Failed(ExitCode.BAD_INPUT, f"not a Kafka topic name: {to_topic!r}")
+        if spark and not dry_run:
+            _require_filter(filters, everything, "replay")
+            _spark_replay(config, filters, to_topic, master, json_)
+            return
         settings, table = _open(config)
         with table:
             items = _select(table, filters, everything, what="replay")
@@ -470,6 +487,30 @@ def replay(
                 raise typer.Exit(int(ExitCode.INTERRUPTED))
             if result.failed:
                 raise typer.Exit(int(ExitCode.FAILURE))
+
+
+def _spark_replay(
+    config: Path, filters: Filters, to_topic: str | None, master: str, json_: bool
+) -> None:
+    """Run the Spark job on this config and filters in this process; print its summary."""
+    import dataclasses
+    import importlib.util
+
+    from triage_proxy.settings import load_settings
+    from triage_replay import ReplayOptions, run_replay
+
+    if importlib.util.find_spec("pyspark") is None:  # an extra: triage[spark]
+        raise _Failed(ExitCode.BAD_INPUT, "--spark needs pyspark: pip install 'triage[spark]'")
+    options = ReplayOptions.from_settings(
+        load_settings(config), filters=filters, to_topic=to_topic, master=master
+    )
+    summary = run_replay(options)
+    if json_:
+        _json_line({**dataclasses.asdict(summary), "ok": summary.ok})
+    else:
+        typer.echo(str(summary))
+    if not summary.ok:
+        raise typer.Exit(int(ExitCode.FAILURE))
 
 
 def _report_replay(result: Any, selected: int, json_: bool, replay_id: str | None = None) -> None:

@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from triage_proxy.dlqtable import Filters
-    from triage_replay.job import ReplayFailed, ReplayOptions, Summary, run_replay
-    from triage_replay.segment import Fault
+    from triage_replay.job import ReplayFailed, Summary, run_replay
+    from triage_replay.options import Fault, ReplayOptions
 
 __all__ = ["Fault", "Filters", "ReplayFailed", "ReplayOptions", "Summary", "run_replay"]
 
 _HOMES = {
-    "Fault": "triage_replay.segment",
+    "Fault": "triage_replay.options",
     "Filters": "triage_proxy.dlqtable",
     "ReplayFailed": "triage_replay.job",
-    "ReplayOptions": "triage_replay.job",
+    "ReplayOptions": "triage_replay.options",
     "Summary": "triage_replay.job",
     "run_replay": "triage_replay.job",
 }

@@ -64,28 +64,26 @@ import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
+from triage_cli.exitcodes import ExitCode
 from triage_proxy.deadletter import STATUSES
 from triage_proxy.dlqtable import (
-    DEFAULT_CLAIM_LEASE_S,
+    DeadLetterTable,
     Filters,
     TableNotFound,
     new_replay_id,
     parse_time,
 )
-from triage_proxy.errors import ConfigError, DeadLetterUnavailable, TriageError
-from triage_proxy.settings import DEFAULT_REGION, Settings
+from triage_proxy.errors import ConfigError, UnavailableError
+from triage_proxy.settings import DEFAULT_REGION, DeadLetterSettings, load_settings
+from triage_replay.options import DEFAULT_CHUNK, MAX_SEGMENTS, Fault, ReplayOptions
 from triage_replay.segment import (
-    DEFAULT_CHUNK,
-    DEFAULT_DELIVERY_TIMEOUT_S,
-    DEFAULT_WRITE_CONCURRENCY,
     EXPORT_COLUMNS,
-    Fault,
+    Counts,
     SegmentCounts,
     SegmentJob,
-    TableConfig,
     export_partition,
     replay_partition,
 )
@@ -94,6 +92,8 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
     from pyspark.sql.types import StructType
 
+__all__ = ["Fault", "ReplayFailed", "ReplayOptions", "Summary", "run_replay"]
+
 logger = logging.getLogger(__name__)
 
 APP_NAME = "triage-replay"
@@ -101,115 +101,18 @@ DEFAULT_MASTER = "local[*]"
 """Where the job runs when neither --master nor spark-submit says."""
 SEGMENTS_PER_CORE = 2
 """Default scan segments per Spark core: small segments even out uneven ones."""
-MAX_SEGMENTS = 1_000_000
-"""DynamoDB's limit on TotalSegments."""
-
-EXIT_OK = 0
-EXIT_INCOMPLETE = 1
-"""The job ran, but some items failed, are in doubt, or a segment stopped early."""
-EXIT_USAGE = 2
-EXIT_FAILED = 3
-"""DynamoDB unreachable, or the Spark job itself failed (e.g. a worker died); a rerun
-is safe. (The exit codes match `triage dlq`'s.)"""
-EXIT_NOT_FOUND = 4
-"""The table does not exist."""
-EXIT_INTERRUPTED = 130
 
 
-class ReplayFailed(TriageError):
-    """The Spark job failed as a whole; items it claimed stay claimed, a rerun is safe."""
+class ReplayFailed(UnavailableError):
+    """The Spark job failed as a whole (e.g. a worker died); items it claimed stay
+    claimed, a rerun is safe."""
 
     retriable = True
 
 
-@dataclass(frozen=True)
-class ReplayOptions:
-    """Everything one run needs; build it with `from_settings` or field by field."""
-
-    table: str
-    """DynamoDB dead-letter table."""
-    endpoint_url: str | None = None
-    """DynamoDB endpoint override (moto server); None means AWS itself."""
-    region: str = DEFAULT_REGION
-    """AWS region of the table."""
-    bootstrap: str | None = None
-    """Kafka bootstrap servers; required to replay, unused by export."""
-    filters: Filters = field(default_factory=Filters)
-    """Which dead letters to act on (the same filters as `triage dlq list`)."""
-    to_topic: str | None = None
-    """Replay every item to this topic instead of its source topic."""
-    export_path: str | None = None
-    """Export to Parquet here instead of replaying (any path Spark can write)."""
-    overwrite: bool = False
-    """Export: replace what is at export_path."""
-    master: str | None = None
-    """Spark master; None: spark-submit's, else local[*]. Ignored when a session is passed."""
-    segments: int | None = None
-    """Scan segments (= Spark partitions); None: SEGMENTS_PER_CORE per default core."""
-    chunk_size: int = DEFAULT_CHUNK
-    """Items claimed, produced and marked together; bounds what a crash leaves in doubt."""
-    write_concurrency: int = DEFAULT_WRITE_CONCURRENCY
-    """Conditional writes in flight per task."""
-    delivery_timeout_s: float = DEFAULT_DELIVERY_TIMEOUT_S
-    """How long one produced message may wait for the broker's acknowledgement."""
-    claim_lease_s: float = DEFAULT_CLAIM_LEASE_S
-    """How long a claim is honoured; after it, retry_in_doubt may take the item over."""
-    retry_in_doubt: bool = False
-    """Replay items whose claim by an earlier run expired: they may already be in Kafka."""
-    ttl_days: float | None = None
-    """Replayed items expire (DynamoDB TTL `expires_at`) this long after; None keeps them."""
-    kafka_config: Mapping[str, str | int | bool] = field(default_factory=dict)
-    """Extra librdkafka producer properties (security.protocol, sasl.*)."""
-    aws_access_key_id: str | None = field(default=None, repr=False)
-    """Explicit credentials for the executors; None uses each executor's own chain."""
-    aws_secret_access_key: str | None = field(default=None, repr=False)
-    """Secret of aws_access_key_id."""
-    aws_session_token: str | None = field(default=None, repr=False)
-    """Session token for temporary credentials."""
-    fault: Fault | None = None
-    """Tests only: inject a failure into every segment's replay."""
-
-    def __post_init__(self) -> None:
-        if not self.table:
-            raise ConfigError("table", "must not be empty")
-        if self.export_path is None and not self.bootstrap:
-            raise ConfigError("bootstrap", "is required to replay (or give export_path)")
-        if self.export_path is not None and self.to_topic is not None:
-            raise ConfigError("to_topic", "means nothing to an export")
-        if self.segments is not None and not 1 <= self.segments <= MAX_SEGMENTS:
-            raise ConfigError("segments", f"must be 1..{MAX_SEGMENTS}, got {self.segments}")
-        for name in ("chunk_size", "write_concurrency"):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
-        for name in ("delivery_timeout_s", "claim_lease_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
-        if self.claim_lease_s <= self.delivery_timeout_s:
-            raise ConfigError("claim_lease_s", "must be longer than delivery_timeout_s")
-
-    @property
-    def mode(self) -> str:
-        """ "export" or "replay"."""
-        return "export" if self.export_path is not None else "replay"
-
-    @classmethod
-    def from_settings(cls, settings: Settings, **overrides: Any) -> ReplayOptions:
-        """Options for the table, broker and TTL of a proxy's config, plus `overrides`."""
-        dl = settings.dead_letters
-        base: dict[str, Any] = {
-            "table": dl.table,
-            "endpoint_url": dl.endpoint_url,
-            "region": dl.region,
-            "bootstrap": settings.kafka.bootstrap_servers,
-            "kafka_config": dict(settings.kafka.client),
-            "ttl_days": dl.ttl_days,
-        }
-        return cls(**{**base, **overrides})
-
-
-@dataclass(frozen=True)
-class Summary:
-    """What one run did, summed over its segments."""
+@dataclass(kw_only=True)
+class Summary(Counts):
+    """What one run did: its counts (`Counts`, summed over its segments) and more."""
 
     mode: str
     """"replay" or "export"."""
@@ -217,22 +120,6 @@ class Summary:
     """The run's id (the `triage-replay-id` header and the claim owner)."""
     segments: int
     """Scan segments (= Spark partitions)."""
-    read: int = 0
-    """Items DynamoDB evaluated (ScannedCount): the whole table for a Scan, one source
-    partition for a topic+partition Query; commit checkpoint items included."""
-    selected: int = 0
-    """Items the filters matched."""
-    replayed: int = 0
-    """Produced, acknowledged and marked `replayed`."""
-    skipped: int = 0
-    """Selected but already replayed or discarded (or taken by another run between our
-    scan and our claim)."""
-    failed: int = 0
-    """Selected, not replayed, left pending for a rerun: the broker refused it, its
-    payload is unreadable, or its segment stopped before producing it."""
-    in_doubt: int = 0
-    """Claimed by another run (running, or stopped midway) or left unconfirmed by this one:
-    maybe in Kafka, never replayed automatically (see retry_in_doubt)."""
     exported: int = 0
     """Rows written to Parquet."""
     errors: tuple[str, ...] = ()
@@ -326,9 +213,9 @@ def run_replay(options: ReplayOptions, *, spark: SparkSession | None = None) -> 
     from pyspark.errors import PySparkException
 
     started = time.monotonic()
-    _check_table(_table_config(options))
-    owned = spark is None
-    session = spark if spark is not None else _session(options.master)
+    with DeadLetterTable(options.dead_letters) as table:
+        table.check()
+    session, owned = (spark, False) if spark is not None else _session(options.master)
     try:
         sc = session.sparkContext
         if options.mode == "replay" and sc.getConf().get("spark.speculation", "false") == "true":
@@ -337,15 +224,9 @@ def run_replay(options: ReplayOptions, *, spark: SparkSession | None = None) -> 
                 "must be off to replay: two attempts of one task would share the run's claims",
             )
         total = options.segments or min(MAX_SEGMENTS, SEGMENTS_PER_CORE * sc.defaultParallelism)
-        job = _segment_job(options, total, replay_id=new_replay_id())
-        logger.info(
-            "%s %s started: table=%s segments=%d filters=%s",
-            options.mode,
-            job.replay_id,
-            options.table,
-            total,
-            options.filters,
-        )
+        job = SegmentJob(options, total, new_replay_id())
+        what = f"{options.mode} {job.replay_id} of {options.dead_letters.table}"
+        logger.info("%s started: %d segments, %s", what, total, options.filters)
         try:
             if options.export_path is not None:
                 summary = _export(session, job, options.export_path, options.overwrite)
@@ -364,50 +245,17 @@ def run_replay(options: ReplayOptions, *, spark: SparkSession | None = None) -> 
     return summary
 
 
-def _session(master: str | None) -> SparkSession:
-    if master is None and "PYSPARK_GATEWAY_PORT" in os.environ:
-        from pyspark.sql import SparkSession
+def _session(master: str | None) -> tuple[SparkSession, bool]:
+    """The session to run on, and whether run_replay made it (and so stops it): the
+    process's active one (a notebook's, a caller's) if there is one, else a new one."""
+    from pyspark.sql import SparkSession
 
-        return SparkSession.builder.appName(APP_NAME).getOrCreate()  # under spark-submit
-    return local_session(master or DEFAULT_MASTER)
-
-
-def _table_config(options: ReplayOptions) -> TableConfig:
-    return TableConfig(
-        table=options.table,
-        region=options.region,
-        endpoint_url=options.endpoint_url,
-        ttl_days=options.ttl_days,
-        access_key_id=options.aws_access_key_id,
-        secret_access_key=options.aws_secret_access_key,
-        session_token=options.aws_session_token,
-    )
-
-
-def _check_table(config: TableConfig) -> None:
-    opened = config.open(max_connections=1)
-    try:
-        opened.table.check()
-    finally:
-        opened.close()
-
-
-def _segment_job(options: ReplayOptions, total: int, *, replay_id: str) -> SegmentJob:
-    return SegmentJob(
-        table=_table_config(options),
-        total_segments=total,
-        filters=options.filters,
-        replay_id=replay_id,
-        bootstrap=options.bootstrap,
-        to_topic=options.to_topic,
-        kafka_config=tuple(sorted(options.kafka_config.items())),
-        chunk_size=options.chunk_size,
-        write_concurrency=options.write_concurrency,
-        delivery_timeout_s=options.delivery_timeout_s,
-        claim_lease_s=options.claim_lease_s,
-        retry_in_doubt=options.retry_in_doubt,
-        fault=options.fault,
-    )
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        return active, False
+    if master is None and "PYSPARK_GATEWAY_PORT" in os.environ:  # under spark-submit
+        return SparkSession.builder.appName(APP_NAME).getOrCreate(), True
+    return local_session(master or DEFAULT_MASTER), True
 
 
 def _replay(session: SparkSession, job: SegmentJob) -> Summary:
@@ -417,17 +265,16 @@ def _replay(session: SparkSession, job: SegmentJob) -> Summary:
     results: list[SegmentCounts] = segments.mapPartitions(
         functools.partial(replay_partition, job)
     ).collect()
+    total = Counts()
+    for result in results:
+        total.add(result)
+    errors = tuple(r.error for r in sorted(results, key=lambda r: r.segment) if r.error)
     return Summary(
-        "replay",
-        job.replay_id,
-        job.total_segments,
-        read=sum(r.read for r in results),
-        selected=sum(r.selected for r in results),
-        replayed=sum(r.replayed for r in results),
-        skipped=sum(r.skipped for r in results),
-        failed=sum(r.failed for r in results),
-        in_doubt=sum(r.in_doubt for r in results),
-        errors=tuple(r.error for r in sorted(results, key=lambda r: r.segment) if r.error),
+        mode="replay",
+        replay_id=job.replay_id,
+        segments=job.total_segments,
+        errors=errors,
+        **total.totals(),
     )
 
 
@@ -480,9 +327,9 @@ def _export(session: SparkSession, job: SegmentJob, path: str, overwrite: bool) 
     frame.write.mode("overwrite" if overwrite else "errorifexists").parquet(path)
     # Accumulators may count a retried task twice; the Parquet files never hold it twice.
     return Summary(
-        "export",
-        job.replay_id,
-        job.total_segments,
+        mode="export",
+        replay_id=job.replay_id,
+        segments=job.total_segments,
         read=read.value,
         selected=selected.value,
         exported=selected.value,
@@ -502,10 +349,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m triage_replay.job",
         description="Replay dead letters from DynamoDB to Kafka, or export them to Parquet.",
     )
-    parser.add_argument("--table", required=True, help="DynamoDB dead-letter table")
-    parser.add_argument("--endpoint-url", help="DynamoDB endpoint (local moto server)")
-    parser.add_argument("--region", default=DEFAULT_REGION)
-    parser.add_argument("--bootstrap", help="Kafka bootstrap servers (replay)")
+    where = parser.add_argument_group("table and broker: a proxy's config file, or flags")
+    where.add_argument("--config", "-c", help="the proxy's TOML config (kafka.*, dead_letters.*)")
+    where.add_argument("--table", help="DynamoDB dead-letter table")
+    where.add_argument("--endpoint-url", help="DynamoDB/S3 endpoint (local moto server)")
+    where.add_argument("--region", default=DEFAULT_REGION)
+    where.add_argument("--bootstrap", help="Kafka bootstrap servers (replay)")
+    where.add_argument("--ttl-days", type=float, help="replayed items expire after this")
     pick = parser.add_argument_group("filters")
     pick.add_argument("--topic", help="source topic")
     pick.add_argument("--partition", type=int, help="source partition")
@@ -521,7 +371,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--master", help="Spark master (default: spark-submit's, else local[*])")
     parser.add_argument("--segments", type=int, help="scan segments (default: 2 per core)")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK)
-    parser.add_argument("--ttl-days", type=float, help="replayed items expire after this")
     parser.add_argument(
         "--retry-in-doubt",
         action="store_true",
@@ -538,44 +387,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_PASSED_AS_IS = ("to_topic", "overwrite", "master", "segments", "chunk_size", "retry_in_doubt")
+"""Command-line arguments that are ReplayOptions fields of the same name."""
+
+
 def options_from_args(args: argparse.Namespace) -> ReplayOptions:
     """ReplayOptions from parsed arguments; ValueError/ConfigError name the bad one."""
-    kafka_config: dict[str, str | int | bool] = {}
+    extra: dict[str, str] = {}
     for pair in args.kafka_config:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise ValueError(f"-X takes KEY=VALUE, got {pair!r}")
-        kafka_config[key] = value
+        extra[key] = value
     now_ms = int(time.time() * 1000)
     filters = Filters(
-        topic=args.topic,
-        partition=args.partition,
-        offset=args.offset,
-        status=args.status,
+        **{name: getattr(args, name) for name in ("topic", "partition", "offset", "status")},
         reason=args.reason,
         since_ms=parse_time(args.since, now_ms) if args.since else None,
         until_ms=parse_time(args.until, now_ms) if args.until else None,
     )
-    return ReplayOptions(
+    fields = {name: getattr(args, name) for name in _PASSED_AS_IS}
+    fields.update(filters=filters, export_path=args.export)
+    if args.config is not None:
+        if args.table or args.endpoint_url or args.ttl_days is not None:
+            raise ValueError("--config names the table: drop --table/--endpoint-url/--ttl-days")
+        if args.bootstrap:
+            fields["bootstrap"] = args.bootstrap
+        options = ReplayOptions.from_settings(load_settings(args.config), **fields)
+        return replace(options, kafka_config={**options.kafka_config, **extra})
+    if not args.table:
+        raise ValueError("give --config FILE or --table")
+    table = DeadLetterSettings(
         table=args.table,
-        endpoint_url=args.endpoint_url,
         region=args.region,
-        bootstrap=args.bootstrap,
-        filters=filters,
-        to_topic=args.to_topic,
-        export_path=args.export,
-        overwrite=args.overwrite,
-        master=args.master,
-        segments=args.segments,
-        chunk_size=args.chunk_size,
+        endpoint_url=args.endpoint_url,
         ttl_days=args.ttl_days,
-        retry_in_doubt=args.retry_in_doubt,
-        kafka_config=kafka_config,
     )
+    return ReplayOptions(table, bootstrap=args.bootstrap, kafka_config=extra, **fields)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the job from the command line; returns an EXIT_* code."""
+    """Run the job from the command line; returns an exit code (`ExitCode`, as `triage`)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -588,20 +440,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, ConfigError) as exc:
         parser.print_usage(sys.stderr)
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.BAD_INPUT
     try:
         summary = run_replay(options)
     except TableNotFound as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_NOT_FOUND
-    except (ReplayFailed, DeadLetterUnavailable) as exc:
+        return ExitCode.NOT_FOUND
+    except UnavailableError as exc:  # ReplayFailed, DeadLetterUnavailable
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return ExitCode.UNAVAILABLE
     except KeyboardInterrupt:
         print("interrupted: claimed items stay claimed; a rerun is safe", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return ExitCode.INTERRUPTED
     print(summary)
-    return EXIT_OK if summary.ok else EXIT_INCOMPLETE
+    return ExitCode.OK if summary.ok else ExitCode.FAILURE
 
 
 if __name__ == "__main__":

@@ -26,34 +26,28 @@ tasks with SIGKILL, which would leave their current chunks in doubt for nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
-import ipaddress
 import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
-from urllib.parse import urlsplit
 
 from triage_proxy.deadletter import (
     CLAIM_ATTR,
     CLAIM_UNTIL_ATTR,
-    LOCAL_CREDENTIALS,
     STATUS_PENDING,
+    dynamodb_client,
 )
-from triage_proxy.dlqtable import (
-    DEFAULT_CLAIM_LEASE_S,
-    DeadLetterTable,
-    Filters,
-    item_key,
-    replay_headers,
-)
+from triage_proxy.dlqtable import TABLE_ATTEMPTS, DeadLetterTable, item_key, replay_headers
 from triage_proxy.settings import DeadLetterSettings
 from triage_proxy.structs import DeadLetter
+from triage_replay.options import ReplayOptions
 
 if TYPE_CHECKING:
     from confluent_kafka import KafkaError, Message, Producer
@@ -61,66 +55,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CHUNK = 500
-"""Selected items claimed, produced and marked together (bounds what a crash leaves in doubt)."""
-DEFAULT_WRITE_CONCURRENCY = 8
-"""Conditional UpdateItem calls in flight per task."""
-DEFAULT_DELIVERY_TIMEOUT_S = 60.0
-"""How long a produced message may take to be acknowledged (librdkafka message.timeout.ms)."""
 CRASH_EXIT_CODE = 70
 """Exit status of a worker killed by an injected crash (`Fault(crash=True)`)."""
-TABLE_ATTEMPTS = 5
-"""botocore attempts per call: a mark lost to one network error would leave an item in doubt."""
+READ_TIMEOUT_S = 30.0
+"""botocore read timeout on the executors: a Scan page of 1 MB from a loaded endpoint
+takes longer than the tools' interactive default."""
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class TableConfig:
-    """How an executor reaches the dead-letter table: plain values only."""
-
-    table: str
-    """DynamoDB table name."""
-    region: str
-    """AWS region."""
-    endpoint_url: str | None = None
-    """Endpoint override (moto server); None means AWS itself."""
-    ttl_days: float | None = None
-    """Replayed items expire (`expires_at`) this long after they are marked; None keeps them."""
-    access_key_id: str | None = field(default=None, repr=False)
-    """Explicit credentials; None uses the executor's own chain (instance role, env)."""
-    secret_access_key: str | None = field(default=None, repr=False)
-    """Secret of `access_key_id`."""
-    session_token: str | None = field(default=None, repr=False)
-    """Session token for temporary credentials."""
-
-    def open(self, max_connections: int = DEFAULT_WRITE_CONCURRENCY) -> TaskTable:
-        """The table with clients built here, in the executor (close it when done)."""
-        return TaskTable(self, max_connections)
-
-    def client(self, service: str, max_connections: int = DEFAULT_WRITE_CONCURRENCY) -> Any:
-        """A boto3 client of `service` (placeholder credentials on a loopback endpoint)."""
-        import boto3
-        from botocore.config import Config
-
-        access_key, secret_key = self.access_key_id, self.secret_access_key
-        if access_key is None and self.endpoint_url and _is_loopback(self.endpoint_url):
-            access_key, secret_key = LOCAL_CREDENTIALS
-        return boto3.session.Session().client(
-            service,  # type: ignore[call-overload]
-            region_name=self.region,
-            endpoint_url=self.endpoint_url,
-            aws_access_key_id=access_key,
-            aws_secret_access_key=secret_key,
-            aws_session_token=self.session_token,
-            config=Config(
-                connect_timeout=5,
-                read_timeout=30,
-                retries={"mode": "standard", "total_max_attempts": TABLE_ATTEMPTS},
-                max_pool_connections=max(10, max_connections),
-                s3={"addressing_style": "path"} if self.endpoint_url else None,
-            ),
-        )
 
 
 class _ScanCounter:
@@ -144,23 +85,25 @@ class _ScanCounter:
         return getattr(self._client, name)
 
 
+@functools.cache
+def _shared_client(settings: DeadLetterSettings) -> DynamoDBClient:
+    """One DynamoDB client per table per Python worker, kept for the worker's life.
+
+    Spark reuses its Python workers across tasks and runs; building a boto3 client loads
+    the service model (a few hundred ms of CPU), which would otherwise be paid per task.
+    boto3 clients are thread-safe, so the task's write pool shares it too.
+    """
+    return dynamodb_client(settings, read_timeout_s=READ_TIMEOUT_S, max_attempts=TABLE_ATTEMPTS)
+
+
 class TaskTable:
     """The dead-letter table as one task uses it: dlqtable's DeadLetterTable (the shared
-    selection, claim and mark logic) on clients the task builds and closes itself."""
+    selection, claim, mark and S3 payload logic) on the worker's DynamoDB client,
+    counting what this task's scans read. Close it when done."""
 
-    def __init__(self, config: TableConfig, max_connections: int) -> None:
-        settings = DeadLetterSettings(
-            table=config.table,
-            region=config.region,
-            endpoint_url=config.endpoint_url,
-            ttl_days=config.ttl_days,
-        )
-        self._dynamodb = _ScanCounter(config.client("dynamodb", max_connections))
-        # S3 only for payloads kept there; with explicit credentials it needs them too.
-        self._s3 = config.client("s3", max_connections) if config.access_key_id else None
-        self.table = DeadLetterTable(
-            settings, dynamodb=cast("DynamoDBClient", self._dynamodb), s3=self._s3
-        )
+    def __init__(self, settings: DeadLetterSettings) -> None:
+        self._dynamodb = _ScanCounter(_shared_client(settings))
+        self.table = DeadLetterTable(settings, dynamodb=cast("DynamoDBClient", self._dynamodb))
 
     @property
     def scanned(self) -> int:
@@ -168,22 +111,7 @@ class TaskTable:
         return self._dynamodb.scanned
 
     def close(self) -> None:
-        self.table.close()
-        self._dynamodb.close()
-        if self._s3 is not None:
-            self._s3.close()
-
-
-@dataclass(frozen=True)
-class Fault:
-    """Tests only: make every segment's replay fail midway (a rerun goes without it)."""
-
-    after: int
-    """A segment fails once it has handed this many messages to its producer."""
-    crash: bool = False
-    """False: raise in the middle of a chunk (the task cleans up). True: kill the worker
-    process right after the chunk was flushed and before it is marked (an executor lost
-    at the worst moment)."""
+        self.table.close()  # its S3 client, if a payload needed one; not the shared one
 
 
 class InjectedFault(RuntimeError):
@@ -194,42 +122,21 @@ class InjectedFault(RuntimeError):
 class SegmentJob:
     """What every task of one run needs, shipped to the executors as plain values."""
 
-    table: TableConfig
-    """Where the dead letters are."""
+    options: ReplayOptions
+    """The run's options (table settings, filters, target, tuning)."""
     total_segments: int
     """DynamoDB parallel scan's TotalSegments (= Spark partitions)."""
-    filters: Filters = field(default_factory=Filters)
-    """Which dead letters to act on."""
-    replay_id: str = ""
+    replay_id: str
     """This run's id: claim owner and `triage-replay-id` header."""
-    bootstrap: str | None = None
-    """Kafka bootstrap servers (replay only)."""
-    to_topic: str | None = None
-    """Produce every item here instead of its source topic."""
-    kafka_config: tuple[tuple[str, str | int | bool], ...] = ()
-    """Extra librdkafka producer properties (security.protocol, sasl.*)."""
-    chunk_size: int = DEFAULT_CHUNK
-    """See DEFAULT_CHUNK."""
-    write_concurrency: int = DEFAULT_WRITE_CONCURRENCY
-    """See DEFAULT_WRITE_CONCURRENCY."""
-    delivery_timeout_s: float = DEFAULT_DELIVERY_TIMEOUT_S
-    """See DEFAULT_DELIVERY_TIMEOUT_S."""
-    claim_lease_s: float = DEFAULT_CLAIM_LEASE_S
-    """How long a claim keeps other replays off an item (dlqtable's lease)."""
-    retry_in_doubt: bool = False
-    """Take over claims whose lease expired (their messages may already be in Kafka)."""
-    fault: Fault | None = None
-    """Tests only."""
 
 
-@dataclass(slots=True)
-class SegmentCounts:
-    """What one task did; the driver sums them into the run's Summary."""
+@dataclass
+class Counts:
+    """What happened to the items a run read: per segment, and summed for the run."""
 
-    segment: int
-    """The scan segment."""
     read: int = 0
-    """Items DynamoDB evaluated for this segment (its ScannedCount)."""
+    """Items DynamoDB evaluated (ScannedCount): all of the table (or segment) for a Scan,
+    one source partition for a topic+partition Query; checkpoint items included."""
     selected: int = 0
     """Dead letters the filters matched."""
     replayed: int = 0
@@ -243,7 +150,27 @@ class SegmentCounts:
     in_doubt: int = 0
     """Claimed and maybe produced: by another run (live, or stopped midway), or by this
     one when a delivery report or the mark did not come back. Never replayed again
-    automatically."""
+    automatically (see ReplayOptions.retry_in_doubt)."""
+
+    def add(self, other: Counts) -> None:
+        """Add `other`'s counts to these."""
+        for name in _COUNT_FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def totals(self) -> dict[str, int]:
+        """The counts alone, by name (for building a Summary)."""
+        return {name: getattr(self, name) for name in _COUNT_FIELDS}
+
+
+_COUNT_FIELDS = tuple(f.name for f in dataclasses.fields(Counts))
+
+
+@dataclass(kw_only=True)
+class SegmentCounts(Counts):
+    """What one task did; the driver sums them into the run's Summary."""
+
+    segment: int
+    """The scan segment."""
     error: str | None = None
     """Why the segment stopped early; None when it ran to the end."""
 
@@ -318,12 +245,12 @@ class SegmentReplayer:
     def __init__(
         self, job: SegmentJob, segment: int, *, now_ms: Callable[[], int] | None = None
     ) -> None:
-        if job.bootstrap is None:
+        if job.options.bootstrap is None:
             raise ValueError("replay needs bootstrap servers")
         self._job = job
         self._segment = segment
         self._now_ms = now_ms or _wall_ms
-        self.counts = SegmentCounts(segment)
+        self.counts = SegmentCounts(segment=segment)
         self._sent = 0
         self._tasktable: TaskTable | None = None
         self._table: DeadLetterTable | None = None
@@ -336,19 +263,19 @@ class SegmentReplayer:
 
         job = self._job
         try:
-            self._tasktable = job.table.open(job.write_concurrency)
+            self._tasktable = TaskTable(job.options.dead_letters)
             table = self._table = self._tasktable.table
-            self._pool = ThreadPoolExecutor(job.write_concurrency, "triage-replay-write")
+            self._pool = ThreadPoolExecutor(job.options.write_concurrency, "triage-replay-write")
             self._producer = Producer(self._producer_config())
             chunk: list[_Candidate] = []
             selected = table.scan(
-                job.filters, segment=self._segment, total_segments=job.total_segments
+                job.options.filters, segment=self._segment, total_segments=job.total_segments
             )
             for item in selected:
                 self.counts.selected += 1
                 if self._replayable(item):
                     chunk.append(_Candidate(item))
-                if len(chunk) >= job.chunk_size:
+                if len(chunk) >= job.options.chunk_size:
                     self._replay_chunk(chunk)
                     chunk = []
             if chunk:
@@ -366,14 +293,14 @@ class SegmentReplayer:
 
     def _producer_config(self) -> dict[str, str | int | bool | float]:
         job = self._job
-        assert job.bootstrap is not None
+        assert job.options.bootstrap is not None
         return {
-            "bootstrap.servers": job.bootstrap,
+            "bootstrap.servers": job.options.bootstrap,
             "enable.idempotence": True,  # librdkafka's own retries never duplicate
             "linger.ms": 5,
-            "message.timeout.ms": int(job.delivery_timeout_s * 1000),
+            "message.timeout.ms": int(job.options.delivery_timeout_s * 1000),
             "partitioner": "murmur2_random",  # the Java client's choice, for --to-topic
-            **dict(job.kafka_config),
+            **dict(job.options.kafka_config),
         }
 
     def _replayable(self, item: Mapping[str, Any]) -> bool:
@@ -389,7 +316,7 @@ class SegmentReplayer:
         # dlqtable's claim would take a stale claim over; this job only does when asked.
         until = int(item.get(CLAIM_UNTIL_ATTR, {}).get("N", "0"))
         stale = claimant != self._job.replay_id and until < self._now_ms()
-        if stale and self._job.retry_in_doubt:
+        if stale and self._job.options.retry_in_doubt:
             return True
         self.counts.in_doubt += 1
         return False
@@ -418,7 +345,9 @@ class SegmentReplayer:
     def _claim(self, candidate: _Candidate) -> _Claim:
         table = self._table
         assert table is not None
-        if not table.claim(candidate.key, self._job.replay_id, lease_s=self._job.claim_lease_s):
+        if not table.claim(
+            candidate.key, self._job.replay_id, lease_s=self._job.options.claim_lease_s
+        ):
             return _Claim.LOST
         try:
             candidate.dl = table.load(candidate.item)
@@ -440,7 +369,7 @@ class SegmentReplayer:
             dl = candidate.dl
             assert dl is not None
             record = dl.record
-            topic = job.to_topic or record.topic
+            topic = job.options.to_topic or record.topic
             kwargs: dict[str, Any] = {
                 "key": record.key,
                 "value": record.value,
@@ -457,7 +386,8 @@ class SegmentReplayer:
                     producer.poll(0.05)
             candidate.state = _State.SENT
             self._sent += 1
-            if job.fault is not None and not job.fault.crash and self._sent == job.fault.after:
+            fault = job.options.fault
+            if fault is not None and not fault.crash and self._sent == fault.after:
                 raise InjectedFault(f"injected fault after {self._sent} messages")
         producer.poll(0)
 
@@ -466,10 +396,10 @@ class SegmentReplayer:
         job = self._job
         producer = self._producer
         sent = producer is not None and any(c.state is _State.SENT for c in claimed)
-        if sent and producer is not None and producer.flush(job.delivery_timeout_s + 5) > 0:
+        if sent and producer is not None and producer.flush(job.options.delivery_timeout_s + 5) > 0:
             producer.purge(in_queue=True, in_flight=False)  # queued ones: never sent
             producer.flush(5)
-        fault = job.fault
+        fault = job.options.fault
         if fault is not None and fault.crash and self._sent >= fault.after:
             os._exit(CRASH_EXIT_CODE)  # delivered, not yet marked: the worst moment
         delivered = [c for c in claimed if c.state is _State.DELIVERED]
@@ -537,11 +467,13 @@ def export_partition(
 ) -> Iterator[tuple[Any, ...]]:
     """mapPartitions body for export: one row (EXPORT_COLUMNS order) per selected item."""
     for segment in segments:
-        opened = job.table.open()
+        opened = TaskTable(job.options.dead_letters)
         table = opened.table
         count = 0
         try:
-            for item in table.scan(job.filters, segment=segment, total_segments=job.total_segments):
+            for item in table.scan(
+                job.options.filters, segment=segment, total_segments=job.total_segments
+            ):
                 count += 1
                 yield export_row(item, table.load(item))
         finally:
@@ -609,13 +541,3 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 def _instant(ms: int) -> datetime:
     return _EPOCH + timedelta(milliseconds=ms)  # exact, unlike fromtimestamp(ms / 1000)
-
-
-def _is_loopback(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -11,6 +11,10 @@ the store itself for the S3 one). One SparkSession (local[2]) serves the module.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import subprocess
+import sys
 import time
 import uuid
 from collections import Counter
@@ -22,7 +26,9 @@ import boto3
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
 
-from tests.integration.harness import create_topic
+from tests.integration.harness import TOKEN, create_topic
+from triage_cli.devstack import write_config
+from triage_cli.exitcodes import ExitCode
 from triage_proxy.deadletter import (
     DynamoDBStore,
     create_bucket,
@@ -31,7 +37,8 @@ from triage_proxy.deadletter import (
 )
 from triage_proxy.dlqtable import TableNotFound
 from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker
-from triage_proxy.settings import DeadLetterSettings
+from triage_proxy.errors import ConfigError
+from triage_proxy.settings import DeadLetterSettings, load_settings
 from triage_proxy.structs import DeadLetter, Headers, Record
 from triage_replay import Fault, Filters, ReplayFailed, ReplayOptions, Summary, run_replay
 from triage_replay.job import build_parser, local_session, options_from_args, stop_session
@@ -189,10 +196,9 @@ def options(
     table: DeadLetterSettings, broker: EmbeddedBroker | None = None, **kwargs: Any
 ) -> ReplayOptions:
     return ReplayOptions(
-        table=table.table,
-        endpoint_url=table.endpoint_url,
+        table,
         bootstrap=broker.bootstrap if broker else None,
-        segments=kwargs.pop("segments", 4),
+        segments=kwargs.pop("segments", 3),
         delivery_timeout_s=kwargs.pop("delivery_timeout_s", 20.0),
         **kwargs,
     )
@@ -244,7 +250,8 @@ def test_replay_arrives_byte_exact_with_provenance(
     assert "payload_s3" in items(dynamodb, table.table)[(topic, 1, 11)]
     write_checkpoint(dynamodb, table.table, topic)
 
-    summary = run_replay(options(table, broker, ttl_days=7), spark=spark)
+    with_ttl = dataclasses.replace(table, ttl_days=7)
+    summary = run_replay(options(with_ttl, broker), spark=spark)
 
     # read counts what DynamoDB evaluated: the checkpoint item too
     assert (summary.read, summary.selected, summary.replayed) == (8, 7, 7), summary
@@ -342,23 +349,28 @@ def test_filters_select_exactly_what_they_say(
     write(dynamodb, table.table, [d for d in dls if d.record.offset == 3], status="replayed")
     write_checkpoint(dynamodb, table.table, "orders")
 
+    # Five runs cover every filter field and both read paths (Scan, and the Query of
+    # one source partition); dlqtable's `matches` is tested case by case in tests/unit.
     cases: list[tuple[Filters, list[DeadLetter]]] = [
-        (Filters(), dls),
-        (Filters(topic="orders"), [d for d in dls if d.record.topic == "orders"]),
+        (Filters(), dls),  # everything but the checkpoint item
         (
-            Filters(topic="payments", partition=1),
-            [d for d in dls if d.record.topic == "payments" and d.record.partition == 1],
+            Filters(topic="payments", partition=1, reason="TIMEOUT"),
+            [
+                d
+                for d in dls
+                if d.record.topic == "payments"
+                and d.record.partition == 1
+                and "timeout" in d.reason.lower()
+            ],
         ),
         (Filters(status="replayed"), [d for d in dls if d.record.offset == 3]),
-        (Filters(status="discarded"), []),
-        (Filters(reason="TIMEOUT"), [d for d in dls if "timeout" in d.reason.lower()]),
         (  # dead-lettered at BASE + offset s: [BASE+1s, BASE+3s) holds offsets 1 and 2
-            Filters(since_ms=BASE_MS + 1000, until_ms=BASE_MS + 3000),
-            [d for d in dls if d.record.offset in (1, 2)],
+            Filters(topic="orders", since_ms=BASE_MS + 1000, until_ms=BASE_MS + 3000),
+            [d for d in dls if d.record.topic == "orders" and d.record.offset in (1, 2)],
         ),
         (
-            Filters(topic="orders", status="pending", reason="json", since_ms=BASE_MS),
-            [d for d in dls if d.record.topic == "orders" and d.record.offset == 1],
+            Filters(status="pending", reason="json", partition=0),
+            [d for d in dls if d.record.partition == 0 and d.record.offset == 1],
         ),
     ]
     for n, (filters, expected) in enumerate(cases):
@@ -500,7 +512,59 @@ def test_unknown_table_fails_before_spark_starts(spark: Any, aws: EmbeddedAWS) -
         run_replay(options(missing, export_path="/nonexistent"), spark=spark)
 
 
-def test_command_line_options_and_summary() -> None:
+def config_file(path: Path, bootstrap: str, table: DeadLetterSettings, topic: str) -> Path:
+    """A proxy config file, as `triage dev` writes it, naming this table and broker."""
+    dead_letters: dict[str, Any] = {"table": table.table, "endpoint_url": table.endpoint_url}
+    if table.overflow_bucket:
+        dead_letters["overflow_bucket"] = table.overflow_bucket
+    write_config(
+        path,
+        {
+            "kafka": {"bootstrap_servers": bootstrap, "topic": topic, "group_id": "g"},
+            "auth": {"token": TOKEN},
+            "dead_letters": dead_letters,
+        },
+    )
+    return path
+
+
+def test_triage_dlq_replay_spark_runs_the_job_from_the_config_file(
+    broker: EmbeddedBroker,
+    table: DeadLetterSettings,
+    dynamodb: Any,
+    unique_name: str,
+    tmp_path: Path,
+) -> None:
+    """`triage dlq replay --spark` in a real process: its own local session (and JVM),
+    the proxy's config file, the same filters and refusal rules as without --spark."""
+    topic = unique_name
+    create_topic(broker.bootstrap, topic, partitions=2)
+    dls = mixed_set(topic)
+    write(dynamodb, table.table, dls)
+    config = config_file(tmp_path / "triage.toml", broker.bootstrap, table, topic)
+
+    def triage(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "triage_cli.main", "dlq", "replay", "-c", str(config)]
+        return subprocess.run(
+            [*argv, *args], capture_output=True, text=True, timeout=120, check=False
+        )
+
+    refused = triage("--spark")
+    assert refused.returncode == ExitCode.BAD_INPUT, refused.stderr
+    assert "give a filter or --all" in refused.stderr
+
+    out = triage("--spark", "--master", "local[1]", "--topic", topic, "--partition", "1", "--json")
+
+    assert out.returncode == ExitCode.OK, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    chosen = [d for d in dls if d.record.partition == 1]
+    assert (summary["selected"], summary["replayed"], summary["ok"]) == (3, 3, True), summary
+    messages = consume(broker.bootstrap, topic, 2, expected=3)
+    assert sorted(replay_of(m) for m in messages) == sorted(coords(chosen))
+    assert {header(m, "triage-replay-id") for m in messages} == {summary["replay_id"].encode()}
+
+
+def test_command_line_options_and_summary(tmp_path: Path) -> None:
     argv = ["--table", "t", "--bootstrap", "b:9092", "--topic", "orders", "--reason", "json"]
     argv += ["--since", "2024-05-01T12:00:01Z", "--until", "2024-05-01T16:00:01+02:00"]
     argv += ["--to-topic", "fixed", "-X", "security.protocol=SSL", "--master", "local[2]"]
@@ -514,7 +578,22 @@ def test_command_line_options_and_summary() -> None:
     bad = build_parser().parse_args(["--table", "t", "--bootstrap", "b", "--since", "yesterday"])
     with pytest.raises(ValueError, match="not a time"):
         options_from_args(bad)
-    with pytest.raises(Exception, match="bootstrap"):
-        ReplayOptions(table="t")
-    text = str(Summary("replay", "abc", 4, read=3, selected=2, replayed=1, skipped=1))
+    with pytest.raises(ConfigError, match="bootstrap"):
+        ReplayOptions(DeadLetterSettings(table="t"))
+    table = DeadLetterSettings(table="dl", endpoint_url="http://127.0.0.1:1", ttl_days=3)
+    config = config_file(tmp_path / "triage.toml", "b:9092", table, "orders")
+    from_file = options_from_args(
+        build_parser().parse_args(["-c", str(config), "--export", "/x", "-X", "acks=1"])
+    )
+    assert from_file.dead_letters == load_settings(config).dead_letters
+    assert (from_file.bootstrap, from_file.mode) == ("b:9092", "export")
+    assert from_file.kafka_config == {"security.protocol": "plaintext", "acks": "1"}
+    both = build_parser().parse_args(["-c", str(config), "--table", "t", "--export", "/x"])
+    with pytest.raises(ValueError, match="--config names the table"):
+        options_from_args(both)
+    text = str(
+        Summary(
+            mode="replay", replay_id="abc", segments=4, read=3, selected=2, replayed=1, skipped=1
+        )
+    )
     assert "read=3 selected=2 replayed=1 skipped=1 failed=0 in_doubt=0" in text
