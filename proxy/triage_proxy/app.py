@@ -183,7 +183,15 @@ class Proxy:
             self.ownership = ownership = Ownership(leases, settings.ownership)
         lease_lost = ownership.lost if ownership is not None else asyncio.Event()
 
-        def close_clients() -> None:
+        opened = False
+
+        async def release_all() -> None:
+            """Undo the start in reverse, whatever part of it happened."""
+            if ownership is not None:
+                await ownership.release()
+            if opened:
+                await thread.run(log.close)
+            thread.shutdown()
             if own_store is not None:
                 own_store.close()
             if own_checkpoints is not None:
@@ -195,54 +203,54 @@ class Proxy:
             if ownership is not None:
                 self.state = ProxyState.STANDBY
                 if not await ownership.acquire(self._closing):
-                    thread.shutdown()
-                    close_clients()
+                    await release_all()
                     return
                 self.state = ProxyState.STARTING
             start_offset, metadata = await thread.run(log.open)
+            opened = True
             settled = await self._settled_above(start_offset, metadata, checkpoints)
             if ownership is not None:
                 await ownership.renew()  # the start may have been slow: still ours?
         except BaseException:
-            if ownership is not None:
-                await ownership.release()
-            thread.shutdown()
-            close_clients()
-            self.state = ProxyState.STOPPED
+            await release_all()
             raise
-        tracker = CommitTracker(start_offset)
-        writer_ref: list[DeadLetterWriter] = []
-        dispatcher = Dispatcher(
-            settings,
-            self.partition,
-            tracker,
-            lambda dl: writer_ref[0].submit(dl),
-            already_settled=settled,
-        )
-        notifier = notifier_from_settings(
-            settings.dead_letters, source=f"{settings.kafka.topic}[{self.partition}]"
-        )
-        writer = DeadLetterWriter(
-            store, settings.dead_letters, dispatcher.dead_letter_written, notifier=notifier
-        )
-        writer_ref.append(writer)
-        service = TriageService(settings, self.partition, dispatcher)
-        server, self.port = create_server(settings, self.partition, service, credentials)
-        fetch_closing = asyncio.Event()
-        fetcher = Fetcher(log, thread, dispatcher, settings.kafka.fetch_batch, fetch_closing)
-        commit_closing = asyncio.Event()
-        committer = Committer(
-            log,
-            thread,
-            tracker,
-            start_offset,
-            settings.commit.interval_s,
-            commit_closing,
-            checkpoints=checkpoints if settings.commit.encode_settled else None,
-        )
-        watermarks = LogEndWatcher(log, thread, tracker, fetch_closing)
-        self.dispatcher, self.committer, self.fetcher = dispatcher, committer, fetcher
-        self.writer, self.watermarks = writer, watermarks
+        try:
+            tracker = CommitTracker(start_offset)
+            writer_ref: list[DeadLetterWriter] = []
+            dispatcher = Dispatcher(
+                settings,
+                self.partition,
+                tracker,
+                lambda dl: writer_ref[0].submit(dl),
+                already_settled=settled,
+            )
+            notifier = notifier_from_settings(
+                settings.dead_letters, source=f"{settings.kafka.topic}[{self.partition}]"
+            )
+            writer = DeadLetterWriter(
+                store, settings.dead_letters, dispatcher.dead_letter_written, notifier=notifier
+            )
+            writer_ref.append(writer)
+            service = TriageService(settings, self.partition, dispatcher)
+            server, self.port = create_server(settings, self.partition, service, credentials)
+            fetch_closing = asyncio.Event()
+            fetcher = Fetcher(log, thread, dispatcher, settings.kafka.fetch_batch, fetch_closing)
+            commit_closing = asyncio.Event()
+            committer = Committer(
+                log,
+                thread,
+                tracker,
+                start_offset,
+                settings.commit.interval_s,
+                commit_closing,
+                checkpoints=checkpoints if settings.commit.encode_settled else None,
+            )
+            watermarks = LogEndWatcher(log, thread, tracker, fetch_closing)
+            self.dispatcher, self.committer, self.fetcher = dispatcher, committer, fetcher
+            self.writer, self.watermarks = writer, watermarks
+        except BaseException:
+            await release_all()  # e.g. the gRPC port is taken
+            raise
 
         def on_lease_lost() -> None:
             # Synchronously, before any other task runs: nothing more is delivered, and
@@ -303,11 +311,7 @@ class Proxy:
             )
         finally:
             await server.stop(None)
-            if ownership is not None:
-                await ownership.release()
-            await thread.run(log.close)
-            thread.shutdown()
-            close_clients()
+            await release_all()
             self.state = ProxyState.STOPPED
 
     async def _reload_tokens(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import grpc
 import pytest
@@ -214,3 +215,40 @@ def test_nack_is_in_dynamodb_before_the_commit_passes_it(
             assert dl.attempts == 1
 
         asyncio.run(scenario())
+
+
+def test_a_taken_port_fails_the_start_and_releases_everything(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    """A start that fails after Kafka is opened (the gRPC port is taken) must still close
+    the Kafka thread and give the lease back, so a second proxy can own the partition."""
+    import dataclasses
+    import socket
+    import threading
+
+    settings = settings_for(broker, aws, topic)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        taken = dataclasses.replace(
+            settings, server=dataclasses.replace(settings.server, port=port)
+        )
+        threads_before = {t.name for t in threading.enumerate()}
+
+        async def failing() -> None:
+            await Proxy(taken, 0).serve()
+
+        with pytest.raises(Exception, match=str(port)):
+            asyncio.run(failing())
+        leaked = {t.name for t in threading.enumerate()} - threads_before
+        assert not [name for name in leaked if "kafka" in name.lower()], leaked
+
+    async def owner() -> None:
+        # The lease was released: this start does not wait out lease_s as a standby.
+        async with Proxy(settings, 0) as proxy:
+            assert proxy.state.value == "running"
+
+    began = time.monotonic()
+    asyncio.run(asyncio.wait_for(owner(), settings.ownership.lease_s * 0.8))
+    assert time.monotonic() - began < settings.ownership.lease_s * 0.8
