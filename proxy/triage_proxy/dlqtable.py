@@ -715,7 +715,8 @@ class DeadLetterTable:
             return TableNotFound(self.table)
         where = self.settings.endpoint_url or f"AWS {self.settings.region}"
         detail = _code(exc) or type(exc).__name__
-        message = getattr(exc, "response", {}).get("Error", {}).get("Message") or str(exc)
+        response = getattr(exc, "response", None) or {}  # None on e.g. ReadTimeoutError
+        message = response.get("Error", {}).get("Message") or str(exc)
         return DeadLetterUnavailable(
             f"{operation} on {self.table!r} at {where}: {detail}: {message}"
         )

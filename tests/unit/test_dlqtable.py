@@ -333,3 +333,20 @@ def test_writer_sends_large_payloads_to_the_bucket_instead_of_holding_them() -> 
     assert store.dead_letters() == [big, make_dl(2)]
     assert list(store.objects) == [("overflow", "dead-letters/orders/0/1")]
     assert "value" not in store.items[("orders#0", 1)]
+
+
+def test_a_timeout_without_a_response_is_translated_not_crashed() -> None:
+    """botocore's ReadTimeoutError has no AWS error response: still DeadLetterUnavailable."""
+    from botocore.exceptions import ReadTimeoutError
+
+    from triage_proxy.dlqtable import DeadLetterTable
+    from triage_proxy.errors import DeadLetterUnavailable
+
+    class TimingOut:
+        def scan(self, **kwargs: Any) -> Any:
+            raise ReadTimeoutError(endpoint_url="http://127.0.0.1:9/")
+
+    settings = DeadLetterSettings(table="t", endpoint_url="http://127.0.0.1:9")
+    table = DeadLetterTable(settings, dynamodb=TimingOut())  # type: ignore[arg-type]
+    with pytest.raises(DeadLetterUnavailable, match="ReadTimeoutError"):
+        list(table.scan(Filters()))
