@@ -50,9 +50,10 @@ Export writes the selected items to Parquet (columns in `segment.EXPORT_COLUMNS`
 changes nothing in the table.
 
 Entry points: `run_replay(options, spark=None) -> Summary` (tests, `triage dlq replay
---spark`), and `python -m triage_replay.job --table T --endpoint-url URL --bootstrap B
-[filters] [--to-topic T | --export PATH] [--master M]`, which also runs under plain
-`spark-submit replay/triage_replay/job.py ...` (then the master is spark-submit's).
+--spark`), and `python -m triage_replay.job (--config FILE | --table T --endpoint-url URL
+--bootstrap B) [filters] [--to-topic T | --export PATH] [--master M]`, which also runs
+under plain `spark-submit replay/triage_replay/job.py ...` (then the master is
+spark-submit's). The options travel to the executors as `options.ReplayOptions`.
 """
 
 from __future__ import annotations

@@ -57,6 +57,9 @@ logger = logging.getLogger(__name__)
 
 CRASH_EXIT_CODE = 70
 """Exit status of a worker killed by an injected crash (`Fault(crash=True)`)."""
+SCAN_PAGE = 500
+"""Items evaluated per Scan page (DynamoDB's own limit is 1 MB): a slow endpoint answers
+each page well inside READ_TIMEOUT_S, and a task starts producing sooner."""
 READ_TIMEOUT_S = 30.0
 """botocore read timeout on the executors: a Scan page of 1 MB from a loaded endpoint
 takes longer than the tools' interactive default."""
@@ -269,7 +272,10 @@ class SegmentReplayer:
             self._producer = Producer(self._producer_config())
             chunk: list[_Candidate] = []
             selected = table.scan(
-                job.options.filters, segment=self._segment, total_segments=job.total_segments
+                job.options.filters,
+                segment=self._segment,
+                total_segments=job.total_segments,
+                page_size=SCAN_PAGE,
             )
             for item in selected:
                 self.counts.selected += 1
@@ -472,7 +478,10 @@ def export_partition(
         count = 0
         try:
             for item in table.scan(
-                job.options.filters, segment=segment, total_segments=job.total_segments
+                job.options.filters,
+                segment=segment,
+                total_segments=job.total_segments,
+                page_size=SCAN_PAGE,
             ):
                 count += 1
                 yield export_row(item, table.load(item))
