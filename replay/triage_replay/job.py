@@ -165,6 +165,7 @@ def local_session(
         SparkSession.builder.master(master)
         .appName(APP_NAME)
         .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.ui.showConsoleProgress", "true")  # progress on stderr (off by default)
     )
     for key, value in (conf or {}).items():
         builder = builder.config(key, value)

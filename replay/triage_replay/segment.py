@@ -1,9 +1,11 @@
 """One Spark task's work: scan one DynamoDB segment, select, then replay or export it.
 
 Why a module of its own: everything here runs on the executors. A task gets a
-`SegmentJob` of plain, picklable values (no settings objects, no clients, no Spark
-types) and builds its own boto3 clients and Kafka producer, so the same code runs in
-local mode and on any cluster where the `triage` package is installed. Selection,
+`SegmentJob` of frozen, picklable values (the run's `ReplayOptions`, which hold the
+proxy's own `DeadLetterSettings`; no clients, no Spark types) and builds its boto3
+client (one per Python worker, reused across tasks) and Kafka producer there, with
+the proxy's client builders, so the same code runs in local mode and on any cluster
+where the `triage` package is installed. Selection,
 claims, marks, S3 payloads and provenance headers are `triage_proxy.dlqtable`'s, shared
 with `triage dlq`, so the two tools never disagree about what a filter selects or
 whether an item was replayed. `job.py` is the driver side and explains the replay
