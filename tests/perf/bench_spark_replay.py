@@ -17,8 +17,10 @@ So the script measures, and prints side by side:
    boto3 threads and no Spark or Kafka;
 3. the replay itself (scan -> claim -> produce to Tansu -> mark) of N items in
    local[1], then of N fresh items in local[2], each checked in the table after.
-For each: items/s, how busy moto and the machine were, and moto's CPU per item, from
-which follows the most items/s moto can serve on one full core. When moto is nearly a
+For each: items/s, how busy moto and the machine were, and the CPU per item of moto
+and of the client side (the Spark JVM with its Python workers; for the moto-only run,
+the boto3 threads), from which follow the most items/s moto can serve on one full core
+and what one core of the job could drive if the table kept up. When moto is nearly a
 full core busy already in the 1-core run, the ratio measures moto, not the job, and
 the verdict says so. Against DynamoDB, which scales with the cluster, the job's tasks
 are the limit.
@@ -34,17 +36,20 @@ replay misses the target ratio.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import psutil
+from pyspark import SparkContext
 
 from tests.integration.harness import create_topic
 from triage_proxy.deadletter import create_table, dynamodb_client, item_from_dead_letter
@@ -175,6 +180,9 @@ class Phase:
 
     moto_cpu_s: float
     """moto's CPU seconds over the phase."""
+    client_cpu_s: float
+    """CPU seconds of the side that drives moto: the Spark JVM and its Python workers
+    (or, for the moto-only run, this process's boto3 threads)."""
 
     @property
     def rate(self) -> float:
@@ -184,6 +192,31 @@ class Phase:
     def moto_max_rate(self) -> float:
         """Items/s moto could serve this way with one core flat out (its CPU per item)."""
         return self.items / self.moto_cpu_s if self.moto_cpu_s else float("inf")
+
+    @property
+    def client_max_rate(self) -> float:
+        """Items/s one core of the client side could drive (its CPU per item)."""
+        return self.items / self.client_cpu_s if self.client_cpu_s else float("inf")
+
+
+def tree_cpu(pid: int, exclude: Collection[int] = ()) -> float:
+    """CPU seconds of a process and its descendants, reaped children included, leaving
+    out the processes in `exclude` (moto and the broker, children of this script)."""
+    root = psutil.Process(pid)
+    skip = set(exclude)
+    for other in exclude:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            skip.update(p.pid for p in psutil.Process(other).children(recursive=True))
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        if proc.pid in skip:
+            continue
+        try:
+            t = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
 
 
 @contextmanager
@@ -205,18 +238,27 @@ def cpu_load(aws: EmbeddedAWS) -> Iterator[Callable[[], tuple[float, float]]]:
         after.append((proc.cpu_times(), psutil.cpu_times()))
 
 
-def timed(aws: EmbeddedAWS, name: str, run: Callable[[], tuple[int, float]]) -> Phase:
-    """Run one case and print it; its seconds are the job's own (Spark start-up excluded)."""
+def timed(
+    aws: EmbeddedAWS,
+    name: str,
+    client: tuple[int, Collection[int]],
+    run: Callable[[], tuple[int, float]],
+) -> Phase:
+    """Run one case and print it; its seconds are the job's own (Spark start-up excluded).
+    `client` is (root, excluded) of the processes that drive moto (see tree_cpu)."""
     began = time.perf_counter()
+    client_before = tree_cpu(*client)
     with cpu_load(aws) as used:
         items, seconds = run()
+    client_cpu = tree_cpu(*client) - client_before
     wall = time.perf_counter() - began
     moto, box = used()
-    phase = Phase(name, items, seconds, moto / wall, box / wall, moto)
+    phase = Phase(name, items, seconds, moto / wall, box / wall, moto, client_cpu)
     print(
-        f"  {name:<26} {items:>6,} items in {seconds:6.1f}s = {phase.rate:>5,.0f} items/s"
-        f"   busy: moto {phase.moto_cores:.2f}, machine {phase.machine_cores:.2f} of "
-        f"{psutil.cpu_count()} cores; moto CPU {1000 / phase.moto_max_rate:.1f} ms/item",
+        f"  {name:<20} {items:>6,} items in {seconds:6.1f}s = {phase.rate:>5,.0f} items/s;"
+        f" busy: moto {phase.moto_cores:.2f}, machine {phase.machine_cores:.2f} of "
+        f"{psutil.cpu_count()} cores; CPU per item: moto {1000 / phase.moto_max_rate:.1f} ms, "
+        f"client {1000 / phase.client_max_rate:.1f} ms",
         flush=True,
     )
     return phase
@@ -264,7 +306,12 @@ def main() -> int:
 
         print(f"moto-only: scan, claim + mark with {CEILING_THREADS} boto3 threads, no Spark")
         seed(table("ceiling"), CEILING_ITEMS)
-        ceiling = timed(aws, "scan, claim, mark", lambda: moto_ceiling(table("ceiling")))
+        ceiling = timed(
+            aws,
+            "scan, claim, mark",
+            (os.getpid(), (aws.pid, broker.pid)),
+            lambda: moto_ceiling(table("ceiling")),
+        )
         if args.items is None:
             estimate = 2 * FULL_ITEMS / ceiling.rate
             print(
@@ -295,8 +342,12 @@ def main() -> int:
                     to_topic="replayed",
                     segments=SEGMENTS,
                 )
+                jvm = SparkContext._gateway.proc.pid  # the Python workers are its children
                 phases[f"replay-{cores}"] = timed(
-                    aws, f"replay {n:,} to Kafka", lambda o=replay, s=spark: run_job(s, o)
+                    aws,
+                    f"replay {n:,} to Kafka",
+                    (jvm, ()),
+                    lambda o=replay, s=spark: run_job(s, o),
                 )
             finally:
                 stop_session(spark)
@@ -316,6 +367,10 @@ def main() -> int:
     print(
         f"  moto-only: {ceiling.rate:,.1f} items/s with plain boto3 and no Spark; moto's CPU "
         f"per replayed item allows at most {moto_max:,.1f} items/s on one full core (1-core run)"
+    )
+    print(
+        f"  the job's own CPU per item (JVM + Python workers, 1-core run) would let one core "
+        f"drive {one.client_max_rate:,.0f} items/s if the table kept up"
     )
     ok = ratio >= TARGET_RATIO
     verdict = f"replay scales {ratio:.2f}x from 1 to 2 cores (target >= {TARGET_RATIO}x)"
