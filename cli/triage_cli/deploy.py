@@ -23,20 +23,18 @@ proxy never became ready; 5 a live local deployment already exists; 1 other fail
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from triage_cli.exitcodes import ExitCode
+from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
 from triage_cli.supervisor import (
     STOP_MARGIN_S,
     ProjectDir,
@@ -75,41 +73,6 @@ StateDirOption = Annotated[
 ]
 
 
-class _Failed(Exception):
-    """Ends a command with an exit code and a message for stderr."""
-
-    def __init__(self, code: ExitCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@contextlib.contextmanager
-def _errors() -> Iterator[None]:
-    """Turn the errors deploy/destroy meet into a message and a named exit code."""
-    from triage_proxy.errors import ConfigError, TriageError, UnavailableError
-
-    try:
-        yield
-    except _Failed as exc:
-        _say_error(str(exc))
-        raise typer.Exit(int(exc.code)) from None
-    except ConfigError as exc:
-        _say_error(str(exc))
-        raise typer.Exit(int(ExitCode.BAD_INPUT)) from None
-    except UnavailableError as exc:
-        _say_error(str(exc))
-        raise typer.Exit(int(ExitCode.UNAVAILABLE)) from None
-    except TriageError as exc:
-        _say_error(str(exc))
-        raise typer.Exit(int(ExitCode.FAILURE)) from None
-    except (KeyboardInterrupt, typer.Abort):
-        raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
-
-
-def _say_error(message: str) -> None:
-    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
-
-
 def _console() -> Console:
     from rich.console import Console
 
@@ -132,7 +95,7 @@ def deploy(
     ] = None,
 ) -> None:
     """Run one proxy per partition (local processes, or ECS on AWS); print the endpoints."""
-    with _errors():
+    with exit_on_errors():
         if target is Target.aws:
             from triage_cli.aws import deploy_aws  # boto3 and the template: only here
 
@@ -155,11 +118,11 @@ def destroy(
     ] = False,
 ) -> None:
     """Stop what deploy started (local: every proxy and the supervisor, by pid)."""
-    with _errors():
+    with exit_on_errors():
         if target is Target.aws:
             what = "the stack AND its dead-letter data" if delete_data else "the stack"
             if not yes and not typer.confirm(f"Delete {what} deployed from {config}?", err=True):
-                raise _Failed(ExitCode.FAILURE, "not confirmed; nothing was deleted")
+                raise CommandFailed(ExitCode.FAILURE, "not confirmed; nothing was deleted")
             from triage_cli.aws import destroy_aws
 
             destroy_aws(config, delete_data=delete_data, console=_console())
@@ -182,7 +145,7 @@ def supervise(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    with _errors():
+    with exit_on_errors():
         code = run_supervisor(config, ProjectDir(state_dir), partitions)
     raise typer.Exit(code)
 
@@ -205,7 +168,7 @@ def deploy_local(config: Path, state_dir: Path | None, timeout: float | None) ->
     marker = str(config)
     pid = project.read_pid(project.supervisor_pid_file)
     if pid is not None and pid_alive(pid, marker):
-        raise _Failed(
+        raise CommandFailed(
             ExitCode.CONFLICT,
             f"a local deployment of {config} is running (supervisor pid {pid}, state in "
             f"{project.root}); run `triage destroy --target local --config {config}` first",
@@ -263,20 +226,20 @@ def _wait_ready(
         state = project.read_state() or {}
         for entry in state.get("partitions", []):
             if entry.get("status") == "failed":
-                raise _Failed(
+                raise CommandFailed(
                     ExitCode.UNAVAILABLE,
                     f"the proxy for partition {entry['partition']} was given up (last exit "
                     f"status {entry.get('last_exit')}); see {entry['log']}",
                 )
         if exited is not None:
-            raise _Failed(
+            raise CommandFailed(
                 ExitCode.UNAVAILABLE,
                 f"the supervisor exited with {exited}; see {project.supervisor_log}",
             )
         pending = {p for p in pending if not proxy_ready(settings, p)}
         if pending and time.monotonic() > deadline:
             logs = ", ".join(str(project.proxy_log(p)) for p in sorted(pending))
-            raise _Failed(
+            raise CommandFailed(
                 ExitCode.UNAVAILABLE,
                 f"partition(s) {sorted(pending)} not ready after {timeout_s:g}s; see {logs}",
             )

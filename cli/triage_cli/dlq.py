@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from triage_cli.exitcodes import ExitCode
+from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
 
 if TYPE_CHECKING:
     from triage_proxy.dlqtable import DeadLetterTable, Filters
@@ -78,42 +78,6 @@ OffsetOption = Annotated[
 JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 
 
-class _Failed(Exception):
-    """Ends a command with an exit code and a message for stderr."""
-
-    def __init__(self, code: ExitCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@contextlib.contextmanager
-def _errors() -> Iterator[None]:
-    """Turn the errors a dlq command can meet into a message and a named exit code."""
-    from triage_proxy.dlqtable import NotFoundError
-    from triage_proxy.errors import ConfigError, UnavailableError
-
-    try:
-        yield
-    except _Failed as exc:
-        _say_error(str(exc))
-        raise typer.Exit(int(exc.code)) from None
-    except ConfigError as exc:
-        _say_error(str(exc))
-        raise typer.Exit(int(ExitCode.BAD_INPUT)) from None
-    except NotFoundError as exc:
-        _say_error(str(exc))
-        raise typer.Exit(int(ExitCode.NOT_FOUND)) from None
-    except UnavailableError as exc:
-        _say_error(str(exc))
-        raise typer.Exit(int(ExitCode.UNAVAILABLE)) from None
-    except KeyboardInterrupt:
-        raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
-
-
-def _say_error(message: str) -> None:
-    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
-
-
 def _open(config: Path) -> tuple[Settings, DeadLetterTable]:
     """Settings from the config file and the table, checked to exist and answer."""
     from triage_proxy.dlqtable import DeadLetterTable
@@ -144,7 +108,7 @@ def _filters(
     from triage_proxy.dlqtable import Filters, parse_time
 
     if offset is not None and (topic is None or partition is None):
-        raise _Failed(ExitCode.BAD_INPUT, "--offset needs --topic and --partition")
+        raise CommandFailed(ExitCode.BAD_INPUT, "--offset needs --topic and --partition")
     now_ms = int(time.time() * 1000)
     times: dict[str, int | None] = {"since": None, "until": None}
     for name, text in (("since", since), ("until", until)):
@@ -152,7 +116,7 @@ def _filters(
             try:
                 times[name] = parse_time(text, now_ms)
             except ValueError as exc:
-                raise _Failed(ExitCode.BAD_INPUT, f"malformed --{name}: {exc}") from None
+                raise CommandFailed(ExitCode.BAD_INPUT, f"malformed --{name}: {exc}") from None
     try:
         return Filters(
             topic=topic,
@@ -164,7 +128,7 @@ def _filters(
             until_ms=times["until"],
         )
     except ValueError as exc:
-        raise _Failed(ExitCode.BAD_INPUT, str(exc)) from None
+        raise CommandFailed(ExitCode.BAD_INPUT, str(exc)) from None
 
 
 def _print_table(items: list[dict[str, Any]], title: str) -> None:
@@ -240,7 +204,7 @@ def list_(
     """List dead letters (a table, or one JSON object per line with --json)."""
     from triage_proxy.dlqtable import LIST_ATTRIBUTES, item_summary
 
-    with _errors():
+    with exit_on_errors():
         filters = _filters(
             topic=topic,
             partition=partition,
@@ -278,14 +242,14 @@ def show(
     json_: JsonOption = False,
 ) -> None:
     """Show one dead letter with its key, headers and value rendered safely."""
-    with _errors():
+    with exit_on_errors():
         _, table = _open(config)
         with table:
             item = table.get((topic, partition, offset))
             try:
                 dl = table.load(item)
             except ValueError as exc:
-                raise _Failed(ExitCode.FAILURE, str(exc)) from None
+                raise CommandFailed(ExitCode.FAILURE, str(exc)) from None
             if json_:
                 _json_line(_show_json(item, dl))
             else:
@@ -379,7 +343,7 @@ def _select(
 
 def _require_filter(filters: Filters, everything: bool, what: str) -> None:
     if not filters.narrows and not everything:
-        raise _Failed(
+        raise CommandFailed(
             ExitCode.BAD_INPUT,
             f"refusing to {what} every pending dead letter: give a filter or --all",
         )
@@ -441,7 +405,7 @@ def replay(
     from triage_proxy.dlqtable import item_summary, new_replay_id
     from triage_proxy.dlqtable import replay as replay_items
 
-    with _errors():
+    with exit_on_errors():
         filters = _filters(
             topic=topic,
             partition=partition,
@@ -451,7 +415,7 @@ def replay(
             until=until,
         )
         if to_topic is not None and (not to_topic or "#" in to_topic):
-            raise _Failed(ExitCode.BAD_INPUT, f"not a Kafka topic name: {to_topic!r}")
+            raise CommandFailed(ExitCode.BAD_INPUT, f"not a Kafka topic name: {to_topic!r}")
         if spark and not dry_run:
             _require_filter(filters, everything, "replay")
             _spark_replay(config, filters, to_topic, master, json_)
@@ -500,7 +464,9 @@ def _spark_replay(
     from triage_replay import ReplayOptions, run_replay
 
     if importlib.util.find_spec("pyspark") is None:  # an extra: triage[spark]
-        raise _Failed(ExitCode.BAD_INPUT, "--spark needs pyspark: pip install 'triage[spark]'")
+        raise CommandFailed(
+            ExitCode.BAD_INPUT, "--spark needs pyspark: pip install 'triage[spark]'"
+        )
     options = ReplayOptions.from_settings(
         load_settings(config), filters=filters, to_topic=to_topic, master=master
     )
@@ -558,14 +524,14 @@ def _producer(settings: Settings, to_topic: str | None, items: list[dict[str, An
     try:
         metadata = producer.list_topics(timeout=10)
     except KafkaException as exc:
-        raise _Failed(
+        raise CommandFailed(
             ExitCode.UNAVAILABLE,
             f"cannot reach Kafka at {settings.kafka.bootstrap_servers}: {exc}",
         ) from None
     wanted = {to_topic} if to_topic else {item_key(i)[0] for i in items}
     missing = sorted(t for t in wanted if t not in metadata.topics)
     if missing:
-        raise _Failed(ExitCode.NOT_FOUND, f"topic {', '.join(missing)} does not exist")
+        raise CommandFailed(ExitCode.NOT_FOUND, f"topic {', '.join(missing)} does not exist")
     return producer
 
 
@@ -596,7 +562,7 @@ def discard(
     """Mark pending dead letters discarded (never replayed; expire with TTL if it is on)."""
     from triage_proxy.dlqtable import item_key, item_summary
 
-    with _errors():
+    with exit_on_errors():
         filters = _filters(
             topic=topic,
             partition=partition,

@@ -25,13 +25,12 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from triage_cli.exitcodes import ExitCode
+from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
 
 if TYPE_CHECKING:
     from triage_proxy.settings import Settings
@@ -40,38 +39,6 @@ DEFAULT_CONFIG = Path("triage.toml")
 DEFAULT_APP_NAME = "consumer"
 DISCOVERY_TIMEOUT_S = 5.0
 TOKEN_BYTES = 32
-
-
-class _Failed(Exception):
-    """Ends a command with an exit code and a message for stderr."""
-
-    def __init__(self, code: ExitCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@contextlib.contextmanager
-def _errors() -> Iterator[None]:
-    """Turn the errors these commands meet into a message and a named exit code."""
-    from triage_proxy.errors import ConfigError, UnavailableError
-
-    try:
-        yield
-    except _Failed as exc:
-        _say_error(str(exc))
-        raise typer.Exit(int(exc.code)) from None
-    except ConfigError as exc:
-        _say_error(str(exc))
-        raise typer.Exit(int(ExitCode.BAD_INPUT)) from None
-    except UnavailableError as exc:
-        _say_error(str(exc))
-        raise typer.Exit(int(ExitCode.UNAVAILABLE)) from None
-    except (KeyboardInterrupt, typer.Abort):
-        raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
-
-
-def _say_error(message: str) -> None:
-    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
 
 
 def _say(message: str) -> None:
@@ -94,7 +61,7 @@ class _Asker:
         if self.interactive:
             return str(typer.prompt(prompt, default=default, err=True)).strip()
         if default is None:
-            raise _Failed(ExitCode.BAD_INPUT, f"{flag} is required with --non-interactive")
+            raise CommandFailed(ExitCode.BAD_INPUT, f"{flag} is required with --non-interactive")
         return default
 
     def optional(self, given: str | None, prompt: str) -> str | None:
@@ -113,7 +80,9 @@ class _Asker:
             if answer in options:
                 return answer
             if not self.interactive or given is not None:
-                raise _Failed(ExitCode.BAD_INPUT, f"{flag} must be one of {', '.join(options)}")
+                raise CommandFailed(
+                    ExitCode.BAD_INPUT, f"{flag} must be one of {', '.join(options)}"
+                )
             _say(f"choose one of {', '.join(options)}")
 
     def reference(self, flag: str, given: str | None, prompt: str) -> str | None:
@@ -127,14 +96,14 @@ class _Asker:
                 "never hold it: the config file would then contain it"
             )
             if not self.interactive or given is not None:
-                raise _Failed(ExitCode.BAD_INPUT, message)
+                raise CommandFailed(ExitCode.BAD_INPUT, message)
             _say(message)
 
     def number(self, flag: str, given: int | None, prompt: str) -> int:
         if given is not None:
             return given
         if not self.interactive:
-            raise _Failed(
+            raise CommandFailed(
                 ExitCode.UNAVAILABLE,
                 f"the broker cannot be asked: give {flag} with --non-interactive",
             )
@@ -185,7 +154,7 @@ def _notify_key(target: str) -> str:
         return "notify_sns_topic_arn"
     if target.startswith(("http://", "https://")):
         return "notify_webhook_url"
-    raise _Failed(
+    raise CommandFailed(
         ExitCode.BAD_INPUT, "--notify must be an SNS topic ARN (arn:...) or an http(s) URL"
     )
 
@@ -230,8 +199,8 @@ def write_private(path: Path, text: str, *, force: bool) -> Path | None:
     return backup
 
 
-def _exists(path: Path) -> _Failed:
-    return _Failed(
+def _exists(path: Path) -> CommandFailed:
+    return CommandFailed(
         ExitCode.CONFLICT,
         f"{path} already exists; not overwriting it (use --force, which keeps "
         f"{path.name}.bak, or --config for another file)",
@@ -314,7 +283,7 @@ def init(
         SECURITY_PROTOCOLS,
     )
 
-    with _errors():
+    with exit_on_errors():
         if config.exists() and not force:
             raise _exists(config)  # before any question, not after all of them
         ask = _Asker(interactive=not non_interactive)
@@ -340,7 +309,9 @@ def init(
             if password is not None:
                 kafka["sasl_password"] = password
         elif sasl_mechanism or sasl_username or sasl_password:
-            raise _Failed(ExitCode.BAD_INPUT, "SASL options need a SASL_* --security-protocol")
+            raise CommandFailed(
+                ExitCode.BAD_INPUT, "SASL options need a SASL_* --security-protocol"
+            )
         kafka["topic"] = ask.text("--topic", topic, "Topic")
         kafka["group_id"] = ask.text(
             "--group-id", group_id, "Consumer group", f"triage-{kafka['topic']}"
@@ -364,7 +335,7 @@ def init(
         kafka["partitions"] = _partitions(kafka, partitions, ask)
         token_name = app_name.strip()
         if not token_name or not token_name.replace("-", "").replace("_", "").isalnum():
-            raise _Failed(ExitCode.BAD_INPUT, "--app-name must be letters, digits, - or _")
+            raise CommandFailed(ExitCode.BAD_INPUT, "--app-name must be letters, digits, - or _")
         raw: dict[str, Any] = {
             "kafka": kafka,
             "server": {
@@ -389,7 +360,7 @@ def _partitions(kafka: dict[str, Any], given: int | None, ask: _Asker) -> int:
         _say(f"warning: cannot discover the partition count: {exc}")
         return ask.number("--partitions", given, "Number of partitions of the topic")
     if given is not None and given != found:
-        raise _Failed(
+        raise CommandFailed(
             ExitCode.BAD_INPUT,
             f"--partitions {given} disagrees with the broker, which reports {found} for "
             f"{kafka['topic']!r} (every partition needs its proxy)",
@@ -442,7 +413,7 @@ def check(
     """Validate a config; on error name the offending key and exit 2."""
     from triage_proxy.settings import load_settings
 
-    with _errors():
+    with exit_on_errors():
         settings = load_settings(config)
         typer.echo(f"OK {config}")
         for label, value in summary(settings):
@@ -483,16 +454,16 @@ def _check_connect(settings: Settings) -> None:
     """Reach the broker (topic and partition count) and the dead-letter table."""
     import dataclasses
 
-    from triage_proxy.dlqtable import DeadLetterTable, NotFoundError
-    from triage_proxy.errors import ConfigError
+    from triage_proxy.dlqtable import DeadLetterTable
+    from triage_proxy.errors import ConfigError, NotFoundError
 
     kafka = {f.name: getattr(settings.kafka, f.name) for f in dataclasses.fields(settings.kafka)}
     try:
         found = discover_partitions(kafka)
     except ConfigError as exc:
-        raise _Failed(ExitCode.NOT_FOUND, str(exc)) from None
+        raise CommandFailed(ExitCode.NOT_FOUND, str(exc)) from None
     if settings.kafka.partitions is not None and found != settings.kafka.partitions:
-        raise _Failed(
+        raise CommandFailed(
             ExitCode.BAD_INPUT,
             f"config key 'kafka.partitions': {settings.kafka.partitions} but the broker "
             f"reports {found} for {settings.kafka.topic!r}",
@@ -502,7 +473,7 @@ def _check_connect(settings: Settings) -> None:
     try:
         table.check()
     except NotFoundError as exc:
-        raise _Failed(ExitCode.NOT_FOUND, str(exc)) from None
+        raise CommandFailed(ExitCode.NOT_FOUND, str(exc)) from None
     finally:
         table.close()
     typer.echo(f"  table          reachable ({settings.dead_letters.table})")

@@ -83,7 +83,7 @@ from triage_proxy.deadletter import (
     parse_s3_url,
     s3_client,
 )
-from triage_proxy.errors import DeadLetterUnavailable, TriageError
+from triage_proxy.errors import DeadLetterUnavailable, NotFoundError, TriageError
 from triage_proxy.settings import DeadLetterSettings
 from triage_proxy.structs import DeadLetter
 
@@ -141,10 +141,6 @@ _MAYBE_DELIVERED = {"_MSG_TIMED_OUT", "_PURGE_INFLIGHT", "_TIMED_OUT", "REQUEST_
 
 
 # --- errors ---------------------------------------------------------------------------
-
-
-class NotFoundError(TriageError):
-    """What was asked for does not exist; asking again will not help."""
 
 
 class TableNotFound(NotFoundError):

@@ -10,6 +10,8 @@
     |   +-- DeadLetterUnavailable    the dead-letter table did not take a write
     |   +-- OwnershipLost            the partition lease lapsed or was taken: stop delivering,
     |                                exit, restart as a standby (ownership.py)
+    +-- NotFoundError                the table or item asked for does not exist (dlqtable.py
+    |                                has the specific ones: TableNotFound, ItemNotFound)
     +-- StateError                   a lifecycle method called in the wrong state (a bug)
     +-- DeployError                  `triage deploy/destroy` could not finish: the cloud
                                      refused a call or a stack failed; read why, fix, rerun
@@ -76,6 +78,10 @@ class DeadLetterUnavailable(UnavailableError):
 
 class OwnershipLost(UnavailableError):
     """This proxy no longer holds the partition's lease; it must not deliver or commit."""
+
+
+class NotFoundError(TriageError):
+    """What was asked for does not exist; asking again will not help."""
 
 
 class StateError(TriageError):

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from triage_cli.exitcodes import ExitCode
-from triage_cli.init import _Failed, _is_reference, render_config, summary, write_private
+from triage_cli.exitcodes import CommandFailed, ExitCode
+from triage_cli.init import _is_reference, render_config, summary, write_private
 from triage_cli.supervisor import RestartPolicy, pid_alive, restart_decision
 from triage_proxy.errors import ConfigError
 from triage_proxy.settings import settings_from_dict
@@ -39,7 +39,7 @@ def test_written_config_is_0600_and_round_trips(tmp_path: Path) -> None:
 def test_existing_file_refused_then_forced_with_a_0600_backup(tmp_path: Path) -> None:
     path = tmp_path / "triage.toml"
     path.write_text("old = 1\n")
-    with pytest.raises(_Failed) as refused:
+    with pytest.raises(CommandFailed) as refused:
         write_private(path, render_config(RAW), force=False)
     assert refused.value.code == ExitCode.CONFLICT
     assert path.read_text() == "old = 1\n"
