@@ -45,6 +45,7 @@ from triage_proxy.settings import (
     Settings,
     load_settings,
     resolve_secret,
+    secret_reference,
     settings_from_dict,
 )
 
@@ -313,7 +314,7 @@ def _store_secrets(dep: _Deployment) -> tuple[dict[str, str], str | None, list[s
     kafka_ref: str | None = None
     password = dep.settings.kafka.sasl_password
     if password is not None:
-        kind, _, existing = password.partition(":")
+        kind, existing = secret_reference(password) or ("", "")
         if kind == "secret":
             found = _aws_call(
                 f"reading secret {existing}", lambda: client.describe_secret(SecretId=existing)

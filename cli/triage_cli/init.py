@@ -87,9 +87,11 @@ class _Asker:
 
     def reference(self, flag: str, given: str | None, prompt: str) -> str | None:
         """A secret by reference; an inline secret is refused (re-asked when prompting)."""
+        from triage_proxy.settings import secret_reference
+
         while True:
             answer = self.optional(given, prompt)
-            if answer is None or _is_reference(answer):
+            if answer is None or secret_reference(answer) is not None:
                 return answer
             message = (
                 f'{flag} must reference the password ("env:VAR" or "secret:NAME"), '
@@ -108,11 +110,6 @@ class _Asker:
                 f"the broker cannot be asked: give {flag} with --non-interactive",
             )
         return int(typer.prompt(prompt, type=int, err=True))
-
-
-def _is_reference(value: str) -> bool:
-    kind, _, name = value.partition(":")
-    return kind in ("env", "secret") and bool(name)
 
 
 def discover_partitions(kafka: dict[str, Any], timeout_s: float = DISCOVERY_TIMEOUT_S) -> int:

@@ -340,7 +340,10 @@ class Settings:
                 )
             if not self.kafka.security_protocol.startswith("SASL"):
                 raise ConfigError("kafka.sasl_mechanism", "needs a SASL_* security_protocol")
-        if self.kafka.sasl_password is not None and not _is_reference(self.kafka.sasl_password):
+        if (
+            self.kafka.sasl_password is not None
+            and secret_reference(self.kafka.sasl_password) is None
+        ):
             raise ConfigError(
                 "kafka.sasl_password",
                 'must reference the secret ("env:VAR" or "secret:NAME"), never hold it',
@@ -379,20 +382,22 @@ SecretResolver = Callable[[str, str], str]
 """(config key, reference) -> secret value; raises ConfigError naming the key."""
 
 
-def _is_reference(value: str) -> bool:
-    return value.startswith(("env:", "secret:"))
+def secret_reference(value: str) -> tuple[str, str] | None:
+    """("env" | "secret", name) when `value` references a secret, else None."""
+    kind, _, name = value.partition(":")
+    return (kind, name) if kind in ("env", "secret") and name else None
 
 
 def resolve_secret(key: str, reference: str, env: Mapping[str, str] | None = None) -> str:
     """Resolve "env:VAR" from the environment or "secret:NAME" from AWS Secrets Manager
     (standard credential chain and AWS_ENDPOINT_URL); anything else is returned as is."""
-    kind, _, name = reference.partition(":")
-    if kind == "env" and name:
+    kind, name = secret_reference(reference) or ("", "")
+    if kind == "env":
         value = (os.environ if env is None else env).get(name)
         if not value:
             raise ConfigError(key, f"environment variable {name} is not set")
         return value
-    if kind == "secret" and name:
+    if kind == "secret":
         import boto3
         from botocore.exceptions import BotoCoreError, ClientError
 

@@ -12,10 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from triage_cli.exitcodes import CommandFailed, ExitCode
-from triage_cli.init import _is_reference, render_config, summary, write_private
+from triage_cli.init import render_config, summary, write_private
 from triage_cli.supervisor import RestartPolicy, pid_alive, restart_decision
 from triage_proxy.errors import ConfigError
-from triage_proxy.settings import settings_from_dict
+from triage_proxy.settings import secret_reference, settings_from_dict
 
 RAW: dict[str, Any] = {
     "kafka": {"bootstrap_servers": "b:9092", "topic": "orders", "group_id": "g", "partitions": 2},
@@ -58,10 +58,10 @@ def test_render_refuses_an_invalid_config_naming_the_key() -> None:
 
 
 def test_references() -> None:
-    assert _is_reference("env:KAFKA_PASSWORD")
-    assert _is_reference("secret:prod/kafka")
-    assert not _is_reference("env:")
-    assert not _is_reference("hunter2")
+    assert secret_reference("env:KAFKA_PASSWORD") == ("env", "KAFKA_PASSWORD")
+    assert secret_reference("secret:prod/kafka") == ("secret", "prod/kafka")
+    assert secret_reference("env:") is None
+    assert secret_reference("hunter2") is None
 
 
 def test_summary_names_tokens_never_values() -> None:
