@@ -131,6 +131,17 @@ def _filters(
         raise CommandFailed(ExitCode.BAD_INPUT, str(exc)) from None
 
 
+def _show_selection(items: list[dict[str, Any]], json_: bool, would_be: str) -> None:
+    """What a --dry-run selected: one JSON line per item, or a table."""
+    from triage_proxy.dlqtable import item_summary
+
+    if json_:
+        for item in items:
+            _json_line(item_summary(item))
+    else:
+        _print_table(items, f"{len(items)} dead letters would be {would_be}")
+
+
 def _print_table(items: list[dict[str, Any]], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -402,7 +413,7 @@ def replay(
     With --spark the Spark job (triage_replay) does the same at scale; --dry-run still
     lists without Spark.
     """
-    from triage_proxy.dlqtable import item_summary, new_replay_id
+    from triage_proxy.dlqtable import new_replay_id
     from triage_proxy.dlqtable import replay as replay_items
 
     with exit_on_errors():
@@ -424,11 +435,7 @@ def replay(
         with table:
             items = _select(table, filters, everything, what="replay")
             if dry_run:
-                if json_:
-                    for item in items:
-                        _json_line(item_summary(item))
-                else:
-                    _print_table(items, f"{len(items)} dead letters would be replayed")
+                _show_selection(items, json_, "replayed")
                 return
             if not items:
                 _report_replay(None, 0, json_)
@@ -560,7 +567,7 @@ def discard(
     json_: JsonOption = False,
 ) -> None:
     """Mark pending dead letters discarded (never replayed; expire with TTL if it is on)."""
-    from triage_proxy.dlqtable import item_key, item_summary
+    from triage_proxy.dlqtable import item_key
 
     with exit_on_errors():
         filters = _filters(
@@ -575,11 +582,7 @@ def discard(
         with table:
             items = _select(table, filters, everything, what="discard")
             if dry_run:
-                if json_:
-                    for item in items:
-                        _json_line(item_summary(item))
-                else:
-                    _print_table(items, f"{len(items)} dead letters would be discarded")
+                _show_selection(items, json_, "discarded")
                 return
             discarded = skipped = 0
             with _stop_on_signals() as stop:
