@@ -58,6 +58,7 @@ def test_token_from_environment() -> None:
         (with_("kafka", security_protocol="TLS"), "kafka.security_protocol"),
         (with_("kafka", sasl_mechanism="PLAIN"), "kafka.sasl_mechanism"),
         (with_("kafka", sasl_password="hunter2"), "kafka.sasl_password"),
+        (with_("kafka", sasl_password="env:"), "kafka.sasl_password"),
         (with_("tls", cert_file="c.pem"), "tls.key_file"),
         (with_("tls", client_ca_file="ca.pem"), "tls.client_ca_file"),
         (with_("ownership", lease_s=0), "ownership.lease_s"),
