@@ -13,7 +13,7 @@ from types import FrameType
 
 import pytest
 
-from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 
 _names = itertools.count()
 

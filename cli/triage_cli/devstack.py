@@ -21,7 +21,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from triage_proxy.embedded import (
+from triage_cli.embedded import (
     HOST,
     EmbeddedAWS,
     EmbeddedBroker,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.integration.harness import create_topic
-from triage_proxy.embedded import EmbeddedBroker
+from triage_cli.embedded import EmbeddedBroker
 
 
 @pytest.fixture

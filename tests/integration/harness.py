@@ -17,11 +17,11 @@ import grpc
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_client._proto import triage_pb2 as pb
 from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_proxy.app import Proxy
 from triage_proxy.deadletter import create_table, dead_letter_from_item
-from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.settings import Settings, settings_from_dict
 from triage_proxy.structs import DeadLetter
 

@@ -23,8 +23,8 @@ from tests.integration.harness import (
     wait_until,
 )
 from triage_cli.devstack import write_config
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
 from triage_proxy.deadletter import create_table
-from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
 from triage_proxy.settings import DeadLetterSettings
 
 pytestmark = pytest.mark.integration

@@ -18,9 +18,9 @@ from tests.integration.harness import (
     produce,
     wait_until,
 )
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port
 from triage_client import Consumer, Message
 from triage_proxy.app import Proxy
-from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker, free_port
 from triage_proxy.settings import Settings
 
 pytestmark = pytest.mark.integration

@@ -17,13 +17,13 @@ from typing import Any
 import boto3
 import pytest
 
+from triage_cli.embedded import EmbeddedAWS, free_port
 from triage_proxy.deadletter import (
     DeadLetterWriter,
     DynamoDBStore,
     create_table,
     dead_letter_from_item,
 )
-from triage_proxy.embedded import EmbeddedAWS, free_port
 from triage_proxy.errors import ConfigError, DeadLetterUnavailable
 from triage_proxy.settings import DeadLetterSettings
 from triage_proxy.structs import DeadLetter, Headers, Record

@@ -32,7 +32,7 @@ from rich.console import Console
 
 from tests.integration.harness import RawConsumer, create_topic, produce
 from triage_cli.aws import deploy_aws, destroy_aws, stack_name
-from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
 from triage_proxy.errors import ConfigError, DeployError
 from triage_proxy.settings import load_settings, settings_from_dict
 

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from tests.integration.harness import TOKEN, create_topic
 from triage_cli.devstack import write_config
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port
 from triage_cli.exitcodes import ExitCode
 from triage_cli.main import app
 from triage_proxy.deadletter import (
@@ -28,7 +29,6 @@ from triage_proxy.deadletter import (
     create_table,
 )
 from triage_proxy.dlqtable import REPLAY_OF_HEADER, DeadLetterTable, Filters
-from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker, free_port
 from triage_proxy.settings import DeadLetterSettings, load_settings
 from triage_proxy.structs import DeadLetter, Headers, Record
 

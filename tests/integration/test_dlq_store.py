@@ -18,6 +18,7 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from tests.integration.harness import create_topic
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.checkpoint_store import DynamoDBCheckpoints
 from triage_proxy.deadletter import (
     MAX_ITEM_BYTES,
@@ -39,7 +40,6 @@ from triage_proxy.dlqtable import (
     new_replay_id,
     replay,
 )
-from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.notifier import notifier_from_settings
 from triage_proxy.settings import DeadLetterSettings
 from triage_proxy.structs import DeadLetter, Headers, Record

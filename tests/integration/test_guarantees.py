@@ -25,8 +25,8 @@ from tests.integration.harness import (
     wait_until,
 )
 from triage_cli.devstack import write_config
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
 from triage_proxy.app import Proxy
-from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
 
 pytestmark = pytest.mark.integration
 

@@ -20,9 +20,9 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.integration.harness import RawConsumer, create_topic, produce, wait_until
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, free_port_block
 from triage_cli.main import app
 from triage_cli.supervisor import ProjectDir
-from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker, free_port, free_port_block
 from triage_proxy.settings import load_settings
 
 pytestmark = pytest.mark.integration

@@ -30,9 +30,9 @@ from tests.integration.harness import (
     wait_until,
 )
 from triage_cli.devstack import write_config
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
 from triage_proxy.app import Proxy, ProxyState
 from triage_proxy.dlqtable import DeadLetterTable, Filters
-from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
 from triage_proxy.errors import OwnershipLost
 from triage_proxy.ownership import DynamoDBLeases, Lease, lease_source
 

@@ -19,8 +19,8 @@ from tests.integration.harness import (
     settings_for,
     target,
 )
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.app import Proxy
-from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker
 
 pytestmark = pytest.mark.integration
 

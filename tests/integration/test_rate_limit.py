@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from tests.integration.harness import RawConsumer, create_topic, produce, settings_for, target
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.app import Proxy
-from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker
 
 pytestmark = pytest.mark.integration
 

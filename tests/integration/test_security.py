@@ -27,11 +27,11 @@ from tests.integration.harness import (
     settings_for,
     target,
 )
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
 from triage_cli.main import quiet_noisy_loggers
 from triage_client import Consumer, Message
 from triage_proxy.app import Proxy
 from triage_proxy.deadletter import create_table
-from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
 from triage_proxy.settings import DeadLetterSettings
 
 pytestmark = pytest.mark.integration

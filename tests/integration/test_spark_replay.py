@@ -28,6 +28,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
 
 from tests.integration.harness import TOKEN, create_topic
 from triage_cli.devstack import write_config
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_cli.exitcodes import ExitCode
 from triage_proxy.deadletter import (
     DynamoDBStore,
@@ -36,7 +37,6 @@ from triage_proxy.deadletter import (
     item_from_dead_letter,
 )
 from triage_proxy.dlqtable import TableNotFound
-from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.errors import ConfigError
 from triage_proxy.settings import DeadLetterSettings, load_settings
 from triage_proxy.structs import DeadLetter, Headers, Record

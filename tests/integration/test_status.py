@@ -16,9 +16,9 @@ import pytest
 
 from tests.integration.harness import TOKEN, RawConsumer, create_topic, produce
 from triage_cli.devstack import write_config
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, free_port_block
 from triage_cli.exitcodes import ExitCode
 from triage_proxy.deadletter import create_table
-from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker, free_port, free_port_block
 from triage_proxy.settings import DeadLetterSettings
 
 pytestmark = pytest.mark.integration

@@ -29,13 +29,13 @@ from typing import Any
 
 import boto3
 
+from triage_cli.embedded import EmbeddedAWS
 from triage_proxy.deadletter import (
     DEFAULT_MAX_IN_FLIGHT,
     DeadLetterWriter,
     DynamoDBStore,
     create_table,
 )
-from triage_proxy.embedded import EmbeddedAWS
 from triage_proxy.settings import DeadLetterSettings
 from triage_proxy.structs import DeadLetter, Record
 

@@ -72,9 +72,9 @@ import psutil
 from pyspark import SparkContext
 
 from tests.integration.harness import create_topic
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.deadletter import create_table, dynamodb_client, item_from_dead_letter
 from triage_proxy.dlqtable import DeadLetterTable, Filters, item_key
-from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.settings import DeadLetterSettings
 from triage_proxy.structs import DeadLetter, Record
 from triage_replay import ReplayOptions, Summary, run_replay

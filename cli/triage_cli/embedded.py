@@ -1,7 +1,8 @@
 """Embedded stand-ins for one machine: a Tansu broker and a moto server (DynamoDB, S3, SNS).
 
-`triage dev` and the test fixtures both start these. Each owns its child process
-and stops it by PID (SIGTERM, then SIGKILL), so nothing outlives its owner.
+`triage dev` and the test fixtures both start these (development tooling, so it lives
+in the CLI, never in the proxy). Each owns its child process and stops it by PID
+(SIGTERM, then SIGKILL), so nothing outlives its owner.
 """
 
 from __future__ import annotations
