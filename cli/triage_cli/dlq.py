@@ -25,18 +25,15 @@ Heavy modules (boto3, confluent-kafka, rich) are imported inside the commands.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import json
-import signal
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
+from triage_cli.signals import stop_on_signals as _stop_on_signals
 
 if TYPE_CHECKING:
     from triage_proxy.dlqtable import DeadLetterTable, Filters
@@ -358,25 +355,6 @@ def _require_filter(filters: Filters, everything: bool, what: str) -> None:
             ExitCode.BAD_INPUT,
             f"refusing to {what} every pending dead letter: give a filter or --all",
         )
-
-
-@contextlib.contextmanager
-def _stop_on_signals() -> Iterator[threading.Event]:
-    """An event set by SIGINT or SIGTERM while the block runs (main thread only)."""
-    stop = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-
-    def handler(signum: int, frame: object) -> None:
-        stop.set()
-
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield stop
-    finally:
-        for signum, old in previous.items():
-            signal.signal(signum, old)
 
 
 @dlq_app.command()

@@ -1,29 +1,22 @@
-"""What every `triage` command's exit status means, for scripts and supervisors, and the
-one place that turns an error into that status."""
+"""How every `triage` command ends: the one context manager that turns what a command
+meets into a message on stderr and a named exit status, and SIGTERM into what Ctrl-C is.
+
+The codes and the error -> code mapping live in `triage_proxy.exitcodes` (the Spark
+replay job uses them too and must not import the CLI); this module adds what only a
+typer command needs.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import enum
 from collections.abc import Iterator
 
 import typer
 
+from triage_cli.signals import interrupt, on_stop_signals
+from triage_proxy.exitcodes import ExitCode, exit_code_for
 
-class ExitCode(enum.IntEnum):
-    OK = 0
-    FAILURE = 1
-    """The command ran but some of its work failed (e.g. items that did not replay)."""
-    BAD_INPUT = 2
-    """A malformed config, flag or argument; the message names it."""
-    UNAVAILABLE = 3
-    """A dependency (broker, DynamoDB) could not be reached."""
-    NOT_FOUND = 4
-    """The table or item asked for does not exist."""
-    CONFLICT = 5
-    """Something already exists that the command will not replace (a config file without
-    --force, a live deployment)."""
-    INTERRUPTED = 130
+__all__ = ["CommandFailed", "ExitCode", "exit_on_errors", "say_error"]
 
 
 class CommandFailed(Exception):
@@ -40,24 +33,22 @@ def say_error(message: str) -> None:
 
 @contextlib.contextmanager
 def exit_on_errors() -> Iterator[None]:
-    """Turn what a command meets into a message on stderr and a named exit code, most
-    specific first, so every command maps the same error to the same status."""
-    from triage_proxy.errors import ConfigError, NotFoundError, TriageError, UnavailableError
+    """Run a command's body: turn what it meets into a message on stderr and a named
+    exit code (`exit_code_for`), so every command maps the same error to the same status.
 
-    code: ExitCode
+    SIGINT and SIGTERM both raise KeyboardInterrupt in the body (a command that stops
+    more gently installs its own handler inside, see `signals.py`) and end with 130, no
+    message. An error Triage did not raise on purpose keeps its traceback."""
+    from triage_proxy.errors import TriageError
+
     try:
-        yield
+        with on_stop_signals(interrupt):
+            yield
         return
     except CommandFailed as exc:
         code, message = exc.code, str(exc)
-    except ConfigError as exc:
-        code, message = ExitCode.BAD_INPUT, str(exc)
-    except NotFoundError as exc:
-        code, message = ExitCode.NOT_FOUND, str(exc)
-    except UnavailableError as exc:
-        code, message = ExitCode.UNAVAILABLE, str(exc)
     except TriageError as exc:
-        code, message = ExitCode.FAILURE, str(exc)
+        code, message = exit_code_for(exc), str(exc)
     except (KeyboardInterrupt, typer.Abort):
         raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
     say_error(message)

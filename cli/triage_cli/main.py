@@ -16,7 +16,7 @@ import typer
 
 from triage_cli.deploy import deploy, destroy, supervise
 from triage_cli.dlq import dlq_app
-from triage_cli.exitcodes import ExitCode
+from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
 from triage_cli.init import config_app, init
 from triage_cli.status import status
 
@@ -48,11 +48,6 @@ def quiet_noisy_loggers() -> None:
         logging.getLogger(name).setLevel(logging.INFO)
 
 
-def _fail(code: ExitCode, message: str) -> typer.Exit:
-    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
-    return typer.Exit(int(code))
-
-
 @app.command()
 def proxy(
     config: Annotated[Path, typer.Option("--config", "-c", help="TOML config file.")],
@@ -70,37 +65,29 @@ def proxy(
     import dataclasses
     import signal
 
+    from triage_cli.signals import on_stop_signals
     from triage_proxy.app import Proxy
-    from triage_proxy.errors import ConfigError, UnavailableError
     from triage_proxy.service import server_credentials
     from triage_proxy.settings import load_settings
 
     _setup_logging(verbose)
-    try:
+    with exit_on_errors():
         settings = load_settings(config)
         if port is not None:
             server = dataclasses.replace(settings.server, port=port - partition if port else 0)
             settings = dataclasses.replace(settings, server=server)
         server_credentials(settings.tls)  # a bad TLS file: exit 2 before anything starts
-    except ConfigError as exc:
-        raise _fail(ExitCode.BAD_INPUT, str(exc)) from None
-    if partition < 0:
-        raise _fail(ExitCode.BAD_INPUT, "--partition must be >= 0")
+        if partition < 0:
+            raise CommandFailed(ExitCode.BAD_INPUT, "--partition must be >= 0")
 
-    async def main() -> None:
-        runner = Proxy(settings, partition, auth_source=lambda: load_settings(config).auth)
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, runner.stop)
-        loop.add_signal_handler(signal.SIGHUP, runner.reload_auth)
-        await runner.serve()
+        async def main() -> None:
+            runner = Proxy(settings, partition, auth_source=lambda: load_settings(config).auth)
+            loop = asyncio.get_running_loop()
+            loop.add_signal_handler(signal.SIGHUP, runner.reload_auth)
+            with on_stop_signals(runner.stop, loop):
+                await runner.serve()
 
-    try:
-        asyncio.run(main())
-    except ConfigError as exc:  # e.g. a TLS file that is missing or not PEM
-        raise _fail(ExitCode.BAD_INPUT, str(exc)) from None
-    except UnavailableError as exc:
-        raise _fail(ExitCode.UNAVAILABLE, str(exc)) from None
+        asyncio.run(main())  # a TLS file that is missing or not PEM: ConfigError, exit 2
 
 
 @app.command()
@@ -121,28 +108,22 @@ def dev(
 ) -> None:
     """Start a broker, a DynamoDB endpoint and one proxy per partition on this machine."""
     from triage_cli.devstack import DevStack
-    from triage_proxy.errors import TriageError
 
     _setup_logging(verbose)
     if not verbose:
         logging.getLogger().setLevel(logging.WARNING)
     stack = DevStack(topic=topic, partitions=partitions, state_dir=state_dir)
-    try:
-        with stack:
-            if demo:
-                from triage_cli.demo import run_demo
+    with exit_on_errors(), stack:
+        if demo:
+            from triage_cli.demo import run_demo
 
-                run_demo(stack, messages=messages)
-                return
-            if json_:
-                print(stack.describe_json(), flush=True)
-            else:
-                stack.print_endpoints()
-            stack.wait_for_signal()
-    except TriageError as exc:
-        raise _fail(ExitCode.UNAVAILABLE, str(exc)) from None
-    except KeyboardInterrupt:
-        raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
+            run_demo(stack, messages=messages)
+            return
+        if json_:
+            print(stack.describe_json(), flush=True)
+        else:
+            stack.print_endpoints()
+        stack.wait_for_signal()
 
 
 app.add_typer(dlq_app, name="dlq")

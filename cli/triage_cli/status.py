@@ -15,7 +15,8 @@ Each row joins three sources, so one that is down costs only its own columns:
 
 Exit codes (`exitcodes.ExitCode`): 0 every proxy answered; 1 some proxy is down (the
 report is still printed); 2 bad config or flags; 3 the broker could not be read (what
-could be read is printed); `--watch` runs until Ctrl-C or SIGTERM and exits 0.
+could be read is printed); `--watch` runs until Ctrl-C or SIGTERM and exits 0 (both
+end it the same way: `exit_on_errors` turns SIGTERM into KeyboardInterrupt).
 
 Heavy modules (confluent-kafka, boto3, rich) are imported inside the functions.
 """
@@ -24,21 +25,19 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from triage_cli.exitcodes import ExitCode
+from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -374,25 +373,6 @@ def render_table(report: Report) -> Table:
 # --- the command --------------------------------------------------------------------------
 
 
-def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM ends a watch the way Ctrl-C does."""
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _fail(code: ExitCode, message: str) -> typer.Exit:
-    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
-    return typer.Exit(int(code))
-
-
 def status(
     config: Annotated[Path, typer.Option("--config", "-c", help="The proxies' TOML config file.")],
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C.")] = False,
@@ -407,38 +387,29 @@ def status(
     """Per partition: committed offset, log end, lag, in-flight, instances, dead letters."""
     from rich.console import Console
 
-    from triage_proxy.errors import ConfigError, TriageError, UnavailableError
     from triage_proxy.settings import load_settings
 
-    if watch and json_:
-        raise _fail(ExitCode.BAD_INPUT, "--watch and --json do not go together")
-    try:
+    with exit_on_errors():
+        if watch and json_:
+            raise CommandFailed(ExitCode.BAD_INPUT, "--watch and --json do not go together")
         settings = load_settings(config)
         sources = Sources(settings, host)
-    except ConfigError as exc:
-        raise _fail(ExitCode.BAD_INPUT, str(exc)) from None
-    console = Console(highlight=False)
-    try:
-        if watch:
-            _watch(sources, console, interval)
-            return
-        report = gather(sources)
-    except UnavailableError as exc:
-        raise _fail(ExitCode.UNAVAILABLE, str(exc)) from None
-    except TriageError as exc:
-        raise _fail(ExitCode.FAILURE, str(exc)) from None
-    except KeyboardInterrupt:
-        raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
-    finally:
-        sources.close()
-    if json_:
-        print(json.dumps(report.to_json(), indent=2))
-    else:
-        console.print(render_table(report))
-    if report.broker_error:
-        raise typer.Exit(int(ExitCode.UNAVAILABLE))
-    if report.proxies_down:
-        raise typer.Exit(int(ExitCode.FAILURE))
+        console = Console(highlight=False)
+        try:
+            if watch:
+                _watch(sources, console, interval)
+                return
+            report = gather(sources)
+        finally:
+            sources.close()
+        if json_:
+            print(json.dumps(report.to_json(), indent=2))
+        else:
+            console.print(render_table(report))
+        if report.broker_error:
+            raise typer.Exit(int(ExitCode.UNAVAILABLE))
+        if report.proxies_down:
+            raise typer.Exit(int(ExitCode.FAILURE))
 
 
 def _watch(sources: Sources, console: Any, interval: float) -> None:
@@ -455,8 +426,7 @@ def _watch(sources: Sources, console: Any, interval: float) -> None:
             return Text(f"{exc} (retrying every {interval:g} s)", style="red")
 
     with (
-        _sigterm_as_interrupt(),
-        contextlib.suppress(KeyboardInterrupt),
+        contextlib.suppress(KeyboardInterrupt),  # Ctrl-C or SIGTERM (see exit_on_errors)
         Live(frame(), console=console, auto_refresh=False) as live,
     ):
         while True:

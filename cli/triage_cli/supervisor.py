@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from triage_cli.exitcodes import ExitCode
+from triage_cli.signals import on_stop_signals
 
 if TYPE_CHECKING:
     from triage_proxy.settings import Settings
@@ -184,6 +185,8 @@ def signal_pid(pid: int, signum: int) -> None:
 
 
 def proxy_command(config: Path, partition: int) -> list[str]:
+    """`triage proxy` for one partition, as this interpreter runs it (the supervisor's
+    children and `triage dev`'s)."""
     return [
         sys.executable,
         "-m",
@@ -392,7 +395,6 @@ def run_supervisor(config: Path, project: ProjectDir, partitions: int) -> int:
 
     settings = load_settings(config)
     supervisor = Supervisor(config, project, settings, partitions)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: supervisor.stop())
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    return supervisor.run()
+    with on_stop_signals(supervisor.stop):
+        return supervisor.run()

@@ -68,7 +68,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from triage_cli.exitcodes import ExitCode
 from triage_proxy.deadletter import STATUSES
 from triage_proxy.dlqtable import (
     DeadLetterTable,
@@ -78,6 +77,7 @@ from triage_proxy.dlqtable import (
     parse_time,
 )
 from triage_proxy.errors import ConfigError, UnavailableError
+from triage_proxy.exitcodes import ExitCode
 from triage_proxy.settings import DEFAULT_REGION, DeadLetterSettings, load_settings
 from triage_replay.options import DEFAULT_CHUNK, MAX_SEGMENTS, Fault, ReplayOptions
 from triage_replay.segment import (
