@@ -14,9 +14,7 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import tempfile
-import threading
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -28,6 +26,8 @@ from triage_cli.embedded import (
     free_port_block,
     wait_for_port,
 )
+from triage_cli.signals import stop_on_signals
+from triage_cli.supervisor import proxy_command
 from triage_proxy.errors import StateError, UnavailableError
 
 logger = logging.getLogger(__name__)
@@ -39,24 +39,12 @@ PROXY_STOP_TIMEOUT_S = 15.0
 
 
 def write_config(path: Path, values: dict[str, dict[str, Any]]) -> None:
-    """Write a flat two-level TOML file readable only by its owner (it holds a token)."""
-    lines: list[str] = []
-    for section, table in values.items():
-        lines.append(f"[{section}]")
-        for key, value in table.items():
-            lines.append(f"{key} = {_toml_value(value)}")
-        lines.append("")
+    """Write the TOML config readable only by its owner (it holds a token)."""
+    import tomli_w
+
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write("\n".join(lines))
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
+    with os.fdopen(fd, "wb") as out:
+        tomli_w.dump(values, out)
 
 
 class DevStack:
@@ -143,18 +131,6 @@ class DevStack:
         create_table(settings)
         create_bucket(settings)
 
-    def proxy_command(self, partition: int) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "triage_cli.main",
-            "proxy",
-            "--config",
-            str(self.config_path),
-            "--partition",
-            str(partition),
-        ]
-
     def start_proxy(self, partition: int) -> subprocess.Popen[bytes]:
         """Start (or restart) the proxy process for `partition` and wait until it listens."""
         from triage_proxy.settings import load_settings
@@ -163,7 +139,7 @@ class DevStack:
         log = open(self.state_dir / f"proxy-{partition}.log", "ab")  # noqa: SIM115
         with log:
             proc = subprocess.Popen(
-                self.proxy_command(partition),
+                proxy_command(self.config_path, partition),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
@@ -257,13 +233,7 @@ class DevStack:
 
     def wait_for_signal(self) -> None:
         """Block until SIGINT or SIGTERM, or until a proxy process dies."""
-        stop = threading.Event()
-
-        def handler(signum: int, frame: object) -> None:
-            stop.set()
-
-        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
+        with stop_on_signals() as stop:
             while not stop.wait(0.5):
                 for partition, proc in enumerate(self._proxies):
                     if proc.poll() is not None:
@@ -271,6 +241,3 @@ class DevStack:
                             f"proxy for partition {partition} exited with {proc.returncode}; "
                             f"see {self.state_dir / f'proxy-{partition}.log'}"
                         )
-        finally:
-            for signum, old in previous.items():
-                signal.signal(signum, old)
