@@ -7,7 +7,10 @@
 
 local: creates the dead-letter table (and overflow bucket) if missing, starts a detached
 supervisor (`supervisor.py`) that keeps one proxy per partition alive, and returns once
-every proxy is ready (HTTP /readyz when the proxy serves it, else its gRPC port accepts).
+every proxy it started is ready (HTTP /readyz when the proxy serves it, else its gRPC
+port accepts), counting only answers from a port that process holds: a port answered
+by another deployment is not readiness. A proxy the supervisor gives up (e.g. its port
+is in use) fails the deploy with the cause from its log.
 State lives in the project folder (default `.triage/` next to the config). A second
 deploy is refused while the first one lives; a dead one's leftovers are cleaned up.
 The token is never printed: deploy prints its NAME and the file that holds it (the
@@ -18,7 +21,8 @@ stack and returns its outputs; destroy asks for confirmation unless `--yes` and 
 the dead-letter data unless `--delete-data`.
 
 Exit codes (`exitcodes.ExitCode`): 2 bad config or flag; 3 broker/AWS unreachable or a
-proxy never became ready; 5 a live local deployment already exists; 1 other failures.
+proxy failed or never became ready; 5 a live local deployment already exists; 1 other
+failures.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
 from triage_cli.supervisor import (
     STOP_MARGIN_S,
     ProjectDir,
+    listening_ports,
     pid_alive,
     run_supervisor,
     signal_pid,
@@ -191,11 +196,11 @@ def deploy_local(config: Path, state_dir: Path | None, timeout: float | None) ->
     project.write_pid(project.supervisor_pid_file, proc.pid)
     limit = timeout if timeout is not None else READY_TIMEOUT_S + _lease_s(settings)
     try:
-        _wait_ready(settings, project, proc, partitions, limit)
+        pids = _wait_ready(settings, project, proc, partitions, limit)
     except BaseException:
         _stop_local(project, marker, settings.shutdown.drain_timeout_s)
         raise
-    _print_deployment(config, settings, project, partitions)
+    _print_deployment(config, settings, project, pids)
 
 
 def _lease_s(settings: Settings) -> float:
@@ -218,43 +223,93 @@ def _wait_ready(
     proc: subprocess.Popen[bytes],
     partitions: int,
     timeout_s: float,
-) -> None:
+) -> dict[int, int]:
+    """Wait until the proxy that supervisor `proc` runs for every partition is ready;
+    return their pids. A proxy it restarted must be ready again under its new pid."""
     deadline = time.monotonic() + timeout_s
-    pending = set(range(partitions))
-    while pending:
+    ready: dict[int, int] = {}
+    while True:
         exited = proc.poll()
-        state = project.read_state() or {}
-        for entry in state.get("partitions", []):
-            if entry.get("status") == "failed":
-                raise CommandFailed(
-                    ExitCode.UNAVAILABLE,
-                    f"the proxy for partition {entry['partition']} was given up (last exit "
-                    f"status {entry.get('last_exit')}); see {entry['log']}",
-                )
+        running = _running_pids(project, proc.pid)
         if exited is not None:
             raise CommandFailed(
                 ExitCode.UNAVAILABLE,
                 f"the supervisor exited with {exited}; see {project.supervisor_log}",
             )
-        pending = {p for p in pending if not proxy_ready(settings, p)}
-        if pending and time.monotonic() > deadline:
-            logs = ", ".join(str(project.proxy_log(p)) for p in sorted(pending))
+        for p in range(partitions):
+            pid = running.get(p)
+            if pid is not None and ready.get(p) == pid:
+                continue
+            ready.pop(p, None)  # not running, or restarted under a new pid
+            if pid is not None and proxy_ready(settings, p, pid):
+                ready[p] = pid
+        if len(ready) == partitions:
+            return ready
+        if time.monotonic() > deadline:
+            pending = sorted(set(range(partitions)) - set(ready))
+            logs = ", ".join(str(project.proxy_log(p)) for p in pending)
             raise CommandFailed(
                 ExitCode.UNAVAILABLE,
-                f"partition(s) {sorted(pending)} not ready after {timeout_s:g}s; see {logs}",
+                f"partition(s) {pending} not ready after {timeout_s:g}s; see {logs}",
             )
-        if pending:
-            time.sleep(0.2)
+        time.sleep(0.2)
 
 
-def proxy_ready(settings: Settings, partition: int) -> bool:
-    """GET /readyz when the proxy serves HTTP; else whether its gRPC port accepts."""
+def _running_pids(project: ProjectDir, supervisor_pid: int) -> dict[int, int]:
+    """Pid per partition of the proxies supervisor `supervisor_pid` runs now, from
+    state.json; raises naming the cause when it gave one up."""
+    state = project.read_state() or {}
+    if state.get("supervisor_pid") != supervisor_pid:
+        return {}  # not written yet by the supervisor just started
+    running: dict[int, int] = {}
+    for entry in state.get("partitions", []):
+        if entry.get("status") == "failed":
+            log = Path(entry["log"])
+            cause = last_error(log)
+            raise CommandFailed(
+                ExitCode.UNAVAILABLE,
+                f"the proxy for partition {entry['partition']} was given up (last exit "
+                f"status {entry.get('last_exit')})"
+                + (f": {cause}" if cause else "")
+                + f"; see {log}",
+            )
+        if entry.get("status") == "running" and entry.get("pid"):
+            running[int(entry["partition"])] = int(entry["pid"])
+    return running
+
+
+LOG_TAIL_BYTES = 16384
+
+
+def last_error(log: Path) -> str | None:
+    """Why a proxy exited, from the end of its log: its `error:` line (exit_on_errors),
+    else the last line of a traceback."""
+    try:
+        with log.open("rb") as f:
+            f.seek(max(0, log.stat().st_size - LOG_TAIL_BYTES))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if line.startswith("error: "):
+            return line.removeprefix("error: ").strip()
+    for line in reversed(lines):
+        head = line.split(":", 1)[0]
+        if head.endswith(("Error", "Exception")) and " " not in head:
+            return line.strip()
+    return None
+
+
+def proxy_ready(settings: Settings, partition: int, pid: int) -> bool:
+    """Whether proxy `pid` is ready: GET /readyz when the proxy serves HTTP; else whether
+    its gRPC port accepts. An answer counts only from a port `pid` listens on (where the
+    OS tells, see `listening_ports`): a port another process holds says nothing of it."""
     http = settings.server.http_address(partition)
     if http is not None and http[1]:
         url = f"http://{_dialable(http[0])}:{http[1]}/readyz"
         try:
             with urllib.request.urlopen(url, timeout=1) as response:
-                return int(response.status) == 200
+                return int(response.status) == 200 and _holds(pid, http[1])
         except urllib.error.HTTPError as exc:
             exc.close()
             if exc.code != 404:
@@ -264,9 +319,15 @@ def proxy_ready(settings: Settings, partition: int) -> bool:
     port = settings.server.port + partition
     try:
         with socket.create_connection((_dialable(settings.server.host), port), 0.5):
-            return True
+            return _holds(pid, port)
     except OSError:
         return False
+
+
+def _holds(pid: int, port: int) -> bool:
+    """Whether `pid` listens on `port` (True when the OS cannot tell)."""
+    ports = listening_ports(pid)
+    return ports is None or port in ports
 
 
 def _dialable(host: str) -> str:
@@ -274,10 +335,9 @@ def _dialable(host: str) -> str:
 
 
 def _print_deployment(
-    config: Path, settings: Settings, project: ProjectDir, partitions: int
+    config: Path, settings: Settings, project: ProjectDir, pids: dict[int, int]
 ) -> None:
-    state = project.read_state() or {}
-    pids = {e["partition"]: e.get("pid") for e in state.get("partitions", [])}
+    partitions = len(pids)
     typer.echo(f"Deployed {settings.kafka.topic!r}: {partitions} proxies (state in {project.root})")
     for p in range(partitions):
         http = settings.server.http_address(p)

@@ -169,6 +169,39 @@ def pid_alive(pid: int, marker: str | None = None) -> bool:
     return marker is None or marker in cmdline
 
 
+def listening_ports(pid: int) -> set[int] | None:
+    """The TCP ports `pid` listens on, from /proc (None: no /proc to tell, e.g. macOS).
+
+    How deploy knows a port that answers belongs to the proxy it started, not to
+    another deployment (or anything else) that already held it. A process that is gone
+    listens on nothing."""
+    proc = Path(f"/proc/{pid}")
+    if not Path("/proc/self/net/tcp").exists():
+        return None
+    sockets: set[str] = set()
+    try:
+        fds = list(proc.joinpath("fd").iterdir())
+    except OSError:  # gone, or not ours to read
+        return set()
+    for fd in fds:
+        with contextlib.suppress(OSError):  # closed since listed
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                sockets.add(target[len("socket:[") : -1])
+    ports: set[int] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = proc.joinpath("net", table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            # sl local_address rem_address st ... inode; st 0A is LISTEN
+            if len(fields) > 9 and fields[3] == "0A" and fields[9] in sockets:
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def wait_gone(pids: Sequence[int], timeout_s: float, marker: str | None = None) -> list[int]:
     """Wait until none of `pids` is alive; return those still alive at the deadline."""
     deadline = time.monotonic() + timeout_s

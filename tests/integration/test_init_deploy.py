@@ -212,10 +212,17 @@ class Deployment:
     """A local deployment under test; remembers every pid it saw so the fixture can kill
     anything left (by pid) even when the test fails."""
 
-    def __init__(self, config: Path) -> None:
+    def __init__(self, config: Path, state_dir: Path | None = None) -> None:
         self.config = config
-        self.project = ProjectDir.for_config(config.resolve())
+        self.project = ProjectDir.for_config(config.resolve(), state_dir)
         self.seen: set[int] = set()
+
+    def args(self) -> list[str]:
+        """--config (and --state-dir when not the default) for deploy and destroy."""
+        args = ["--target", "local", "--config", str(self.config)]
+        if self.project.root != ProjectDir.for_config(self.config.resolve()).root:
+            args += ["--state-dir", str(self.project.root)]
+        return args
 
     def state(self) -> dict[str, Any]:
         state = self.project.read_state() or {}
@@ -362,6 +369,37 @@ def test_deploy_reports_a_proxy_that_cannot_start(deployment: Deployment) -> Non
     assert "proxy-" in out.stderr  # points at the log
     assert not list(deployment.project.root.glob("*.pid"))
     assert not any(_alive(pid) for pid in deployment.seen)
+
+
+@pytest.mark.slow
+def test_a_second_deployment_whose_ports_are_taken_fails_naming_the_cause(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """Issue 10: the same config deployed again with another --state-dir. Its proxies
+    cannot bind the ports the first deployment holds; the first deployment's answers on
+    those ports are not the second one's readiness, so deploy exits 3 naming the cause."""
+    first = run_triage("deploy", *deployment.args())
+    deployment.state()
+    assert first.returncode == 0, first.stderr + first.stdout
+    first_pids = deployment.pids()
+    second = Deployment(deployment.config, tmp_path / "second")
+    try:
+        out = run_triage("deploy", *second.args())
+        second.state()
+        assert out.returncode == 3, out.stdout + out.stderr
+        assert "Deployed" not in out.stdout
+        http_port = load_settings(deployment.config).server.http_port
+        assert "given up" in out.stderr
+        assert "in use" in out.stderr.lower(), out.stderr
+        assert any(f":{http_port + p}" in out.stderr for p in (0, 1)), out.stderr
+        assert "proxy-" in out.stderr  # points at the log
+        assert not list(second.project.root.glob("*.pid"))
+        assert not any(_alive(pid) for pid in second.seen - set(first_pids.values()))
+        assert deployment.pids() == first_pids  # the first one is untouched
+        assert all(_alive(pid) for pid in first_pids.values())
+    finally:
+        second.kill_leftovers()
+        run_triage("destroy", *deployment.args())
 
 
 def test_destroy_aws_asks_before_deleting(tmp_path: Path) -> None:
