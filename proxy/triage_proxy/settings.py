@@ -106,7 +106,7 @@ MAX_WINDOW_MESSAGES = 10_000_000
 MAX_WINDOW_BYTES = 2**40
 MAX_RETRY_MULTIPLIER = 1000.0
 MAX_RATE_PER_S = 1e12
-"""Beyond any machine: to have no cap, leave the key out."""
+_NO_CAP = "beyond any machine; for no cap leave the key out"
 MAX_TTL_DAYS = 36_500
 MAX_PARTITIONS = MAX_PORT
 """Each partition's proxy listens on its own port (server.port + p)."""
@@ -259,7 +259,7 @@ class KafkaSettings:
 class ServerSettings:
     host: str = "127.0.0.1"
     """Interface the gRPC listener binds."""
-    port: int = _bounded(DEFAULT_PORT, 0, MAX_PORT)
+    port: int = _bounded(DEFAULT_PORT, 0, MAX_PORT, why="a TCP port")
     """Base port: the proxy for partition p listens on port + p."""
     max_frame_bytes: int = _bounded(
         DEFAULT_MAX_FRAME_BYTES,
@@ -268,7 +268,7 @@ class ServerSettings:
         why="64 KiB of framing plus 64 KiB for a record, up to gRPC's C int",
     )
     """Largest gRPC frame either side may send; bounds one oversized message."""
-    http_port: int | None = _bounded(DEFAULT_HTTP_PORT, 0, MAX_PORT)
+    http_port: int | None = _bounded(DEFAULT_HTTP_PORT, 0, MAX_PORT, why="a TCP port")
     """Base port of the HTTP endpoint (/metrics, /healthz, /readyz, /status): partition p
     serves on http_port + p; 0 picks a free port; None turns it off."""
 
@@ -360,9 +360,9 @@ class AwsSettings:
 
 @dataclass(frozen=True)
 class RateLimitSettings:
-    messages_per_s: float | None = _bounded(None, 0, MAX_RATE_PER_S, above=True)
+    messages_per_s: float | None = _bounded(None, 0, MAX_RATE_PER_S, above=True, why=_NO_CAP)
     """Most messages delivered per second by this proxy (None: no cap)."""
-    bytes_per_s: float | None = _bounded(None, 0, MAX_RATE_PER_S, above=True)
+    bytes_per_s: float | None = _bounded(None, 0, MAX_RATE_PER_S, above=True, why=_NO_CAP)
     """Most payload bytes delivered per second by this proxy (None: no cap)."""
 
 
@@ -425,7 +425,9 @@ class RetrySettings:
     """Wait before the first redelivery of a message nacked with retry."""
     max_backoff_s: float = _duration(DEFAULT_RETRY_MAX_S)
     """Cap of the wait between redeliveries."""
-    multiplier: float = _bounded(DEFAULT_RETRY_MULTIPLIER, 1, MAX_RETRY_MULTIPLIER)
+    multiplier: float = _bounded(
+        DEFAULT_RETRY_MULTIPLIER, 1, MAX_RETRY_MULTIPLIER, why="growth per attempt"
+    )
     """Growth of the wait per attempt."""
 
 

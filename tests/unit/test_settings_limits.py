@@ -329,3 +329,11 @@ def test_config_check_exits_2_naming_a_reserved_client_property(tmp_path: Path) 
     result = CliRunner().invoke(app, ["config", "check", "--config", str(path)])
     assert result.exit_code == 2
     assert 'kafka.client."enable.auto.commit"' in result.stderr
+
+
+def test_the_readme_states_every_range() -> None:
+    """The configuration reference lists each numeric key with the range enforced here."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for key, (kind, bounds) in NUMERIC.items():
+        in_words = bounds.describe(kind).partition(" (")[0]
+        assert f"| `{key}` | {in_words} |" in readme, key
