@@ -512,9 +512,10 @@ class Settings:
 
 @functools.cache
 def numeric_settings() -> dict[str, tuple[type, Bounds]]:
-    """ "section.key" -> (int or float, Bounds) for every numeric setting, found by walking
+    """Every numeric setting as "section.key" -> (int or float, Bounds), found by walking
     the Settings dataclasses, so a new numeric field is validated without being listed.
-    A numeric field declared without bounds (`_bounded`, `_duration`) is a bug: TypeError."""
+    A numeric field declared without bounds (`_bounded`, `_duration`) is a bug: TypeError,
+    raised at import (see the end of this module)."""
     found: dict[str, tuple[type, Bounds]] = {}
     for section in dataclasses.fields(Settings):
         cls = typing.get_type_hints(Settings)[section.name]
@@ -727,3 +728,6 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
 
 _SECRET_KEYS = frozenset({"auth.token", "kafka.sasl_password"})
 """Keys whose values an error message must not quote."""
+
+
+numeric_settings()  # a numeric field declared without Bounds fails here, at import
