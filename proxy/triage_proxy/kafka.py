@@ -78,12 +78,15 @@ class ConfluentPartition:
         self._lock = threading.Lock()  # librdkafka is thread-safe; this keeps close() clean
 
     def _config(self) -> dict[str, Any]:
-        config: dict[str, Any] = {
+        # What the guarantees rest on: every key here is in settings.RESERVED_CLIENT_PROPERTIES,
+        # so [kafka.client] cannot set it (a unit test checks the two agree).
+        own: dict[str, Any] = {
             "group.id": self._settings.group_id,
             "enable.auto.commit": False,
             "enable.auto.offset.store": False,
             "auto.offset.reset": "earliest",
             "enable.partition.eof": False,
+            "isolation.level": "read_committed",  # librdkafka's default, stated
             # Bound librdkafka's own prefetch so a full window really stops fetching.
             "queued.min.messages": PREFETCH_MESSAGES,
             "queued.max.messages.kbytes": PREFETCH_KBYTES,
@@ -94,9 +97,8 @@ class ConfluentPartition:
             "error_cb": self._on_error,
             "logger": logger,
         }
-        # Connection and secrets last, so they win; the password is resolved only here.
-        config.update(self._settings.librdkafka_config())
-        return config
+        # Connection and secrets (resolved only now), then our own properties, which win.
+        return {**self._settings.librdkafka_config(), **own}
 
     @staticmethod
     def _on_error(err: KafkaError) -> None:

@@ -25,11 +25,19 @@ Nothing below the CLI reads files or the environment: `load_settings` resolves
     [retry]        initial_backoff_s, max_backoff_s, multiplier
     [commit]       interval_s, encode_settled
     [shutdown]     drain_timeout_s
+
+Every number is checked here, once, for its type (a TOML `true` is not a number), for
+finiteness and for a range whose upper bound is what the field feeds can hold (a uint32
+on the wire, a C int in gRPC, ...): each numeric field carries its `Bounds`, and a
+numeric field without them fails at import. `kafka.client` may not set what the proxy's
+guarantees rest on (`RESERVED_CLIENT_PROPERTIES`), and holds secrets only by reference.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import os
 import tomllib
 import types
@@ -37,9 +45,11 @@ import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from triage_proxy.errors import ConfigError
+
+_T = TypeVar("_T")
 
 DEFAULT_PORT = 7700
 DEFAULT_FETCH_BATCH = 2000
@@ -54,7 +64,9 @@ DEFAULT_RETRY_MAX_S = 60.0
 DEFAULT_RETRY_MULTIPLIER = 2.0
 ORDERINGS = ("none", "key")
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
-DEFAULT_DLQ_BATCH = 25  # DynamoDB BatchWriteItem takes at most 25 items
+MAX_DLQ_BATCH = 25
+"""DynamoDB's BatchWriteItem takes at most 25 items."""
+DEFAULT_DLQ_BATCH = MAX_DLQ_BATCH
 DEFAULT_DLQ_FLUSH_MS = 20
 DEFAULT_DLQ_RETRY_MAX_S = 5.0
 DEFAULT_REGION = "us-east-1"
@@ -68,6 +80,131 @@ DEFAULT_AWS_MEMORY_MB = 1024
 DEFAULT_LOG_RETENTION_DAYS = 30
 LB_SCHEMES = ("internal", "internet-facing")
 
+# Bounds of the numeric settings (see `Bounds`): the upper ones are what the field a
+# setting feeds can hold, or where a larger value can only be a typo.
+UINT32_MAX = 2**32 - 1
+"""Largest protobuf uint32 (Welcome.max_attempts, Welcome.ack_deadline_ms)."""
+INT32_MAX = 2**31 - 1
+"""Largest C int: gRPC's message size options are ints."""
+MAX_PORT = 65535
+MIN_DURATION_S = 0.001
+"""Shortest wait, period or deadline in seconds: below a millisecond a loop only spins,
+and the ack deadline travels in whole milliseconds."""
+MAX_DURATION_S = UINT32_MAX / 1000
+"""Longest duration in seconds: what a uint32 of milliseconds holds (about 49.7 days),
+the unit of the ack deadline on the wire; any duration beyond it is a typo."""
+MAX_DURATION_MS = UINT32_MAX
+MAX_FETCH_BATCH = 1_000_000
+"""confluent-kafka's Consumer.consume() takes at most 1,000,000 messages per call."""
+MIN_FRAME_BYTES = 128 * 1024
+"""The dispatcher keeps 64 KiB of a frame for framing (dispatcher.FRAME_OVERHEAD_BYTES): a
+frame not above that would dead-letter every message as too large, a false reason. This
+floor leaves a record at least 64 KiB; a larger one is dead-lettered, truly too large."""
+MAX_FRAME_BYTES = INT32_MAX
+MAX_WINDOW_MESSAGES = 10_000_000
+"""Every unsettled message is held in memory; more than this is not a window but a typo."""
+MAX_WINDOW_BYTES = 2**40
+MAX_RETRY_MULTIPLIER = 1000.0
+MAX_RATE_PER_S = 1e12
+_NO_CAP = "beyond any machine; for no cap leave the key out"
+MAX_TTL_DAYS = 36_500
+MAX_PARTITIONS = MAX_PORT
+"""Each partition's proxy listens on its own port (server.port + p)."""
+FARGATE_CPU = (256, 16_384)
+FARGATE_MEMORY_MB = (512, 122_880)
+MAX_LOG_RETENTION_DAYS = 3653
+"""CloudWatch Logs' longest retention (10 years)."""
+
+
+_COMMITS = "the proxy commits only settled offsets itself (how often: commit.interval_s)"
+_ASSIGNS = "the proxy assigns its partitions itself, one owner per partition"
+_PREFETCH = "the proxy sizes librdkafka's prefetch so a full window stops fetching"
+_CALLBACK = "a callback, which a config file cannot give"
+RESERVED_CLIENT_PROPERTIES: Mapping[str, str] = {
+    # Each has its own key: one place to set it.
+    "bootstrap.servers": "set kafka.bootstrap_servers instead",
+    "metadata.broker.list": "set kafka.bootstrap_servers instead",
+    "group.id": "set kafka.group_id instead",
+    "security.protocol": "set kafka.security_protocol instead",
+    "sasl.mechanism": "set kafka.sasl_mechanism instead",
+    "sasl.mechanisms": "set kafka.sasl_mechanism instead",
+    "sasl.username": "set kafka.sasl_username instead",
+    "sasl.password": 'set kafka.sasl_password instead, as "env:VAR" or "secret:NAME"',
+    # What the proxy's guarantees rest on; kafka.py sets these (a unit test checks that
+    # every property it sets is listed here).
+    "enable.auto.commit": _COMMITS,
+    "auto.commit.enable": _COMMITS,
+    "auto.commit.interval.ms": _COMMITS,
+    "enable.auto.offset.store": _COMMITS,
+    "offset.store.method": _COMMITS,
+    "auto.offset.reset": "the proxy starts at the committed offset, else the earliest one",
+    "enable.partition.eof": "the proxy never decides end of partition from the log",
+    "isolation.level": "the proxy delivers only committed transactional records",
+    "group.protocol": _ASSIGNS,
+    "group.protocol.type": _ASSIGNS,
+    "group.remote.assignor": _ASSIGNS,
+    "partition.assignment.strategy": _ASSIGNS,
+    "group.instance.id": _ASSIGNS + "; every proxy reads this file, so all would share it",
+    "queued.min.messages": _PREFETCH + " (window.max_messages bounds memory)",
+    "queued.max.messages.kbytes": _PREFETCH + " (window.max_bytes bounds memory)",
+    "fetch.queue.backoff.ms": _PREFETCH,
+    "fetch.wait.max.ms": _PREFETCH,
+    "error_cb": _CALLBACK,
+    "logger": _CALLBACK,
+    "stats_cb": _CALLBACK,
+    "throttle_cb": _CALLBACK,
+    "oauth_cb": _CALLBACK,
+    "on_commit": _CALLBACK,
+    "on_delivery": _CALLBACK,
+}
+"""librdkafka properties `[kafka.client]` may not set, and why (or what to set instead).
+Librdkafka matches property names exactly, so no other spelling reaches these."""
+SECRET_PROPERTY_WORDS = ("password", "secret", "passphrase", "key.pem")
+"""A `[kafka.client]` property whose name holds one of these is a secret (ssl.key.password,
+ssl.keystore.password, ssl.key.pem, sasl.oauthbearer.client.secret, ...): given only as a
+reference, resolved when the client is built, like kafka.sasl_password."""
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The range a numeric setting must lie in; NaN and infinities never do."""
+
+    lo: float
+    hi: float
+    above: bool = False
+    """True: `lo` itself is refused (the value must be > lo)."""
+    why: str = ""
+    """Where `hi` comes from, shown in the error."""
+
+    def holds(self, value: float) -> bool:
+        return math.isfinite(value) and (
+            (value > self.lo if self.above else value >= self.lo) and value <= self.hi
+        )
+
+    def describe(self, kind: type) -> str:
+        """The range in words, e.g. "1..4294967295 (Welcome.max_attempts is a uint32)"."""
+        if kind is int and not self.above:
+            text = f"{_fmt(self.lo)}..{_fmt(self.hi)}"
+        else:
+            text = f"{'>' if self.above else '>='} {_fmt(self.lo)} and <= {_fmt(self.hi)}"
+        return f"{text} ({self.why})" if self.why else text
+
+
+def _fmt(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _bounded(default: _T, lo: float, hi: float, *, above: bool = False, why: str = "") -> _T:
+    """A dataclass field whose value must lie in [lo, hi] (or (lo, hi] with `above`)."""
+    return field(default=default, metadata={"bounds": Bounds(lo, hi, above, why)})
+
+
+def _duration(
+    default: _T, lo: float = MIN_DURATION_S, why: str = "about 49.7 days, a uint32 of milliseconds"
+) -> _T:
+    """A duration in seconds: at least a millisecond (or `lo`), at most MAX_DURATION_S."""
+    return _bounded(default, lo, MAX_DURATION_S, why=why)
+
 
 @dataclass(frozen=True)
 class KafkaSettings:
@@ -77,9 +214,13 @@ class KafkaSettings:
     """The topic whose partitions the proxies own."""
     group_id: str
     """Consumer group under which offsets are committed."""
-    fetch_batch: int = DEFAULT_FETCH_BATCH
+    fetch_batch: int = _bounded(
+        DEFAULT_FETCH_BATCH, 1, MAX_FETCH_BATCH, why="confluent-kafka's consume() limit"
+    )
     """Most messages taken from librdkafka per fetch."""
-    partitions: int | None = None
+    partitions: int | None = _bounded(
+        None, 1, MAX_PARTITIONS, why="each partition listens on its own port"
+    )
     """Partitions to deploy proxies for (`triage init` writes what the broker reported);
     None: ask the broker at deploy time."""
     security_protocol: str = "PLAINTEXT"
@@ -92,23 +233,25 @@ class KafkaSettings:
     """A reference, never the password: "env:VAR" or "secret:NAME" (Secrets Manager).
     Resolved when the client is built (`librdkafka_config`), so it never sits in Settings."""
     client: Mapping[str, str | int | bool] = field(default_factory=dict)
-    """Extra librdkafka properties, passed through."""
+    """Extra librdkafka properties, passed through; never one of RESERVED_CLIENT_PROPERTIES,
+    and secrets (`is_secret_property`) only as references."""
 
     def librdkafka_config(self, resolve: SecretResolver | None = None) -> dict[str, Any]:
         """Connection properties for a confluent-kafka client, secrets resolved now."""
+        resolve = resolve or resolve_secret
+        # The extras first: what follows wins, even for a KafkaSettings the loader never saw.
         config: dict[str, Any] = {
-            "bootstrap.servers": self.bootstrap_servers,
-            "security.protocol": self.security_protocol.lower(),
+            name: resolve(client_key(name), str(value)) if is_secret_property(name) else value
+            for name, value in self.client.items()
         }
+        config["bootstrap.servers"] = self.bootstrap_servers
+        config["security.protocol"] = self.security_protocol.lower()
         if self.sasl_mechanism:
             config["sasl.mechanism"] = self.sasl_mechanism
         if self.sasl_username:
             config["sasl.username"] = self.sasl_username
         if self.sasl_password:
-            config["sasl.password"] = (resolve or resolve_secret)(
-                "kafka.sasl_password", self.sasl_password
-            )
-        config.update(self.client)
+            config["sasl.password"] = resolve("kafka.sasl_password", self.sasl_password)
         return config
 
 
@@ -116,11 +259,16 @@ class KafkaSettings:
 class ServerSettings:
     host: str = "127.0.0.1"
     """Interface the gRPC listener binds."""
-    port: int = DEFAULT_PORT
+    port: int = _bounded(DEFAULT_PORT, 0, MAX_PORT, why="a TCP port")
     """Base port: the proxy for partition p listens on port + p."""
-    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    max_frame_bytes: int = _bounded(
+        DEFAULT_MAX_FRAME_BYTES,
+        MIN_FRAME_BYTES,
+        MAX_FRAME_BYTES,
+        why="64 KiB of framing plus 64 KiB for a record, up to gRPC's C int",
+    )
     """Largest gRPC frame either side may send; bounds one oversized message."""
-    http_port: int | None = DEFAULT_HTTP_PORT
+    http_port: int | None = _bounded(DEFAULT_HTTP_PORT, 0, MAX_PORT, why="a TCP port")
     """Base port of the HTTP endpoint (/metrics, /healthz, /readyz, /status): partition p
     serves on http_port + p; 0 picks a free port; None turns it off."""
 
@@ -167,9 +315,9 @@ class TlsSettings:
 class OwnershipSettings:
     enabled: bool = True
     """Hold a DynamoDB lease on the partition, so two proxies never deliver it at once."""
-    lease_s: float = DEFAULT_LEASE_S
+    lease_s: float = _duration(DEFAULT_LEASE_S)
     """How long a lease lives without renewal; a standby takes over after it lapses."""
-    renew_interval_s: float | None = None
+    renew_interval_s: float | None = _duration(None)
     """How often the holder renews (default: lease_s / 3)."""
 
     @property
@@ -195,11 +343,13 @@ class AwsSettings:
     """Addresses allowed to reach the listener ports."""
     assign_public_ip: bool = False
     """Give tasks a public IP (public subnets without a NAT gateway need it to pull)."""
-    cpu: int = DEFAULT_AWS_CPU
+    cpu: int = _bounded(DEFAULT_AWS_CPU, *FARGATE_CPU, why="Fargate's range")
     """Fargate CPU units per proxy task (256, 512, 1024, ...)."""
-    memory_mb: int = DEFAULT_AWS_MEMORY_MB
+    memory_mb: int = _bounded(DEFAULT_AWS_MEMORY_MB, *FARGATE_MEMORY_MB, why="Fargate's range")
     """Fargate memory per proxy task, MiB (must suit cpu)."""
-    log_retention_days: int = DEFAULT_LOG_RETENTION_DAYS
+    log_retention_days: int = _bounded(
+        DEFAULT_LOG_RETENTION_DAYS, 1, MAX_LOG_RETENTION_DAYS, why="CloudWatch Logs' longest"
+    )
     """How long CloudWatch keeps the proxies' logs."""
     stack_name: str | None = None
     """CloudFormation stack name (None: derived from the topic and group)."""
@@ -210,9 +360,9 @@ class AwsSettings:
 
 @dataclass(frozen=True)
 class RateLimitSettings:
-    messages_per_s: float | None = None
+    messages_per_s: float | None = _bounded(None, 0, MAX_RATE_PER_S, above=True, why=_NO_CAP)
     """Most messages delivered per second by this proxy (None: no cap)."""
-    bytes_per_s: float | None = None
+    bytes_per_s: float | None = _bounded(None, 0, MAX_RATE_PER_S, above=True, why=_NO_CAP)
     """Most payload bytes delivered per second by this proxy (None: no cap)."""
 
 
@@ -224,37 +374,45 @@ class DeadLetterSettings:
     """AWS region of the table."""
     endpoint_url: str | None = None
     """Override for a local endpoint (moto server); None means AWS itself."""
-    batch_size: int = DEFAULT_DLQ_BATCH
+    batch_size: int = _bounded(DEFAULT_DLQ_BATCH, 1, MAX_DLQ_BATCH, why="DynamoDB's limit")
     """Items per BatchWriteItem call (1..25)."""
-    flush_interval_ms: int = DEFAULT_DLQ_FLUSH_MS
+    flush_interval_ms: int = _bounded(
+        DEFAULT_DLQ_FLUSH_MS, 0, MAX_DURATION_MS, why="a uint32 of milliseconds"
+    )
     """How long a dead letter may wait for others to share its batch."""
-    retry_max_s: float = DEFAULT_DLQ_RETRY_MAX_S
+    retry_max_s: float = _duration(DEFAULT_DLQ_RETRY_MAX_S)
     """Cap of the exponential backoff between failed writes."""
     overflow_bucket: str | None = None
     """S3 bucket for payloads too large for a DynamoDB item (None: such items wait)."""
-    ttl_days: float | None = None
+    ttl_days: float | None = _bounded(None, 0, MAX_TTL_DAYS, above=True, why="a century")
     """Replayed and discarded items expire this long after (DynamoDB TTL); None keeps them."""
     notify_sns_topic_arn: str | None = None
     """SNS topic that gets aggregated dead-letter notifications."""
     notify_webhook_url: str | None = None
     """Alternative to SNS: a URL that gets the same summaries as JSON POSTs."""
-    notify_interval_s: float = 60.0
+    notify_interval_s: float = _duration(60.0)
     """Longest a notification waits to aggregate more dead letters into one summary."""
 
 
 @dataclass(frozen=True)
 class WindowSettings:
-    max_messages: int = DEFAULT_WINDOW_MESSAGES
+    max_messages: int = _bounded(
+        DEFAULT_WINDOW_MESSAGES, 1, MAX_WINDOW_MESSAGES, why="held in memory"
+    )
     """Most fetched-but-unsettled messages; fetching pauses beyond it."""
-    max_bytes: int = DEFAULT_WINDOW_BYTES
+    max_bytes: int = _bounded(DEFAULT_WINDOW_BYTES, 1, MAX_WINDOW_BYTES, why="held in memory")
     """Most fetched-but-unsettled payload bytes; fetching pauses beyond it."""
 
 
 @dataclass(frozen=True)
 class DeliverySettings:
-    ack_deadline_s: float = DEFAULT_ACK_DEADLINE_S
+    ack_deadline_s: float = _duration(
+        DEFAULT_ACK_DEADLINE_S, why="Welcome.ack_deadline_ms is a uint32"
+    )
     """Time a delivery may stay unsettled before it is redelivered."""
-    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    max_attempts: int = _bounded(
+        DEFAULT_MAX_ATTEMPTS, 1, UINT32_MAX, why="Welcome.max_attempts is a uint32"
+    )
     """Deliveries of one message before it is dead-lettered."""
     ordering: str = "none"
     """"key": messages with the same key are never in flight at once and go in offset
@@ -263,17 +421,19 @@ class DeliverySettings:
 
 @dataclass(frozen=True)
 class RetrySettings:
-    initial_backoff_s: float = DEFAULT_RETRY_INITIAL_S
+    initial_backoff_s: float = _duration(DEFAULT_RETRY_INITIAL_S)
     """Wait before the first redelivery of a message nacked with retry."""
-    max_backoff_s: float = DEFAULT_RETRY_MAX_S
+    max_backoff_s: float = _duration(DEFAULT_RETRY_MAX_S)
     """Cap of the wait between redeliveries."""
-    multiplier: float = DEFAULT_RETRY_MULTIPLIER
+    multiplier: float = _bounded(
+        DEFAULT_RETRY_MULTIPLIER, 1, MAX_RETRY_MULTIPLIER, why="growth per attempt"
+    )
     """Growth of the wait per attempt."""
 
 
 @dataclass(frozen=True)
 class CommitSettings:
-    interval_s: float = DEFAULT_COMMIT_INTERVAL_S
+    interval_s: float = _duration(DEFAULT_COMMIT_INTERVAL_S)
     """How often the committable offset is committed when it advanced."""
     encode_settled: bool = True
     """Encode offsets settled above the committed one into the commit (and a checkpoint
@@ -282,7 +442,7 @@ class CommitSettings:
 
 @dataclass(frozen=True)
 class ShutdownSettings:
-    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    drain_timeout_s: float = _duration(DEFAULT_DRAIN_TIMEOUT_S, lo=0)
     """How long SIGTERM waits for in-flight work to settle."""
 
 
@@ -303,27 +463,14 @@ class Settings:
     aws: AwsSettings = field(default_factory=AwsSettings)
 
     def __post_init__(self) -> None:
-        _positive("kafka.fetch_batch", self.kafka.fetch_batch)
-        if self.kafka.partitions is not None:
-            _positive("kafka.partitions", self.kafka.partitions)
-        _positive("window.max_messages", self.window.max_messages)
-        _positive("window.max_bytes", self.window.max_bytes)
-        _positive("delivery.max_attempts", self.delivery.max_attempts)
-        _positive("delivery.ack_deadline_s", self.delivery.ack_deadline_s)
-        _positive("commit.interval_s", self.commit.interval_s)
-        _positive("retry.initial_backoff_s", self.retry.initial_backoff_s)
-        _positive("retry.max_backoff_s", self.retry.max_backoff_s)
-        if self.retry.multiplier < 1:
-            raise ConfigError("retry.multiplier", "must be >= 1")
+        for key, (kind, bounds) in numeric_settings().items():
+            section, name = key.split(".")
+            value = getattr(getattr(self, section), name)
+            if value is not None:
+                _number(key, value, kind, bounds)
+        _check_client(self.kafka.client)
         if self.delivery.ordering not in ORDERINGS:
             raise ConfigError("delivery.ordering", f"must be one of {', '.join(ORDERINGS)}")
-        _positive("server.max_frame_bytes", self.server.max_frame_bytes)
-        if not 0 <= self.server.port <= 65535:
-            raise ConfigError("server.port", f"must be 0..65535, got {self.server.port}")
-        if not 1 <= self.dead_letters.batch_size <= DEFAULT_DLQ_BATCH:
-            raise ConfigError("dead_letters.batch_size", "must be 1..25 (DynamoDB's limit)")
-        if self.shutdown.drain_timeout_s < 0:
-            raise ConfigError("shutdown.drain_timeout_s", "must be >= 0")
         if not self.auth.active():
             raise ConfigError("auth.tokens", "no usable token: set auth.token or auth.tokens")
         for name, tok in self.auth.active().items():
@@ -352,20 +499,10 @@ class Settings:
             raise ConfigError("tls.key_file", "set tls.cert_file and tls.key_file together")
         if self.tls.client_ca_file is not None and not self.tls.enabled:
             raise ConfigError("tls.client_ca_file", "client certificates need tls.cert_file")
-        if self.server.http_port is not None and not 0 <= self.server.http_port <= 65535:
-            raise ConfigError("server.http_port", "must be 0..65535")
-        _positive("ownership.lease_s", self.ownership.lease_s)
         if not 0 < self.ownership.renew_every_s < self.ownership.lease_s:
             raise ConfigError("ownership.renew_interval_s", "must be > 0 and < lease_s")
-        for key in ("messages_per_s", "bytes_per_s"):
-            limit = getattr(self.rate_limit, key)
-            if limit is not None:
-                _positive(f"rate_limit.{key}", limit)
         if self.aws.scheme not in LB_SCHEMES:
             raise ConfigError("aws.scheme", f"must be one of {', '.join(LB_SCHEMES)}")
-        _positive("aws.cpu", self.aws.cpu)
-        _positive("aws.memory_mb", self.aws.memory_mb)
-        _positive("aws.log_retention_days", self.aws.log_retention_days)
 
     def listen_address(self, partition: int) -> str:
         """host:port the proxy for `partition` binds (port 0 picks a free one)."""
@@ -373,13 +510,76 @@ class Settings:
         return f"{self.server.host}:{port}"
 
 
-def _positive(key: str, value: float) -> None:
-    if value <= 0:
-        raise ConfigError(key, f"must be > 0, got {value}")
+@functools.cache
+def numeric_settings() -> dict[str, tuple[type, Bounds]]:
+    """Every numeric setting as "section.key" -> (int or float, Bounds), found by walking
+    the Settings dataclasses, so a new numeric field is validated without being listed.
+    A numeric field declared without bounds (`_bounded`, `_duration`) is a bug: TypeError,
+    raised at import (see the end of this module)."""
+    found: dict[str, tuple[type, Bounds]] = {}
+    for section in dataclasses.fields(Settings):
+        cls = typing.get_type_hints(Settings)[section.name]
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind = _numeric_kind(hints[f.name])
+            if kind is None:
+                continue
+            bounds = f.metadata.get("bounds")
+            if not isinstance(bounds, Bounds):
+                raise TypeError(f"{section.name}.{f.name} is numeric but has no Bounds")
+            found[f"{section.name}.{f.name}"] = (kind, bounds)
+    return found
+
+
+def _numeric_kind(hint: Any) -> type | None:
+    """int or float for `int`, `float` and their `| None` forms; None for anything else."""
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = options[0] if len(options) == 1 else None
+    return hint if hint in (int, float) else None
+
+
+def _number(key: str, value: object, kind: type, bounds: Bounds) -> None:
+    """The one numeric check: right type (a bool is no number), finite, within bounds."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (kind is int and isinstance(value, float))
+    ):
+        raise ConfigError(key, f"must be {kind.__name__}, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(key, f"must be a finite number, got {value}")
+    if not bounds.holds(value):
+        raise ConfigError(key, f"must be {bounds.describe(kind)}, got {value}")
 
 
 SecretResolver = Callable[[str, str], str]
 """(config key, reference) -> secret value; raises ConfigError naming the key."""
+
+
+def client_key(name: str) -> str:
+    """The config key of a `[kafka.client]` property, as TOML spells it."""
+    return f'kafka.client."{name}"'
+
+
+def is_secret_property(name: str) -> bool:
+    """Whether librdkafka property `name` holds a secret (see SECRET_PROPERTY_WORDS)."""
+    return any(word in name for word in SECRET_PROPERTY_WORDS)
+
+
+def _check_client(client: Mapping[str, str | int | bool]) -> None:
+    """Refuse what `[kafka.client]` may not set, and a secret given inline."""
+    for name, value in client.items():
+        why = RESERVED_CLIENT_PROPERTIES.get(name)
+        if why is not None:
+            raise ConfigError(client_key(name), f"cannot be set in kafka.client: {why}")
+        if is_secret_property(name) and (
+            not isinstance(value, str) or secret_reference(value) is None
+        ):
+            raise ConfigError(
+                client_key(name),
+                'a secret: must reference it ("env:VAR" or "secret:NAME"), never hold it',
+            )
 
 
 def secret_reference(value: str) -> tuple[str, str] | None:
@@ -528,3 +728,6 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
 
 _SECRET_KEYS = frozenset({"auth.token", "kafka.sasl_password"})
 """Keys whose values an error message must not quote."""
+
+
+numeric_settings()  # a numeric field declared without Bounds fails here, at import
