@@ -11,7 +11,7 @@ One run:
 1. A DevStack (1 partition) with short deadlines, fast retry backoff and a 0.2 s commit
    interval; `commit.encode_settled` on or off.
 2. A seeded workload, produced at a steady rate so the faults land on live traffic; each
-   value says what the handler does (see tests/perf/fault_instance.py): ok (ack), nack
+   value says what the handler does (see tests/fault/instance.py): ok (ack), nack
    (dead-letter now), retry-then-ok, slow (past the ack deadline on attempt 1) and crash
    (os._exit(1) on every attempt: must end dead-lettered with attempts == max_attempts).
 3. N instance processes, each logging every invocation before acting. A supervisor
@@ -42,7 +42,7 @@ duplicates per proxy kill no more than the in-flight window (instances x credits
 --encode-settled both, at least 5x fewer duplicates per proxy kill with the encoding than
 without (exit 2 when only a figure target fails).
 
-    .venv/bin/python -m tests.perf.fault_suite [--messages N] [--proxy-kills N]
+    .venv/bin/python -m tests.fault.fault_suite [--messages N] [--proxy-kills N]
         [--consumer-kills N] [--outage-s S] [--instances N] [--seed N]
         [--encode-settled on|off|both] [--max-attempts N] [--ack-deadline-s S]
 
@@ -75,12 +75,14 @@ from typing import Any
 
 from confluent_kafka import KafkaException, Producer
 
-from tests.perf.common import ROOT, CommitWatcher
-from tests.perf.fault_instance import plan_for
+from tests.commit_watcher import CommitWatcher
+from tests.fault.instance import plan_for
 from triage_cli.devstack import DevStack
 from triage_cli.exitcodes import ExitCode
 
 logger = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TOPIC = "fault-suite"
 BEHAVIOURS = ("ok", "nack", "retry", "slow", "crash")
@@ -351,7 +353,7 @@ class Fleet:
                 [
                     sys.executable,
                     "-m",
-                    "tests.perf.fault_instance",
+                    "tests.fault.instance",
                     "--target",
                     self._target,
                     "--log",
