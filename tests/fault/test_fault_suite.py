@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault.fault_suite import Options, render, run_suite
+from tests.fault.fault_suite import run_suite
+from tests.fault.report import render
+from tests.fault.scenario import Options
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
