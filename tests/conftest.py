@@ -1,19 +1,39 @@
 """Session fixtures: the real broker (Tansu) and the real AWS endpoint (moto server).
 
 Both run as child processes on free loopback ports and are stopped by PID when
-the session ends, pass or fail.
+the session ends, pass or fail. Every integration test runs with the default ports
+(the proxy's gRPC and HTTP ports, Kafka's, moto's) taken, as beside a local
+deployment: a listener a test starts must bind a free port (0 or probed), never a
+default, or it fails here rather than on a user's machine.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import itertools
 import signal
+import socket
 from collections.abc import Iterator
 from types import FrameType
 
 import pytest
 
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
+from triage_proxy.settings import DEFAULT_HTTP_PORT, DEFAULT_PORT
+
+DEFAULT_PARTITIONS_HELD = 4
+"""Partitions whose default proxy ports are held (tests run at most 2 partitions)."""
+KAFKA_DEFAULT_PORT = 9092
+"""Tansu's default --listener-url port."""
+MOTO_DEFAULT_PORT = 5000
+"""moto server's default port."""
+DEFAULT_PORTS = (
+    *(DEFAULT_PORT + p for p in range(DEFAULT_PARTITIONS_HELD)),
+    *(DEFAULT_HTTP_PORT + p for p in range(DEFAULT_PARTITIONS_HELD)),
+    KAFKA_DEFAULT_PORT,
+    MOTO_DEFAULT_PORT,
+)
 
 _names = itertools.count()
 
@@ -26,6 +46,32 @@ def pytest_configure(config: pytest.Config) -> None:
     # A SIGTERM (CI timeout, kill) then tears the fixtures down like Ctrl-C does, so the
     # broker and moto server are stopped by PID instead of outliving the run.
     signal.signal(signal.SIGTERM, _interrupt)
+
+
+@pytest.fixture(scope="session")
+def default_ports_taken() -> Iterator[tuple[int, ...]]:
+    """Listen on every default port that is free (one already in use, e.g. by a local
+    deployment, is taken anyway); return the ports. Closed at the end of the session."""
+    with contextlib.ExitStack() as held:
+        for port in DEFAULT_PORTS:
+            sock = held.enter_context(socket.socket())
+            # As servers bind: a port left in TIME_WAIT by an earlier test is still held.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                continue
+            sock.listen()
+        yield DEFAULT_PORTS
+
+
+@pytest.fixture(autouse=True)
+def _integration_beside_a_deployment(request: pytest.FixtureRequest) -> None:
+    """Integration tests run with the default ports taken (see the module docstring)."""
+    if request.node.get_closest_marker("integration") is not None:
+        request.getfixturevalue("default_ports_taken")
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from triage_proxy.checkpoint import encode_settled
 from triage_proxy.checkpoint_store import CheckpointStore
@@ -43,6 +44,7 @@ class Committer:
         closing: asyncio.Event,
         *,
         checkpoints: CheckpointStore | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._log = log
         self._thread = thread
@@ -50,6 +52,8 @@ class Committer:
         self._interval_s = interval_s
         self._closing = closing
         self._checkpoints = checkpoints
+        self._monotonic = monotonic
+        """The clock of the checkpoint interval (a test passes its own)."""
         self.committed = start_offset
         """The last offset Kafka acknowledged as committed."""
         self.metadata: str | None = None
@@ -105,7 +109,7 @@ class Committer:
 
     async def _flush_checkpoint(self, *, force: bool = False) -> None:
         """Write the due checkpoint if CHECKPOINT_INTERVAL_S passed since the last write."""
-        now = time.monotonic()
+        now = self._monotonic()
         if self._checkpoint_due is None or (
             not force and now - self._checkpoint_at < CHECKPOINT_INTERVAL_S
         ):

@@ -184,7 +184,8 @@ def test_kill_9_loses_nothing_and_settled_offsets_are_not_redelivered(
                 "topic": topic,
                 "group_id": settings.kafka.group_id,
             },
-            "server": {"port": port},
+            # Never a default port: the tests must pass beside a deployment on them.
+            "server": {"host": "127.0.0.1", "port": port, "http_port": 0},
             "auth": {"token": TOKEN},
             "dead_letters": {
                 "table": settings.dead_letters.table,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import time
@@ -543,10 +544,13 @@ def test_triage_dlq_replay_spark_runs_the_job_from_the_config_file(
     write(dynamodb, table.table, dls)
     config = config_file(tmp_path / "triage.toml", broker.bootstrap, table, topic)
 
+    # No Spark UI: it would listen on the default port 4040 (or the next free one).
+    env = {**os.environ, "PYSPARK_SUBMIT_ARGS": "--conf spark.ui.enabled=false pyspark-shell"}
+
     def triage(*args: str) -> subprocess.CompletedProcess[str]:
         argv = [sys.executable, "-m", "triage_cli.main", "dlq", "replay", "-c", str(config)]
         return subprocess.run(
-            [*argv, *args], capture_output=True, text=True, timeout=120, check=False
+            [*argv, *args], capture_output=True, text=True, timeout=120, check=False, env=env
         )
 
     refused = triage("--spark")

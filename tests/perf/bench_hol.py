@@ -18,7 +18,8 @@ import os
 import sys
 import time
 
-from tests.perf.common import CommitWatcher, Instances, produce_values, table
+from tests.commit_watcher import CommitWatcher
+from tests.perf.common import Instances, produce_values, table
 from triage_cli.demo import Kind, Workload, count_dead_letters, run_serial_baseline
 from triage_cli.devstack import DevStack
 

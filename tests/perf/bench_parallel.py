@@ -17,7 +17,8 @@ import random
 import sys
 import time
 
-from tests.perf.common import CommitWatcher, Instances, produce_values, table
+from tests.commit_watcher import CommitWatcher
+from tests.perf.common import Instances, produce_values, table
 from triage_cli.devstack import DevStack
 
 TARGET_S = 1.0

@@ -16,7 +16,8 @@ import os
 import sys
 import time
 
-from tests.perf.common import CommitWatcher, Instances, produce_values, table
+from tests.commit_watcher import CommitWatcher
+from tests.perf.common import Instances, produce_values, table
 from triage_cli.devstack import DevStack
 
 TARGET_PER_S = 50_000

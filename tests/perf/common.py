@@ -1,4 +1,7 @@
-"""Shared plumbing for the benchmark scripts: the stack, instances, commit polling."""
+"""Shared plumbing for the benchmark scripts: producing, instances, tables.
+
+Commit polling is shared with the fault suite: tests/commit_watcher.py.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +10,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Producer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,30 +36,6 @@ def produce_values(bootstrap: str, topic: str, values: Iterable[bytes], partitio
             producer.poll(0)
     assert producer.flush(60) == 0
     return n
-
-
-class CommitWatcher:
-    """Polls a group's committed offsets (one long-lived client, cheap to poll)."""
-
-    def __init__(self, bootstrap: str, group: str, topic: str, partitions: int) -> None:
-        self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
-        self._tps = [TopicPartition(topic, p) for p in range(partitions)]
-
-    def offsets(self) -> list[int]:
-        return [tp.offset for tp in self._consumer.committed(self._tps, 10)]
-
-    def wait_for(self, expected: list[int], timeout_s: float, poll_s: float = 0.01) -> float:
-        """Block until the committed offsets equal `expected`; return time.time() then."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.offsets() == expected:
-                return time.time()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"committed {self.offsets()}, expected {expected}")
-            time.sleep(poll_s)
-
-    def close(self) -> None:
-        self._consumer.close()
 
 
 @dataclass

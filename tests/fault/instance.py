@@ -4,7 +4,7 @@ Why a separate process: the suite must prove nothing is lost when instances are
 `kill -9`ed or crash mid-handler, which only a real process exit shows (a stopped
 asyncio task or thread would still let the client send its settlements).
 
-Each message value is `<behaviour>:<index>` (see `tests/perf/fault_suite.py`); the
+Each message value is `<behaviour>:<index>` (see `tests/fault/scenario.py`); the
 handler does what the behaviour says, given the delivery attempt:
 
     ok             ack

@@ -1,6 +1,6 @@
 """The fault suite, shortened for CI: real processes killed, nothing lost.
 
-Why here as well as in tests/perf: the full suite takes minutes and is run by hand, but
+Why a CI test beside the full suite: the full suite takes minutes and is run by hand, but
 "nothing is lost when a process dies" is the product's core promise, so every CI run
 repeats it on a small scale. Same code path (`run_suite`), same real kills: 3 proxy
 SIGKILLs with restarts, 3 instance SIGKILLs, crash pills that os._exit their instance,
@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.perf.fault_suite import Options, render, run_suite
+from tests.fault.fault_suite import run_suite
+from tests.fault.report import render
+from tests.fault.scenario import Options
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -1,0 +1,215 @@
+"""The committer against in-memory twins on a virtual clock: no broker, no real waiting.
+
+The commit tracker is the real one (pure); the partition, the Kafka thread and the
+checkpoint store are twins (tests/unit/twins.py). The committer's checkpoint clock is
+the loop's virtual clock, so "at most once a second" is measured, not slept through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from tests.unit.twins import KAFKA_CALL_S, FlakyPartition, InlineKafkaThread, TimedCheckpoints
+from tests.unit.virtual_time import gaps, run, until
+from triage_proxy.checkpoint import decode_settled, encode_settled
+from triage_proxy.committer import Committer
+from triage_proxy.tracker import CommitTracker
+
+INTERVAL_S = 1.0
+
+
+@dataclass
+class Rig:
+    partition: FlakyPartition
+    tracker: CommitTracker
+    committer: Committer
+    closing: asyncio.Event
+    checkpoints: TimedCheckpoints | None
+    task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.committer.run())
+
+    async def stop(self) -> None:
+        """Stop the loop as the proxy does, then make its final commit."""
+        self.closing.set()
+        if self.task is not None:
+            async with asyncio.timeout(KAFKA_CALL_S * 3):  # no interval waited out
+                await self.task
+        await self.committer.commit()
+
+
+def make(
+    *, tracked: int = 100, interval_s: float = INTERVAL_S, encode_settled: bool = False
+) -> Rig:
+    loop = asyncio.get_running_loop()
+    partition = FlakyPartition(loop.time)
+    tracker = CommitTracker(0)
+    for offset in range(tracked):
+        tracker.track(offset)
+    checkpoints = TimedCheckpoints(loop.time) if encode_settled else None
+    closing = asyncio.Event()
+    committer = Committer(
+        partition,
+        InlineKafkaThread(),
+        tracker,
+        0,
+        interval_s,
+        closing,
+        checkpoints=checkpoints,
+        monotonic=loop.time,
+    )
+    return Rig(partition, tracker, committer, closing, checkpoints)
+
+
+def settle(tracker: CommitTracker, *offsets: int) -> None:
+    for offset in offsets:
+        tracker.settle(offset)
+
+
+def test_commits_the_committable_offset_each_interval_and_only_when_it_moved() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        rig = make()
+        settle(rig.tracker, 0, 1, 2, 5)  # committable 3 (4 is pending)
+        rig.start()
+        await asyncio.sleep(INTERVAL_S / 2)
+        assert rig.partition.commits == []  # nothing before the first interval
+        await until(lambda: rig.partition.commits)
+        assert rig.partition.commits == [(3, None)]
+        assert rig.partition.commit_times == [pytest.approx(INTERVAL_S + KAFKA_CALL_S)]
+        assert (rig.committer.committed, rig.committer.commits) == (3, 1)
+
+        await asyncio.sleep(5 * INTERVAL_S)  # unchanged: no commit at all
+        assert rig.partition.commits == [(3, None)]
+
+        settle(rig.tracker, 3, 4, 6)
+        settled_at = loop.time()
+        await until(lambda: len(rig.partition.commits) == 2)
+        assert rig.partition.commits[-1] == (7, None)
+        assert 0 < rig.partition.commit_times[-1] - settled_at <= INTERVAL_S + KAFKA_CALL_S
+        await rig.stop()
+        assert rig.partition.commits == [(3, None), (7, None)]  # final commit: nothing new
+
+    run(main())
+
+
+def test_final_commit_takes_what_settled_since_the_last_tick() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        rig = make(encode_settled=True)
+        assert rig.checkpoints is not None
+        settle(rig.tracker, 0, 1)
+        rig.start()
+        await until(lambda: rig.partition.commits)
+        assert rig.partition.commits == [(2, "")]
+        settle(rig.tracker, 2, 3, 4, 9)
+        stopped_at = loop.time()
+        await rig.stop()
+        encoded = encode_settled(5, [9])
+        assert rig.partition.commits[-1] == (5, encoded)
+        # Shutdown writes the checkpoint at once, inside the once-a-second limit.
+        assert rig.checkpoints.value == (5, encoded)
+        assert len(rig.checkpoints.put_times) == 2
+        assert rig.checkpoints.put_times[1] - rig.checkpoints.put_times[0] < 1.0
+        assert loop.time() - stopped_at < 3 * KAFKA_CALL_S
+
+    run(main())
+
+
+def test_a_failed_commit_is_retried_each_interval_until_the_broker_is_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="triage_proxy.committer")
+
+    async def main() -> None:
+        rig = make()
+        settle(rig.tracker, *range(5))
+        rig.partition.failing_commits = 3
+        assert not await rig.committer.commit()  # the broker refused: False, not raised
+        assert (rig.committer.committed, rig.committer.degraded) == (0, True)
+
+        rig.start()
+        await until(lambda: rig.partition.commits)
+        assert rig.partition.commits == [(5, None)]  # the offset was kept, not lost
+        assert (rig.committer.committed, rig.committer.degraded) == (5, False)
+        # One attempt right away above, then one per interval until it went through.
+        assert gaps(rig.partition.commit_times) == pytest.approx([INTERVAL_S + KAFKA_CALL_S] * 3)
+        await rig.stop()
+
+    run(main())
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(warnings) == 1  # once for the outage, not once per failed commit
+    assert warnings[0].startswith("degraded: commit of 5 failed")
+    assert infos == ["recovered: committed offset 5"]
+
+
+def test_offsets_settled_above_ride_the_commit_when_only_they_changed() -> None:
+    async def main() -> None:
+        rig = make(encode_settled=True)
+        assert rig.checkpoints is not None
+        settle(rig.tracker, 2, 3, 7)  # 0 is pending: the committable offset stays 0
+        assert await rig.committer.commit()
+        encoded = encode_settled(0, [2, 3, 7])
+        assert encoded
+        assert rig.partition.commits == [(0, encoded)]
+        assert decode_settled(0, encoded) == [2, 3, 7]
+        assert (rig.committer.committed, rig.committer.metadata) == (0, encoded)
+        assert rig.checkpoints.value == (0, encoded)
+
+        assert await rig.committer.commit()  # nothing changed: no commit
+        assert len(rig.partition.commits) == 1
+
+        settle(rig.tracker, 8)  # the same offset, a new set above it: commit again
+        assert await rig.committer.commit()
+        assert rig.partition.commits[-1] == (0, encode_settled(0, [2, 3, 7, 8]))
+
+    run(main())
+
+
+def test_an_encoding_over_the_limit_commits_the_plain_offset_and_counts_it() -> None:
+    async def main() -> None:
+        rig = make(tracked=40_000, encode_settled=True)
+        assert rig.checkpoints is not None
+        rng = random.Random(7)
+        # Half of 40,000 offsets at random: ~1 bit each even compressed, over 4,096 bytes.
+        settle(rig.tracker, 0, *(o for o in range(3, 40_000) if rng.random() < 0.5))
+        assert encode_settled(1, rig.tracker.settled_above()) is None
+        assert await rig.committer.commit()
+        assert rig.partition.commits == [(1, None)]  # at-least-once for the set above
+        assert rig.committer.metadata_overflows == 1
+        assert rig.checkpoints.value == (1, "")
+
+    run(main())
+
+
+def test_the_checkpoint_is_written_at_most_once_a_second() -> None:
+    # Commits every 0.1 s, each with a new settled-above set: ten commits a second, one
+    # checkpoint write a second, and the latest state written once the second is up.
+    async def main() -> None:
+        rig = make(tracked=1000, interval_s=0.1, encode_settled=True)
+        assert rig.checkpoints is not None
+        rig.start()
+        for offset in range(2, 42):
+            settle(rig.tracker, offset)
+            await asyncio.sleep(0.1)
+        commits = len(rig.partition.commits)
+        assert commits >= 35
+        puts = rig.checkpoints.put_times
+        assert 3 <= len(puts) <= 5
+        assert min(gaps(puts)) >= 1.0
+        await asyncio.sleep(1.2)  # nothing changes now: the due checkpoint is written
+        assert len(rig.partition.commits) == commits
+        assert rig.checkpoints.value == (0, rig.committer.metadata)
+        assert rig.checkpoints.value == (0, encode_settled(0, list(range(2, 42))))
+        rig.closing.set()
+        assert rig.task is not None
+        await rig.task
+
+    run(main())
