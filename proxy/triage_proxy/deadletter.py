@@ -100,6 +100,7 @@ from triage_proxy.errors import (
     DeadLetterUnavailable,
     StateError,
 )
+from triage_proxy.policies import backoff
 from triage_proxy.settings import DEFAULT_DLQ_BATCH, DeadLetterSettings
 from triage_proxy.structs import DeadLetter, Headers, Record
 
@@ -1022,11 +1023,10 @@ def backoff_delay(
 ) -> float:
     """Pause before the next try after `failures` consecutive failed writes (>= 1).
 
-    base * 2**(failures-1), capped at `cap`, then scaled into [half, all] of itself by
-    `rand` in [0, 1] ("equal jitter", so many proxies do not retry in step).
+    `policies.backoff` from `base`, doubling up to `cap`, then scaled into [half, all] of
+    itself by `rand` in [0, 1] ("equal jitter", so many proxies do not retry in step).
     """
-    full = min(cap, base * 2.0 ** min(max(failures, 1) - 1, 64))
-    return full * (0.5 + 0.5 * rand)
+    return backoff(failures, initial=base, cap=cap) * (0.5 + 0.5 * rand)
 
 
 class DeadLetterObserver(Protocol):
