@@ -37,9 +37,9 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from triage_client._proto import triage_pb2 as pb
-from triage_proxy.metrics import LatencyHistogram
 from triage_proxy.policies import Outcome, after_failure, rate_limit, retry_delay
 from triage_proxy.settings import Settings
+from triage_proxy.snapshot import LatencyHistogram
 from triage_proxy.structs import DeadLetter, Record
 from triage_proxy.timers import Timers
 from triage_proxy.tracker import CommitTracker
