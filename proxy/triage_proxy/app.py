@@ -3,7 +3,9 @@
 `Proxy.serve()` is the one place that owns the long-lived tasks (a single
 TaskGroup: fetcher and committer; the gRPC server owns its per-stream handlers
 and the service its reader tasks). `stop()` only signals; `serve()` then shuts
-down in this order:
+down in this order (the steps through the final commit run one after the other in
+`_serve_partition`; the rest is its AsyncExitStack unwinding, which also undoes a
+start that failed half-way):
 
     (with ownership.enabled, before Kafka is opened: wait as a standby until this process
     holds the partition's lease, see ownership.py; it is renewed by a task in the TaskGroup)
@@ -23,11 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import logging
 import time
 from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 from triage_proxy.checkpoint import CheckpointError, decode_settled
 from triage_proxy.checkpoint_store import CheckpointStore, DynamoDBCheckpoints
@@ -39,9 +43,11 @@ from triage_proxy.fetcher import Fetcher
 from triage_proxy.kafka import ConfluentPartition, KafkaThread, PartitionLog
 from triage_proxy.notifier import notifier_from_settings
 from triage_proxy.observer import Observer
-from triage_proxy.ownership import DynamoDBLeases, Ownership
+from triage_proxy.ownership import DynamoDBLeases, LeaseStore, Ownership
 from triage_proxy.service import TriageService, create_server, server_credentials
 from triage_proxy.settings import AuthSettings, Settings
+from triage_proxy.snapshot import Instance, ProxySnapshot
+from triage_proxy.structs import DeadLetter
 from triage_proxy.tracker import CommitTracker
 from triage_proxy.waiting import wait_any
 from triage_proxy.watermark import LogEndWatcher
@@ -72,13 +78,17 @@ class Proxy:
         log: PartitionLog | None = None,
         store: DeadLetterStore | None = None,
         checkpoints: CheckpointStore | None = None,
+        leases: LeaseStore | None = None,
         auth_source: Callable[[], AuthSettings] | None = None,
     ) -> None:
         self.settings = settings
         self.partition = partition
         self._log = log
+        """The partition (a twin in tests); by default a ConfluentPartition."""
         self._store = store
         self._checkpoints = checkpoints
+        self._leases = leases
+        """Injected stores are the caller's to close; the ones made here are closed here."""
         self.state = ProxyState.NEW
         self.port = 0
         """The gRPC port actually bound (known once ready)."""
@@ -145,6 +155,63 @@ class Proxy:
         """Readiness: delivering the partition (not starting, standing by or stopping)."""
         return self.state is ProxyState.RUNNING
 
+    def snapshot(self, *, now: float | None = None) -> ProxySnapshot:
+        """Read the components as they are now (they appear once Kafka is open); metrics
+        and the HTTP endpoint see the proxy only through this."""
+        now = time.monotonic() if now is None else now
+        settings = self.settings
+        base: dict[str, Any] = {
+            "topic": settings.kafka.topic,
+            "partition": self.partition,
+            "state": self.state.value,
+            "ready": self.is_ready,
+            "alive": self.is_alive,
+            "grpc_port": self.port,
+            "window_max_messages": settings.window.max_messages,
+            "window_max_bytes": settings.window.max_bytes,
+        }
+        dispatcher, committer = self.dispatcher, self.committer
+        if dispatcher is None or committer is None:
+            return ProxySnapshot(**base)
+        degraded: list[str] = []
+        fetcher, writer, watermarks = self.fetcher, self.writer, self.watermarks
+        if fetcher is not None and fetcher.degraded:
+            degraded.append("fetch")
+        if committer.degraded:
+            degraded.append("commit")
+        if writer is not None and writer.degraded:
+            degraded.append("dead_letters")
+        log_end: int | None = None
+        log_end_age: float | None = None
+        if watermarks is not None:
+            if watermarks.degraded:
+                degraded.append("log_end")
+            log_end = watermarks.log_end
+            if watermarks.checked_at is not None:
+                log_end_age = now - watermarks.checked_at
+        oldest = dispatcher.oldest_fetched_at
+        counters = dataclasses.asdict(dispatcher.counters)
+        counters["commits"] = committer.commits
+        return ProxySnapshot(
+            **base,
+            committed_offset=committer.committed,
+            log_end_offset=log_end,
+            log_end_age_s=log_end_age,
+            in_flight=dispatcher.in_flight,
+            in_window=dispatcher.in_window,
+            window_bytes=dispatcher.window_bytes,
+            queued=dispatcher.queued,
+            instances=tuple(
+                Instance(s.consumer_id, s.credits, len(s.held)) for s in dispatcher.sessions
+            ),
+            oldest_unsettled_age_s=None if oldest is None else max(0.0, now - oldest),
+            dead_letters_pending=writer.pending if writer is not None else 0,
+            fetch_paused=fetcher.paused if fetcher is not None else False,
+            degraded=tuple(degraded),
+            counters=counters,
+            settle_latency=dispatcher.settle_latency,
+        )
+
     # --- the run ----------------------------------------------------------------------
 
     async def serve(self) -> None:
@@ -155,7 +222,7 @@ class Proxy:
 
     async def _run(self) -> None:
         self.state = ProxyState.STARTING
-        observer = Observer(self, self.settings.server.http_address(self.partition))
+        observer = Observer(self.snapshot, self.settings.server.http_address(self.partition))
         try:
             await observer.start()
             self.http_port = observer.port
@@ -168,71 +235,76 @@ class Proxy:
         settings = self.settings
         credentials = server_credentials(settings.tls)  # bad TLS files: fail before opening
         log = self._log or ConfluentPartition(settings.kafka, self.partition)
-        own_store = DynamoDBStore(settings.dead_letters) if self._store is None else None
-        store: DeadLetterStore = own_store or self._store  # type: ignore[assignment]
-        checkpoints = self._checkpoints
-        own_checkpoints = None
-        if checkpoints is None and settings.commit.encode_settled:
-            own_checkpoints = checkpoints = DynamoDBCheckpoints(
-                settings.dead_letters, settings.kafka.topic, self.partition, settings.kafka.group_id
-            )
-        thread = KafkaThread()
-        ownership = None
-        if settings.ownership.enabled:
-            leases = DynamoDBLeases(settings.dead_letters, settings.kafka.topic, self.partition)
-            self.ownership = ownership = Ownership(leases, settings.ownership)
-        lease_lost = ownership.lost if ownership is not None else asyncio.Event()
+        # Teardown is this stack unwinding: what is pushed last is undone first, so read
+        # the pushes from the bottom up for the module docstring's order.
+        async with contextlib.AsyncExitStack() as stack:
 
-        opened = False
+            @stack.callback
+            def stopped() -> None:  # once everything below is undone
+                self.state = ProxyState.STOPPED
 
-        async def release_all() -> None:
-            """Undo the start in reverse, whatever part of it happened."""
-            if ownership is not None:
-                await ownership.release()
-            if opened:
-                await thread.run(log.close)
-            thread.shutdown()
-            if own_store is not None:
-                own_store.close()
-            if own_checkpoints is not None:
-                own_checkpoints.close()
-            if ownership is not None:
-                ownership.store.close()
+            ownership = None
+            if settings.ownership.enabled:
+                leases = self._leases
+                if leases is None:
+                    leases = DynamoDBLeases(
+                        settings.dead_letters, settings.kafka.topic, self.partition
+                    )
+                    stack.callback(leases.close)
+                self.ownership = ownership = Ownership(leases, settings.ownership)
+            checkpoints = self._checkpoints
+            if checkpoints is None and settings.commit.encode_settled:
+                checkpoints = DynamoDBCheckpoints(
+                    settings.dead_letters,
+                    settings.kafka.topic,
+                    self.partition,
+                    settings.kafka.group_id,
+                )
+                stack.callback(checkpoints.close)
+            store = self._store
+            if store is None:
+                store = DynamoDBStore(settings.dead_letters)
+                stack.callback(store.close)
+            thread = KafkaThread()
+            stack.callback(thread.shutdown)
+            lease_lost = ownership.lost if ownership is not None else asyncio.Event()
 
-        try:
             if ownership is not None:
                 self.state = ProxyState.STANDBY
                 if not await ownership.acquire(self._closing):
-                    await release_all()
                     return
+                stack.push_async_callback(ownership.release)  # should Kafka not open
                 self.state = ProxyState.STARTING
             start_offset, metadata = await thread.run(log.open)
-            opened = True
+            stack.push_async_callback(thread.run, log.close)
+            if ownership is not None:
+                # Released before Kafka closes, so a standby takes over at once (release
+                # is safe twice: the one pushed above then does nothing).
+                stack.push_async_callback(ownership.release)
             settled = await self._settled_above(start_offset, metadata, checkpoints)
             if ownership is not None:
                 await ownership.renew()  # the start may have been slow: still ours?
-        except BaseException:
-            await release_all()
-            raise
-        try:
+
             tracker = CommitTracker(start_offset)
-            writer_ref: list[DeadLetterWriter] = []
-            dispatcher = Dispatcher(
-                settings,
-                self.partition,
-                tracker,
-                lambda dl: writer_ref[0].submit(dl),
-                already_settled=settled,
-            )
             notifier = notifier_from_settings(
                 settings.dead_letters, source=f"{settings.kafka.topic}[{self.partition}]"
             )
+
+            # The dispatcher hands nacked records to the writer, which reports each one
+            # back once it is durable (only then does its offset settle). The writer only
+            # calls back once started, by when `dispatcher` below exists.
+            def dead_letter_written(dl: DeadLetter) -> None:
+                dispatcher.dead_letter_written(dl)
+
             writer = DeadLetterWriter(
-                store, settings.dead_letters, dispatcher.dead_letter_written, notifier=notifier
+                store, settings.dead_letters, dead_letter_written, notifier=notifier
             )
-            writer_ref.append(writer)
+            dispatcher = Dispatcher(
+                settings, self.partition, tracker, writer.submit, already_settled=settled
+            )
             service = TriageService(settings, self.partition, dispatcher)
             server, self.port = create_server(settings, self.partition, service, credentials)
+            stack.push_async_callback(server.stop, None)
             fetch_closing = asyncio.Event()
             fetcher = Fetcher(log, thread, dispatcher, settings.kafka.fetch_batch, fetch_closing)
             commit_closing = asyncio.Event()
@@ -248,19 +320,15 @@ class Proxy:
             watermarks = LogEndWatcher(log, thread, tracker, fetch_closing)
             self.dispatcher, self.committer, self.fetcher = dispatcher, committer, fetcher
             self.writer, self.watermarks = writer, watermarks
-        except BaseException:
-            await release_all()  # e.g. the gRPC port is taken
-            raise
 
-        def on_lease_lost() -> None:
-            # Synchronously, before any other task runs: nothing more is delivered, and
-            # no commit starts (a new holder may be ahead of us), then the shutdown below.
-            dispatcher.stop_delivering()
-            fetch_closing.set()
-            commit_closing.set()
-            self._closing.set()
+            def on_lease_lost() -> None:
+                # Synchronously, before any other task runs: nothing more is delivered, and
+                # no commit starts (a new holder may be ahead of us), then the shutdown below.
+                dispatcher.stop_delivering()
+                fetch_closing.set()
+                commit_closing.set()
+                self._closing.set()
 
-        try:
             # The notifier stops after the writer, so the last dead letters are summarized.
             async with notifier or contextlib.nullcontext(), writer, asyncio.TaskGroup() as tasks:
                 fetch_task = tasks.create_task(fetcher.run(), name="fetcher")
@@ -295,10 +363,12 @@ class Proxy:
                 logger.debug("drained; %d records still in flight", dispatcher.in_flight)
                 # Lost lease: no commit follows, so waiting for dead letters is pointless.
                 await writer.flush(timeout=0 if lease_lost.is_set() else _left(deadline))
+                logger.debug("dead letters flushed; %d not durable", writer.pending)
                 service.stop_accepting()
                 dispatcher.end_sessions()
                 await server.stop(SERVER_GRACE_S)
                 await service.stop()
+                logger.debug("streams ended; gRPC server stopped")
                 commit_closing.set()
             if ownership is not None and not ownership.holding:
                 # Settled-but-uncommitted offsets are redelivered by the new holder.
@@ -309,10 +379,6 @@ class Proxy:
                 committer.committed,
                 dispatcher.in_window,
             )
-        finally:
-            await server.stop(None)
-            await release_all()
-            self.state = ProxyState.STOPPED
 
     async def _reload_tokens(
         self, service: TriageService, source: Callable[[], AuthSettings]

@@ -80,7 +80,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import enum
 import ipaddress
 import logging
 import math
@@ -100,8 +99,11 @@ from triage_proxy.errors import (
     DeadLetterUnavailable,
     StateError,
 )
+from triage_proxy.lifecycle import Lifecycle, State
+from triage_proxy.policies import backoff
 from triage_proxy.settings import DEFAULT_DLQ_BATCH, DeadLetterSettings
 from triage_proxy.structs import DeadLetter, Headers, Record
+from triage_proxy.waiting import wait_any
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb.client import DynamoDBClient
@@ -1022,11 +1024,10 @@ def backoff_delay(
 ) -> float:
     """Pause before the next try after `failures` consecutive failed writes (>= 1).
 
-    base * 2**(failures-1), capped at `cap`, then scaled into [half, all] of itself by
-    `rand` in [0, 1] ("equal jitter", so many proxies do not retry in step).
+    `policies.backoff` from `base`, doubling up to `cap`, then scaled into [half, all] of
+    itself by `rand` in [0, 1] ("equal jitter", so many proxies do not retry in step).
     """
-    full = min(cap, base * 2.0 ** min(max(failures, 1) - 1, 64))
-    return full * (0.5 + 0.5 * rand)
+    return backoff(failures, initial=base, cap=cap) * (0.5 + 0.5 * rand)
 
 
 class DeadLetterObserver(Protocol):
@@ -1037,11 +1038,8 @@ class DeadLetterObserver(Protocol):
         ...
 
 
-class WriterState(enum.Enum):
-    NEW = "new"
-    RUNNING = "running"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
+WriterState = State
+"""The writer's lifecycle states (the shared `lifecycle.State`)."""
 
 
 @dataclass(slots=True)
@@ -1052,12 +1050,15 @@ class _Entry:
     key: DeadLetterKey
 
 
-class DeadLetterWriter:
+class DeadLetterWriter(Lifecycle):
     """Batches dead letters into the store and reports each once it is durable.
 
     `on_written(dl)` runs for every dead letter once the store holds it (the commit
     tracker settles its offset); then `notifier.record(dl)`, if a notifier is given.
+    Its lifecycle (start once, stop safe twice, `async with`) is `lifecycle.Lifecycle`.
     """
+
+    name = "dead-letter writer"
 
     def __init__(
         self,
@@ -1075,19 +1076,15 @@ class DeadLetterWriter:
             raise ConfigError("dead_letters.batch_size", f"must be 1..{MAX_BATCH}")
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
+        super().__init__(stop_timeout_s)
         self._store = store
         self._settings = settings
         self._on_written = on_written
         self._notifier = notifier
-        self._stop_timeout_s = stop_timeout_s
         self._sleep = sleep
         self._rand = rand
-        self._state = WriterState.NEW
-        self._task: asyncio.Task[None] | None = None
         self._slots = asyncio.Semaphore(max_in_flight)
-        self._closing = asyncio.Event()
         self._wakeup = asyncio.Event()
-        self._stopped = asyncio.Event()
         self._progress = asyncio.Event()
         self._queue: collections.deque[_Entry] = collections.deque()
         self._outstanding: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -1099,18 +1096,9 @@ class DeadLetterWriter:
         self._failed_writes = 0
         self._degraded_since: float | None = None
 
-    # --- lifecycle ------------------------------------------------------------------
+    # --- lifecycle (see lifecycle.Lifecycle) ---------------------------------------
 
-    @property
-    def state(self) -> WriterState:
-        return self._state
-
-    async def start(self) -> None:
-        """Launch the background task; a writer starts once."""
-        if self._state is not WriterState.NEW:
-            raise StateError(f"dead-letter writer already {self._state.value}")
-        self._task = asyncio.create_task(self._run(), name="dead-letter-writer")
-        self._state = WriterState.RUNNING
+    def _on_started(self) -> None:
         logger.info(
             "dead-letter writer started: table=%s batch=%d flush=%dms",
             self._settings.table,
@@ -1118,58 +1106,26 @@ class DeadLetterWriter:
             self._settings.flush_interval_ms,
         )
 
-    async def stop(self) -> None:
-        """Finish in-flight writes (no new batches, no retries), then end; safe twice.
-
-        Re-raises an unexpected error of the background task (a bug, e.g. in on_written).
-        """
-        if self._state is WriterState.NEW:
-            self._state = WriterState.STOPPED
-            self._stopped.set()
-            return
-        if self._state is WriterState.STOPPING:
-            await self._stopped.wait()
-            return
-        if self._state is WriterState.STOPPED:
-            return
-        task = self._task
-        assert task is not None
-        self._state = WriterState.STOPPING
+    def _on_stopping(self) -> None:
+        # No new batches, no retries: the writes in flight finish and report.
         logger.debug("dead-letter writer stopping: finishing writes in flight")
-        self._closing.set()
         self._wakeup.set()
-        try:
-            done, _ = await asyncio.wait({task}, timeout=self._stop_timeout_s)
-            if not done:
-                logger.warning(
-                    "dead-letter writes outlived the %.1fs stop timeout; cancelling them",
-                    self._stop_timeout_s,
-                )
-                task.cancel()
-                await asyncio.wait({task})
-        finally:
-            self._state = WriterState.STOPPED
-            self._stopped.set()
-            self._notify()
+
+    def _on_overran(self) -> None:
+        logger.warning(
+            "dead-letter writes outlived the %.1fs stop timeout; cancelling them",
+            self._stop_timeout_s,
+        )
+
+    def _on_stopped(self) -> None:
+        self._notify()
+
+    def _on_finished(self) -> None:
         logger.info(
             "dead-letter writer stopped: %d written, %d left unwritten (offsets stay uncommitted)",
             self._written,
             self.pending,
         )
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            raise exc
-
-    async def __aenter__(self) -> DeadLetterWriter:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     # --- the API --------------------------------------------------------------------
 
@@ -1178,7 +1134,7 @@ class DeadLetterWriter:
 
         Raises StateError once the writer is stopping (nothing would write it).
         """
-        if self._state in (WriterState.STOPPING, WriterState.STOPPED):
+        if self._state in (State.STOPPING, State.STOPPED):
             raise StateError(f"dead-letter writer is {self._state.value}")
         seq = self._next_seq
         self._next_seq += 1
@@ -1232,7 +1188,7 @@ class DeadLetterWriter:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while self._outstanding and next(iter(self._outstanding)) < mark:
-            if self._state is not WriterState.RUNNING or self._task is None or self._task.done():
+            if self._state is not State.RUNNING or self._task is None or self._task.done():
                 return False
             progress = self._progress
             try:
@@ -1315,9 +1271,8 @@ class DeadLetterWriter:
                 self._degrade(problem)
                 if self._closing.is_set():
                     return  # stopping: `left` stays pending and its offsets uncommitted
-                await self._pause(
-                    backoff_delay(failures, self._settings.retry_max_s, rand=self._rand())
-                )
+                delay = backoff_delay(failures, self._settings.retry_max_s, rand=self._rand())
+                await wait_any(self._closing, timeout=delay, sleep=self._sleep)  # stop() cuts it
                 if self._closing.is_set():
                     return
                 todo = left
@@ -1370,16 +1325,3 @@ class DeadLetterWriter:
         )
         self._degraded_since = None
         self._failed_writes = 0
-
-    async def _pause(self, delay: float) -> None:
-        """Sleep `delay` (through the injectable sleep), cut short when stop() is called."""
-        sleeper = asyncio.ensure_future(self._sleep(delay))
-        closer = asyncio.ensure_future(self._closing.wait())
-        try:
-            await asyncio.wait((sleeper, closer), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            sleeper.cancel()
-            closer.cancel()
-            await asyncio.wait((sleeper, closer))
-        if not sleeper.cancelled():
-            sleeper.result()

@@ -37,9 +37,9 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from triage_client._proto import triage_pb2 as pb
-from triage_proxy.metrics import LatencyHistogram
 from triage_proxy.policies import Outcome, after_failure, rate_limit, retry_delay
 from triage_proxy.settings import Settings
+from triage_proxy.snapshot import LatencyHistogram
 from triage_proxy.structs import DeadLetter, Record
 from triage_proxy.timers import Timers
 from triage_proxy.tracker import CommitTracker
@@ -141,6 +141,17 @@ class Session:
     @property
     def available(self) -> int:
         return self.credits - len(self.held)
+
+    def take_unsent(self) -> list[int]:
+        """Empty the outbox; return the offsets of the deliveries it still held (their
+        frames, built by `Dispatcher._deliver`, never reached the wire)."""
+        unsent: list[int] = []
+        outbox = self.outbox
+        while not outbox.empty():
+            frame = outbox.get_nowait()
+            if frame is not None and frame.HasField("deliveries"):
+                unsent.extend(d.offset for d in frame.deliveries.deliveries)
+        return unsent
 
 
 class Dispatcher:
@@ -342,6 +353,15 @@ class Dispatcher:
         """Ask every stream to finish (shutdown); their close_session follows."""
         for session in self._sessions:
             session.outbox.put_nowait(None)
+
+    def end_session_now(self, session: Session) -> None:
+        """End `session`'s stream at once (its app's token was revoked). What is queued for
+        it was never sent: it goes back without using an attempt; what it did receive fails
+        when the stream closes (close_session)."""
+        unsent = session.take_unsent()
+        if not session.closed:
+            self.release(session, unsent)  # also: no credits, nothing new
+        session.outbox.put_nowait(None)
 
     # --- settlements ------------------------------------------------------------------
 

@@ -2,10 +2,12 @@
 
     TriageError                      root; `retriable` says whether trying again can help
     +-- ConfigError                  fix the config file or flag it names (not retriable)
-    +-- AuthError                    wrong or missing token: refuse the call (not retriable)
-    +-- SettlementError              a settlement for a message that instance does not hold
+    +-- AuthError                    wrong, missing or revoked token: refuse the call
+    +-- FrameError                   a consumer broke the stream protocol (no Hello, bad
+    |                                credits): refuse its stream
     +-- DeadLetterTooLarge           a dead letter over DynamoDB's item limit (until S3 overflow)
     +-- UnavailableError             a dependency is down: keep retrying, never lose data
+    |   +-- ShuttingDown             this proxy is stopping: connect again (to its successor)
     |   +-- BrokerUnavailable        Kafka did not answer (fetch or commit)
     |   +-- DeadLetterUnavailable    the dead-letter table did not take a write
     |   +-- OwnershipLost            the partition lease lapsed or was taken: stop delivering,
@@ -17,8 +19,8 @@
                                      refused a call or a stack failed; read why, fix, rerun
 
 confluent-kafka and botocore exceptions are translated into these at the adapter edge
-(`kafka.py`, `deadletter.py`) with `raise ... from`; `grpc_status` maps them to gRPC
-status codes in one place.
+(`kafka.py`, `deadletter.py`) with `raise ... from`; `grpc_status` maps them to the gRPC
+status a client sees, in one place (the service ends calls through it).
 """
 
 from __future__ import annotations
@@ -42,11 +44,11 @@ class ConfigError(TriageError):
 
 
 class AuthError(TriageError):
-    """The call carried no token or a wrong one."""
+    """The call carried no token, a wrong one, or one revoked since."""
 
 
-class SettlementError(TriageError):
-    """An instance settled an offset it does not hold (forged, duplicate or late)."""
+class FrameError(TriageError):
+    """A consumer's frames break the stream protocol; sending them again cannot help."""
 
 
 class DeadLetterTooLarge(TriageError):
@@ -66,6 +68,10 @@ class UnavailableError(TriageError):
     """A dependency did not answer; the operation can be retried as is."""
 
     retriable = True
+
+
+class ShuttingDown(UnavailableError):
+    """This proxy is stopping and takes no new streams."""
 
 
 class BrokerUnavailable(UnavailableError):
@@ -97,9 +103,7 @@ def grpc_status(exc: BaseException) -> grpc.StatusCode:
     """Map an error to the gRPC status a client sees; the one place that does."""
     if isinstance(exc, AuthError):
         return grpc.StatusCode.UNAUTHENTICATED
-    if isinstance(exc, SettlementError):
-        return grpc.StatusCode.FAILED_PRECONDITION
-    if isinstance(exc, ConfigError):
+    if isinstance(exc, FrameError):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, UnavailableError):
         return grpc.StatusCode.UNAVAILABLE

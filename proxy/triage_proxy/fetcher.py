@@ -14,11 +14,13 @@ import logging
 from triage_proxy.dispatcher import Dispatcher
 from triage_proxy.errors import BrokerUnavailable
 from triage_proxy.kafka import KafkaThread, PartitionLog
+from triage_proxy.policies import backoff
 from triage_proxy.waiting import wait_any
 
 logger = logging.getLogger(__name__)
 
 RETRY_INITIAL_S = 0.1
+"""First wait after a failed fetch; doubles up to RETRY_MAX_S."""
 RETRY_MAX_S = 5.0
 
 
@@ -43,7 +45,7 @@ class Fetcher:
 
     async def run(self) -> None:
         dispatcher = self._dispatcher
-        backoff = RETRY_INITIAL_S
+        failures = 0
         while not self._closing.is_set():
             room = dispatcher.room_for
             if not dispatcher.room.is_set():
@@ -57,13 +59,14 @@ class Fetcher:
                 if not self.degraded:
                     logger.warning("degraded: fetch failing (%s); retrying", exc)
                     self.degraded = True
-                await wait_any(self._closing, timeout=backoff)
-                backoff = min(backoff * 2, RETRY_MAX_S)
+                failures += 1
+                delay = backoff(failures, initial=RETRY_INITIAL_S, cap=RETRY_MAX_S)
+                await wait_any(self._closing, timeout=delay)
                 continue
             if self.degraded:
                 logger.info("recovered: fetching again")
                 self.degraded = False
-            backoff = RETRY_INITIAL_S
+            failures = 0
             if records:
                 dispatcher.add(records)
         self._set_paused(True)

@@ -1,12 +1,10 @@
-"""What one proxy reports: a snapshot of its state, as Prometheus metrics and as /status.
+"""What one proxy reports, as Prometheus metrics: its `ProxySnapshot`, rendered at scrape time.
 
 Why collected at scrape time: the dispatcher, committer and dead-letter writer already
 keep the totals an operator asks for (`dispatcher.Counters` and friends), so a custom
-Collector reads them when Prometheus scrapes and the hot path pays nothing. The one
-per-message measure, the settle latency, is a `LatencyHistogram`: plain bucket counts
-bumped on the event-loop thread (no lock; ~0.2 us per settled delivery, within the
-noise of a ~1 us settle, measured by `tests/perf/bench_metrics.py`), exported as a
-Prometheus histogram (prometheus-client's own takes a lock per observation).
+Collector reads them (through `Proxy.snapshot`) when Prometheus scrapes and the hot path
+pays nothing. The one per-message measure, the settle latency, is a `LatencyHistogram`
+(snapshot.py), exported here as a Prometheus histogram.
 
 Each proxy has its own `CollectorRegistry` (tests run several proxies in one process,
 and the global registry would mix them). Every metric carries `topic` and `partition`:
@@ -25,12 +23,7 @@ and the global registry would mix them). Every metric carries `topic` and `parti
 
 from __future__ import annotations
 
-import dataclasses
-import time
-from bisect import bisect_left
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -40,27 +33,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-if TYPE_CHECKING:
-    from triage_proxy.app import Proxy
-
-SETTLE_BUCKETS_S = (
-    0.001,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    300.0,
-)
-"""Upper bounds of the settle-latency buckets: handlers take from ~1 ms to minutes."""
+from triage_proxy.snapshot import ProxySnapshot
 
 COUNTERS = (
     "fetched",
@@ -76,180 +49,7 @@ COUNTERS = (
 """`dispatcher.Counters` fields exported as `triage_<name>_total`."""
 
 
-class LatencyHistogram:
-    """Cumulative-on-export histogram that costs a bisect and two adds per observation.
-
-    Not thread-safe on purpose: only the event-loop thread observes, and a scrape (on the
-    same loop) reads a consistent copy.
-    """
-
-    __slots__ = ("bounds", "counts", "total")
-
-    def __init__(self, bounds: Sequence[float] = SETTLE_BUCKETS_S) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)
-        """Per-bucket (not cumulative) counts; the last one is +Inf."""
-        self.total = 0.0
-        """Sum of every observation (seconds)."""
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect_left(self.bounds, seconds)] += 1
-        self.total += seconds
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def cumulative(self) -> list[tuple[str, int]]:
-        """Prometheus buckets: (le, observations <= le), ending with +Inf."""
-        out: list[tuple[str, int]] = []
-        running = 0
-        for bound, n in zip((*map(repr, self.bounds), "+Inf"), self.counts, strict=True):
-            running += n
-            out.append((bound, running))
-        return out
-
-
-@dataclass(frozen=True)
-class Instance:
-    """One connected consumer instance as status shows it."""
-
-    consumer_id: str
-    """The id the instance gave in its Hello."""
-    credits: int
-    """How many deliveries it can hold at once."""
-    held: int
-    """Deliveries it holds unsettled now."""
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """One proxy's state at one moment; metrics and /status both render it."""
-
-    topic: str
-    """The proxied topic."""
-    partition: int
-    """The partition this proxy owns."""
-    state: str
-    """`ProxyState` value (starting, standby, running, stopping, ...)."""
-    ready: bool
-    """Running and delivering (what /readyz answers)."""
-    grpc_port: int
-    """The gRPC port bound (0 before it listens)."""
-    committed_offset: int | None = None
-    """The offset Kafka last acknowledged as committed (None before Kafka is open)."""
-    log_end_offset: int | None = None
-    """The partition's log end: the broker's high watermark, at least what was fetched."""
-    log_end_age_s: float | None = None
-    """How old the high watermark reading is (it is polled, see watermark.py)."""
-    in_flight: int = 0
-    """Delivered and unsettled, plus dead letters not yet durable."""
-    in_window: int = 0
-    """Fetched and unsettled records (the window)."""
-    window_bytes: int = 0
-    """Payload bytes of the window."""
-    window_max_messages: int = 0
-    """`window.max_messages`."""
-    window_max_bytes: int = 0
-    """`window.max_bytes`."""
-    queued: int = 0
-    """Records waiting for an instance with credit."""
-    instances: tuple[Instance, ...] = ()
-    """Connected consumer instances."""
-    oldest_unsettled_age_s: float | None = None
-    """Time since the oldest unsettled record entered the window (None: window empty)."""
-    dead_letters_pending: int = 0
-    """Dead letters handed to the writer and not yet durable."""
-    fetch_paused: bool = False
-    """The window is full, so fetching waits."""
-    degraded: tuple[str, ...] = ()
-    """Parts that are failing and retrying: "fetch", "commit", "dead_letters", "log_end"."""
-    counters: dict[str, int] = field(default_factory=dict)
-    """Running totals (`dispatcher.Counters` fields and `commits`)."""
-    settle_latency: LatencyHistogram | None = None
-    """Delivery -> settle latency so far (None before Kafka is open)."""
-
-    @property
-    def lag(self) -> int | None:
-        """Messages not yet committed: log end - committed offset."""
-        if self.committed_offset is None or self.log_end_offset is None:
-            return None
-        return max(0, self.log_end_offset - self.committed_offset)
-
-    def to_json(self) -> dict[str, Any]:
-        """The /status document (also what `triage status` reads)."""
-        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        doc.pop("settle_latency")
-        doc["instances"] = [dataclasses.asdict(i) for i in self.instances]
-        doc["degraded"] = list(self.degraded)
-        doc["connected_instances"] = len(self.instances)
-        doc["lag"] = self.lag
-        for key in ("log_end_age_s", "oldest_unsettled_age_s"):
-            if doc[key] is not None:
-                doc[key] = round(doc[key], 3)
-        if self.settle_latency is not None and self.settle_latency.count:
-            h = self.settle_latency
-            doc["settle_latency_mean_s"] = round(h.total / h.count, 6)
-        return doc
-
-
-def snapshot(proxy: Proxy, *, now: float | None = None) -> Snapshot:
-    """Read `proxy`'s components as they are now (they appear once Kafka is open)."""
-    now = time.monotonic() if now is None else now
-    settings = proxy.settings
-    base: dict[str, Any] = {
-        "topic": settings.kafka.topic,
-        "partition": proxy.partition,
-        "state": proxy.state.value,
-        "ready": proxy.is_ready,
-        "grpc_port": proxy.port,
-        "window_max_messages": settings.window.max_messages,
-        "window_max_bytes": settings.window.max_bytes,
-    }
-    dispatcher, committer = proxy.dispatcher, proxy.committer
-    if dispatcher is None or committer is None:
-        return Snapshot(**base)
-    degraded: list[str] = []
-    if proxy.fetcher is not None and proxy.fetcher.degraded:
-        degraded.append("fetch")
-    if committer.degraded:
-        degraded.append("commit")
-    writer, watermarks = proxy.writer, proxy.watermarks
-    if writer is not None and writer.degraded:
-        degraded.append("dead_letters")
-    log_end: int | None = None
-    log_end_age: float | None = None
-    if watermarks is not None:
-        if watermarks.degraded:
-            degraded.append("log_end")
-        log_end = watermarks.log_end
-        if watermarks.checked_at is not None:
-            log_end_age = now - watermarks.checked_at
-    oldest = dispatcher.oldest_fetched_at
-    counters = dataclasses.asdict(dispatcher.counters)
-    counters["commits"] = committer.commits
-    return Snapshot(
-        **base,
-        committed_offset=committer.committed,
-        log_end_offset=log_end,
-        log_end_age_s=log_end_age,
-        in_flight=dispatcher.in_flight,
-        in_window=dispatcher.in_window,
-        window_bytes=dispatcher.window_bytes,
-        queued=dispatcher.queued,
-        instances=tuple(
-            Instance(s.consumer_id, s.credits, len(s.held)) for s in dispatcher.sessions
-        ),
-        oldest_unsettled_age_s=None if oldest is None else max(0.0, now - oldest),
-        dead_letters_pending=writer.pending if writer is not None else 0,
-        fetch_paused=proxy.fetcher.paused if proxy.fetcher is not None else False,
-        degraded=tuple(degraded),
-        counters=counters,
-        settle_latency=dispatcher.settle_latency,
-    )
-
-
-def metric_families(snap: Snapshot) -> Iterator[Metric]:
+def metric_families(snap: ProxySnapshot) -> Iterator[Metric]:
     """Render a snapshot as Prometheus metric families (pure: tests call it directly)."""
     labels = ["topic", "partition"]
     values = [snap.topic, str(snap.partition)]
@@ -301,15 +101,15 @@ def metric_families(snap: Snapshot) -> Iterator[Metric]:
 class ProxyCollector(Collector):
     """Reads one proxy at scrape time."""
 
-    def __init__(self, proxy: Proxy) -> None:
-        self._proxy = proxy
+    def __init__(self, snapshot: Callable[[], ProxySnapshot]) -> None:
+        self._snapshot = snapshot
 
     def collect(self) -> Iterable[Metric]:
-        return list(metric_families(snapshot(self._proxy)))
+        return list(metric_families(self._snapshot()))
 
 
-def proxy_registry(proxy: Proxy) -> CollectorRegistry:
-    """A registry of its own for `proxy` (never the process-global one)."""
+def proxy_registry(snapshot: Callable[[], ProxySnapshot]) -> CollectorRegistry:
+    """A registry of its own for the proxy `snapshot` reads (never the process-global one)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ProxyCollector(proxy))
+    registry.register(ProxyCollector(snapshot))
     return registry

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import enum
 import json
 import logging
 import time
@@ -41,14 +40,15 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from triage_proxy.deadletter import aws_client, format_iso_ms
-from triage_proxy.errors import ConfigError, StateError, UnavailableError
+from triage_proxy.errors import ConfigError, UnavailableError
+from triage_proxy.lifecycle import Lifecycle, State
 from triage_proxy.settings import DeadLetterSettings
 from triage_proxy.structs import DeadLetter
+from triage_proxy.waiting import wait_any
 
 logger = logging.getLogger(__name__)
 
@@ -398,19 +398,20 @@ class MemorySink:
 # --- the component --------------------------------------------------------------------
 
 
-class NotifierState(enum.Enum):
-    NEW = "new"
-    RUNNING = "running"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
+NotifierState = State
+"""The notifier's lifecycle states (the shared `lifecycle.State`)."""
 
 
-class DeadLetterNotifier:
+class DeadLetterNotifier(Lifecycle):
     """Sends aggregated dead-letter summaries to its sinks, on the Aggregator's schedule.
 
     `record(dl)` is what the DeadLetterWriter calls (its `notifier` parameter); call it
-    on the event loop thread. `clock` is monotonic seconds (injectable for tests).
+    on the event loop thread. `clock` is monotonic seconds (injectable for tests). Its
+    lifecycle is `lifecycle.Lifecycle`; stop() sends a final summary of what is pending
+    (bounded by twice send_timeout_s).
     """
+
+    name = "dead-letter notifier"
 
     def __init__(
         self,
@@ -425,23 +426,15 @@ class DeadLetterNotifier:
     ) -> None:
         if not sinks:
             raise ValueError("a notifier needs at least one sink")
+        super().__init__(stop_timeout_s=send_timeout_s * 2)
         self._sinks = list(sinks)
         self._aggregator = Aggregator(source, table, interval_s, gather_s)
-        self._send_timeout_s = send_timeout_s
         self._clock = clock
-        self._state = NotifierState.NEW
-        self._task: asyncio.Task[None] | None = None
-        self._closing = asyncio.Event()
         self._wakeup = asyncio.Event()
-        self._stopped = asyncio.Event()
         self.sent = 0
         """Summaries delivered to every sink."""
         self.failed = 0
         """Summaries that at least one sink did not take (their counts went back)."""
-
-    @property
-    def state(self) -> NotifierState:
-        return self._state
 
     @property
     def pending(self) -> int:
@@ -450,73 +443,38 @@ class DeadLetterNotifier:
 
     def record(self, dl: DeadLetter) -> None:
         """Count one durable dead letter; never blocks. Ignored once stopped."""
-        if self._state is NotifierState.STOPPED:
+        if self._state is State.STOPPED:
             logger.debug("notifier stopped; not counting a dead letter")
             return
         self._aggregator.record(dl, self._clock())
         self._wakeup.set()
 
-    # --- lifecycle ------------------------------------------------------------------
+    # --- lifecycle (see lifecycle.Lifecycle) ---------------------------------------
 
-    async def start(self) -> None:
-        """Launch the background task; a notifier starts once."""
-        if self._state is not NotifierState.NEW:
-            raise StateError(f"notifier already {self._state.value}")
-        self._task = asyncio.create_task(self._run(), name="dead-letter-notifier")
-        self._state = NotifierState.RUNNING
+    def _on_started(self) -> None:
         logger.info(
             "dead-letter notifier started: %s, at most one summary per %.0fs",
             ", ".join(type(s).__name__ for s in self._sinks),
             self._aggregator.interval_s,
         )
 
-    async def stop(self) -> None:
-        """Send a final summary of what is pending (bounded by send_timeout_s); safe twice."""
-        if self._state is NotifierState.NEW:
-            self._state = NotifierState.STOPPED
-            self._stopped.set()
-            self._close_sinks()
-            return
-        if self._state is NotifierState.STOPPING:
-            await self._stopped.wait()
-            return
-        if self._state is NotifierState.STOPPED:
-            return
-        task = self._task
-        assert task is not None
-        self._state = NotifierState.STOPPING
+    def _on_stopping(self) -> None:
         logger.debug("dead-letter notifier stopping: sending the final summary")
-        self._closing.set()
-        try:
-            done, _ = await asyncio.wait({task}, timeout=self._send_timeout_s * 2)
-            if not done:
-                logger.warning("the final dead-letter summary outlived its timeout; dropped")
-                task.cancel()
-                await asyncio.wait({task})
-        finally:
-            self._state = NotifierState.STOPPED
-            self._stopped.set()
-            self._close_sinks()
+
+    def _on_overran(self) -> None:
+        logger.warning("the final dead-letter summary outlived its timeout; dropped")
+
+    def _on_stopped(self) -> None:
+        for sink in self._sinks:
+            sink.close()
+
+    def _on_finished(self) -> None:
         logger.info(
             "dead-letter notifier stopped: %d summaries sent, %d failed, %d dead letters unsent",
             self.sent,
             self.failed,
             self.pending,
         )
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            raise exc
-
-    async def __aenter__(self) -> DeadLetterNotifier:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     # --- the background task --------------------------------------------------------
 
@@ -527,7 +485,8 @@ class DeadLetterNotifier:
             due = aggregator.due_at()
             wait = None if due is None else max(0.0, due - self._clock())
             if wait is None or wait > 0:
-                await self._wait(wait)
+                # Until something is recorded, stop() is called, or `wait` passes.
+                await wait_any(self._wakeup, self._closing, timeout=wait)
                 continue
             summary = aggregator.take(self._clock())
             if summary is not None:
@@ -535,19 +494,6 @@ class DeadLetterNotifier:
         summary = aggregator.take(self._clock(), force=True)
         if summary is not None:
             await self._send(summary)
-
-    async def _wait(self, seconds: float | None) -> None:
-        """Until something is recorded, stop() is called, or `seconds` pass."""
-        waiters = {
-            asyncio.ensure_future(self._wakeup.wait()),
-            asyncio.ensure_future(self._closing.wait()),
-        }
-        try:
-            await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in waiters:
-                waiter.cancel()
-            await asyncio.wait(waiters)
 
     async def _send(self, summary: Summary) -> None:
         ok = True
@@ -566,10 +512,6 @@ class DeadLetterNotifier:
             self.sent += 1
         else:
             self.failed += 1
-
-    def _close_sinks(self) -> None:
-        for sink in self._sinks:
-            sink.close()
 
 
 def notifier_from_settings(

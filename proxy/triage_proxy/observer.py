@@ -4,28 +4,27 @@
     GET /healthz   liveness: 200 while the proxy's event loop answers (and it has not stopped)
     GET /readyz    readiness: 200 only while RUNNING and delivering; 503 while starting,
                    standing by for the partition lease, or stopping
-    GET /status    JSON snapshot (`metrics.Snapshot.to_json`); `triage status` reads it
+    GET /status    JSON snapshot (`snapshot.ProxySnapshot.to_json`); `triage status` reads it
 
 It runs on the proxy's event loop (aiohttp), starts before the proxy opens Kafka so a
 standby or a slow start can be watched, and stops last. It carries no secrets and no
 payloads, so it has no token; bind it to an interface only monitoring can reach.
+It reads the proxy only through `Proxy.snapshot` (passed in), never the proxy itself.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from triage_proxy.errors import ConfigError, StateError
-from triage_proxy.metrics import proxy_registry, snapshot
-
-if TYPE_CHECKING:
-    from triage_proxy.app import Proxy
+from triage_proxy.metrics import proxy_registry
+from triage_proxy.snapshot import ProxySnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +41,12 @@ class ObserverState(enum.Enum):
 class Observer:
     """Serves /metrics, /healthz, /readyz and /status for one proxy."""
 
-    def __init__(self, proxy: Proxy, address: tuple[str, int] | None) -> None:
-        self._proxy = proxy
+    def __init__(
+        self, snapshot: Callable[[], ProxySnapshot], address: tuple[str, int] | None
+    ) -> None:
+        self._snapshot = snapshot
         self._address = address
-        self._registry = proxy_registry(proxy)
+        self._registry = proxy_registry(snapshot)
         self._runner: web.AppRunner | None = None
         self.state = ObserverState.NEW
         self.port: int | None = None
@@ -106,16 +107,18 @@ class Observer:
         )
 
     async def _healthz(self, request: web.Request) -> web.Response:
-        if self._proxy.is_alive:
+        snap = self._snapshot()
+        if snap.alive:
             return web.Response(text="ok\n")
-        return web.Response(status=503, text=f"{self._proxy.state.value}\n")
+        return web.Response(status=503, text=f"{snap.state}\n")
 
     async def _readyz(self, request: web.Request) -> web.Response:
-        if self._proxy.is_ready:
+        snap = self._snapshot()
+        if snap.ready:
             return web.Response(text="ready\n")
-        return web.Response(status=503, text=f"{self._proxy.state.value}\n")
+        return web.Response(status=503, text=f"{snap.state}\n")
 
     async def _status(self, request: web.Request) -> web.Response:
-        doc = snapshot(self._proxy).to_json()
+        doc = self._snapshot().to_json()
         doc["http_port"] = self.port
         return web.json_response(doc)

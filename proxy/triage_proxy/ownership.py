@@ -45,6 +45,7 @@ from typing import Any, Protocol, TypeVar
 
 from triage_proxy.deadletter import dynamodb_client
 from triage_proxy.errors import DeadLetterUnavailable, OwnershipLost, StateError
+from triage_proxy.policies import backoff
 from triage_proxy.settings import DeadLetterSettings, OwnershipSettings
 from triage_proxy.waiting import wait_any
 
@@ -368,7 +369,7 @@ class Ownership:
         return False
 
     def _retry_s(self, failures: int) -> float:
-        return min(self._renew_every_s / 2, RETRY_INITIAL_S * 2.0 ** (failures - 1))
+        return backoff(failures, initial=RETRY_INITIAL_S, cap=self._renew_every_s / 2)
 
     # --- holder -----------------------------------------------------------------------
 

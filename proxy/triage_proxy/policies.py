@@ -1,4 +1,4 @@
-"""Delivery policies, free of I/O and clocks: retry backoff, when to give up, rate limits.
+"""Delivery policies, free of I/O and clocks: backoff, when to give up, rate limits.
 
 Why: the dispatcher decides what happens to a failed delivery (nacked with retry,
 lease expired, instance vanished) and how fast it may hand records out. Keeping the
@@ -14,7 +14,15 @@ import math
 
 from triage_proxy.settings import RateLimitSettings, RetrySettings
 
-__all__ = ["Outcome", "RateLimit", "TokenBucket", "after_failure", "rate_limit", "retry_delay"]
+__all__ = [
+    "Outcome",
+    "RateLimit",
+    "TokenBucket",
+    "after_failure",
+    "backoff",
+    "rate_limit",
+    "retry_delay",
+]
 
 
 class Outcome(enum.Enum):
@@ -26,18 +34,16 @@ class Outcome(enum.Enum):
     """Write it to the dead-letter table; it will not be delivered again."""
 
 
-def retry_delay(attempt: int, settings: RetrySettings) -> float:
-    """Seconds to wait before redelivering a message whose ``attempt``-th delivery was nacked.
+def backoff(failures: int, *, initial: float, cap: float, multiplier: float = 2.0) -> float:
+    """Seconds to wait after the ``failures``-th consecutive failure (>= 1): the one backoff
+    formula of the proxy (redelivery, dead-letter writes, fetch and lease retries).
 
-    ``initial_backoff_s * multiplier ** (attempt - 1)``, capped at ``max_backoff_s`` (up to
-    float rounding). The exponent is bounded before exponentiating, so any ``attempt`` is
-    safe. Settings are validated by `Settings`; nonsense (NaN, inf, zero) raises ValueError.
+    ``initial * multiplier ** (failures - 1)``, capped at ``cap`` (up to float rounding).
+    The exponent is bounded before exponentiating, so any ``failures`` is safe. Nonsense
+    (NaN, inf, zero, a multiplier below 1) raises ValueError.
     """
-    if attempt < 1:
-        raise ValueError(f"attempt must be >= 1, got {attempt}")
-    initial = settings.initial_backoff_s
-    cap = settings.max_backoff_s
-    multiplier = settings.multiplier
+    if failures < 1:
+        raise ValueError(f"failures must be >= 1, got {failures}")
     if not (0 < initial < math.inf and 0 < cap < math.inf):
         raise ValueError(f"backoffs must be finite and > 0, got {initial} and {cap}")
     if not 1 <= multiplier < math.inf:
@@ -49,7 +55,7 @@ def retry_delay(attempt: int, settings: RetrySettings) -> float:
     # Growth steps after which the cap surely applies. Both logs are finite, so this is a
     # finite float; the +1 absorbs log rounding (the min() below handles the rest).
     capped_from = math.ceil((math.log(cap) - math.log(initial)) / math.log(multiplier)) + 1
-    steps = attempt - 1
+    steps = failures - 1
     if steps >= capped_from:
         return cap
     try:
@@ -58,6 +64,22 @@ def retry_delay(attempt: int, settings: RetrySettings) -> float:
         # Only when cap / initial is itself beyond float range; the logs still work.
         grown = math.exp(math.log(initial) + steps * math.log(multiplier))
     return min(cap, grown)
+
+
+def retry_delay(attempt: int, settings: RetrySettings) -> float:
+    """Seconds to wait before redelivering a message whose ``attempt``-th delivery was nacked.
+
+    `backoff` from ``initial_backoff_s`` by ``multiplier``, capped at ``max_backoff_s``.
+    Settings are validated by `Settings`; nonsense (NaN, inf, zero) raises ValueError.
+    """
+    if attempt < 1:
+        raise ValueError(f"attempt must be >= 1, got {attempt}")
+    return backoff(
+        attempt,
+        initial=settings.initial_backoff_s,
+        cap=settings.max_backoff_s,
+        multiplier=settings.multiplier,
+    )
 
 
 def after_failure(attempt: int, max_attempts: int) -> Outcome:

@@ -19,24 +19,37 @@ import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, NoReturn, TypeAlias
 
 import grpc
 
 from triage_client._proto import triage_pb2 as pb
 from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_proxy.dispatcher import Dispatcher, Session
-from triage_proxy.errors import ConfigError
+from triage_proxy.errors import (
+    AuthError,
+    ConfigError,
+    FrameError,
+    ShuttingDown,
+    TriageError,
+    grpc_status,
+)
 from triage_proxy.settings import Settings, TlsSettings
 
 logger = logging.getLogger(__name__)
 
 HELLO_TIMEOUT_S = 10.0
 MAX_CREDITS = 100_000
+REJECTED_REASON = "offset not held by this instance"
 
 
 # Generic only in the type stubs, hence the string.
 _Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
+
+
+async def _refuse(context: grpc.aio.ServicerContext[Any, Any], exc: TriageError) -> NoReturn:
+    """End the call with the status `errors.grpc_status` maps `exc` to, and its message."""
+    await context.abort(grpc_status(exc), str(exc))
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -48,7 +61,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         self.replace(tokens)
 
         async def deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+            await _refuse(context, AuthError("missing or wrong token"))
 
         self._deny: _Handler = grpc.stream_stream_rpc_method_handler(deny)
 
@@ -129,15 +142,7 @@ class TriageService(pb_grpc.TriageServicer):
         """End a revoked app's stream now: what is queued for it is not sent, and goes
         back to the queue without using an attempt."""
         self._revoked.add(session)
-        outbox = session.outbox
-        unsent: list[int] = []
-        while not outbox.empty():
-            frame = outbox.get_nowait()
-            if frame is not None and frame.WhichOneof("frame") == "deliveries":
-                unsent.extend(d.offset for d in frame.deliveries.deliveries)
-        if not session.closed:
-            self._dispatcher.release(session, unsent)  # also: no credits, nothing new
-        outbox.put_nowait(None)
+        self._dispatcher.end_session_now(session)
 
     async def stop(self) -> None:
         """Cancel and await the per-stream reader tasks that are left."""
@@ -150,54 +155,46 @@ class TriageService(pb_grpc.TriageServicer):
         request_iterator: AsyncIterator[pb.ConsumerFrame],
         context: grpc.aio.ServicerContext[pb.ConsumerFrame, pb.ProxyFrame],
     ) -> AsyncIterator[pb.ProxyFrame]:
-        if not self._accepting:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "proxy is shutting down")
-        app = self.auth.identify(context.invocation_metadata())
-        if app is None:  # revoked since the interceptor let it in
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
-            return
         try:
-            first = await asyncio.wait_for(anext(request_iterator), HELLO_TIMEOUT_S)
-        except (TimeoutError, StopAsyncIteration):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "expected a Hello frame")
-        if first.WhichOneof("frame") != "hello":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first frame must be Hello")
-        hello = first.hello
-        if not 1 <= hello.credits <= MAX_CREDITS:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"credits must be 1..{MAX_CREDITS}"
+            if not self._accepting:
+                raise ShuttingDown("proxy is shutting down")
+            app = self.auth.identify(context.invocation_metadata())
+            if app is None:  # revoked since the interceptor let it in
+                raise AuthError("missing or wrong token")
+            hello = await _hello(request_iterator)
+            consumer_id = hello.consumer_id or context.peer()
+            delivery = self._settings.delivery
+            yield pb.ProxyFrame(
+                welcome=pb.Welcome(
+                    topic=self._settings.kafka.topic,
+                    partition=self._partition,
+                    ack_deadline_ms=int(delivery.ack_deadline_s * 1000),
+                    max_attempts=delivery.max_attempts,
+                )
             )
-        consumer_id = hello.consumer_id or context.peer()
-        delivery = self._settings.delivery
-        yield pb.ProxyFrame(
-            welcome=pb.Welcome(
-                topic=self._settings.kafka.topic,
-                partition=self._partition,
-                ack_deadline_ms=int(delivery.ack_deadline_s * 1000),
-                max_attempts=delivery.max_attempts,
-            )
-        )
-        logger.info("instance %s authenticated as app %r", consumer_id, app)
-        session = self._dispatcher.open_session(consumer_id, hello.credits)
-        self._apps[session] = app
-        reader = asyncio.create_task(self._read(session, request_iterator))
-        self._readers.add(reader)
-        reader.add_done_callback(self._readers.discard)
-        try:
-            outbox = session.outbox
-            while True:
-                frame = await outbox.get()
-                if frame is None:
-                    break
-                yield frame
-            if session in self._revoked:
-                logger.info("ended the stream of %s: app %r was revoked", consumer_id, app)
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "token revoked")
-        finally:
-            self._apps.pop(session, None)
-            self._revoked.discard(session)
-            reader.cancel()
-            self._dispatcher.close_session(session)
+            logger.info("instance %s authenticated as app %r", consumer_id, app)
+            session = self._dispatcher.open_session(consumer_id, hello.credits)
+            self._apps[session] = app
+            reader = asyncio.create_task(self._read(session, request_iterator))
+            self._readers.add(reader)
+            reader.add_done_callback(self._readers.discard)
+            try:
+                outbox = session.outbox
+                while True:
+                    frame = await outbox.get()
+                    if frame is None:
+                        break
+                    yield frame
+                if session in self._revoked:
+                    logger.info("ended the stream of %s: app %r was revoked", consumer_id, app)
+                    raise AuthError("token revoked")
+            finally:
+                self._apps.pop(session, None)
+                self._revoked.discard(session)
+                reader.cancel()
+                self._dispatcher.close_session(session)
+        except TriageError as exc:
+            await _refuse(context, exc)
 
     async def _read(self, session: Session, frames: AsyncIterator[pb.ConsumerFrame]) -> None:
         """Apply the instance's settlements until it half-closes or the stream breaks."""
@@ -207,33 +204,36 @@ class TriageService(pb_grpc.TriageServicer):
                 kind = frame.WhichOneof("frame")
                 if kind == "settle":
                     rejected = dispatcher.settle(session, frame.settle.acks, frame.settle.nacks)
-                    if rejected:
-                        session.outbox.put_nowait(
-                            pb.ProxyFrame(
-                                rejected=pb.Rejected(
-                                    offsets=rejected, reason="offset not held by this instance"
-                                )
-                            )
-                        )
                 elif kind == "release":
                     rejected = dispatcher.release(session, frame.release.offsets)
-                    if rejected:
-                        session.outbox.put_nowait(
-                            pb.ProxyFrame(
-                                rejected=pb.Rejected(
-                                    offsets=rejected, reason="offset not held by this instance"
-                                )
-                            )
-                        )
-                elif kind == "extend":
-                    dispatcher.extend(session, frame.extend.offsets)
-        except asyncio.CancelledError:
-            raise
+                else:
+                    if kind == "extend":
+                        dispatcher.extend(session, frame.extend.offsets)
+                    continue
+                if rejected:
+                    rejected_frame = pb.Rejected(offsets=rejected, reason=REJECTED_REASON)
+                    session.outbox.put_nowait(pb.ProxyFrame(rejected=rejected_frame))
         except grpc.aio.AioRpcError as exc:
             logger.debug("stream of %s broke: %s", session.consumer_id, exc.code())
+        except Exception:
+            # A bug (in the dispatcher, say): nobody awaits this task, so say it here.
+            logger.exception("settlements of %s failed; ending its stream", session.consumer_id)
         finally:
             # The instance closed its side or vanished: it will settle nothing more.
             dispatcher.close_session(session)
+
+
+async def _hello(frames: AsyncIterator[pb.ConsumerFrame]) -> pb.Hello:
+    """The stream's first frame, which must be a valid Hello (FrameError otherwise)."""
+    try:
+        first = await asyncio.wait_for(anext(frames), HELLO_TIMEOUT_S)
+    except (TimeoutError, StopAsyncIteration):
+        raise FrameError("expected a Hello frame") from None
+    if first.WhichOneof("frame") != "hello":
+        raise FrameError("first frame must be Hello")
+    if not 1 <= first.hello.credits <= MAX_CREDITS:
+        raise FrameError(f"credits must be 1..{MAX_CREDITS}")
+    return first.hello
 
 
 def server_credentials(tls: TlsSettings) -> grpc.ServerCredentials | None:

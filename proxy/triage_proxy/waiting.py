@@ -3,20 +3,37 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+
+Sleep = Callable[[float], Awaitable[None]]
+"""An injectable `asyncio.sleep` (tests pass one that records or skips the wait)."""
 
 
-async def wait_any(*events: asyncio.Event, timeout: float | None = None) -> bool:  # noqa: ASYNC109
+async def wait_any(
+    *events: asyncio.Event,
+    timeout: float | None = None,  # noqa: ASYNC109
+    sleep: Sleep | None = None,
+) -> bool:
     """Wait until any event is set or `timeout` passes; True if an event was set.
 
-    Unlike asyncio.timeout, running out of time is an answer here, not an error.
+    Unlike asyncio.timeout, running out of time is an answer here, not an error. With
+    `sleep`, the timeout is waited out by `sleep(timeout)` instead of the loop's timer
+    (a test seam); an error it raises is raised here.
     """
     if any(e.is_set() for e in events):
         return True
     waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    timer = None
+    if sleep is not None and timeout is not None:
+        timer = asyncio.ensure_future(sleep(timeout))
+        timeout = None
+    pending = waiters if timer is None else [*waiters, timer]
     try:
-        done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for w in waiters:
+        for w in pending:
             w.cancel()
-        await asyncio.gather(*waiters, return_exceptions=True)
-    return bool(done)
+        await asyncio.gather(*pending, return_exceptions=True)
+    if timer is not None and not timer.cancelled():
+        timer.result()
+    return any(w in done for w in waiters)

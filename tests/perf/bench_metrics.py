@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 
 from triage_proxy.dispatcher import Dispatcher
-from triage_proxy.metrics import LatencyHistogram
 from triage_proxy.settings import settings_from_dict
+from triage_proxy.snapshot import LatencyHistogram
 from triage_proxy.structs import Record
 from triage_proxy.tracker import CommitTracker
 

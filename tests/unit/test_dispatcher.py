@@ -277,6 +277,21 @@ def test_released_deliveries_come_back_without_using_an_attempt() -> None:
     assert not dead
 
 
+def test_ending_a_session_now_gives_back_only_what_never_left_its_outbox() -> None:
+    d, _, dead = make(max_attempts=1)
+    a = d.open_session("a", 4)
+    d.add(records(0, 2))
+    assert [x.offset for x in drain(a)] == [0, 1]  # these reached the wire
+    d.add(records(2, 4))  # these wait in a's outbox
+    d.end_session_now(a)  # its token was revoked
+    assert a.outbox.get_nowait() is None
+    assert a.outbox.empty()
+    d.close_session(a)  # the stream ends: what it received used its attempt
+    b = d.open_session("b", 4)
+    assert [(x.offset, x.attempt) for x in drain(b)] == [(2, 1), (3, 1)]
+    assert [dl.record.offset for dl in dead] == [0, 1]
+
+
 def test_expired_lease_redelivers_and_a_late_ack_is_rejected() -> None:
     clock = Clock()
     d, tracker, _ = make(clock=clock)

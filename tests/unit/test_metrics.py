@@ -15,9 +15,10 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from triage_proxy.app import Proxy
 from triage_proxy.errors import BrokerUnavailable, ConfigError
 from triage_proxy.kafka import KafkaThread, MemoryPartition
-from triage_proxy.metrics import Instance, LatencyHistogram, Snapshot, metric_families, snapshot
+from triage_proxy.metrics import metric_families
 from triage_proxy.observer import Observer
 from triage_proxy.settings import Settings, settings_from_dict
+from triage_proxy.snapshot import Instance, LatencyHistogram, ProxySnapshot
 from triage_proxy.tracker import CommitTracker
 from triage_proxy.watermark import LogEndWatcher
 
@@ -43,19 +44,19 @@ def test_histogram_buckets_are_upper_inclusive_and_cumulative() -> None:
 
 
 def test_lag_is_log_end_minus_committed_and_unknown_without_either() -> None:
-    base = Snapshot(topic="t", partition=0, state="running", ready=True, grpc_port=1)
+    base = ProxySnapshot(topic="t", partition=0, state="running", ready=True, grpc_port=1)
     assert base.lag is None
-    assert Snapshot(**{**vars(base), "committed_offset": 5}).lag is None
-    assert Snapshot(**{**vars(base), "committed_offset": 5, "log_end_offset": 9}).lag == 4
+    assert ProxySnapshot(**{**vars(base), "committed_offset": 5}).lag is None
+    assert ProxySnapshot(**{**vars(base), "committed_offset": 5, "log_end_offset": 9}).lag == 4
     # A log end read before the last commit never makes the lag negative.
-    assert Snapshot(**{**vars(base), "committed_offset": 9, "log_end_offset": 5}).lag == 0
+    assert ProxySnapshot(**{**vars(base), "committed_offset": 9, "log_end_offset": 5}).lag == 0
 
 
 def test_status_json_has_the_documented_fields() -> None:
     h = LatencyHistogram()
     h.observe(0.5)
     h.observe(1.5)
-    snap = Snapshot(
+    snap = ProxySnapshot(
         topic="t",
         partition=2,
         state="running",
@@ -83,14 +84,14 @@ def test_status_json_has_the_documented_fields() -> None:
 
 
 class Fixed(Collector):
-    def __init__(self, snap: Snapshot) -> None:
+    def __init__(self, snap: ProxySnapshot) -> None:
         self.snap = snap
 
     def collect(self) -> Iterable[Metric]:
         return list(metric_families(self.snap))
 
 
-def scrape(snap: Snapshot) -> dict[str, float]:
+def scrape(snap: ProxySnapshot) -> dict[str, float]:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Fixed(snap))
     out: dict[str, float] = {}
@@ -105,7 +106,7 @@ def scrape(snap: Snapshot) -> dict[str, float]:
 def test_metrics_render_counters_gauges_and_the_histogram() -> None:
     h = LatencyHistogram((0.1,))
     h.observe(0.05)
-    snap = Snapshot(
+    snap = ProxySnapshot(
         topic="orders",
         partition=3,
         state="running",
@@ -132,7 +133,7 @@ def test_metrics_render_counters_gauges_and_the_histogram() -> None:
 
 def test_offsets_not_known_yet_are_left_out_not_zero() -> None:
     samples = scrape(
-        Snapshot(topic="orders", partition=3, state="standby", ready=False, grpc_port=0)
+        ProxySnapshot(topic="orders", partition=3, state="standby", ready=False, grpc_port=0)
     )
     assert samples["triage_ready"] == 0
     for name in ("triage_committed_offset", "triage_log_end_offset", "triage_lag"):
@@ -141,8 +142,9 @@ def test_offsets_not_known_yet_are_left_out_not_zero() -> None:
 
 
 def test_snapshot_of_a_proxy_that_has_not_opened_kafka() -> None:
-    snap = snapshot(Proxy(make_settings(), 1))
+    snap = Proxy(make_settings(), 1).snapshot()
     assert (snap.topic, snap.partition, snap.state, snap.ready) == ("orders", 1, "new", False)
+    assert not snap.alive
     assert snap.committed_offset is None
     assert snap.counters == {}
 
@@ -205,7 +207,7 @@ def test_log_end_watcher_stops_when_closing_is_set() -> None:
 
 def test_observer_off_binds_nothing() -> None:
     async def scenario() -> None:
-        async with Observer(Proxy(make_settings(), 0), None) as observer:
+        async with Observer(Proxy(make_settings(), 0).snapshot, None) as observer:
             assert observer.port is None
 
     asyncio.run(scenario())
@@ -213,7 +215,7 @@ def test_observer_off_binds_nothing() -> None:
 
 def test_observer_on_a_busy_port_names_the_config_key() -> None:
     async def scenario(port: int) -> None:
-        observer = Observer(Proxy(make_settings(), 0), ("127.0.0.1", port))
+        observer = Observer(Proxy(make_settings(), 0).snapshot, ("127.0.0.1", port))
         with pytest.raises(ConfigError) as info:
             await observer.start()
         assert info.value.key == "server.http_port"

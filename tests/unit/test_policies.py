@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from triage_proxy.policies import Outcome, after_failure, retry_delay
+from triage_proxy.policies import Outcome, after_failure, backoff, retry_delay
 from triage_proxy.settings import RetrySettings
 
 
@@ -161,3 +161,22 @@ def test_exactly_max_attempts_deliveries_before_dead_letter(max_attempts: int) -
     while after_failure(deliveries, max_attempts) is Outcome.REDELIVER:
         deliveries += 1
     assert deliveries == max_attempts
+
+
+# -- backoff (the one formula behind retry_delay, dead-letter writes, fetch and lease retries)
+
+
+def test_backoff_doubles_from_initial_up_to_the_cap() -> None:
+    got = [backoff(n, initial=0.1, cap=1.0) for n in range(1, 7)]
+    assert got == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+
+
+def test_backoff_takes_any_number_of_failures() -> None:
+    # 2.0 ** (failures - 1) on its own overflows a float past ~1025 failures.
+    assert backoff(10**6, initial=0.1, cap=2.5) == 2.5
+
+
+@pytest.mark.parametrize("failures", [0, -1])
+def test_backoff_counts_failures_from_one(failures: int) -> None:
+    with pytest.raises(ValueError, match="failures"):
+        backoff(failures, initial=0.1, cap=1.0)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
 import pytest
 import trustme
 
 from triage_client import Consumer
-from triage_proxy.errors import ConfigError
+from triage_proxy.errors import AuthError, ConfigError, FrameError, ShuttingDown, grpc_status
 from triage_proxy.service import TokenInterceptor, server_credentials
 from triage_proxy.settings import TlsSettings, settings_from_dict
 
@@ -120,3 +121,10 @@ def test_client_tls_options() -> None:
     assert Consumer("h:1", "t", handler)._credentials is None
     assert Consumer("h:1", "t", handler, root_certificates=b"ca")._credentials is not None
     assert Consumer("h:1", "t", handler, secure=True)._credentials is not None
+
+
+def test_service_errors_map_to_the_status_codes_clients_see() -> None:
+    assert grpc_status(AuthError("token revoked")) is grpc.StatusCode.UNAUTHENTICATED
+    assert grpc_status(FrameError("first frame must be Hello")) is grpc.StatusCode.INVALID_ARGUMENT
+    assert grpc_status(ShuttingDown("proxy is shutting down")) is grpc.StatusCode.UNAVAILABLE
+    assert grpc_status(RuntimeError("a bug")) is grpc.StatusCode.INTERNAL

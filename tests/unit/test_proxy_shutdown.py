@@ -1,0 +1,207 @@
+"""The proxy's shutdown order (app.py's module docstring), with in-memory twins only.
+
+A real gRPC instance on localhost holds one delivery and has nacked another while the
+dead-letter store holds the write back; the proxy is told to stop. One list records,
+in order, what the twins saw (fetches, the dead-letter write, commits, the lease
+release, the Kafka close) and the proxy's shutdown-step log lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import grpc
+import pytest
+
+from triage_client._proto import triage_pb2 as pb
+from triage_client._proto import triage_pb2_grpc as pb_grpc
+from triage_proxy.app import Proxy, ProxyState
+from triage_proxy.checkpoint_store import MemoryCheckpoints
+from triage_proxy.deadletter import MemoryStore
+from triage_proxy.kafka import MemoryPartition
+from triage_proxy.ownership import MemoryLeases
+from triage_proxy.settings import Settings, settings_from_dict
+from triage_proxy.structs import DeadLetter, Record
+
+TOKEN = "shutdown-order-token-0123"
+
+STEP_LOGS = {
+    "fetcher stopped": "stop fetching",
+    "drained;": "drained",
+    "dead letters flushed;": "dead letters flushed",
+    "streams ended; gRPC server stopped": "server stopped",
+}
+"""Log lines of shutdown steps (message prefix -> event name) that have no twin to see them."""
+
+
+class Events(logging.Handler):
+    """The one ordered record: twins append to it, and so does logging (as a handler)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.seen: list[str] = []
+
+    def add(self, event: str) -> None:
+        self.seen.append(event)  # list.append is atomic: twins call it from other threads
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        for prefix, event in STEP_LOGS.items():
+            if message.startswith(prefix):
+                self.add(event)
+
+    def index(self, event: str) -> int:
+        return self.seen.index(event)
+
+    def last(self, event: str) -> int:
+        return len(self.seen) - 1 - self.seen[::-1].index(event)
+
+
+class RecordingPartition(MemoryPartition):
+    def __init__(self, events: Events) -> None:
+        super().__init__("orders", 0)
+        self.events = events
+
+    def fetch(self, max_records: int) -> list[Record]:
+        self.events.add("fetch")
+        return super().fetch(max_records)
+
+    def commit(self, offset: int, metadata: str | None = None) -> None:
+        super().commit(offset, metadata)
+        self.events.add(f"commit {offset}")
+
+    def close(self) -> None:
+        super().close()
+        self.events.add("close kafka")
+
+
+class RecordingStore(MemoryStore):
+    def __init__(self, events: Events) -> None:
+        super().__init__()
+        self.events = events
+
+    def put_batch(self, items: Sequence[DeadLetter]) -> list[DeadLetter]:
+        unwritten = super().put_batch(items)
+        self.events.add("dead letter written")
+        return unwritten
+
+
+class RecordingLeases(MemoryLeases):
+    def __init__(self, events: Events) -> None:
+        super().__init__()
+        self.events = events
+
+    def release(self, owner: str) -> bool:
+        released = super().release(owner)
+        self.events.add("release lease")
+        return released
+
+
+@pytest.fixture
+def events() -> Iterator[Events]:
+    handler = Events()
+    logger = logging.getLogger("triage_proxy")
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def make_settings() -> Settings:
+    return settings_from_dict(
+        {
+            "kafka": {"bootstrap_servers": "127.0.0.1:1", "topic": "orders", "group_id": "g"},
+            "auth": {"token": TOKEN},
+            "dead_letters": {"table": "d", "flush_interval_ms": 1},
+            "server": {"host": "127.0.0.1", "port": 0, "http_port": 0},
+            # No periodic commit: the only commit is the final one.
+            "commit": {"interval_s": 3600},
+            "shutdown": {"drain_timeout_s": 30},
+            "ownership": {"enabled": True},
+        },
+        {},
+    )
+
+
+async def until(predicate: Callable[[], bool], within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+def test_shutdown_runs_in_the_documented_order(events: Events) -> None:
+    log = RecordingPartition(events)
+    for value in (b"a", b"b", b"c"):
+        log.append(value)
+    store = RecordingStore(events)
+    leases = RecordingLeases(events)
+    proxy = Proxy(
+        make_settings(), 0, log=log, store=store, checkpoints=MemoryCheckpoints(), leases=leases
+    )
+
+    async def scenario() -> None:
+        await proxy.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{proxy.port}")
+        try:
+            stub = pb_grpc.TriageStub(channel)  # type: ignore[no-untyped-call]
+            call = stub.Consume(metadata=[("authorization", f"Bearer {TOKEN}")])
+            await call.write(pb.ConsumerFrame(hello=pb.Hello(consumer_id="i1", credits=10)))
+            assert (await call.read()).HasField("welcome")
+            got: list[int] = []
+            while len(got) < 3:
+                got.extend(d.offset for d in (await call.read()).deliveries.deliveries)
+            assert got == [0, 1, 2]
+            store.gate.clear()  # the dead letter's write is held until the test lets it go
+            nack = pb.Nack(offset=1, reason="bad", retry=False)
+            await call.write(pb.ConsumerFrame(settle=pb.Settle(acks=[0], nacks=[nack])))
+            await until(lambda: len(store.calls) == 1)
+
+            proxy.stop()
+            await until(lambda: "stop fetching" in events.seen)
+            log.append(b"late")  # fetching has stopped: this one is never delivered
+            await asyncio.sleep(0.05)
+            assert proxy.state is ProxyState.STOPPING
+            assert "drained" not in events.seen  # offset 2 is held, the dead letter unwritten
+            events.add("instance acks 2")
+            await call.write(pb.ConsumerFrame(settle=pb.Settle(acks=[2])))
+            await asyncio.sleep(0.05)
+            assert "drained" not in events.seen  # still waiting for the dead letter
+            store.gate.set()
+            assert await call.read() == grpc.aio.EOF  # the proxy ended the stream
+            assert await call.code() == grpc.StatusCode.OK
+            await proxy.wait_stopped()
+        finally:
+            store.gate.set()
+            await channel.close()
+            proxy.stop()
+            await proxy.wait_stopped()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+    assert proxy.state is ProxyState.STOPPED
+    order = [
+        "stop fetching",
+        "instance acks 2",
+        "dead letter written",
+        "drained",
+        "dead letters flushed",
+        "server stopped",
+        "commit 3",
+        "release lease",
+        "close kafka",
+    ]
+    assert [events.index(e) for e in order] == sorted(events.index(e) for e in order), events.seen
+    assert events.last("fetch") < events.index("stop fetching")
+    assert [e for e in events.seen if e.startswith("commit")] == ["commit 3"]  # not 4
+    assert events.seen.count("release lease") == 1
+    assert events.seen[-1] == "close kafka"
+    assert leases.lease is None  # a standby may take over at once
+    assert log.closed
