@@ -2,10 +2,10 @@
 
 deploy_aws, in order (each step is idempotent, so a rerun continues a failed one):
 
-1. the DynamoDB dead-letter table (`deadletter.create_table`: the proxy's key schema,
-   TTL when `ttl_days`) with point-in-time recovery on;
-2. the S3 overflow bucket (`deadletter.create_bucket`) with default encryption and
-   every public-access block on;
+1. the DynamoDB dead-letter table (`table.provisioning.create_table`: the proxy's key
+   schema, TTL when `ttl_days`) with point-in-time recovery on;
+2. the S3 overflow bucket (`table.provisioning.create_bucket`) with default encryption
+   and every public-access block on;
 3. Secrets Manager entries `<stack>/token/<name>` for each active token and
    `<stack>/kafka-sasl-password` for a password given as "env:VAR" (a "secret:NAME"
    password is used where it is). The values are never printed or logged; the
@@ -17,7 +17,9 @@ destroy_aws deletes the stack and waits. The table, bucket and secrets stay unle
 `delete_data`. Every client uses boto3's standard credential chain and honours
 `AWS_ENDPOINT_URL` (boto3 >= 1.28 reads it itself), which is how the tests point it at
 moto server; the region is `dead_letters.region`, where the proxies look for the table.
-Failures of AWS calls raise `DeployError`; config problems raise `ConfigError`.
+Failures of AWS calls raise `DeployError` (through `table.aws.aws_errors`, the one place
+botocore's errors are caught); config problems raise `ConfigError`; the table and bucket
+steps raise what `table.provisioning` raises.
 """
 
 from __future__ import annotations
@@ -31,14 +33,13 @@ import tomllib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import tomli_w
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 
 from triage_cli.awsstack import LOG_RETENTION_DAYS, render
-from triage_proxy.deadletter import create_bucket, create_table, dynamodb_client, s3_client
 from triage_proxy.errors import ConfigError, DeployError, TriageError
 from triage_proxy.settings import (
     DeadLetterSettings,
@@ -48,14 +49,21 @@ from triage_proxy.settings import (
     secret_reference,
     settings_from_dict,
 )
+from triage_proxy.table.aws import ANY_CODE, TABLE_MISSING, aws_errors, dynamodb_client, s3_client
+from triage_proxy.table.provisioning import (
+    create_bucket,
+    create_table,
+    enable_point_in_time_recovery,
+)
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3.client import S3Client
 
 logger = logging.getLogger(__name__)
 
 STACK_TIMEOUT_S = 3600.0
 """Longest a create/update/delete may take before deploy gives up waiting (not the stack)."""
 POLL_INTERVAL_S = 2.0
-PITR_TIMEOUT_S = 120.0
-"""How long a new table may refuse point-in-time recovery before deploy gives up."""
 PARAMETER_LIMIT = 4096
 """CloudFormation's limit on one parameter value (the container config travels in one)."""
 CAPABILITIES = ["CAPABILITY_IAM"]
@@ -124,18 +132,10 @@ def _load(config: Path) -> _Deployment:
 
 
 def _aws_call(what: str, call: Callable[[], T]) -> T:
-    """Run one AWS call; botocore errors become DeployError saying which step failed."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    try:
-        return call()
-    except (BotoCoreError, ClientError) as exc:
-        raise DeployError(f"{what} failed: {exc}") from exc
-
-
-def _code(exc: BaseException) -> str:
-    response = getattr(exc, "response", None)
-    return str(response.get("Error", {}).get("Code", "")) if isinstance(response, dict) else ""
+    """Run one AWS call; its errors become DeployError saying which step failed."""
+    with aws_errors(what, DeployError):
+        result = call()
+    return result
 
 
 # --- deploy ---------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def deploy_aws(config: Path, *, image: str | None, console: Console) -> dict[str
     with _steps(console, 5) as step:
         step("dead-letter table")
         create_table(dep.dead_letters)
-        _enable_pitr(dep)
+        enable_point_in_time_recovery(dep.dead_letters)
         step("overflow bucket")
         _create_bucket(dep)
         step("secrets")
@@ -237,35 +237,6 @@ def _steps(console: Console, total: int) -> Iterator[Callable[[str], None]]:
         progress.advance(task)
 
 
-def _enable_pitr(dep: _Deployment, *, timeout_s: float = PITR_TIMEOUT_S) -> None:
-    """Point-in-time recovery: dead letters are the only copy of what failed. A table
-    created moments ago answers ContinuousBackupsUnavailable for a while: retry that."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    table = dep.dead_letters.table
-    client = dynamodb_client(dep.dead_letters)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            try:
-                client.update_continuous_backups(
-                    TableName=table,
-                    PointInTimeRecoverySpecification={"PointInTimeRecoveryEnabled": True},
-                )
-                return
-            except ClientError as exc:
-                if (
-                    _code(exc) != "ContinuousBackupsUnavailableException"
-                    or time.monotonic() > deadline
-                ):
-                    raise DeployError(f"enabling point-in-time recovery failed: {exc}") from exc
-            except BotoCoreError as exc:
-                raise DeployError(f"enabling point-in-time recovery failed: {exc}") from exc
-            time.sleep(POLL_INTERVAL_S)
-    finally:
-        client.close()
-
-
 def _create_bucket(dep: _Deployment) -> None:
     bucket = dep.dead_letters.overflow_bucket
     if bucket is None:
@@ -330,19 +301,17 @@ def _store_secrets(dep: _Deployment) -> tuple[dict[str, str], str | None, list[s
 
 def _put_secret(client: Any, dep: _Deployment, name: str, value: str) -> str:
     """Create `name` holding `value`, or give it `value` if it differs; returns its ARN."""
-    from botocore.exceptions import ClientError
-
     tags = [
         {"Key": "triage:stack", "Value": dep.stack},
         {"Key": "triage:topic", "Value": dep.settings.kafka.topic},
     ]
-    try:
+    with aws_errors(f"creating secret {name}", DeployError, expect=ANY_CODE) as refused:
         created = client.create_secret(Name=name, SecretString=value, Tags=tags)
+    if not refused:
         logger.info("created secret %s", name)
         return str(created["ARN"])
-    except ClientError as exc:
-        if _code(exc) != "ResourceExistsException":
-            raise DeployError(f"creating secret {name} failed: {_code(exc)}") from None
+    if refused.code != "ResourceExistsException":  # the code only: nothing near the value
+        raise DeployError(f"creating secret {name} failed: {refused.code}") from None
     current = _aws_call(f"reading secret {name}", lambda: client.get_secret_value(SecretId=name))
     if current.get("SecretString") != value:
         _aws_call(
@@ -426,14 +395,13 @@ def _repository_arn(image: str) -> str:
 
 def _stack_status(cfn: Any, stack: str) -> str | None:
     """The stack's status, or None when there is none (never created, or deleted)."""
-    from botocore.exceptions import ClientError
-
-    try:
+    what = f"describing stack {stack}"
+    with aws_errors(what, DeployError, expect={"ValidationError"}) as refused:
         stacks = cfn.describe_stacks(StackName=stack)["Stacks"]
-    except ClientError as exc:
-        if "does not exist" in str(exc):
+    if refused:
+        if "does not exist" in refused.message:
             return None
-        raise DeployError(f"describing stack {stack} failed: {exc}") from exc
+        raise DeployError(f"{what} failed: {refused.describe()}") from refused.error
     status = str(stacks[0]["StackStatus"]) if stacks else None
     return None if status in _GONE else status
 
@@ -441,8 +409,6 @@ def _stack_status(cfn: Any, stack: str) -> str | None:
 def _apply_stack(
     dep: _Deployment, body: str, parameters: Mapping[str, str], console: Console
 ) -> dict[str, str]:
-    from botocore.exceptions import ClientError
-
     cfn = dep.client("cloudformation")
     params = [{"ParameterKey": k, "ParameterValue": v} for k, v in parameters.items()]
     tags = [
@@ -470,7 +436,8 @@ def _apply_stack(
         )
         _wait(cfn, dep.stack, "create", console)
     else:
-        try:
+        what = f"updating stack {dep.stack}"
+        with aws_errors(what, DeployError, expect={"ValidationError"}) as refused:
             cfn.update_stack(
                 StackName=dep.stack,
                 TemplateBody=body,
@@ -478,12 +445,12 @@ def _apply_stack(
                 Capabilities=CAPABILITIES,
                 Tags=tags,
             )
-        except ClientError as exc:
-            if _NO_UPDATES not in str(exc):
-                raise DeployError(f"updating stack {dep.stack} failed: {exc}") from exc
+        if not refused:
+            _wait(cfn, dep.stack, "update", console)
+        elif _NO_UPDATES in refused.message:
             console.print(f"{dep.stack} is up to date")
         else:
-            _wait(cfn, dep.stack, "update", console)
+            raise DeployError(f"{what} failed: {refused.describe()}") from refused.error
     found = _aws_call(
         f"reading the outputs of {dep.stack}", lambda: cfn.describe_stacks(StackName=dep.stack)
     )["Stacks"][0]
@@ -524,11 +491,9 @@ def _wait(cfn: Any, stack: str, action: str, console: Console) -> None:
 
 
 def _show_resources(cfn: Any, stack: str, action: str, progress: Progress, task: TaskID) -> None:
-    from botocore.exceptions import ClientError
-
-    try:
+    with aws_errors(f"describing stack {stack}", DeployError, expect=ANY_CODE) as gone:
         resources = cfn.describe_stack_resources(StackName=stack)["StackResources"]
-    except ClientError:
+    if gone:
         return  # deleted meanwhile
     suffix = "DELETE_COMPLETE" if action == "delete" else "_COMPLETE"
     done = sum(1 for r in resources if str(r.get("ResourceStatus", "")).endswith(suffix))
@@ -537,11 +502,9 @@ def _show_resources(cfn: Any, stack: str, action: str, progress: Progress, task:
 
 def _failure_reasons(cfn: Any, stack: str) -> str:
     """The first few resource failures from the stack's events, for the error message."""
-    from botocore.exceptions import ClientError
-
-    try:
+    with aws_errors(f"reading the events of {stack}", DeployError, expect=ANY_CODE) as gone:
         events = cfn.describe_stack_events(StackName=stack)["StackEvents"]
-    except ClientError:
+    if gone:
         return "no events"
     reasons = [
         f"{e.get('LogicalResourceId')}: {e.get('ResourceStatusReason')}"
@@ -580,17 +543,13 @@ def destroy_aws(config: Path, *, delete_data: bool, console: Console) -> None:
 
 
 def _delete_table(dep: _Deployment) -> None:
-    from botocore.exceptions import BotoCoreError, ClientError
-
     table = dep.dead_letters.table
     client = dynamodb_client(dep.dead_letters)
     try:
-        try:
+        with aws_errors(f"deleting table {table}", DeployError, expect={TABLE_MISSING}) as gone:
             client.delete_table(TableName=table)
-        except client.exceptions.ResourceNotFoundException:
+        if gone:
             return
-        except (BotoCoreError, ClientError) as exc:
-            raise DeployError(f"deleting table {table} failed: {exc}") from exc
         _aws_call(
             f"waiting for table {table} to go",
             lambda: client.get_waiter("table_not_exists").wait(
@@ -603,27 +562,28 @@ def _delete_table(dep: _Deployment) -> None:
 
 def _delete_bucket(dep: _Deployment) -> None:
     """Empty (every version, if versioning was ever on) and delete the overflow bucket."""
-    from botocore.exceptions import ClientError
-
     bucket = dep.dead_letters.overflow_bucket
     if bucket is None:
         return
     client = s3_client(dep.dead_letters)
     try:
-        pages = client.get_paginator("list_object_versions").paginate(Bucket=bucket)
-        for page in pages:
-            doomed = [
-                {"Key": v["Key"], "VersionId": v["VersionId"]}
-                for v in [*page.get("Versions", []), *page.get("DeleteMarkers", [])]
-            ]
-            if doomed:
-                client.delete_objects(Bucket=bucket, Delete={"Objects": doomed, "Quiet": True})  # type: ignore[typeddict-item]
-        client.delete_bucket(Bucket=bucket)
-    except ClientError as exc:
-        if _code(exc) != "NoSuchBucket":
-            raise DeployError(f"deleting bucket {bucket} failed: {exc}") from exc
+        with aws_errors(f"deleting bucket {bucket}", DeployError, expect={"NoSuchBucket"}):
+            _empty_and_delete(client, bucket)
     finally:
         client.close()
+
+
+def _empty_and_delete(client: S3Client, bucket: str) -> None:
+    """Delete every object version (if versioning was ever on) and then the bucket."""
+    pages = client.get_paginator("list_object_versions").paginate(Bucket=bucket)
+    for page in pages:
+        doomed = [
+            {"Key": v["Key"], "VersionId": v["VersionId"]}
+            for v in [*page.get("Versions", []), *page.get("DeleteMarkers", [])]
+        ]
+        if doomed:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": doomed, "Quiet": True})  # type: ignore[typeddict-item]
+    client.delete_bucket(Bucket=bucket)
 
 
 def _delete_secrets(dep: _Deployment) -> None:

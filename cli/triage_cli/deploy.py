@@ -159,9 +159,9 @@ def supervise(
 
 
 def deploy_local(config: Path, state_dir: Path | None, timeout: float | None) -> None:
-    from triage_proxy.deadletter import create_bucket, create_table
     from triage_proxy.errors import ConfigError
     from triage_proxy.settings import load_settings
+    from triage_proxy.table.provisioning import create_bucket, create_table
 
     config = config.resolve()
     settings = load_settings(config)

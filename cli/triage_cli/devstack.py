@@ -122,8 +122,8 @@ class DevStack:
             future.result(timeout=30)
 
     def _create_table(self) -> None:
-        from triage_proxy.deadletter import create_bucket, create_table
         from triage_proxy.settings import DeadLetterSettings
+        from triage_proxy.table.provisioning import create_bucket, create_table
 
         settings = DeadLetterSettings(
             table=self.table, endpoint_url=self.aws.endpoint_url, overflow_bucket=BUCKET

@@ -3,8 +3,9 @@
 Why a CLI next to the Spark job: most incidents are a handful of dead letters that a
 person wants to read, fix the cause of, and replay, using the same config file the
 proxy runs from (the one `triage dev` writes works as is). The selection, rendering
-and replay protocol live in `triage_proxy.dlqtable`, shared with the Spark job, so the
-two never disagree about which items a filter selects or whether an item was replayed.
+and replay protocol live in the `triage_proxy.table` package (`query.py`, `replay.py`),
+shared with the Spark job, so the two never disagree about which items a filter selects
+or whether an item was replayed; rendering for people is `render.py`.
 
     triage dlq list    --config F [filters] [--json] [--limit N]
     triage dlq show    --config F TOPIC PARTITION OFFSET [--json]
@@ -36,8 +37,8 @@ from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
 from triage_cli.signals import stop_on_signals as _stop_on_signals
 
 if TYPE_CHECKING:
-    from triage_proxy.dlqtable import DeadLetterTable, Filters
     from triage_proxy.settings import Settings
+    from triage_proxy.table.query import DeadLetterTable, Filters
 
 dlq_app = typer.Typer(
     name="dlq",
@@ -77,8 +78,8 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable outpu
 
 def _open(config: Path) -> tuple[Settings, DeadLetterTable]:
     """Settings from the config file and the table, checked to exist and answer."""
-    from triage_proxy.dlqtable import DeadLetterTable
     from triage_proxy.settings import load_settings
+    from triage_proxy.table.query import DeadLetterTable
 
     settings = load_settings(config)
     table = DeadLetterTable(settings.dead_letters)
@@ -102,7 +103,7 @@ def _filters(
 ) -> Filters:
     import time
 
-    from triage_proxy.dlqtable import Filters, parse_time
+    from triage_proxy.table.query import Filters, parse_time
 
     if offset is not None and (topic is None or partition is None):
         raise CommandFailed(ExitCode.BAD_INPUT, "--offset needs --topic and --partition")
@@ -130,7 +131,7 @@ def _filters(
 
 def _show_selection(items: list[dict[str, Any]], json_: bool, would_be: str) -> None:
     """What a --dry-run selected: one JSON line per item, or a table."""
-    from triage_proxy.dlqtable import item_summary
+    from triage_cli.render import item_summary
 
     if json_:
         for item in items:
@@ -144,7 +145,7 @@ def _print_table(items: list[dict[str, Any]], title: str) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from triage_proxy.dlqtable import item_summary, safe_text, short_text
+    from triage_cli.render import item_summary, safe_text, short_text
 
     table = Table(title=title, title_justify="left")
     for name, justify, wrap in (
@@ -185,7 +186,7 @@ def _print_table(items: list[dict[str, Any]], title: str) -> None:
 
 
 def _sorted(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from triage_proxy.dlqtable import item_key
+    from triage_proxy.table.items import item_key
 
     return sorted(items, key=item_key)
 
@@ -210,7 +211,8 @@ def list_(
     limit: Annotated[int | None, typer.Option(min=1, help="Show at most this many.")] = None,
 ) -> None:
     """List dead letters (a table, or one JSON object per line with --json)."""
-    from triage_proxy.dlqtable import LIST_ATTRIBUTES, item_summary
+    from triage_cli.render import item_summary
+    from triage_proxy.table.query import LIST_ATTRIBUTES
 
     with exit_on_errors():
         filters = _filters(
@@ -267,7 +269,7 @@ def show(
 def _show_json(item: dict[str, Any], dl: Any) -> dict[str, Any]:
     import base64
 
-    from triage_proxy.dlqtable import item_summary, render_bytes
+    from triage_cli.render import item_summary, render_bytes
 
     def blob(data: bytes | None) -> dict[str, Any]:
         shown = render_bytes(data)
@@ -282,7 +284,7 @@ def _show_json(item: dict[str, Any], dl: Any) -> dict[str, Any]:
 
 
 def _show_text(item: dict[str, Any], dl: Any) -> str:
-    from triage_proxy.dlqtable import item_summary, render_bytes, safe_text
+    from triage_cli.render import item_summary, render_bytes, safe_text
 
     info = item_summary(item)
     record = dl.record
@@ -333,7 +335,7 @@ def _select(
     """Pending items the arguments select (one `get` for --offset, a scan otherwise)."""
     import dataclasses
 
-    from triage_proxy.deadletter import STATUS_PENDING
+    from triage_proxy.table.items import STATUS_PENDING
 
     _require_filter(filters, everything, what)
     if filters.offset is not None:
@@ -391,8 +393,8 @@ def replay(
     With --spark the Spark job (triage_replay) does the same at scale; --dry-run still
     lists without Spark.
     """
-    from triage_proxy.dlqtable import new_replay_id
-    from triage_proxy.dlqtable import replay as replay_items
+    from triage_proxy.table.replay import new_replay_id
+    from triage_proxy.table.replay import replay as replay_items
 
     with exit_on_errors():
         filters = _filters(
@@ -494,7 +496,7 @@ def _producer(settings: Settings, to_topic: str | None, items: list[dict[str, An
     """A confluent-kafka producer, after checking the broker answers and the targets exist."""
     from confluent_kafka import KafkaException, Producer
 
-    from triage_proxy.dlqtable import item_key
+    from triage_proxy.table.items import item_key
 
     conf: dict[str, Any] = {
         **settings.kafka.librdkafka_config(),
@@ -545,7 +547,7 @@ def discard(
     json_: JsonOption = False,
 ) -> None:
     """Mark pending dead letters discarded (never replayed; expire with TTL if it is on)."""
-    from triage_proxy.dlqtable import item_key
+    from triage_proxy.table.items import item_key
 
     with exit_on_errors():
         filters = _filters(

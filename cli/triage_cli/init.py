@@ -451,8 +451,8 @@ def _check_connect(settings: Settings) -> None:
     """Reach the broker (topic and partition count) and the dead-letter table."""
     import dataclasses
 
-    from triage_proxy.dlqtable import DeadLetterTable
     from triage_proxy.errors import ConfigError
+    from triage_proxy.table.query import DeadLetterTable
 
     kafka = {f.name: getattr(settings.kafka, f.name) for f in dataclasses.fields(settings.kafka)}
     try:

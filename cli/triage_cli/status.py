@@ -161,7 +161,7 @@ class Sources:
     def __init__(self, settings: Settings, host: str | None) -> None:
         from confluent_kafka import Consumer
 
-        from triage_proxy.dlqtable import DeadLetterTable
+        from triage_proxy.table.query import DeadLetterTable
 
         self.settings = settings
         self._host = host
@@ -240,8 +240,8 @@ class Sources:
 
     def dead_letters(self, partitions: int) -> tuple[dict[int, int | None], str | None]:
         """Pending dead letters per partition (a Query each, status only)."""
-        from triage_proxy.dlqtable import Filters
         from triage_proxy.errors import TriageError
+        from triage_proxy.table.query import Filters
 
         topic = self.settings.kafka.topic
         counts: dict[int, int | None] = {}

@@ -34,20 +34,22 @@ from types import TracebackType
 from typing import Any
 
 from triage_proxy.checkpoint import CheckpointError, decode_settled
-from triage_proxy.checkpoint_store import CheckpointStore, DynamoDBCheckpoints
 from triage_proxy.committer import Committer
-from triage_proxy.deadletter import DeadLetterStore, DeadLetterWriter, DynamoDBStore
+from triage_proxy.deadletter import DeadLetterWriter
 from triage_proxy.dispatcher import Dispatcher
-from triage_proxy.errors import DeadLetterUnavailable, StateError, TriageError
+from triage_proxy.errors import StateError, TableUnavailable, TriageError
 from triage_proxy.fetcher import Fetcher
 from triage_proxy.kafka import ConfluentPartition, KafkaThread, PartitionLog
 from triage_proxy.notifier import notifier_from_settings
 from triage_proxy.observer import Observer
-from triage_proxy.ownership import DynamoDBLeases, LeaseStore, Ownership
+from triage_proxy.ownership import Ownership
 from triage_proxy.service import TriageService, create_server, server_credentials
 from triage_proxy.settings import AuthSettings, Settings
 from triage_proxy.snapshot import Instance, ProxySnapshot
 from triage_proxy.structs import DeadLetter
+from triage_proxy.table.checkpoints import CheckpointStore, DynamoDBCheckpoints
+from triage_proxy.table.deadletters import DeadLetterStore, DynamoDBStore
+from triage_proxy.table.leases import DynamoDBLeases, LeaseStore
 from triage_proxy.tracker import CommitTracker
 from triage_proxy.waiting import wait_any
 from triage_proxy.watermark import LogEndWatcher
@@ -416,7 +418,7 @@ class Proxy:
             # The item may trail Kafka by a commit (it is written just after it). Offsets
             # settled then are still settled now; the ones below Kafka's commit drop out.
             return [o for o in decode_settled(found[0], found[1]) if o >= committed]
-        except (CheckpointError, DeadLetterUnavailable) as exc:
+        except (CheckpointError, TableUnavailable) as exc:
             logger.warning("ignoring the settled-above checkpoint: %s", exc)
             return []
 

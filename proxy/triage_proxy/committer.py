@@ -2,7 +2,7 @@
 
 It commits when the committable offset advanced or, with `commit.encode_settled`,
 when the set of offsets settled above it changed: that set rides along encoded in
-the commit's metadata (and in a checkpoint item, see checkpoint_store.py) so a
+the commit's metadata (and in a checkpoint item, see table/checkpoints.py) so a
 restarted proxy does not redeliver it. When the encoding does not fit the broker's
 metadata limit it commits the plain offset (at-least-once) and counts the overflow.
 A failed commit is retried on the next tick (the offset stays uncommitted, so
@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable
 
 from triage_proxy.checkpoint import encode_settled
-from triage_proxy.checkpoint_store import CheckpointStore
-from triage_proxy.errors import BrokerUnavailable, DeadLetterUnavailable
+from triage_proxy.errors import BrokerUnavailable, TableUnavailable
 from triage_proxy.kafka import KafkaThread, PartitionLog
+from triage_proxy.table.checkpoints import CheckpointStore
 from triage_proxy.tracker import CommitTracker
 from triage_proxy.waiting import wait_any
 
@@ -123,7 +123,7 @@ class Committer:
         assert self._checkpoints is not None
         try:
             await asyncio.to_thread(self._checkpoints.put, offset, text)
-        except DeadLetterUnavailable as exc:
+        except TableUnavailable as exc:
             if not self._checkpoint_degraded:
                 logger.warning("commit checkpoint not written (%s); retrying next commit", exc)
                 self._checkpoint_degraded = True

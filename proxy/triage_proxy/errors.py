@@ -10,6 +10,7 @@
     |   +-- ShuttingDown             this proxy is stopping: connect again (to its successor)
     |   +-- BrokerUnavailable        Kafka did not answer (fetch or commit)
     |   +-- DeadLetterUnavailable    the dead-letter table did not take a write
+    |   +-- TableUnavailable         the table did not answer a lease or checkpoint call
     |   +-- OwnershipLost            the partition lease lapsed or was taken: stop delivering,
     |                                exit, restart as a standby (ownership.py)
     +-- NotFoundError                the table or item asked for does not exist (dlqtable.py
@@ -80,6 +81,10 @@ class BrokerUnavailable(UnavailableError):
 
 class DeadLetterUnavailable(UnavailableError):
     """The dead-letter store did not durably take a write."""
+
+
+class TableUnavailable(UnavailableError):
+    """The table did not answer a lease or checkpoint call (table/leases.py, checkpoints.py)."""
 
 
 class OwnershipLost(UnavailableError):

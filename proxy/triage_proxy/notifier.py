@@ -43,11 +43,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from triage_proxy.deadletter import aws_client, format_iso_ms
 from triage_proxy.errors import ConfigError, UnavailableError
 from triage_proxy.lifecycle import Lifecycle, State
 from triage_proxy.settings import DeadLetterSettings
 from triage_proxy.structs import DeadLetter
+from triage_proxy.table.aws import aws_client, aws_errors
+from triage_proxy.table.items import format_iso_ms
 from triage_proxy.waiting import wait_any
 
 logger = logging.getLogger(__name__)
@@ -326,23 +327,18 @@ class SnsSink:
         *,
         timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
     ) -> None:
-        from botocore.exceptions import BotoCoreError, ClientError
-
         self.topic_arn = topic_arn
-        self._errors = (BotoCoreError, ClientError)
         self._client = aws_client(
             "sns", settings, connect_timeout_s=timeout_s / 2, read_timeout_s=timeout_s / 2
         )
 
     def send(self, summary: Summary) -> None:
-        try:
+        with aws_errors(f"SNS publish to {self.topic_arn}", NotifyUnavailable):
             self._client.publish(
                 TopicArn=self.topic_arn,
                 Subject=summary.subject(),
                 Message=json.dumps(summary.to_json()),
             )
-        except self._errors as exc:
-            raise NotifyUnavailable(f"SNS publish to {self.topic_arn} failed: {exc}") from exc
 
     def close(self) -> None:
         self._client.close()

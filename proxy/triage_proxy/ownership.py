@@ -6,16 +6,8 @@ mistake) would both deliver every message. With `ownership.enabled`, a proxy del
 only while it holds the partition's lease; the other one waits as a standby and takes
 over when the lease lapses (the holder died) or is released (the holder stopped).
 
-Item, in the dead-letter table like the commit checkpoint (checkpoint_store.py):
-`source` = "<topic>#<partition>#lease" (topic names cannot hold '#', so it never
-collides with a dead letter's "<topic>#<partition>"), `offset` = -2 (tools listing dead
-letters skip negative offsets), `owner` (S: host, pid and a random part, unique per
-process), `lease_until_ms` (N: epoch ms; not `expires_at`, the table's TTL attribute),
-`acquired_at` and `renewed_at` (S, ISO-8601).
-
-    acquire: PutItem     if attribute_not_exists(source) OR lease_until_ms < now OR owner = me
-    renew:   UpdateItem  if owner = me          (so it fails once anyone else acquired)
-    release: DeleteItem  if owner = me          (graceful stop: the standby takes over at once)
+The lease item and its three conditional writes (acquire, renew, release) are the
+table package's (`table/leases.py`); this module decides when to make them.
 
 Fencing. The standby compares `lease_until_ms` (the holder's wall clock when it SENT the
 write, plus lease_s) with its own wall clock. The holder, in turn, counts its lease as
@@ -36,37 +28,28 @@ import math
 import os
 import secrets
 import socket
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
-from triage_proxy.deadletter import dynamodb_client
-from triage_proxy.errors import DeadLetterUnavailable, OwnershipLost, StateError
+from triage_proxy.errors import OwnershipLost, StateError, TableUnavailable
 from triage_proxy.policies import backoff
-from triage_proxy.settings import DeadLetterSettings, OwnershipSettings
+from triage_proxy.settings import OwnershipSettings
+from triage_proxy.table.items import format_iso_ms
+from triage_proxy.table.leases import Lease, LeaseStore
 from triage_proxy.waiting import wait_any
 
 logger = logging.getLogger(__name__)
 
-LEASE_OFFSET = -2
 MARGIN_FRACTION = 0.2
 """The holder gives its lease up this share of lease_s before the standby may take it."""
 STANDBY_POLL_S = 1.0
 """Longest wait between a standby's attempts (a released lease is noticed this fast)."""
 RETRY_INITIAL_S = 0.1
 """First wait after a failed DynamoDB call; doubles up to renew_every_s / 2."""
-CALL_TIMEOUT_S = 1.0
-"""boto3 connect and read timeouts of the lease calls (one attempt each)."""
 RELEASE_TIMEOUT_S = 2.0
 
 T = TypeVar("T")
-
-
-def lease_source(topic: str, partition: int) -> str:
-    return f"{topic}#{partition}#lease"
 
 
 def new_owner_id() -> str:
@@ -76,189 +59,6 @@ def new_owner_id() -> str:
 
 def wall_ms() -> int:
     return time.time_ns() // 1_000_000
-
-
-@dataclass(frozen=True)
-class Lease:
-    """The lease item as one call saw it."""
-
-    owner: str
-    """Who holds (or last held) the partition."""
-    until_ms: int
-    """Epoch ms after which anyone may take it over."""
-
-
-class LeaseStore(Protocol):
-    """Sync; called from a worker thread. Raises DeadLetterUnavailable when unreachable."""
-
-    def acquire(self, owner: str, now_ms: int, until_ms: int) -> Lease:
-        """Take the lease if free, lapsed or ours; return the lease as it now stands."""
-        ...
-
-    def renew(self, owner: str, now_ms: int, until_ms: int) -> bool:
-        """Extend the lease if `owner` still holds it; False if someone else does."""
-        ...
-
-    def release(self, owner: str) -> bool:
-        """Delete the lease if `owner` holds it; False if not."""
-        ...
-
-    def get(self) -> Lease | None: ...
-
-    def close(self) -> None: ...
-
-
-class DynamoDBLeases:
-    """The lease item of one (topic, partition) in the dead-letter table."""
-
-    def __init__(self, settings: DeadLetterSettings, topic: str, partition: int) -> None:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        self._errors = (BotoCoreError, ClientError)
-        self._client_error = ClientError
-        self._table = settings.table
-        self._key = {
-            "source": {"S": lease_source(topic, partition)},
-            "offset": {"N": str(LEASE_OFFSET)},
-        }
-        # One attempt, short timeouts: the caller retries on its own schedule, and a
-        # renewal that answers late is worth nothing (the lease counts from the send).
-        self._client = dynamodb_client(
-            settings,
-            connect_timeout_s=CALL_TIMEOUT_S,
-            read_timeout_s=CALL_TIMEOUT_S,
-            max_attempts=1,
-        )
-
-    def _conditional(self, what: str, call: Callable[[], Any]) -> bool:
-        try:
-            call()
-        except self._client_error as exc:
-            if exc.response.get("Error", {}).get("Code") == "ConditionalCheckFailedException":
-                return False
-            raise DeadLetterUnavailable(f"{what} of the partition lease failed") from exc
-        except self._errors as exc:
-            raise DeadLetterUnavailable(f"{what} of the partition lease failed") from exc
-        return True
-
-    def acquire(self, owner: str, now_ms: int, until_ms: int) -> Lease:
-        stamp = _iso(now_ms)
-        item = {
-            **self._key,
-            "owner": {"S": owner},
-            "lease_until_ms": {"N": str(until_ms)},
-            "acquired_at": {"S": stamp},
-            "renewed_at": {"S": stamp},
-        }
-        took = self._conditional(
-            "acquiring",
-            lambda: self._client.put_item(
-                TableName=self._table,
-                Item=item,
-                ConditionExpression="attribute_not_exists(#src) OR #until < :now OR #owner = :me",
-                ExpressionAttributeNames={
-                    "#src": "source",
-                    "#until": "lease_until_ms",
-                    "#owner": "owner",
-                },
-                ExpressionAttributeValues={":now": {"N": str(now_ms)}, ":me": {"S": owner}},
-            ),
-        )
-        if took:
-            return Lease(owner, until_ms)
-        # Held by someone else; it may be released between the two calls: then say so
-        # with a lease that has already lapsed, and the caller tries again at once.
-        return self.get() or Lease("", 0)
-
-    def renew(self, owner: str, now_ms: int, until_ms: int) -> bool:
-        return self._conditional(
-            "renewing",
-            lambda: self._client.update_item(
-                TableName=self._table,
-                Key=self._key,
-                UpdateExpression="SET #until = :until, renewed_at = :at",
-                ConditionExpression="#owner = :me",
-                ExpressionAttributeNames={"#until": "lease_until_ms", "#owner": "owner"},
-                ExpressionAttributeValues={
-                    ":until": {"N": str(until_ms)},
-                    ":at": {"S": _iso(now_ms)},
-                    ":me": {"S": owner},
-                },
-            ),
-        )
-
-    def release(self, owner: str) -> bool:
-        return self._conditional(
-            "releasing",
-            lambda: self._client.delete_item(
-                TableName=self._table,
-                Key=self._key,
-                ConditionExpression="#owner = :me",
-                ExpressionAttributeNames={"#owner": "owner"},
-                ExpressionAttributeValues={":me": {"S": owner}},
-            ),
-        )
-
-    def get(self) -> Lease | None:
-        try:
-            found = self._client.get_item(TableName=self._table, Key=self._key, ConsistentRead=True)
-        except self._errors as exc:
-            raise DeadLetterUnavailable("reading the partition lease failed") from exc
-        item = found.get("Item")
-        if item is None:
-            return None
-        return Lease(item["owner"]["S"], int(item["lease_until_ms"]["N"]))
-
-    def close(self) -> None:
-        self._client.close()
-
-
-class MemoryLeases:
-    """In-memory twin for unit tests; `down` makes every call fail like an outage."""
-
-    def __init__(self) -> None:
-        self.lease: Lease | None = None
-        self.down = False
-        self.calls = 0
-        self._lock = threading.Lock()
-
-    def _check(self) -> None:
-        self.calls += 1
-        if self.down:
-            raise DeadLetterUnavailable("lease store is down")
-
-    def acquire(self, owner: str, now_ms: int, until_ms: int) -> Lease:
-        with self._lock:
-            self._check()
-            held = self.lease
-            if held is None or held.until_ms < now_ms or held.owner == owner:
-                self.lease = Lease(owner, until_ms)
-            assert self.lease is not None
-            return self.lease
-
-    def renew(self, owner: str, now_ms: int, until_ms: int) -> bool:
-        with self._lock:
-            self._check()
-            if self.lease is None or self.lease.owner != owner:
-                return False
-            self.lease = Lease(owner, until_ms)
-            return True
-
-    def release(self, owner: str) -> bool:
-        with self._lock:
-            self._check()
-            if self.lease is None or self.lease.owner != owner:
-                return False
-            self.lease = None
-            return True
-
-    def get(self) -> Lease | None:
-        with self._lock:
-            self._check()
-            return self.lease
-
-    def close(self) -> None:
-        pass
 
 
 class OwnershipState(enum.Enum):
@@ -340,7 +140,7 @@ class Ownership:
             sent, now_ms, until_ms = self._times()
             try:
                 lease = await asyncio.to_thread(self.store.acquire, self.owner, now_ms, until_ms)
-            except DeadLetterUnavailable as exc:
+            except TableUnavailable as exc:
                 if not failures:
                     logger.warning("standby: the lease table did not answer (%s); retrying", exc)
                 failures += 1
@@ -357,7 +157,7 @@ class Ownership:
                 logger.info(
                     "standby: lease held by %s until %s; waiting",
                     lease.owner,
-                    _iso(lease.until_ms),
+                    format_iso_ms(lease.until_ms),
                 )
             self.holder = lease
             # Try again just after it lapses, and at least every STANDBY_POLL_S in case
@@ -382,7 +182,7 @@ class Ownership:
         sent, now_ms, until_ms = self._times()
         try:
             ok = await asyncio.to_thread(self.store.renew, self.owner, now_ms, until_ms)
-        except DeadLetterUnavailable as exc:
+        except TableUnavailable as exc:
             if self.valid_for > 0:
                 return  # still ours for a while; keep() retries
             raise OwnershipLost("the lease lapsed while the lease table did not answer") from exc
@@ -412,7 +212,7 @@ class Ownership:
                 ok = await self._bounded(
                     self._valid_until - sent, self.store.renew, self.owner, now_ms, until_ms
                 )
-            except DeadLetterUnavailable as exc:
+            except TableUnavailable as exc:
                 failures += 1
                 if failures == 1:
                     logger.warning(
@@ -445,7 +245,7 @@ class Ownership:
         self._valid_until = -math.inf
         try:
             done = await self._bounded(RELEASE_TIMEOUT_S, self.store.release, self.owner)
-        except DeadLetterUnavailable as exc:
+        except TableUnavailable as exc:
             logger.warning("lease not released (%s); it lapses in %.1fs", exc, self._lease_s)
             return
         logger.debug("lease %s", "released" if done else "was no longer ours to release")
@@ -454,7 +254,3 @@ class Ownership:
         return OwnershipLost(
             f"lost the partition lease (owner {self.owner}); restart to wait as a standby"
         )
-
-
-def _iso(ms: int) -> str:
-    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds")

@@ -599,13 +599,12 @@ def resolve_secret(key: str, reference: str, env: Mapping[str, str] | None = Non
         return value
     if kind == "secret":
         import boto3
-        from botocore.exceptions import BotoCoreError, ClientError
 
-        try:
+        from triage_proxy.table.aws import aws_errors
+
+        with aws_errors(f"reading secret {name!r}", lambda why: ConfigError(key, why)):
             client = boto3.client("secretsmanager")
             found = client.get_secret_value(SecretId=name)
-        except (BotoCoreError, ClientError) as exc:
-            raise ConfigError(key, f"cannot read secret {name!r}: {exc}") from None
         return str(found["SecretString"])
     return reference
 

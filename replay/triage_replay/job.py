@@ -16,7 +16,7 @@ Spark task or a failed one). The two ways to order it:
   broker's ack and its mark leaves items `pending` that are already in Kafka, and the
   rerun (or Spark's retry of the task) silently produces them again.
 - claim, produce, mark (two conditional writes per item; chosen, and the protocol of
-  `triage_proxy.dlqtable`, which both tools use). Each selected item is first claimed
+  `triage_proxy.table.replay`, which both tools use). Each selected item is first claimed
   (pending and unclaimed -> `replay_claim = <run id>`, `replay_claim_until = now +
   lease`). Only claimed items are produced. After the delivery reports, a delivered item
   becomes `replayed` (condition: the claim is still ours) with `replay_id`,
@@ -31,7 +31,7 @@ task) claimed, and the table cannot say whether those messages reached Kafka. Th
 never replays them on its own (for them it is at-most-once, never a duplicate): every
 run reports them as `in_doubt` until an operator checks the target topic for their
 `triage-replay-of` headers and reruns with `retry_in_doubt` (which takes over claims
-whose lease expired) for what is missing. (`dlqtable.claim` itself takes over a stale
+whose lease expired) for what is missing. (`DeadLetterTable.claim` itself takes over a stale
 claim, so `triage dlq replay` would replay such an item again once the lease is over;
 the job checks the claim it scanned before it claims.) Exceptions are no window at
 all: the task marks what was delivered and releases what was not before it gives up,
@@ -68,17 +68,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from triage_proxy.deadletter import STATUSES
-from triage_proxy.dlqtable import (
-    DeadLetterTable,
-    Filters,
-    TableNotFound,
-    new_replay_id,
-    parse_time,
-)
 from triage_proxy.errors import ConfigError, UnavailableError
 from triage_proxy.exitcodes import ExitCode
 from triage_proxy.settings import DEFAULT_REGION, DeadLetterSettings, load_settings
+from triage_proxy.table.items import STATUSES
+from triage_proxy.table.query import DeadLetterTable, Filters, TableNotFound, parse_time
+from triage_proxy.table.replay import new_replay_id
 from triage_replay.options import DEFAULT_CHUNK, MAX_SEGMENTS, Fault, ReplayOptions
 from triage_replay.segment import (
     EXPORT_COLUMNS,

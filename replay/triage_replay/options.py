@@ -14,9 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from triage_proxy.dlqtable import DEFAULT_CLAIM_LEASE_S, Filters
 from triage_proxy.errors import ConfigError
 from triage_proxy.settings import DeadLetterSettings, Settings
+from triage_proxy.table.query import Filters
+from triage_proxy.table.replay import DEFAULT_CLAIM_LEASE_S
 
 DEFAULT_CHUNK = 500
 """Selected items claimed, produced and marked together (bounds what a crash leaves in doubt)."""

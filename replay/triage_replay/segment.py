@@ -6,7 +6,7 @@ proxy's own `DeadLetterSettings`; no clients, no Spark types) and builds its bot
 client (one per Python worker, reused across tasks) and Kafka producer there, with
 the proxy's client builders, so the same code runs in local mode and on any cluster
 where the `triage` package is installed. Selection,
-claims, marks, S3 payloads and provenance headers are `triage_proxy.dlqtable`'s, shared
+claims, marks, S3 payloads and provenance headers are `triage_proxy.table`'s, shared
 with `triage dlq`, so the two tools never disagree about what a filter selects or
 whether an item was replayed. `job.py` is the driver side and explains the replay
 protocol (claim -> produce -> mark) and its one failure window; this module runs it:
@@ -40,15 +40,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
-from triage_proxy.deadletter import (
-    CLAIM_ATTR,
-    CLAIM_UNTIL_ATTR,
-    STATUS_PENDING,
-    dynamodb_client,
-)
-from triage_proxy.dlqtable import TABLE_ATTEMPTS, DeadLetterTable, item_key, replay_headers
 from triage_proxy.settings import DeadLetterSettings
 from triage_proxy.structs import DeadLetter
+from triage_proxy.table.aws import dynamodb_client
+from triage_proxy.table.items import CLAIM_ATTR, CLAIM_UNTIL_ATTR, STATUS_PENDING, item_key
+from triage_proxy.table.query import TABLE_ATTEMPTS, DeadLetterTable
+from triage_proxy.table.replay import replay_headers
 from triage_replay.options import ReplayOptions
 
 if TYPE_CHECKING:
@@ -102,7 +99,7 @@ def _shared_client(settings: DeadLetterSettings) -> DynamoDBClient:
 
 
 class TaskTable:
-    """The dead-letter table as one task uses it: dlqtable's DeadLetterTable (the shared
+    """The dead-letter table as one task uses it: table.query's DeadLetterTable (the shared
     selection, claim, mark and S3 payload logic) on the worker's DynamoDB client,
     counting what this task's scans read. Close it when done."""
 
@@ -321,7 +318,7 @@ class SegmentReplayer:
             return True
         # Claimed by another run (or an earlier attempt of this one): it is producing the
         # item right now, or it stopped midway and the item may be in Kafka already.
-        # dlqtable's claim would take a stale claim over; this job only does when asked.
+        # DeadLetterTable.claim would take a stale claim over; this job only does when asked.
         until = int(item.get(CLAIM_UNTIL_ATTR, {}).get("N", "0"))
         stale = claimant != self._job.replay_id and until < self._now_ms()
         if stale and self._job.options.retry_in_doubt:

@@ -74,7 +74,7 @@ def read_invocations(history: list[Incarnation]) -> tuple[list[Invocation], int]
 def scan_dead_letters(stack: DevStack) -> list[Any]:
     import boto3
 
-    from triage_proxy.deadletter import dead_letter_from_item
+    from triage_proxy.table.items import dead_letter_from_item
 
     client = boto3.client(
         "dynamodb",

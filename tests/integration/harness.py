@@ -21,9 +21,10 @@ from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_client._proto import triage_pb2 as pb
 from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_proxy.app import Proxy
-from triage_proxy.deadletter import create_table, dead_letter_from_item
 from triage_proxy.settings import Settings, settings_from_dict
 from triage_proxy.structs import DeadLetter
+from triage_proxy.table.items import dead_letter_from_item
+from triage_proxy.table.provisioning import create_table
 
 TOKEN = "test-token-0123456789"
 LEASE_S = 5.0

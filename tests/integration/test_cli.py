@@ -24,8 +24,8 @@ from tests.integration.harness import (
 )
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
-from triage_proxy.deadletter import create_table
 from triage_proxy.settings import DeadLetterSettings
+from triage_proxy.table.provisioning import create_table
 
 pytestmark = pytest.mark.integration
 

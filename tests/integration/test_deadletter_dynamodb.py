@@ -18,15 +18,13 @@ import boto3
 import pytest
 
 from triage_cli.embedded import EmbeddedAWS, free_port
-from triage_proxy.deadletter import (
-    DeadLetterWriter,
-    DynamoDBStore,
-    create_table,
-    dead_letter_from_item,
-)
+from triage_proxy.deadletter import DeadLetterWriter
 from triage_proxy.errors import ConfigError, DeadLetterUnavailable
 from triage_proxy.settings import DeadLetterSettings
 from triage_proxy.structs import DeadLetter, Headers, Record
+from triage_proxy.table.deadletters import DynamoDBStore
+from triage_proxy.table.items import dead_letter_from_item
+from triage_proxy.table.provisioning import create_table
 
 pytestmark = pytest.mark.integration
 

@@ -19,30 +19,24 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from tests.integration.harness import create_topic
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
-from triage_proxy.checkpoint_store import DynamoDBCheckpoints
-from triage_proxy.deadletter import (
-    MAX_ITEM_BYTES,
-    DeadLetterWriter,
-    DynamoDBStore,
-    create_bucket,
-    create_table,
-    item_size,
-    load_dead_letter,
-    s3_client,
-)
-from triage_proxy.dlqtable import (
+from triage_proxy.deadletter import DeadLetterWriter
+from triage_proxy.notifier import notifier_from_settings
+from triage_proxy.settings import DeadLetterSettings
+from triage_proxy.structs import DeadLetter, Headers, Record
+from triage_proxy.table.aws import s3_client
+from triage_proxy.table.checkpoints import DynamoDBCheckpoints
+from triage_proxy.table.deadletters import DynamoDBStore
+from triage_proxy.table.items import MAX_ITEM_BYTES, item_size
+from triage_proxy.table.provisioning import create_bucket, create_table
+from triage_proxy.table.query import DeadLetterTable, Filters, load_dead_letter
+from triage_proxy.table.replay import (
     REPLAY_ID_HEADER,
     REPLAY_OF_HEADER,
     REPLAY_REASON_HEADER,
-    DeadLetterTable,
-    Filters,
     ReplayResult,
     new_replay_id,
     replay,
 )
-from triage_proxy.notifier import notifier_from_settings
-from triage_proxy.settings import DeadLetterSettings
-from triage_proxy.structs import DeadLetter, Headers, Record
 
 pytestmark = pytest.mark.integration
 

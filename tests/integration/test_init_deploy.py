@@ -190,7 +190,7 @@ def test_config_check_connect(
     out = run_triage("config", "check", "--config", str(config), "--connect")
     assert out.returncode == 4  # the table does not exist yet
     assert "does not exist" in out.stderr or "not found" in out.stderr.lower()
-    from triage_proxy.deadletter import create_table
+    from triage_proxy.table.provisioning import create_table
 
     create_table(load_settings(config).dead_letters)
     out = run_triage("config", "check", "--config", str(config), "--connect")

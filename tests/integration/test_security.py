@@ -31,8 +31,8 @@ from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for
 from triage_cli.main import quiet_noisy_loggers
 from triage_client import Consumer, Message
 from triage_proxy.app import Proxy
-from triage_proxy.deadletter import create_table
 from triage_proxy.settings import DeadLetterSettings
+from triage_proxy.table.provisioning import create_table
 
 pytestmark = pytest.mark.integration
 

@@ -31,16 +31,13 @@ from tests.integration.harness import TOKEN, create_topic
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_cli.exitcodes import ExitCode
-from triage_proxy.deadletter import (
-    DynamoDBStore,
-    create_bucket,
-    create_table,
-    item_from_dead_letter,
-)
-from triage_proxy.dlqtable import TableNotFound
 from triage_proxy.errors import ConfigError
 from triage_proxy.settings import DeadLetterSettings, load_settings
 from triage_proxy.structs import DeadLetter, Headers, Record
+from triage_proxy.table.deadletters import DynamoDBStore
+from triage_proxy.table.items import item_from_dead_letter
+from triage_proxy.table.provisioning import create_bucket, create_table
+from triage_proxy.table.query import TableNotFound
 from triage_replay import Fault, Filters, ReplayFailed, ReplayOptions, Summary, run_replay
 from triage_replay.job import build_parser, local_session, options_from_args, stop_session
 
@@ -351,7 +348,7 @@ def test_filters_select_exactly_what_they_say(
     write_checkpoint(dynamodb, table.table, "orders")
 
     # Five runs cover every filter field and both read paths (Scan, and the Query of
-    # one source partition); dlqtable's `matches` is tested case by case in tests/unit.
+    # one source partition); table.query's `matches` is tested case by case in tests/unit.
     cases: list[tuple[Filters, list[DeadLetter]]] = [
         (Filters(), dls),  # everything but the checkpoint item
         (

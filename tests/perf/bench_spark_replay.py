@@ -73,10 +73,12 @@ from pyspark import SparkContext
 
 from tests.integration.harness import create_topic
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
-from triage_proxy.deadletter import create_table, dynamodb_client, item_from_dead_letter
-from triage_proxy.dlqtable import DeadLetterTable, Filters, item_key
 from triage_proxy.settings import DeadLetterSettings
 from triage_proxy.structs import DeadLetter, Record
+from triage_proxy.table.aws import dynamodb_client
+from triage_proxy.table.items import item_from_dead_letter, item_key
+from triage_proxy.table.provisioning import create_table
+from triage_proxy.table.query import DeadLetterTable, Filters
 from triage_replay import ReplayOptions, Summary, run_replay
 from triage_replay.job import local_session, stop_session
 from triage_replay.segment import SCAN_PAGE
@@ -151,7 +153,7 @@ def seed(settings: DeadLetterSettings, n: int) -> float:
 
 @contextmanager
 def slow_endpoint_table(settings: DeadLetterSettings) -> Iterator[DeadLetterTable]:
-    """dlqtable's table on a client that waits as long as moto takes for a big page."""
+    """table.query's DeadLetterTable on a client that waits as long as moto takes for a page."""
     client = dynamodb_client(settings, read_timeout_s=120, max_attempts=5)
     try:
         with DeadLetterTable(settings, dynamodb=client) as table:
@@ -163,7 +165,7 @@ def slow_endpoint_table(settings: DeadLetterSettings) -> Iterator[DeadLetterTabl
 def moto_ceiling(settings: DeadLetterSettings) -> tuple[int, float]:
     """(items, seconds) of what a replay asks of the table, with nothing else running:
     read every item (SEGMENTS parallel-scan segments), then claim + mark each with
-    dlqtable's own calls from CEILING_THREADS threads. No Spark, no Kafka."""
+    table.query's own calls from CEILING_THREADS threads. No Spark, no Kafka."""
     with slow_endpoint_table(settings) as table:
         began = time.perf_counter()
 

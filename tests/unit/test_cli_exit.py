@@ -20,7 +20,6 @@ from triage_cli.deploy import last_error
 from triage_cli.exitcodes import CommandFailed, exit_on_errors
 from triage_cli.signals import on_stop_signals, stop_on_signals
 from triage_cli.supervisor import listening_ports
-from triage_proxy.dlqtable import TableNotFound
 from triage_proxy.errors import (
     BrokerUnavailable,
     ConfigError,
@@ -29,6 +28,7 @@ from triage_proxy.errors import (
     TriageError,
 )
 from triage_proxy.exitcodes import ExitCode, exit_code_for
+from triage_proxy.table.query import TableNotFound
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,21 +12,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from triage_proxy.deadletter import (
+from triage_proxy.deadletter import DeadLetterWriter, WriterState, backoff_delay
+from triage_proxy.errors import ConfigError, DeadLetterTooLarge, DeadLetterUnavailable, StateError
+from triage_proxy.settings import DeadLetterSettings
+from triage_proxy.structs import DeadLetter, Headers, Record
+from triage_proxy.table.deadletters import MemoryStore
+from triage_proxy.table.items import (
     MAX_ITEM_BYTES,
-    DeadLetterTooLarge,
-    DeadLetterWriter,
-    MemoryStore,
-    WriterState,
-    backoff_delay,
     dead_letter_from_item,
     format_iso_ms,
     item_from_dead_letter,
     item_size,
 )
-from triage_proxy.errors import ConfigError, DeadLetterUnavailable, StateError
-from triage_proxy.settings import DeadLetterSettings
-from triage_proxy.structs import DeadLetter, Headers, Record
 
 LOGGER = "triage_proxy.deadletter"
 

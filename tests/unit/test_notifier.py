@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from triage_proxy.deadletter import DeadLetterWriter, MemoryStore
+from triage_proxy.deadletter import DeadLetterWriter
 from triage_proxy.errors import ConfigError, StateError
 from triage_proxy.notifier import (
     MAX_TRACKED_REASONS,
@@ -27,6 +27,7 @@ from triage_proxy.notifier import (
 )
 from triage_proxy.settings import DeadLetterSettings
 from triage_proxy.structs import DeadLetter, Record
+from triage_proxy.table.deadletters import MemoryStore
 
 T0 = 1_714_564_800_000
 

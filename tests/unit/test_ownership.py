@@ -8,8 +8,9 @@ import time
 import pytest
 
 from triage_proxy.errors import OwnershipLost, StateError
-from triage_proxy.ownership import Lease, MemoryLeases, Ownership, OwnershipState, wall_ms
+from triage_proxy.ownership import Ownership, OwnershipState, wall_ms
 from triage_proxy.settings import OwnershipSettings
+from triage_proxy.table.leases import Lease, MemoryLeases
 
 LEASE = OwnershipSettings(lease_s=0.5, renew_interval_s=0.1)
 

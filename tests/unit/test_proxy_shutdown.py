@@ -19,12 +19,12 @@ import pytest
 from triage_client._proto import triage_pb2 as pb
 from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_proxy.app import Proxy, ProxyState
-from triage_proxy.checkpoint_store import MemoryCheckpoints
-from triage_proxy.deadletter import MemoryStore
 from triage_proxy.kafka import MemoryPartition
-from triage_proxy.ownership import MemoryLeases
 from triage_proxy.settings import Settings, settings_from_dict
 from triage_proxy.structs import DeadLetter, Record
+from triage_proxy.table.checkpoints import MemoryCheckpoints
+from triage_proxy.table.deadletters import MemoryStore
+from triage_proxy.table.leases import MemoryLeases
 
 TOKEN = "shutdown-order-token-0123"
 

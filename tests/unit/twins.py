@@ -11,10 +11,10 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from triage_proxy.checkpoint_store import MemoryCheckpoints
 from triage_proxy.errors import BrokerUnavailable
 from triage_proxy.kafka import KafkaThread, MemoryPartition
 from triage_proxy.structs import Record
+from triage_proxy.table.checkpoints import MemoryCheckpoints
 
 T = TypeVar("T")
 

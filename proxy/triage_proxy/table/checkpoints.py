@@ -1,18 +1,18 @@
-"""Where the settled-above-committed checkpoint survives a restart besides Kafka.
+"""The commit checkpoint item: where the settled-above-committed set survives a restart
+besides Kafka.
 
-The encoding (checkpoint.py) rides in the commit's metadata, which Apache Kafka,
-MSK, Confluent Cloud and Redpanda keep. Some brokers drop it: Tansu 0.6 (the
+The encoding (`triage_proxy.checkpoint`) rides in the commit's metadata, which Apache
+Kafka, MSK, Confluent Cloud and Redpanda keep. Some brokers drop it: Tansu 0.6 (the
 embedded broker) accepts a commit's metadata and returns null on fetch. So the
-committer also writes the same text, tagged with the committed offset it belongs
-to, to one item of the dead-letter table after a Kafka commit, at most once a second. A restarting
+committer also writes the same text, tagged with the committed offset it belongs to,
+to one item of the table after a Kafka commit, at most once a second. A restarting
 proxy uses it unless it is newer than Kafka's committed offset (the group was rewound);
 when it trails Kafka by a commit, the offsets below Kafka's commit are dropped from it
 (they are settled anyway). An operator who rewinds a group should delete the item.
 
-Item: `source` = "<topic>#<partition>#checkpoint#<group>" (topic names cannot hold
-'#', so it never collides with a dead letter's "<topic>#<partition>"), `offset` = -1,
-`committed` (N), `settled` (S), `updated_at` (S). Tools listing dead letters skip
-items whose `offset` is negative.
+Item: `source` = `checkpoint_source(topic, partition, group)`, `offset` =
+`CHECKPOINT_OFFSET` (-1; see the package docstring), `committed` (N), `settled` (S),
+`updated_at` (S). Failures raise `TableUnavailable`.
 """
 
 from __future__ import annotations
@@ -21,19 +21,14 @@ import threading
 from datetime import UTC, datetime
 from typing import Protocol
 
-from triage_proxy.deadletter import dynamodb_client
-from triage_proxy.errors import DeadLetterUnavailable
+from triage_proxy.errors import TableUnavailable
 from triage_proxy.settings import DeadLetterSettings
-
-CHECKPOINT_OFFSET = -1
-
-
-def checkpoint_source(topic: str, partition: int, group: str) -> str:
-    return f"{topic}#{partition}#checkpoint#{group}"
+from triage_proxy.table.aws import aws_errors, dynamodb_client
+from triage_proxy.table.items import CHECKPOINT_OFFSET, checkpoint_source, table_key
 
 
 class CheckpointStore(Protocol):
-    """Sync; called from a worker thread."""
+    """Sync; called from a worker thread. Raises TableUnavailable when unreachable."""
 
     def put(self, committed: int, settled: str) -> None: ...
 
@@ -43,19 +38,13 @@ class CheckpointStore(Protocol):
 
 
 class DynamoDBCheckpoints:
-    """One item per (topic, partition, group) in the dead-letter table."""
+    """One item per (topic, partition, group) in the table."""
 
     def __init__(
         self, settings: DeadLetterSettings, topic: str, partition: int, group: str
     ) -> None:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        self._errors = (BotoCoreError, ClientError)
         self._table = settings.table
-        self._key = {
-            "source": {"S": checkpoint_source(topic, partition, group)},
-            "offset": {"N": str(CHECKPOINT_OFFSET)},
-        }
+        self._key = table_key(checkpoint_source(topic, partition, group), CHECKPOINT_OFFSET)
         # Short timeouts and one attempt: commits wait for this write, and a missing
         # checkpoint only costs redeliveries, so DynamoDB trouble must not stall them.
         self._client = dynamodb_client(
@@ -69,16 +58,12 @@ class DynamoDBCheckpoints:
             "settled": {"S": settled},
             "updated_at": {"S": datetime.now(UTC).isoformat()},
         }
-        try:
+        with aws_errors("writing the commit checkpoint", TableUnavailable):
             self._client.put_item(TableName=self._table, Item=item)
-        except self._errors as exc:
-            raise DeadLetterUnavailable("writing the commit checkpoint failed") from exc
 
     def get(self) -> tuple[int, str] | None:
-        try:
+        with aws_errors("reading the commit checkpoint", TableUnavailable):
             found = self._client.get_item(TableName=self._table, Key=self._key, ConsistentRead=True)
-        except self._errors as exc:
-            raise DeadLetterUnavailable("reading the commit checkpoint failed") from exc
         item = found.get("Item")
         if item is None:
             return None

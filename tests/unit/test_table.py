@@ -1,48 +1,34 @@
-"""Unit tests of the pure parts of dead-letter tooling: selection, time parsing, safe
-rendering, provenance headers, the S3 payload format and the idempotent MemoryStore."""
+"""Unit tests of the pure parts of the table package: selection, time parsing,
+provenance headers, the S3 payload format and the idempotent MemoryStore."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
 from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from triage_proxy.deadletter import (
+from triage_proxy.deadletter import DeadLetterWriter
+from triage_proxy.settings import DeadLetterSettings
+from triage_proxy.structs import DeadLetter, Headers, Record
+from triage_proxy.table.deadletters import MemoryStore, writable
+from triage_proxy.table.items import (
     MAX_ITEM_BYTES,
-    DeadLetterWriter,
-    MemoryStore,
-    decode_payload,
-    encode_payload,
     fits_with_overflow,
     item_from_dead_letter,
     item_size,
-    load_dead_letter,
-    payload_size,
     pointer_item,
-    writable,
 )
-from triage_proxy.dlqtable import (
+from triage_proxy.table.payload import decode_payload, encode_payload, payload_size
+from triage_proxy.table.query import Filters, load_dead_letter, matches, parse_time
+from triage_proxy.table.replay import (
     REPLAY_ID_HEADER,
     REPLAY_OF_HEADER,
     REPLAY_REASON_HEADER,
-    Filters,
-    hex_dump,
-    item_key,
-    item_summary,
-    matches,
-    parse_time,
-    render_bytes,
     replay_headers,
-    safe_text,
-    short_text,
 )
-from triage_proxy.settings import DeadLetterSettings
-from triage_proxy.structs import DeadLetter, Headers, Record
 
 T0 = 1_714_564_800_000  # 2024-05-01T12:00:00Z
 
@@ -151,74 +137,7 @@ def test_parse_time_refuses_malformed_text(text: str) -> None:
         parse_time(text, T0)
 
 
-# --- rendering ------------------------------------------------------------------------
-
-
-def test_render_text_json_and_binary() -> None:
-    assert render_bytes(None).kind == "null"
-    assert render_bytes(b"").kind == "empty"
-    assert render_bytes("héllo\nworld".encode()) == render_bytes("héllo\nworld".encode())
-    assert render_bytes("héllo\nworld".encode()).kind == "text"
-    pretty = render_bytes(b'{"a":[1,2],"b":"\xc3\xa9"}')
-    assert pretty.kind == "json"
-    assert json.loads(pretty.text) == {"a": [1, 2], "b": "é"}
-    assert "\n  " in pretty.text
-    assert render_bytes(b"123").kind == "text"  # a bare number is text, not JSON
-    dump = render_bytes(bytes(range(20)))
-    assert dump.kind == "hex"
-    assert dump.text.splitlines()[0].startswith("00000000  00 01 02")
-    big = bytes(range(256)) * 20
-    assert render_bytes(big) == render_bytes(big)
-    assert render_bytes(big).kind == "base64"
-    assert base64.b64decode(render_bytes(big).text) == big
-
-
-def test_json_with_duplicate_keys_stays_text() -> None:
-    assert render_bytes(b'{"a": 1, "a": 2}').kind == "text"
-
-
-def test_terminal_control_characters_are_never_printed() -> None:
-    hostile = "ok\x1b[2J\u202eevil\rover".encode()
-    shown = render_bytes(hostile)
-    assert shown.kind == "hex"  # ESC is a C0 control: not text
-    assert "\x1b" not in shown.text
-    formatted = render_bytes("plain \u202e bidi\rcr".encode())
-    assert formatted.kind == "text"
-    assert formatted.text == "plain \\u202e bidi\\rcr"
-    assert safe_text("a\tb\nc\x00\x7f\x9b") == "a\tb\nc\\x00\\x7f\\x9b"
-
-
-@given(st.binary(max_size=600))
-def test_rendering_never_crashes_and_never_emits_controls(data: bytes) -> None:
-    shown = render_bytes(data, hex_limit=300)
-    assert all(c in "\n\t" or ord(c) >= 0x20 for c in shown.text)
-    assert not any(0x7F <= ord(c) <= 0x9F for c in shown.text)
-
-
-def test_hex_dump_layout() -> None:
-    lines = hex_dump(b"ABCDEFGHIJKLMNOPQR\x00").splitlines()
-    assert lines[0] == "00000000  41 42 43 44 45 46 47 48 49 4a 4b 4c 4d 4e 4f 50  ABCDEFGHIJKLMNOP"
-    assert lines[1].startswith("00000010  51 52 00")
-    assert lines[1].endswith("QR.")
-
-
-def test_short_text_for_tables() -> None:
-    assert short_text(None) == "(null)"
-    assert short_text(b"a\nb") == "a\\nb"
-    assert short_text(b"x" * 50, 10) == "x" * 9 + "…"
-    assert short_text(b"\x00\x01\xff", 10) == "0x0001ff"
-
-
-def test_item_summary_is_json_ready() -> None:
-    summary = item_summary(item(7, key=b"\x00k", topic="orders", partition=2))
-    json.dumps(summary)
-    assert summary["topic"] == "orders"
-    assert summary["partition"] == 2
-    assert summary["offset"] == 7
-    assert summary["status"] == "pending"
-    assert base64.b64decode(summary["key_b64"]) == b"\x00k"
-    assert summary["replayed_at"] is None
-    assert item_key(item(7, partition=2)) == ("orders", 2, 7)
+# --- replay headers -----------------------------------------------------------------
 
 
 def test_replay_headers_keep_the_original_then_add_provenance() -> None:
@@ -339,8 +258,8 @@ def test_a_timeout_without_a_response_is_translated_not_crashed() -> None:
     """botocore's ReadTimeoutError has no AWS error response: still DeadLetterUnavailable."""
     from botocore.exceptions import ReadTimeoutError
 
-    from triage_proxy.dlqtable import DeadLetterTable
     from triage_proxy.errors import DeadLetterUnavailable
+    from triage_proxy.table.query import DeadLetterTable
 
     class TimingOut:
         def scan(self, **kwargs: Any) -> Any:

@@ -1,0 +1,203 @@
+"""The partition lease item: who may deliver a (topic, partition) right now.
+
+Why a store of its own: `triage_proxy.ownership` decides when to acquire, renew and give
+up a lease (and how to fence); this module only makes the three conditional writes
+atomic in DynamoDB, with an in-memory twin (`MemoryLeases`) for unit tests.
+
+Item: `source` = `lease_source(topic, partition)`, `offset` = `LEASE_OFFSET` (-2; see the
+package docstring), `owner` (S: host, pid and a random part, unique per process),
+`lease_until_ms` (N: epoch ms; not `expires_at`, the table's TTL attribute),
+`acquired_at` and `renewed_at` (S, ISO-8601).
+
+    acquire: PutItem     if attribute_not_exists(source) OR lease_until_ms < now OR owner = me
+    renew:   UpdateItem  if owner = me          (so it fails once anyone else acquired)
+    release: DeleteItem  if owner = me          (graceful stop: the standby takes over at once)
+
+Failures raise `TableUnavailable`; a condition that does not hold is an answer (False,
+or the lease as it stands), not an error.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from triage_proxy.errors import TableUnavailable
+from triage_proxy.settings import DeadLetterSettings
+from triage_proxy.table.aws import CONDITION_FAILED, aws_errors, dynamodb_client
+from triage_proxy.table.items import LEASE_OFFSET, format_iso_ms, lease_source, table_key
+
+CALL_TIMEOUT_S = 1.0
+"""boto3 connect and read timeouts of the lease calls (one attempt each)."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The lease item as one call saw it."""
+
+    owner: str
+    """Who holds (or last held) the partition."""
+    until_ms: int
+    """Epoch ms after which anyone may take it over."""
+
+
+class LeaseStore(Protocol):
+    """Sync; called from a worker thread. Raises TableUnavailable when unreachable."""
+
+    def acquire(self, owner: str, now_ms: int, until_ms: int) -> Lease:
+        """Take the lease if free, lapsed or ours; return the lease as it now stands."""
+        ...
+
+    def renew(self, owner: str, now_ms: int, until_ms: int) -> bool:
+        """Extend the lease if `owner` still holds it; False if someone else does."""
+        ...
+
+    def release(self, owner: str) -> bool:
+        """Delete the lease if `owner` holds it; False if not."""
+        ...
+
+    def get(self) -> Lease | None: ...
+
+    def close(self) -> None: ...
+
+
+class DynamoDBLeases:
+    """The lease item of one (topic, partition) in the table."""
+
+    def __init__(self, settings: DeadLetterSettings, topic: str, partition: int) -> None:
+        self._table = settings.table
+        self._key = table_key(lease_source(topic, partition), LEASE_OFFSET)
+        # One attempt, short timeouts: the caller retries on its own schedule, and a
+        # renewal that answers late is worth nothing (the lease counts from the send).
+        self._client = dynamodb_client(
+            settings,
+            connect_timeout_s=CALL_TIMEOUT_S,
+            read_timeout_s=CALL_TIMEOUT_S,
+            max_attempts=1,
+        )
+
+    def _conditional(self, what: str, call: Callable[[], Any]) -> bool:
+        with aws_errors(
+            f"{what} the partition lease", TableUnavailable, expect={CONDITION_FAILED}
+        ) as refused:
+            call()
+        return not refused
+
+    def acquire(self, owner: str, now_ms: int, until_ms: int) -> Lease:
+        stamp = format_iso_ms(now_ms)
+        item = {
+            **self._key,
+            "owner": {"S": owner},
+            "lease_until_ms": {"N": str(until_ms)},
+            "acquired_at": {"S": stamp},
+            "renewed_at": {"S": stamp},
+        }
+        took = self._conditional(
+            "acquiring",
+            lambda: self._client.put_item(
+                TableName=self._table,
+                Item=item,
+                ConditionExpression="attribute_not_exists(#src) OR #until < :now OR #owner = :me",
+                ExpressionAttributeNames={
+                    "#src": "source",
+                    "#until": "lease_until_ms",
+                    "#owner": "owner",
+                },
+                ExpressionAttributeValues={":now": {"N": str(now_ms)}, ":me": {"S": owner}},
+            ),
+        )
+        if took:
+            return Lease(owner, until_ms)
+        # Held by someone else; it may be released between the two calls: then say so
+        # with a lease that has already lapsed, and the caller tries again at once.
+        return self.get() or Lease("", 0)
+
+    def renew(self, owner: str, now_ms: int, until_ms: int) -> bool:
+        return self._conditional(
+            "renewing",
+            lambda: self._client.update_item(
+                TableName=self._table,
+                Key=self._key,
+                UpdateExpression="SET #until = :until, renewed_at = :at",
+                ConditionExpression="#owner = :me",
+                ExpressionAttributeNames={"#until": "lease_until_ms", "#owner": "owner"},
+                ExpressionAttributeValues={
+                    ":until": {"N": str(until_ms)},
+                    ":at": {"S": format_iso_ms(now_ms)},
+                    ":me": {"S": owner},
+                },
+            ),
+        )
+
+    def release(self, owner: str) -> bool:
+        return self._conditional(
+            "releasing",
+            lambda: self._client.delete_item(
+                TableName=self._table,
+                Key=self._key,
+                ConditionExpression="#owner = :me",
+                ExpressionAttributeNames={"#owner": "owner"},
+                ExpressionAttributeValues={":me": {"S": owner}},
+            ),
+        )
+
+    def get(self) -> Lease | None:
+        with aws_errors("reading the partition lease", TableUnavailable):
+            found = self._client.get_item(TableName=self._table, Key=self._key, ConsistentRead=True)
+        item = found.get("Item")
+        if item is None:
+            return None
+        return Lease(item["owner"]["S"], int(item["lease_until_ms"]["N"]))
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class MemoryLeases:
+    """In-memory twin for unit tests; `down` makes every call fail like an outage."""
+
+    def __init__(self) -> None:
+        self.lease: Lease | None = None
+        self.down = False
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def _check(self) -> None:
+        self.calls += 1
+        if self.down:
+            raise TableUnavailable("lease store is down")
+
+    def acquire(self, owner: str, now_ms: int, until_ms: int) -> Lease:
+        with self._lock:
+            self._check()
+            held = self.lease
+            if held is None or held.until_ms < now_ms or held.owner == owner:
+                self.lease = Lease(owner, until_ms)
+            assert self.lease is not None
+            return self.lease
+
+    def renew(self, owner: str, now_ms: int, until_ms: int) -> bool:
+        with self._lock:
+            self._check()
+            if self.lease is None or self.lease.owner != owner:
+                return False
+            self.lease = Lease(owner, until_ms)
+            return True
+
+    def release(self, owner: str) -> bool:
+        with self._lock:
+            self._check()
+            if self.lease is None or self.lease.owner != owner:
+                return False
+            self.lease = None
+            return True
+
+    def get(self) -> Lease | None:
+        with self._lock:
+            self._check()
+            return self.lease
+
+    def close(self) -> None:
+        pass

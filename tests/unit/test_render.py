@@ -1,0 +1,105 @@
+"""Unit tests of rendering dead letters for people: never a crash, never a control
+character on the terminal (triage_cli.render)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from triage_cli.render import hex_dump, item_summary, render_bytes, safe_text, short_text
+from triage_proxy.structs import DeadLetter, Headers, Record
+from triage_proxy.table.items import item_from_dead_letter, item_key
+
+T0 = 1_714_564_800_000  # 2024-05-01T12:00:00Z
+
+
+def make_dl(
+    offset: int,
+    *,
+    topic: str = "orders",
+    partition: int = 0,
+    key: bytes | None = b"k",
+    value: bytes | None = b"v",
+    headers: Headers = (),
+    reason: str = "ValueError: bad",
+    at_ms: int = T0,
+) -> DeadLetter:
+    record = Record(topic, partition, offset, key, value, headers, T0 - 5)
+    return DeadLetter(record, reason, 3, "worker-1", at_ms)
+
+
+def item(offset: int, *, status: str = "pending", **kwargs: Any) -> dict[str, Any]:
+    built = item_from_dead_letter(make_dl(offset, **kwargs))
+    built["status"] = {"S": status}
+    return built
+
+
+def test_render_text_json_and_binary() -> None:
+    assert render_bytes(None).kind == "null"
+    assert render_bytes(b"").kind == "empty"
+    assert render_bytes("héllo\nworld".encode()) == render_bytes("héllo\nworld".encode())
+    assert render_bytes("héllo\nworld".encode()).kind == "text"
+    pretty = render_bytes(b'{"a":[1,2],"b":"\xc3\xa9"}')
+    assert pretty.kind == "json"
+    assert json.loads(pretty.text) == {"a": [1, 2], "b": "é"}
+    assert "\n  " in pretty.text
+    assert render_bytes(b"123").kind == "text"  # a bare number is text, not JSON
+    dump = render_bytes(bytes(range(20)))
+    assert dump.kind == "hex"
+    assert dump.text.splitlines()[0].startswith("00000000  00 01 02")
+    big = bytes(range(256)) * 20
+    assert render_bytes(big) == render_bytes(big)
+    assert render_bytes(big).kind == "base64"
+    assert base64.b64decode(render_bytes(big).text) == big
+
+
+def test_json_with_duplicate_keys_stays_text() -> None:
+    assert render_bytes(b'{"a": 1, "a": 2}').kind == "text"
+
+
+def test_terminal_control_characters_are_never_printed() -> None:
+    hostile = "ok\x1b[2J\u202eevil\rover".encode()
+    shown = render_bytes(hostile)
+    assert shown.kind == "hex"  # ESC is a C0 control: not text
+    assert "\x1b" not in shown.text
+    formatted = render_bytes("plain \u202e bidi\rcr".encode())
+    assert formatted.kind == "text"
+    assert formatted.text == "plain \\u202e bidi\\rcr"
+    assert safe_text("a\tb\nc\x00\x7f\x9b") == "a\tb\nc\\x00\\x7f\\x9b"
+
+
+@given(st.binary(max_size=600))
+def test_rendering_never_crashes_and_never_emits_controls(data: bytes) -> None:
+    shown = render_bytes(data, hex_limit=300)
+    assert all(c in "\n\t" or ord(c) >= 0x20 for c in shown.text)
+    assert not any(0x7F <= ord(c) <= 0x9F for c in shown.text)
+
+
+def test_hex_dump_layout() -> None:
+    lines = hex_dump(b"ABCDEFGHIJKLMNOPQR\x00").splitlines()
+    assert lines[0] == "00000000  41 42 43 44 45 46 47 48 49 4a 4b 4c 4d 4e 4f 50  ABCDEFGHIJKLMNOP"
+    assert lines[1].startswith("00000010  51 52 00")
+    assert lines[1].endswith("QR.")
+
+
+def test_short_text_for_tables() -> None:
+    assert short_text(None) == "(null)"
+    assert short_text(b"a\nb") == "a\\nb"
+    assert short_text(b"x" * 50, 10) == "x" * 9 + "…"
+    assert short_text(b"\x00\x01\xff", 10) == "0x0001ff"
+
+
+def test_item_summary_is_json_ready() -> None:
+    summary = item_summary(item(7, key=b"\x00k", topic="orders", partition=2))
+    json.dumps(summary)
+    assert summary["topic"] == "orders"
+    assert summary["partition"] == 2
+    assert summary["offset"] == 7
+    assert summary["status"] == "pending"
+    assert base64.b64decode(summary["key_b64"]) == b"\x00k"
+    assert summary["replayed_at"] is None
+    assert item_key(item(7, partition=2)) == ("orders", 2, 7)
