@@ -16,10 +16,11 @@ Filters: --topic, --partition, --status (list only; replay and discard act on
 pending items), --reason SUBSTRING (case-insensitive), --since/--until (ISO-8601 or an
 age like 30m, 1h, 2d; on dead_lettered_at, since inclusive, until exclusive).
 
-Exit codes (`exitcodes.ExitCode`): 0 ok; 1 some items failed to replay; 2 bad config or bad
-arguments (malformed time range ...); 3 DynamoDB, S3 or Kafka unreachable; 4 the table
-or the item does not exist; 130 interrupted (SIGINT or SIGTERM: a replay finishes and
-marks the chunk in flight, then stops).
+Exit codes (`exitcodes.ExitCode`): 0 ok; 1 some items failed to replay or are in doubt
+(maybe delivered, still claimed); 2 bad config or bad arguments (malformed time range
+...); 3 DynamoDB, S3 or Kafka unreachable; 4 the table or the item does not exist; 130
+interrupted (SIGINT or SIGTERM: a replay finishes and marks the chunk in flight, then
+stops).
 
 Heavy modules (boto3, confluent-kafka, rich) are imported inside the commands.
 """
@@ -389,9 +390,10 @@ def replay(
 
     Same key, value and headers plus the provenance headers triage-replay-of,
     triage-replay-reason and triage-replay-id. Items are marked replayed only once the
-    broker confirmed them, so a rerun (or a concurrent run) replays nothing twice.
-    With --spark the Spark job (triage_replay) does the same at scale; --dry-run still
-    lists without Spark.
+    broker confirmed them, so a rerun (or a concurrent run) replays nothing twice; one
+    that may have been delivered stays claimed and is reported in doubt. With --spark
+    the Spark job (triage_replay) does the same at scale; --dry-run still lists
+    without Spark.
     """
     from triage_proxy.table.replay import new_replay_id
     from triage_proxy.table.replay import replay as replay_items
@@ -433,10 +435,12 @@ def replay(
                     typer.echo(f"skipped   {'/'.join(map(str, key))}: {why}")
                 for key, why in result.failed:
                     typer.echo(f"FAILED    {'/'.join(map(str, key))}: {why}", err=True)
+                for key, why in result.in_doubt:
+                    typer.echo(f"IN DOUBT  {'/'.join(map(str, key))}: {why}", err=True)
             _report_replay(result, len(items), json_, replay_id)
             if result.interrupted or stop.is_set():
                 raise typer.Exit(int(ExitCode.INTERRUPTED))
-            if result.failed:
+            if result.failed or result.in_doubt:
                 raise typer.Exit(int(ExitCode.FAILURE))
 
 
@@ -470,6 +474,7 @@ def _report_replay(result: Any, selected: int, json_: bool, replay_id: str | Non
     replayed = len(result.replayed) if result else 0
     skipped = len(result.skipped) if result else 0
     failed = len(result.failed) if result else 0
+    in_doubt = len(result.in_doubt) if result else 0
     if json_:
         _json_line(
             {
@@ -482,13 +487,19 @@ def _report_replay(result: Any, selected: int, json_: bool, replay_id: str | Non
                     {"dead_letter": "/".join(map(str, key)), "why": why}
                     for key, why in (result.failed if result else [])
                 ],
+                "in_doubt": in_doubt,
+                "doubts": [
+                    {"dead_letter": "/".join(map(str, key)), "why": why}
+                    for key, why in (result.in_doubt if result else [])
+                ],
                 "interrupted": bool(result and result.interrupted),
             }
         )
         return
     suffix = f" (replay id {replay_id})" if replay_id else ""
     typer.echo(
-        f"selected {selected}, replayed {replayed}, skipped {skipped}, failed {failed}{suffix}"
+        f"selected {selected}, replayed {replayed}, skipped {skipped}, failed {failed}, "
+        f"in doubt {in_doubt}{suffix}"
     )
 
 

@@ -22,20 +22,21 @@ Spark task or a failed one). The two ways to order it:
   becomes `replayed` (condition: the claim is still ours) with `replay_id`,
   `replayed_at`, `replayed_to` (topic/partition/offset of the copy), `replay_count` and,
   with TTL on, `expires_at`; a claim whose message certainly never reached the broker
-  is released (pending again, counted `failed`). A rerun or a retried task never
-  produces an item claimed by someone else, or by an earlier attempt of the same run;
-  it counts it `in_doubt`.
+  is released (pending again, counted `failed`); any other outcome (a timeout, an error
+  librdkafka does not name as "not sent", no report) keeps the claim (`in_doubt`). A
+  rerun or a retried task never produces an item claimed by someone else, or by an
+  earlier attempt of the same run; it counts it `in_doubt`.
 The window that is left: a hard crash (worker SIGKILLed, executor lost) after a chunk
 was claimed and before it was marked leaves that chunk (at most `chunk_size` items per
 task) claimed, and the table cannot say whether those messages reached Kafka. This job
 never replays them on its own (for them it is at-most-once, never a duplicate): every
 run reports them as `in_doubt` until an operator checks the target topic for their
 `triage-replay-of` headers and reruns with `retry_in_doubt` (which takes over claims
-whose lease expired) for what is missing. (`DeadLetterTable.claim` itself takes over a stale
-claim, so `triage dlq replay` would replay such an item again once the lease is over;
-the job checks the claim it scanned before it claims.) Exceptions are no window at
-all: the task marks what was delivered and releases what was not before it gives up,
-so the rerun replays exactly the rest. Two writes per item is the price.
+whose lease expired) for what is missing. (`triage dlq replay` runs the same routine
+with `take_over_stale` on, so it replays such an item again once the lease is over.)
+Exceptions are no window at all: the task marks what was delivered and releases what
+was not before it gives up, so the rerun replays exactly the rest. Two writes per item
+is the price.
 
 Task failures: claims belong to the run, so two attempts of one task running at once
 could both produce an item: the job refuses to replay with `spark.speculation` on. (A

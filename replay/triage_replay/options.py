@@ -36,7 +36,8 @@ class Fault:
     """Tests only: make every segment's replay fail midway (a rerun goes without it)."""
 
     after: int
-    """A segment fails once it has handed this many messages to its producer."""
+    """A segment fails once it has handed this many messages to its producer (at the
+    next one, or, with crash, at the first flush from then on)."""
     crash: bool = False
     """False: raise in the middle of a chunk (the task cleans up). True: kill the worker
     process right after the chunk was flushed and before it is marked (an executor lost

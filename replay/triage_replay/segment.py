@@ -5,31 +5,31 @@ Why a module of its own: everything here runs on the executors. A task gets a
 proxy's own `DeadLetterSettings`; no clients, no Spark types) and builds its boto3
 client (one per Python worker, reused across tasks) and Kafka producer there, with
 the proxy's client builders, so the same code runs in local mode and on any cluster
-where the `triage` package is installed. Selection,
-claims, marks, S3 payloads and provenance headers are `triage_proxy.table`'s, shared
-with `triage dlq`, so the two tools never disagree about what a filter selects or
-whether an item was replayed. `job.py` is the driver side and explains the replay
-protocol (claim -> produce -> mark) and its one failure window; this module runs it:
+where the `triage` package is installed. Selection, claims, marks, S3 payloads,
+provenance headers and the replay routine itself are `triage_proxy.table`'s (`query.py`,
+`replay.py`), shared with `triage dlq`, so the two tools never disagree about what a
+filter selects, whether an item was replayed, or what a failed delivery means. `job.py`
+is the driver side; this module runs the segment:
 
-    for each chunk of `chunk_size` selected, replayable items:
-      claim    conditional UpdateItem per item (`write_concurrency` at once), then
-               load the payload (from S3 when it is there)
-      produce  every claimed item, then flush and read the delivery reports
-      settle   delivered -> `replayed` (if the claim is still ours);
-               certainly not sent -> claim released (pending again, counted failed);
-               anything else -> left claimed, counted in doubt
+    for each selected item of the segment:
+      not pending, or claimed (seen in the scan)  -> counted skipped / in doubt
+      (a stale claim is taken over only with retry_in_doubt)
+      else                                        -> into the current chunk
+    for each chunk of `chunk_size` replayable items:
+      table.replay.Replayer.replay_chunk: claim -> produce -> confirm -> mark, with the
+      conditional writes on a pool of `write_concurrency` threads
 
-`settle` runs in a `finally`, so an exception anywhere in a chunk (a broker error, a
-throttled table, the injected `Fault`) still marks what was delivered and releases
-what was not. A segment that fails reports its error in its `SegmentCounts` instead of
-failing the Spark task: a failed task makes Spark abort the job and kill the sibling
-tasks with SIGKILL, which would leave their current chunks in doubt for nothing.
+The routine settles a chunk (marks what was delivered, releases what was certainly not
+sent, keeps the claims of what may have been) before it re-raises an exception from
+anywhere in the chunk (a broker error, a throttled table, the injected `Fault`). A
+segment that fails reports its error in its `SegmentCounts` instead of failing the Spark
+task: a failed task makes Spark abort the job and kill the sibling tasks with SIGKILL,
+which would leave their current chunks in doubt for nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import logging
 import os
@@ -38,18 +38,16 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from triage_proxy.settings import DeadLetterSettings
 from triage_proxy.structs import DeadLetter
 from triage_proxy.table.aws import dynamodb_client
-from triage_proxy.table.items import CLAIM_ATTR, CLAIM_UNTIL_ATTR, STATUS_PENDING, item_key
 from triage_proxy.table.query import TABLE_ATTEMPTS, DeadLetterTable
-from triage_proxy.table.replay import replay_headers
-from triage_replay.options import ReplayOptions
+from triage_proxy.table.replay import Outcome, Producer, Replayer, ReplayResult
+from triage_replay.options import Fault, ReplayOptions
 
 if TYPE_CHECKING:
-    from confluent_kafka import KafkaError, Message, Producer
     from mypy_boto3_dynamodb.client import DynamoDBClient
 
 logger = logging.getLogger(__name__)
@@ -62,8 +60,6 @@ each page well inside READ_TIMEOUT_S, and a task starts producing sooner."""
 READ_TIMEOUT_S = 30.0
 """botocore read timeout on the executors: a Scan page of 1 MB from a loaded endpoint
 takes longer than the tools' interactive default."""
-
-T = TypeVar("T")
 
 
 class _ScanCounter:
@@ -180,97 +176,78 @@ class SegmentCounts(Counts):
 # --- replay -----------------------------------------------------------------------------
 
 
-class _State(enum.Enum):
-    CANDIDATE = "candidate"
-    CLAIMED = "claimed"
-    """Claimed (or maybe claimed: the call failed) and not handed to the producer."""
-    SENT = "sent"
-    """Handed to the producer, no delivery report yet."""
-    DELIVERED = "delivered"
-    NOT_SENT = "not-sent"
-    """The delivery report says it certainly never reached the broker."""
-    UNKNOWN = "unknown"
-    """The delivery failed in a way that may still have written it."""
+class _FaultyProducer:
+    """Tests only: the producer of a segment with a `Fault` injected (see `Fault`)."""
 
+    def __init__(self, producer: Producer, fault: Fault) -> None:
+        self._producer = producer
+        self._fault = fault
+        self.sent = 0
+        """Messages handed to the producer so far in this segment."""
 
-class _Claim(enum.Enum):
-    TAKEN = "taken"
-    LOST = "lost"
-    """Not pending any more, or another replay holds it."""
-    UNREADABLE = "unreadable"
-    """Claimed, but its payload cannot be read (e.g. the S3 object is gone): released."""
+    def produce(self, topic: str, **kwargs: Any) -> None:
+        if not self._fault.crash and self.sent >= self._fault.after:
+            raise InjectedFault(f"injected fault after {self.sent} messages")
+        self._producer.produce(topic, **kwargs)
+        self.sent += 1
 
+    def poll(self, timeout: float) -> int:
+        return self._producer.poll(timeout)
 
-@functools.cache
-def _not_sent_codes() -> frozenset[int]:
-    """librdkafka errors that guarantee the message was never written (all others: maybe)."""
-    from confluent_kafka import KafkaError
+    def flush(self, timeout: float) -> int:
+        left = self._producer.flush(timeout)
+        if self._fault.crash and self.sent >= self._fault.after:
+            os._exit(CRASH_EXIT_CODE)  # delivered, not yet marked: the worst moment
+        return left
 
-    return frozenset(
-        {
-            KafkaError._PURGE_QUEUE,
-            KafkaError._UNKNOWN_TOPIC,
-            KafkaError._UNKNOWN_PARTITION,
-            KafkaError._INVALID_ARG,
-            KafkaError.UNKNOWN_TOPIC_OR_PART,
-            KafkaError.MSG_SIZE_TOO_LARGE,
-            KafkaError.TOPIC_AUTHORIZATION_FAILED,
-        }
-    )
-
-
-@dataclass(slots=True)
-class _Candidate:
-    item: Mapping[str, Any]
-    dl: DeadLetter | None = None
-    """Loaded once claimed (from S3 when the payload is there)."""
-    state: _State = _State.CANDIDATE
-    replayed_to: str = ""
-
-    @property
-    def key(self) -> tuple[str, int, int]:
-        return item_key(self.item)
-
-    def on_delivery(self, err: KafkaError | None, msg: Message) -> None:
-        if err is None:
-            self.state = _State.DELIVERED
-            self.replayed_to = f"{msg.topic()}/{msg.partition()}/{msg.offset()}"
-        elif err.code() in _not_sent_codes():
-            self.state = _State.NOT_SENT
-        else:
-            self.state = _State.UNKNOWN
+    def purge(self, in_queue: bool = True, in_flight: bool = True, blocking: bool = True) -> None:
+        self._producer.purge(in_queue=in_queue, in_flight=in_flight, blocking=blocking)
 
 
 class SegmentReplayer:
-    """Replays the selected items of one scan segment (see the module docstring)."""
+    """Replays the selected items of one scan segment (see the module docstring).
+
+    `make_producer` builds the Kafka producer from its config (default: confluent-kafka's
+    Producer); tests pass a wrapper to inject faults.
+    """
 
     def __init__(
-        self, job: SegmentJob, segment: int, *, now_ms: Callable[[], int] | None = None
+        self,
+        job: SegmentJob,
+        segment: int,
+        *,
+        now_ms: Callable[[], int] | None = None,
+        make_producer: Callable[[dict[str, Any]], Producer] | None = None,
     ) -> None:
         if job.options.bootstrap is None:
             raise ValueError("replay needs bootstrap servers")
         self._job = job
         self._segment = segment
         self._now_ms = now_ms or _wall_ms
+        self._make_producer = make_producer
         self.counts = SegmentCounts(segment=segment)
-        self._sent = 0
-        self._tasktable: TaskTable | None = None
-        self._table: DeadLetterTable | None = None
-        self._producer: Producer | None = None
-        self._pool: ThreadPoolExecutor | None = None
 
     def run(self) -> SegmentCounts:
         """Replay the whole segment; never raises (a failure ends up in `counts.error`)."""
-        from confluent_kafka import Producer
-
         job = self._job
+        tasktable: TaskTable | None = None
+        pool: ThreadPoolExecutor | None = None
         try:
-            self._tasktable = TaskTable(job.options.dead_letters)
-            table = self._table = self._tasktable.table
-            self._pool = ThreadPoolExecutor(job.options.write_concurrency, "triage-replay-write")
-            self._producer = Producer(self._producer_config())
-            chunk: list[_Candidate] = []
-            selected = table.scan(
+            tasktable = TaskTable(job.options.dead_letters)
+            pool = ThreadPoolExecutor(job.options.write_concurrency, "triage-replay-write")
+            replayer = Replayer(
+                tasktable.table,
+                self._producer(),
+                job.replay_id,
+                to_topic=job.options.to_topic,
+                lease_s=job.options.claim_lease_s,
+                flush_timeout_s=job.options.delivery_timeout_s + 5,
+                take_over_stale=job.options.retry_in_doubt,
+                pool=pool,
+                now_ms=self._now_ms,
+            )
+            chunk: list[Mapping[str, Any]] = []
+            selected = tasktable.table.scan(
                 job.options.filters,
                 segment=self._segment,
                 total_segments=job.total_segments,
@@ -278,25 +255,38 @@ class SegmentReplayer:
             )
             for item in selected:
                 self.counts.selected += 1
-                if self._replayable(item):
-                    chunk.append(_Candidate(item))
+                refused = replayer.check(item)
+                if refused is not None:
+                    self._count(refused[0])
+                    continue
+                chunk.append(item)
                 if len(chunk) >= job.options.chunk_size:
-                    self._replay_chunk(chunk)
+                    self._replay_chunk(replayer, chunk)
                     chunk = []
             if chunk:
-                self._replay_chunk(chunk)
+                self._replay_chunk(replayer, chunk)
         except Exception as exc:  # the task's top level: report, do not fail the Spark task
             logger.exception("replay of segment %d stopped early", self._segment)
             self.counts.error = f"segment {self._segment}: {type(exc).__name__}: {exc}"
         finally:
-            if self._pool is not None:
-                self._pool.shutdown()
-            if self._tasktable is not None:
-                self.counts.read = self._tasktable.scanned
-                self._tasktable.close()
+            if pool is not None:
+                pool.shutdown()
+            if tasktable is not None:
+                self.counts.read = tasktable.scanned
+                tasktable.close()
         return self.counts
 
-    def _producer_config(self) -> dict[str, str | int | bool | float]:
+    def _producer(self) -> Producer:
+        if self._make_producer is not None:
+            producer = self._make_producer(self._producer_config())
+        else:
+            from confluent_kafka import Producer as KafkaProducer
+
+            producer = cast("Producer", KafkaProducer(self._producer_config()))
+        fault = self._job.options.fault
+        return producer if fault is None else _FaultyProducer(producer, fault)
+
+    def _producer_config(self) -> dict[str, Any]:
         job = self._job
         assert job.options.bootstrap is not None
         return {
@@ -308,148 +298,22 @@ class SegmentReplayer:
             **dict(job.options.kafka_config),
         }
 
-    def _replayable(self, item: Mapping[str, Any]) -> bool:
-        """Whether to try to claim `item`; if not, it is counted as skipped or in doubt."""
-        if item["status"]["S"] != STATUS_PENDING:
-            self.counts.skipped += 1
-            return False
-        claimant = item.get(CLAIM_ATTR, {}).get("S")
-        if claimant is None:
-            return True
-        # Claimed by another run (or an earlier attempt of this one): it is producing the
-        # item right now, or it stopped midway and the item may be in Kafka already.
-        # DeadLetterTable.claim would take a stale claim over; this job only does when asked.
-        until = int(item.get(CLAIM_UNTIL_ATTR, {}).get("N", "0"))
-        stale = claimant != self._job.replay_id and until < self._now_ms()
-        if stale and self._job.options.retry_in_doubt:
-            return True
-        self.counts.in_doubt += 1
-        return False
-
-    def _replay_chunk(self, chunk: list[_Candidate]) -> None:
-        outcomes = self._each(self._claim, chunk)
-        claimed: list[_Candidate] = []
-        error: BaseException | None = None
-        for candidate, outcome in zip(chunk, outcomes, strict=True):
-            if outcome is _Claim.LOST:
-                self.counts.skipped += 1  # changed since the scan: someone else has it
-            elif outcome is _Claim.UNREADABLE:
-                self.counts.failed += 1
-            else:
-                if isinstance(outcome, BaseException):
-                    error = error or outcome  # the claim may or may not have landed
-                candidate.state = _State.CLAIMED
-                claimed.append(candidate)
+    def _replay_chunk(self, replayer: Replayer, chunk: Sequence[Mapping[str, Any]]) -> None:
+        """The shared routine on one chunk; its outcomes are counted even when it raises."""
+        result = ReplayResult()
         try:
-            if error is not None:
-                raise error
-            self._produce(claimed)
+            replayer.replay_chunk(chunk, result)
         finally:
-            self._settle(claimed)
+            self.counts.replayed += len(result.replayed)
+            self.counts.skipped += len(result.skipped)
+            self.counts.failed += len(result.failed)
+            self.counts.in_doubt += len(result.in_doubt)
 
-    def _claim(self, candidate: _Candidate) -> _Claim:
-        table = self._table
-        assert table is not None
-        if not table.claim(
-            candidate.key, self._job.replay_id, lease_s=self._job.options.claim_lease_s
-        ):
-            return _Claim.LOST
-        try:
-            candidate.dl = table.load(candidate.item)
-        except ValueError:
-            logger.warning(
-                "segment %d: the payload of %s/%d/%d is unreadable; released",
-                self._segment,
-                *candidate.key,
-            )
-            table.release(candidate.key, self._job.replay_id)
-            return _Claim.UNREADABLE
-        return _Claim.TAKEN
-
-    def _produce(self, claimed: Sequence[_Candidate]) -> None:
-        job = self._job
-        producer = self._producer
-        assert producer is not None
-        for candidate in claimed:
-            dl = candidate.dl
-            assert dl is not None
-            record = dl.record
-            topic = job.options.to_topic or record.topic
-            kwargs: dict[str, Any] = {
-                "key": record.key,
-                "value": record.value,
-                "headers": replay_headers(dl, job.replay_id),
-                "on_delivery": candidate.on_delivery,
-            }
-            if topic == record.topic:  # back where it came from: same partition
-                kwargs["partition"] = record.partition
-            while True:
-                try:
-                    producer.produce(topic, **kwargs)
-                    break
-                except BufferError:  # the local queue is full: serve reports, try again
-                    producer.poll(0.05)
-            candidate.state = _State.SENT
-            self._sent += 1
-            fault = job.options.fault
-            if fault is not None and not fault.crash and self._sent == fault.after:
-                raise InjectedFault(f"injected fault after {self._sent} messages")
-        producer.poll(0)
-
-    def _settle(self, claimed: Sequence[_Candidate]) -> None:
-        """Mark what was delivered, release what was certainly not sent, count the rest."""
-        job = self._job
-        producer = self._producer
-        sent = producer is not None and any(c.state is _State.SENT for c in claimed)
-        if sent and producer is not None and producer.flush(job.options.delivery_timeout_s + 5) > 0:
-            producer.purge(in_queue=True, in_flight=False)  # queued ones: never sent
-            producer.flush(5)
-        fault = job.options.fault
-        if fault is not None and fault.crash and self._sent >= fault.after:
-            os._exit(CRASH_EXIT_CODE)  # delivered, not yet marked: the worst moment
-        delivered = [c for c in claimed if c.state is _State.DELIVERED]
-        unsent = [c for c in claimed if c.state in (_State.CLAIMED, _State.NOT_SENT)]
-        counts = self.counts
-        counts.in_doubt += len(claimed) - len(delivered) - len(unsent)
-        for candidate, outcome in zip(delivered, self._each(self._mark, delivered), strict=True):
-            if outcome is True:
-                counts.replayed += 1
-            elif outcome is False:
-                counts.replayed += 1
-                logger.warning(
-                    "segment %d: %s/%d/%d was replayed but its claim was taken over; not marked",
-                    self._segment,
-                    *candidate.key,
-                )
-            else:
-                counts.in_doubt += 1  # in Kafka, still claimed: never produced again
-        for outcome in self._each(self._release, unsent):
-            if outcome is True:
-                counts.failed += 1
-            elif outcome is False:
-                counts.skipped += 1  # the claim never landed or was taken over
-            else:
-                counts.in_doubt += 1  # maybe still claimed until the lease runs out
-
-    def _mark(self, candidate: _Candidate) -> bool:
-        assert self._table is not None
-        return self._table.mark_replayed(
-            candidate.key, self._job.replay_id, candidate.replayed_to, candidate.item
-        )
-
-    def _release(self, candidate: _Candidate) -> bool:
-        assert self._table is not None
-        return self._table.release(candidate.key, self._job.replay_id)
-
-    def _each(self, fn: Callable[[T], Any], items: Sequence[T]) -> list[Any]:
-        """fn over items on the write pool; each outcome is its result or its exception."""
-        assert self._pool is not None
-        futures = [self._pool.submit(fn, item) for item in items]
-        outcomes: list[Any] = []
-        for future in futures:
-            exc = future.exception()
-            outcomes.append(exc if exc is not None else future.result())
-        return outcomes
+    def _count(self, outcome: Outcome) -> None:
+        if outcome is Outcome.SKIPPED:
+            self.counts.skipped += 1
+        else:
+            self.counts.in_doubt += 1
 
 
 def replay_partition(job: SegmentJob, segments: Iterable[int]) -> Iterator[SegmentCounts]:

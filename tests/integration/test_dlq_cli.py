@@ -284,7 +284,7 @@ def test_replay_one_offset_to_another_topic(stack: Stack) -> None:
     assert copy.value() == "plain text ✓".encode()
     with DeadLetterTable(stack.settings) as table:
         item = table.get((stack.topic, 0, 2))
-    assert item["replayed_to"] == {"S": target}
+    assert item["replayed_to"] == {"S": f"{target}/{copy.partition()}/{copy.offset()}"}
     assert listed(stack, "--status", "pending") == [(0, 0), (0, 1), (0, 3), (1, 0)]
     rerun = triage(
         "dlq", "replay", "-c", stack.config,

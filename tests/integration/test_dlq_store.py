@@ -311,7 +311,7 @@ def test_replay_is_byte_exact_with_provenance_and_a_rerun_replays_nothing(
         ]
         item = table.get((unique_name, 0, dl.record.offset))
         assert item["status"] == {"S": "replayed"}
-        assert item["replayed_to"] == {"S": unique_name}
+        assert item["replayed_to"] == {"S": f"{unique_name}/0/{copy.offset()}"}
         assert item["replay_id"] == {"S": replay_id}
         assert item["replay_count"] == {"N": "1"}
         assert item["replayed_at"]["S"].endswith("Z")

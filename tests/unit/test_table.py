@@ -24,9 +24,14 @@ from triage_proxy.table.items import (
 from triage_proxy.table.payload import decode_payload, encode_payload, payload_size
 from triage_proxy.table.query import Filters, load_dead_letter, matches, parse_time
 from triage_proxy.table.replay import (
+    NOT_SENT_ERRORS,
     REPLAY_ID_HEADER,
     REPLAY_OF_HEADER,
     REPLAY_REASON_HEADER,
+    Outcome,
+    ReplayResult,
+    before_claim,
+    certainly_not_sent,
     replay_headers,
 )
 
@@ -269,3 +274,53 @@ def test_a_timeout_without_a_response_is_translated_not_crashed() -> None:
     table = DeadLetterTable(settings, dynamodb=TimingOut())  # type: ignore[arg-type]
     with pytest.raises(DeadLetterUnavailable, match="ReadTimeoutError"):
         list(table.scan(Filters()))
+
+
+# --- the replay policy ----------------------------------------------------------------
+
+
+def test_only_errors_that_prove_nothing_was_sent_release_a_claim() -> None:
+    from confluent_kafka import KafkaError
+
+    for name in NOT_SENT_ERRORS:  # real librdkafka names, spelled as KafkaError.name() does
+        assert KafkaError(getattr(KafkaError, name)).name() == name
+        assert certainly_not_sent(name)
+    for name in ("_MSG_TIMED_OUT", "_PURGE_INFLIGHT", "_TIMED_OUT", "REQUEST_TIMED_OUT"):
+        assert not certainly_not_sent(name)  # maybe written: keep the claim
+    for name in ("UNKNOWN", "_FAIL", "NOT_ENOUGH_REPLICAS", "SOMETHING_NEWER", ""):
+        assert not certainly_not_sent(name)  # unknown: may have been written too
+
+
+@pytest.mark.parametrize(
+    ("status", "claim", "until", "take_over", "expected"),
+    [
+        ("pending", None, None, False, None),
+        ("replayed", None, None, True, Outcome.SKIPPED),
+        ("discarded", None, None, True, Outcome.SKIPPED),
+        ("pending", "other", T0 + 1, True, Outcome.IN_DOUBT),  # live: never taken over
+        ("pending", "other", T0 - 1, True, None),  # stale: taken over when asked
+        ("pending", "other", T0 - 1, False, Outcome.IN_DOUBT),
+        ("pending", "mine", T0 - 1, True, Outcome.IN_DOUBT),  # an earlier attempt of this run
+    ],
+)
+def test_what_a_replay_claims(
+    status: str, claim: str | None, until: int | None, take_over: bool, expected: Outcome | None
+) -> None:
+    scanned = item(1, status=status)
+    if claim is not None:
+        scanned["replay_claim"] = {"S": claim}
+        scanned["replay_claim_until"] = {"N": str(until)}
+    verdict = before_claim(scanned, replay_id="mine", now_ms=T0, take_over_stale=take_over)
+    assert (verdict and verdict[0]) == expected
+
+
+def test_replay_result_sorts_outcomes() -> None:
+    result = ReplayResult()
+    result.add(Outcome.REPLAYED, ("t", 0, 1))
+    result.add(Outcome.IN_DOUBT, ("t", 0, 2), "maybe")
+    result.add(Outcome.FAILED, ("t", 0, 3), "no")
+    result.add(Outcome.SKIPPED, ("t", 0, 4), "done")
+    assert result.replayed == [("t", 0, 1)]
+    assert result.in_doubt == [(("t", 0, 2), "maybe")]
+    assert result.failed == [(("t", 0, 3), "no")]
+    assert result.skipped == [(("t", 0, 4), "done")]

@@ -397,7 +397,7 @@ class DeadLetterTable:
     def claim(self, key: DeadLetterKey, replay_id: str, *, lease_s: float) -> bool:
         """Take `key` for replay `replay_id` for `lease_s`: True if it is pending and not
         claimed by another live replay (a stale claim, or our own, is taken over)."""
-        now_ms = self._now_ms()
+        now_ms = self.now_ms()
         return self._update(
             key,
             "SET #c = :id, #cu = :until",
@@ -523,7 +523,8 @@ class DeadLetterTable:
                 self._own_s3 = True
             return self._s3
 
-    def _now_ms(self) -> int:
+    def now_ms(self) -> int:
+        """The table's wall clock (`clock`) in ms: what claims are judged stale by."""
         return int(self._clock() * 1000)
 
     @contextmanager
