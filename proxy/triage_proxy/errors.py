@@ -13,15 +13,16 @@
     |   +-- TableUnavailable         the table did not answer a lease or checkpoint call
     |   +-- OwnershipLost            the partition lease lapsed or was taken: stop delivering,
     |                                exit, restart as a standby (ownership.py)
-    +-- NotFoundError                the table or item asked for does not exist (dlqtable.py
-    |                                has the specific ones: TableNotFound, ItemNotFound)
+    +-- NotFoundError                the table or item asked for does not exist (table/query.py
+    |                                has the specific ones: TableNotFound, DeadLetterNotFound)
     +-- StateError                   a lifecycle method called in the wrong state (a bug)
     +-- DeployError                  `triage deploy/destroy` could not finish: the cloud
                                      refused a call or a stack failed; read why, fix, rerun
 
 confluent-kafka and botocore exceptions are translated into these at the adapter edge
-(`kafka.py`, `deadletter.py`) with `raise ... from`; `grpc_status` maps them to the gRPC
-status a client sees, in one place (the service ends calls through it).
+(`kafka.py`; `table/aws.py`'s `aws_errors` for botocore) with `raise ... from`;
+`grpc_status` maps them to the gRPC status a client sees, in one place (the service
+ends calls through it).
 """
 
 from __future__ import annotations

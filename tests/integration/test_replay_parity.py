@@ -40,7 +40,7 @@ from triage_replay.options import ReplayOptions
 from triage_replay.segment import SegmentJob, SegmentReplayer
 
 if TYPE_CHECKING:
-    from triage_proxy.embedded import EmbeddedAWS, EmbeddedBroker
+    from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 
 pytestmark = pytest.mark.integration
 
