@@ -17,7 +17,7 @@ start that failed half-way):
        the lease is still ours
     -> release the lease (a standby takes over at once)
     -> close the Kafka client
-    -> stop the HTTP endpoint (observer.py; it starts first, before Kafka is opened, so
+    -> stop the HTTP endpoint (http_endpoint.py; it starts first, before Kafka is opened, so
        a starting or standby proxy can be watched)
 """
 
@@ -33,18 +33,19 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from triage_proxy.checkpoint import CheckpointError, decode_settled
 from triage_proxy.committer import Committer
 from triage_proxy.deadletter import DeadLetterWriter
 from triage_proxy.dispatcher import Dispatcher
 from triage_proxy.errors import StateError, TableUnavailable, TriageError
 from triage_proxy.fetcher import Fetcher
+from triage_proxy.http_endpoint import HttpEndpoint
 from triage_proxy.kafka import ConfluentPartition, KafkaThread, PartitionLog
+from triage_proxy.logend import LogEndWatcher
 from triage_proxy.notifier import notifier_from_settings
-from triage_proxy.observer import Observer
 from triage_proxy.ownership import Ownership
 from triage_proxy.service import TriageService, create_server, server_credentials
 from triage_proxy.settings import AuthSettings, Settings
+from triage_proxy.settled import CheckpointError, decode_settled
 from triage_proxy.snapshot import Instance, ProxySnapshot
 from triage_proxy.structs import DeadLetter
 from triage_proxy.table.checkpoints import CheckpointStore, DynamoDBCheckpoints
@@ -52,7 +53,6 @@ from triage_proxy.table.deadletters import DeadLetterStore, DynamoDBStore
 from triage_proxy.table.leases import DynamoDBLeases, LeaseStore
 from triage_proxy.tracker import CommitTracker
 from triage_proxy.waiting import wait_any
-from triage_proxy.watermark import LogEndWatcher
 
 logger = logging.getLogger(__name__)
 
@@ -224,13 +224,13 @@ class Proxy:
 
     async def _run(self) -> None:
         self.state = ProxyState.STARTING
-        observer = Observer(self.snapshot, self.settings.server.http_address(self.partition))
+        endpoint = HttpEndpoint(self.snapshot, self.settings.server.http_address(self.partition))
         try:
-            await observer.start()
-            self.http_port = observer.port
+            await endpoint.start()
+            self.http_port = endpoint.port
             await self._serve_partition()
         finally:
-            await observer.stop()  # last, see the module docstring
+            await endpoint.stop()  # last, see the module docstring
             self.state = ProxyState.STOPPED
 
     async def _serve_partition(self) -> None:

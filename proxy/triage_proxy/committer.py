@@ -16,9 +16,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from triage_proxy.checkpoint import encode_settled
 from triage_proxy.errors import BrokerUnavailable, TableUnavailable
 from triage_proxy.kafka import KafkaThread, PartitionLog
+from triage_proxy.settled import encode_settled
 from triage_proxy.table.checkpoints import CheckpointStore
 from triage_proxy.tracker import CommitTracker
 from triage_proxy.waiting import wait_any

@@ -3,7 +3,7 @@ moment, built by `Proxy.snapshot()`), `Instance`, and the `LatencyHistogram` the
 dispatcher fills and the snapshot carries.
 
 Why a module of its own: the Prometheus rendering (metrics.py) and the HTTP endpoint
-(observer.py) read a proxy only through these values, so neither imports the
+(http_endpoint.py) read a proxy only through these values, so neither imports the
 application (app.py imports both). The settle latency is the one per-message measure: a
 `LatencyHistogram` is plain bucket counts bumped on the event-loop thread (no lock;
 ~0.2 us per settled delivery, within the noise of a ~1 us settle, measured by
@@ -106,7 +106,7 @@ class ProxySnapshot:
     log_end_offset: int | None = None
     """The partition's log end: the broker's high watermark, at least what was fetched."""
     log_end_age_s: float | None = None
-    """How old the high watermark reading is (it is polled, see watermark.py)."""
+    """How old the high watermark reading is (it is polled, see logend.py)."""
     in_flight: int = 0
     """Delivered and unsettled, plus dead letters not yet durable."""
     in_window: int = 0

@@ -1,9 +1,10 @@
-"""Keyed deadlines: delivery leases (ack deadlines) and retry backoff of one partition.
+"""Keyed deadlines: the dispatcher's backoff timers (a message waiting to be redelivered).
 
-Why: every message handed out carries a deadline after which it is redelivered, and
-every nacked message waits out a backoff before it is handed out again. Both are
-"wake this key at time t" with frequent replacement (an extended lease, a settled
-message) and must stay cheap at a window of many thousands of messages.
+Why: a message nacked with retry, or one whose instance vanished, waits out a backoff
+before it is handed out again. That is "wake this key at time t" with replacement and
+cancellation, and must stay cheap at a window of many thousands of messages. (Ack
+deadlines are not kept here: the dispatcher keeps one deadline per delivered batch,
+which costs a settle nothing; see dispatcher.py.)
 
 How: a binary heap of ``(due, seq, key)`` entries with lazy deletion. ``seq`` is a
 global counter stamped on every schedule; ``_live`` maps each key to the ``(due, seq)``

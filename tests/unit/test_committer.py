@@ -16,8 +16,8 @@ import pytest
 
 from tests.unit.twins import KAFKA_CALL_S, FlakyPartition, InlineKafkaThread, TimedCheckpoints
 from tests.unit.virtual_time import gaps, run, until
-from triage_proxy.checkpoint import decode_settled, encode_settled
 from triage_proxy.committer import Committer
+from triage_proxy.settled import decode_settled, encode_settled
 from triage_proxy.tracker import CommitTracker
 
 INTERVAL_S = 1.0

@@ -14,13 +14,13 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from triage_proxy.app import Proxy
 from triage_proxy.errors import BrokerUnavailable, ConfigError
+from triage_proxy.http_endpoint import HttpEndpoint
 from triage_proxy.kafka import KafkaThread, MemoryPartition
+from triage_proxy.logend import LogEndWatcher
 from triage_proxy.metrics import metric_families
-from triage_proxy.observer import Observer
 from triage_proxy.settings import Settings, settings_from_dict
 from triage_proxy.snapshot import Instance, LatencyHistogram, ProxySnapshot
 from triage_proxy.tracker import CommitTracker
-from triage_proxy.watermark import LogEndWatcher
 
 
 def make_settings() -> Settings:
@@ -207,7 +207,7 @@ def test_log_end_watcher_stops_when_closing_is_set() -> None:
 
 def test_observer_off_binds_nothing() -> None:
     async def scenario() -> None:
-        async with Observer(Proxy(make_settings(), 0).snapshot, None) as observer:
+        async with HttpEndpoint(Proxy(make_settings(), 0).snapshot, None) as observer:
             assert observer.port is None
 
     asyncio.run(scenario())
@@ -215,7 +215,7 @@ def test_observer_off_binds_nothing() -> None:
 
 def test_observer_on_a_busy_port_names_the_config_key() -> None:
     async def scenario(port: int) -> None:
-        observer = Observer(Proxy(make_settings(), 0).snapshot, ("127.0.0.1", port))
+        observer = HttpEndpoint(Proxy(make_settings(), 0).snapshot, ("127.0.0.1", port))
         with pytest.raises(ConfigError) as info:
             await observer.start()
         assert info.value.key == "server.http_port"

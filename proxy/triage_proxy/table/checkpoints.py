@@ -1,7 +1,7 @@
 """The commit checkpoint item: where the settled-above-committed set survives a restart
 besides Kafka.
 
-The encoding (`triage_proxy.checkpoint`) rides in the commit's metadata, which Apache
+The encoding (`triage_proxy.settled`) rides in the commit's metadata, which Apache
 Kafka, MSK, Confluent Cloud and Redpanda keep. Some brokers drop it: Tansu 0.6 (the
 embedded broker) accepts a commit's metadata and returns null on fetch. So the
 committer also writes the same text, tagged with the committed offset it belongs to,

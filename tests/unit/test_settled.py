@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triage_proxy.checkpoint import (
+from triage_proxy.errors import TriageError
+from triage_proxy.settled import (
     DEFAULT_LIMIT,
     MAX_OFFSET,
     MAX_OFFSETS,
@@ -22,7 +23,6 @@ from triage_proxy.checkpoint import (
     decode_settled,
     encode_settled,
 )
-from triage_proxy.errors import TriageError
 
 UNLIMITED = 10**9
 

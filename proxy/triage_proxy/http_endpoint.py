@@ -1,4 +1,4 @@
-"""The observer: one proxy's HTTP endpoint for monitoring and orchestration.
+"""The HTTP endpoint: one proxy's HTTP endpoint for monitoring and orchestration.
 
     GET /metrics   Prometheus text format (this proxy's own registry, see metrics.py)
     GET /healthz   liveness: 200 while the proxy's event loop answers (and it has not stopped)
@@ -32,13 +32,13 @@ SHUTDOWN_GRACE_S = 1.0
 """How long an in-progress HTTP request may finish when the proxy stops."""
 
 
-class ObserverState(enum.Enum):
+class EndpointState(enum.Enum):
     NEW = "new"
     RUNNING = "running"
     STOPPED = "stopped"
 
 
-class Observer:
+class HttpEndpoint:
     """Serves /metrics, /healthz, /readyz and /status for one proxy."""
 
     def __init__(
@@ -48,14 +48,14 @@ class Observer:
         self._address = address
         self._registry = proxy_registry(snapshot)
         self._runner: web.AppRunner | None = None
-        self.state = ObserverState.NEW
+        self.state = EndpointState.NEW
         self.port: int | None = None
         """The port bound (None when `server.http_port` turns the endpoint off)."""
 
     async def start(self) -> None:
-        if self.state is not ObserverState.NEW:
-            raise StateError(f"observer already {self.state.value}")
-        self.state = ObserverState.RUNNING
+        if self.state is not EndpointState.NEW:
+            raise StateError(f"HTTP endpoint already {self.state.value}")
+        self.state = EndpointState.RUNNING
         if self._address is None:
             return
         app = web.Application()
@@ -71,7 +71,7 @@ class Observer:
             await site.start()
         except OSError as exc:
             await runner.cleanup()
-            self.state = ObserverState.STOPPED
+            self.state = EndpointState.STOPPED
             raise ConfigError("server.http_port", f"cannot listen on {host}:{port}: {exc}") from exc
         self._runner = runner
         self.port = int(runner.addresses[0][1])
@@ -79,15 +79,15 @@ class Observer:
 
     async def stop(self) -> None:
         """Stop answering (safe twice)."""
-        if self.state is ObserverState.STOPPED:
+        if self.state is EndpointState.STOPPED:
             return
-        self.state = ObserverState.STOPPED
+        self.state = EndpointState.STOPPED
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
             logger.debug("HTTP endpoint stopped")
 
-    async def __aenter__(self) -> Observer:
+    async def __aenter__(self) -> HttpEndpoint:
         await self.start()
         return self
 
