@@ -37,6 +37,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from triage_client._proto import triage_pb2 as pb
+from triage_proxy.clienttext import REASON_MAX_CHARS, for_log
 from triage_proxy.policies import Outcome, after_failure, rate_limit, retry_delay
 from triage_proxy.settings import Settings
 from triage_proxy.snapshot import LatencyHistogram
@@ -51,7 +52,6 @@ FRAME_BUDGET_BYTES = 4 * 1024 * 1024
 """Payload bytes per Deliveries frame before a batch is split into several frames."""
 FRAME_OVERHEAD_BYTES = 64 * 1024
 """Room left in a frame for protobuf framing and headers of a single large record."""
-REASON_MAX_CHARS = 4000
 TICK_S = 0.05
 """How often expired leases and due retries are looked at."""
 
@@ -317,7 +317,7 @@ class Dispatcher:
         session = Session(consumer_id, credits)
         self._sessions.append(session)
         self.counters.sessions_opened += 1
-        logger.info("instance %s connected with %d credits", consumer_id, credits)
+        logger.info("instance %s connected with %d credits", for_log(consumer_id), credits)
         self._pump()
         return session
 
@@ -342,7 +342,7 @@ class Dispatcher:
         self._suspect(back)
         logger.info(
             "instance %s disconnected; %d records back to the queue",
-            session.consumer_id,
+            for_log(session.consumer_id),
             len(back),
         )
         session.outbox.put_nowait(None)
@@ -415,7 +415,7 @@ class Dispatcher:
             logger.warning(
                 "rejected %d settlements from %s for offsets it does not hold",
                 len(rejected),
-                session.consumer_id,
+                for_log(session.consumer_id),
             )
         self._update_window_events()
         self._pump()
