@@ -67,6 +67,8 @@ class EntryState(enum.Enum):
     """Ordering by key: an earlier record with the same key is not done yet."""
     DEAD_LETTERING = "dead_lettering"
     """Waiting for its dead letter to be durably written."""
+    UNWRITABLE = "unwritable"
+    """Its dead letter can never be written (deadletter.py): unsettled until a restart."""
 
 
 class Entry:
@@ -258,7 +260,8 @@ class Dispatcher:
 
     @property
     def in_flight(self) -> int:
-        """Records delivered and not settled, plus dead letters not yet durable."""
+        """Records delivered and not settled, plus dead letters not yet durable (not the
+        unwritable ones: nothing can settle those before a restart)."""
         return sum(len(s.held) for s in self._sessions) + self._dead_lettering
 
     def stop_delivering(self) -> None:
@@ -556,6 +559,17 @@ class Dispatcher:
         self.counters.dead_lettered += 1
         self._update_window_events()
         self._pump()
+
+    def dead_letter_unwritable(self, dl: DeadLetter) -> None:
+        """The writer can never write `dl` (deadletter.py): its offset stays unsettled, so
+        the commit waits there and a restart redelivers it, but it no longer counts as in
+        flight, so a drain (`quiet`) does not wait for what cannot happen."""
+        entry = self._entries.get(dl.record.offset)
+        if entry is None or entry.state is not EntryState.DEAD_LETTERING:
+            return
+        entry.state = EntryState.UNWRITABLE
+        self._dead_lettering -= 1
+        self._update_window_events()
 
     # --- timers -----------------------------------------------------------------------
 
