@@ -408,6 +408,7 @@ def check(
     ] = False,
 ) -> None:
     """Validate a config; on error name the offending key and exit 2."""
+    from triage_proxy.deadletter import overflow_warning
     from triage_proxy.settings import load_settings
 
     with exit_on_errors():
@@ -415,6 +416,9 @@ def check(
         typer.echo(f"OK {config}")
         for label, value in summary(settings):
             typer.echo(f"  {label:<14} {value}")
+        warning = overflow_warning(settings.dead_letters)
+        if warning is not None:
+            typer.echo(f"warning: {warning}", err=True)
         if connect:
             _check_connect(settings)
 

@@ -9,7 +9,9 @@ Each row joins three sources, so one that is down costs only its own columns:
   committed yet). The partition count is `kafka.partitions`, else the topic's metadata.
 - each proxy's `/status` (`server.host`, or `--host`, at `server.http_port + p`):
   state, in-flight, connected instances, oldest unsettled age, dead letters still being
-  written. A proxy that does not answer is shown as down. Its log end also raises the
+  written, and what is degraded: a dead letter that can never be written is named with
+  its offset (where the commit waits) and the fix. A proxy that does not answer is shown
+  as down. Its log end also raises the
   broker's (Tansu's high watermark can trail what was fetched, see DESIGN.md).
 - the dead-letter table: items of the partition with `status = pending`.
 
@@ -149,6 +151,9 @@ def partition_row(
         "oldest_unsettled_age_s": doc.get("oldest_unsettled_age_s"),
         "dead_letters_pending": dead_letters_pending,
         "dead_letters_writing": doc.get("dead_letters_pending"),
+        "degraded": list(doc.get("degraded", [])),
+        "dead_letters_unwritable": doc.get("dead_letters_unwritable"),
+        "unwritable_dead_letters": list(doc.get("unwritable_dead_letters", [])),
     }
 
 
@@ -364,10 +369,32 @@ def render_table(report: Report) -> Table:
         if row["proxy"] == "down":
             where = f"proxy {row['partition']} down ({row['proxy_url']})"
             notes.append(f"{where}: {row['proxy_error']}")
+        notes.extend(degraded_notes(row))
     if notes:
         table.caption = "\n".join(notes)
         table.caption_justify = "left"
     return table
+
+
+def degraded_notes(row: Mapping[str, Any]) -> list[str]:
+    """What a row's proxy reports as degraded, in words (pure); unwritable dead letters
+    name their offset and the fix."""
+    partition = row["partition"]
+    notes: list[str] = []
+    others = [part for part in row.get("degraded", []) if part != "dead_letters_unwritable"]
+    if others:
+        notes.append(f"partition {partition} degraded: {', '.join(others)} (retrying)")
+    count = row.get("dead_letters_unwritable") or 0
+    shown = row.get("unwritable_dead_letters", [])
+    if count and shown:
+        first = shown[0]
+        more = f" (and {count - 1} more)" if count > 1 else ""
+        notes.append(
+            f"partition {partition}: the dead letter at offset {first['offset']}{more} cannot "
+            f"be written ({first['size']:,} bytes, over the {first['limit']:,} item limit); "
+            f"the commit cannot pass it. Fix: {first['fix']}"
+        )
+    return notes
 
 
 # --- the command --------------------------------------------------------------------------

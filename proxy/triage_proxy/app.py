@@ -11,7 +11,8 @@ start that failed half-way):
     holds the partition's lease, see ownership.py; it is renewed by a task in the TaskGroup)
     stop fetching (and polling the log end)
     -> deliver nothing new; let in-flight work settle, up to shutdown.drain_timeout_s
-    -> flush dead letters still being written (bounded by what is left of the deadline)
+    -> flush dead letters still being written (bounded by what is left of the deadline;
+       neither step waits for a dead letter that can never be written, see deadletter.py)
     -> end the streams and stop the gRPC server (accepting nothing new)
     -> final commit of the committable offset (with the settled-above encoding), only while
        the lease is still ours
@@ -34,7 +35,7 @@ from types import TracebackType
 from typing import Any
 
 from triage_proxy.committer import Committer
-from triage_proxy.deadletter import DeadLetterWriter
+from triage_proxy.deadletter import DeadLetterWriter, overflow_warning
 from triage_proxy.dispatcher import Dispatcher
 from triage_proxy.errors import StateError, TableUnavailable, TriageError
 from triage_proxy.fetcher import Fetcher
@@ -46,7 +47,7 @@ from triage_proxy.ownership import Ownership
 from triage_proxy.service import TriageService, create_server, server_credentials
 from triage_proxy.settings import AuthSettings, Settings
 from triage_proxy.settled import CheckpointError, decode_settled
-from triage_proxy.snapshot import Instance, ProxySnapshot
+from triage_proxy.snapshot import UNWRITABLE_SHOWN, Instance, ProxySnapshot
 from triage_proxy.structs import DeadLetter
 from triage_proxy.table.checkpoints import CheckpointStore, DynamoDBCheckpoints
 from triage_proxy.table.deadletters import DeadLetterStore, DynamoDBStore
@@ -183,6 +184,8 @@ class Proxy:
             degraded.append("commit")
         if writer is not None and writer.degraded:
             degraded.append("dead_letters")
+        if writer is not None and writer.too_large:
+            degraded.append("dead_letters_unwritable")
         log_end: int | None = None
         log_end_age: float | None = None
         if watermarks is not None:
@@ -208,6 +211,10 @@ class Proxy:
             ),
             oldest_unsettled_age_s=None if oldest is None else max(0.0, now - oldest),
             dead_letters_pending=writer.pending if writer is not None else 0,
+            dead_letters_unwritable=writer.too_large if writer is not None else 0,
+            unwritable_dead_letters=(
+                writer.unwritable(UNWRITABLE_SHOWN) if writer is not None else ()
+            ),
             fetch_paused=fetcher.paused if fetcher is not None else False,
             degraded=tuple(degraded),
             counters=counters,
@@ -236,6 +243,8 @@ class Proxy:
     async def _serve_partition(self) -> None:
         settings = self.settings
         credentials = server_credentials(settings.tls)  # bad TLS files: fail before opening
+        if (warning := overflow_warning(settings.dead_letters)) is not None:
+            logger.warning("%s", warning)
         log = self._log or ConfluentPartition(settings.kafka, self.partition)
         # Teardown is this stack unwinding: what is pushed last is undone first, so read
         # the pushes from the bottom up for the module docstring's order.
@@ -298,8 +307,15 @@ class Proxy:
             def dead_letter_written(dl: DeadLetter) -> None:
                 dispatcher.dead_letter_written(dl)
 
+            def dead_letter_unwritable(dl: DeadLetter) -> None:
+                dispatcher.dead_letter_unwritable(dl)
+
             writer = DeadLetterWriter(
-                store, settings.dead_letters, dead_letter_written, notifier=notifier
+                store,
+                settings.dead_letters,
+                dead_letter_written,
+                notifier=notifier,
+                on_unwritable=dead_letter_unwritable,
             )
             dispatcher = Dispatcher(
                 settings, self.partition, tracker, writer.submit, already_settled=settled

@@ -14,12 +14,21 @@ submissions, runs `put_batch` in worker threads (up to `DEFAULT_MAX_IN_FLIGHT` b
 at once), retries what was not written, and tells an optional observer (the notifier)
 about every dead letter once it is durable.
 
-A dead letter too large for an item even with its payload in S3 (or without a bucket)
-can never be written, and writing it truncated or without its value would lose data.
-So the writer never sends it (one oversized item would fail its whole batch forever); it
-logs ERROR once, counts it in `too_large`, and holds it as pending for good. Its offset
-never commits, the window stalls behind it after `window.max_messages`, and a restart
-redelivers it: no loss, loudly visible.
+Unwritable dead letters, the policy. A dead letter too large for an item even with its
+payload in S3 (or without `dead_letters.overflow_bucket`) can never be written as it is,
+and writing it truncated or without its value would lose data. So the writer never sends
+it (one oversized item would fail its whole batch forever) and holds it unwritten for
+good; the partition's commit waits at its offset (later offsets are still delivered and
+settled, and ride along in the commit's metadata), and a restart redelivers it. It is
+made loud, not silent: one ERROR line naming the offset and the fix, `unwritable` (what
+the proxy's /status, `triage status` and the `triage_dead_letters_unwritable` gauge show,
+as degraded "dead_letters_unwritable"), and `on_unwritable(dl)`, with which the
+dispatcher stops counting it as in flight so a drain does not wait for it; `flush` does
+not wait for it either, so SIGTERM exits at once. The fix is almost always to set
+`dead_letters.overflow_bucket` and restart. Client-sent metadata is bounded
+(clienttext.py: consumer id, nack reason), so with a bucket every dead letter fits; the
+proxy (app.py) and `triage config check` warn at start when no bucket is set
+(`overflow_warning`).
 
 Shutdown of the writer (`stop()`): stop taking batches -> let the `put_batch` calls in
 flight finish and report what they wrote (no further retries) -> cancel only what
@@ -33,16 +42,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from triage_proxy.clienttext import for_log
 from triage_proxy.errors import ConfigError, DeadLetterUnavailable, StateError
 from triage_proxy.lifecycle import Lifecycle, State
 from triage_proxy.policies import backoff
 from triage_proxy.settings import DeadLetterSettings
+from triage_proxy.snapshot import UnwritableDeadLetter
 from triage_proxy.structs import DeadLetter
 from triage_proxy.table.deadletters import MAX_BATCH, DeadLetterStore
 from triage_proxy.table.items import (
@@ -62,6 +74,33 @@ DEFAULT_STOP_TIMEOUT_S = 10.0
 """How long stop() lets in-flight writes finish before cancelling them."""
 RETRY_BASE_S = 0.05
 """First backoff after a failed write; doubles per consecutive failure up to retry_max_s."""
+
+
+NO_BUCKET_FIX = (
+    "set dead_letters.overflow_bucket (payloads over the item limit then go to S3) and "
+    "restart the proxy: the message is redelivered"
+)
+TOO_LARGE_EVEN_IN_S3_FIX = (
+    "none by configuration: its metadata alone exceeds the item limit even with the payload "
+    "in S3 (a bug: please report it); the message is redelivered after a restart"
+)
+
+
+def overflow_warning(settings: DeadLetterSettings) -> str | None:
+    """What to warn about at start (`triage config check`, the writer): no overflow bucket
+    means a record over DynamoDB's item limit cannot be dead-lettered. None with a bucket."""
+    if settings.overflow_bucket is not None:
+        return None
+    return (
+        f"dead_letters.overflow_bucket is not set: a dead letter over DynamoDB's item limit "
+        f"({MAX_ITEM_BYTES:,} bytes) cannot be written, and the commit of its partition "
+        f"would wait at its offset until a bucket is set"
+    )
+
+
+def unwritable_fix(settings: DeadLetterSettings) -> str:
+    """What makes a dead letter over the item limit writable under `settings`."""
+    return NO_BUCKET_FIX if settings.overflow_bucket is None else TOO_LARGE_EVEN_IN_S3_FIX
 
 
 # --- the writer -----------------------------------------------------------------------
@@ -103,6 +142,8 @@ class DeadLetterWriter(Lifecycle):
 
     `on_written(dl)` runs for every dead letter once the store holds it (the commit
     tracker settles its offset); then `notifier.record(dl)`, if a notifier is given.
+    `on_unwritable(dl)` runs, inside `submit`, for a dead letter that can never be written
+    (see the module docstring's policy).
     Its lifecycle (start once, stop safe twice, `async with`) is `lifecycle.Lifecycle`.
     """
 
@@ -115,6 +156,7 @@ class DeadLetterWriter(Lifecycle):
         on_written: Callable[[DeadLetter], None],
         *,
         notifier: DeadLetterObserver | None = None,
+        on_unwritable: Callable[[DeadLetter], None] | None = None,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S,
         sleep: Sleep = asyncio.sleep,
@@ -129,6 +171,7 @@ class DeadLetterWriter(Lifecycle):
         self._settings = settings
         self._on_written = on_written
         self._notifier = notifier
+        self._on_unwritable = on_unwritable
         self._sleep = sleep
         self._rand = rand
         self._slots = asyncio.Semaphore(max_in_flight)
@@ -137,8 +180,8 @@ class DeadLetterWriter(Lifecycle):
         self._queue: collections.deque[_Entry] = collections.deque()
         self._outstanding: collections.OrderedDict[int, None] = collections.OrderedDict()
         """Seqs submitted, writable and not yet written, oldest first."""
-        self._parked: list[int] = []
-        """Seqs of dead letters too large to ever write, in order."""
+        self._parked: dict[int, UnwritableDeadLetter] = {}
+        """Seq -> dead letter too large to ever write, in submission order."""
         self._next_seq = 0
         self._written = 0
         self._failed_writes = 0
@@ -170,9 +213,11 @@ class DeadLetterWriter(Lifecycle):
 
     def _on_finished(self) -> None:
         logger.info(
-            "dead-letter writer stopped: %d written, %d left unwritten (offsets stay uncommitted)",
+            "dead-letter writer stopped: %d written, %d left unwritten (%d of them unwritable; "
+            "offsets stay uncommitted)",
             self._written,
             self.pending,
+            len(self._parked),
         )
 
     # --- the API --------------------------------------------------------------------
@@ -187,24 +232,37 @@ class DeadLetterWriter(Lifecycle):
         seq = self._next_seq
         self._next_seq += 1
         if not fits_with_overflow(dl, self._settings):
-            self._parked.append(seq)
-            topic, partition, offset = dead_letter_key(dl)
-            logger.error(
-                "dead letter %s[%d]@%d needs %d bytes, over DynamoDB's item limit of %d: "
-                "holding it unwritten, so its offset will not commit (%s)",
-                topic,
-                partition,
-                offset,
-                item_size(dl),
-                MAX_ITEM_BYTES,
-                "even with its payload in S3"
-                if self._settings.overflow_bucket
-                else "set dead_letters.overflow_bucket to keep large payloads in S3",
-            )
+            self._park(seq, dl)
             return
         self._outstanding[seq] = None
         self._queue.append(_Entry(seq, dl, dead_letter_key(dl)))
         self._wakeup.set()
+
+    def _park(self, seq: int, dl: DeadLetter) -> None:
+        """Hold `dl` unwritten for good: the module docstring's policy, loudly."""
+        topic, partition, offset = dead_letter_key(dl)
+        held = UnwritableDeadLetter(
+            offset, item_size(dl), MAX_ITEM_BYTES, unwritable_fix(self._settings)
+        )
+        self._parked[seq] = held
+        logger.error(
+            "dead letter %s[%d]@%d (reason '%s', consumer '%s') needs %d bytes, over "
+            "DynamoDB's item limit of %d: held unwritten, so the commit of %s[%d] cannot "
+            "pass offset %d. Fix: %s",
+            topic,
+            partition,
+            offset,
+            for_log(dl.reason),
+            for_log(dl.consumer_id),
+            held.size,
+            held.limit,
+            topic,
+            partition,
+            offset,
+            held.fix,
+        )
+        if self._on_unwritable is not None:
+            self._on_unwritable(dl)
 
     @property
     def pending(self) -> int:
@@ -220,6 +278,11 @@ class DeadLetterWriter(Lifecycle):
     def too_large(self) -> int:
         """Dead letters held because they exceed DynamoDB's item limit (and no S3 helps)."""
         return len(self._parked)
+
+    def unwritable(self, limit: int | None = None) -> tuple[UnwritableDeadLetter, ...]:
+        """The dead letters held for good (the oldest `limit` of them), oldest first."""
+        held = self._parked.values()
+        return tuple(held if limit is None else itertools.islice(held, limit))
 
     @property
     def degraded(self) -> bool:
@@ -244,7 +307,7 @@ class DeadLetterWriter(Lifecycle):
                     await progress.wait()
             except TimeoutError:
                 return False
-        return not (self._parked and self._parked[0] < mark)
+        return not (self._parked and next(iter(self._parked)) < mark)
 
     # --- the background task --------------------------------------------------------
 

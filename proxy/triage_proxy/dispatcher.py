@@ -37,6 +37,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from triage_client._proto import triage_pb2 as pb
+from triage_proxy.clienttext import REASON_MAX_CHARS, for_log
 from triage_proxy.policies import Outcome, after_failure, rate_limit, retry_delay
 from triage_proxy.settings import Settings
 from triage_proxy.snapshot import LatencyHistogram
@@ -51,7 +52,6 @@ FRAME_BUDGET_BYTES = 4 * 1024 * 1024
 """Payload bytes per Deliveries frame before a batch is split into several frames."""
 FRAME_OVERHEAD_BYTES = 64 * 1024
 """Room left in a frame for protobuf framing and headers of a single large record."""
-REASON_MAX_CHARS = 4000
 TICK_S = 0.05
 """How often expired leases and due retries are looked at."""
 
@@ -67,6 +67,8 @@ class EntryState(enum.Enum):
     """Ordering by key: an earlier record with the same key is not done yet."""
     DEAD_LETTERING = "dead_lettering"
     """Waiting for its dead letter to be durably written."""
+    UNWRITABLE = "unwritable"
+    """Its dead letter can never be written (deadletter.py): unsettled until a restart."""
 
 
 class Entry:
@@ -258,7 +260,8 @@ class Dispatcher:
 
     @property
     def in_flight(self) -> int:
-        """Records delivered and not settled, plus dead letters not yet durable."""
+        """Records delivered and not settled, plus dead letters not yet durable (not the
+        unwritable ones: nothing can settle those before a restart)."""
         return sum(len(s.held) for s in self._sessions) + self._dead_lettering
 
     def stop_delivering(self) -> None:
@@ -317,7 +320,7 @@ class Dispatcher:
         session = Session(consumer_id, credits)
         self._sessions.append(session)
         self.counters.sessions_opened += 1
-        logger.info("instance %s connected with %d credits", consumer_id, credits)
+        logger.info("instance %s connected with %d credits", for_log(consumer_id), credits)
         self._pump()
         return session
 
@@ -342,7 +345,7 @@ class Dispatcher:
         self._suspect(back)
         logger.info(
             "instance %s disconnected; %d records back to the queue",
-            session.consumer_id,
+            for_log(session.consumer_id),
             len(back),
         )
         session.outbox.put_nowait(None)
@@ -415,7 +418,7 @@ class Dispatcher:
             logger.warning(
                 "rejected %d settlements from %s for offsets it does not hold",
                 len(rejected),
-                session.consumer_id,
+                for_log(session.consumer_id),
             )
         self._update_window_events()
         self._pump()
@@ -556,6 +559,17 @@ class Dispatcher:
         self.counters.dead_lettered += 1
         self._update_window_events()
         self._pump()
+
+    def dead_letter_unwritable(self, dl: DeadLetter) -> None:
+        """The writer can never write `dl` (deadletter.py): its offset stays unsettled, so
+        the commit waits there and a restart redelivers it, but it no longer counts as in
+        flight, so a drain (`quiet`) does not wait for what cannot happen."""
+        entry = self._entries.get(dl.record.offset)
+        if entry is None or entry.state is not EntryState.DEAD_LETTERING:
+            return
+        entry.state = EntryState.UNWRITABLE
+        self._dead_lettering -= 1
+        self._update_window_events()
 
     # --- timers -----------------------------------------------------------------------
 

@@ -18,7 +18,9 @@ and the global registry would mix them). Every metric carries `topic` and `parti
                triage_window_max_messages, triage_window_max_bytes,
                triage_committed_offset, triage_log_end_offset, triage_lag,
                triage_connected_instances, triage_oldest_unsettled_age_seconds,
-               triage_dead_letters_pending, triage_ready (1 while delivering)
+               triage_dead_letters_pending, triage_ready (1 while delivering),
+               triage_dead_letters_unwritable (dead letters that can never be written as
+               they are, held so the commit waits at the first: alert on > 0)
 """
 
 from __future__ import annotations
@@ -95,6 +97,12 @@ def metric_families(snap: ProxySnapshot) -> Iterator[Metric]:
     )
     yield from gauge(
         "dead_letters_pending", "Dead letters not yet durable.", snap.dead_letters_pending
+    )
+    yield from gauge(
+        "dead_letters_unwritable",
+        "Dead letters that can never be written as they are (over DynamoDB's item limit): "
+        "held, so the commit waits at the first; see /status for the offset and the fix.",
+        snap.dead_letters_unwritable,
     )
 
 

@@ -10,6 +10,10 @@ stream belongs to (by name: a token is never logged), so `update_tokens` can
 revoke one app's token and end only its streams, with UNAUTHENTICATED.
 With `[tls]` the listener speaks TLS, and with `tls.client_ca_file` it also
 requires a client certificate signed by that CA (mTLS).
+
+An authenticated client is still not trusted with the proxy's logs or items: its Hello's
+`consumer_id` is bounded and must be printable (clienttext.py), else the stream is
+refused with INVALID_ARGUMENT; every log line shows it through `clienttext.for_log`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import grpc
 
 from triage_client._proto import triage_pb2 as pb
 from triage_client._proto import triage_pb2_grpc as pb_grpc
+from triage_proxy.clienttext import consumer_id_problem, for_log
 from triage_proxy.dispatcher import Dispatcher, Session
 from triage_proxy.errors import (
     AuthError,
@@ -172,7 +177,7 @@ class TriageService(pb_grpc.TriageServicer):
                     max_attempts=delivery.max_attempts,
                 )
             )
-            logger.info("instance %s authenticated as app %r", consumer_id, app)
+            logger.info("instance %s authenticated as app %r", for_log(consumer_id), app)
             session = self._dispatcher.open_session(consumer_id, hello.credits)
             self._apps[session] = app
             reader = asyncio.create_task(self._read(session, request_iterator))
@@ -186,7 +191,9 @@ class TriageService(pb_grpc.TriageServicer):
                         break
                     yield frame
                 if session in self._revoked:
-                    logger.info("ended the stream of %s: app %r was revoked", consumer_id, app)
+                    logger.info(
+                        "ended the stream of %s: app %r was revoked", for_log(consumer_id), app
+                    )
                     raise AuthError("token revoked")
             finally:
                 self._apps.pop(session, None)
@@ -194,6 +201,8 @@ class TriageService(pb_grpc.TriageServicer):
                 reader.cancel()
                 self._dispatcher.close_session(session)
         except TriageError as exc:
+            if isinstance(exc, FrameError):  # its message quotes no client text unescaped
+                logger.warning("refused a stream from %s: %s", context.peer(), exc)
             await _refuse(context, exc)
 
     async def _read(self, session: Session, frames: AsyncIterator[pb.ConsumerFrame]) -> None:
@@ -214,17 +223,20 @@ class TriageService(pb_grpc.TriageServicer):
                     rejected_frame = pb.Rejected(offsets=rejected, reason=REJECTED_REASON)
                     session.outbox.put_nowait(pb.ProxyFrame(rejected=rejected_frame))
         except grpc.aio.AioRpcError as exc:
-            logger.debug("stream of %s broke: %s", session.consumer_id, exc.code())
+            logger.debug("stream of %s broke: %s", for_log(session.consumer_id), exc.code())
         except Exception:
             # A bug (in the dispatcher, say): nobody awaits this task, so say it here.
-            logger.exception("settlements of %s failed; ending its stream", session.consumer_id)
+            logger.exception(
+                "settlements of %s failed; ending its stream", for_log(session.consumer_id)
+            )
         finally:
             # The instance closed its side or vanished: it will settle nothing more.
             dispatcher.close_session(session)
 
 
 async def _hello(frames: AsyncIterator[pb.ConsumerFrame]) -> pb.Hello:
-    """The stream's first frame, which must be a valid Hello (FrameError otherwise)."""
+    """The stream's first frame, which must be a valid Hello (FrameError otherwise): credits
+    in range, a consumer id within `clienttext`'s bounds."""
     try:
         first = await asyncio.wait_for(anext(frames), HELLO_TIMEOUT_S)
     except (TimeoutError, StopAsyncIteration):
@@ -233,6 +245,9 @@ async def _hello(frames: AsyncIterator[pb.ConsumerFrame]) -> pb.Hello:
         raise FrameError("first frame must be Hello")
     if not 1 <= first.hello.credits <= MAX_CREDITS:
         raise FrameError(f"credits must be 1..{MAX_CREDITS}")
+    problem = consumer_id_problem(first.hello.consumer_id)
+    if problem is not None:
+        raise FrameError(problem)
     return first.hello
 
 

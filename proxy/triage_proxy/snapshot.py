@@ -37,6 +37,8 @@ SETTLE_BUCKETS_S = (
     300.0,
 )
 """Upper bounds of the settle-latency buckets: handlers take from ~1 ms to minutes."""
+UNWRITABLE_SHOWN = 10
+"""Most unwritable dead letters a snapshot names (the oldest; all are counted)."""
 
 
 class LatencyHistogram:
@@ -86,6 +88,22 @@ class Instance:
 
 
 @dataclass(frozen=True)
+class UnwritableDeadLetter:
+    """A dead letter that can never be written as it is (deadletter.py's policy): held
+    unwritten, so the commit waits at its offset until the fix is made and the proxy
+    restarted (the message is then redelivered)."""
+
+    offset: int
+    """Its offset: the partition's commit cannot pass it."""
+    size: int
+    """Bytes its DynamoDB item needs."""
+    limit: int
+    """DynamoDB's item limit it exceeds."""
+    fix: str
+    """What makes it writable, e.g. "set dead_letters.overflow_bucket ..."."""
+
+
+@dataclass(frozen=True)
 class ProxySnapshot:
     """One proxy's state at one moment (`Proxy.snapshot()`); metrics and /status render it."""
 
@@ -108,7 +126,7 @@ class ProxySnapshot:
     log_end_age_s: float | None = None
     """How old the high watermark reading is (it is polled, see logend.py)."""
     in_flight: int = 0
-    """Delivered and unsettled, plus dead letters not yet durable."""
+    """Delivered and unsettled, plus dead letters not yet durable (not unwritable ones)."""
     in_window: int = 0
     """Fetched and unsettled records (the window)."""
     window_bytes: int = 0
@@ -124,11 +142,16 @@ class ProxySnapshot:
     oldest_unsettled_age_s: float | None = None
     """Time since the oldest unsettled record entered the window (None: window empty)."""
     dead_letters_pending: int = 0
-    """Dead letters handed to the writer and not yet durable."""
+    """Dead letters handed to the writer and not yet durable (unwritable ones included)."""
     fetch_paused: bool = False
     """The window is full, so fetching waits."""
+    dead_letters_unwritable: int = 0
+    """Dead letters held because they can never be written (the commit waits at the first)."""
+    unwritable_dead_letters: tuple[UnwritableDeadLetter, ...] = ()
+    """The oldest of them (at most UNWRITABLE_SHOWN), each with its offset and the fix."""
     degraded: tuple[str, ...] = ()
-    """Parts that are failing and retrying: "fetch", "commit", "dead_letters", "log_end"."""
+    """Parts that are failing and retrying: "fetch", "commit", "dead_letters", "log_end";
+    and "dead_letters_unwritable" while a dead letter is held that retrying cannot write."""
     counters: dict[str, int] = field(default_factory=dict)
     """Running totals (`dispatcher.Counters` fields and `commits`)."""
     settle_latency: LatencyHistogram | None = None
@@ -147,6 +170,9 @@ class ProxySnapshot:
         doc.pop("settle_latency")
         doc.pop("alive")
         doc["instances"] = [dataclasses.asdict(i) for i in self.instances]
+        doc["unwritable_dead_letters"] = [
+            dataclasses.asdict(u) for u in self.unwritable_dead_letters
+        ]
         doc["degraded"] = list(self.degraded)
         doc["connected_instances"] = len(self.instances)
         doc["lag"] = self.lag

@@ -18,13 +18,15 @@ import boto3
 import pytest
 
 from triage_cli.embedded import EmbeddedAWS, free_port
+from triage_proxy.clienttext import MAX_CONSUMER_ID_CHARS, REASON_MAX_CHARS
 from triage_proxy.deadletter import DeadLetterWriter
 from triage_proxy.errors import ConfigError, DeadLetterUnavailable
 from triage_proxy.settings import DeadLetterSettings
 from triage_proxy.structs import DeadLetter, Headers, Record
 from triage_proxy.table.deadletters import DynamoDBStore
-from triage_proxy.table.items import dead_letter_from_item
-from triage_proxy.table.provisioning import create_table
+from triage_proxy.table.items import MAX_ITEM_BYTES, dead_letter_from_item, item_size
+from triage_proxy.table.provisioning import create_bucket, create_table
+from triage_proxy.table.query import DeadLetterTable
 
 pytestmark = pytest.mark.integration
 
@@ -191,6 +193,47 @@ def test_writer_writes_everything_and_reports_it(table: DeadLetterSettings, dyna
     assert read_dead_letters(dynamodb, table.table) == sorted(
         dls, key=lambda d: (d.record.partition, d.record.offset)
     )
+
+
+def test_the_largest_client_metadata_is_written_inline_or_with_its_payload_in_s3(
+    aws: EmbeddedAWS, unique_name: str
+) -> None:
+    """A consumer id and a reason as long as a client may make them, in 4-byte characters,
+    cannot push a dead letter over the item limit: with a payload that fits beside them it
+    is written inline, with a larger one its payload goes to S3 (clienttext.py's bounds)."""
+    bucket = unique_name.lower().replace("_", "-")[:55].strip("-") + "-b"
+    settings = DeadLetterSettings(
+        table=unique_name,
+        endpoint_url=aws.endpoint_url,
+        flush_interval_ms=5,
+        overflow_bucket=bucket,
+    )
+    create_table(settings)
+    create_bucket(settings)
+    wide = "\U0001f600"
+    consumer_id = wide * MAX_CONSUMER_ID_CHARS
+    reason = f"delivery attempts exhausted ({2**32 - 1}): " + wide * REASON_MAX_CHARS
+    inline = make_dl(1, value=b"v", reason=reason, consumer_id=consumer_id)
+    room = MAX_ITEM_BYTES - item_size(inline) + 1
+    full = make_dl(2, value=b"v" * room, reason=reason, consumer_id=consumer_id)
+    assert item_size(full) == MAX_ITEM_BYTES
+    huge = make_dl(3, value=b"v" * (2 * MAX_ITEM_BYTES), reason=reason, consumer_id=consumer_id)
+    written: list[DeadLetter] = []
+
+    async def main() -> None:
+        with DynamoDBStore(settings) as store:
+            async with DeadLetterWriter(store, settings, written.append) as writer:
+                for dl in (inline, full, huge):
+                    writer.submit(dl)
+                assert await writer.flush(30)
+                assert writer.too_large == 0
+
+    run(main())
+    assert [dl.record.offset for dl in written] == [1, 2, 3]
+    with DeadLetterTable(settings) as table:
+        items = {o: table.get(("orders", 0, o)) for o in (1, 2, 3)}
+        assert ["payload_s3" in items[o] for o in (1, 2, 3)] == [False, False, True]
+        assert [table.load(items[o]) for o in (1, 2, 3)] == [inline, full, huge]
 
 
 def test_dead_endpoint_raises_unavailable() -> None:

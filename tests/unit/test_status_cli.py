@@ -129,3 +129,42 @@ def test_a_proxy_that_does_not_answer_is_down_not_a_crash() -> None:
         view = fetch_status(f"http://127.0.0.1:{port}/status", timeout=1)
     assert view.doc is None
     assert view.error
+
+
+def test_an_unwritable_dead_letter_is_named_with_its_offset_and_the_fix() -> None:
+    from triage_proxy.deadletter import NO_BUCKET_FIX
+    from triage_proxy.snapshot import ProxySnapshot, UnwritableDeadLetter
+
+    held = UnwritableDeadLetter(7, 450_160, 400_000, NO_BUCKET_FIX)
+    snap = ProxySnapshot(
+        topic="orders",
+        partition=0,
+        state="running",
+        ready=True,
+        grpc_port=1,
+        dead_letters_pending=2,
+        dead_letters_unwritable=2,
+        unwritable_dead_letters=(held, dataclasses.replace(held, offset=9)),
+        degraded=("commit", "dead_letters_unwritable"),
+    )
+    broker = BrokerView(committed={0: 7}, low={0: 0}, high={0: 20})
+    row = partition_row(0, broker, ProxyView("u", doc=snap.to_json()), 0)
+    assert row["degraded"] == ["commit", "dead_letters_unwritable"]
+    assert row["dead_letters_unwritable"] == 2
+    assert [u["offset"] for u in row["unwritable_dead_letters"]] == [7, 9]
+    console = Console(width=80, record=True, color_system=None)
+    console.print(render_table(Report("orders", "g", [row])))
+    text = " ".join(console.export_text().split())
+    assert "partition 0 degraded: commit (retrying)" in text
+    assert "the dead letter at offset 7 (and 1 more) cannot be written" in text
+    assert "450,160 bytes, over the 400,000 item limit" in text
+    assert "Fix: set dead_letters.overflow_bucket" in text
+
+
+def test_an_older_proxy_without_the_new_fields_renders_as_before() -> None:
+    row = partition_row(0, BrokerView(), ProxyView("u", doc=RUNNING), 0)
+    assert (row["degraded"], row["dead_letters_unwritable"]) == ([], None)
+    assert row["unwritable_dead_letters"] == []
+    console = Console(width=80, record=True, color_system=None)
+    console.print(render_table(Report("orders", "g", [row])))
+    assert "degraded" not in console.export_text()
