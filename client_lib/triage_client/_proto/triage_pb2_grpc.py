@@ -40,6 +40,11 @@ class TriageStub:
                 request_serializer=triage_dot_v1_dot_triage__pb2.ConsumerFrame.SerializeToString,
                 response_deserializer=triage_dot_v1_dot_triage__pb2.ProxyFrame.FromString,
                 _registered_method=True)
+        self.Topology = channel.unary_unary(
+                '/triage.v1.Triage/Topology',
+                request_serializer=triage_dot_v1_dot_triage__pb2.TopologyRequest.SerializeToString,
+                response_deserializer=triage_dot_v1_dot_triage__pb2.TopologyReply.FromString,
+                _registered_method=True)
 
 
 class TriageServicer:
@@ -51,6 +56,13 @@ class TriageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Topology(self, request, context):
+        """Which endpoint serves which partition of the deployment now. Any proxy answers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TriageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +70,11 @@ def add_TriageServicer_to_server(servicer, server):
                     servicer.Consume,
                     request_deserializer=triage_dot_v1_dot_triage__pb2.ConsumerFrame.FromString,
                     response_serializer=triage_dot_v1_dot_triage__pb2.ProxyFrame.SerializeToString,
+            ),
+            'Topology': grpc.unary_unary_rpc_method_handler(
+                    servicer.Topology,
+                    request_deserializer=triage_dot_v1_dot_triage__pb2.TopologyRequest.FromString,
+                    response_serializer=triage_dot_v1_dot_triage__pb2.TopologyReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +104,33 @@ class Triage:
             '/triage.v1.Triage/Consume',
             triage_dot_v1_dot_triage__pb2.ConsumerFrame.SerializeToString,
             triage_dot_v1_dot_triage__pb2.ProxyFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Topology(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/triage.v1.Triage/Topology',
+            triage_dot_v1_dot_triage__pb2.TopologyRequest.SerializeToString,
+            triage_dot_v1_dot_triage__pb2.TopologyReply.FromString,
             options,
             channel_credentials,
             insecure,
