@@ -243,6 +243,8 @@ class Dispatcher:
         self.quiet.set()
         self._dead_lettering = 0
         self._delivering = True
+        self._ended = False
+        """Shutdown ended the streams (`end_sessions`): closing ones fail nothing."""
         self._rate = rate_limit(settings.rate_limit, monotonic())
         """The [rate_limit] caps; None (no caps) costs `_pump` one attribute test."""
         self._rate_wake: asyncio.TimerHandle | None = None
@@ -382,7 +384,9 @@ class Dispatcher:
         """The instance is gone: each held delivery failed (attempt used up).
 
         A gracefully stopping instance first releases what it never started (`release`),
-        so only deliveries that may have reached a handler count as attempts here.
+        so only deliveries that may have reached a handler count as attempts here. Streams
+        the proxy itself ends at shutdown (`end_sessions`) use no attempt either: that is
+        not the messages' doing, and their counts outlive this run (`failures`).
         """
         if session.closed:
             return
@@ -391,6 +395,16 @@ class Dispatcher:
         self.counters.sessions_closed += 1
         held = sorted(session.held.values(), key=lambda e: e.record.offset)
         session.held.clear()
+        if self._ended:
+            self._give_back(session, held)
+            logger.info(
+                "stream of %s ended; %d records it held not counted as attempts",
+                session.consumer_id,
+                len(held),
+            )
+            session.outbox.put_nowait(None)
+            self._update_window_events()
+            return
         cause = f"instance {session.consumer_id} disconnected while handling it"
         back: list[Entry] = []
         for entry in held:
@@ -409,6 +423,7 @@ class Dispatcher:
 
     def end_sessions(self) -> None:
         """Ask every stream to finish (shutdown); their close_session follows."""
+        self._ended = True
         for session in self._sessions:
             session.outbox.put_nowait(None)
 
@@ -529,7 +544,19 @@ class Dispatcher:
             entry = session.held.pop(offset, None)
             if entry is None:
                 rejected.append(offset)
-                continue
+            else:
+                back.append(entry)
+        self.counters.released += self._give_back(session, back)
+        self.counters.rejected += len(rejected)
+        self._update_window_events()
+        self._pump()
+        return rejected
+
+    def _give_back(self, session: Session, entries: list[Entry]) -> int:
+        """`entries`, taken from `session.held`, go back to the queue without using an
+        attempt (suspects stay suspects). Returns how many were not suspects."""
+        back: list[Entry] = []
+        for entry in entries:
             entry.holder = None
             entry.attempt -= 1
             if entry.suspect:
@@ -539,11 +566,7 @@ class Dispatcher:
             else:
                 back.append(entry)
         self._requeue_front(back)
-        self.counters.released += len(back)
-        self.counters.rejected += len(rejected)
-        self._update_window_events()
-        self._pump()
-        return rejected
+        return len(back)
 
     def _failed(self, entry: Entry, cause: str, consumer_id: str) -> bool:
         """A delivery of `entry` failed: True to redeliver, False if it was dead-lettered."""

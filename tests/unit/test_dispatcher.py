@@ -629,3 +629,19 @@ def test_the_count_of_failures_stays_bounded_without_readers() -> None:
         d.close_session(t)
     assert len(d._failures) <= 2048
     assert d.failures() == {}
+
+
+def test_streams_ended_by_a_shutdown_use_no_attempt() -> None:
+    # The proxy stopping is not the messages' doing: nothing is counted (or persisted).
+    d, _, dead = make(max_attempts=1, span_s=0)
+    a = d.open_session("a", 3)
+    d.add(records(0, 3))
+    drain(a)
+    d.stop_delivering()
+    d.end_sessions()
+    d.close_session(a)
+    assert dead == []  # max_attempts 1: a counted failure would have dead-lettered them
+    assert d.failures() == {}
+    assert d.queued == 3
+    assert d.in_flight == 0
+    assert d.quiet.is_set()
