@@ -46,7 +46,7 @@ from triage_proxy.notifier import notifier_from_settings
 from triage_proxy.ownership import Ownership
 from triage_proxy.service import TriageService, create_server, server_credentials
 from triage_proxy.settings import AuthSettings, Settings
-from triage_proxy.settled import CheckpointError, decode_settled
+from triage_proxy.settled import CheckpointError, decode_attempts, decode_settled
 from triage_proxy.snapshot import UNWRITABLE_SHOWN, Instance, ProxySnapshot
 from triage_proxy.structs import DeadLetter
 from triage_proxy.table.checkpoints import CheckpointStore, DynamoDBCheckpoints
@@ -292,7 +292,7 @@ class Proxy:
                 # Released before Kafka closes, so a standby takes over at once (release
                 # is safe twice: the one pushed above then does nothing).
                 stack.push_async_callback(ownership.release)
-            settled = await self._settled_above(start_offset, metadata, checkpoints)
+            settled, failures = await self._restore(start_offset, metadata, checkpoints)
             if ownership is not None:
                 await ownership.renew()  # the start may have been slow: still ours?
 
@@ -318,7 +318,12 @@ class Proxy:
                 on_unwritable=dead_letter_unwritable,
             )
             dispatcher = Dispatcher(
-                settings, self.partition, tracker, writer.submit, already_settled=settled
+                settings,
+                self.partition,
+                tracker,
+                writer.submit,
+                already_settled=settled,
+                prior_failures=failures,
             )
             service = TriageService(settings, self.partition, dispatcher)
             server, self.port = create_server(settings, self.partition, service, credentials)
@@ -334,6 +339,7 @@ class Proxy:
                 settings.commit.interval_s,
                 commit_closing,
                 checkpoints=checkpoints if settings.commit.encode_settled else None,
+                attempts=dispatcher,
             )
             watermarks = LogEndWatcher(log, thread, tracker, fetch_closing)
             self.dispatcher, self.committer, self.fetcher = dispatcher, committer, fetcher
@@ -363,12 +369,13 @@ class Proxy:
                 self.ready.set()
                 logger.info(
                     "proxy for %s[%d] serving on port %d from offset %d "
-                    "(%d offsets above it already settled)",
+                    "(%d offsets above it already settled, %d with failed deliveries)",
                     settings.kafka.topic,
                     self.partition,
                     self.port,
                     start_offset,
                     len(settled),
+                    len(failures),
                 )
                 await self._closing.wait()
                 self.state = ProxyState.STOPPING
@@ -414,29 +421,45 @@ class Proxy:
                 continue
             service.update_tokens(auth.active())
 
-    async def _settled_above(
+    async def _restore(
         self, committed: int, metadata: str | None, checkpoints: CheckpointStore | None
-    ) -> list[int]:
-        """Offsets a previous run settled above `committed`: from the commit's metadata,
-        else from the checkpoint item unless it is newer than Kafka's commit. Trouble here
-        only costs redeliveries, so it is logged and ignored."""
+    ) -> tuple[list[int], dict[int, int]]:
+        """What a previous run left: the offsets it settled above `committed` (from the
+        commit's metadata, else from the checkpoint item) and the failed-delivery counts
+        of its unsettled messages (from the item), both unless the item is newer than
+        Kafka's commit. Trouble here only costs redeliveries (or attempts counted again),
+        so it is logged and ignored."""
         if not self.settings.commit.encode_settled:
-            return []
+            return [], {}
+        found = None
+        if checkpoints is not None:
+            try:
+                found = await asyncio.to_thread(checkpoints.get)
+            except TableUnavailable as exc:
+                logger.warning("ignoring the checkpoint item: %s", exc)
+        if found is not None and found.committed > committed:
+            found = None  # newer than Kafka's commit (the group was rewound): unusable
+        # The item may trail Kafka by a commit (it is written just after it). Offsets
+        # settled then are still settled now; the ones below Kafka's commit drop out, and
+        # so do their counts.
+        settled: list[int] = []
         try:
             if metadata:
-                return decode_settled(committed, metadata)
-            if checkpoints is None:
-                return []
-            found = await asyncio.to_thread(checkpoints.get)
-            if found is None or found[0] > committed:
-                # None yet, or newer than Kafka's commit (the group was rewound): unusable.
-                return []
-            # The item may trail Kafka by a commit (it is written just after it). Offsets
-            # settled then are still settled now; the ones below Kafka's commit drop out.
-            return [o for o in decode_settled(found[0], found[1]) if o >= committed]
-        except (CheckpointError, TableUnavailable) as exc:
+                settled = decode_settled(committed, metadata)
+            elif found is not None:
+                settled = [
+                    o for o in decode_settled(found.committed, found.settled) if o >= committed
+                ]
+        except CheckpointError as exc:
             logger.warning("ignoring the settled-above checkpoint: %s", exc)
-            return []
+        failures: dict[int, int] = {}
+        try:
+            if found is not None:
+                counts = decode_attempts(found.committed, found.attempts)
+                failures = {o: n for o, n in counts.items() if o >= committed}
+        except CheckpointError as exc:
+            logger.warning("ignoring the failed-delivery counts of the checkpoint: %s", exc)
+        return settled, failures
 
 
 def _left(deadline: float) -> float:

@@ -7,6 +7,11 @@ restarted proxy does not redeliver it. When the encoding does not fit the broker
 metadata limit it commits the plain offset (at-least-once) and counts the overflow.
 A failed commit is retried on the next tick (the offset stays uncommitted, so
 nothing is lost), and there is one final commit on shutdown.
+
+The checkpoint item also carries the failed-delivery counts of the window (`attempts`,
+from the dispatcher), so a crash-type pill's attempts survive a restart. When they
+change the item is rewritten even if the committed offset did not move (a pill at the
+head of the window holds the commit still), within the same once-a-second limit.
 """
 
 from __future__ import annotations
@@ -15,11 +20,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from triage_proxy.errors import BrokerUnavailable, TableUnavailable
 from triage_proxy.kafka import KafkaThread, PartitionLog
-from triage_proxy.settled import encode_settled
-from triage_proxy.table.checkpoints import CheckpointStore
+from triage_proxy.settled import encode_attempts, encode_settled
+from triage_proxy.table.checkpoints import Checkpoint, CheckpointStore
 from triage_proxy.tracker import CommitTracker
 from triage_proxy.waiting import wait_any
 
@@ -29,6 +35,19 @@ CHECKPOINT_INTERVAL_S = 1.0
 """Least time between checkpoint-item writes. A checkpoint that trails Kafka's commit is
 still used (see app.py), so writing it on every fast commit would only cost DynamoDB
 writes and proxy CPU (measured ~10% of no-op throughput at 10 commits/s)."""
+
+
+class FailureCounts(Protocol):
+    """Where the failed-delivery counts come from (the dispatcher)."""
+
+    @property
+    def failures_version(self) -> int:
+        """Moves whenever a count changed."""
+        ...
+
+    def failures(self) -> dict[int, int]:
+        """Failed deliveries by offset of the unsettled records that failed."""
+        ...
 
 
 class Committer:
@@ -44,6 +63,7 @@ class Committer:
         closing: asyncio.Event,
         *,
         checkpoints: CheckpointStore | None = None,
+        attempts: FailureCounts | None = None,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._log = log
@@ -52,6 +72,8 @@ class Committer:
         self._interval_s = interval_s
         self._closing = closing
         self._checkpoints = checkpoints
+        self._attempts = attempts
+        """Their counts ride in the checkpoint item (only with `checkpoints`)."""
         self._monotonic = monotonic
         """The clock of the checkpoint interval (a test passes its own)."""
         self.committed = start_offset
@@ -64,8 +86,12 @@ class Committer:
         """Commits made without the encoding because it did not fit."""
         self._checkpoint_degraded = False
         self._checkpoint_at = -CHECKPOINT_INTERVAL_S
-        self._checkpoint_due: tuple[int, str] | None = None
-        """The latest (committed, encoding) not yet written to the checkpoint item."""
+        self._checkpoint_due = False
+        """A Kafka commit or a failed-delivery count is not in the checkpoint item yet."""
+        self._written: Checkpoint | None = None
+        """What this run last wrote to the checkpoint item."""
+        self._attempts_seen = 0
+        """`failures_version` when the counts were last taken for a checkpoint."""
 
     async def run(self) -> None:
         while not await wait_any(self._closing, timeout=self._interval_s):
@@ -89,6 +115,8 @@ class Committer:
         offset = self._tracker.committable
         metadata = self._encoding(offset)
         if offset < self.committed or (offset == self.committed and metadata == self.metadata):
+            if self._closing.is_set():  # the last chance for changed counts
+                await self._flush_checkpoint(force=True)
             return True
         try:
             await self._thread.run(self._log.commit, offset, metadata)
@@ -103,29 +131,51 @@ class Committer:
         self.committed, self.metadata = offset, metadata
         self.commits += 1
         if self._checkpoints is not None:
-            self._checkpoint_due = (offset, metadata or "")
+            self._checkpoint_due = True
             await self._flush_checkpoint(force=self._closing.is_set())
         return True
 
     async def _flush_checkpoint(self, *, force: bool = False) -> None:
-        """Write the due checkpoint if CHECKPOINT_INTERVAL_S passed since the last write."""
+        """Write the checkpoint if something is due and CHECKPOINT_INTERVAL_S passed since
+        the last write (or `force`). Only after this run's first commit: until then the
+        item still holds the previous run's settled-above set."""
+        if self._checkpoints is None or not self.commits:
+            return
+        attempts = self._attempts
+        if attempts is not None and attempts.failures_version != self._attempts_seen:
+            self._checkpoint_due = True
         now = self._monotonic()
-        if self._checkpoint_due is None or (
+        if not self._checkpoint_due or (
             not force and now - self._checkpoint_at < CHECKPOINT_INTERVAL_S
         ):
             return
-        (offset, text), self._checkpoint_due = self._checkpoint_due, None
+        self._checkpoint_due = False
+        counts = ""
+        if attempts is not None:
+            self._attempts_seen = attempts.failures_version
+            counts = encode_attempts(self.committed, attempts.failures())
+        checkpoint = Checkpoint(self.committed, self.metadata or "", counts)
+        if checkpoint == self._written:
+            return
         self._checkpoint_at = now
-        await self._write_checkpoint(offset, text)
+        await self._write_checkpoint(checkpoint)
 
-    async def _write_checkpoint(self, offset: int, text: str) -> None:
-        """Best effort: a missing or stale checkpoint only means more redeliveries."""
+    async def _write_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """Best effort: a missing or stale checkpoint only means more redeliveries (and a
+        crash-type pill's attempts counted again from where it last was written)."""
         assert self._checkpoints is not None
         try:
-            await asyncio.to_thread(self._checkpoints.put, offset, text)
+            await asyncio.to_thread(
+                self._checkpoints.put,
+                checkpoint.committed,
+                checkpoint.settled,
+                checkpoint.attempts,
+            )
         except TableUnavailable as exc:
+            self._checkpoint_due = True  # again after the interval
             if not self._checkpoint_degraded:
-                logger.warning("commit checkpoint not written (%s); retrying next commit", exc)
+                logger.warning("commit checkpoint not written (%s); will retry", exc)
                 self._checkpoint_degraded = True
             return
+        self._written = checkpoint
         self._checkpoint_degraded = False

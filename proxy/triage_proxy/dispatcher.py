@@ -7,9 +7,15 @@ when it reports the item durably written.
 
 A delivery fails (and uses up its attempt) when it is nacked with retry, when its
 ack deadline passes (its lease expires), or when its instance vanishes. The pure
-policy `after_failure` then says: redeliver (after `retry_delay` for a retry nack,
-at once otherwise) or, once the attempts are exhausted, dead-letter it with the
-last cause. Rules for settlements that do not match a held delivery:
+policy `after_failure` then says: redeliver or, once the attempts are exhausted,
+dead-letter it with the last cause. A retry nack waits `retry_delay`; a vanished
+instance or a lapsed lease waits `redelivery_delay` (the first time not at all, then
+gaps that add up to `delivery.redelivery_span_s`, so a fleet in a crash loop cannot
+use up a healthy message's attempts in seconds) and goes out as a suspect. The failed
+counts of the window (`failures`) are persisted by the committer in the checkpoint
+item, and a restarted proxy continues them (`prior_failures`), so a crash-type pill
+reaches its limit across restarts. Rules for settlements that do not match a held
+delivery:
 
 - a settlement for an offset the instance does not hold (forged, duplicate, or
   late: its lease expired and it went back to the queue) is rejected, reported
@@ -33,12 +39,18 @@ import enum
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from triage_client._proto import triage_pb2 as pb
 from triage_proxy.clienttext import REASON_MAX_CHARS, for_log
-from triage_proxy.policies import Outcome, after_failure, rate_limit, retry_delay
+from triage_proxy.policies import (
+    Outcome,
+    after_failure,
+    rate_limit,
+    redelivery_delay,
+    retry_delay,
+)
 from triage_proxy.settings import Settings
 from triage_proxy.snapshot import LatencyHistogram
 from triage_proxy.structs import DeadLetter, Record
@@ -62,7 +74,8 @@ class EntryState(enum.Enum):
     HELD = "held"
     """Delivered; the holder has not settled it yet (its lease is running)."""
     BACKOFF = "backoff"
-    """Nacked with retry; waiting out its backoff before it is ready again."""
+    """Waiting out a backoff before it is ready again: nacked with retry, or (`suspect`)
+    its instance vanished or its lease lapsed again."""
     WAITING = "waiting"
     """Ordering by key: an earlier record with the same key is not done yet."""
     DEAD_LETTERING = "dead_lettering"
@@ -97,7 +110,8 @@ class Entry:
         self.deadline = 0.0
         """When the current delivery's lease expires (monotonic seconds)."""
         self.suspect = False
-        """Its instance vanished (or its lease lapsed) while holding it: maybe a poison pill."""
+        """Its instance vanished (or its lease lapsed) while holding it: maybe a poison pill.
+        Set from then until it is settled or handled (see `Dispatcher._suspects`)."""
         self.fetched_at = 0.0
         """When it entered the window (monotonic seconds; for the oldest unsettled age)."""
         self.delivered_at = 0.0
@@ -169,6 +183,7 @@ class Dispatcher:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         already_settled: Collection[int] = (),
+        prior_failures: Mapping[int, int] | None = None,
     ) -> None:
         self._topic = settings.kafka.topic
         self._partition = partition
@@ -179,6 +194,7 @@ class Dispatcher:
         self._refill = max(1, min(settings.kafka.fetch_batch, self._max_messages // 4))
         self._max_attempts = settings.delivery.max_attempts
         self._ack_deadline_s = settings.delivery.ack_deadline_s
+        self._span_s = settings.delivery.redelivery_span_s
         self._retry = settings.retry
         self._ordered = settings.delivery.ordering == "key"
         self._max_record_bytes = settings.server.max_frame_bytes - FRAME_OVERHEAD_BYTES
@@ -188,6 +204,16 @@ class Dispatcher:
         self._monotonic = monotonic
         self._skip = set(already_settled)
         """Offsets a previous run settled above its committed offset (commit metadata)."""
+        self._prior = {o: n for o, n in (prior_failures or {}).items() if o not in self._skip}
+        """Failed deliveries a previous run counted (checkpoint item), by offset, until the
+        offset is fetched again; its entry then continues from there."""
+        self._failures: dict[int, int] = {}
+        """Failed deliveries by offset, of entries that failed at least once. Written only
+        when a delivery fails; offsets settled since are dropped when it is read
+        (`failures`) or grows past `_failures_cap`, so settling costs nothing here."""
+        self._failures_cap = 1024
+        self.failures_version = 0
+        """Moves whenever a count in `failures` went up (the committer's cue to write it)."""
         self._entries: dict[int, Entry] = {}
         self._ready: deque[Entry] = deque()
         self._suspects: deque[Entry] = deque()
@@ -204,6 +230,7 @@ class Dispatcher:
         self._lease_batches: deque[tuple[float, list[int]]] = deque()
         self._lease_refs = 0
         self._backoffs: Timers[int] = Timers()
+        """Entries in BACKOFF by offset; suspects go back to `_suspects` when due."""
         self._key_owner: dict[bytes, Entry] = {}
         self._key_waiting: dict[bytes, deque[Entry]] = {}
         self._bytes = 0
@@ -218,6 +245,8 @@ class Dispatcher:
         self.quiet.set()
         self._dead_lettering = 0
         self._delivering = True
+        self._ended = False
+        """Shutdown ended the streams (`end_sessions`): closing ones fail nothing."""
         self._rate = rate_limit(settings.rate_limit, monotonic())
         """The [rate_limit] caps; None (no caps) costs `_pump` one attribute test."""
         self._rate_wake: asyncio.TimerHandle | None = None
@@ -284,6 +313,7 @@ class Dispatcher:
         """Take freshly fetched records (in offset order) into the window and deliver."""
         track = self._tracker.track
         skip = self._skip
+        prior = self._prior
         now = self._monotonic()
         for record in records:
             offset = record.offset
@@ -299,6 +329,9 @@ class Dispatcher:
             self._entries[offset] = entry
             self._bytes += entry.size
             self.counters.fetched += 1
+            if prior and offset in prior:
+                # It failed in a previous run: the count goes on (see `_continue`).
+                entry.attempt = self._failures[offset] = prior.pop(offset)
             if entry.size > self._max_record_bytes:
                 entry.attempt = 1
                 self._to_dead_letter(
@@ -310,9 +343,35 @@ class Dispatcher:
             else:
                 if self._ordered and record.key is not None:
                     self._key_owner[record.key] = entry
-                self._ready.append(entry)
+                if entry.attempt:
+                    self._continue(entry)
+                else:
+                    self._ready.append(entry)
         self._update_window_events()
         self._pump()
+
+    def _continue(self, entry: Entry) -> None:
+        """`entry` failed `entry.attempt` times before a restart and may go now: it goes on
+        from there, as a suspect after the gap its count calls for, or to the dead-letter
+        table if those were all its attempts."""
+        failed = entry.attempt
+        if after_failure(failed, self._max_attempts) is Outcome.DEAD_LETTER:
+            reason = f"delivery attempts exhausted ({failed}) before a proxy restart"
+            self._to_dead_letter(entry, reason, "")
+        else:
+            self._redeliver([entry])
+
+    def failures(self) -> dict[int, int]:
+        """Failed deliveries by offset of the unsettled records that failed at least once,
+        including a previous run's counts for offsets not fetched again yet (what the
+        committer persists; see `prior_failures`)."""
+        self._prune_failures()
+        return {**self._prior, **self._failures}
+
+    def _prune_failures(self) -> None:
+        entries = self._entries
+        self._failures = {o: n for o, n in self._failures.items() if o in entries}
+        self._failures_cap = max(1024, 2 * len(self._failures))
 
     # --- sessions ---------------------------------------------------------------------
 
@@ -328,7 +387,9 @@ class Dispatcher:
         """The instance is gone: each held delivery failed (attempt used up).
 
         A gracefully stopping instance first releases what it never started (`release`),
-        so only deliveries that may have reached a handler count as attempts here.
+        so only deliveries that may have reached a handler count as attempts here. Streams
+        the proxy itself ends at shutdown (`end_sessions`) use no attempt either: that is
+        not the messages' doing, and their counts outlive this run (`failures`).
         """
         if session.closed:
             return
@@ -337,16 +398,27 @@ class Dispatcher:
         self.counters.sessions_closed += 1
         held = sorted(session.held.values(), key=lambda e: e.record.offset)
         session.held.clear()
+        if self._ended:
+            self._give_back(session, held)
+            logger.info(
+                "stream of %s ended; %d records it held not counted as attempts",
+                session.consumer_id,
+                len(held),
+            )
+            session.outbox.put_nowait(None)
+            self._update_window_events()
+            return
         cause = f"instance {session.consumer_id} disconnected while handling it"
         back: list[Entry] = []
         for entry in held:
             if self._failed(entry, cause, session.consumer_id):
                 back.append(entry)
-        self._suspect(back)
+        later = self._redeliver(back)
         logger.info(
-            "instance %s disconnected; %d records back to the queue",
+            "instance %s disconnected; %d records back to the queue (%d after a backoff)",
             for_log(session.consumer_id),
             len(back),
+            later,
         )
         session.outbox.put_nowait(None)
         self._update_window_events()
@@ -354,6 +426,7 @@ class Dispatcher:
 
     def end_sessions(self) -> None:
         """Ask every stream to finish (shutdown); their close_session follows."""
+        self._ended = True
         for session in self._sessions:
             session.outbox.put_nowait(None)
 
@@ -474,7 +547,19 @@ class Dispatcher:
             entry = session.held.pop(offset, None)
             if entry is None:
                 rejected.append(offset)
-                continue
+            else:
+                back.append(entry)
+        self.counters.released += self._give_back(session, back)
+        self.counters.rejected += len(rejected)
+        self._update_window_events()
+        self._pump()
+        return rejected
+
+    def _give_back(self, session: Session, entries: list[Entry]) -> int:
+        """`entries`, taken from `session.held`, go back to the queue without using an
+        attempt (suspects stay suspects). Returns how many were not suspects."""
+        back: list[Entry] = []
+        for entry in entries:
             entry.holder = None
             entry.attempt -= 1
             if entry.suspect:
@@ -484,22 +569,41 @@ class Dispatcher:
             else:
                 back.append(entry)
         self._requeue_front(back)
-        self.counters.released += len(back)
-        self.counters.rejected += len(rejected)
-        self._update_window_events()
-        self._pump()
-        return rejected
+        return len(back)
 
     def _failed(self, entry: Entry, cause: str, consumer_id: str) -> bool:
         """A delivery of `entry` failed: True to redeliver, False if it was dead-lettered."""
         entry.holder = None
         entry.last_cause = cause
+        failures = self._failures
+        failures[entry.record.offset] = entry.attempt  # every counted delivery failed
+        self.failures_version += 1
+        if len(failures) > self._failures_cap:
+            self._prune_failures()
         if after_failure(entry.attempt, self._max_attempts) is Outcome.DEAD_LETTER:
             self._to_dead_letter(
                 entry, f"delivery attempts exhausted ({entry.attempt}): {cause}", consumer_id
             )
             return False
         return True
+
+    def _redeliver(self, entries: list[Entry]) -> int:
+        """Their instance vanished or their lease lapsed: each goes out again as a suspect,
+        at once or after `redelivery_delay` in BACKOFF. Returns how many wait."""
+        now_: list[Entry] = []
+        waiting = 0
+        at = self._monotonic()
+        for entry in entries:
+            delay = redelivery_delay(entry.attempt, self._max_attempts, self._span_s)
+            if delay > 0:
+                entry.state = EntryState.BACKOFF
+                entry.suspect = True
+                self._backoffs.schedule(entry.record.offset, at + delay)
+                waiting += 1
+            else:
+                now_.append(entry)
+        self._suspect(now_)
+        return waiting
 
     def _suspect(self, entries: list[Entry]) -> None:
         entries.sort(key=lambda e: e.record.offset)
@@ -543,6 +647,9 @@ class Dispatcher:
         if not waiting:
             del self._key_waiting[key]
         self._key_owner[key] = successor
+        if successor.attempt:  # it failed in a previous run (nothing else delivered it)
+            self._continue(successor)
+            return
         successor.state = EntryState.READY
         self._ready.append(successor)
 
@@ -605,12 +712,18 @@ class Dispatcher:
                 back.append(entry)
         if back:
             logger.warning("%d deliveries passed their ack deadline; redelivering", len(back))
-            self._suspect(back)
+            self._redeliver(back)
+        suspects: list[Entry] = []
         for offset in self._backoffs.pop_due(now):
             entry = self._entries.get(offset)
             if entry is not None and entry.state is EntryState.BACKOFF:
-                entry.state = EntryState.READY
-                self._ready.appendleft(entry)
+                if entry.suspect:
+                    suspects.append(entry)
+                else:
+                    entry.state = EntryState.READY
+                    self._ready.appendleft(entry)
+        if suspects:
+            self._suspect(suspects)
         self._update_window_events()
         self._pump()
 

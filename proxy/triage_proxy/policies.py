@@ -1,7 +1,8 @@
 """Delivery policies, free of I/O and clocks: backoff, when to give up, rate limits.
 
 Why: the dispatcher decides what happens to a failed delivery (nacked with retry,
-lease expired, instance vanished) and how fast it may hand records out. Keeping the
+lease expired, instance vanished), when it goes out again, and how fast it may hand
+records out. Keeping the
 arithmetic here lets it be tested exhaustively (and with a fake clock: every rate-limit
 call takes `now`), and keeps the dispatcher to bookkeeping. The token buckets hold
 state (tokens, last refill), but never read a clock or do I/O.
@@ -21,6 +22,7 @@ __all__ = [
     "after_failure",
     "backoff",
     "rate_limit",
+    "redelivery_delay",
     "retry_delay",
 ]
 
@@ -80,6 +82,50 @@ def retry_delay(attempt: int, settings: RetrySettings) -> float:
         cap=settings.max_backoff_s,
         multiplier=settings.multiplier,
     )
+
+
+SPAN_DOUBLINGS = 64
+"""Most non-zero gaps in a `redelivery_delay` schedule. With more attempts than that the
+earlier gaps would be below span / 2**64 (under a nanosecond for any allowed span):
+they are zero, and the last SPAN_DOUBLINGS gaps carry the whole span."""
+
+
+def redelivery_delay(failures: int, max_attempts: int, span_s: float) -> float:
+    """Seconds to wait before redelivering a message whose ``failures``-th delivery failed
+    because its instance vanished or its lease lapsed (a retry nack waits `retry_delay`).
+
+    Why: a fleet in a crash loop (or a network blip) fails every delivery it holds, and
+    redelivering at once would exhaust a healthy message's attempts in milliseconds. So
+    the gaps between such failures add up to ``span_s`` before the last attempt fails:
+    the first redelivery is immediate (a killed instance's healthy messages come back at
+    once), then the gaps double (`backoff`), the first non-zero one chosen so that they
+    sum to ``span_s`` (max_attempts 5: 0, g, 2g, 4g with 7g = span). With max_attempts 2
+    the single gap is the span. A crash-type pill therefore reaches the limit after about
+    ``span_s`` plus its deliveries' time. ``span_s`` 0 turns the gaps off.
+
+    ``failures`` is below ``max_attempts`` (after the last failure nothing is redelivered).
+    """
+    if max_attempts < 1:
+        raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+    if not 1 <= failures < max_attempts:
+        raise ValueError(f"failures must be in 1..{max_attempts - 1}, got {failures}")
+    if not 0 <= span_s < math.inf:
+        raise ValueError(f"span must be finite and >= 0, got {span_s}")
+    if span_s == 0:
+        return 0.0
+    if max_attempts == 2:
+        return span_s
+    # Gaps after failures 2 .. max_attempts - 1 (the first one is 0): `gaps` of them, the
+    # last `doublings` non-zero and doubling from `first`.
+    gaps = max_attempts - 2
+    doublings = min(gaps, SPAN_DOUBLINGS)
+    step = failures - 1 - (gaps - doublings)  # 1 for the first non-zero gap
+    if step < 1:
+        return 0.0
+    # Rounded up by one ulp, so that the gaps never sum to less than the span (2**64 - 1,
+    # say, is 2**64 in floats).
+    first = math.nextafter(span_s / (2.0**doublings - 1), math.inf)
+    return backoff(step, initial=first, cap=span_s, multiplier=2.0)
 
 
 def after_failure(attempt: int, max_attempts: int) -> Outcome:

@@ -21,7 +21,7 @@ Nothing below the CLI reads files or the environment: `load_settings` resolves
                    overflow_bucket, ttl_days, notify_sns_topic_arn, notify_webhook_url,
                    notify_interval_s
     [window]       max_messages, max_bytes
-    [delivery]     ack_deadline_s, max_attempts, ordering ("none" | "key")
+    [delivery]     ack_deadline_s, max_attempts, redelivery_span_s, ordering ("none" | "key")
     [retry]        initial_backoff_s, max_backoff_s, multiplier
     [commit]       interval_s, encode_settled
     [shutdown]     drain_timeout_s
@@ -58,6 +58,7 @@ DEFAULT_WINDOW_MESSAGES = 10_000
 DEFAULT_WINDOW_BYTES = 64 * 1024 * 1024
 DEFAULT_ACK_DEADLINE_S = 30.0
 DEFAULT_MAX_ATTEMPTS = 5
+DEFAULT_REDELIVERY_SPAN_S = 60.0
 DEFAULT_COMMIT_INTERVAL_S = 1.0
 DEFAULT_RETRY_INITIAL_S = 1.0
 DEFAULT_RETRY_MAX_S = 60.0
@@ -414,6 +415,12 @@ class DeliverySettings:
         DEFAULT_MAX_ATTEMPTS, 1, UINT32_MAX, why="Welcome.max_attempts is a uint32"
     )
     """Deliveries of one message before it is dead-lettered."""
+    redelivery_span_s: float = _duration(DEFAULT_REDELIVERY_SPAN_S, lo=0)
+    """Least time from a message's first failed delivery to its dead letter when its
+    instances vanish or its leases lapse: redeliveries after those back off (the first is
+    immediate, then the gaps double and sum to this; policies.redelivery_delay), so a
+    fleet in a crash loop cannot use up a healthy message's attempts in seconds. 0: no
+    gaps."""
     ordering: str = "none"
     """"key": messages with the same key are never in flight at once and go in offset
     order (null keys stay unordered); "none": any order, most parallel."""

@@ -1,4 +1,5 @@
-"""The settled-above-committed set, packed into a Kafka commit's metadata string.
+"""The settled-above-committed set, packed into a Kafka commit's metadata string; and the
+failed-delivery counts of the window, packed for the checkpoint item.
 
 Why: Kafka stores one committed offset per partition, but the proxy settles messages
 out of order. Offsets already settled above the committed one would be redelivered
@@ -22,6 +23,15 @@ offset (a commit made by other means, an old checkpoint) is refused rather than
 trusted: trusting it would skip messages that were never settled. Decoding caps the
 decompressed size and the number of offsets, so hostile metadata cannot exhaust memory.
 
+Failed-delivery counts (version ``a1``), so a crash-type pill's attempts survive a
+restart (written to the checkpoint item, see table/checkpoints.py)::
+
+    "a1:" + urlsafe_base64_nopad(zlib(varint(committed) + varint(gap) varint(count - 1) ...))
+
+for each offset at or above ``committed`` in increasing order, ``gap`` from a cursor
+that starts at ``committed`` and moves to ``offset + 1``. At most MAX_ATTEMPT_ENTRIES
+offsets are kept, the lowest ones (the head of the window is what holds the commit).
+
 This module is pure logic: no I/O, no clock, no logging.
 """
 
@@ -29,18 +39,22 @@ from __future__ import annotations
 
 import base64
 import binascii
+import heapq
 import itertools
 import re
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from triage_proxy.errors import TriageError
 
 __all__ = [
     "DEFAULT_LIMIT",
+    "MAX_ATTEMPT_ENTRIES",
     "MAX_OFFSETS",
     "CheckpointError",
+    "decode_attempts",
     "decode_settled",
+    "encode_attempts",
     "encode_settled",
 ]
 
@@ -52,8 +66,13 @@ MAX_PAYLOAD = 4 * 1024 * 1024
 """Most decompressed payload bytes; more is refused on both sides."""
 MAX_OFFSET = (1 << 63) - 1
 """Kafka offsets are signed 64-bit."""
+MAX_ATTEMPT_ENTRIES = 1000
+"""Most offsets whose failed-delivery counts a checkpoint keeps (a few KB at most)."""
+MAX_ATTEMPT_COUNT = (1 << 32) - 1
+"""Largest count: delivery.max_attempts is a uint32."""
 
 _VERSION = "t1:"
+_ATTEMPTS_VERSION = "a1:"
 _MAX_VARINT_BYTES = 10  # enough for 64 bits
 _BODY = re.compile(r"[A-Za-z0-9_-]*")
 
@@ -114,10 +133,83 @@ def decode_settled(
     _check_committed(committed)
     if not text:
         return []
+    return _parse(committed, _unpack(text, _VERSION), max_offsets)
+
+
+def encode_attempts(
+    committed: int, failures: Mapping[int, int], max_entries: int = MAX_ATTEMPT_ENTRIES
+) -> str:
+    """Pack ``failures`` (offset -> failed deliveries) of the offsets at or above
+    ``committed``, the lowest ``max_entries`` of them; "" when there are none.
+
+    Offsets below ``committed`` (settled and committed meanwhile) and counts below 1 are
+    left out; a count above MAX_ATTEMPT_COUNT is stored as MAX_ATTEMPT_COUNT.
+    """
+    _check_committed(committed)
+    kept = heapq.nsmallest(
+        max_entries, ((o, n) for o, n in failures.items() if o >= committed and n >= 1)
+    )
+    if not kept:
+        return ""
+    out = bytearray()
+    _put_varint(out, committed)
+    cursor = committed
+    for offset, count in kept:
+        if offset > MAX_OFFSET:
+            raise ValueError(f"offset {offset} is beyond Kafka's offset range")
+        _put_varint(out, offset - cursor)
+        _put_varint(out, min(count, MAX_ATTEMPT_COUNT) - 1)
+        cursor = offset + 1
+    packed = base64.urlsafe_b64encode(zlib.compress(out, 9)).rstrip(b"=")
+    return _ATTEMPTS_VERSION + packed.decode("ascii")
+
+
+def decode_attempts(
+    committed: int, text: str | None, *, max_entries: int = MAX_ATTEMPT_ENTRIES
+) -> dict[int, int]:
+    """Failed-delivery counts by offset according to ``text``; {} for None or "" (an item
+    written before the counts existed).
+
+    Raises CheckpointError for garbage, an unknown version, more than ``max_entries``
+    offsets, or counts packed for a different committed offset.
+    """
+    _check_committed(committed)
+    if not text:
+        return {}
+    payload = _unpack(text, _ATTEMPTS_VERSION)
+    pos, embedded = _get_varint(payload, 0)
+    if embedded != committed:
+        raise CheckpointError(
+            f"attempts were written for committed offset {embedded}, not {committed}"
+        )
+    out: dict[int, int] = {}
+    cursor = committed
+    end = len(payload)
+    while pos < end:
+        pos, gap = _get_varint(payload, pos)
+        if pos >= end:
+            raise CheckpointError("attempts end inside an entry")
+        pos, count = _get_varint(payload, pos)
+        offset = cursor + gap
+        if offset > MAX_OFFSET:
+            raise CheckpointError("attempts offset beyond Kafka's offset range")
+        if count >= MAX_ATTEMPT_COUNT:
+            raise CheckpointError("attempts count beyond a uint32")
+        if len(out) >= max_entries:
+            raise CheckpointError(f"attempts hold more than {max_entries} offsets")
+        out[offset] = count + 1
+        cursor = offset + 1
+    if not out:
+        raise CheckpointError("attempts hold no offsets")
+    return out
+
+
+def _unpack(text: str, expected: str) -> bytes:
+    """The payload of ``text`` (version ``expected``): base64 checked, then inflated."""
     version, sep, body = text.partition(":")
     if not sep or not version.isascii() or not version.isalnum():
         raise CheckpointError("commit metadata is not a checkpoint")
-    if version + sep != _VERSION:
+    if version + sep != expected:
         raise CheckpointError(f"unsupported checkpoint version {version!r}")
     if not _BODY.fullmatch(body) or len(body) % 4 == 1:
         raise CheckpointError("checkpoint is not valid base64")
@@ -125,8 +217,7 @@ def decode_settled(
         compressed = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
     except binascii.Error as exc:
         raise CheckpointError("checkpoint is not valid base64") from exc
-    payload = _inflate(compressed)
-    return _parse(committed, payload, max_offsets)
+    return _inflate(compressed)
 
 
 def _inflate(compressed: bytes) -> bytes:

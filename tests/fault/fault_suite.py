@@ -45,6 +45,7 @@ without (exit 2 when only a figure target fails).
     .venv/bin/python -m tests.fault.fault_suite [--messages N] [--proxy-kills N]
         [--consumer-kills N] [--outage-s S] [--instances N] [--seed N]
         [--encode-settled on|off|both] [--max-attempts N] [--ack-deadline-s S]
+        [--redelivery-span-s S]
 
 Every process started is stopped by PID on the way out, also on error, Ctrl-C and
 SIGTERM (which raises SystemExit so the context managers run).
@@ -232,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--encode-settled", choices=("on", "off", "both"), default="both")
     parser.add_argument("--max-attempts", type=int, default=Options.max_attempts)
     parser.add_argument("--ack-deadline-s", type=float, default=Options.ack_deadline_s)
+    parser.add_argument("--redelivery-span-s", type=float, default=Options.redelivery_span_s)
     parser.add_argument(
         "--duration-s", type=float, default=None, help="production time (default: sized)"
     )
@@ -252,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         max_attempts=args.max_attempts,
         ack_deadline_s=args.ack_deadline_s,
+        redelivery_span_s=args.redelivery_span_s,
         duration_s=args.duration_s,
         timeout_s=args.timeout_s,
         work_dir=work_dir,

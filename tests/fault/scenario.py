@@ -56,6 +56,10 @@ class Options:
     """The proxy's delivery.max_attempts."""
     ack_deadline_s: float = 2.0
     """The proxy's delivery.ack_deadline_s; slow handlers sleep 1.5x this."""
+    redelivery_span_s: float = 2.0
+    """The proxy's delivery.redelivery_span_s: least time from a crash pill's first crash
+    to its dead letter. Short, like the deadlines above: at the default 60 s the pills
+    would hold the commit for a minute and make a run three times longer."""
     duration_s: float | None = None
     """Seconds over which the workload is produced (faults land inside it); None: sized
     from the fault budget."""
@@ -139,6 +143,7 @@ def proxy_overrides(options: Options) -> dict[str, dict[str, Any]]:
         "delivery": {
             "ack_deadline_s": float(options.ack_deadline_s),
             "max_attempts": options.max_attempts,
+            "redelivery_span_s": options.redelivery_span_s,
         },
         "retry": {"initial_backoff_s": RETRY_INITIAL_S, "max_backoff_s": RETRY_MAX_S},
         "commit": {"interval_s": COMMIT_INTERVAL_S, "encode_settled": options.encode_settled},

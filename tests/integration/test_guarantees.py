@@ -119,7 +119,10 @@ def test_retry_waits_out_backoff_then_dead_letters_at_the_limit(
 def test_crash_type_poison_pill_is_dead_lettered_with_attempts_at_the_limit(
     broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
 ) -> None:
-    settings = settings_for(broker, aws, topic, delivery={"max_attempts": 3})
+    # Gaps of 0 and 1 s between the crashes (the default span would make it 60 s).
+    settings = settings_for(
+        broker, aws, topic, delivery={"max_attempts": 3, "redelivery_span_s": 1.0}
+    )
     produce(broker.bootstrap, topic, [(None, b"crash", None)])
 
     async def scenario() -> None:

@@ -17,7 +17,8 @@ import pytest
 from tests.unit.twins import KAFKA_CALL_S, FlakyPartition, InlineKafkaThread, TimedCheckpoints
 from tests.unit.virtual_time import gaps, run, until
 from triage_proxy.committer import Committer
-from triage_proxy.settled import decode_settled, encode_settled
+from triage_proxy.errors import TableUnavailable
+from triage_proxy.settled import decode_attempts, decode_settled, encode_settled
 from triage_proxy.tracker import CommitTracker
 
 INTERVAL_S = 1.0
@@ -44,8 +45,27 @@ class Rig:
         await self.committer.commit()
 
 
+class Counts:
+    """The dispatcher's failed-delivery counts, set by hand (committer.FailureCounts)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+        self.failures_version = 0
+
+    def fail(self, offset: int) -> None:
+        self.counts[offset] = self.counts.get(offset, 0) + 1
+        self.failures_version += 1
+
+    def failures(self) -> dict[int, int]:
+        return dict(self.counts)
+
+
 def make(
-    *, tracked: int = 100, interval_s: float = INTERVAL_S, encode_settled: bool = False
+    *,
+    tracked: int = 100,
+    interval_s: float = INTERVAL_S,
+    encode_settled: bool = False,
+    attempts: Counts | None = None,
 ) -> Rig:
     loop = asyncio.get_running_loop()
     partition = FlakyPartition(loop.time)
@@ -62,6 +82,7 @@ def make(
         interval_s,
         closing,
         checkpoints=checkpoints,
+        attempts=attempts,
         monotonic=loop.time,
     )
     return Rig(partition, tracker, committer, closing, checkpoints)
@@ -211,5 +232,99 @@ def test_the_checkpoint_is_written_at_most_once_a_second() -> None:
         rig.closing.set()
         assert rig.task is not None
         await rig.task
+
+    run(main())
+
+
+# --- failed-delivery counts in the checkpoint item -----------------------------------------
+
+
+def test_changed_counts_rewrite_the_checkpoint_though_the_commit_stands_still() -> None:
+    # A crash pill at offset 0 holds the commit; its failures still reach the item, at
+    # most once a second, and without any new Kafka commit.
+    async def main() -> None:
+        counts = Counts()
+        rig = make(interval_s=0.1, encode_settled=True, attempts=counts)
+        assert rig.checkpoints is not None
+        rig.start()
+        await until(lambda: rig.checkpoints is not None and rig.checkpoints.puts == 1)
+        assert rig.partition.commits == [(0, "")]  # the run's first commit
+        assert rig.checkpoints.attempts == ""
+        for _ in range(3):
+            counts.fail(0)
+            counts.fail(7)
+            await asyncio.sleep(0.1)
+        await until(lambda: decode_attempts(0, rig.checkpoints.attempts) == {0: 3, 7: 3})  # type: ignore[union-attr]
+        assert rig.partition.commits == [(0, "")]  # no Kafka commit for it
+        assert rig.checkpoints.value == (0, "")
+        assert min(gaps(rig.checkpoints.put_times)) >= 1.0
+        puts = rig.checkpoints.puts
+        await asyncio.sleep(3)  # nothing changed: nothing written
+        assert rig.checkpoints.puts == puts
+        counts.fail(0)
+        await rig.stop()  # shutdown writes the last counts at once
+        assert decode_attempts(0, rig.checkpoints.attempts) == {0: 4, 7: 3}
+
+    run(main())
+
+
+def test_counts_ride_along_with_a_commit_and_drop_what_it_passed() -> None:
+    async def main() -> None:
+        counts = Counts()
+        rig = make(encode_settled=True, attempts=counts)
+        assert rig.checkpoints is not None
+        counts.fail(1)
+        counts.fail(4)
+        settle(rig.tracker, 0, 1, 2)
+        assert await rig.committer.commit()
+        assert rig.checkpoints.value == (3, "")
+        assert decode_attempts(3, rig.checkpoints.attempts) == {4: 1}  # 1 is committed
+
+    run(main())
+
+
+def test_no_checkpoint_before_the_runs_first_commit() -> None:
+    # Until then the item holds the previous run's settled-above set: counts alone must
+    # not overwrite it.
+    async def main() -> None:
+        counts = Counts()
+        rig = make(encode_settled=True, attempts=counts)
+        assert rig.checkpoints is not None
+        rig.partition.failing_commits = 2
+        counts.fail(0)
+        rig.start()
+        await asyncio.sleep(2.5)
+        assert rig.checkpoints.puts == 0
+        await until(lambda: rig.checkpoints is not None and rig.checkpoints.puts == 1)
+        assert decode_attempts(0, rig.checkpoints.attempts) == {0: 1}
+        await rig.stop()
+
+    run(main())
+
+
+def test_a_failed_checkpoint_write_is_retried_without_a_commit() -> None:
+    async def main() -> None:
+        counts = Counts()
+        rig = make(encode_settled=True, attempts=counts)
+        assert rig.checkpoints is not None
+        checkpoints = rig.checkpoints
+        real_put = checkpoints.put
+        failing = [1]
+
+        def put(committed: int, settled: str, attempts: str = "") -> None:
+            if failing and attempts:
+                failing.pop()
+                raise TableUnavailable("frozen (twin)")
+            real_put(committed, settled, attempts)
+
+        checkpoints.put = put  # type: ignore[method-assign]
+        rig.start()
+        await until(lambda: checkpoints.puts == 1)
+        counts.fail(0)
+        await until(lambda: checkpoints.attempts != "")
+        assert not failing  # one write failed, the next one went through
+        assert decode_attempts(0, checkpoints.attempts) == {0: 1}
+        assert len(rig.partition.commits) == 1
+        await rig.stop()
 
     run(main())

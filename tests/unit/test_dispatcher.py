@@ -35,11 +35,18 @@ def make(
     ordering: str = "none",
     clock: Clock | None = None,
     already_settled: tuple[int, ...] = (),
+    span_s: float = 60.0,
+    prior_failures: dict[int, int] | None = None,
 ) -> tuple[Dispatcher, CommitTracker, list[DeadLetter]]:
     raw = {
         **BASE,
         "window": {"max_messages": max_messages},
-        "delivery": {"max_attempts": max_attempts, "ack_deadline_s": 10, "ordering": ordering},
+        "delivery": {
+            "max_attempts": max_attempts,
+            "ack_deadline_s": 10,
+            "ordering": ordering,
+            "redelivery_span_s": span_s,
+        },
         "retry": {"initial_backoff_s": 1, "multiplier": 2, "max_backoff_s": 3},
         "server": {"max_frame_bytes": max_frame_bytes},
     }
@@ -54,6 +61,7 @@ def make(
         clock=lambda: 1.5,
         monotonic=clock or Clock(),
         already_settled=already_settled,
+        prior_failures=prior_failures,
     )
     return dispatcher, tracker, dead
 
@@ -154,7 +162,7 @@ def test_disconnect_redelivers_with_next_attempt_one_suspect_at_a_time() -> None
 
 
 def test_crash_type_poison_pill_is_dead_lettered_after_max_attempts() -> None:
-    d, tracker, dead = make(max_attempts=3)
+    d, tracker, dead = make(max_attempts=3, span_s=0)  # no gaps (see the backoff tests)
     d.add(records(0, 1))
     for attempt in range(1, 4):
         s = d.open_session(f"i{attempt}", 1)
@@ -334,7 +342,7 @@ def test_extend_keeps_a_long_delivery_from_expiring() -> None:
 
 def test_expiry_counts_as_an_attempt_until_dead_lettered() -> None:
     clock = Clock()
-    d, _, dead = make(max_attempts=2, clock=clock)
+    d, _, dead = make(max_attempts=2, clock=clock, span_s=0)  # no gaps
     a = d.open_session("a", 1)
     d.add(records(0, 1))
     for _ in range(2):
@@ -367,7 +375,7 @@ def test_ordering_by_key_never_has_a_key_in_flight_twice() -> None:
 
 def test_ordering_by_key_holds_the_key_through_retries_and_disconnects() -> None:
     clock = Clock()
-    d, _, _ = make(ordering="key", clock=clock)
+    d, _, _ = make(ordering="key", clock=clock, span_s=0)  # no gap after the disconnect
     a = d.open_session("a", 10)
     d.add(key_records([b"k", b"k"]))
     assert [x.offset for x in drain(a)] == [0]
@@ -426,3 +434,214 @@ def test_a_vanished_instances_records_go_out_one_suspect_per_instance() -> None:
             progressed = progressed or bool(got)
         assert progressed
     assert tracker.committable == 14
+
+
+# --- redelivery backoff after a vanished instance or a lapsed lease ------------------------
+
+
+def test_disconnects_back_off_so_the_limit_takes_the_span() -> None:
+    # max_attempts 5, span 7 s: gaps 0, 1, 2, 4 s between the failed deliveries.
+    clock = Clock()
+    d, tracker, dead = make(max_attempts=5, span_s=7.0, clock=clock)
+    d.add(records(0, 1))
+    first_failure = None
+    seen: list[int] = []
+    for n in range(5):
+        s = d.open_session(f"i{n}", 1)
+        while not (got := drain(s)):
+            assert d.counters.delivered == len(seen)  # waiting out its gap: not delivered
+            clock.now += 0.05
+            d.tick()
+        seen.extend(x.attempt for x in got)
+        d.close_session(s)  # it crashed on it
+        if first_failure is None:
+            first_failure = clock.now
+    assert seen == [1, 2, 3, 4, 5]
+    assert [(x.attempts, x.record.offset) for x in dead] == [(5, 0)]
+    assert first_failure is not None
+    assert clock.now - first_failure >= 7.0
+    d.dead_letter_written(dead[0])
+    assert tracker.committable == 1
+
+
+def test_the_first_redelivery_after_a_disconnect_is_immediate_and_waits_in_backoff_after() -> None:
+    clock = Clock()
+    d, _, _ = make(max_attempts=5, span_s=7.0, clock=clock)
+    a = d.open_session("a", 3)
+    d.add(records(0, 3))
+    drain(a)
+    d.close_session(a)
+    b = d.open_session("b", 3)
+    assert [(x.offset, x.attempt) for x in drain(b)] == [(0, 2)]  # suspects: one at a time
+    d.close_session(b)  # 0 failed twice: 1 s; 1 and 2 never left the queue of suspects
+    c = d.open_session("c", 3)
+    assert [(x.offset, x.attempt) for x in drain(c)] == [(1, 2)]
+    d.settle(c, [1], [])
+    assert [(x.offset, x.attempt) for x in drain(c)] == [(2, 2)]
+    d.settle(c, [2], [])
+    assert drain(c) == []
+    assert d.queued == 0
+    clock.now += 1.0
+    d.tick()
+    got = drain(c)
+    assert [(x.offset, x.attempt) for x in got] == [(0, 3)]
+    assert c.held[0].suspect  # back from its backoff as a suspect
+    assert c.suspects == 1
+
+
+def test_a_lapsed_lease_backs_off_like_a_disconnect() -> None:
+    clock = Clock()
+    d, _, dead = make(max_attempts=3, span_s=5.0, clock=clock)  # gaps 0, 5 s
+    a = d.open_session("a", 1)
+    d.add(records(0, 1))
+    assert [x.attempt for x in drain(a)] == [1]
+    clock.now += 10.1
+    d.tick()  # lapsed: redelivered at once
+    assert [x.attempt for x in drain(a)] == [2]
+    clock.now += 10.1
+    d.tick()  # lapsed again: 5 s in backoff
+    assert drain(a) == []
+    clock.now += 4.9
+    d.tick()
+    assert drain(a) == []
+    clock.now += 0.2
+    d.tick()
+    assert [x.attempt for x in drain(a)] == [3]
+    assert d.counters.expired == 2
+    assert not dead
+
+
+def test_retry_nacks_keep_their_own_backoff() -> None:
+    clock = Clock()
+    d, _, _ = make(max_attempts=5, span_s=700.0, clock=clock)  # the span would be long
+    a = d.open_session("a", 1)
+    d.add(records(0, 1))
+    drain(a)
+    d.settle(a, [], [nack(0, "later", retry=True)])
+    d.settle(a, [], [])
+    clock.now += 1.0
+    d.tick()
+    assert [(x.offset, x.attempt) for x in drain(a)] == [(0, 2)]  # [retry] 1 s, not the span
+    assert not a.held[0].suspect
+
+
+def test_a_flapping_fleet_cannot_exhaust_healthy_messages() -> None:
+    # 100 messages; 300 instances with 1 credit come and go in a row, each failing what it
+    # took; then a healthy one settles everything: nothing was dead-lettered.
+    clock = Clock()
+    d, tracker, dead = make(max_attempts=5, span_s=6.0, clock=clock)
+    d.add(records(0, 100))
+    took = 0
+    for n in range(300):
+        s = d.open_session(f"flap{n}", 1)
+        took += len(drain(s))
+        clock.now += 0.001  # 0.3 s for the whole storm, well inside the first gap
+        d.tick()
+        d.close_session(s)
+    assert took == 200  # each failed twice: once redelivered at once, then backing off
+    assert dead == []
+    healthy = d.open_session("healthy", 100)
+    while tracker.committable < 100:
+        d.settle(healthy, [x.offset for x in drain(healthy)], [])
+        clock.now += 0.05
+        d.tick()
+    assert dead == []
+    assert clock.now - 100.0 < 6.0  # the longest wait was the second gap (3 x 6/7 s)
+
+
+# --- failed-delivery counts across restarts -----------------------------------------------
+
+
+def test_failures_counts_the_failed_deliveries_of_unsettled_records() -> None:
+    clock = Clock()
+    d, _, _ = make(max_attempts=5, span_s=0, clock=clock)
+    a = d.open_session("a", 3)
+    d.add(records(0, 3))
+    drain(a)
+    version = d.failures_version
+    assert d.failures() == {}
+    d.close_session(a)
+    assert d.failures() == {0: 1, 1: 1, 2: 1}
+    assert d.failures_version > version
+    b = d.open_session("b", 1)
+    drain(b)  # 0, as a suspect
+    d.settle(b, [0], [])
+    d.settle(b, [], [nack(1, "later", retry=True)])
+    assert d.failures() == {1: 2, 2: 1}  # 0 settled: gone; the retry nack counts
+
+
+def test_prior_failures_go_on_where_the_last_run_stopped() -> None:
+    clock = Clock()
+    d, tracker, dead = make(
+        max_attempts=5, span_s=7.0, clock=clock, prior_failures={0: 2, 3: 5, 9: 1}
+    )
+    assert d.failures() == {0: 2, 3: 5, 9: 1}  # kept until fetched, so a checkpoint keeps them
+    a = d.open_session("a", 10)
+    d.add(records(0, 5))
+    # 3 failed all five times before the restart: dead-lettered without a sixth delivery.
+    assert [(x.record.offset, x.attempts) for x in dead] == [(3, 5)]
+    assert dead[0].reason == "delivery attempts exhausted (5) before a proxy restart"
+    assert [(x.offset, x.attempt) for x in drain(a)] == [(1, 1), (2, 1), (4, 1)]
+    d.settle(a, [1, 2, 4], [])
+    clock.now += 0.9
+    d.tick()
+    assert drain(a) == []  # 0 waits its gap after a second failure: 1 s
+    clock.now += 0.2
+    d.tick()
+    assert [(x.offset, x.attempt) for x in drain(a)] == [(0, 3)]
+    assert a.held[0].suspect
+    d.settle(a, [0], [])
+    d.dead_letter_written(dead[0])
+    assert tracker.committable == 5
+    assert d.failures() == {9: 1}
+
+
+def test_prior_failures_of_a_settled_offset_are_dropped() -> None:
+    d, _, _ = make(already_settled=(2,), prior_failures={2: 1, 3: 1})
+    assert d.failures() == {3: 1}
+
+
+def test_prior_failures_wait_for_their_key() -> None:
+    clock = Clock()
+    d, _, dead = make(ordering="key", max_attempts=3, span_s=0, clock=clock, prior_failures={1: 2})
+    a = d.open_session("a", 10)
+    d.add(key_records([b"k", b"k"]))
+    assert [(x.offset, x.attempt) for x in drain(a)] == [(0, 1)]
+    d.settle(a, [0], [])
+    got = drain(a)
+    assert [(x.offset, x.attempt) for x in got] == [(1, 3)]  # the count went on
+    assert a.held[1].suspect
+    d.close_session(a)
+    assert [(x.record.offset, x.attempts) for x in dead] == [(1, 3)]
+
+
+def test_the_count_of_failures_stays_bounded_without_readers() -> None:
+    d, _, _ = make(max_attempts=5, span_s=0, max_messages=10)
+    for start in range(0, 5000, 5):
+        s = d.open_session("s", 5)
+        d.add(records(start, start + 5))
+        drain(s)
+        d.close_session(s)  # each fails once...
+        t = d.open_session("t", 5)
+        while d.in_window:
+            got = drain(t)
+            d.settle(t, [x.offset for x in got], [])  # ...and is acked next
+        d.close_session(t)
+    assert len(d._failures) <= 2048
+    assert d.failures() == {}
+
+
+def test_streams_ended_by_a_shutdown_use_no_attempt() -> None:
+    # The proxy stopping is not the messages' doing: nothing is counted (or persisted).
+    d, _, dead = make(max_attempts=1, span_s=0)
+    a = d.open_session("a", 3)
+    d.add(records(0, 3))
+    drain(a)
+    d.stop_delivering()
+    d.end_sessions()
+    d.close_session(a)
+    assert dead == []  # max_attempts 1: a counted failure would have dead-lettered them
+    assert d.failures() == {}
+    assert d.queued == 3
+    assert d.in_flight == 0
+    assert d.quiet.is_set()

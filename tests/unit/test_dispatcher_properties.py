@@ -26,7 +26,12 @@ class DispatcherMachine(RuleBasedStateMachine):
             "auth": {"token": "unit-test-token-0123"},
             "dead_letters": {"table": "d"},
             "window": {"max_messages": 40},
-            "delivery": {"max_attempts": 3, "ack_deadline_s": 5, "ordering": "key"},
+            "delivery": {
+                "max_attempts": 3,
+                "ack_deadline_s": 5,
+                "ordering": "key",
+                "redelivery_span_s": 4,  # gaps 0 and 4 s after vanished instances
+            },
             "retry": {"initial_backoff_s": 1, "max_backoff_s": 2},
         }
         self.tracker = CommitTracker(0)
@@ -135,6 +140,12 @@ class DispatcherMachine(RuleBasedStateMachine):
     def an_instance_holds_at_most_one_suspect(self) -> None:
         for s in self.sessions:
             assert sum(1 for e in s.held.values() if e.suspect) == s.suspects <= 1
+
+    @invariant()
+    def failed_counts_are_of_unsettled_records_within_the_limit(self) -> None:
+        failures = self.d.failures()
+        assert all(1 <= n <= 3 for n in failures.values())
+        assert not set(failures) & self.settled
 
     @invariant()
     def window_is_bounded(self) -> None:

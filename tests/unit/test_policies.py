@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from triage_proxy.policies import Outcome, after_failure, backoff, retry_delay
-from triage_proxy.settings import RetrySettings
+from triage_proxy.policies import (
+    SPAN_DOUBLINGS,
+    Outcome,
+    after_failure,
+    backoff,
+    redelivery_delay,
+    retry_delay,
+)
+from triage_proxy.settings import MAX_DURATION_S, UINT32_MAX, RetrySettings
 
 
 def reference_delay(attempt: int, s: RetrySettings) -> float:
@@ -180,3 +188,104 @@ def test_backoff_takes_any_number_of_failures() -> None:
 def test_backoff_counts_failures_from_one(failures: int) -> None:
     with pytest.raises(ValueError, match="failures"):
         backoff(failures, initial=0.1, cap=1.0)
+
+
+# -- redelivery_delay (after a vanished instance or a lapsed lease) ------------------------
+
+
+def gaps_before_dead_letter(max_attempts: int, span_s: float) -> list[float]:
+    """The wait after each failure that is followed by another delivery."""
+    return [redelivery_delay(f, max_attempts, span_s) for f in range(1, max_attempts)]
+
+
+def test_redelivery_schedule_of_the_defaults() -> None:
+    # max_attempts 5, span 60 s: 0, g, 2g, 4g with 7g = 60 s.
+    g = 60 / 7
+    assert gaps_before_dead_letter(5, 60.0) == pytest.approx([0, g, 2 * g, 4 * g])
+    assert math.fsum(gaps_before_dead_letter(5, 60.0)) >= 60.0
+
+
+def test_redelivery_small_limits() -> None:
+    assert gaps_before_dead_letter(1, 60.0) == []  # dead-lettered at the first failure
+    assert gaps_before_dead_letter(2, 60.0) == [60.0]  # the single gap is the span
+    assert gaps_before_dead_letter(3, 60.0) == [0.0, 60.0]
+    assert gaps_before_dead_letter(4, 6.0) == pytest.approx([0.0, 2.0, 4.0])
+
+
+def test_redelivery_span_zero_means_no_gaps() -> None:
+    assert set(gaps_before_dead_letter(7, 0.0)) == {0.0}
+    assert gaps_before_dead_letter(2, 0.0) == [0.0]
+
+
+def test_redelivery_with_many_attempts_keeps_the_gaps_at_the_end() -> None:
+    # Beyond SPAN_DOUBLINGS + 2 attempts the early gaps are zero and the last
+    # SPAN_DOUBLINGS carry the span (their first would be below 1e-17 s anyway).
+    max_attempts = SPAN_DOUBLINGS + 40
+    gaps = gaps_before_dead_letter(max_attempts, 60.0)
+    zeros = max_attempts - 1 - SPAN_DOUBLINGS  # the first one and the 38 before the tail
+    assert gaps[:zeros] == [0.0] * zeros
+    assert len(gaps[zeros:]) == SPAN_DOUBLINGS
+    assert all(g > 0 for g in gaps[zeros:])
+    assert gaps[-1] == pytest.approx(30.0)
+    assert math.fsum(gaps) >= 60.0
+
+
+@pytest.mark.parametrize(
+    ("failures", "max_attempts", "span_s", "match"),
+    [
+        (0, 5, 60.0, "failures"),
+        (5, 5, 60.0, "failures"),  # nothing follows the last failure
+        (1, 1, 60.0, "failures"),
+        (1, 0, 60.0, "max_attempts"),
+        (1, 5, -1.0, "span"),
+        (1, 5, math.nan, "span"),
+        (1, 5, math.inf, "span"),
+    ],
+)
+def test_redelivery_rejects_nonsense(
+    failures: int, max_attempts: int, span_s: float, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        redelivery_delay(failures, max_attempts, span_s)
+
+
+SPANS = st.one_of(st.just(0.0), st.floats(min_value=1e-3, max_value=MAX_DURATION_S))
+
+
+@pytest.mark.parametrize("span_s", [0.001, 1.0, 6.0, 60.0, 3600.0, MAX_DURATION_S])
+def test_gaps_add_up_to_at_least_the_span_for_every_limit_up_to_300(span_s: float) -> None:
+    # Exhaustive over max_attempts 2..300 (past SPAN_DOUBLINGS + 2, where the early gaps
+    # turn zero): reaching the limit takes the span, and never much more.
+    for max_attempts in range(2, 301):
+        gaps = gaps_before_dead_letter(max_attempts, span_s)
+        total = math.fsum(gaps)
+        assert total >= span_s, max_attempts
+        assert total <= span_s * (1 + 1e-12), max_attempts
+        assert gaps[0] == (span_s if max_attempts == 2 else 0.0)
+        assert gaps == sorted(gaps)
+
+
+@given(max_attempts=st.integers(2, UINT32_MAX), span_s=SPANS)
+def test_gaps_add_up_to_at_least_the_span_for_any_limit(max_attempts: int, span_s: float) -> None:
+    # Every gap before the last SPAN_DOUBLINGS is zero (checked at the edge and at the
+    # start), so summing the last ones sums them all.
+    tail_from = max(1, max_attempts - 1 - SPAN_DOUBLINGS)
+    tail = [redelivery_delay(f, max_attempts, span_s) for f in range(tail_from, max_attempts)]
+    if tail_from > 1:
+        assert redelivery_delay(tail_from - 1, max_attempts, span_s) == 0.0
+        assert redelivery_delay(1, max_attempts, span_s) == 0.0
+    assert math.fsum(tail) >= span_s
+    assert tail == sorted(tail)
+    assert all(0 <= g <= span_s for g in tail)
+
+
+@given(max_attempts=st.integers(3, UINT32_MAX), span_s=SPANS)
+def test_the_first_redelivery_is_immediate(max_attempts: int, span_s: float) -> None:
+    assert redelivery_delay(1, max_attempts, span_s) == 0.0
+
+
+@given(max_attempts=st.integers(4, SPAN_DOUBLINGS + 2), span_s=SPANS)
+def test_gaps_double_after_the_first_non_zero_one(max_attempts: int, span_s: float) -> None:
+    gaps = gaps_before_dead_letter(max_attempts, span_s)[1:]
+    for before, after in itertools.pairwise(gaps):
+        assert after == 2 * before

@@ -98,6 +98,6 @@ class TimedCheckpoints(MemoryCheckpoints):
         self._clock = clock
         self.put_times: list[float] = []
 
-    def put(self, committed: int, settled: str) -> None:
+    def put(self, committed: int, settled: str, attempts: str = "") -> None:
         self.put_times.append(self._clock())
-        super().put(committed, settled)
+        super().put(committed, settled, attempts)
