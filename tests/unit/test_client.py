@@ -22,7 +22,9 @@ import pytest
 
 from triage_client import AuthenticationError, Consumer, Message, Retry, StateError
 from triage_client._proto import triage_pb2, triage_pb2_grpc
-from triage_client.consumer import MAX_REASON_CHARS, _reason, backoff_delay
+from triage_client.pool import MAX_REASON_CHARS
+from triage_client.pool import nack_reason as _reason
+from triage_client.stream import backoff_delay
 
 TOKEN = "s3cret-token"
 WAIT_S = 5.0
