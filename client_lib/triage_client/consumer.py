@@ -39,8 +39,9 @@ import enum
 import logging
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from contextlib import suppress
+from typing import Any
 
 import grpc
 
@@ -390,9 +391,11 @@ class Consumer:
         target = self._target
         while not self._stopping.is_set():
             try:
-                layout = await fetch_layout(
-                    self._channel(target), self._metadata, TOPOLOGY_TIMEOUT_S
+                layout = await self._until_stopped(
+                    fetch_layout(self._channel(target), self._metadata, TOPOLOGY_TIMEOUT_S)
                 )
+                if layout is None:
+                    break
             except grpc.aio.AioRpcError as exc:
                 code, details = exc.code(), exc.details()
                 if not speaks_grpc(details):
@@ -516,6 +519,8 @@ class Consumer:
             self._refresh_wanted.clear()
             last = loop.time()
             layout = await self._fetch_any()
+            if self._stopping.is_set():
+                return
             if layout is None or layout.partition_count <= 0:
                 failures += 1
                 continue
@@ -533,6 +538,21 @@ class Consumer:
                     f", nobody serves partitions {unserved} now" if unserved else "",
                 )
 
+    async def _until_stopped(self, fetch: Coroutine[Any, Any, Layout]) -> Layout | None:
+        """`fetch`'s answer, or None when stop() comes first (an endpoint that never answers
+        must not hold up a stop)."""
+        task = asyncio.ensure_future(fetch)
+        stopped = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not task.done():
+                task.cancel()
+                with suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                    await task
+        return task.result() if not task.cancelled() else None
+
     async def _fetch_any(self) -> Layout | None:
         """The topology from the target, else from any endpoint a stream uses (any proxy
         answers); None when none did."""
@@ -545,8 +565,8 @@ class Consumer:
             if self._stopping.is_set():
                 return None
             try:
-                return await fetch_layout(
-                    self._channel(endpoint), self._metadata, TOPOLOGY_TIMEOUT_S
+                return await self._until_stopped(
+                    fetch_layout(self._channel(endpoint), self._metadata, TOPOLOGY_TIMEOUT_S)
                 )
             except grpc.aio.AioRpcError as exc:
                 problems.append(f"{endpoint}: {exc.code().name}")

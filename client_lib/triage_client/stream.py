@@ -156,7 +156,10 @@ class PartitionStream:
 
     @property
     def label(self) -> str:
-        return "the proxy's only partition" if self.partition is None else str(self.partition)
+        """How logs name this stream's partition."""
+        if self.partition is None:
+            return "the proxy's only partition"
+        return f"partition {self.partition}"
 
     def stats(self) -> ConsumerStats:
         return ConsumerStats(
@@ -175,7 +178,7 @@ class PartitionStream:
         proxy that lost the partition ends it."""
         if endpoint != self.endpoint:
             logger.info(
-                "consumer %s: partition %s is served at %s now",
+                "consumer %s: %s is served at %s now",
                 self._ctx.consumer_id,
                 self.label,
                 endpoint,
@@ -233,21 +236,22 @@ class PartitionStream:
                 failures += 1
             if self.named:
                 ctx.refresh()  # the topology may know a better endpoint by now
-            if owner is not None and owner != endpoint and redirects < MAX_REDIRECTS:
-                redirects += 1
-                logger.info(
-                    "consumer %s: %s does not serve partition %s (%s); following it to %s",
-                    ctx.consumer_id,
-                    endpoint,
-                    self.label,
-                    problem,
-                    owner,
-                )
+            if owner is not None and owner != endpoint:
                 self.endpoint = owner
-                continue
+                if redirects < MAX_REDIRECTS:
+                    redirects += 1
+                    logger.info(
+                        "consumer %s: %s does not serve %s (%s); following it to %s",
+                        ctx.consumer_id,
+                        endpoint,
+                        self.label,
+                        problem,
+                        owner,
+                    )
+                    continue
             delay = backoff_delay(failures, cap=ctx.max_backoff)
             logger.warning(
-                "consumer %s: stream for partition %s at %s lost (%s); reconnecting in %.2f s",
+                "consumer %s: stream for %s at %s lost (%s); reconnecting in %.2f s",
                 ctx.consumer_id,
                 self.label,
                 endpoint,
@@ -305,7 +309,7 @@ class PartitionStream:
             self._flush_timer = None
         if released or unsent:
             logger.debug(
-                "consumer %s: partition %s dropped %d queued deliveries and %d unsent settlements",
+                "consumer %s: %s: dropped %d queued deliveries and %d unsent settlements",
                 self._ctx.consumer_id,
                 self.label,
                 released,
@@ -381,14 +385,13 @@ class PartitionStream:
                         await self._flush(call)
                     await call.done_writing()
                     logger.debug(
-                        "consumer %s: partition %s final settlements sent, half-closed",
+                        "consumer %s: %s: final settlements sent, half-closed",
                         ctx.consumer_id,
                         self.label,
                     )
                     await asyncio.sleep(CLOSE_TIMEOUT_S)
                     logger.warning(
-                        "consumer %s: proxy did not end the stream for partition %s %.0f s "
-                        "after half-close",
+                        "consumer %s: proxy did not end the stream for %s %.0f s after half-close",
                         ctx.consumer_id,
                         self.label,
                         CLOSE_TIMEOUT_S,
