@@ -6,11 +6,12 @@ the pool takes the next delivery from the stream with the fewest handlers runnin
 fair share of the slots while another partition has work: it never starves the others.
 
 Async handlers run in `concurrency` worker tasks on the event loop (no thread hop per
-message: the fast path). Sync handlers run in a ThreadPoolExecutor of `concurrency` threads;
-each delivery submits one job that picks its delivery when a thread runs it (so the choice
-above is made when a slot frees, not when the delivery arrives), and threads report results
-back to the loop in batches. Results go to the stream they were delivered on, which batches
-them into Settle frames; a result whose stream broke meanwhile (an older epoch) is dropped.
+message: the fast path). Sync handlers run in a ThreadPoolExecutor of `concurrency` threads,
+each running one drain job while deliveries are queued: it picks the next delivery when the
+previous one is done (so the choice above is made when a slot frees, not when a delivery
+arrives), and threads report results back to the loop in batches. Results go to the stream
+they were delivered on, which batches them into Settle frames; a result whose stream broke
+meanwhile (an older epoch) is dropped.
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ class HandlerPool:
         self.lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: list[PartitionStream] = []  # streams with queued deliveries
+        self._queued = 0  # deliveries in their queues
         self._turn = 0  # where the next tie-break starts, for round-robin among equals
         self._closing = False  # workers exit when they see it
         # async handlers
@@ -112,6 +114,7 @@ class HandlerPool:
         self._deck_check_scheduled = False
         # sync handlers: threads append results here and wake the loop once per batch
         self._executor: ThreadPoolExecutor | None = None
+        self._jobs = 0  # drain jobs submitted and not finished: at most `concurrency`
         self._results: list[tuple[PartitionStream, int, int, triage_pb2.Nack | None]] = []
         self._collect_scheduled = False
 
@@ -158,6 +161,7 @@ class HandlerPool:
             if not stream.queued:
                 self._ready.append(stream)
             stream.queued.extend(messages)
+            self._queued += count
             if not self._wakes_pending:
                 self._wake_worker()
             return
@@ -166,9 +170,11 @@ class HandlerPool:
             if not stream.queued:
                 self._ready.append(stream)
             stream.queued.extend(messages)
-        submit, run = self._executor.submit, self._run_next
-        for _ in range(count):
-            submit(run)
+            self._queued += count
+            idle = min(self._concurrency - self._jobs, self._queued)
+            self._jobs += idle
+        for _ in range(idle):
+            self._executor.submit(self._drain)
 
     def take_back(self, stream: PartitionStream, *, next_epoch: bool = False) -> list[Message]:
         """Remove a stream's queued, unstarted deliveries: at stop(), or, with `next_epoch`,
@@ -180,6 +186,7 @@ class HandlerPool:
                 stream.running = set()
             taken = list(stream.queued)
             if taken:
+                self._queued -= len(taken)
                 stream.queued.clear()
                 self._ready.remove(stream)
                 stream.running.difference_update(message.offset for message in taken)
@@ -209,6 +216,7 @@ class HandlerPool:
         stream = ready[index]
         queued = stream.queued
         message = queued.popleft()
+        self._queued -= 1
         if not queued:
             del ready[index]
         stream.busy += 1
@@ -311,44 +319,66 @@ class HandlerPool:
 
     # -- sync handlers: a thread pool, results handed back in batches -----------------------
 
-    def _run_next(self) -> None:
-        """Runs in a handler thread: one queued delivery, chosen now (see the module doc)."""
+    def _drain(self) -> None:
+        """A handler thread's job: run queued deliveries, each picked when the previous one
+        is done (so the choice is made when a slot frees), until none is left. Reporting a
+        result and picking the next take one lock acquisition."""
         lock = self.lock
         with lock:
             picked = self._pick()
             if picked is None:
-                return  # its delivery was taken back (stream ended or stop())
+                self._jobs -= 1
+                return
             stream, message = picked
             epoch, running = stream.epoch, stream.running
-        nack = None
-        offset = message.offset
-        if self.stop_requested:
-            nack = RELEASE  # queued behind stop(): give it back unstarted
-        else:
-            try:
-                result = self._handler(message)
-                if inspect.isawaitable(result) and (loop := self._loop) is not None:
-                    asyncio.run_coroutine_threadsafe(_await(result), loop).result()
-            except Exception as exc:  # noqa: BLE001 - raising is how a handler says nack
-                nack = _nack(offset, exc, self._retry_on)
-            except BaseException as exc:
-                if not isinstance(exc, self._retry_on):
-                    with lock:
-                        running.discard(offset)  # no settlement: let the lease lapse
-                        stream.busy -= 1
-                    raise
-                nack = _nack(offset, exc, self._retry_on)
-        with lock:
-            running.discard(offset)
-            stream.busy -= 1
-            self._results.append((stream, epoch, offset, nack))
-            if self._collect_scheduled:
+        while True:
+            offset = message.offset
+            nack = self._run_sync(message, stream, running)
+            with lock:
+                running.discard(offset)
+                stream.busy -= 1
+                self._results.append((stream, epoch, offset, nack))
+                wake = not self._collect_scheduled
+                self._collect_scheduled = True
+                picked = self._pick()
+                if picked is None:
+                    self._jobs -= 1
+                else:
+                    stream, message = picked
+                    epoch, running = stream.epoch, stream.running
+            loop = self._loop
+            if wake and loop is not None:
+                with suppress(RuntimeError):  # loop closed after a failed run(): nothing to do
+                    loop.call_soon_threadsafe(self._collect)
+            if picked is None:
                 return
-            self._collect_scheduled = True
-        loop = self._loop
-        if loop is not None:
-            with suppress(RuntimeError):  # loop closed after a failed run(): nothing to settle
-                loop.call_soon_threadsafe(self._collect)
+
+    def _run_sync(
+        self, message: Message, stream: PartitionStream, running: set[int]
+    ) -> triage_pb2.Nack | None:
+        """Runs in a handler thread: the handler's verdict on one delivery (None: ack)."""
+        if self.stop_requested:
+            return RELEASE  # queued behind stop(): give it back unstarted
+        try:
+            result = self._handler(message)
+            if inspect.isawaitable(result) and (loop := self._loop) is not None:
+                asyncio.run_coroutine_threadsafe(_await(result), loop).result()
+        except Exception as exc:  # noqa: BLE001 - raising is how a handler says nack
+            return _nack(message.offset, exc, self._retry_on)
+        except BaseException as exc:
+            if isinstance(exc, self._retry_on):
+                return _nack(message.offset, exc, self._retry_on)
+            with self.lock:
+                running.discard(message.offset)  # no settlement: let the lease lapse
+                stream.busy -= 1
+                # this job ends here: another one takes over what is still queued
+                replace = self._queued > 0 and self._executor is not None
+                if not replace:
+                    self._jobs -= 1
+            if replace and self._executor is not None:
+                self._executor.submit(self._drain)
+            raise
+        return None
 
     def _collect(self) -> None:
         with self.lock:
