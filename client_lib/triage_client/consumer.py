@@ -290,7 +290,10 @@ class Consumer:
                     self._add_streams({None: self._target})
                 else:
                     self._apply(layout)
-                    topology = loop.create_task(self._topology_loop(), name="triage-topology")
+                    topology = loop.create_task(
+                        self._guarded(self._topology_loop(self._trouble(layout))),
+                        name="triage-topology",
+                    )
             await self._stopping.wait()
             # No stream is added once stopping is set: these are all of them.
             await asyncio.gather(*self._tasks)
@@ -476,7 +479,7 @@ class Consumer:
         loop = asyncio.get_running_loop()
         for stream in added:
             self._tasks.append(
-                loop.create_task(self._run_stream(stream), name=f"triage-stream-{stream.label}")
+                loop.create_task(self._guarded(stream.run()), name=f"triage-{stream.label}")
             )
 
     def _credits_for(self, stream: PartitionStream) -> int:
@@ -486,23 +489,35 @@ class Consumer:
             self._credits, len(order), order.index(stream.partition if stream.named else None)
         )
 
-    async def _run_stream(self, stream: PartitionStream) -> None:
-        """A stream's task: its refusal for good (or a bug) stops the whole Consumer, whose
-        run() then raises it once the other streams have drained."""
+    async def _guarded(self, work: Coroutine[Any, Any, None]) -> None:
+        """A stream's or the topology reader's task: a stream refused for good (or a bug)
+        stops the whole Consumer, whose run() raises it once the other streams drained."""
         try:
-            await stream.run()
+            await work
         except Exception as exc:  # noqa: BLE001 - whatever ends a stream, run() raises it
             if self._failure is None:
                 self._failure = exc
             self._begin_stop()
 
-    async def _topology_loop(self) -> None:
+    def _trouble(self, layout: Layout) -> str:
+        """What in a topology answer calls for asking again soon ("" for nothing)."""
+        if not layout.complete:
+            return f"the topology of {layout.topic!r} is incomplete ({layout.problem})"
+        unserved = sorted(p for p in self._streams if p is not None and p not in layout.endpoints)
+        if unserved:
+            return f"nobody serves partitions {unserved} of {layout.topic!r} now"
+        return ""
+
+    async def _topology_loop(self, trouble: str) -> None:
         """Reads the topology every `topology_interval`, at once when a stream asks, and
         every second or so while a wanted partition has no serving proxy (or no proxy
-        answered), until stop()."""
+        answered), until stop(). Trouble is logged when it starts or changes, not per read;
+        `trouble` is the first answer's."""
         loop = asyncio.get_running_loop()
         last = loop.time()
-        failures = 0
+        failures = 1 if trouble else 0
+        if trouble:
+            logger.warning("consumer %s: %s; asking again soon", self._consumer_id, trouble)
         while not self._stopping.is_set():
             if failures:
                 wait = backoff_delay(failures - 1, initial=0.1, cap=REFRESH_SOON_MAX_S)
@@ -518,25 +533,18 @@ class Consumer:
                 return
             self._refresh_wanted.clear()
             last = loop.time()
-            layout = await self._fetch_any()
+            layout, problem = await self._fetch_any()
             if self._stopping.is_set():
                 return
-            if layout is None or layout.partition_count <= 0:
-                failures += 1
-                continue
-            self._apply(layout)
-            unserved = [p for p, s in self._streams.items() if p not in layout.endpoints]
-            if layout.complete and not unserved:
-                failures = 0
-            else:
-                failures += 1
-                logger.info(
-                    "consumer %s: topology of %r%s%s; asking again soon",
-                    self._consumer_id,
-                    layout.topic,
-                    "" if layout.complete else f" incomplete ({layout.problem})",
-                    f", nobody serves partitions {unserved} now" if unserved else "",
-                )
+            if layout is not None:
+                self._apply(layout)
+                problem = self._trouble(layout)
+            if problem and problem != trouble:
+                logger.warning("consumer %s: %s; asking again soon", self._consumer_id, problem)
+            elif trouble and not problem:
+                logger.info("consumer %s: every partition is served again", self._consumer_id)
+            trouble = problem
+            failures = failures + 1 if problem else 0
 
     async def _until_stopped(self, fetch: Coroutine[Any, Any, Layout]) -> Layout | None:
         """`fetch`'s answer, or None when stop() comes first (an endpoint that never answers
@@ -553,9 +561,9 @@ class Consumer:
                     await task
         return task.result() if not task.cancelled() else None
 
-    async def _fetch_any(self) -> Layout | None:
+    async def _fetch_any(self) -> tuple[Layout | None, str]:
         """The topology from the target, else from any endpoint a stream uses (any proxy
-        answers); None when none did."""
+        answers); (None, what went wrong) when none did."""
         candidates = [self._target]
         for stream in list(self._streams.values()):
             if stream.endpoint is not None and stream.endpoint not in candidates:
@@ -563,19 +571,18 @@ class Consumer:
         problems = []
         for endpoint in candidates:
             if self._stopping.is_set():
-                return None
+                break
             try:
-                return await self._until_stopped(
+                layout = await self._until_stopped(
                     fetch_layout(self._channel(endpoint), self._metadata, TOPOLOGY_TIMEOUT_S)
                 )
             except grpc.aio.AioRpcError as exc:
                 problems.append(f"{endpoint}: {exc.code().name}")
-        logger.warning(
-            "consumer %s: no proxy answered Topology (%s); streams keep their endpoints",
-            self._consumer_id,
-            ", ".join(problems),
-        )
-        return None
+                continue
+            if layout is not None and layout.partition_count > 0:
+                return layout, ""
+            problems.append(f"{endpoint}: no partitions")
+        return None, f"no proxy answered Topology ({', '.join(problems)})"
 
 
 def _by_partition_key(partition: int | None) -> int:

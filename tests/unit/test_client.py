@@ -1089,6 +1089,25 @@ def test_a_partition_whose_proxy_dies_is_followed_to_the_standby_that_takes_it(
     assert sorted(o for p, o in a.acked_in() if p == 1) == list(range(10, 20))
 
 
+def test_a_partition_nobody_serves_at_start_is_consumed_once_a_proxy_takes_it(
+    deployment: Deployment, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="triage_client")
+    a = deployment.proxy()
+    deployment.serve(0, a)
+    deployment.serve(1, a)  # partition 2: only a standby waits for it
+    deployment.feed(2, (delivery(o) for o in range(5)))
+    run = Running(consumer(a, sleeper("async", {})))
+    deployment.wait_for(lambda: len(a.hellos) == 2, "streams for 0 and 1")
+    time.sleep(0.5)  # a few topology reads, all saying nobody serves partition 2
+    deployment.serve(2, a)
+    deployment.wait_for(lambda: len(deployment.acked(2)) == 5, "partition 2 consumed")
+    run.stop()
+    assert hellos(deployment) == [(0, 11), (1, 11), (2, 10)], "credits split over all three"
+    unserved = [r for r in caplog.records if "nobody serves partitions [2]" in r.getMessage()]
+    assert len(unserved) == 1, "said once, not at every read"
+
+
 def test_a_partition_added_to_the_topic_is_consumed_without_a_restart(
     deployment: Deployment,
 ) -> None:
