@@ -39,7 +39,7 @@ async def handle(message: Message) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", required=True, help="proxy address, HOST:PORT")
+    parser.add_argument("--target", required=True, help="any proxy of the deployment, HOST:PORT")
     parser.add_argument(
         "--token-env",
         default="TRIAGE_TOKEN",

@@ -1,28 +1,38 @@
 """Errors the client raises, grouped by what the caller does next.
 
     TriageClientError            root; `retriable` says whether running again can help
-    +-- StreamError              the proxy refused the stream for good (wrong endpoint, bad
-    |   |                        Hello): fix the target or the settings (not retriable)
+    +-- StreamError              the proxy refused the stream for good (bad Hello): fix the
+    |   |                        settings (not retriable)
     |   +-- AuthenticationError  the proxy refused the token: fix the token (not retriable)
+    |   +-- EndpointError        the endpoint is not a Triage proxy (not gRPC at all, or a gRPC
+    |                            server without Triage's service): fix the endpoint
+    +-- PartitionError           `partitions=[...]` names a partition the topic lacks: fix the
+    |                            list (also a ValueError; not retriable)
     +-- StateError               run() called twice on one Consumer (a bug)
 
-Transient stream failures (the proxy restarting, the network) are never raised: the
-consumer reconnects. `error_for_status` decides which gRPC status is which, in one place.
+Transient failures (a proxy restarting, a partition failing over, the network) are never
+raised: the consumer reconnects. `error_for_status` and `speaks_grpc` decide which gRPC
+outcome is which, in one place.
 
 `Retry` is not an error the client raises: a handler raises it to ask for redelivery.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import grpc
 
 __all__ = [
     "AuthenticationError",
+    "EndpointError",
+    "PartitionError",
     "Retry",
     "StateError",
     "StreamError",
     "TriageClientError",
     "error_for_status",
+    "speaks_grpc",
 ]
 
 
@@ -35,8 +45,12 @@ class TriageClientError(Exception):
 class StreamError(TriageClientError):
     """The proxy ended the stream with a status that reconnecting will not fix."""
 
-    def __init__(self, code: grpc.StatusCode, details: str | None) -> None:
-        super().__init__(f"proxy refused the stream: {code.name}: {details or 'no details'}")
+    def __init__(
+        self, code: grpc.StatusCode, details: str | None, message: str | None = None
+    ) -> None:
+        super().__init__(
+            message or f"proxy refused the stream: {code.name}: {details or 'no details'}"
+        )
         self.code = code
         """The gRPC status the proxy ended the stream with."""
         self.details = details
@@ -45,6 +59,28 @@ class StreamError(TriageClientError):
 
 class AuthenticationError(StreamError):
     """The proxy refused the token (missing, wrong or not allowed)."""
+
+
+class EndpointError(StreamError):
+    """The endpoint the Consumer was given is not a Triage proxy."""
+
+    def __init__(self, endpoint: str, code: grpc.StatusCode, details: str | None, why: str) -> None:
+        super().__init__(
+            code,
+            details,
+            f"{endpoint} is not a Triage proxy: {why} ({code.name}: {details or 'no details'})",
+        )
+        self.endpoint = endpoint
+        """The endpoint as the Consumer was given it."""
+
+
+class PartitionError(TriageClientError, ValueError):
+    """`partitions=[...]` names partitions this deployment's topic does not have."""
+
+    def __init__(self, missing: Iterable[int], message: str) -> None:
+        super().__init__(message)
+        self.missing = sorted(missing)
+        """The partitions asked for that the topic lacks."""
 
 
 class StateError(TriageClientError, RuntimeError):
@@ -58,15 +94,28 @@ class Retry(Exception):
 
 _AUTH_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 # Statuses that mean "this stream can never work as configured". Everything else (UNAVAILABLE,
-# CANCELLED, INTERNAL, ...) is treated as a proxy or network hiccup and retried with backoff:
-# a long-running consumer should outlive a proxy restart or a transient proxy bug.
-_FATAL_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED})
+# CANCELLED, INTERNAL, FAILED_PRECONDITION ...) is treated as a proxy or network hiccup, or a
+# partition that moved, and retried: a long-running consumer should outlive a proxy restart,
+# a failover or a transient proxy bug.
+_FATAL_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT})
+# gRPC's own words when the peer answered, but not in HTTP/2 (an HTTP/1 server such as the
+# proxy's metrics port, a database, ...) or with a plain HTTP/2 error page instead of gRPC.
+_NOT_GRPC = ("Failed parsing HTTP/2", "http1.x server", "Received http2 header with status")
 
 
-def error_for_status(code: grpc.StatusCode, details: str | None) -> StreamError | None:
+def speaks_grpc(details: str | None) -> bool:
+    """False when a failed call's details show that the peer is not a gRPC server at all."""
+    return not any(words in (details or "") for words in _NOT_GRPC)
+
+
+def error_for_status(
+    code: grpc.StatusCode, details: str | None, endpoint: str = "the endpoint"
+) -> StreamError | None:
     """The error to raise for a failed stream, or None when reconnecting may help."""
     if code in _AUTH_CODES:
         return AuthenticationError(code, details)
+    if code is grpc.StatusCode.UNIMPLEMENTED:
+        return EndpointError(endpoint, code, details, "it does not serve Triage's Consume")
     if code in _FATAL_CODES:
         return StreamError(code, details)
     return None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 
 __all__ = ["ConsumerStats", "Headers", "Message"]
@@ -70,7 +70,8 @@ make_message = _message_factory()
 
 @dataclass(frozen=True, slots=True)
 class ConsumerStats:
-    """A snapshot of one consumer's counters since it was created."""
+    """A snapshot of one consumer's counters since it was created: the fields are totals over
+    every partition it consumes, and `partitions` has the same counters per partition."""
 
     delivered: int = 0
     """Messages received from the proxy."""
@@ -88,3 +89,6 @@ class ConsumerStats:
     extended: int = 0
     """Lease extensions sent: each offset listed in each Extend frame counts once (a handler
     running for n ack deadlines counts about 3n)."""
+    partitions: Mapping[int, ConsumerStats] = field(default_factory=dict, hash=False)
+    """The same counters per partition (their own `partitions` is empty); `reconnects` there
+    counts the streams opened for that partition after its first."""

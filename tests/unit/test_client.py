@@ -11,18 +11,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar, cast
 
 import grpc
 import pytest
 
-from triage_client import AuthenticationError, Consumer, Message, Retry, StateError
+from triage_client import (
+    AuthenticationError,
+    Consumer,
+    EndpointError,
+    Message,
+    PartitionError,
+    Retry,
+    StateError,
+)
 from triage_client._proto import triage_pb2, triage_pb2_grpc
-from triage_client.consumer import MAX_REASON_CHARS, _reason, backoff_delay
+from triage_client.pool import MAX_REASON_CHARS
+from triage_client.pool import nack_reason as _reason
+from triage_client.stream import backoff_delay
+from triage_client.topology import credit_share
 
 TOKEN = "s3cret-token"
 WAIT_S = 5.0
@@ -48,19 +62,108 @@ def delivery(
     return d
 
 
+class Deployment:
+    """What the fake proxies of one deployment share: a queue per partition (the Kafka
+    partition, with its redeliveries), which proxy serves each partition now, what Topology
+    says, and how many deliveries the consumer holds unsettled over all streams."""
+
+    def __init__(self, partitions: int) -> None:
+        self.cond = threading.Condition()
+        self.queues: dict[int, deque[triage_pb2.Delivery]] = {p: deque() for p in range(partitions)}
+        self.owners: dict[int, FakeProxy | None] = dict.fromkeys(range(partitions))
+        self.announced: dict[int, FakeProxy | None] = dict.fromkeys(range(partitions))
+        """What Topology says: normally `owners`; a test may leave it stale."""
+        self.proxies: list[FakeProxy] = []
+        self.unsettled = 0
+        self.max_unsettled = 0
+        self.topology_calls = 0
+
+    @property
+    def count(self) -> int:
+        return len(self.queues)
+
+    def proxy(self) -> FakeProxy:
+        fake = FakeProxy(deployment=self).start()
+        self.proxies.append(fake)
+        return fake
+
+    def serve(self, partition: int, proxy: FakeProxy | None, *, announce: bool = True) -> None:
+        """`proxy` serves `partition` from now on; its old owner ends that partition's
+        streams with FAILED_PRECONDITION naming the new owner."""
+        with self.cond:
+            self.queues.setdefault(partition, deque())
+            self.owners[partition] = proxy
+            if announce:
+                self.announced[partition] = proxy
+            self.cond.notify_all()
+        for fake in self.proxies:
+            fake.wake()
+
+    def feed(self, partition: int, deliveries: Iterable[triage_pb2.Delivery]) -> None:
+        with self.cond:
+            self.queues[partition].extend(deliveries)
+        for fake in self.proxies:
+            fake.wake()
+
+    def reply(self) -> triage_pb2.TopologyReply:
+        with self.cond:
+            self.topology_calls += 1
+            reply = triage_pb2.TopologyReply(
+                topic="orders", partition_count=self.count, complete=True
+            )
+            for p in range(self.count):
+                owner = self.announced.get(p)
+                if owner is None:
+                    reply.partitions.add(partition=p, state=triage_pb2.PartitionRoute.STANDBY_ONLY)
+                else:
+                    reply.partitions.add(
+                        partition=p,
+                        endpoint=owner.target,
+                        state=triage_pb2.PartitionRoute.SERVING,
+                        owner_id=f"proxy-{owner.port}",
+                    )
+            return reply
+
+    def wait_for(self, predicate: Callable[[], object], what: str) -> None:
+        """As FakeProxy.wait_for, over every proxy of the deployment."""
+        deadline = time.monotonic() + WAIT_S
+        with self.cond:
+            while not predicate():
+                assert time.monotonic() < deadline, f"timed out waiting for {what}"
+                self.cond.wait(0.01)
+
+    def acked(self, partition: int) -> list[int]:
+        """Offsets of `partition` acked on any proxy."""
+        return [o for fake in self.proxies for p, o in fake.acked_in() if p == partition]
+
+    def held(self, delta: int) -> None:
+        """Under cond: the consumer holds `delta` more (or fewer) unsettled deliveries."""
+        self.unsettled += delta
+        self.max_unsettled = max(self.max_unsettled, self.unsettled)
+
+    def close(self) -> None:
+        for fake in self.proxies:
+            fake.close()
+
+
 class FakeProxy(triage_pb2_grpc.TriageServicer):
     """A Triage proxy in miniature: checks the token, honours credits, records settlements.
 
     With `ack_deadline_ms` set, a delivery left unsettled and unextended that long is taken
-    back and queued again with its attempt raised, as the real proxy does.
+    back and queued again with its attempt raised, as the real proxy does. Alone, it is an
+    older proxy: no Topology, one partition (3) for a Hello that names none. In a Deployment
+    it answers Topology and serves the partitions the deployment gives it, refusing a Hello
+    for any other with FAILED_PRECONDITION and the owner in `triage-owner-endpoint`.
     """
 
-    def __init__(self, *, batch: int = 64) -> None:
+    def __init__(self, *, batch: int = 64, deployment: Deployment | None = None) -> None:
         self.batch = batch
+        self.deployment = deployment
         self.port = 0
         self.ack_deadline_ms = 0  # sent in the Welcome of each new stream; 0: leases never lapse
         self.reject: set[int] = set()  # offsets whose settlement is answered with Rejected
         self.hellos: list[triage_pb2.Hello] = []
+        self.refused: list[int] = []  # partitions of Hellos refused with FAILED_PRECONDITION
         self.acks: list[tuple[int, int]] = []  # (stream number, offset)
         self.nacks: list[tuple[int, triage_pb2.Nack]] = []
         self.releases: list[tuple[int, int]] = []  # (stream number, offset)
@@ -72,7 +175,7 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
         self.max_unsettled = 0
         self._queue: deque[triage_pb2.Delivery] = deque()
         self._generation = 0  # bumped by restart(): a dead server's streams requeue nothing
-        self._cond = threading.Condition()
+        self._cond = threading.Condition() if deployment is None else deployment.cond
         self._wakes: set[asyncio.Event] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fake-proxy")
@@ -87,9 +190,10 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
 
     def close(self) -> None:
         self.stop_server()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(WAIT_S)
-        self._loop.close()
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(WAIT_S)
+            self._loop.close()
 
     def stop_server(self) -> None:
         """Kill the server and every stream on it, as a proxy restart does."""
@@ -107,7 +211,11 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
     def feed(self, deliveries: Iterable[triage_pb2.Delivery]) -> None:
         with self._cond:
             self._queue.extend(deliveries)
-        self._loop.call_soon_threadsafe(self._wake_all)
+        self.wake()
+
+    def wake(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._wake_all)
 
     def wait_for(self, predicate: Callable[[], object], what: str) -> None:
         """Wait until `predicate()` holds; it is re-checked on every server event and every
@@ -121,6 +229,15 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
     def acked(self, stream: int | None = None) -> list[int]:
         with self._cond:
             return [o for s, o in self.acks if stream is None or s == stream]
+
+    def partition_of(self, stream: int) -> int | None:
+        hello = self.hellos[stream - 1]
+        return hello.partition if hello.HasField("partition") else None
+
+    def acked_in(self) -> list[tuple[int | None, int]]:
+        """(partition named by the stream's Hello, offset) of every ack."""
+        with self._cond:
+            return [(self.partition_of(s), o) for s, o in self.acks]
 
     @property
     def target(self) -> str:
@@ -142,6 +259,36 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
         for wake in self._wakes:
             wake.set()
 
+    async def Topology(
+        self,
+        request: triage_pb2.TopologyRequest,
+        context: grpc.aio.ServicerContext[triage_pb2.TopologyRequest, triage_pb2.TopologyReply],
+    ) -> triage_pb2.TopologyReply:
+        metadata = dict(context.invocation_metadata() or ())
+        if metadata.get("authorization") != f"Bearer {TOKEN}":
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing token")
+        if self.deployment is None:  # an older proxy: the method does not exist
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        assert self.deployment is not None
+        return self.deployment.reply()
+
+    async def _refuse(
+        self,
+        partition: int,
+        context: grpc.aio.ServicerContext[triage_pb2.ConsumerFrame, triage_pb2.ProxyFrame],
+    ) -> None:
+        assert self.deployment is not None
+        with self._cond:
+            self.refused.append(partition)
+            owner = self.deployment.owners.get(partition)
+            self._cond.notify_all()
+        trailing = (("triage-owner-endpoint", owner.target),) if owner is not None else ()
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"partition {partition} is not served here",
+            trailing_metadata=trailing,
+        )
+
     async def Consume(
         self,
         request_iterator: AsyncIterator[triage_pb2.ConsumerFrame],
@@ -152,13 +299,23 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing token")
         frames = aiter(request_iterator)
         hello = (await anext(frames)).hello
+        deployment = self.deployment
+        partition = 3
+        queue_of: Callable[[], deque[triage_pb2.Delivery]] = lambda: self._queue  # noqa: E731
+        if hello.HasField("partition") and deployment is not None:
+            partition = hello.partition
+            if deployment.owners.get(partition) is not self:
+                await self._refuse(partition, context)
+            queue_of = lambda: deployment.queues[partition]  # noqa: E731
         with self._cond:
             self.hellos.append(hello)
             stream = len(self.hellos)
             generation = self._generation
             self._cond.notify_all()
         deadline_ms = self.ack_deadline_ms
-        welcome = triage_pb2.Welcome(topic="orders", partition=3, ack_deadline_ms=deadline_ms)
+        welcome = triage_pb2.Welcome(
+            topic="orders", partition=partition, ack_deadline_ms=deadline_ms
+        )
         await context.write(triage_pb2.ProxyFrame(welcome=welcome))
         loop = asyncio.get_running_loop()
         unsettled: dict[int, triage_pb2.Delivery] = {}
@@ -167,19 +324,23 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
         wake = asyncio.Event()
         half_closed = False
 
+        def settled(offset: int) -> None:  # under cond
+            if unsettled.pop(offset, None) is not None and deployment is not None:
+                deployment.held(-1)
+
         async def read() -> None:
             nonlocal half_closed
             async for frame in frames:
                 with self._cond:
                     for offset in frame.settle.acks:
                         self.acks.append((stream, offset))
-                        unsettled.pop(offset, None)
+                        settled(offset)
                     for nack in frame.settle.nacks:
                         self.nacks.append((stream, nack))
-                        unsettled.pop(nack.offset, None)
+                        settled(nack.offset)
                     for offset in frame.release.offsets:
                         self.releases.append((stream, offset))
-                        unsettled.pop(offset, None)
+                        settled(offset)
                     if frame.HasField("extend"):
                         self.extends.append((stream, list(frame.extend.offsets)))
                         for offset in frame.extend.offsets:
@@ -205,20 +366,28 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
         reader = asyncio.create_task(read())
         try:
             while not half_closed:
+                moved = deployment is not None and deployment.owners.get(partition) is not self
+                if moved and hello.HasField("partition"):
+                    await self._refuse(partition, context)
                 if rejected:
                     refusal = triage_pb2.Rejected(offsets=rejected, reason="not held")
                     rejected = []
                     await context.write(triage_pb2.ProxyFrame(rejected=refusal))
                 with self._cond:
+                    queue = queue_of()
                     room = min(self.batch, hello.credits - len(unsettled))
-                    batch = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
+                    batch = [queue.popleft() for _ in range(min(room, len(queue)))]
                     for d in batch:
                         unsettled[d.offset] = d
                         if deadline_ms:
                             leases[d.offset] = loop.time() + deadline_ms / 1000
                     self.max_unsettled = max(self.max_unsettled, len(unsettled))
+                    if deployment is not None:
+                        deployment.held(len(batch))
                 if batch:
-                    frame = triage_pb2.Deliveries(topic="orders", partition=3, deliveries=batch)
+                    frame = triage_pb2.Deliveries(
+                        topic="orders", partition=partition, deliveries=batch
+                    )
                     await context.write(triage_pb2.ProxyFrame(deliveries=frame))
                     continue
                 timeout = max(0.0, min(leases.values()) - loop.time()) if leases else None
@@ -232,16 +401,22 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
                         lapsed = unsettled.pop(offset)
                         lapsed.attempt += 1
                         self.expired.append((stream, offset))
-                        self._queue.appendleft(lapsed)
+                        queue_of().appendleft(lapsed)
+                        if deployment is not None:
+                            deployment.held(-1)
                     self._cond.notify_all()
         finally:
             self._wakes.discard(wake)
             reader.cancel()
             with self._cond:  # what this stream still held goes back for redelivery
-                held = unsettled.values() if generation == self._generation else ()
+                named = hello.HasField("partition")
+                held = unsettled.values() if named or generation == self._generation else ()
                 for d in sorted(held, key=lambda d: -d.offset):
                     d.attempt += 1
-                    self._queue.appendleft(d)
+                    queue_of().appendleft(d)
+                if deployment is not None:
+                    deployment.held(-len(unsettled))
+                self._cond.notify_all()
 
 
 class Running:
@@ -275,15 +450,28 @@ class Running:
         self.join()
 
 
-@pytest.fixture
-def proxy() -> Iterator[FakeProxy]:
-    fake = FakeProxy().start()
-    yield fake
+def stop_live_consumers() -> None:
     while Running.live:
         run = Running.live.pop()
         run.consumer.stop()
         run.thread.join(WAIT_S)
+
+
+@pytest.fixture
+def proxy() -> Iterator[FakeProxy]:
+    fake = FakeProxy().start()
+    yield fake
+    stop_live_consumers()
     fake.close()
+
+
+@pytest.fixture
+def deployment() -> Iterator[Deployment]:
+    """Three partitions; each test starts the proxies it needs and says who serves what."""
+    fakes = Deployment(3)
+    yield fakes
+    stop_live_consumers()
+    fakes.close()
 
 
 def consumer(proxy: FakeProxy, handler: Any, **kwargs: Any) -> Consumer:
@@ -750,3 +938,329 @@ def test_invalid_settings_are_refused() -> None:
         Consumer("x:1", TOKEN, lambda m: None, retry_on=cast(Any, (OSError, "timeout")))
     with pytest.raises(TypeError, match="retry_on"):
         Consumer("x:1", TOKEN, lambda m: None, retry_on=cast(Any, (ValueError("x"),)))
+
+
+# -- a deployment: Topology, one stream per partition, one shared pool ----------------------
+
+
+def hellos(fakes: Deployment) -> list[tuple[int | None, int]]:
+    """(partition, credits) of every Hello any proxy accepted, in partition order."""
+    return sorted(
+        (
+            (h.partition if h.HasField("partition") else None, h.credits)
+            for fake in fakes.proxies
+            for h in fake.hellos
+        ),
+        key=lambda pc: (-1 if pc[0] is None else pc[0], pc[1]),
+    )
+
+
+def serve_all(fakes: Deployment, *owners: FakeProxy) -> None:
+    """Partition p is served by owners[p]."""
+    for p, owner in enumerate(owners):
+        fakes.serve(p, owner)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_one_consumer_consumes_every_partition_with_one_pool(
+    deployment: Deployment, kind: str
+) -> None:
+    a, b = deployment.proxy(), deployment.proxy()
+    serve_all(deployment, a, a, b)
+    for p in range(3):
+        deployment.feed(p, (delivery(o) for o in range(60)))
+    lock = threading.Lock()
+    running = peak = 0
+    seen: list[tuple[int, int]] = []
+
+    def enter(message: Message) -> None:
+        nonlocal running, peak
+        with lock:
+            seen.append((message.partition, message.offset))
+            running += 1
+            peak = max(peak, running)
+
+    def leave() -> None:
+        nonlocal running
+        with lock:
+            running -= 1
+
+    def sync_handler(message: Message) -> None:
+        enter(message)
+        time.sleep(0.002)
+        leave()
+
+    async def async_handler(message: Message) -> None:
+        enter(message)
+        await asyncio.sleep(0.002)
+        leave()
+
+    handler = sync_handler if kind == "sync" else async_handler
+    run = Running(
+        Consumer(a.target, TOKEN, handler, concurrency=4, prefetch=4, consumer_id="one-pool")
+    )
+    deployment.wait_for(
+        lambda: all(len(deployment.acked(p)) == 60 for p in range(3)), "every partition acked"
+    )
+    run.stop()
+    assert peak == 4, "one pool of 4 slots for all three partitions"
+    assert sorted(seen) == [(p, o) for p in range(3) for o in range(60)]
+    assert all(sorted(deployment.acked(p)) == list(range(60)) for p in range(3))
+    assert hellos(deployment) == [(0, 3), (1, 3), (2, 2)], "credits 4 + 4 split over 3 streams"
+    assert deployment.max_unsettled == 8, "never more than concurrency + prefetch held in all"
+    stats = run.consumer.stats
+    assert (stats.delivered, stats.acked, stats.dropped, stats.reconnects) == (180, 180, 0, 0)
+    assert {p: (s.delivered, s.acked) for p, s in stats.partitions.items()} == {
+        0: (60, 60),
+        1: (60, 60),
+        2: (60, 60),
+    }
+    assert sorted(run.consumer._channels) == sorted([a.target, b.target]), "one per endpoint"
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_backlog_of_slow_messages_does_not_starve_another_partition(
+    deployment: Deployment, kind: str
+) -> None:
+    slow_s = 0.5
+    a = deployment.proxy()
+    serve_all(deployment, a, a, a)
+    started: list[int] = []
+
+    def sync_handler(message: Message) -> None:
+        started.append(message.partition)
+        if message.partition == 0:
+            time.sleep(slow_s)
+
+    async def async_handler(message: Message) -> None:
+        started.append(message.partition)
+        if message.partition == 0:
+            await asyncio.sleep(slow_s)
+
+    deployment.feed(0, (delivery(o) for o in range(40)))
+    handler = sync_handler if kind == "sync" else async_handler
+    # credits 30: 10 per partition, so 8 slow ones wait behind the 2 running
+    run = Running(consumer(a, handler, concurrency=2, prefetch=28))
+    deployment.wait_for(lambda: started.count(0) == 2 and a.max_unsettled == 10, "a backlog")
+    deployment.feed(1, (delivery(o) for o in range(20)))
+    deployment.wait_for(lambda: len(deployment.acked(1)) == 20, "the other partition's work")
+    slow_done = len(deployment.acked(0))
+    run.stop()
+    # A free slot goes to the partition with fewer running handlers: partition 1 gets it
+    # each time, instead of waiting behind the 8 queued slow ones (4 more slow rounds).
+    assert slow_done <= 4, f"{slow_done} slow messages finished before 20 fast ones"
+
+
+def test_a_moved_partition_is_followed_to_the_owner_its_old_proxy_names(
+    deployment: Deployment,
+) -> None:
+    a, b = deployment.proxy(), deployment.proxy()
+    serve_all(deployment, a, a, a)
+    deployment.feed(1, (delivery(o) for o in range(10)))
+    run = Running(consumer(a, sleeper("async", {})))
+    deployment.wait_for(lambda: len(deployment.acked(1)) == 10, "partition 1 on a")
+    # Topology still names a; only a's refusal says where partition 1 went.
+    deployment.serve(1, b, announce=False)
+    deployment.feed(1, (delivery(o) for o in range(10, 20)))
+    deployment.wait_for(lambda: len(deployment.acked(1)) == 20, "partition 1 on b")
+    run.stop()
+    assert 1 in a.refused
+    assert [h.partition for h in b.hellos] == [1]
+    assert sorted(o for p, o in b.acked_in() if p == 1) == list(range(10, 20))
+    assert run.consumer.stats.partitions[1].reconnects >= 1
+
+
+def test_a_partition_whose_proxy_dies_is_followed_to_the_standby_that_takes_it(
+    deployment: Deployment,
+) -> None:
+    a, b = deployment.proxy(), deployment.proxy()
+    serve_all(deployment, a, b, a)
+    deployment.feed(1, (delivery(o) for o in range(10)))
+    run = Running(consumer(a, sleeper("async", {})))
+    deployment.wait_for(lambda: len(deployment.acked(1)) == 10, "partition 1 on b")
+    b.stop_server()  # killed: only a standby waits for partition 1 now
+    deployment.serve(1, None)
+    deployment.feed(1, (delivery(o) for o in range(10, 20)))
+    time.sleep(0.3)
+    deployment.serve(1, a)  # the standby took the lease
+    deployment.wait_for(lambda: set(deployment.acked(1)) == set(range(20)), "partition 1 on a")
+    run.stop()
+    assert [h.partition for h in a.hellos].count(1) == 1
+    assert sorted(o for p, o in a.acked_in() if p == 1) == list(range(10, 20))
+
+
+def test_a_partition_nobody_serves_at_start_is_consumed_once_a_proxy_takes_it(
+    deployment: Deployment, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="triage_client")
+    a = deployment.proxy()
+    deployment.serve(0, a)
+    deployment.serve(1, a)  # partition 2: only a standby waits for it
+    deployment.feed(2, (delivery(o) for o in range(5)))
+    run = Running(consumer(a, sleeper("async", {})))
+    deployment.wait_for(lambda: len(a.hellos) == 2, "streams for 0 and 1")
+    time.sleep(0.5)  # a few topology reads, all saying nobody serves partition 2
+    deployment.serve(2, a)
+    deployment.wait_for(lambda: len(deployment.acked(2)) == 5, "partition 2 consumed")
+    run.stop()
+    assert hellos(deployment) == [(0, 11), (1, 11), (2, 10)], "credits split over all three"
+    unserved = [r for r in caplog.records if "nobody serves partitions [2]" in r.getMessage()]
+    assert len(unserved) == 1, "said once, not at every read"
+
+
+def test_a_partition_added_to_the_topic_is_consumed_without_a_restart(
+    deployment: Deployment,
+) -> None:
+    a = deployment.proxy()
+    serve_all(deployment, a, a, a)
+    run = Running(
+        consumer(a, sleeper("async", {}), concurrency=4, prefetch=4, topology_interval=0.2)
+    )
+    deployment.wait_for(lambda: len(a.hellos) == 3, "three streams")
+    deployment.serve(3, a)  # partition 3 added to the topic and the deployment
+    deployment.feed(3, (delivery(o) for o in range(5)))
+    deployment.wait_for(lambda: len(deployment.acked(3)) == 5, "the new partition consumed")
+    run.stop()
+    assert [p for p, _ in hellos(deployment)] == [0, 1, 2, 3]
+    assert dict(hellos(deployment))[3] == 2, "the new stream takes its share of the new split"
+    assert run.consumer.stats.partitions[3].acked == 5
+
+
+def test_partitions_restricts_what_is_consumed(deployment: Deployment) -> None:
+    a = deployment.proxy()
+    serve_all(deployment, a, a, a)
+    for p in range(3):
+        deployment.feed(p, (delivery(o) for o in range(5)))
+    run = Running(consumer(a, sleeper("async", {}), partitions=[2, 0], concurrency=3))
+    deployment.wait_for(
+        lambda: len(deployment.acked(0)) == 5 and len(deployment.acked(2)) == 5, "0 and 2"
+    )
+    run.stop()
+    assert hellos(deployment) == [(0, 3), (2, 3)], "credits split over the two streams only"
+    assert deployment.acked(1) == []
+    assert sorted(run.consumer.stats.partitions) == [0, 2]
+
+
+def test_a_partition_the_topic_lacks_is_an_error_at_start(deployment: Deployment) -> None:
+    a = deployment.proxy()
+    serve_all(deployment, a, a, a)
+    deployment.feed(0, [delivery(0)])
+    run = Running(consumer(a, sleeper("async", {}), partitions=[0, 5, 7]))
+    with pytest.raises(PartitionError, match=r"\[5, 7\].*'orders'.*3 partitions") as info:
+        run.join()
+    assert isinstance(info.value, ValueError)
+    assert info.value.missing == [5, 7]
+    assert a.hellos == [], "nothing consumed"
+    with pytest.raises(ValueError, match="partitions"):
+        Consumer(a.target, TOKEN, lambda m: None, partitions=[-1])
+
+
+def test_a_wrong_token_is_refused_at_topology(deployment: Deployment) -> None:
+    a = deployment.proxy()
+    serve_all(deployment, a, a, a)
+    run = Running(Consumer(a.target, "wrong", lambda m: None))
+    with pytest.raises(AuthenticationError):
+        run.join()
+    assert (deployment.topology_calls, a.hellos) == (0, [])
+
+
+def test_an_older_proxy_without_topology_is_consumed_as_its_only_partition(
+    proxy: FakeProxy,
+) -> None:
+    proxy.feed(delivery(o) for o in range(3))
+    seen: list[Message] = []
+    run = Running(consumer(proxy, seen.append))
+    proxy.wait_for(lambda: len(proxy.acks) == 3, "3 acks")
+    run.stop()
+    assert [h.HasField("partition") for h in proxy.hellos] == [False], "an old-style Hello"
+    assert {m.partition for m in seen} == {3}
+    assert list(run.consumer.stats.partitions) == [3]
+    assert run.consumer.stats.partitions[3].acked == 3
+
+
+def test_an_older_proxy_serving_another_partition_than_asked_is_an_error(
+    proxy: FakeProxy,
+) -> None:
+    run = Running(consumer(proxy, lambda m: None, partitions=[0]))
+    with pytest.raises(PartitionError, match="serves only partition 3"):
+        run.join()
+
+
+def test_a_grpc_server_without_triage_is_not_a_triage_proxy() -> None:
+    server = grpc.server(ThreadPoolExecutor(1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        run = Running(Consumer(f"127.0.0.1:{port}", TOKEN, lambda m: None))
+        with pytest.raises(EndpointError, match=f"127.0.0.1:{port} is not a Triage proxy"):
+            run.join()
+    finally:
+        server.stop(None)
+
+
+def test_an_endpoint_that_does_not_speak_grpc_is_not_a_triage_proxy() -> None:
+    http = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    try:
+        target = f"127.0.0.1:{http.server_address[1]}"
+        run = Running(Consumer(target, TOKEN, lambda m: None))
+        with pytest.raises(EndpointError, match="not a Triage proxy: it does not speak gRPC"):
+            run.join()
+    finally:
+        http.shutdown()
+        http.server_close()
+
+
+def test_stop_drains_every_stream(deployment: Deployment) -> None:
+    a, b = deployment.proxy(), deployment.proxy()
+    serve_all(deployment, a, a, b)
+    for p in range(3):
+        deployment.feed(p, (delivery(o) for o in range(2)))
+    started: list[tuple[int, int]] = []
+    release = threading.Event()
+
+    def handler(message: Message) -> None:
+        started.append((message.partition, message.offset))
+        assert release.wait(WAIT_S)
+
+    run = Running(consumer(a, handler, concurrency=3, prefetch=3))  # 2 credits per stream
+    deployment.wait_for(lambda: len(started) == 3 and deployment.unsettled == 6, "all held")
+    run.consumer.stop()
+    time.sleep(0.2)
+    assert run.thread.is_alive(), "run() returned while handlers were still running"
+    release.set()
+    run.join()
+    acked = sorted((p, o) for fake in deployment.proxies for p, o in fake.acked_in())
+    assert acked == sorted(started)
+    released = [(fake.partition_of(s), o) for fake in deployment.proxies for s, o in fake.releases]
+    held = {(p, o) for p in range(3) for o in range(2)}
+    assert sorted(released) == sorted(held - set(started)), "the queued ones are given back"
+    for fake in deployment.proxies:
+        for stream in range(1, len(fake.hellos) + 1):
+            events = [e for s, e in fake.events if s == stream]
+            assert events[-1] == "half-close", (fake.partition_of(stream), events)
+    assert deployment.unsettled == 0
+    assert run.consumer.stats.dropped == 3
+
+
+@pytest.mark.parametrize(("budget", "streams"), [(8, 3), (64, 4), (5, 5), (3, 4), (1, 1)])
+def test_credits_are_split_evenly_and_within_the_budget(budget: int, streams: int) -> None:
+    shares = [credit_share(budget, streams, i) for i in range(streams)]
+    assert min(shares) >= 1
+    assert max(shares) - min(shares) <= 1
+    assert sum(shares) == max(budget, streams), "the budget, unless a stream needs its 1"
+
+
+def test_stop_while_the_target_does_not_answer_returns_promptly() -> None:
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()  # connections complete in the kernel; nothing ever answers
+    try:
+        target = f"127.0.0.1:{silent.getsockname()[1]}"
+        run = Running(Consumer(target, TOKEN, lambda m: None))
+        time.sleep(0.3)
+        started = time.monotonic()
+        run.stop()
+        assert time.monotonic() - started < 2.0
+    finally:
+        silent.close()

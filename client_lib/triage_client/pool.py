@@ -1,0 +1,396 @@
+"""The handler pool: `concurrency` slots shared by every partition stream of one Consumer.
+
+Each stream keeps its own local queue of deliveries waiting for a slot. When a slot frees,
+the pool takes the next delivery from the stream with the fewest handlers running right now
+(ties go round-robin), so a partition with a backlog of slow messages holds at most its
+fair share of the slots while another partition has work: it never starves the others.
+
+Async handlers run in `concurrency` worker tasks on the event loop (no thread hop per
+message: the fast path). Sync handlers run in a ThreadPoolExecutor of `concurrency` threads,
+each running one drain job while deliveries are queued: it picks the next delivery when the
+previous one is done (so the choice above is made when a slot frees, not when a delivery
+arrives), and threads report results back to the loop in batches. Results go to the stream
+they were delivered on, which batches them into Settle frames; a result whose stream broke
+meanwhile (an older epoch) is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+from collections import deque
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from typing import TYPE_CHECKING, Any, cast
+
+from triage_client._proto import triage_pb2
+from triage_client.message import Message
+
+if TYPE_CHECKING:
+    from triage_client.stream import PartitionStream
+
+__all__ = ["MAX_REASON_CHARS", "Handler", "HandlerPool", "nack_reason"]
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[Message], Any] | Callable[[Message], Awaitable[Any]]
+"""Returning acks the message; raising nacks it (raise `Retry`, or an exception the Consumer's
+`retry_on` lists, to ask for redelivery)."""
+_AsyncHandler = Callable[[Message], Awaitable[Any]]
+
+MAX_REASON_CHARS = 1000
+RELEASE = triage_pb2.Nack()
+"""Result of a delivery a handler thread let go unstarted because of stop()."""
+
+
+def nack_reason(exc: BaseException) -> str:
+    """The nack reason for a handler's exception: `Type: message`, bounded and valid UTF-8."""
+    try:
+        text = f"{type(exc).__name__}: {exc}"
+    except Exception:  # noqa: BLE001 - a broken __str__ must not lose the nack
+        text = f"{type(exc).__name__}: <unprintable>"
+    if len(text) > MAX_REASON_CHARS:
+        text = text[: MAX_REASON_CHARS - 3] + "..."
+    # protobuf strings must be valid UTF-8; lone surrogates would make the frame unsendable
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _nack(
+    offset: int, exc: BaseException, retry_on: tuple[type[BaseException], ...]
+) -> triage_pb2.Nack:
+    return triage_pb2.Nack(offset=offset, reason=nack_reason(exc), retry=isinstance(exc, retry_on))
+
+
+def is_async(handler: Handler) -> bool:
+    """True for a coroutine function, or an object whose class has an `async def __call__`."""
+    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
+        type(handler).__call__
+    )
+
+
+async def _await(awaitable: Awaitable[Any]) -> Any:
+    return await awaitable
+
+
+class HandlerPool:
+    """`concurrency` handler slots fed by every stream's local queue (see the module doc).
+
+    Touched on the loop thread only, except where noted: in sync mode the handler threads
+    pick deliveries and hand back results under `lock`, which guards the ready list, each
+    stream's queue, `busy` count and `running` set.
+    """
+
+    def __init__(
+        self,
+        handler: Handler,
+        concurrency: int,
+        retry_on: tuple[type[BaseException], ...],
+        batch_limit: int,
+    ) -> None:
+        self._handler = handler
+        self.is_async = is_async(handler)
+        self._concurrency = concurrency
+        self._retry_on = retry_on
+        self._batch_limit = batch_limit
+        self.stop_requested = False
+        """Set by Consumer.stop() from any thread: handler threads stop starting deliveries."""
+        self.outstanding = 0
+        """Deliveries queued or running, of any stream and epoch."""
+        self.drained = asyncio.Event()
+        """Set whenever `outstanding` drops to 0."""
+        self.lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: list[PartitionStream] = []  # streams with queued deliveries
+        self._queued = 0  # deliveries in their queues
+        self._turn = 0  # where the next tie-break starts, for round-robin among equals
+        self._closing = False  # workers exit when they see it
+        # async handlers
+        self._workers: list[asyncio.Task[None]] = []
+        self._idle_workers: deque[asyncio.Future[None]] = deque()
+        self._wakes_pending = 0
+        self._deck_check_scheduled = False
+        # sync handlers: threads append results here and wake the loop once per batch
+        self._executor: ThreadPoolExecutor | None = None
+        self._jobs = 0  # drain jobs submitted and not finished: at most `concurrency`
+        self._results: list[tuple[PartitionStream, int, int, triage_pb2.Nack | None]] = []
+        self._collect_scheduled = False
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        if self.is_async:
+            self._workers = [
+                loop.create_task(self._worker(), name=f"triage-handler-{i}")
+                for i in range(self._concurrency)
+            ]
+        else:
+            self._executor = ThreadPoolExecutor(self._concurrency, "triage-handler")
+
+    async def close(self, clean: bool) -> None:
+        """Idle workers exit when woken; after a failure, running ones are cancelled too."""
+        self._closing = True
+        while self._idle_workers:
+            fut = self._idle_workers.popleft()
+            if not fut.done():
+                fut.set_result(None)
+        if not clean:
+            for task in self._workers:
+                task.cancel()
+        if self._workers:
+            await asyncio.gather(*self._workers, return_exceptions=True)
+        if self._executor is not None:
+            # After a clean run every thread is idle, so waiting is instant.
+            self._executor.shutdown(wait=clean, cancel_futures=True)
+        self._loop = None
+
+    # -- the loop side ---------------------------------------------------------------------
+
+    def submit(self, stream: PartitionStream, messages: list[Message]) -> None:
+        """Queue a stream's new deliveries for the slots (on the loop)."""
+        count = len(messages)
+        if not count:
+            return
+        self.outstanding += count
+        stream.outstanding += count
+        if self._executor is None:
+            # Leases cover queued deliveries too: they are in this instance's hands and will
+            # start as soon as a slot frees, however long the running ones take.
+            stream.running.update(message.offset for message in messages)
+            if not stream.queued:
+                self._ready.append(stream)
+            stream.queued.extend(messages)
+            self._queued += count
+            if not self._wakes_pending:
+                self._wake_worker()
+            return
+        with self.lock:
+            stream.running.update(message.offset for message in messages)
+            if not stream.queued:
+                self._ready.append(stream)
+            stream.queued.extend(messages)
+            self._queued += count
+            idle = min(self._concurrency - self._jobs, self._queued)
+            self._jobs += idle
+        for _ in range(idle):
+            self._executor.submit(self._drain)
+
+    def take_back(self, stream: PartitionStream, *, next_epoch: bool = False) -> list[Message]:
+        """Remove a stream's queued, unstarted deliveries: at stop(), or, with `next_epoch`,
+        because its stream ended (then, in one step, results of handlers still running on
+        it are marked stale and the next stream gets a fresh lease set)."""
+        with self.lock:
+            if next_epoch:
+                stream.epoch += 1
+                stream.running = set()
+            taken = list(stream.queued)
+            if taken:
+                self._queued -= len(taken)
+                stream.queued.clear()
+                self._ready.remove(stream)
+                stream.running.difference_update(message.offset for message in taken)
+        self.outstanding -= len(taken)
+        stream.outstanding -= len(taken)
+        if not self.outstanding:
+            self.drained.set()
+        return taken
+
+    def _pick(self) -> tuple[PartitionStream, Message] | None:
+        """The next delivery for a free slot: from the stream with the fewest running
+        handlers, ties round-robin. Under `lock` in sync mode."""
+        ready = self._ready
+        count = len(ready)
+        if count == 1:
+            index = 0
+        elif count:
+            index = start = self._turn % count
+            fewest = ready[start].busy
+            for step in range(1, count):
+                i = (start + step) % count
+                if ready[i].busy < fewest:
+                    index, fewest = i, ready[i].busy
+            self._turn = index + 1
+        else:
+            return None
+        stream = ready[index]
+        queued = stream.queued
+        message = queued.popleft()
+        self._queued -= 1
+        if not queued:
+            del ready[index]
+        stream.busy += 1
+        return stream, message
+
+    @staticmethod
+    def _finished(
+        stream: PartitionStream, epoch: int, offset: int, nack: triage_pb2.Nack | None
+    ) -> None:
+        """Hand one result of a handler thread to its stream (on the loop)."""
+        if epoch != stream.epoch:
+            stream.dropped += 1  # its stream broke: the proxy redelivers it
+            return
+        stream.outstanding -= 1
+        if nack is None:
+            stream.acks.append(offset)
+        elif nack is RELEASE:
+            stream.dropped += 1
+            stream.releases.append(offset)
+        else:
+            stream.nacks.append(nack)
+
+    # -- async handlers: worker tasks on the loop ------------------------------------------
+
+    def _wake_worker(self) -> None:
+        idle = self._idle_workers
+        while idle:
+            fut = idle.popleft()
+            if not fut.done():
+                self._wakes_pending += 1
+                fut.set_result(None)
+                return
+
+    def _check_deck(self) -> None:
+        self._deck_check_scheduled = False
+        if self._ready and not self._wakes_pending:
+            self._wake_worker()
+
+    async def _worker(self) -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        ready = self._ready
+        pick = self._pick
+        handler = cast(_AsyncHandler, self._handler)
+        retry_on = self._retry_on
+        streak = 0
+        while not self._closing:
+            if not ready:
+                fut: asyncio.Future[None] = loop.create_future()
+                self._idle_workers.append(fut)
+                await fut
+                if self._closing:
+                    return
+                self._wakes_pending -= 1
+                streak = 0
+                continue
+            stream, message = cast("tuple[PartitionStream, Message]", pick())
+            if ready and not self._deck_check_scheduled:
+                # If this handler suspends, the rest of the queue needs another worker; checking
+                # on the next loop turn costs nothing when handlers finish without suspending.
+                self._deck_check_scheduled = True
+                loop.call_soon(self._check_deck)
+            epoch = stream.epoch
+            offset = message.offset
+            running = stream.running  # this stream's: see PartitionStream.running
+            nack = None
+            try:
+                await handler(message)
+            except asyncio.CancelledError as exc:
+                if task is not None and task.cancelling():
+                    raise
+                nack = _nack(offset, exc, retry_on)  # the handler's own, not ours
+            except Exception as exc:  # noqa: BLE001 - raising is how a handler says nack
+                nack = _nack(offset, exc, retry_on)
+            except BaseException as exc:
+                if not isinstance(exc, retry_on):
+                    running.discard(offset)  # no settlement: let the lease lapse
+                    stream.busy -= 1
+                    raise
+                nack = _nack(offset, exc, retry_on)
+            running.discard(offset)
+            stream.busy -= 1
+            self.outstanding -= 1
+            if epoch != stream.epoch:
+                stream.dropped += 1  # its stream broke: the proxy redelivers it
+            else:
+                stream.outstanding -= 1
+                if nack is None:
+                    stream.acks.append(offset)
+                else:
+                    stream.nacks.append(nack)
+            stream.after_settle(not stream.queued)
+            if not self.outstanding:
+                self.drained.set()
+            streak += 1
+            if streak >= self._batch_limit:
+                # Handlers that never suspend would starve the reader and writer.
+                streak = 0
+                await asyncio.sleep(0)
+
+    # -- sync handlers: a thread pool, results handed back in batches -----------------------
+
+    def _drain(self) -> None:
+        """A handler thread's job: run queued deliveries, each picked when the previous one
+        is done (so the choice is made when a slot frees), until none is left. Reporting a
+        result and picking the next take one lock acquisition."""
+        lock = self.lock
+        with lock:
+            picked = self._pick()
+            if picked is None:
+                self._jobs -= 1
+                return
+            stream, message = picked
+            epoch, running = stream.epoch, stream.running
+        while True:
+            offset = message.offset
+            nack = self._run_sync(message, stream, running)
+            with lock:
+                running.discard(offset)
+                stream.busy -= 1
+                self._results.append((stream, epoch, offset, nack))
+                wake = not self._collect_scheduled
+                self._collect_scheduled = True
+                picked = self._pick()
+                if picked is None:
+                    self._jobs -= 1
+                else:
+                    stream, message = picked
+                    epoch, running = stream.epoch, stream.running
+            loop = self._loop
+            if wake and loop is not None:
+                with suppress(RuntimeError):  # loop closed after a failed run(): nothing to do
+                    loop.call_soon_threadsafe(self._collect)
+            if picked is None:
+                return
+
+    def _run_sync(
+        self, message: Message, stream: PartitionStream, running: set[int]
+    ) -> triage_pb2.Nack | None:
+        """Runs in a handler thread: the handler's verdict on one delivery (None: ack)."""
+        if self.stop_requested:
+            return RELEASE  # queued behind stop(): give it back unstarted
+        try:
+            result = self._handler(message)
+            if inspect.isawaitable(result) and (loop := self._loop) is not None:
+                asyncio.run_coroutine_threadsafe(_await(result), loop).result()
+        except Exception as exc:  # noqa: BLE001 - raising is how a handler says nack
+            return _nack(message.offset, exc, self._retry_on)
+        except BaseException as exc:
+            if isinstance(exc, self._retry_on):
+                return _nack(message.offset, exc, self._retry_on)
+            with self.lock:
+                running.discard(message.offset)  # no settlement: let the lease lapse
+                stream.busy -= 1
+                # this job ends here: another one takes over what is still queued
+                replace = self._queued > 0 and self._executor is not None
+                if not replace:
+                    self._jobs -= 1
+            if replace and self._executor is not None:
+                self._executor.submit(self._drain)
+            raise
+        return None
+
+    def _collect(self) -> None:
+        with self.lock:
+            results, self._results = self._results, []
+            self._collect_scheduled = False
+        touched: dict[PartitionStream, None] = {}
+        finished = self._finished
+        for stream, epoch, offset, nack in results:
+            finished(stream, epoch, offset, nack)
+            touched[stream] = None
+        self.outstanding -= len(results)
+        for stream in touched:
+            stream.after_settle(not stream.queued)
+        if not self.outstanding:
+            self.drained.set()

@@ -1,0 +1,506 @@
+"""One partition's stream: Hello, deliveries into the shared pool, batched settlements, leases.
+
+How a delivery flows:
+
+    reader  --Deliveries-->  this stream's local queue  -->  the Consumer's shared handler pool
+    handler returns / raises  -->  this stream's ack / nack batch  --Settle-->  proxy (writer)
+
+Settlements go out when the batch is large, after a short delay, or when this stream's local
+queue drains (the moment its proxy's next batch is needed).
+
+A broken stream is reopened with capped, jittered backoff, at the endpoint the topology names
+for its partition then: a proxy that refuses the Hello with FAILED_PRECONDITION and names the
+partition's owner (`triage-owner-endpoint`) is followed at once, and every failure asks the
+Consumer to refresh the topology. Each stream is an epoch: results of handlers that started on
+an earlier stream are dropped and counted, never settled on the new stream, because the proxy
+redelivers whatever the broken stream held.
+
+Leases: the proxy redelivers a delivery left unsettled for the Welcome's `ack_deadline_ms`.
+Every third of that deadline one Extend frame lists the offsets this stream holds right then
+(running or queued for a handler slot, not yet settled), so long work keeps its lease and so do
+the deliveries queued behind it (as Pub/Sub's client does); a per-stream ticker task asks for
+it and the writer builds and sends it, so frames never interleave and an offset is never
+extended after its settlement was sent. A delivery whose instance dies or hangs its event loop
+stops being extended and is redelivered after the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import deque
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import TypeAlias
+
+import grpc
+
+from triage_client._proto import triage_pb2
+from triage_client.errors import PartitionError, error_for_status
+from triage_client.message import ConsumerStats, Message, make_message
+from triage_client.pool import HandlerPool
+from triage_client.topology import owner_endpoint
+
+__all__ = ["PartitionStream", "StreamContext", "backoff_delay"]
+
+logger = logging.getLogger(__name__)
+
+# grpc.aio's classes are generic only in the type stubs, hence the string.
+_Call: TypeAlias = "grpc.aio.StreamStreamCall[triage_pb2.ConsumerFrame, triage_pb2.ProxyFrame]"
+Consume: TypeAlias = (
+    "grpc.aio.StreamStreamMultiCallable[triage_pb2.ConsumerFrame, triage_pb2.ProxyFrame]"
+)
+
+DEFAULT_MAX_BACKOFF_S = 5.0
+INITIAL_BACKOFF_S = 0.05
+SETTLE_BATCH = 256
+"""Settlements that are sent at once without waiting for the queue to drain (measured: one
+Settle per drained batch beats sending half-batches early, which costs CPU for no gain)."""
+SETTLE_DELAY_S = 0.002
+"""Longest a settlement waits for company before it is sent."""
+CLOSE_TIMEOUT_S = 5.0
+"""How long stop() waits for the proxy to end the stream after the half-close."""
+MAX_REDIRECTS = 3
+"""Owner endpoints followed at once in a row; past that, redirects wait out the backoff too,
+so two proxies that each name the other cannot spin a stream."""
+
+
+def backoff_delay(
+    failures: int,
+    *,
+    initial: float = INITIAL_BACKOFF_S,
+    cap: float = DEFAULT_MAX_BACKOFF_S,
+    rand: Callable[[], float] = random.random,
+) -> float:
+    """Seconds to wait before reconnect number `failures` (0-based): exponential, capped,
+    with jitter over the upper half so many instances do not reconnect in lockstep."""
+    ceiling = min(cap, initial * 2.0 ** min(failures, 32))
+    return ceiling / 2 + ceiling / 2 * rand()
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StreamContext:
+    """What every stream of one Consumer shares."""
+
+    consumer_id: str
+    """The instance name sent in each Hello."""
+    metadata: tuple[tuple[str, str], ...]
+    """Call metadata (the bearer token)."""
+    pool: HandlerPool
+    """The handler slots all streams feed."""
+    stopping: asyncio.Event
+    """Set once stop() began: streams drain and end."""
+    max_backoff: float
+    """Longest wait between reconnects."""
+    allowed: frozenset[int] | None
+    """`partitions=[...]`: checked against the Welcome of a stream that names none."""
+    consume: Callable[[str], Consume]
+    """The Consume method on the shared channel to an endpoint."""
+    credits: Callable[[PartitionStream], int]
+    """Hello credits for a stream about to connect (the Consumer's split)."""
+    refresh: Callable[[], None]
+    """Ask the Consumer to read the topology again now."""
+
+
+class PartitionStream:
+    """The stream for one partition (or, against a proxy without Topology, for that proxy's
+    only partition): reconnects until stop(), following the partition's owner."""
+
+    def __init__(self, context: StreamContext, partition: int | None, endpoint: str | None) -> None:
+        self._ctx = context
+        self.named = partition is not None
+        """The Hello names the partition (False: an older proxy's only partition)."""
+        self.partition = partition
+        """The partition, or None until the Welcome of an unnamed stream says which."""
+        self.endpoint = endpoint
+        """Where the next connection goes; None while nobody serves the partition."""
+        self._wake = asyncio.Event()  # a new endpoint, or stop(): cut a backoff short
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+        # Touched only on the loop thread, except where noted.
+        self.epoch = 0  # read by handler threads under the pool's lock
+        self.credits = 0
+        self._batch_limit = 1
+        self.call: _Call | None = None
+        self.established = False
+        self._held = 0  # delivered on this stream and not yet settled
+        self._over_warned = False
+        self.outstanding = 0
+        """Deliveries of the current epoch queued or running."""
+        self.queued: deque[Message] = deque()
+        """Deliveries waiting for a handler slot (the pool's, under its lock)."""
+        self.busy = 0
+        """Handlers running in the pool's slots for this stream, any epoch (pool's lock)."""
+        self.running: set[int] = set()
+        """Offsets this stream holds, running or queued: the next Extend lists them. Handler
+        threads change it under the pool's lock. A new stream gets a new set, and a handler
+        removes its offset from the set it started in, so one that outlives its stream never
+        touches the next stream's leases (even when that stream redelivers its offset)."""
+        self.acks: list[int] = []
+        self.nacks: list[triage_pb2.Nack] = []
+        self.releases: list[int] = []
+        """Deliveries given back unstarted at stop(): sent as Release, no attempt used."""
+        self._flush_wanted = asyncio.Event()
+        self._flush_timer: asyncio.TimerHandle | None = None
+        self._extend_due = False  # the ticker asked the writer for an Extend
+
+        self.delivered = 0
+        self.acked = 0
+        self.nacked = 0
+        self.rejected = 0
+        self.dropped = 0
+        self.opened = 0
+        self.extended = 0
+
+    @property
+    def label(self) -> str:
+        """How logs name this stream's partition."""
+        if self.partition is None:
+            return "the proxy's only partition"
+        return f"partition {self.partition}"
+
+    def stats(self) -> ConsumerStats:
+        return ConsumerStats(
+            delivered=self.delivered,
+            acked=self.acked,
+            nacked=self.nacked,
+            rejected=self.rejected,
+            dropped=self.dropped,
+            reconnects=max(0, self.opened - 1),
+            extended=self.extended,
+        )
+
+    def move(self, endpoint: str) -> None:
+        """The topology names a new endpoint for this partition: the next connection goes
+        there, and a reconnect waiting out its backoff goes now. A working stream stays: the
+        proxy that lost the partition ends it."""
+        if endpoint != self.endpoint:
+            logger.info(
+                "consumer %s: %s is served at %s now",
+                self._ctx.consumer_id,
+                self.label,
+                endpoint,
+            )
+            self.endpoint = endpoint
+            self._wake.set()
+
+    def begin_stop(self) -> tuple[int, int]:
+        """Release the queued deliveries and let the writer drain; (in flight, released)."""
+        taken = self._ctx.pool.take_back(self)
+        if taken:
+            self.releases.extend(message.offset for message in taken)
+            self.dropped += len(taken)
+        if self.call is not None and not self.established:
+            self.call.cancel()  # nothing to settle yet: do not wait for a slow connect
+        self._flush_wanted.set()
+        self._wake.set()
+        return self.outstanding, len(taken)
+
+    # -- connections -----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Consume until stop(); raises a StreamError the proxy means for good."""
+        ctx = self._ctx
+        self._loop = asyncio.get_running_loop()
+        failures = 0
+        redirects = 0
+        while not ctx.stopping.is_set():
+            self._wake.clear()
+            endpoint = self.endpoint
+            if endpoint is None:
+                await self._wake.wait()  # nobody serves the partition: wait for the topology
+                continue
+            owner = None
+            try:
+                await self._stream(ctx.consume(endpoint))
+            except grpc.aio.AioRpcError as exc:
+                if ctx.stopping.is_set():
+                    break
+                error = error_for_status(exc.code(), exc.details(), endpoint)
+                if error is not None:
+                    raise error from exc
+                if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
+                    owner = owner_endpoint(exc.trailing_metadata())
+                problem = f"{exc.code().name}: {exc.details()}"
+            else:
+                if ctx.stopping.is_set():
+                    break
+                problem = "the proxy ended the stream"
+            finally:
+                self._end_stream()
+            if self.established:
+                failures = redirects = 0
+            else:
+                failures += 1
+            if self.named:
+                ctx.refresh()  # the topology may know a better endpoint by now
+            if owner is not None and owner != endpoint:
+                self.endpoint = owner
+                if redirects < MAX_REDIRECTS:
+                    redirects += 1
+                    logger.info(
+                        "consumer %s: %s does not serve %s (%s); following it to %s",
+                        ctx.consumer_id,
+                        endpoint,
+                        self.label,
+                        problem,
+                        owner,
+                    )
+                    continue
+            delay = backoff_delay(failures, cap=ctx.max_backoff)
+            logger.warning(
+                "consumer %s: stream for %s at %s lost (%s); reconnecting in %.2f s",
+                ctx.consumer_id,
+                self.label,
+                endpoint,
+                problem,
+                delay,
+            )
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), delay)
+
+    async def _stream(self, consume: Consume) -> None:
+        """One stream, from Hello to its end; the reader owns the outcome."""
+        self.opened += 1
+        self.established = False
+        self._over_warned = False
+        self._flush_wanted.clear()
+        self.credits = self._ctx.credits(self)
+        self._batch_limit = min(SETTLE_BATCH, self.credits)
+        call = consume(metadata=self._ctx.metadata)
+        self.call = call
+        loop = asyncio.get_running_loop()
+        deadline_ms: asyncio.Future[int] = loop.create_future()  # the Welcome's ack deadline
+        writer = loop.create_task(self._write_loop(call), name="triage-writer")
+        ticker = loop.create_task(self._extend_loop(deadline_ms), name="triage-extender")
+        try:
+            await self._read_loop(call, deadline_ms)
+        finally:
+            writer.cancel()
+            ticker.cancel()
+            await asyncio.wait([writer, ticker])
+            call.cancel()
+            if not ticker.cancelled() and (bug := ticker.exception()) is not None:
+                raise bug
+            if not writer.cancelled():
+                exc = writer.exception()
+                # A failed write also fails the read, which reports it; anything else is a bug.
+                if exc is not None and not isinstance(
+                    exc, grpc.aio.AioRpcError | asyncio.InvalidStateError
+                ):
+                    raise exc
+
+    def _end_stream(self) -> None:
+        """Forget what the dead stream held: the proxy redelivers all of it."""
+        self.call = None
+        released = len(self._ctx.pool.take_back(self, next_epoch=True))
+        self.outstanding = 0  # handlers still running belong to the dead epoch now
+        unsent = len(self.acks) + len(self.nacks)
+        self.acks = []
+        self.nacks = []
+        self.releases = []
+        self._extend_due = False
+        self.dropped += released + unsent
+        self._held = 0
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        if released or unsent:
+            logger.debug(
+                "consumer %s: %s: dropped %d queued deliveries and %d unsent settlements",
+                self._ctx.consumer_id,
+                self.label,
+                released,
+                unsent,
+            )
+
+    async def _read_loop(self, call: _Call, deadline_ms: asyncio.Future[int]) -> None:
+        task = asyncio.current_task()
+        while True:
+            try:
+                frame = await call.read()
+            except asyncio.CancelledError:
+                # grpc.aio raises CancelledError when *we* cancelled the call (stop() before
+                # Welcome, a failed writer, the close timeout); that ends this stream normally.
+                if task is None or task.cancelling():
+                    raise
+                return
+            if not isinstance(frame, triage_pb2.ProxyFrame):  # EOF: the proxy ended the stream
+                return
+            kind = frame.WhichOneof("frame")
+            if kind == "deliveries":
+                self._on_deliveries(frame.deliveries)
+            elif kind == "rejected":
+                self.rejected += len(frame.rejected.offsets)
+                logger.warning(
+                    "consumer %s: proxy rejected %d settlements: %s",
+                    self._ctx.consumer_id,
+                    len(frame.rejected.offsets),
+                    frame.rejected.reason,
+                )
+            elif kind == "welcome":
+                self._on_welcome(frame.welcome, deadline_ms)
+
+    def _on_welcome(self, welcome: triage_pb2.Welcome, deadline_ms: asyncio.Future[int]) -> None:
+        ctx = self._ctx
+        if not self.named:
+            allowed = ctx.allowed
+            if allowed is not None and welcome.partition not in allowed:
+                raise PartitionError(
+                    set(allowed),
+                    f"partitions {sorted(allowed)} asked for, but the proxy at {self.endpoint} "
+                    f"(an older proxy, without Topology) serves only partition "
+                    f"{welcome.partition} of {welcome.topic!r}",
+                )
+            self.partition = welcome.partition
+        self.established = True
+        if not deadline_ms.done():
+            deadline_ms.set_result(welcome.ack_deadline_ms)
+        logger.info(
+            "consumer %s connected to %s: %s[%d], credits %d, ack deadline %d ms, max attempts %d",
+            ctx.consumer_id,
+            self.endpoint,
+            welcome.topic,
+            welcome.partition,
+            self.credits,
+            welcome.ack_deadline_ms,
+            welcome.max_attempts,
+        )
+
+    async def _write_loop(self, call: _Call) -> None:
+        ctx = self._ctx
+        hello = triage_pb2.Hello(consumer_id=ctx.consumer_id, credits=self.credits)
+        if self.named and self.partition is not None:
+            hello.partition = self.partition
+        try:
+            await call.write(triage_pb2.ConsumerFrame(hello=hello))
+            while True:
+                await self._flush_wanted.wait()
+                self._flush_wanted.clear()
+                await self._flush(call)
+                if ctx.stopping.is_set() and not self.outstanding:
+                    while self.acks or self.nacks or self.releases:
+                        await self._flush(call)
+                    await call.done_writing()
+                    logger.debug(
+                        "consumer %s: %s: final settlements sent, half-closed",
+                        ctx.consumer_id,
+                        self.label,
+                    )
+                    await asyncio.sleep(CLOSE_TIMEOUT_S)
+                    logger.warning(
+                        "consumer %s: proxy did not end the stream for %s %.0f s after half-close",
+                        ctx.consumer_id,
+                        self.label,
+                        CLOSE_TIMEOUT_S,
+                    )
+                    call.cancel()
+                    return
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            raise  # the call is over and its status is known: the reader reports it
+        except BaseException:
+            call.cancel()  # wake the reader, which reports how the stream ended
+            raise
+
+    async def _extend_loop(self, deadline_ms: asyncio.Future[int]) -> None:
+        """The stream's ticker: every third of the ack deadline, while handlers run, ask the
+        writer for an Extend (a deadline of 0 means leases never lapse: nothing to do)."""
+        interval = (await deadline_ms) / 3000
+        if not interval:
+            return
+        while True:
+            await asyncio.sleep(interval)
+            if self.running:
+                self._extend_due = True
+                self._flush_wanted.set()
+
+    async def _flush(self, call: _Call) -> None:
+        if self._extend_due:
+            # Listed at send time, before any settlement that follows it: a handler that has
+            # finished is out of the set before its result can be settled, so the proxy never
+            # sees an offset extended after it was settled.
+            self._extend_due = False
+            with self._ctx.pool.lock:
+                offsets = sorted(self.running)
+            if offsets:
+                extend = triage_pb2.Extend(offsets=offsets)
+                await call.write(triage_pb2.ConsumerFrame(extend=extend))
+                self.extended += len(offsets)
+        if self.releases:
+            releases, self.releases = self.releases, []
+            self._held -= len(releases)
+            await call.write(triage_pb2.ConsumerFrame(release=triage_pb2.Release(offsets=releases)))
+        acks, nacks = self.acks, self.nacks
+        if not acks and not nacks:
+            return
+        self.acks, self.nacks = [], []
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        self._held -= len(acks) + len(nacks)
+        try:
+            await call.write(
+                triage_pb2.ConsumerFrame(settle=triage_pb2.Settle(acks=acks, nacks=nacks))
+            )
+        except BaseException:
+            self.dropped += len(acks) + len(nacks)
+            raise
+        self.acked += len(acks)
+        self.nacked += len(nacks)
+
+    def _on_flush_timer(self) -> None:
+        self._flush_timer = None
+        self._flush_wanted.set()
+
+    # -- deliveries and settlements ----------------------------------------------------------
+
+    def _on_deliveries(self, batch: triage_pb2.Deliveries) -> None:
+        topic, partition = batch.topic, batch.partition
+        messages: list[Message] = []
+        append = messages.append
+        for d in batch.deliveries:
+            hs = d.headers
+            append(
+                make_message(
+                    topic,
+                    partition,
+                    d.offset,
+                    d.key if d.HasField("key") else None,
+                    d.value if d.HasField("value") else None,
+                    # iterating an empty repeated field costs microseconds: skip it
+                    [(h.key, h.value if h.HasField("value") else None) for h in hs] if hs else [],
+                    d.timestamp_ms,
+                    d.attempt,
+                )
+            )
+        count = len(messages)
+        self.established = True
+        self.delivered += count
+        self._held += count
+        if self._held > self.credits and not self._over_warned:
+            self._over_warned = True
+            logger.warning(
+                "consumer %s: proxy sent %d unsettled deliveries, more than the %d credits",
+                self._ctx.consumer_id,
+                self._held,
+                self.credits,
+            )
+        if self._ctx.stopping.is_set():
+            self.dropped += count  # released: the proxy redelivers them
+            self.releases.extend(message.offset for message in messages)
+            self._flush_wanted.set()
+            return
+        self._ctx.pool.submit(self, messages)
+
+    def after_settle(self, queue_drained: bool) -> None:
+        """Send now if the batch is full or nobody is queued behind it; else soon."""
+        if not self.acks and not self.nacks:
+            if self._ctx.stopping.is_set() and not self.outstanding:
+                self._flush_wanted.set()  # let the writer half-close
+            return
+        if queue_drained or len(self.acks) + len(self.nacks) >= self._batch_limit:
+            self._flush_wanted.set()
+        elif self._flush_timer is None and self._loop is not None:
+            self._flush_timer = self._loop.call_later(SETTLE_DELAY_S, self._on_flush_timer)
