@@ -251,8 +251,15 @@ class Topology:
         )
 
     async def _read_count(self) -> None:
+        try:
+            await self._ask_count()
+        finally:
+            # From when the answer came: a slow failure must not make every caller
+            # queued behind it try again.
+            self._count_at = self._monotonic()
+
+    async def _ask_count(self) -> None:
         configured = self._settings.kafka.partitions
-        self._count_at = self._monotonic()
         if configured is not None:
             self._count, self._count_problem = configured, ""
             return
@@ -267,7 +274,12 @@ class Topology:
             self._count_problem = f"the broker did not report the partition count ({known})"
 
     async def _read_leases(self, count: int) -> None:
-        self._leases_at = self._monotonic()
+        try:
+            await self._ask_leases(count)
+        finally:
+            self._leases_at = self._monotonic()  # from when the answer came, see above
+
+    async def _ask_leases(self, count: int) -> None:
         reader = self._reader
         wanted = sorted({*range(count), *self._served, *self._withdrawn})
         try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -300,6 +300,29 @@ def test_a_table_outage_answers_the_own_partition_and_says_it_is_incomplete() ->
         answer = await topology.answer()
         assert answer.complete
         assert answer.routes[1] == Route(1, SERVING, "b:7701", "owner-1")
+
+    asyncio.run(scenario())
+
+
+def test_a_slow_failing_read_is_not_repeated_by_each_caller_queued_behind_it() -> None:
+    clock = Clock()
+
+    class SlowDownReader(MemoryLeaseReader):
+        def get_many(self, partitions: Sequence[int]) -> dict[int, Lease]:
+            clock.now += 2 * LEASES_TTL_S  # a read that times out after a while
+            return super().get_many(partitions)
+
+    reader = SlowDownReader()
+    reader.down = True
+    topology = Topology(
+        make_settings(kafka={"partitions": 2}), "me", leases=reader, monotonic=clock
+    )
+    topology.serve(0, "me:7700")
+
+    async def scenario() -> None:
+        answers = await asyncio.gather(*(topology.answer() for _ in range(10)))
+        assert reader.calls == 1
+        assert not any(a.complete for a in answers)
 
     asyncio.run(scenario())
 
