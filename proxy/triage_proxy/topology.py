@@ -53,6 +53,9 @@ LEASES_TTL_S = 1.0
 """How long one read of the lease items answers Topology calls."""
 COUNT_TTL_S = 5.0
 """How long one read of the topic's partition count from the broker is used."""
+TABLE_UNREADABLE = "the lease table could not be read: only this proxy's partitions are known"
+"""The problem an answer gives when the lease items could not be read (no details: the
+table's address and AWS's words stay in this proxy's log)."""
 PROBLEMS_SHOWN = 3
 """Most problems spelled out in `TopologyAnswer.problem` (the rest are counted)."""
 
@@ -231,7 +234,7 @@ class Topology:
             problems.append(self._count_problem)
         count = max([count, *(p + 1 for p in (*self._served, *self._withdrawn))])
         if ownership and leases is None:
-            problems.append("the lease table could not be read: only this proxy's own are known")
+            problems.append(TABLE_UNREADABLE)
         routes, unknown = plan_routes(
             count,
             owner=self.owner,
