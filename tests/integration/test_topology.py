@@ -30,7 +30,7 @@ from triage_client._proto import triage_pb2 as pb
 from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_proxy.app import Proxy
 from triage_proxy.errors import OWNER_ENDPOINT_METADATA
-from triage_proxy.table.leases import DynamoDBLeases
+from triage_proxy.table.leases import DynamoDBLeaseReader, DynamoDBLeases, Lease
 
 pytestmark = pytest.mark.integration
 
@@ -245,3 +245,26 @@ def test_a_table_that_does_not_answer_gives_what_the_proxy_knows_and_complete_fa
                 assert routes(reply)[1] == (1, "192.0.2.1:7701", SERVING)
 
         asyncio.run(scenario())
+
+
+def test_the_lease_reader_reads_past_100_partitions_and_old_items_as_unknown(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, unique_name: str
+) -> None:
+    """BatchGetItem takes 100 keys: 130 partitions take two calls; an item written the way
+    proxies before `endpoint` wrote it reads with an unknown ("") endpoint."""
+    settings = settings_for(broker, aws, unique_name)  # creates the table
+    held = {p: f"10.0.0.{p % 250}:{7700 + p}" for p in range(130) if p % 3}
+    for p, endpoint in held.items():
+        store = DynamoDBLeases(settings.dead_letters, unique_name, p)
+        try:
+            store.acquire(f"owner-{p}", 0, 10**13, "" if p == 1 else endpoint)
+        finally:
+            store.close()
+    reader = DynamoDBLeaseReader(settings.dead_letters, unique_name)
+    try:
+        found = reader.get_many(range(130))
+    finally:
+        reader.close()
+    assert sorted(found) == sorted(held)
+    assert found[1] == Lease("owner-1", 10**13, "")  # no endpoint attribute at all
+    assert all(found[p] == Lease(f"owner-{p}", 10**13, held[p]) for p in held if p != 1)
