@@ -327,14 +327,22 @@ def _container_config(
 ) -> str:
     """triage.toml for the containers: the operator's config with secrets as references,
     listening on every interface, AWS endpoints (no endpoint_url), no TLS files (the NLB
-    terminates TLS), no [aws]. Checked by loading it, which also reads every secret back."""
+    terminates TLS), no [aws], no advertised address (the stack sets the NLB's). Checked
+    by loading it, which also reads every secret back."""
     doc: dict[str, Any] = {
         name: dict(table) for name, table in dep.raw.items() if name not in ("tls", "aws")
     }
     doc["kafka"]["partitions"] = partitions
     if kafka_ref is not None:
         doc["kafka"]["sasl_password"] = kafka_ref
-    doc["server"] = {**doc.get("server", {}), "host": "0.0.0.0"}
+    # The stack advertises the NLB's name (TRIAGE_ADVERTISED_HOST) and its listener port
+    # is the container's: an advertised address meant for elsewhere would be wrong here.
+    server = {
+        k: v
+        for k, v in doc.get("server", {}).items()
+        if k not in ("advertised_host", "advertised_port")
+    }
+    doc["server"] = {**server, "host": "0.0.0.0"}
     auth: dict[str, Any] = {"tokens": dict(token_refs)}
     if dep.settings.auth.revoked:
         auth["revoked"] = list(dep.settings.auth.revoked)

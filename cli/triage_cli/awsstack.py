@@ -16,7 +16,8 @@ gRPC) and forwards plain TCP to the task, with no idle-stream surprises.
 Layout (P = partitions, B = base port):
 
     clients --TLS :B..B+P-1--> NLB (LoadBalancerSecurityGroup: only those ports in)
-        --TCP--> ServiceP -> TaskDefinitionP (Fargate, `triage proxy --partition p`)
+        --TCP--> ServiceP -> TaskDefinitionP (Fargate, `triage proxy --partition p`,
+                 advertising <NLB DNS name>:B+p: TRIAGE_ADVERTISED_HOST)
                  (ProxySecurityGroup: only B..B+P-1 and only from the NLB's group)
     TaskRole: DynamoDB on the dead-letter table, S3 on the overflow bucket, SNS publish
               on the topic, GetSecretValue on the named secrets -- nothing else.
@@ -335,6 +336,12 @@ def _partition(p: int, base_port: int) -> dict[str, Any]:
                         "Environment": [
                             {"Name": "TRIAGE_CONFIG", "Value": _ref("TriageConfig")},
                             {"Name": "TRIAGE_PARTITION", "Value": str(p)},
+                            # What consumers dial (the lease item, Topology): the NLB's
+                            # name; its listener port is the container's, the default.
+                            {
+                                "Name": "TRIAGE_ADVERTISED_HOST",
+                                "Value": _getatt("LoadBalancer", "DNSName"),
+                            },
                         ],
                         "LogConfiguration": {
                             "LogDriver": "awslogs",

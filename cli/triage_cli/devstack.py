@@ -193,6 +193,15 @@ class DevStack:
     # --- for people and scripts -------------------------------------------------------
 
     def describe(self) -> dict[str, Any]:
+        """What a person or a script needs: the stack's addresses, the token, and
+        `endpoint`, the one address a `Consumer` is given (any proxy answers Topology:
+        here partition 0's, as the config advertises it)."""
+        from triage_proxy.settings import load_settings
+
+        endpoint = None
+        if self.proxy_ports:
+            server = load_settings(self.config_path).server
+            endpoint = server.advertised_endpoint(0, self.proxy_ports[0])
         return {
             "bootstrap": self.broker.bootstrap,
             "dynamodb_endpoint": self.aws.endpoint_url,
@@ -200,6 +209,7 @@ class DevStack:
             "table": self.table,
             "token": self.token,
             "config": str(self.config_path),
+            "endpoint": endpoint,
             "proxies": [
                 {"partition": p, "target": f"{HOST}:{port}"}
                 for p, port in enumerate(self.proxy_ports)
@@ -220,6 +230,7 @@ class DevStack:
         table.add_row("topic / table", f"{info['topic']} / {info['table']}")
         table.add_row("token", info["token"])
         table.add_row("config", info["config"])
+        table.add_row("consumer endpoint", str(info["endpoint"]))
         for proxy in info["proxies"]:
             table.add_row(f"proxy partition {proxy['partition']}", proxy["target"])
         console = Console(stderr=True)

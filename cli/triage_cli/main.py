@@ -55,6 +55,14 @@ def proxy(
     port: Annotated[
         int | None, typer.Option(help="Listen on this port instead of server.port + partition.")
     ] = None,
+    advertised_host: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TRIAGE_ADVERTISED_HOST",
+            help="Host consumers are given for this proxy, instead of server.advertised_host "
+            "(set by the AWS stack: the load balancer's name).",
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run one proxy for one partition until SIGTERM/SIGINT (then drain and commit).
@@ -75,6 +83,9 @@ def proxy(
         settings = load_settings(config)
         if port is not None:
             server = dataclasses.replace(settings.server, port=port - partition if port else 0)
+            settings = dataclasses.replace(settings, server=server)
+        if advertised_host:
+            server = dataclasses.replace(settings.server, advertised_host=advertised_host)
             settings = dataclasses.replace(settings, server=server)
         server_credentials(settings.tls)  # a bad TLS file: exit 2 before anything starts
         if partition < 0:

@@ -8,7 +8,9 @@ Each row joins three sources, so one that is down costs only its own columns:
   (high watermark); lag = log end - committed (log end - low watermark when nothing is
   committed yet). The partition count is `kafka.partitions`, else the topic's metadata.
 - each proxy's `/status` (`server.host`, or `--host`, at `server.http_port + p`):
-  state, in-flight, connected instances, oldest unsettled age, dead letters still being
+  state, the endpoint it advertises to consumers (`server.advertised_*`, what the lease
+  item and Topology carry), in-flight, connected instances, oldest unsettled age, dead
+  letters still being
   written, and what is degraded: a dead letter that can never be written is named with
   its offset (where the commit waits) and the fix. A proxy that does not answer is shown
   as down. Its log end also raises the
@@ -144,6 +146,7 @@ def partition_row(
         "proxy": state,
         "proxy_url": proxy.url,
         "proxy_error": proxy.error,
+        "endpoint": doc.get("advertised_endpoint") or None,
         "in_flight": doc.get("in_flight"),
         "in_window": doc.get("in_window"),
         "connected_instances": doc.get("connected_instances"),
@@ -359,6 +362,11 @@ def render_table(report: Report) -> Table:
             dead,
         )
     notes = []
+    endpoints = [
+        f"{row['partition']} {row['endpoint']}" for row in report.partitions if row.get("endpoint")
+    ]
+    if endpoints:
+        notes.append(f"endpoints (partition host:port): {', '.join(endpoints)}")
     if writing:
         notes.append("dead letters (+n): n more the proxy is still writing")
     if report.broker_error:

@@ -8,7 +8,9 @@ down in this order (the steps through the final commit run one after the other i
 start that failed half-way):
 
     (with ownership.enabled, before Kafka is opened: wait as a standby until this process
-    holds the partition's lease, see ownership.py; it is renewed by a task in the TaskGroup)
+    holds the partition's lease, see ownership.py; it is renewed by a task in the TaskGroup.
+    The lease item advertises this proxy's endpoint, `server.advertised_*`: at once when
+    the port is configured, else by a renewal once the free port is bound)
     stop fetching (and polling the log end)
     -> deliver nothing new; let in-flight work settle, up to shutdown.drain_timeout_s
     -> flush dead letters still being written (bounded by what is left of the deadline;
@@ -43,7 +45,7 @@ from triage_proxy.http_endpoint import HttpEndpoint
 from triage_proxy.kafka import ConfluentPartition, KafkaThread, PartitionLog
 from triage_proxy.logend import LogEndWatcher
 from triage_proxy.notifier import notifier_from_settings
-from triage_proxy.ownership import Ownership
+from triage_proxy.ownership import Ownership, new_owner_id
 from triage_proxy.service import TriageService, create_server, server_credentials
 from triage_proxy.settings import AuthSettings, Settings
 from triage_proxy.settled import CheckpointError, decode_attempts, decode_settled
@@ -51,7 +53,14 @@ from triage_proxy.snapshot import UNWRITABLE_SHOWN, Instance, ProxySnapshot
 from triage_proxy.structs import DeadLetter
 from triage_proxy.table.checkpoints import CheckpointStore, DynamoDBCheckpoints
 from triage_proxy.table.deadletters import DeadLetterStore, DynamoDBStore
-from triage_proxy.table.leases import DynamoDBLeases, LeaseStore
+from triage_proxy.table.leases import (
+    DynamoDBLeaseReader,
+    DynamoDBLeases,
+    LeaseReader,
+    LeaseStore,
+    MemoryLeaseReader,
+)
+from triage_proxy.topology import Topology
 from triage_proxy.tracker import CommitTracker
 from triage_proxy.waiting import wait_any
 
@@ -82,6 +91,7 @@ class Proxy:
         store: DeadLetterStore | None = None,
         checkpoints: CheckpointStore | None = None,
         leases: LeaseStore | None = None,
+        lease_reader: LeaseReader | None = None,
         auth_source: Callable[[], AuthSettings] | None = None,
     ) -> None:
         self.settings = settings
@@ -92,6 +102,14 @@ class Proxy:
         self._checkpoints = checkpoints
         self._leases = leases
         """Injected stores are the caller's to close; the ones made here are closed here."""
+        self._lease_reader = lease_reader
+        """Every partition's lease, for Topology; with `leases` injected and this not,
+        only that store is read (a twin's world)."""
+        self.owner = new_owner_id()
+        """This process's id: its lease owner id, and the owner Topology names."""
+        self.endpoint = ""
+        """host:port consumers are given for this partition (known once it listens)."""
+        self.topology: Topology | None = None
         self.state = ProxyState.NEW
         self.port = 0
         """The gRPC port actually bound (known once ready)."""
@@ -170,6 +188,7 @@ class Proxy:
             "ready": self.is_ready,
             "alive": self.is_alive,
             "grpc_port": self.port,
+            "advertised_endpoint": self.endpoint,
             "window_max_messages": settings.window.max_messages,
             "window_max_bytes": settings.window.max_bytes,
         }
@@ -255,6 +274,7 @@ class Proxy:
                 self.state = ProxyState.STOPPED
 
             ownership = None
+            reader = None
             if settings.ownership.enabled:
                 leases = self._leases
                 if leases is None:
@@ -262,7 +282,17 @@ class Proxy:
                         settings.dead_letters, settings.kafka.topic, self.partition
                     )
                     stack.callback(leases.close)
-                self.ownership = ownership = Ownership(leases, settings.ownership)
+                reader = self._lease_reader
+                if reader is None and self._leases is not None:
+                    reader = MemoryLeaseReader({self.partition: self._leases})
+                elif reader is None:
+                    reader = DynamoDBLeaseReader(settings.dead_letters, settings.kafka.topic)
+                    stack.callback(reader.close)
+                # The endpoint is known now unless the port is picked when bound.
+                endpoint = settings.server.advertised_endpoint(self.partition) or ""
+                self.ownership = ownership = Ownership(
+                    leases, settings.ownership, owner=self.owner, endpoint=endpoint
+                )
             checkpoints = self._checkpoints
             if checkpoints is None and settings.commit.encode_settled:
                 checkpoints = DynamoDBCheckpoints(
@@ -325,9 +355,21 @@ class Proxy:
                 already_settled=settled,
                 prior_failures=failures,
             )
-            service = TriageService(settings, self.partition, dispatcher)
+            topology = Topology(
+                settings,
+                self.owner,
+                leases=reader,
+                partition_count=lambda: thread.run(log.partition_count),
+            )
+            service = TriageService(settings, {self.partition: dispatcher}, topology)
             server, self.port = create_server(settings, self.partition, service, credentials)
             stack.push_async_callback(server.stop, None)
+            endpoint = settings.server.advertised_endpoint(self.partition, self.port) or ""
+            if ownership is not None and ownership.endpoint != endpoint:
+                ownership.endpoint = endpoint  # the port was picked when bound: advertise it
+                await ownership.renew()
+            self.endpoint, self.topology = endpoint, topology
+            topology.serve(self.partition, endpoint)
             fetch_closing = asyncio.Event()
             fetcher = Fetcher(log, thread, dispatcher, settings.kafka.fetch_batch, fetch_closing)
             commit_closing = asyncio.Event()
@@ -348,6 +390,7 @@ class Proxy:
             def on_lease_lost() -> None:
                 # Synchronously, before any other task runs: nothing more is delivered, and
                 # no commit starts (a new holder may be ahead of us), then the shutdown below.
+                topology.withdraw(self.partition)
                 dispatcher.stop_delivering()
                 fetch_closing.set()
                 commit_closing.set()
@@ -379,6 +422,7 @@ class Proxy:
                 )
                 await self._closing.wait()
                 self.state = ProxyState.STOPPING
+                topology.withdraw(self.partition)
                 deadline = time.monotonic() + settings.shutdown.drain_timeout_s
                 logger.info("stopping: fetching stops, draining in-flight work")
                 fetch_closing.set()

@@ -5,6 +5,8 @@
     +-- AuthError                    wrong, missing or revoked token: refuse the call
     +-- FrameError                   a consumer broke the stream protocol (no Hello, bad
     |                                credits): refuse its stream
+    +-- PartitionNotServed           a Hello named a partition this proxy does not serve:
+    |                                the consumer goes to its owner (named when known)
     +-- DeadLetterTooLarge           a dead letter over DynamoDB's item limit (until S3 overflow)
     +-- UnavailableError             a dependency is down: keep retrying, never lose data
     |   +-- ShuttingDown             this proxy is stopping: connect again (to its successor)
@@ -21,8 +23,8 @@
 
 confluent-kafka and botocore exceptions are translated into these at the adapter edge
 (`kafka.py`; `table/aws.py`'s `aws_errors` for botocore) with `raise ... from`;
-`grpc_status` maps them to the gRPC status a client sees, in one place (the service
-ends calls through it).
+`grpc_status` maps them to the gRPC status a client sees, and `grpc_trailers` to the
+trailing metadata that goes with it, in one place (the service ends calls through them).
 """
 
 from __future__ import annotations
@@ -51,6 +53,17 @@ class AuthError(TriageError):
 
 class FrameError(TriageError):
     """A consumer's frames break the stream protocol; sending them again cannot help."""
+
+
+class PartitionNotServed(TriageError):
+    """A stream asked for a partition this proxy does not serve; asking this proxy again
+    cannot help, its owner (`owner_endpoint`, when known) or the Topology RPC can."""
+
+    def __init__(self, message: str, partition: int, owner_endpoint: str = "") -> None:
+        super().__init__(message)
+        self.partition = partition
+        self.owner_endpoint = owner_endpoint
+        """host:port serving the partition now; "" when not known."""
 
 
 class DeadLetterTooLarge(TriageError):
@@ -111,6 +124,20 @@ def grpc_status(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.UNAUTHENTICATED
     if isinstance(exc, FrameError):
         return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, PartitionNotServed):
+        return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, UnavailableError):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
+
+
+OWNER_ENDPOINT_METADATA = "triage-owner-endpoint"
+"""Trailing metadata key of a FAILED_PRECONDITION Hello refusal: where the partition is
+served now (see Hello.partition in the proto)."""
+
+
+def grpc_trailers(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata that goes with `grpc_status(exc)`; empty for most errors."""
+    if isinstance(exc, PartitionNotServed) and exc.owner_endpoint:
+        return ((OWNER_ENDPOINT_METADATA, exc.owner_endpoint),)
+    return ()

@@ -65,6 +65,10 @@ class PartitionLog(Protocol):
         """The partition's high watermark as the broker reports it now (for lag)."""
         ...
 
+    def partition_count(self) -> int:
+        """How many partitions the topic has now, from the broker's metadata (Topology)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -186,6 +190,20 @@ class ConfluentPartition:
             raise BrokerUnavailable("reading the log end offset") from exc
         return int(high)
 
+    def partition_count(self) -> int:
+        consumer = self._consumer
+        if consumer is None:
+            raise BrokerUnavailable("the partition is not open")
+        topic = self._tp.topic
+        try:
+            meta = consumer.list_topics(topic, timeout=WATERMARK_TIMEOUT_S)
+        except KafkaException as exc:
+            raise BrokerUnavailable(f"reading the metadata of {topic}") from exc
+        found = meta.topics.get(topic)
+        if found is None or found.error is not None or not found.partitions:
+            raise BrokerUnavailable(f"the broker reported no partitions of {topic}")
+        return len(found.partitions)
+
     def close(self) -> None:
         with self._lock:
             consumer, self._consumer = self._consumer, None
@@ -217,6 +235,8 @@ class MemoryPartition:
         self.metadata: str | None = None
         self.commits: list[tuple[int, str | None]] = []
         self.closed = False
+        self.partitions = partition + 1
+        """What `partition_count()` answers (the topic's partitions)."""
         self._position = committed
 
     def append(
@@ -246,6 +266,9 @@ class MemoryPartition:
 
     def log_end(self) -> int:
         return self.log[-1].offset + 1 if self.log else self.committed
+
+    def partition_count(self) -> int:
+        return self.partitions
 
     def close(self) -> None:
         self.closed = True

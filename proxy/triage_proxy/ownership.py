@@ -7,7 +7,9 @@ only while it holds the partition's lease; the other one waits as a standby and 
 over when the lease lapses (the holder died) or is released (the holder stopped).
 
 The lease item and its three conditional writes (acquire, renew, release) are the
-table package's (`table/leases.py`); this module decides when to make them.
+table package's (`table/leases.py`); this module decides when to make them. Acquire and
+renew also write `endpoint`, where the holder serves consumers (`server.advertised_*`),
+which the Topology RPC of every proxy reads (topology.py).
 
 Fencing. The standby compares `lease_until_ms` (the holder's wall clock when it SENT the
 write, plus lease_s) with its own wall clock. The holder, in turn, counts its lease as
@@ -81,11 +83,15 @@ class Ownership:
         settings: OwnershipSettings,
         *,
         owner: str | None = None,
+        endpoint: str = "",
         monotonic: Callable[[], float] = time.monotonic,
         wall_clock_ms: Callable[[], int] = wall_ms,
     ) -> None:
         self.store = store
         self.owner = owner or new_owner_id()
+        self.endpoint = endpoint
+        """host:port this process serves consumers at, written with every acquire and
+        renewal; "" until known (an ephemeral port is known once bound: set it, renew)."""
         self.state = OwnershipState.NEW
         self.lost = asyncio.Event()
         """Set when the lease lapsed or was taken while held."""
@@ -139,7 +145,9 @@ class Ownership:
         while not closing.is_set():
             sent, now_ms, until_ms = self._times()
             try:
-                lease = await asyncio.to_thread(self.store.acquire, self.owner, now_ms, until_ms)
+                lease = await asyncio.to_thread(
+                    self.store.acquire, self.owner, now_ms, until_ms, self.endpoint
+                )
             except TableUnavailable as exc:
                 if not failures:
                     logger.warning("standby: the lease table did not answer (%s); retrying", exc)
@@ -181,7 +189,9 @@ class Ownership:
         """
         sent, now_ms, until_ms = self._times()
         try:
-            ok = await asyncio.to_thread(self.store.renew, self.owner, now_ms, until_ms)
+            ok = await asyncio.to_thread(
+                self.store.renew, self.owner, now_ms, until_ms, self.endpoint
+            )
         except TableUnavailable as exc:
             if self.valid_for > 0:
                 return  # still ours for a while; keep() retries
@@ -210,7 +220,12 @@ class Ownership:
             sent, now_ms, until_ms = self._times()
             try:
                 ok = await self._bounded(
-                    self._valid_until - sent, self.store.renew, self.owner, now_ms, until_ms
+                    self._valid_until - sent,
+                    self.store.renew,
+                    self.owner,
+                    now_ms,
+                    until_ms,
+                    self.endpoint,
                 )
             except TableUnavailable as exc:
                 failures += 1

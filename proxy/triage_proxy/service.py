@@ -1,9 +1,16 @@
-"""The gRPC service: one bidirectional `Consume` stream per consumer instance.
+"""The gRPC service: one bidirectional `Consume` stream per consumer instance and
+partition, and the unary `Topology` call (which endpoint serves which partition now).
 
 Authentication happens in an interceptor, before any handler runs, so a wrong
-or missing token gets UNAUTHENTICATED and never a byte of data. Each accepted
-stream gets a dispatcher session; a reader task applies its settlements while
-the handler itself writes the session's outbox to the wire.
+or missing token gets UNAUTHENTICATED and never a byte of data, on every method. Each
+accepted stream gets a session of its partition's dispatcher; a reader task applies its
+settlements while the handler itself writes the session's outbox to the wire.
+
+The service knows the set of partitions its process serves (a dispatcher each; today
+one). A Hello names its partition, or none: then the only one served (older clients).
+A partition not served here is refused with FAILED_PRECONDITION, and the trailing
+metadata `triage-owner-endpoint` names where it is served now, from the same source as
+the Topology answer (topology.py), when that is known.
 
 Tokens are named (one per consumer app). The service remembers which app each
 stream belongs to (by name: a token is never logged), so `update_tokens` can
@@ -35,11 +42,14 @@ from triage_proxy.errors import (
     AuthError,
     ConfigError,
     FrameError,
+    PartitionNotServed,
     ShuttingDown,
     TriageError,
     grpc_status,
+    grpc_trailers,
 )
 from triage_proxy.settings import Settings, TlsSettings
+from triage_proxy.topology import RouteState, Topology, TopologyAnswer
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +63,9 @@ _Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 
 
 async def _refuse(context: grpc.aio.ServicerContext[Any, Any], exc: TriageError) -> NoReturn:
-    """End the call with the status `errors.grpc_status` maps `exc` to, and its message."""
-    await context.abort(grpc_status(exc), str(exc))
+    """End the call with the status `errors.grpc_status` maps `exc` to, its message and
+    the trailing metadata `errors.grpc_trailers` gives it."""
+    await context.abort(grpc_status(exc), str(exc), trailing_metadata=grpc_trailers(exc))
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -68,7 +79,13 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         async def deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
             await _refuse(context, AuthError("missing or wrong token"))
 
-        self._deny: _Handler = grpc.stream_stream_rpc_method_handler(deny)
+        # One per kind of method, so a unary call is refused as a unary call.
+        self._deny: dict[tuple[bool, bool], _Handler] = {
+            (False, False): grpc.unary_unary_rpc_method_handler(deny),
+            (False, True): grpc.unary_stream_rpc_method_handler(deny),
+            (True, False): grpc.stream_unary_rpc_method_handler(deny),
+            (True, True): grpc.stream_stream_rpc_method_handler(deny),
+        }
 
     @property
     def expected(self) -> Mapping[str, bytes]:
@@ -100,16 +117,23 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         if self.identify(details.invocation_metadata) is not None:
             return await continuation(details)
         logger.warning("refused a call to %s: missing or wrong token", details.method)
-        return self._deny
+        handler = await continuation(details)  # only to learn the method's kind
+        if handler is None:
+            return self._deny[True, True]
+        return self._deny[handler.request_streaming, handler.response_streaming]
 
 
 class TriageService(pb_grpc.TriageServicer):
-    """Streams deliveries to instances and feeds their settlements to the dispatcher."""
+    """Streams deliveries to instances and feeds their settlements to the dispatcher of
+    their partition; answers Topology calls."""
 
-    def __init__(self, settings: Settings, partition: int, dispatcher: Dispatcher) -> None:
+    def __init__(
+        self, settings: Settings, dispatchers: Mapping[int, Dispatcher], topology: Topology
+    ) -> None:
         self._settings = settings
-        self._partition = partition
-        self._dispatcher = dispatcher
+        self._dispatchers = dict(dispatchers)
+        """The partitions this process serves, each with its dispatcher."""
+        self._topology = topology
         self._readers: set[asyncio.Task[None]] = set()
         self._accepting = True
         self.auth = TokenInterceptor(settings.auth.active())
@@ -118,6 +142,8 @@ class TriageService(pb_grpc.TriageServicer):
         """Open streams -> the name of the app whose token opened them."""
         self._revoked: set[Session] = set()
         """Streams ended because their app's token was revoked (they end UNAUTHENTICATED)."""
+        self._dispatcher_of: dict[Session, Dispatcher] = {}
+        """Open streams -> the dispatcher of their partition."""
 
     def stop_accepting(self) -> None:
         """New streams are refused with UNAVAILABLE from now on (shutdown)."""
@@ -147,7 +173,7 @@ class TriageService(pb_grpc.TriageServicer):
         """End a revoked app's stream now: what is queued for it is not sent, and goes
         back to the queue without using an attempt."""
         self._revoked.add(session)
-        self._dispatcher.end_session_now(session)
+        self._dispatcher_of[session].end_session_now(session)
 
     async def stop(self) -> None:
         """Cancel and await the per-stream reader tasks that are left."""
@@ -167,20 +193,23 @@ class TriageService(pb_grpc.TriageServicer):
             if app is None:  # revoked since the interceptor let it in
                 raise AuthError("missing or wrong token")
             hello = await _hello(request_iterator)
+            partition = await self._partition_for(hello)
+            dispatcher = self._dispatchers[partition]
             consumer_id = hello.consumer_id or context.peer()
             delivery = self._settings.delivery
             yield pb.ProxyFrame(
                 welcome=pb.Welcome(
                     topic=self._settings.kafka.topic,
-                    partition=self._partition,
+                    partition=partition,
                     ack_deadline_ms=int(delivery.ack_deadline_s * 1000),
                     max_attempts=delivery.max_attempts,
                 )
             )
             logger.info("instance %s authenticated as app %r", for_log(consumer_id), app)
-            session = self._dispatcher.open_session(consumer_id, hello.credits)
+            session = dispatcher.open_session(consumer_id, hello.credits)
             self._apps[session] = app
-            reader = asyncio.create_task(self._read(session, request_iterator))
+            self._dispatcher_of[session] = dispatcher
+            reader = asyncio.create_task(self._read(session, dispatcher, request_iterator))
             self._readers.add(reader)
             reader.add_done_callback(self._readers.discard)
             try:
@@ -198,16 +227,62 @@ class TriageService(pb_grpc.TriageServicer):
             finally:
                 self._apps.pop(session, None)
                 self._revoked.discard(session)
+                self._dispatcher_of.pop(session, None)
                 reader.cancel()
-                self._dispatcher.close_session(session)
+                dispatcher.close_session(session)
         except TriageError as exc:
-            if isinstance(exc, FrameError):  # its message quotes no client text unescaped
+            if isinstance(exc, FrameError | PartitionNotServed):  # no unescaped client text
                 logger.warning("refused a stream from %s: %s", context.peer(), exc)
             await _refuse(context, exc)
 
-    async def _read(self, session: Session, frames: AsyncIterator[pb.ConsumerFrame]) -> None:
+    async def _partition_for(self, hello: pb.Hello) -> int:
+        """The partition a Hello asks for, if this process serves it: absent means the
+        only one served. FrameError for a malformed or missing one, PartitionNotServed
+        (with its owner's endpoint when known) for one served elsewhere."""
+        served = sorted(self._dispatchers)
+        if not hello.HasField("partition"):
+            if len(served) != 1:
+                raise FrameError(f"Hello must name a partition: this proxy serves {served}")
+            return served[0]
+        partition = hello.partition
+        if partition < 0:
+            raise FrameError(f"Hello.partition must be >= 0, got {partition}")
+        if partition in self._dispatchers:
+            return partition
+        topic = self._settings.kafka.topic
+        answer = await self._topology.answer()
+        route = answer.route(partition)
+        here = f"this proxy serves {', '.join(map(str, served))}"
+        if route is None:
+            raise PartitionNotServed(
+                f"partition {partition} of {topic} does not exist "
+                f"(it has {answer.partition_count}); {here}",
+                partition,
+            )
+        endpoint = route.endpoint if route.state is RouteState.SERVING else ""
+        where = f"it is served at {endpoint}" if endpoint else "ask Topology again soon"
+        raise PartitionNotServed(
+            f"partition {partition} of {topic} is not served here ({here}); {where}",
+            partition,
+            endpoint,
+        )
+
+    async def Topology(
+        self,
+        request: pb.TopologyRequest,
+        context: grpc.aio.ServicerContext[pb.TopologyRequest, pb.TopologyReply],
+    ) -> pb.TopologyReply:
+        try:
+            if self.auth.identify(context.invocation_metadata()) is None:
+                raise AuthError("missing or wrong token")  # revoked since the interceptor
+            return topology_reply(await self._topology.answer())
+        except TriageError as exc:
+            await _refuse(context, exc)
+
+    async def _read(
+        self, session: Session, dispatcher: Dispatcher, frames: AsyncIterator[pb.ConsumerFrame]
+    ) -> None:
         """Apply the instance's settlements until it half-closes or the stream breaks."""
-        dispatcher = self._dispatcher
         try:
             async for frame in frames:
                 kind = frame.WhichOneof("frame")
@@ -232,6 +307,29 @@ class TriageService(pb_grpc.TriageServicer):
         finally:
             # The instance closed its side or vanished: it will settle nothing more.
             dispatcher.close_session(session)
+
+
+_STATES = {
+    RouteState.SERVING: pb.PartitionRoute.SERVING,
+    RouteState.STANDBY_ONLY: pb.PartitionRoute.STANDBY_ONLY,
+    RouteState.NONE: pb.PartitionRoute.NONE,
+}
+
+
+def topology_reply(answer: TopologyAnswer) -> pb.TopologyReply:
+    """The wire form of a Topology answer."""
+    return pb.TopologyReply(
+        topic=answer.topic,
+        partition_count=answer.partition_count,
+        partitions=[
+            pb.PartitionRoute(
+                partition=r.partition, endpoint=r.endpoint, state=_STATES[r.state], owner_id=r.owner
+            )
+            for r in answer.routes
+        ],
+        complete=answer.complete,
+        problem=answer.problem,
+    )
 
 
 async def _hello(frames: AsyncIterator[pb.ConsumerFrame]) -> pb.Hello:

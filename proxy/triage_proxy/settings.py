@@ -7,7 +7,8 @@ Nothing below the CLI reads files or the environment: `load_settings` resolves
                    sasl_mechanism, sasl_username, sasl_password (a reference: "env:VAR" or
                    "secret:NAME", never inline), client (librdkafka extras)
     [server]       host, port (partition p listens on port + p), max_frame_bytes,
-                   http_port (metrics/health/status; partition p on http_port + p)
+                   http_port (metrics/health/status; partition p on http_port + p),
+                   advertised_host, advertised_port (what consumers are told to dial)
     [auth]         token | token_env, tokens (name -> token or "env:VAR"/"secret:NAME"),
                    revoked (names refused even though listed)
     [tls]          cert_file, key_file, client_ca_file (set: client certificates required)
@@ -39,6 +40,7 @@ import dataclasses
 import functools
 import math
 import os
+import socket
 import tomllib
 import types
 import typing
@@ -273,11 +275,53 @@ class ServerSettings:
     """Base port of the HTTP endpoint (/metrics, /healthz, /readyz, /status): partition p
     serves on http_port + p; 0 picks a free port; None turns it off."""
 
+    advertised_host: str | None = None
+    """Host consumers are given for this deployment's proxies (Topology, the lease item),
+    e.g. a load balancer's name. Default: `host`, or this machine's host name when `host`
+    is a wildcard (0.0.0.0, :: or empty), since a wildcard cannot be dialled."""
+    advertised_port: int | None = _bounded(None, 1, MAX_PORT, why="a TCP port")
+    """Base port consumers are given: partition p at advertised_port + p (a load
+    balancer's listeners). Default: the port bound (port + p, or the free one picked when
+    `port` is 0)."""
+
     def http_address(self, partition: int) -> tuple[str, int] | None:
         """(host, port) the HTTP endpoint for `partition` binds, or None when off."""
         if self.http_port is None:
             return None
         return self.host, self.http_port + partition if self.http_port else 0
+
+    def advertised_endpoint(self, partition: int, bound_port: int = 0) -> str | None:
+        """host:port consumers dial for `partition` (the one formula, see the two fields
+        above). `bound_port` is the port its proxy actually bound (0: not known here); None
+        when the port cannot be known (port 0 picks a free one, and none was bound here)."""
+        if self.advertised_port is not None:
+            port = self.advertised_port + partition
+            if port > MAX_PORT:
+                raise ConfigError(
+                    "server.advertised_port",
+                    f"partition {partition} would be advertised on port {port}, over {MAX_PORT}",
+                )
+        elif bound_port:
+            port = bound_port
+        elif self.port:
+            port = self.port + partition
+        else:
+            return None
+        host = self.advertised_host or self.host
+        if host in WILDCARD_HOSTS:
+            host = socket.gethostname()
+        return join_host_port(host, port)
+
+
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+"""`server.host` values that bind every interface: no consumer can dial them."""
+
+
+def join_host_port(host: str, port: int) -> str:
+    """host:port as gRPC targets spell it (an IPv6 literal in brackets)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
 
 
 @dataclass(frozen=True)

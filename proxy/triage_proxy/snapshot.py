@@ -117,6 +117,9 @@ class ProxySnapshot:
     """Running and delivering (what /readyz answers)."""
     grpc_port: int
     """The gRPC port bound (0 before it listens)."""
+    advertised_endpoint: str = ""
+    """host:port consumers are given for this partition (`server.advertised_*`; the lease
+    item and Topology carry it); "" before it listens."""
     alive: bool = False
     """Started and not yet stopped (what /healthz answers; not part of /status)."""
     committed_offset: int | None = None

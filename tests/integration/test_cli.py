@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import psutil
 import pytest
 
@@ -24,6 +25,8 @@ from tests.integration.harness import (
 )
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
+from triage_client._proto import triage_pb2 as pb
+from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_proxy.settings import DeadLetterSettings
 from triage_proxy.table.provisioning import create_table
 
@@ -152,9 +155,11 @@ def test_dev_json_prints_one_line_and_stops_everything_on_sigterm(tmp_path: Path
             "table",
             "token",
             "config",
+            "endpoint",
             "proxies",
         }
         assert [p["partition"] for p in info["proxies"]] == [0, 1]
+        assert info["endpoint"] == info["proxies"][0]["target"]  # what a Consumer is given
         assert Path(info["config"]).is_file()
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 4  # broker, moto, two proxies
@@ -162,6 +167,13 @@ def test_dev_json_prints_one_line_and_stops_everything_on_sigterm(tmp_path: Path
         async def consume_one() -> None:
             async with RawConsumer(info["proxies"][1]["target"], token=info["token"]) as c:
                 assert (await c.read()).WhichOneof("frame") == "welcome"
+            # The one endpoint finds every partition's proxy.
+            async with grpc.aio.insecure_channel(info["endpoint"]) as channel:
+                stub = pb_grpc.TriageStub(channel)  # type: ignore[no-untyped-call]
+                auth = [("authorization", f"Bearer {info['token']}")]
+                reply = await stub.Topology(pb.TopologyRequest(), metadata=auth)
+            assert reply.complete, reply.problem
+            assert [r.endpoint for r in reply.partitions] == [p["target"] for p in info["proxies"]]
 
         asyncio.run(consume_one())
         proc.send_signal(signal.SIGTERM)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import io
+import json
 import logging
 import os
 import signal
@@ -19,6 +20,7 @@ import stat
 import subprocess
 import sys
 import tomllib
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -330,12 +332,14 @@ def test_container_entrypoint_runs_a_proxy_from_the_deployed_config(
     for key in ("security_protocol", "sasl_mechanism", "sasl_username", "sasl_password"):
         kafka.pop(key)
     kafka["bootstrap_servers"] = broker.bootstrap
-    port = free_port()
-    container["server"].update(host="127.0.0.1", port=port, http_port=free_port())
+    port, http_port = free_port(), free_port()
+    assert "advertised_host" not in container["server"]  # the stack sets the NLB's name
+    container["server"].update(host="127.0.0.1", port=port, http_port=http_port)
     env = {
         **os.environ,
         "TRIAGE_CONFIG": tomli_w.dumps(container),
         "TRIAGE_PARTITION": "0",
+        "TRIAGE_ADVERTISED_HOST": "triage-nlb.example.com",
         "TMPDIR": str(tmp_path / "task"),
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     }
@@ -358,6 +362,9 @@ def test_container_entrypoint_runs_a_proxy_from_the_deployed_config(
                 assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
         asyncio.run(scenario())
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=5) as r:
+            status = json.loads(r.read())
+        assert status["advertised_endpoint"] == f"triage-nlb.example.com:{port}"
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=60)
         assert proc.returncode == 0, stderr.decode(errors="replace")[-2000:]

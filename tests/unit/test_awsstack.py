@@ -47,6 +47,9 @@ def test_one_service_target_group_and_listener_per_partition_port() -> None:
         container = resources[f"TaskDefinition{p}"]["Properties"]["ContainerDefinitions"][0]
         assert container["PortMappings"] == [{"ContainerPort": port, "Protocol": "tcp"}]
         assert {"Name": "TRIAGE_PARTITION", "Value": str(p)} in container["Environment"]
+        # The proxy advertises the NLB's name (its listener port is the container's).
+        advertised = {"Fn::GetAtt": ["LoadBalancer", "DNSName"]}
+        assert {"Name": "TRIAGE_ADVERTISED_HOST", "Value": advertised} in container["Environment"]
         service = resources[f"Service{p}"]["Properties"]
         assert service["LoadBalancers"][0]["ContainerPort"] == port
     assert "Service3" not in resources

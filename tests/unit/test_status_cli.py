@@ -168,3 +168,21 @@ def test_an_older_proxy_without_the_new_fields_renders_as_before() -> None:
     console = Console(width=80, record=True, color_system=None)
     console.print(render_table(Report("orders", "g", [row])))
     assert "degraded" not in console.export_text()
+
+
+def test_each_partition_shows_the_endpoint_its_proxy_advertises() -> None:
+    nlb = "triage-orders-0123456789abcdef.elb.us-east-1.amazonaws.com"
+    broker = BrokerView(committed={0: 4, 1: 0}, low={0: 0, 1: 0}, high={0: 10, 1: 3})
+    rows = [
+        partition_row(
+            0, broker, ProxyView("u0", doc={**RUNNING, "advertised_endpoint": f"{nlb}:7700"}), 0
+        ),
+        partition_row(1, broker, ProxyView("u1", doc=RUNNING), 0),  # an older proxy
+        partition_row(2, broker, ProxyView("u2", error="refused"), 0),
+    ]
+    assert [row["endpoint"] for row in rows] == [f"{nlb}:7700", None, None]
+    console = Console(width=80, record=True, color_system=None)
+    console.print(render_table(Report("orders", "g", rows)))
+    text = " ".join(console.export_text().split())
+    assert f"endpoints (partition host:port): 0 {nlb}:7700" in text
+    assert "…" not in console.export_text()

@@ -7,7 +7,9 @@ atomic in DynamoDB, with an in-memory twin (`MemoryLeases`) for unit tests.
 Item: `source` = `lease_source(topic, partition)`, `offset` = `LEASE_OFFSET` (-2; see the
 package docstring), `owner` (S: host, pid and a random part, unique per process),
 `lease_until_ms` (N: epoch ms; not `expires_at`, the table's TTL attribute),
-`acquired_at` and `renewed_at` (S, ISO-8601).
+`acquired_at` and `renewed_at` (S, ISO-8601), `endpoint` (S: host:port consumers dial to
+reach the holder, its `server.advertised_*`; absent while not known, e.g. an ephemeral
+port not bound yet, and in items written before the attribute existed: read as "").
 
     acquire: PutItem     if attribute_not_exists(source) OR lease_until_ms < now OR owner = me
     renew:   UpdateItem  if owner = me          (so it fails once anyone else acquired)
@@ -15,12 +17,15 @@ package docstring), `owner` (S: host, pid and a random part, unique per process)
 
 Failures raise `TableUnavailable`; a condition that does not hold is an answer (False,
 or the lease as it stands), not an error.
+
+Reading every partition's lease at once (the Topology RPC, see topology.py) is a
+`LeaseReader`: one BatchGetItem for up to 100 partitions.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,6 +36,11 @@ from triage_proxy.table.items import LEASE_OFFSET, format_iso_ms, lease_source, 
 
 CALL_TIMEOUT_S = 1.0
 """boto3 connect and read timeouts of the lease calls (one attempt each)."""
+BATCH_GET_MAX_KEYS = 100
+"""DynamoDB's BatchGetItem takes at most 100 keys."""
+BATCH_GET_ROUNDS = 3
+"""BatchGetItem calls per 100 keys when DynamoDB returns some keys unprocessed (throttled);
+what is still unprocessed after them is an error, not an absent lease."""
 
 
 @dataclass(frozen=True)
@@ -41,17 +51,22 @@ class Lease:
     """Who holds (or last held) the partition."""
     until_ms: int
     """Epoch ms after which anyone may take it over."""
+    endpoint: str = ""
+    """host:port the holder serves consumers at; "" when unknown (not advertised yet, or
+    an item written by an older proxy)."""
 
 
 class LeaseStore(Protocol):
     """Sync; called from a worker thread. Raises TableUnavailable when unreachable."""
 
-    def acquire(self, owner: str, now_ms: int, until_ms: int) -> Lease:
-        """Take the lease if free, lapsed or ours; return the lease as it now stands."""
+    def acquire(self, owner: str, now_ms: int, until_ms: int, endpoint: str = "") -> Lease:
+        """Take the lease if free, lapsed or ours, advertising `endpoint` ("": unknown);
+        return the lease as it now stands."""
         ...
 
-    def renew(self, owner: str, now_ms: int, until_ms: int) -> bool:
-        """Extend the lease if `owner` still holds it; False if someone else does."""
+    def renew(self, owner: str, now_ms: int, until_ms: int, endpoint: str = "") -> bool:
+        """Extend the lease if `owner` still holds it (and advertise `endpoint`, when
+        given); False if someone else does."""
         ...
 
     def release(self, owner: str) -> bool:
@@ -85,7 +100,7 @@ class DynamoDBLeases:
             call()
         return not refused
 
-    def acquire(self, owner: str, now_ms: int, until_ms: int) -> Lease:
+    def acquire(self, owner: str, now_ms: int, until_ms: int, endpoint: str = "") -> Lease:
         stamp = format_iso_ms(now_ms)
         item = {
             **self._key,
@@ -94,6 +109,8 @@ class DynamoDBLeases:
             "acquired_at": {"S": stamp},
             "renewed_at": {"S": stamp},
         }
+        if endpoint:
+            item["endpoint"] = {"S": endpoint}
         took = self._conditional(
             "acquiring",
             lambda: self._client.put_item(
@@ -109,25 +126,30 @@ class DynamoDBLeases:
             ),
         )
         if took:
-            return Lease(owner, until_ms)
+            return Lease(owner, until_ms, endpoint)
         # Held by someone else; it may be released between the two calls: then say so
         # with a lease that has already lapsed, and the caller tries again at once.
         return self.get() or Lease("", 0)
 
-    def renew(self, owner: str, now_ms: int, until_ms: int) -> bool:
+    def renew(self, owner: str, now_ms: int, until_ms: int, endpoint: str = "") -> bool:
+        update = "SET #until = :until, renewed_at = :at"
+        values = {
+            ":until": {"N": str(until_ms)},
+            ":at": {"S": format_iso_ms(now_ms)},
+            ":me": {"S": owner},
+        }
+        if endpoint:
+            update += ", endpoint = :endpoint"
+            values[":endpoint"] = {"S": endpoint}
         return self._conditional(
             "renewing",
             lambda: self._client.update_item(
                 TableName=self._table,
                 Key=self._key,
-                UpdateExpression="SET #until = :until, renewed_at = :at",
+                UpdateExpression=update,
                 ConditionExpression="#owner = :me",
                 ExpressionAttributeNames={"#until": "lease_until_ms", "#owner": "owner"},
-                ExpressionAttributeValues={
-                    ":until": {"N": str(until_ms)},
-                    ":at": {"S": format_iso_ms(now_ms)},
-                    ":me": {"S": owner},
-                },
+                ExpressionAttributeValues=values,
             ),
         )
 
@@ -147,9 +169,72 @@ class DynamoDBLeases:
         with aws_errors("reading the partition lease", TableUnavailable):
             found = self._client.get_item(TableName=self._table, Key=self._key, ConsistentRead=True)
         item = found.get("Item")
-        if item is None:
-            return None
-        return Lease(item["owner"]["S"], int(item["lease_until_ms"]["N"]))
+        return None if item is None else lease_from_item(item)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def lease_from_item(item: Mapping[str, Any]) -> Lease:
+    """The Lease a lease item holds; no `endpoint` attribute (an older proxy) reads as ""."""
+    endpoint = item.get("endpoint", {}).get("S", "")
+    return Lease(item["owner"]["S"], int(item["lease_until_ms"]["N"]), endpoint)
+
+
+class LeaseReader(Protocol):
+    """Every partition's lease of one topic, read at once. Sync; called from a worker
+    thread. Raises TableUnavailable when the table cannot be read."""
+
+    def get_many(self, partitions: Sequence[int]) -> dict[int, Lease]:
+        """partition -> its lease item as it stands; a partition without one is left out."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class DynamoDBLeaseReader:
+    """Reads the lease items of a topic's partitions with BatchGetItem (strongly
+    consistent, 100 keys per call)."""
+
+    def __init__(self, settings: DeadLetterSettings, topic: str) -> None:
+        self._table = settings.table
+        self._topic = topic
+        self._client = dynamodb_client(
+            settings,
+            connect_timeout_s=CALL_TIMEOUT_S,
+            read_timeout_s=CALL_TIMEOUT_S,
+            max_attempts=1,
+        )
+
+    def get_many(self, partitions: Sequence[int]) -> dict[int, Lease]:
+        found: dict[int, Lease] = {}
+        wanted = list(dict.fromkeys(partitions))
+        for start in range(0, len(wanted), BATCH_GET_MAX_KEYS):
+            keys = [
+                table_key(lease_source(self._topic, p), LEASE_OFFSET)
+                for p in wanted[start : start + BATCH_GET_MAX_KEYS]
+            ]
+            for item in self._batch_get(keys):
+                found[self._partition_of(item)] = lease_from_item(item)
+        return found
+
+    def _batch_get(self, keys: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        for _ in range(BATCH_GET_ROUNDS):
+            request: Any = {self._table: {"Keys": keys, "ConsistentRead": True}}
+            with aws_errors("reading the partition leases", TableUnavailable):
+                answer: Any = self._client.batch_get_item(RequestItems=request)
+            items.extend(answer.get("Responses", {}).get(self._table, []))
+            keys = answer.get("UnprocessedKeys", {}).get(self._table, {}).get("Keys", [])
+            if not keys:
+                return items
+        raise TableUnavailable(
+            f"reading the partition leases failed: {len(keys)} keys left unprocessed"
+        )
+
+    def _partition_of(self, item: Mapping[str, Any]) -> int:
+        # `<topic>#<partition>#lease`: the topic itself never holds a `#`.
+        return int(item["source"]["S"].split("#")[1])
 
     def close(self) -> None:
         self._client.close()
@@ -169,21 +254,21 @@ class MemoryLeases:
         if self.down:
             raise TableUnavailable("lease store is down")
 
-    def acquire(self, owner: str, now_ms: int, until_ms: int) -> Lease:
+    def acquire(self, owner: str, now_ms: int, until_ms: int, endpoint: str = "") -> Lease:
         with self._lock:
             self._check()
             held = self.lease
             if held is None or held.until_ms < now_ms or held.owner == owner:
-                self.lease = Lease(owner, until_ms)
+                self.lease = Lease(owner, until_ms, endpoint)
             assert self.lease is not None
             return self.lease
 
-    def renew(self, owner: str, now_ms: int, until_ms: int) -> bool:
+    def renew(self, owner: str, now_ms: int, until_ms: int, endpoint: str = "") -> bool:
         with self._lock:
             self._check()
             if self.lease is None or self.lease.owner != owner:
                 return False
-            self.lease = Lease(owner, until_ms)
+            self.lease = Lease(owner, until_ms, endpoint or self.lease.endpoint)
             return True
 
     def release(self, owner: str) -> bool:
@@ -198,6 +283,31 @@ class MemoryLeases:
         with self._lock:
             self._check()
             return self.lease
+
+    def close(self) -> None:
+        pass
+
+
+class MemoryLeaseReader:
+    """In-memory twin of DynamoDBLeaseReader over per-partition stores (`MemoryLeases`, or
+    any LeaseStore: each is read with `get()`); `down` makes it fail like an outage."""
+
+    def __init__(self, stores: Mapping[int, LeaseStore] | None = None) -> None:
+        self.stores: dict[int, LeaseStore] = dict(stores or {})
+        self.down = False
+        self.calls = 0
+
+    def get_many(self, partitions: Sequence[int]) -> dict[int, Lease]:
+        self.calls += 1
+        if self.down:
+            raise TableUnavailable("lease table is down")
+        found: dict[int, Lease] = {}
+        for p in partitions:
+            store = self.stores.get(p)
+            lease = store.get() if store is not None else None
+            if lease is not None:
+                found[p] = lease
+        return found
 
     def close(self) -> None:
         pass
