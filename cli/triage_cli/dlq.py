@@ -27,8 +27,10 @@ Heavy modules (boto3, confluent-kafka, rich) are imported inside the commands.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -352,6 +354,21 @@ def _select(
     return _sorted(list(table.scan(pending, consistent=True)))
 
 
+@contextlib.contextmanager
+def _pending(
+    config: Path, filters: Filters, everything: bool, *, what: str
+) -> Iterator[tuple[Settings, DeadLetterTable, list[dict[str, Any]]]]:
+    """The settings, the open table and the pending items that replay and discard act on."""
+    settings, table = _open(config)
+    with table:
+        yield settings, table, _select(table, filters, everything, what=what)
+
+
+def _coords(key: tuple[str, int, int]) -> str:
+    """topic/partition/offset, how a dead letter is named in output."""
+    return "/".join(map(str, key))
+
+
 def _require_filter(filters: Filters, everything: bool, what: str) -> None:
     if not filters.narrows and not everything:
         raise CommandFailed(
@@ -400,12 +417,7 @@ def replay(
 
     with exit_on_errors():
         filters = _filters(
-            topic=topic,
-            partition=partition,
-            offset=offset,
-            reason=reason,
-            since=since,
-            until=until,
+            topic=topic, partition=partition, offset=offset, reason=reason, since=since, until=until
         )
         if to_topic is not None and (not to_topic or "#" in to_topic):
             raise CommandFailed(ExitCode.BAD_INPUT, f"not a Kafka topic name: {to_topic!r}")
@@ -413,9 +425,7 @@ def replay(
             _require_filter(filters, everything, "replay")
             _spark_replay(config, filters, to_topic, master, json_)
             return
-        settings, table = _open(config)
-        with table:
-            items = _select(table, filters, everything, what="replay")
+        with _pending(config, filters, everything, what="replay") as (settings, table, items):
             if dry_run:
                 _show_selection(items, json_, "replayed")
                 return
@@ -430,13 +440,13 @@ def replay(
                 )
             if not json_:
                 for key in result.replayed:
-                    typer.echo(f"replayed  {'/'.join(map(str, key))}")
+                    typer.echo(f"replayed  {_coords(key)}")
                 for key, why in result.skipped:
-                    typer.echo(f"skipped   {'/'.join(map(str, key))}: {why}")
+                    typer.echo(f"skipped   {_coords(key)}: {why}")
                 for key, why in result.failed:
-                    typer.echo(f"FAILED    {'/'.join(map(str, key))}: {why}", err=True)
+                    typer.echo(f"FAILED    {_coords(key)}: {why}", err=True)
                 for key, why in result.in_doubt:
-                    typer.echo(f"IN DOUBT  {'/'.join(map(str, key))}: {why}", err=True)
+                    typer.echo(f"IN DOUBT  {_coords(key)}: {why}", err=True)
             _report_replay(result, len(items), json_, replay_id)
             if result.interrupted or stop.is_set():
                 raise typer.Exit(int(ExitCode.INTERRUPTED))
@@ -484,12 +494,12 @@ def _report_replay(result: Any, selected: int, json_: bool, replay_id: str | Non
                 "skipped": skipped,
                 "failed": failed,
                 "failures": [
-                    {"dead_letter": "/".join(map(str, key)), "why": why}
+                    {"dead_letter": _coords(key), "why": why}
                     for key, why in (result.failed if result else [])
                 ],
                 "in_doubt": in_doubt,
                 "doubts": [
-                    {"dead_letter": "/".join(map(str, key)), "why": why}
+                    {"dead_letter": _coords(key), "why": why}
                     for key, why in (result.in_doubt if result else [])
                 ],
                 "interrupted": bool(result and result.interrupted),
@@ -562,16 +572,9 @@ def discard(
 
     with exit_on_errors():
         filters = _filters(
-            topic=topic,
-            partition=partition,
-            offset=offset,
-            reason=reason,
-            since=since,
-            until=until,
+            topic=topic, partition=partition, offset=offset, reason=reason, since=since, until=until
         )
-        _, table = _open(config)
-        with table:
-            items = _select(table, filters, everything, what="discard")
+        with _pending(config, filters, everything, what="discard") as (_, table, items):
             if dry_run:
                 _show_selection(items, json_, "discarded")
                 return
@@ -581,7 +584,7 @@ def discard(
                     if stop.is_set():
                         break
                     key = item_key(item)
-                    name = "/".join(map(str, key))
+                    name = _coords(key)
                     if table.discard(key, item):
                         discarded += 1
                         if not json_:

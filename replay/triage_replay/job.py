@@ -69,11 +69,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from triage_proxy.errors import ConfigError, UnavailableError
-from triage_proxy.exitcodes import ExitCode
+from triage_proxy.errors import ConfigError, TriageError, UnavailableError
+from triage_proxy.exitcodes import ExitCode, exit_code_for
 from triage_proxy.settings import DEFAULT_REGION, DeadLetterSettings, load_settings
 from triage_proxy.table.items import STATUSES
-from triage_proxy.table.query import DeadLetterTable, Filters, TableNotFound, parse_time
+from triage_proxy.table.query import DeadLetterTable, Filters, parse_time
 from triage_proxy.table.replay import new_replay_id
 from triage_replay.options import DEFAULT_CHUNK, MAX_SEGMENTS, Fault, ReplayOptions
 from triage_replay.segment import (
@@ -435,21 +435,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger(name).setLevel(logging.INFO)
     try:
         options = options_from_args(args)
-    except (ValueError, ConfigError) as exc:
+    except (ValueError, ConfigError) as exc:  # a malformed argument, as argparse's own: 2
         parser.print_usage(sys.stderr)
         print(f"error: {exc}", file=sys.stderr)
         return ExitCode.BAD_INPUT
     try:
         summary = run_replay(options)
-    except TableNotFound as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return ExitCode.NOT_FOUND
-    except UnavailableError as exc:  # ReplayFailed, DeadLetterUnavailable
-        print(f"error: {exc}", file=sys.stderr)
-        return ExitCode.UNAVAILABLE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print("interrupted: claimed items stay claimed; a rerun is safe", file=sys.stderr)
-        return ExitCode.INTERRUPTED
+        return exit_code_for(exc)
+    except TriageError as exc:  # e.g. TableNotFound, ReplayFailed, DeadLetterUnavailable
+        print(f"error: {exc}", file=sys.stderr)
+        return exit_code_for(exc)  # the mapping every `triage` command uses
     print(summary)
     return ExitCode.OK if summary.ok else ExitCode.FAILURE
 

@@ -25,14 +25,13 @@ buffer to lose, and the page cache outlives a SIGKILL. SIGTERM stops gracefully.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
-import signal
 import time
 
-from triage_client import Consumer, Message, Retry
+from tests.consumer_process import instance_arguments, run_consumer
+from triage_client import Message, Retry
 
 MAX_BACKOFF_S = 1.0
 """Reconnect quickly after a proxy restart (the client's default cap is 5 s)."""
@@ -56,12 +55,9 @@ def plan_for(behaviour: str, attempt: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--target", required=True)
+    parser = instance_arguments(default_id="fault")
     parser.add_argument("--log", required=True, help="file to append one line per invocation")
-    parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--slow-s", type=float, default=3.0)
-    parser.add_argument("--id", default="fault")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     fd = os.open(args.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -83,17 +79,8 @@ def main() -> None:
             await asyncio.sleep(args.slow_s)
         record(message.offset, message.attempt, index or b"-", "done")
 
-    consumer = Consumer(
-        args.target,
-        os.environ["TRIAGE_TOKEN"],
-        handle,
-        concurrency=args.concurrency,
-        consumer_id=args.id,
-        max_backoff=MAX_BACKOFF_S,
-    )
-    signal.signal(signal.SIGTERM, lambda *_: consumer.stop())
     try:
-        consumer.run()
+        run_consumer(args, handle, max_backoff=MAX_BACKOFF_S)
     finally:
         os.close(fd)
 

@@ -21,14 +21,30 @@ from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_client._proto import triage_pb2 as pb
 from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_proxy.app import Proxy
-from triage_proxy.settings import Settings, settings_from_dict
+from triage_proxy.deadletter import DeadLetterWriter
+from triage_proxy.settings import DeadLetterSettings, Settings, settings_from_dict
 from triage_proxy.structs import DeadLetter
+from triage_proxy.table.deadletters import DynamoDBStore
 from triage_proxy.table.items import dead_letter_from_item
 from triage_proxy.table.provisioning import create_table
 
 TOKEN = "test-token-0123456789"
 LEASE_S = 5.0
 Message = tuple[bytes | None, bytes | None, list[tuple[str, bytes | None]] | None]
+
+
+def write_dead_letters(settings: DeadLetterSettings, dls: list[DeadLetter]) -> None:
+    """Write `dls` to the table through the real writer, as the proxy does."""
+
+    async def main() -> None:
+        with DynamoDBStore(settings) as store:
+            async with DeadLetterWriter(store, settings, lambda dl: None) as writer:
+                for dl in dls:
+                    writer.submit(dl)
+                assert await writer.flush(30)
+                assert writer.too_large == 0
+
+    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 def create_topic(bootstrap: str, topic: str, partitions: int = 1) -> None:

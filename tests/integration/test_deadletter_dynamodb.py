@@ -8,21 +8,24 @@ restarted server would come back empty; freezing keeps them).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 import boto3
 import pytest
 
+from tests import samples, waiting
+from tests.samples import T0
 from triage_cli.embedded import EmbeddedAWS, free_port
 from triage_proxy.clienttext import MAX_CONSUMER_ID_CHARS, REASON_MAX_CHARS
 from triage_proxy.deadletter import DeadLetterWriter
 from triage_proxy.errors import ConfigError, DeadLetterUnavailable
 from triage_proxy.settings import DeadLetterSettings
-from triage_proxy.structs import DeadLetter, Headers, Record
+from triage_proxy.structs import DeadLetter
 from triage_proxy.table.deadletters import DynamoDBStore
 from triage_proxy.table.items import MAX_ITEM_BYTES, dead_letter_from_item, item_size
 from triage_proxy.table.provisioning import create_bucket, create_table
@@ -35,30 +38,17 @@ FAST = {"connect_timeout_s": 0.5, "read_timeout_s": 0.5, "max_attempts": 1}
 """Store options that make a dead or frozen endpoint fail within about a second."""
 
 
-def make_dl(
-    offset: int,
-    *,
-    topic: str = "orders",
-    partition: int = 0,
-    key: bytes | None = b"k",
-    value: bytes | None = b"v",
-    headers: Headers = (),
-    reason: str = "boom",
-    consumer_id: str = "worker-1",
-) -> DeadLetter:
-    record = Record(topic, partition, offset, key, value, headers, 1_714_564_800_000 + offset)
-    return DeadLetter(record, reason, 5, consumer_id, 1_714_564_800_123 + offset % 1000)
+def make_dl(offset: int, **fields: Any) -> DeadLetter:
+    """The sample dead letter with reason "boom", 5 attempts and times that vary by offset."""
+    varied = {"timestamp_ms": T0 + offset, "at_ms": T0 + 123 + offset % 1000}
+    return samples.make_dl(offset, **{"reason": "boom", "attempts": 5, **varied, **fields})
 
 
 def run(coro: Coroutine[Any, Any, None], timeout: float = 30.0) -> None:
     asyncio.run(asyncio.wait_for(coro, timeout))
 
 
-async def eventually(predicate: Callable[[], bool], within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
+eventually = functools.partial(waiting.eventually, poll_s=0.02)
 
 
 def raw_client(endpoint_url: str) -> Any:

@@ -3,7 +3,6 @@ every subcommand, and the bad input a person will type."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -16,15 +15,14 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from tests.integration.harness import TOKEN, create_topic
+from tests import samples
+from tests.integration.harness import TOKEN, create_topic, write_dead_letters
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port
 from triage_cli.exitcodes import ExitCode
 from triage_cli.main import app
-from triage_proxy.deadletter import DeadLetterWriter
 from triage_proxy.settings import DeadLetterSettings, load_settings
-from triage_proxy.structs import DeadLetter, Headers, Record
-from triage_proxy.table.deadletters import DynamoDBStore
+from triage_proxy.structs import DeadLetter
 from triage_proxy.table.items import MAX_ITEM_BYTES
 from triage_proxy.table.provisioning import create_bucket, create_table
 from triage_proxy.table.query import DeadLetterTable, Filters
@@ -37,19 +35,10 @@ HOUR_MS = 3_600_000
 EVERY_BYTE = bytes(range(256))
 
 
-def make_dl(
-    topic: str,
-    offset: int,
-    *,
-    partition: int = 0,
-    key: bytes | None = b"k",
-    value: bytes | None = b"v",
-    headers: Headers = (),
-    reason: str = "ValueError: bad",
-    age_ms: int = 0,
-) -> DeadLetter:
-    record = Record(topic, partition, offset, key, value, headers, NOW_MS - age_ms)
-    return DeadLetter(record, reason, 3, "worker-1", NOW_MS - age_ms)
+def make_dl(topic: str, offset: int, *, age_ms: int = 0, **fields: Any) -> DeadLetter:
+    """The sample dead letter of `topic`, produced and dead-lettered `age_ms` ago."""
+    at = NOW_MS - age_ms
+    return samples.make_dl(offset, topic=topic, timestamp_ms=at, at_ms=at, **fields)
 
 
 @dataclass
@@ -98,19 +87,8 @@ def stack(aws: EmbeddedAWS, broker: EmbeddedBroker, unique_name: str, tmp_path: 
             topic, 0, partition=1, value=None, reason="TimeoutError: again", age_ms=2 * HOUR_MS
         ),
     ]
-    write(settings, dls)
+    write_dead_letters(settings, dls)
     return Stack(config, settings, topic, broker.bootstrap, dls)
-
-
-def write(settings: DeadLetterSettings, dls: list[DeadLetter]) -> None:
-    async def main() -> None:
-        with DynamoDBStore(settings) as store:
-            async with DeadLetterWriter(store, settings, lambda dl: None) as writer:
-                for dl in dls:
-                    writer.submit(dl)
-                assert await writer.flush(30)
-
-    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 def triage(*args: str | Path) -> Any:

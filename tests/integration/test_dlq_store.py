@@ -17,12 +17,14 @@ import boto3
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from tests.integration.harness import create_topic
+from tests import samples
+from tests.integration.harness import create_topic, write_dead_letters
+from tests.samples import T0
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.deadletter import DeadLetterWriter
 from triage_proxy.notifier import notifier_from_settings
 from triage_proxy.settings import DeadLetterSettings
-from triage_proxy.structs import DeadLetter, Headers, Record
+from triage_proxy.structs import DeadLetter
 from triage_proxy.table.aws import s3_client
 from triage_proxy.table.checkpoints import DynamoDBCheckpoints
 from triage_proxy.table.deadletters import DynamoDBStore
@@ -40,23 +42,12 @@ from triage_proxy.table.replay import (
 
 pytestmark = pytest.mark.integration
 
-T0 = 1_714_564_800_000
 EVERY_BYTE = bytes(range(256))
 
 
-def make_dl(
-    offset: int,
-    *,
-    topic: str = "orders",
-    partition: int = 0,
-    key: bytes | None = b"k",
-    value: bytes | None = b"v",
-    headers: Headers = (),
-    reason: str = "ValueError: bad",
-    at_ms: int = T0,
-) -> DeadLetter:
-    record = Record(topic, partition, offset, key, value, headers, T0 - 1000 + offset)
-    return DeadLetter(record, reason, 3, "worker-1", at_ms)
+def make_dl(offset: int, **fields: Any) -> DeadLetter:
+    """The sample dead letter, with a Kafka timestamp that varies by offset."""
+    return samples.make_dl(offset, **{"timestamp_ms": T0 - 1000 + offset, **fields})
 
 
 def bucket_for(name: str) -> str:
@@ -91,20 +82,6 @@ def settings(aws: EmbeddedAWS, unique_name: str) -> DeadLetterSettings:
 def table(settings: DeadLetterSettings) -> Iterator[DeadLetterTable]:
     with DeadLetterTable(settings) as opened:
         yield opened
-
-
-def write(settings: DeadLetterSettings, dls: list[DeadLetter]) -> None:
-    """Through the real writer, as the proxy does."""
-
-    async def main() -> None:
-        with DynamoDBStore(settings) as store:
-            async with DeadLetterWriter(store, settings, lambda dl: None) as writer:
-                for dl in dls:
-                    writer.submit(dl)
-                assert await writer.flush(30)
-                assert writer.too_large == 0
-
-    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 def producer(broker: EmbeddedBroker) -> Producer:
@@ -184,7 +161,7 @@ def test_large_payload_goes_to_s3_and_comes_back_byte_exact(
         headers=(("h", None), ("bin", EVERY_BYTE), ("h", b"")),
     )
     assert item_size(big) > MAX_ITEM_BYTES
-    write(settings, [big, make_dl(8)])
+    write_dead_letters(settings, [big, make_dl(8)])
     item = table.get(("orders", 0, 7))
     assert "value" not in item
     assert "key" not in item
@@ -220,7 +197,7 @@ def test_ttl_is_enabled_and_set_when_items_settle(
         rules = s3.get_bucket_lifecycle_configuration(Bucket=settings.overflow_bucket)["Rules"]
         assert [r["ID"] for r in rules] == ["triage-expire-settled-payloads"]
         big = make_dl(1, value=os.urandom(MAX_ITEM_BYTES))
-        write(settings, [big, make_dl(2)])
+        write_dead_letters(settings, [big, make_dl(2)])
         assert "expires_at" not in table.get(("orders", 0, 1))
         before = time.time()
         assert table.claim(("orders", 0, 1), "r", lease_s=60)
@@ -245,7 +222,7 @@ def test_scan_paginates_never_yields_checkpoints_and_splits_into_segments(
     settings: DeadLetterSettings, table: DeadLetterTable
 ) -> None:
     dls = [make_dl(i, partition=i % 3) for i in range(40)]
-    write(settings, dls)
+    write_dead_letters(settings, dls)
     checkpoints = DynamoDBCheckpoints(settings, "orders", 0, "group")
     try:
         checkpoints.put(5, "settled-text")
@@ -284,7 +261,7 @@ def test_replay_is_byte_exact_with_provenance_and_a_rerun_replays_nothing(
 ) -> None:
     create_topic(broker.bootstrap, unique_name)
     dls = mixed_set(unique_name)
-    write(settings, dls)
+    write_dead_letters(settings, dls)
     assert "payload_s3" in table.get((unique_name, 0, 4))
     replay_id = new_replay_id()
     kafka = producer(broker)
@@ -322,7 +299,9 @@ def test_concurrent_replays_produce_every_item_once(
     settings: DeadLetterSettings, table: DeadLetterTable, broker: EmbeddedBroker, unique_name: str
 ) -> None:
     create_topic(broker.bootstrap, unique_name)
-    write(settings, [make_dl(i, topic=unique_name, value=b"%d" % i) for i in range(60)])
+    write_dead_letters(
+        settings, [make_dl(i, topic=unique_name, value=b"%d" % i) for i in range(60)]
+    )
     items = list(table.scan(Filters(topic=unique_name), consistent=True))
     results: list[ReplayResult] = []
 
@@ -374,7 +353,7 @@ def test_a_failed_delivery_releases_the_claim_for_a_later_replay(
     settings: DeadLetterSettings, table: DeadLetterTable, broker: EmbeddedBroker, unique_name: str
 ) -> None:
     create_topic(broker.bootstrap, unique_name)
-    write(settings, [make_dl(i, topic=unique_name) for i in range(3)])
+    write_dead_letters(settings, [make_dl(i, topic=unique_name) for i in range(3)])
     items = list(table.scan(Filters(topic=unique_name), consistent=True))
     failed = replay(table, RefusingProducer(), items, replay_id="doomed")
     assert len(failed.failed) == 3
@@ -390,7 +369,7 @@ def test_a_failed_delivery_releases_the_claim_for_a_later_replay(
 def test_a_live_claim_keeps_other_replays_and_discards_off(
     table: DeadLetterTable, settings: DeadLetterSettings
 ) -> None:
-    write(settings, [make_dl(1)])
+    write_dead_letters(settings, [make_dl(1)])
     key = ("orders", 0, 1)
     assert table.claim(key, "a", lease_s=60)
     assert not table.claim(key, "b", lease_s=60)

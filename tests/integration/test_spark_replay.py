@@ -27,13 +27,14 @@ import boto3
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
 
+from tests import samples
 from tests.integration.harness import TOKEN, create_topic
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_cli.exitcodes import ExitCode
 from triage_proxy.errors import ConfigError
 from triage_proxy.settings import DeadLetterSettings, load_settings
-from triage_proxy.structs import DeadLetter, Headers, Record
+from triage_proxy.structs import DeadLetter
 from triage_proxy.table.deadletters import DynamoDBStore
 from triage_proxy.table.items import item_from_dead_letter
 from triage_proxy.table.provisioning import create_bucket, create_table
@@ -91,18 +92,11 @@ def dynamodb(aws: EmbeddedAWS) -> Iterator[Any]:
 # --- helpers ------------------------------------------------------------------------------
 
 
-def make_dl(
-    topic: str,
-    partition: int,
-    offset: int,
-    *,
-    key: bytes | None = b"k",
-    value: bytes | None = b"v",
-    headers: Headers = (),
-    reason: str = "handler raised ValueError",
-) -> DeadLetter:
-    record = Record(topic, partition, offset, key, value, headers, BASE_MS - 5000 + offset)
-    return DeadLetter(record, reason, 3, "worker-1", BASE_MS + offset * 1000)
+def make_dl(topic: str, partition: int, offset: int, **fields: Any) -> DeadLetter:
+    """The sample dead letter of topic/partition, dead-lettered a second per offset apart."""
+    times = {"timestamp_ms": BASE_MS - 5000 + offset, "at_ms": BASE_MS + offset * 1000}
+    fields = {"reason": "handler raised ValueError", **times, **fields}
+    return samples.make_dl(offset, topic=topic, partition=partition, **fields)
 
 
 def write(dynamodb: Any, table: str, dls: Iterable[DeadLetter], status: str = "pending") -> None:

@@ -12,14 +12,11 @@ longest gap between finishes stays far below one slow call).
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import sys
-import time
 
-from tests.commit_watcher import CommitWatcher
-from tests.perf.common import Instances, produce_values, table
+from tests.perf.common import bench_arguments, produce_values, run_instances, table
 from triage_cli.demo import Kind, Workload, count_dead_letters, run_serial_baseline
 from triage_cli.devstack import DevStack
 
@@ -34,31 +31,16 @@ def longest_stall(finishes: list[tuple[float, bool]], start: float) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--messages", type=int, default=5000)
-    parser.add_argument("--instances", type=int, default=2)
-    parser.add_argument("--concurrency", type=int, default=16)
-    args = parser.parse_args()
+    args = bench_arguments(messages=5000, instances=2, concurrency=16).parse_args()
     workload = Workload.generate(args.messages)
     overrides = {"commit": {"interval_s": 0.1}}
     with DevStack(topic="bench-hol", proxy_overrides=overrides) as stack:
         bootstrap = stack.broker.bootstrap
         produce_values(bootstrap, stack.topic, (workload.value(i) for i in range(args.messages)))
         serial_s = run_serial_baseline(bootstrap, stack.topic, workload)
-        watcher = CommitWatcher(bootstrap, stack.group_id, stack.topic, 1)
-        launched = time.time()
-        instances = Instances(
-            [p["target"] for p in stack.describe()["proxies"]],
-            stack.token,
-            args.instances,
-            args.concurrency,
-        )
-        try:
-            committed_at = watcher.wait_for([args.messages], timeout_s=300)
-        finally:
-            results = instances.stop()
-            watcher.close()
+        run = run_instances(stack, args, timeout_s=300)
         dead = count_dead_letters(stack.aws.endpoint_url, stack.table)
+    launched, committed_at, results = run.launched, run.committed_at, run.results
     first = min(r.first for r in results)
     handled_at = max(r.last for r in results)
     triage_s = committed_at - first

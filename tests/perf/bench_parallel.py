@@ -11,14 +11,12 @@ the side-by-side baseline (its work is the sum of the sleeps).
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import sys
 import time
 
-from tests.commit_watcher import CommitWatcher
-from tests.perf.common import Instances, produce_values, table
+from tests.perf.common import bench_arguments, produce_values, run_instances, table
 from triage_cli.devstack import DevStack
 
 TARGET_S = 1.0
@@ -48,10 +46,7 @@ def serial(bootstrap: str, topic: str, count: int) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--messages", type=int, default=10_000)
-    parser.add_argument("--instances", type=int, default=2)
-    parser.add_argument("--concurrency", type=int, default=50)
+    parser = bench_arguments(messages=10_000, instances=2, concurrency=50)
     parser.add_argument("--skip-serial", action="store_true")
     args = parser.parse_args()
     rng = random.Random(11)
@@ -60,19 +55,9 @@ def main() -> int:
     with DevStack(topic="bench-parallel", proxy_overrides=overrides) as stack:
         bootstrap = stack.broker.bootstrap
         produce_values(bootstrap, stack.topic, (b"sleep:%d" % ms for ms in work_ms))
-        watcher = CommitWatcher(bootstrap, stack.group_id, stack.topic, 1)
-        instances = Instances(
-            [p["target"] for p in stack.describe()["proxies"]],
-            stack.token,
-            args.instances,
-            args.concurrency,
-        )
-        try:
-            committed_at = watcher.wait_for([args.messages], timeout_s=120)
-        finally:
-            results = instances.stop()
-            watcher.close()
+        run = run_instances(stack, args, timeout_s=120)
         serial_s = None if args.skip_serial else serial(bootstrap, stack.topic, args.messages)
+    committed_at, results = run.committed_at, run.results
     first = min(r.first for r in results)
     last = max(r.last for r in results)
     e2e = committed_at - first

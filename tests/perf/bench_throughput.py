@@ -11,13 +11,11 @@ what one partition gives on this machine.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
-from tests.commit_watcher import CommitWatcher
-from tests.perf.common import Instances, produce_values, table
+from tests.perf.common import bench_arguments, produce_values, run_instances, table
 from triage_cli.devstack import DevStack
 
 TARGET_PER_S = 50_000
@@ -37,28 +35,14 @@ def plain_read(bootstrap: str, topic: str, count: int) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--messages", type=int, default=200_000)
-    parser.add_argument("--instances", type=int, default=2)
-    parser.add_argument("--concurrency", type=int, default=256)
-    args = parser.parse_args()
+    args = bench_arguments(messages=200_000, instances=2, concurrency=256).parse_args()
     overrides = {"commit": {"interval_s": 0.1}}
     with DevStack(topic="bench-throughput", proxy_overrides=overrides) as stack:
         bootstrap = stack.broker.bootstrap
         produce_values(bootstrap, stack.topic, (b"x" * 100 for _ in range(args.messages)))
         plain_s = plain_read(bootstrap, stack.topic, args.messages)
-        watcher = CommitWatcher(bootstrap, stack.group_id, stack.topic, 1)
-        instances = Instances(
-            [p["target"] for p in stack.describe()["proxies"]],
-            stack.token,
-            args.instances,
-            args.concurrency,
-        )
-        try:
-            committed_at = watcher.wait_for([args.messages], timeout_s=300, poll_s=0.02)
-        finally:
-            results = instances.stop()
-            watcher.close()
+        run = run_instances(stack, args, timeout_s=300, poll_s=0.02)
+    committed_at, results = run.committed_at, run.results
     first = min(r.first for r in results)
     last = max(r.last for r in results)
     e2e = committed_at - first

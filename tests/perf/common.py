@@ -1,23 +1,40 @@
-"""Shared plumbing for the benchmark scripts: producing, instances, tables.
+"""Shared plumbing for the benchmark scripts: arguments, producing, running the consumer
+instances against a dev stack until everything is committed, and printing tables.
 
 Commit polling is shared with the fault suite: tests/commit_watcher.py.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import Producer
 
+from tests.commit_watcher import CommitWatcher
+
+if TYPE_CHECKING:
+    from triage_cli.devstack import DevStack
+
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def bench_arguments(messages: int, instances: int, concurrency: int) -> argparse.ArgumentParser:
+    """--messages, --instances and --concurrency with this benchmark's defaults."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--messages", type=int, default=messages)
+    parser.add_argument("--instances", type=int, default=instances)
+    parser.add_argument("--concurrency", type=int, default=concurrency)
+    return parser
 
 
 def produce_values(bootstrap: str, topic: str, values: Iterable[bytes], partitions: int = 1) -> int:
@@ -92,3 +109,39 @@ class Instances:
 def table(rows: list[tuple[str, Any]]) -> str:
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+@dataclass
+class InstancesRun:
+    launched: float
+    """time.time() when the instance processes were started."""
+    committed_at: float
+    """time.time() when the committed offset reached the last message."""
+    results: list[InstanceResult]
+    """What each instance reported when it was stopped."""
+
+
+def run_instances(
+    stack: DevStack,
+    args: argparse.Namespace,
+    *,
+    timeout_s: float,
+    poll_s: float | None = None,
+) -> InstancesRun:
+    """Start `args.instances` x `args.concurrency` instances on every proxy of `stack`,
+    wait until all `args.messages` are committed on partition 0, then stop them."""
+    watcher = CommitWatcher(stack.broker.bootstrap, stack.group_id, stack.topic, 1)
+    launched = time.time()
+    instances = Instances(
+        [p["target"] for p in stack.describe()["proxies"]],
+        stack.token,
+        args.instances,
+        args.concurrency,
+    )
+    polling = {} if poll_s is None else {"poll_s": poll_s}
+    try:
+        committed_at = watcher.wait_for([args.messages], timeout_s=timeout_s, **polling)
+    finally:
+        results = instances.stop()
+        watcher.close()
+    return InstancesRun(launched, committed_at, results)

@@ -10,22 +10,16 @@ every finish as (time, was-ordinary) for the stall measurement.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import os
-import signal
 import time
 
-from triage_client import Consumer, Message
+from tests.consumer_process import instance_arguments, run_consumer
+from triage_client import Message
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--target", required=True)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--id", default="bench")
-    args = parser.parse_args()
+    args = instance_arguments(default_id="bench").parse_args()
     stats: dict[str, float] = {"handled": 0, "acked": 0, "nacked": 0, "first": 0.0, "last": 0.0}
     finishes: list[tuple[float, bool]] = []
 
@@ -54,15 +48,7 @@ def main() -> None:
             stats["last"] = now
             finishes.append((now, value.startswith(b"ordinary")))
 
-    consumer = Consumer(
-        args.target,
-        os.environ["TRIAGE_TOKEN"],
-        handle,
-        concurrency=args.concurrency,
-        consumer_id=args.id,
-    )
-    signal.signal(signal.SIGTERM, lambda *_: consumer.stop())
-    consumer.run()
+    run_consumer(args, handle)
     print(json.dumps({**stats, "finishes": finishes}), flush=True)
 
 

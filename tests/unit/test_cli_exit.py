@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import logging
 import os
 import signal
 import socket
@@ -23,6 +24,7 @@ from triage_cli.supervisor import listening_ports
 from triage_proxy.errors import (
     BrokerUnavailable,
     ConfigError,
+    DeadLetterUnavailable,
     OwnershipLost,
     StateError,
     TriageError,
@@ -152,6 +154,30 @@ def test_the_replay_job_imports_nothing_from_the_cli() -> None:
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
             assert not [n for n in names if n.split(".")[0] == "triage_cli"], path
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (TableNotFound("dlq"), ExitCode.NOT_FOUND),
+        (DeadLetterUnavailable("DynamoDB down"), ExitCode.UNAVAILABLE),
+        (ConfigError("spark.speculation", "must be off to replay"), ExitCode.BAD_INPUT),
+        (StateError("a bug"), ExitCode.FAILURE),
+        (KeyboardInterrupt(), ExitCode.INTERRUPTED),
+    ],
+)
+def test_the_replay_job_ends_with_the_codes_triage_uses(
+    exc: BaseException, code: ExitCode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from triage_replay import job
+
+    def run_replay(options: object) -> None:
+        raise exc
+
+    monkeypatch.setattr(job, "run_replay", run_replay)
+    for name in ("triage_replay", job.__name__):  # main() turns these up to INFO
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
+    assert job.main(["--table", "t", "--bootstrap", "127.0.0.1:1"]) == code
 
 
 # --- deploy: whose port answers, and why a proxy exited -----------------------------------

@@ -665,6 +665,25 @@ def sleeper(kind: str, seconds: dict[int, float]) -> Any:
     return sync_handler if kind == "sync" else async_handler
 
 
+def held(kind: str, offset: int) -> tuple[Any, threading.Event, threading.Event]:
+    """A handler (sync or async) that returns at once except at `offset`: there it sets
+    the first event and waits for the second; returns the handler and both events."""
+    started = threading.Event()
+    release = threading.Event()
+
+    def sync_handler(message: Message) -> None:
+        if message.offset == offset:
+            started.set()
+            assert release.wait(WAIT_S)
+
+    async def async_handler(message: Message) -> None:
+        if message.offset == offset:
+            started.set()
+            assert await asyncio.to_thread(release.wait, WAIT_S)
+
+    return (sync_handler if kind == "sync" else async_handler), started, release
+
+
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_a_running_handler_is_extended_until_it_finishes(proxy: FakeProxy, kind: str) -> None:
     proxy.ack_deadline_ms = DEADLINE_MS
@@ -729,22 +748,9 @@ def test_queued_deliveries_keep_their_lease_behind_a_slow_handler(
 def test_handlers_of_a_dead_stream_are_not_extended_on_the_next(
     proxy: FakeProxy, kind: str
 ) -> None:
-    in_slow = threading.Event()
-    release = threading.Event()
-
-    def sync_handler(message: Message) -> None:
-        if message.offset == 2:
-            in_slow.set()
-            assert release.wait(WAIT_S)
-
-    async def async_handler(message: Message) -> None:
-        if message.offset == 2:
-            in_slow.set()
-            assert await asyncio.to_thread(release.wait, WAIT_S)
-
+    handler, _, release = held(kind, 2)
     proxy.ack_deadline_ms = DEADLINE_MS
     proxy.feed(delivery(o) for o in range(5))
-    handler = sync_handler if kind == "sync" else async_handler
     run = Running(consumer(proxy, handler, concurrency=4, max_backoff=0.2))
     proxy.wait_for(lambda: (1, [2]) in proxy.extends, "the slow handler extended")
     proxy.stop_server()
@@ -837,20 +843,7 @@ def test_run_async_runs_in_the_callers_loop(proxy: FakeProxy) -> None:
 def test_reconnects_after_proxy_restart_and_drops_results_of_the_dead_stream(
     proxy: FakeProxy, kind: str
 ) -> None:
-    in_slow = threading.Event()
-    release = threading.Event()
-
-    def sync_handler(message: Message) -> None:
-        if message.offset == 2:
-            in_slow.set()
-            assert release.wait(WAIT_S)
-
-    async def async_handler(message: Message) -> None:
-        if message.offset == 2:
-            in_slow.set()
-            assert await asyncio.to_thread(release.wait, WAIT_S)
-
-    handler = sync_handler if kind == "sync" else async_handler
+    handler, in_slow, release = held(kind, 2)
     proxy.feed(delivery(o) for o in range(5))
     run = Running(consumer(proxy, handler, concurrency=4, max_backoff=0.2))
     proxy.wait_for(lambda: len(proxy.acks) == 4 and in_slow.is_set(), "all but the slow one")

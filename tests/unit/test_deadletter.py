@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests import samples, waiting
+from tests.samples import T0
 from triage_proxy.deadletter import DeadLetterWriter, WriterState, backoff_delay
 from triage_proxy.errors import ConfigError, DeadLetterTooLarge, DeadLetterUnavailable, StateError
 from triage_proxy.settings import DeadLetterSettings
@@ -28,18 +31,11 @@ from triage_proxy.table.items import (
 LOGGER = "triage_proxy.deadletter"
 
 
-def make_dl(
-    offset: int,
-    *,
-    topic: str = "orders",
-    partition: int = 0,
-    key: bytes | None = b"k",
-    value: bytes | None = b"v",
-    headers: Headers = (),
-    reason: str = "boom",
-) -> DeadLetter:
-    record = Record(topic, partition, offset, key, value, headers, 1_714_564_800_000)
-    return DeadLetter(record, reason, 3, "worker-1", 1_714_564_800_123)
+def make_dl(offset: int, **fields: Any) -> DeadLetter:
+    """The sample dead letter with reason "boom", timestamp T0, dead-lettered at T0 + 123."""
+    return samples.make_dl(
+        offset, **{"reason": "boom", "timestamp_ms": T0, "at_ms": T0 + 123, **fields}
+    )
 
 
 def dl_settings(**overrides: Any) -> DeadLetterSettings:
@@ -52,11 +48,7 @@ def run(coro: Coroutine[Any, Any, None], timeout: float = 15.0) -> None:
     asyncio.run(asyncio.wait_for(coro, timeout))
 
 
-async def eventually(predicate: Callable[[], bool], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.005)
+eventually = functools.partial(waiting.eventually, within=5.0)
 
 
 class Harness:

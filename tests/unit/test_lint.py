@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,3 +28,21 @@ def test_ruff_format() -> None:
 def test_mypy_strict() -> None:
     out = run(str(BIN / "mypy"))
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_readme_layout_names_every_module_once() -> None:
+    """The Layout table has one row per module: each package module appears once, and
+    every path it names exists (a renamed or removed module fails here)."""
+    readme = (ROOT / "README.md").read_text()
+    layout = readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([^`]+)` \|", layout, re.MULTILINE)
+    assert len(rows) == len(set(rows)), "a path named twice"
+    assert [row for row in rows if not (ROOT / row).exists()] == []
+    packages = ("proxy/triage_proxy", "cli/triage_cli", "replay/triage_replay", "client_lib")
+    modules = {
+        path.relative_to(ROOT).as_posix()
+        for package in packages
+        for path in (ROOT / package).rglob("*.py")
+        if "_proto" not in path.parts and "examples" not in path.parts
+    }
+    assert sorted(modules - set(rows)) == []

@@ -12,6 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests import samples
+from tests.samples import T0
 from triage_proxy.deadletter import DeadLetterWriter
 from triage_proxy.errors import ConfigError, StateError
 from triage_proxy.notifier import (
@@ -26,17 +28,14 @@ from triage_proxy.notifier import (
     notifier_from_settings,
 )
 from triage_proxy.settings import DeadLetterSettings
-from triage_proxy.structs import DeadLetter, Record
+from triage_proxy.structs import DeadLetter
 from triage_proxy.table.deadletters import MemoryStore
 
-T0 = 1_714_564_800_000
 
-
-def make_dl(
-    offset: int, *, partition: int = 0, reason: str = "boom", at_ms: int = T0
-) -> DeadLetter:
-    record = Record("orders", partition, offset, b"k", b"secret payload", (), T0)
-    return DeadLetter(record, reason, 5, "worker-1", at_ms)
+def make_dl(offset: int, **fields: Any) -> DeadLetter:
+    """The sample dead letter with a payload the notifier must never send."""
+    fields = {"value": b"secret payload", "reason": "boom", "attempts": 5, **fields}
+    return samples.make_dl(offset, timestamp_ms=T0, **fields)
 
 
 class FakeClock:

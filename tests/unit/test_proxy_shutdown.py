@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import grpc
 import pytest
 
+from tests.waiting import eventually
 from triage_client._proto import triage_pb2 as pb
 from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_proxy.app import Proxy, ProxyState
@@ -130,13 +130,6 @@ def make_settings() -> Settings:
     )
 
 
-async def until(predicate: Callable[[], bool], within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.005)
-
-
 def test_shutdown_runs_in_the_documented_order(events: Events) -> None:
     log = RecordingPartition(events)
     for value in (b"a", b"b", b"c"):
@@ -162,10 +155,10 @@ def test_shutdown_runs_in_the_documented_order(events: Events) -> None:
             store.gate.clear()  # the dead letter's write is held until the test lets it go
             nack = pb.Nack(offset=1, reason="bad", retry=False)
             await call.write(pb.ConsumerFrame(settle=pb.Settle(acks=[0], nacks=[nack])))
-            await until(lambda: len(store.calls) == 1)
+            await eventually(lambda: len(store.calls) == 1)
 
             proxy.stop()
-            await until(lambda: "stop fetching" in events.seen)
+            await eventually(lambda: "stop fetching" in events.seen)
             log.append(b"late")  # fetching has stopped: this one is never delivered
             await asyncio.sleep(0.05)
             assert proxy.state is ProxyState.STOPPING

@@ -5,37 +5,13 @@ from __future__ import annotations
 
 import base64
 import json
-from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.samples import item
 from triage_cli.render import hex_dump, item_summary, render_bytes, safe_text, short_text
-from triage_proxy.structs import DeadLetter, Headers, Record
-from triage_proxy.table.items import item_from_dead_letter, item_key
-
-T0 = 1_714_564_800_000  # 2024-05-01T12:00:00Z
-
-
-def make_dl(
-    offset: int,
-    *,
-    topic: str = "orders",
-    partition: int = 0,
-    key: bytes | None = b"k",
-    value: bytes | None = b"v",
-    headers: Headers = (),
-    reason: str = "ValueError: bad",
-    at_ms: int = T0,
-) -> DeadLetter:
-    record = Record(topic, partition, offset, key, value, headers, T0 - 5)
-    return DeadLetter(record, reason, 3, "worker-1", at_ms)
-
-
-def item(offset: int, *, status: str = "pending", **kwargs: Any) -> dict[str, Any]:
-    built = item_from_dead_letter(make_dl(offset, **kwargs))
-    built["status"] = {"S": status}
-    return built
+from triage_proxy.table.items import item_key
 
 
 def test_render_text_json_and_binary() -> None:

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.samples import T0, item, make_dl
 from triage_proxy.deadletter import DeadLetterWriter
 from triage_proxy.settings import DeadLetterSettings
 from triage_proxy.structs import DeadLetter, Headers, Record
@@ -17,7 +18,6 @@ from triage_proxy.table.deadletters import MemoryStore, writable
 from triage_proxy.table.items import (
     MAX_ITEM_BYTES,
     fits_with_overflow,
-    item_from_dead_letter,
     item_size,
     pointer_item,
 )
@@ -34,30 +34,6 @@ from triage_proxy.table.replay import (
     certainly_not_sent,
     replay_headers,
 )
-
-T0 = 1_714_564_800_000  # 2024-05-01T12:00:00Z
-
-
-def make_dl(
-    offset: int,
-    *,
-    topic: str = "orders",
-    partition: int = 0,
-    key: bytes | None = b"k",
-    value: bytes | None = b"v",
-    headers: Headers = (),
-    reason: str = "ValueError: bad",
-    at_ms: int = T0,
-) -> DeadLetter:
-    record = Record(topic, partition, offset, key, value, headers, T0 - 5)
-    return DeadLetter(record, reason, 3, "worker-1", at_ms)
-
-
-def item(offset: int, *, status: str = "pending", **kwargs: Any) -> dict[str, Any]:
-    built = item_from_dead_letter(make_dl(offset, **kwargs))
-    built["status"] = {"S": status}
-    return built
-
 
 # --- selection ------------------------------------------------------------------------
 

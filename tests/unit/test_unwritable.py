@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ import grpc
 import pytest
 from typer.testing import CliRunner
 
+from tests.waiting import eventually
 from triage_client._proto import triage_pb2 as pb
 from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_proxy.app import Proxy, ProxyState
@@ -186,13 +187,6 @@ def test_the_dispatcher_stops_counting_an_unwritable_dead_letter_as_in_flight() 
 # --- the proxy --------------------------------------------------------------------------
 
 
-async def until(predicate: Callable[[], bool], within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.005)
-
-
 async def consume(proxy: Proxy, count: int, nack: set[int]) -> list[int]:
     """Open a stream, take `count` deliveries, ack them but nack `nack`; the offsets seen."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
@@ -208,7 +202,7 @@ async def consume(proxy: Proxy, count: int, nack: set[int]) -> list[int]:
         await call.write(pb.ConsumerFrame(settle=pb.Settle(acks=acks, nacks=nacks)))
         dispatcher = proxy.dispatcher
         assert dispatcher is not None
-        await until(lambda: dispatcher.counters.acked + dispatcher.counters.nacked >= count)
+        await eventually(lambda: dispatcher.counters.acked + dispatcher.counters.nacked >= count)
         await call.done_writing()
         return got
 
@@ -253,7 +247,7 @@ def test_sigterm_with_only_an_unwritable_dead_letter_exits_at_once_and_restart_r
             assert doc["in_flight"] == 0
             assert doc["dead_letters_pending"] == 1
             assert gauge(proxy, "triage_dead_letters_unwritable") == 1
-            await until(lambda: log.committed == 1)  # the commit waits at offset 1
+            await eventually(lambda: log.committed == 1)  # the commit waits at offset 1
         finally:
             started = time.monotonic()
             proxy.stop()  # what SIGTERM does
@@ -280,7 +274,7 @@ def test_sigterm_with_only_an_unwritable_dead_letter_exits_at_once_and_restart_r
             assert await consume(proxy, 1, nack={1}) == [1]  # 0 and 2 were settled before
             assert proxy.snapshot().degraded == ()
             assert gauge(proxy, "triage_dead_letters_unwritable") == 0
-            await until(lambda: log.committed == 3)
+            await eventually(lambda: log.committed == 3)
 
     run(second_run())
     assert [dl.record.offset for dl in store.dead_letters()] == [1]

@@ -1,0 +1,43 @@
+"""Sample dead letters and their table items, built one way for every test suite.
+
+Why one module: the writer, the table, the renderer, the CLI and the Spark job's tests
+all need "a dead letter of orders/0 at offset N"; each suite used to spell it out
+again. A suite whose assertions depend on other defaults (the reason, the timestamps)
+wraps `make_dl` with its own values in one line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from triage_proxy.structs import DeadLetter, Headers, Record
+from triage_proxy.table.items import item_from_dead_letter
+
+T0 = 1_714_564_800_000  # 2024-05-01T12:00:00Z
+
+
+def make_dl(
+    offset: int,
+    *,
+    topic: str = "orders",
+    partition: int = 0,
+    key: bytes | None = b"k",
+    value: bytes | None = b"v",
+    headers: Headers = (),
+    reason: str = "ValueError: bad",
+    attempts: int = 3,
+    consumer_id: str = "worker-1",
+    timestamp_ms: int = T0 - 5,
+    at_ms: int = T0,
+) -> DeadLetter:
+    """A dead letter of `topic`/`partition` at `offset`: Kafka timestamp `timestamp_ms`,
+    dead-lettered at `at_ms`."""
+    record = Record(topic, partition, offset, key, value, headers, timestamp_ms)
+    return DeadLetter(record, reason, attempts, consumer_id, at_ms)
+
+
+def item(offset: int, *, status: str = "pending", **fields: Any) -> dict[str, Any]:
+    """The table item of `make_dl(offset, **fields)`, with `status`."""
+    built = item_from_dead_letter(make_dl(offset, **fields))
+    built["status"] = {"S": status}
+    return built
