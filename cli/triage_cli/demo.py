@@ -139,6 +139,8 @@ class TriageRun:
     done: threading.Event = field(default_factory=threading.Event)
     started_at: float = 0.0
     finished_at: float = 0.0
+    by_partition: dict[int, tuple[int, float]] = field(default_factory=dict)
+    """partition -> (messages handled, when its last one finished)."""
 
     @property
     def handled(self) -> int:
@@ -150,17 +152,22 @@ class TriageRun:
         def handle(message: Message) -> None:
             value = message.value or b""
             if value.startswith(Kind.POISON.value):
-                self._count(poisoned=1, total=total, ordinary=False)
+                self._count(message.partition, poisoned=1, total=total, ordinary=False)
                 raise ValueError("poison pill: cannot parse " + value.decode())
             time.sleep(self.workload.work_s(value))
-            self._count(acked=1, total=total, ordinary=value.startswith(Kind.ORDINARY.value))
+            ordinary = value.startswith(Kind.ORDINARY.value)
+            self._count(message.partition, acked=1, total=total, ordinary=ordinary)
 
         return handle
 
-    def _count(self, *, total: int, ordinary: bool, acked: int = 0, poisoned: int = 0) -> None:
+    def _count(
+        self, partition: int, *, total: int, ordinary: bool, acked: int = 0, poisoned: int = 0
+    ) -> None:
         now = time.perf_counter()
         with self.lock:
             self.finishes.append((now, ordinary))
+            handled, _ = self.by_partition.get(partition, (0, 0.0))
+            self.by_partition[partition] = (handled + 1, now)
             self.acked += acked
             self.poisoned += poisoned
             if self.acked + self.poisoned >= total and not self.done.is_set():
@@ -186,7 +193,7 @@ class TriageRun:
 
 
 def run_through_triage(
-    targets: list[str],
+    endpoint: str,
     token: str,
     workload: Workload,
     *,
@@ -195,13 +202,13 @@ def run_through_triage(
     timeout_s: float = 300.0,
     on_progress: Callable[[int], None] | None = None,
 ) -> TriageRun:
-    """Consume the workload with `instances` client instances per proxy target."""
+    """Consume the workload with `instances` client instances, each ONE Consumer given the
+    deployment's `endpoint` (it consumes every partition with one pool of handlers)."""
     from triage_client import Consumer
 
     run = TriageRun(workload)
     consumers = [
-        Consumer(target, token, run.handler(), concurrency=concurrency, consumer_id=f"demo-{i}")
-        for target in targets
+        Consumer(endpoint, token, run.handler(), concurrency=concurrency, consumer_id=f"demo-{i}")
         for i in range(instances)
     ]
     threads = [threading.Thread(target=c.run, daemon=True) for c in consumers]
@@ -274,6 +281,22 @@ def count_dead_letters(endpoint_url: str, table: str) -> int:
     return total
 
 
+def partition_table(run: TriageRun, expected: list[int], committed: list[int]) -> Any:
+    """Per partition: messages handled, when its last one finished, its committed offset;
+    the spread of finish times says whether the one Consumer per instance was fair."""
+    from rich.table import Table
+
+    table = Table(title="Per partition (one Consumer per instance)")
+    for name in ("partition", "handled", "last finished", "committed offset"):
+        table.add_column(name, justify="right")
+    for p, want in enumerate(expected):
+        handled, last = run.by_partition.get(p, (0, run.started_at))
+        table.add_row(
+            str(p), f"{handled} / {want}", f"{last - run.started_at:.2f} s", str(committed[p])
+        )
+    return table
+
+
 def run_demo(stack: DevStack, *, messages: int = 2000) -> None:
     """Produce a workload, consume it serially and through Triage, print the figures."""
     from rich.console import Console
@@ -293,7 +316,7 @@ def run_demo(stack: DevStack, *, messages: int = 2000) -> None:
     with console.status("Plain serial confluent-kafka consumer (one message at a time)..."):
         serial_s = run_serial_baseline(bootstrap, topic, workload, stack.partitions)
     console.print(f"serial consumer: {serial_s:.2f} s")
-    targets = [p["target"] for p in stack.describe()["proxies"]]
+    endpoint = stack.describe()["endpoint"]
     with Progress(
         "[progress.description]{task.description}",
         BarColumn(),
@@ -303,7 +326,7 @@ def run_demo(stack: DevStack, *, messages: int = 2000) -> None:
     ) as progress:
         task = progress.add_task("Through Triage (2 instances x 16 handlers)", total=messages)
         run = run_through_triage(
-            targets,
+            endpoint,
             stack.token,
             workload,
             on_progress=lambda n: progress.update(task, completed=n),
@@ -326,6 +349,8 @@ def run_demo(stack: DevStack, *, messages: int = 2000) -> None:
         f"{run.longest_stall_s * 1000:.0f} ms (a slow message takes {SLOW_S * 1000:.0f} ms)",
     )
     console.print(table)
+    if stack.partitions > 1:
+        console.print(partition_table(run, expected, committed))
     lost = messages - run.acked - dead
     if committed != expected or lost:
         console.print(f"[red]Something is missing: lost={lost}, committed={committed}[/]")

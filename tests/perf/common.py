@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +63,11 @@ class InstanceResult:
     first: float
     last: float
     finishes: list[tuple[float, bool]]
+    partitions: dict[str, list[float]] = field(default_factory=dict)
+    """partition (a JSON key) -> [messages handled, time.time() of the last finish]."""
+    finish_partitions: list[int] = field(default_factory=list)
+    """The partition of each entry of `finishes`."""
+    """partition (a JSON key) -> [messages handled, time.time() of the last finish]."""
 
 
 class Instances:
@@ -128,19 +133,21 @@ def run_instances(
     timeout_s: float,
     poll_s: float | None = None,
 ) -> InstancesRun:
-    """Start `args.instances` x `args.concurrency` instances on every proxy of `stack`,
-    wait until all `args.messages` are committed on partition 0, then stop them."""
-    watcher = CommitWatcher(stack.broker.bootstrap, stack.group_id, stack.topic, 1)
+    """Start `args.instances` x `args.concurrency` instances, wait until all `args.messages`
+    (spread round-robin over the partitions) are committed, then stop them.
+
+    One partition: the instances run on its proxy, as before. Several: each instance is ONE
+    Consumer given the stack's endpoint, consuming every partition with one pool."""
+    partitions = stack.partitions
+    watcher = CommitWatcher(stack.broker.bootstrap, stack.group_id, stack.topic, partitions)
+    expected = [len(range(p, args.messages, partitions)) for p in range(partitions)]
+    info = stack.describe()
+    targets = [p["target"] for p in info["proxies"]] if partitions == 1 else [info["endpoint"]]
     launched = time.time()
-    instances = Instances(
-        [p["target"] for p in stack.describe()["proxies"]],
-        stack.token,
-        args.instances,
-        args.concurrency,
-    )
+    instances = Instances(targets, stack.token, args.instances, args.concurrency)
     polling = {} if poll_s is None else {"poll_s": poll_s}
     try:
-        committed_at = watcher.wait_for([args.messages], timeout_s=timeout_s, **polling)
+        committed_at = watcher.wait_for(expected, timeout_s=timeout_s, **polling)
     finally:
         results = instances.stop()
         watcher.close()

@@ -5,7 +5,8 @@ The value of each message says what the handler does: `poison...` raises,
 long, anything else returns at once (no-op). Handlers are async (asyncio.sleep),
 the client's fast path. On SIGTERM it stops gracefully and prints one JSON line:
 handled, acked, nacked, first and last handler finish times (time.time()), and
-every finish as (time, was-ordinary) for the stall measurement.
+every finish as (time, was-ordinary) for the stall measurement, and per partition the
+messages handled and the last finish time.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ def main() -> None:
     args = instance_arguments(default_id="bench").parse_args()
     stats: dict[str, float] = {"handled": 0, "acked": 0, "nacked": 0, "first": 0.0, "last": 0.0}
     finishes: list[tuple[float, bool]] = []
+    partitions: dict[int, list[float]] = {}
+    finish_partitions: list[int] = []
 
     async def work(value: bytes) -> None:
         if value.startswith(b"poison"):
@@ -47,9 +50,23 @@ def main() -> None:
             stats["first"] = stats["first"] or now
             stats["last"] = now
             finishes.append((now, value.startswith(b"ordinary")))
+            finish_partitions.append(message.partition)
+            seen = partitions.setdefault(message.partition, [0, 0.0])
+            seen[0] += 1
+            seen[1] = now
 
     run_consumer(args, handle)
-    print(json.dumps({**stats, "finishes": finishes}), flush=True)
+    print(
+        json.dumps(
+            {
+                **stats,
+                "finishes": finishes,
+                "partitions": partitions,
+                "finish_partitions": finish_partitions,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
