@@ -8,8 +8,11 @@ mid-batch.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -17,7 +20,8 @@ import grpc
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
+from triage_cli.devstack import write_config
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port
 from triage_client._proto import triage_pb2 as pb
 from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_proxy.app import Proxy
@@ -226,3 +230,19 @@ def settings_for(
 
 def target(proxy: Proxy) -> str:
     return f"127.0.0.1:{proxy.port}"
+
+
+def start_proxy_process(
+    tmp_path: Path, name: str, base: dict[str, dict[str, Any]], partition: int
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`triage proxy` for `partition` on its own fixed port; returns (process, endpoint)."""
+    port = free_port()
+    config = tmp_path / f"{name}.toml"
+    server = {"host": "127.0.0.1", "port": port - partition, "http_port": free_port() - partition}
+    write_config(config, {**base, "server": server})
+    command = [sys.executable, "-m", "triage_cli.main", "proxy", "-c", str(config)]
+    with open(tmp_path / f"{name}.log", "ab") as log:
+        proc = subprocess.Popen(
+            [*command, "-p", str(partition)], stdin=subprocess.DEVNULL, stdout=log, stderr=log
+        )
+    return proc, f"127.0.0.1:{port}"

@@ -11,7 +11,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -27,11 +26,11 @@ from tests.integration.harness import (
     dead_letters,
     produce,
     settings_for,
+    start_proxy_process,
     target,
     wait_until,
 )
-from triage_cli.devstack import write_config
-from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, wait_for_port
 from triage_client import Consumer, Message
 from triage_proxy.app import Proxy
 
@@ -238,22 +237,6 @@ def test_a_partition_that_gets_a_proxy_while_running_is_picked_up(
 LEASE_S = 3.0
 
 
-def _start(
-    tmp_path: Path, name: str, base: dict[str, dict[str, Any]], partition: int
-) -> tuple[subprocess.Popen[bytes], str]:
-    """`triage proxy` for `partition` on its own fixed port; returns (process, endpoint)."""
-    port = free_port()
-    config = tmp_path / f"{name}.toml"
-    server = {"host": "127.0.0.1", "port": port - partition, "http_port": free_port() - partition}
-    write_config(config, {**base, "server": server})
-    command = [sys.executable, "-m", "triage_cli.main", "proxy", "-c", str(config)]
-    with open(tmp_path / f"{name}.log", "ab") as log:
-        proc = subprocess.Popen(
-            [*command, "-p", str(partition)], stdin=subprocess.DEVNULL, stdout=log, stderr=log
-        )
-    return proc, f"127.0.0.1:{port}"
-
-
 def test_the_consumer_follows_a_partition_to_its_standby_after_the_holders_kill_9(
     tmp_path: Path, broker: EmbeddedBroker, aws: EmbeddedAWS, unique_name: str
 ) -> None:
@@ -278,10 +261,10 @@ def test_the_consumer_follows_a_partition_to_its_standby_after_the_holders_kill_
 
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
-        procs["a"], holder = _start(tmp_path, "a", base, 0)
+        procs["a"], holder = start_proxy_process(tmp_path, "a", base, 0)
         wait_for_port("127.0.0.1", int(holder.rsplit(":", 1)[1]), 30, procs["a"])
-        procs["b"], _standby = _start(tmp_path, "b", base, 0)
-        procs["c"], other = _start(tmp_path, "c", base, 1)
+        procs["b"], _standby = start_proxy_process(tmp_path, "b", base, 0)
+        procs["c"], other = start_proxy_process(tmp_path, "c", base, 1)
         wait_for_port("127.0.0.1", int(other.rsplit(":", 1)[1]), 30, procs["c"])
 
         async def scenario() -> tuple[float, Consumer]:

@@ -9,7 +9,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,10 @@ from tests.integration.harness import (
     RawConsumer,
     create_topic,
     settings_for,
+    start_proxy_process,
     target,
 )
-from triage_cli.devstack import write_config
-from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, wait_for_port
 from triage_client._proto import triage_pb2 as pb
 from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_proxy.app import Proxy
@@ -125,22 +124,6 @@ def test_either_proxy_lists_both_partitions_and_sends_a_stray_hello_to_the_owner
 LEASE_S = 3.0
 
 
-def _start(
-    tmp_path: Path, name: str, base: dict[str, dict[str, Any]], partition: int
-) -> tuple[subprocess.Popen[bytes], str]:
-    """`triage proxy` for `partition` on its own fixed port; returns (process, endpoint)."""
-    port = free_port()
-    config = tmp_path / f"{name}.toml"
-    server = {"host": "127.0.0.1", "port": port - partition, "http_port": free_port() - partition}
-    write_config(config, {**base, "server": server})
-    command = [sys.executable, "-m", "triage_cli.main", "proxy", "-c", str(config)]
-    with open(tmp_path / f"{name}.log", "ab") as log:
-        proc = subprocess.Popen(
-            [*command, "-p", str(partition)], stdin=subprocess.DEVNULL, stdout=log, stderr=log
-        )
-    return proc, f"127.0.0.1:{port}"
-
-
 def test_the_standby_endpoint_shows_up_within_two_leases_of_the_holders_kill_9(
     tmp_path: Path, broker: EmbeddedBroker, aws: EmbeddedAWS, unique_name: str
 ) -> None:
@@ -158,10 +141,10 @@ def test_the_standby_endpoint_shows_up_within_two_leases_of_the_holders_kill_9(
     }
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
-        procs["a"], holder = _start(tmp_path, "a", base, 0)
+        procs["a"], holder = start_proxy_process(tmp_path, "a", base, 0)
         wait_for_port("127.0.0.1", int(holder.rsplit(":", 1)[1]), 30, procs["a"])
-        procs["b"], standby = _start(tmp_path, "b", base, 0)
-        procs["c"], other = _start(tmp_path, "c", base, 1)
+        procs["b"], standby = start_proxy_process(tmp_path, "b", base, 0)
+        procs["c"], other = start_proxy_process(tmp_path, "c", base, 1)
         wait_for_port("127.0.0.1", int(other.rsplit(":", 1)[1]), 30, procs["c"])
 
         async def scenario() -> float:
