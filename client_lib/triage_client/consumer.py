@@ -510,9 +510,9 @@ class Consumer:
 
     async def _topology_loop(self, trouble: str) -> None:
         """Reads the topology every `topology_interval`, at once when a stream asks, and
-        every second or so while a wanted partition has no serving proxy (or no proxy
-        answered), until stop(). Trouble is logged when it starts or changes, not per read;
-        `trouble` is the first answer's."""
+        every second or so while a wanted partition has no serving proxy, no proxy
+        answered, or a stream is reconnecting, until stop(). Trouble is logged when it
+        starts or changes, not per read; `trouble` is the first answer's."""
         loop = asyncio.get_running_loop()
         last = loop.time()
         failures = 1 if trouble else 0
@@ -544,7 +544,12 @@ class Consumer:
             elif trouble and not problem:
                 logger.info("consumer %s: every partition is served again", self._consumer_id)
             trouble = problem
-            failures = failures + 1 if problem else 0
+            # A stream that is reconnecting (its proxy died, say) may wait out a long
+            # backoff; asking again soon lets a standby's endpoint wake it at once.
+            reconnecting = any(
+                s.endpoint is not None and not s.established for s in self._streams.values()
+            )
+            failures = failures + 1 if problem or reconnecting else 0
 
     async def _until_stopped(self, fetch: Coroutine[Any, Any, Layout]) -> Layout | None:
         """`fetch`'s answer, or None when stop() comes first (an endpoint that never answers
