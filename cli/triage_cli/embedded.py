@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,8 +27,24 @@ HOST = "127.0.0.1"
 START_TIMEOUT_S = 30.0
 
 
+LISTEN_PORTS = (20000, 32767)
+"""Where `free_port` looks: below Linux's ephemeral range (32768-60999 by default), so an
+outgoing connection of any process (a Kafka or gRPC client) cannot take a probed port
+between the probe and the listener's bind, which happens with a port of that range."""
+
+
 def free_port(host: str = HOST) -> int:
-    """A TCP port nothing listens on right now (the kernel's choice)."""
+    """A TCP port nothing listens on right now, outside the ephemeral range (see
+    LISTEN_PORTS); the kernel's choice when none of those is free."""
+    low, high = LISTEN_PORTS
+    for _ in range(100):
+        port = random.randint(low, high)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
