@@ -1217,7 +1217,12 @@ def test_stop_drains_every_stream(deployment: Deployment) -> None:
         assert release.wait(WAIT_S)
 
     run = Running(consumer(a, handler, concurrency=3, prefetch=3))  # 2 credits per stream
-    deployment.wait_for(lambda: len(started) == 3 and deployment.unsettled == 6, "all held")
+    deployment.wait_for(
+        lambda: (
+            len(started) == 3 and deployment.unsettled == 6 and run.consumer.stats.delivered == 6
+        ),  # sent is not yet received: wait for both
+        "all held",
+    )
     run.consumer.stop()
     time.sleep(0.2)
     assert run.thread.is_alive(), "run() returned while handlers were still running"
