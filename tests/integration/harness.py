@@ -8,6 +8,9 @@ mid-batch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -246,3 +249,12 @@ def start_proxy_process(
             [*command, "-p", str(partition)], stdin=subprocess.DEVNULL, stdout=log, stderr=log
         )
     return proc, f"127.0.0.1:{port}"
+
+
+def kill_processes(procs: Iterable[subprocess.Popen[bytes]]) -> None:
+    """Test teardown: kill -9 whichever of `procs` still run, and reap them."""
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()

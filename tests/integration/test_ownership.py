@@ -24,6 +24,7 @@ from tests.integration.harness import (
     RawConsumer,
     await_until,
     committed,
+    kill_processes,
     produce,
     settings_for,
     target,
@@ -214,11 +215,7 @@ def test_standby_takes_over_after_kill_9_and_never_delivers_at_once(
         assert wait_until(lambda: committed(broker.bootstrap, group, topic) == total)
         assert _readyz(ports["b"][1]) == (200, "ready")
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
+        kill_processes(procs.values())
 
 
 def test_holder_cut_off_from_dynamodb_stops_delivering_and_exits_before_expiry(

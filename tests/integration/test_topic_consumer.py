@@ -7,7 +7,6 @@ running."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
@@ -24,6 +23,7 @@ from tests.integration.harness import (
     committed,
     create_topic,
     dead_letters,
+    kill_processes,
     produce,
     settings_for,
     start_proxy_process,
@@ -308,11 +308,7 @@ def test_the_consumer_follows_a_partition_to_its_standby_after_the_holders_kill_
         followed, consumer = asyncio.run(scenario())
         assert procs["a"].wait(10) == -signal.SIGKILL
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
+        kill_processes(procs.values())
     # lost = 0: every offset of both partitions handled.
     assert seen.offsets(0) == set(range(before + after))
     assert seen.offsets(1) == set(range(before))

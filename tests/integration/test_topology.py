@@ -5,7 +5,6 @@ standby's endpoint showing up; the table frozen."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
@@ -20,6 +19,7 @@ from tests.integration.harness import (
     TOKEN,
     RawConsumer,
     create_topic,
+    kill_processes,
     settings_for,
     start_proxy_process,
     target,
@@ -171,11 +171,7 @@ def test_the_standby_endpoint_shows_up_within_two_leases_of_the_holders_kill_9(
         reply = asyncio.run(topology(standby))
         assert routes(reply) == [(0, standby, SERVING), (1, other, SERVING)]
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
+        kill_processes(procs.values())
 
 
 # --- an unreadable table ----------------------------------------------------------------
