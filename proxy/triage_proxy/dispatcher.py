@@ -50,6 +50,7 @@ from triage_proxy.framing import (
     attempt_size,
     delivery_base_size,
     frame_header_size,
+    frame_room,
     frame_size,
     item_size,
 )
@@ -830,24 +831,27 @@ class Dispatcher:
         self._rate_wake = None
         self._pump()
 
-    def _single_frame(self, entry: Entry) -> int:
-        """Serialized bytes of a frame holding only `entry`'s next delivery."""
-        return frame_size(
-            self._frame_header, item_size(entry.wire + attempt_size(entry.attempt + 1))
-        )
+    def _item(self, entry: Entry) -> int:
+        """Serialized bytes `entry`'s next delivery adds to a frame (framing.item_size)."""
+        return item_size(entry.wire + attempt_size(entry.attempt + 1))
+
+    def _fits(self, session: Session, item: int) -> bool:
+        """Whether a delivery of `item` bytes fits a frame to `session` (`_deliver`'s rule)."""
+        return item <= frame_room(session.max_frame_bytes, self._frame_header)
 
     def _too_large(self, session: Session, entry: Entry) -> None:
         """`entry`'s delivery alone is over `session`'s frame limit: it waits for an
         instance whose limit takes it, or, when no connected instance's does, it is
         dead-lettered (a record no consumer can receive would otherwise break every stream
         it is sent on, and come back until its attempts are used up)."""
-        need = self._single_frame(entry)
-        if any(s.max_frame_bytes >= need for s in self._sessions if not s.closed):
+        item = self._item(entry)
+        if any(self._fits(s, item) for s in self._sessions if not s.closed):
             entry.state = EntryState.READY
             self._large.append(entry)
             return
         largest = max((s.max_frame_bytes for s in self._sessions), default=0)
         largest = max(largest, session.max_frame_bytes)
+        need = frame_size(self._frame_header, item)
         entry.attempt = max(entry.attempt, 1)
         entry.suspect = False
         self._to_dead_letter(
@@ -869,8 +873,8 @@ class Dispatcher:
         rate, now = self._rate, self._monotonic()
         while large:
             entry = large.popleft()
-            need = self._single_frame(entry)
-            able = [s for s in sessions if s.max_frame_bytes >= need]
+            item = self._item(entry)
+            able = [s for s in sessions if self._fits(s, item)]
             if not able:
                 self._too_large(sessions[0], entry)
                 continue
@@ -884,9 +888,9 @@ class Dispatcher:
         """Send `batch` to `session` in frames: each filled up to FRAME_TARGET_BYTES (or the
         instance's limit when smaller), counted in serialized bytes (framing.py); a record
         alone may take a frame up to the limit, and one over it goes to `_too_large`."""
-        limit = session.max_frame_bytes
-        target = min(limit, FRAME_TARGET_BYTES)
         header = self._frame_header
+        room = frame_room(session.max_frame_bytes, header)
+        target = frame_room(min(session.max_frame_bytes, FRAME_TARGET_BYTES), header)
         frame: pb.ProxyFrame | None = None
         used = 0
         held = session.held
@@ -896,13 +900,17 @@ class Dispatcher:
         deadline = now + self._ack_deadline_s
         leased: list[int] = []
         for entry in batch:
-            item = item_size(entry.wire + attempt_size(entry.attempt + 1))
-            if frame is not None and frame_size(header, used + item) > target:
+            # item_size(entry.wire + attempt_size(attempt)), inlined: an attempt below 128
+            # is a 2-byte field, and a Delivery is never empty (it has its attempt).
+            attempt = entry.attempt + 1
+            d = entry.wire + (2 if attempt < 128 else attempt_size(attempt))
+            item = 1 + (d.bit_length() + 6) // 7 + d
+            if frame is not None and used + item > target:
                 session.outbox.put_nowait(frame)
                 self.counters.frames_out += 1
                 frame = None
             if frame is None:
-                if frame_size(header, item) > limit:
+                if item > room:
                     self._too_large(session, entry)
                     continue
                 frame, used = pb.ProxyFrame(), 0

@@ -17,6 +17,7 @@ from triage_proxy.framing import (
     frame_header_size,
     frame_limit,
     frame_limit_problem,
+    frame_room,
     frame_size,
     item_size,
     varint_size,
@@ -192,3 +193,35 @@ def test_a_large_record_waits_for_an_instance_whose_limit_takes_it() -> None:
     assert [dl.record.offset for dl in dead] == [1]
     assert "frame limit of 65536 bytes" in dead[0].reason
     assert small.held == {}
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    limit=st.integers(min_value=MIN_FRAME_BYTES, max_value=2**31 - 1),
+    header=st.integers(min_value=0, max_value=300),
+    data=st.data(),
+)
+def test_frame_room_never_lets_a_frame_exceed_the_limit(
+    limit: int, header: int, data: st.DataObject
+) -> None:
+    room = frame_room(limit, header)
+    items = data.draw(st.integers(min_value=0, max_value=room))
+    assert frame_size(header, items) <= limit
+    assert frame_size(header, room + 3) > limit - 3  # and leaves at most a few bytes
+
+
+def test_records_at_the_edge_of_the_limit_are_delivered_or_dead_lettered() -> None:
+    """Around the limit, each record goes out in a frame within it or is dead-lettered:
+    never left waiting for an instance that can take it (the fit rule is one rule)."""
+    d, _, dead = make(max_frame_bytes=64 << 20)
+    s = d.open_session("edge", 100, MIN_FRAME_BYTES)
+    sizes = range(MIN_FRAME_BYTES - 40, MIN_FRAME_BYTES + 1)
+    d.add(Record("t", 0, o, None, b"x" * n, (), 0) for o, n in enumerate(sizes))
+    d.tick()
+    sent = frames(s)
+    delivered = [dl.offset for f in sent for dl in f.deliveries.deliveries]
+    assert max(f.ByteSize() for f in sent) <= MIN_FRAME_BYTES
+    assert sorted(delivered + [dl.record.offset for dl in dead]) == list(range(len(sizes)))
+    assert delivered  # the ones that fit were sent
+    assert dead  # and the ones that did not were dead-lettered
+    assert d.queued == 0
