@@ -24,8 +24,14 @@ The contract between the kit and a client under test:
   "outcome":"ack"|"nack"|"retry"}. stderr is free-form.
 - SIGTERM: the library's stop() (release unstarted, finish and settle running), exit 0.
 - A refused token: exit non-zero, with a message on stderr mentioning authentication.
-- The command is run without a shell (split like a shell would): let it exec the client
-  itself, so a SIGKILL reaches the process that holds the stream.
+- The command is run without a shell (split like a shell would, so `env VAR=x node a.js`
+  works but `cd x && node a.js` does not): the process it starts must be the client
+  itself, so a SIGKILL reaches the process that holds the stream (an `npm run` wrapper
+  would leave the real client running).
+- `--peer CMD` (optional) runs a different client as the second instance of
+  `side-by-side`, e.g. TypeScript beside Python. `TRIAGE_CONFORMANCE_DEBUG=1` prints
+  each client's stderr tail after its scenario; every client's stderr is kept under
+  `--work-dir`.
 
 The Python client's adapter is `python -m triage_conformance.python_client`.
 """

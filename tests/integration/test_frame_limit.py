@@ -131,3 +131,29 @@ def test_a_frame_limit_below_the_minimum_is_invalid_argument(
             assert "Hello.max_frame_bytes" in (info.value.details() or "")
 
     asyncio.run(scenario())
+
+
+def test_rejected_frames_are_split_to_the_limit_too(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    """20,000 forged settlements at a 64 KiB limit: the Rejected answer comes in frames
+    within the limit, every offset named once."""
+    settings = settings_for(broker, aws, topic)
+    forged = list(range(10**6, 10**6 + 20_000))
+
+    async def scenario() -> None:
+        async with (
+            Proxy(settings, 0) as proxy,
+            RawConsumer(target(proxy), max_frame_bytes=MIN_FRAME_BYTES) as consumer,
+        ):
+            await consumer.read()  # Welcome
+            consumer.settle(acks=forged)
+            sizes = []
+            async with asyncio.timeout(30):
+                while len(consumer.rejected) < len(forged):
+                    sizes.append((await consumer.read()).ByteSize())
+            assert sorted(consumer.rejected) == forged
+            assert len(sizes) > 1
+            assert max(sizes) <= MIN_FRAME_BYTES
+
+    asyncio.run(scenario())
