@@ -59,6 +59,7 @@ from triage_client.pool import MAX_REASON_CHARS, Handler, HandlerPool
 from triage_client.stream import (
     DEFAULT_MAX_BACKOFF_S,
     INITIAL_BACKOFF_S,
+    MAX_FRAME_BYTES,
     SETTLE_BATCH,
     Consume,
     PartitionStream,
@@ -80,7 +81,7 @@ REFRESH_SOON_MAX_S = 1.0
 """Longest wait between topology reads while a wanted partition has no serving proxy."""
 REFRESH_MIN_GAP_S = 0.1
 """Shortest gap between two topology reads, however many streams ask."""
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_MESSAGE_BYTES = MAX_FRAME_BYTES
 
 _SERVICE = triage_pb2.DESCRIPTOR.services_by_name["Triage"]
 _CONSUME = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['Consume'].name}"

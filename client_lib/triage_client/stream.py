@@ -62,6 +62,9 @@ SETTLE_DELAY_S = 0.002
 """Longest a settlement waits for company before it is sent."""
 CLOSE_TIMEOUT_S = 5.0
 """How long stop() waits for the proxy to end the stream after the half-close."""
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+"""Largest frame this client receives (its channel's gRPC receive limit), sent as
+Hello.max_frame_bytes so the proxy never sends a larger one."""
 MAX_REDIRECTS = 3
 """Owner endpoints followed at once in a row; past that, redirects wait out the backoff too,
 so two proxies that each name the other cannot spin a stream."""
@@ -371,7 +374,9 @@ class PartitionStream:
 
     async def _write_loop(self, call: _Call) -> None:
         ctx = self._ctx
-        hello = triage_pb2.Hello(consumer_id=ctx.consumer_id, credits=self.credits)
+        hello = triage_pb2.Hello(
+            consumer_id=ctx.consumer_id, credits=self.credits, max_frame_bytes=MAX_FRAME_BYTES
+        )
         if self.named and self.partition is not None:
             hello.partition = self.partition
         try:

@@ -44,6 +44,16 @@ from dataclasses import dataclass
 
 from triage_client._proto import triage_pb2 as pb
 from triage_proxy.clienttext import REASON_MAX_CHARS, for_log
+from triage_proxy.framing import (
+    DEFAULT_FRAME_BYTES,
+    FRAME_TARGET_BYTES,
+    attempt_size,
+    delivery_base_size,
+    frame_header_size,
+    frame_room,
+    frame_size,
+    item_size,
+)
 from triage_proxy.policies import (
     Outcome,
     after_failure,
@@ -60,8 +70,6 @@ from triage_proxy.waiting import wait_any
 
 logger = logging.getLogger(__name__)
 
-FRAME_BUDGET_BYTES = 4 * 1024 * 1024
-"""Payload bytes per Deliveries frame before a batch is split into several frames."""
 FRAME_OVERHEAD_BYTES = 64 * 1024
 """Room left in a frame for protobuf framing and headers of a single large record."""
 TICK_S = 0.05
@@ -98,11 +106,14 @@ class Entry:
         "size",
         "state",
         "suspect",
+        "wire",
     )
 
     def __init__(self, record: Record) -> None:
         self.record = record
         self.size = record.size
+        self.wire = delivery_base_size(record)
+        """Serialized bytes of its Delivery without the attempt (framing.py)."""
         self.attempt = 0
         self.holder: Session | None = None
         self.state = EntryState.READY
@@ -143,11 +154,23 @@ class Counters:
 class Session:
     """One connected consumer instance: its credits, what it holds, its outbox."""
 
-    __slots__ = ("closed", "consumer_id", "credits", "held", "outbox", "suspects")
+    __slots__ = (
+        "closed",
+        "consumer_id",
+        "credits",
+        "held",
+        "max_frame_bytes",
+        "outbox",
+        "suspects",
+    )
 
-    def __init__(self, consumer_id: str, credits: int) -> None:
+    def __init__(
+        self, consumer_id: str, credits: int, max_frame_bytes: int = DEFAULT_FRAME_BYTES
+    ) -> None:
         self.consumer_id = consumer_id
         self.credits = credits
+        self.max_frame_bytes = max_frame_bytes
+        """Largest frame (serialized bytes) this instance receives; no frame exceeds it."""
         self.suspects = 0
         """Suspect records this instance holds (at most one at a time, see `_pump`)."""
         self.held: dict[int, Entry] = {}
@@ -198,6 +221,9 @@ class Dispatcher:
         self._retry = settings.retry
         self._ordered = settings.delivery.ordering == "key"
         self._max_record_bytes = settings.server.max_frame_bytes - FRAME_OVERHEAD_BYTES
+        self._server_frame_bytes = settings.server.max_frame_bytes
+        self._frame_header = frame_header_size(self._topic, partition)
+        """Serialized bytes of the topic and partition every Deliveries frame carries."""
         self._tracker = tracker
         self._dead_letter = dead_letter
         self._clock = clock
@@ -216,6 +242,10 @@ class Dispatcher:
         """Moves whenever a count in `failures` went up (the committer's cue to write it)."""
         self._entries: dict[int, Entry] = {}
         self._ready: deque[Entry] = deque()
+        self._large: deque[Entry] = deque()
+        """Records whose delivery is over the frame limit of the instance they were about
+        to go to, waiting for a connected instance whose limit takes them (`_pump_large`);
+        dead-lettered once no connected instance's limit does."""
         self._suspects: deque[Entry] = deque()
         """Records whose instance vanished or whose lease expired while holding them. One
         of them may be a crash-type poison pill, so an instance holds at most one suspect at
@@ -285,7 +315,7 @@ class Dispatcher:
     @property
     def queued(self) -> int:
         """Records ready for delivery, suspects included."""
-        return len(self._ready) + len(self._suspects)
+        return len(self._ready) + len(self._suspects) + len(self._large)
 
     @property
     def in_flight(self) -> int:
@@ -375,8 +405,12 @@ class Dispatcher:
 
     # --- sessions ---------------------------------------------------------------------
 
-    def open_session(self, consumer_id: str, credits: int) -> Session:
-        session = Session(consumer_id, credits)
+    def open_session(
+        self, consumer_id: str, credits: int, max_frame_bytes: int = DEFAULT_FRAME_BYTES
+    ) -> Session:
+        """A new instance's session; no frame sent to it exceeds `max_frame_bytes` (nor
+        server.max_frame_bytes)."""
+        session = Session(consumer_id, credits, min(max_frame_bytes, self._server_frame_bytes))
         self._sessions.append(session)
         self.counters.sessions_opened += 1
         logger.info("instance %s connected with %d credits", for_log(consumer_id), credits)
@@ -739,6 +773,8 @@ class Dispatcher:
 
         An instance gets a suspect (see `_suspects`) only while it holds none.
         """
+        if self._large and self._delivering:
+            self._pump_large()
         ready, suspects = self._ready, self._suspects
         while (ready or suspects) and self._delivering:
             open_ = [s for s in self._sessions if s.available > 0]
@@ -795,25 +831,95 @@ class Dispatcher:
         self._rate_wake = None
         self._pump()
 
+    def _item(self, entry: Entry) -> int:
+        """Serialized bytes `entry`'s next delivery adds to a frame (framing.item_size)."""
+        return item_size(entry.wire + attempt_size(entry.attempt + 1))
+
+    def _fits(self, session: Session, item: int) -> bool:
+        """Whether a delivery of `item` bytes fits a frame to `session` (`_deliver`'s rule)."""
+        return item <= frame_room(session.max_frame_bytes, self._frame_header)
+
+    def _too_large(self, session: Session, entry: Entry) -> None:
+        """`entry`'s delivery alone is over `session`'s frame limit: it waits for an
+        instance whose limit takes it, or, when no connected instance's does, it is
+        dead-lettered (a record no consumer can receive would otherwise break every stream
+        it is sent on, and come back until its attempts are used up)."""
+        item = self._item(entry)
+        if any(self._fits(s, item) for s in self._sessions if not s.closed):
+            entry.state = EntryState.READY
+            self._large.append(entry)
+            return
+        largest = max((s.max_frame_bytes for s in self._sessions), default=0)
+        largest = max(largest, session.max_frame_bytes)
+        need = frame_size(self._frame_header, item)
+        entry.attempt = max(entry.attempt, 1)
+        entry.suspect = False
+        self._to_dead_letter(
+            entry,
+            f"record of {entry.size} bytes needs a frame of {need} bytes, over the "
+            f"consumer's frame limit of {largest} bytes (Hello.max_frame_bytes)",
+            session.consumer_id,
+        )
+        self._update_window_events()
+
+    def _pump_large(self) -> None:
+        """Hand each record of `_large` to an instance with credit whose frame limit takes
+        it; dead-letter those no connected instance's limit takes (`_too_large`)."""
+        sessions = [s for s in self._sessions if not s.closed]
+        if not sessions:
+            return  # nobody to ask: they wait, like every queued record
+        waiting: deque[Entry] = deque()
+        large, self._large = self._large, waiting
+        rate, now = self._rate, self._monotonic()
+        while large:
+            entry = large.popleft()
+            item = self._item(entry)
+            able = [s for s in sessions if self._fits(s, item)]
+            if not able:
+                self._too_large(sessions[0], entry)
+                continue
+            open_ = [s for s in able if s.available > 0]
+            if not open_ or (rate is not None and not rate.admit(entry.size, now)):
+                waiting.append(entry)
+                continue
+            self._deliver(open_[0], [entry])
+
     def _deliver(self, session: Session, batch: list[Entry]) -> None:
-        frame = pb.ProxyFrame()
-        budget = 0
+        """Send `batch` to `session` in frames: each filled up to FRAME_TARGET_BYTES (or the
+        instance's limit when smaller), counted in serialized bytes (framing.py); a record
+        alone may take a frame up to the limit, and one over it goes to `_too_large`."""
+        header = self._frame_header
+        room = frame_room(session.max_frame_bytes, header)
+        target = frame_room(min(session.max_frame_bytes, FRAME_TARGET_BYTES), header)
+        frame: pb.ProxyFrame | None = None
+        used = 0
         held = session.held
         redelivered = 0
+        delivered = 0
         now = self._monotonic()
         deadline = now + self._ack_deadline_s
         leased: list[int] = []
         for entry in batch:
-            if budget and budget + entry.size > FRAME_BUDGET_BYTES:
+            # item_size(entry.wire + attempt_size(attempt)), inlined: an attempt below 128
+            # is a 2-byte field, and a Delivery is never empty (it has its attempt).
+            attempt = entry.attempt + 1
+            d = entry.wire + (2 if attempt < 128 else attempt_size(attempt))
+            item = 1 + (d.bit_length() + 6) // 7 + d
+            if frame is not None and used + item > target:
                 session.outbox.put_nowait(frame)
                 self.counters.frames_out += 1
-                frame, budget = pb.ProxyFrame(), 0
-            if not budget:
+                frame = None
+            if frame is None:
+                if item > room:
+                    self._too_large(session, entry)
+                    continue
+                frame, used = pb.ProxyFrame(), 0
                 deliveries = frame.deliveries
                 deliveries.topic = self._topic
                 deliveries.partition = self._partition
                 add = deliveries.deliveries.add
-            budget += entry.size + 1
+            used += item
+            delivered += 1
             entry.attempt += 1
             if entry.attempt > 1:
                 redelivered += 1
@@ -838,9 +944,12 @@ class Dispatcher:
             if record.headers:
                 for name, value in record.headers:
                     delivery.headers.add(key=name, value=value)
-        session.outbox.put_nowait(frame)
-        self.counters.frames_out += 1
+        if frame is not None:
+            session.outbox.put_nowait(frame)
+            self.counters.frames_out += 1
+        if not leased:
+            return  # every record was over the limit
         self._add_lease_batch(deadline, leased)
         self.quiet.clear()
-        self.counters.delivered += len(batch)
+        self.counters.delivered += delivered
         self.counters.redelivered += redelivered

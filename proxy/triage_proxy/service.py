@@ -21,6 +21,8 @@ requires a client certificate signed by that CA (mTLS).
 An authenticated client is still not trusted with the proxy's logs or items: its Hello's
 `consumer_id` is bounded and must be printable (clienttext.py), else the stream is
 refused with INVALID_ARGUMENT; every log line shows it through `clienttext.for_log`.
+Its `max_frame_bytes` (absent: 4 MiB) bounds every frame sent to it (framing.py); the
+Welcome says the limit applied.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from triage_proxy.errors import (
     grpc_status,
     grpc_trailers,
 )
+from triage_proxy.framing import frame_limit, frame_limit_problem
 from triage_proxy.settings import Settings, TlsSettings
 from triage_proxy.topology import RouteState, Topology, TopologyAnswer
 
@@ -197,16 +200,18 @@ class TriageService(pb_grpc.TriageServicer):
             dispatcher = self._dispatchers[partition]
             consumer_id = hello.consumer_id or context.peer()
             delivery = self._settings.delivery
+            max_frame = frame_limit(hello.max_frame_bytes, self._settings.server.max_frame_bytes)
             yield pb.ProxyFrame(
                 welcome=pb.Welcome(
                     topic=self._settings.kafka.topic,
                     partition=partition,
                     ack_deadline_ms=int(delivery.ack_deadline_s * 1000),
                     max_attempts=delivery.max_attempts,
+                    max_frame_bytes=max_frame,
                 )
             )
             logger.info("instance %s authenticated as app %r", for_log(consumer_id), app)
-            session = dispatcher.open_session(consumer_id, hello.credits)
+            session = dispatcher.open_session(consumer_id, hello.credits, max_frame)
             self._apps[session] = app
             self._dispatcher_of[session] = dispatcher
             reader = asyncio.create_task(self._read(session, dispatcher, request_iterator))
@@ -294,8 +299,13 @@ class TriageService(pb_grpc.TriageServicer):
                     if kind == "extend":
                         dispatcher.extend(session, frame.extend.offsets)
                     continue
-                if rejected:
-                    rejected_frame = pb.Rejected(offsets=rejected, reason=REJECTED_REASON)
+                # Split so no frame exceeds the instance's limit (an offset is at most 10
+                # bytes; a few hundred bytes of framing and reason to spare).
+                chunk = (session.max_frame_bytes - 1024) // 10
+                for at in range(0, len(rejected), chunk):
+                    rejected_frame = pb.Rejected(
+                        offsets=rejected[at : at + chunk], reason=REJECTED_REASON
+                    )
                     session.outbox.put_nowait(pb.ProxyFrame(rejected=rejected_frame))
         except grpc.aio.AioRpcError as exc:
             logger.debug("stream of %s broke: %s", for_log(session.consumer_id), exc.code())
@@ -334,7 +344,7 @@ def topology_reply(answer: TopologyAnswer) -> pb.TopologyReply:
 
 async def _hello(frames: AsyncIterator[pb.ConsumerFrame]) -> pb.Hello:
     """The stream's first frame, which must be a valid Hello (FrameError otherwise): credits
-    in range, a consumer id within `clienttext`'s bounds."""
+    in range, a consumer id within `clienttext`'s bounds, a frame limit `framing` accepts."""
     try:
         first = await asyncio.wait_for(anext(frames), HELLO_TIMEOUT_S)
     except (TimeoutError, StopAsyncIteration):
@@ -343,7 +353,9 @@ async def _hello(frames: AsyncIterator[pb.ConsumerFrame]) -> pb.Hello:
         raise FrameError("first frame must be Hello")
     if not 1 <= first.hello.credits <= MAX_CREDITS:
         raise FrameError(f"credits must be 1..{MAX_CREDITS}")
-    problem = consumer_id_problem(first.hello.consumer_id)
+    problem = consumer_id_problem(first.hello.consumer_id) or frame_limit_problem(
+        first.hello.max_frame_bytes
+    )
     if problem is not None:
         raise FrameError(problem)
     return first.hello

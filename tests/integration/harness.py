@@ -150,8 +150,12 @@ class RawConsumer:
         token: str | None = TOKEN,
         credits: int = 100,
         credentials: grpc.ChannelCredentials | None = None,
+        max_frame_bytes: int = 0,
     ) -> None:
         self.target = target
+        self.max_frame_bytes = max_frame_bytes
+        """Hello.max_frame_bytes (0: not sent, as by an older client) and, when set, the
+        channel's receive limit."""
         self.credentials = credentials
         """TLS channel credentials; None: plaintext."""
         self.token = token
@@ -165,14 +169,23 @@ class RawConsumer:
         self.welcome: pb.Welcome | None = None
 
     async def __aenter__(self) -> RawConsumer:
+        options = []
+        if self.max_frame_bytes:
+            options.append(("grpc.max_receive_message_length", self.max_frame_bytes))
         if self.credentials is None:
-            self._channel = grpc.aio.insecure_channel(self.target)
+            self._channel = grpc.aio.insecure_channel(self.target, options)
         else:
-            self._channel = grpc.aio.secure_channel(self.target, self.credentials)
+            self._channel = grpc.aio.secure_channel(self.target, self.credentials, options)
         stub = pb_grpc.TriageStub(self._channel)
         metadata = [("authorization", f"Bearer {self.token}")] if self.token else []
         self._outgoing.put_nowait(
-            pb.ConsumerFrame(hello=pb.Hello(consumer_id=self.consumer_id, credits=self.credits))
+            pb.ConsumerFrame(
+                hello=pb.Hello(
+                    consumer_id=self.consumer_id,
+                    credits=self.credits,
+                    max_frame_bytes=self.max_frame_bytes,
+                )
+            )
         )
         self._call = stub.Consume(self._frames(), metadata=metadata)
         return self

@@ -38,7 +38,13 @@ def test_the_readme_layout_names_every_module_once() -> None:
     rows = re.findall(r"^\| `([^`]+)` \|", layout, re.MULTILINE)
     assert len(rows) == len(set(rows)), "a path named twice"
     assert [row for row in rows if not (ROOT / row).exists()] == []
-    packages = ("proxy/triage_proxy", "cli/triage_cli", "replay/triage_replay", "client_lib")
+    packages = (
+        "proxy/triage_proxy",
+        "cli/triage_cli",
+        "replay/triage_replay",
+        "client_lib",
+        "conformance/triage_conformance",
+    )
     modules = {
         path.relative_to(ROOT).as_posix()
         for package in packages

@@ -71,26 +71,30 @@ class ProxyFrame(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., deliveries: _Optional[_Union[Deliveries, _Mapping]] = ..., rejected: _Optional[_Union[Rejected, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("consumer_id", "credits", "partition")
+    __slots__ = ("consumer_id", "credits", "partition", "max_frame_bytes")
     CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     consumer_id: str
     credits: int
     partition: int
-    def __init__(self, consumer_id: _Optional[str] = ..., credits: _Optional[int] = ..., partition: _Optional[int] = ...) -> None: ...
+    max_frame_bytes: int
+    def __init__(self, consumer_id: _Optional[str] = ..., credits: _Optional[int] = ..., partition: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("topic", "partition", "ack_deadline_ms", "max_attempts")
+    __slots__ = ("topic", "partition", "ack_deadline_ms", "max_attempts", "max_frame_bytes")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     ACK_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     topic: str
     partition: int
     ack_deadline_ms: int
     max_attempts: int
-    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., ack_deadline_ms: _Optional[int] = ..., max_attempts: _Optional[int] = ...) -> None: ...
+    max_frame_bytes: int
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., ack_deadline_ms: _Optional[int] = ..., max_attempts: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
 
 class Header(_message.Message):
     __slots__ = ("key", "value")

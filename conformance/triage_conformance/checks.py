@@ -1,0 +1,130 @@
+"""What a scenario's run must show, from the proxy's side and the client's JSON lines.
+
+The proxy's side is the truth about settlement: the committed offset and the dead-letter
+table. The JSON lines say what the handlers saw (byte-exact key, value, headers) and
+how each ended. Lost is what the contract forbids above all: a produced message that is
+neither acked (a `settled` line with outcome ack) nor in the dead-letter table.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from triage_conformance.client import Event
+from triage_conformance.stack import MAX_ATTEMPTS, Produced
+from triage_proxy.structs import DeadLetter
+
+RETRY_ATTEMPTS = 3
+"""The `retry` action raises Retry while attempt < 3: three starts, then an ack."""
+SHORTEST_KEPT_REASON = 200
+"""A long nack reason may be cut, by the client (the Python client keeps 1,000 characters,
+ending in "...") or the proxy (4,000); at least this much of the message must be in it."""
+
+
+@dataclass
+class Outcome:
+    """One scenario's verdict and its figures."""
+
+    name: str
+    produced: int = 0
+    acked: int = 0
+    dead_lettered: int = 0
+    lost: int = 0
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    def fail(self, problem: str) -> None:
+        self.problems.append(problem)
+
+
+def text_of(value: bytes | None) -> str:
+    """A `fail` message's error text: its value as UTF-8 with replacement."""
+    return (value or b"").decode("utf-8", "replace")
+
+
+def reason_matches(reason: str, text: str) -> bool:
+    """`reason` is `Name: text` (the text possibly cut when long)."""
+    name, sep, rest = reason.partition(": ")
+    if not sep or not name:
+        return False
+    if rest == text:
+        return True
+    kept = rest.removesuffix("...").removesuffix("\u2026")
+    return text.startswith(kept) and len(kept) >= SHORTEST_KEPT_REASON
+
+
+def check_run(
+    outcome: Outcome,
+    produced: list[Produced],
+    events: list[Event],
+    dead: dict[tuple[int, int], DeadLetter],
+    *,
+    committed: bool,
+    bad_lines: list[str],
+) -> None:
+    """The checks every scenario makes: lost = 0, byte-exact, each action's result."""
+    by_key = {(p.partition, p.offset): p for p in produced}
+    outcome.produced = len(produced)
+    if not committed:
+        outcome.fail("the committed offset did not reach the end of what was produced")
+    for line in bad_lines[:3]:
+        outcome.fail(f"a stdout line is not a contract event: {line!r}")
+    starts: dict[tuple[int, int], list[Event]] = defaultdict(list)
+    acked: set[tuple[int, int]] = set()
+    for event in events:
+        where = (event.partition, event.offset)
+        message = by_key.get(where)
+        if message is None:
+            outcome.fail(f"an event for {where}, which this scenario did not produce")
+            continue
+        if event.kind == "start":
+            starts[where].append(event)
+            got = (event.blob("key"), event.blob("value"), event.headers())
+            if got != (message.key, message.value, message.headers):
+                outcome.fail(f"{where}: key, value or headers not byte-exact")
+        elif event.kind == "settled" and event.outcome == "ack":
+            acked.add(where)
+    ours = {k: dl for k, dl in dead.items() if k in by_key}
+    outcome.acked = len(acked)
+    outcome.dead_lettered = len(ours)
+    lost = [k for k in by_key if k not in acked and k not in ours]
+    outcome.lost = len(lost)
+    if lost:
+        outcome.fail(f"lost {len(lost)}: neither acked nor dead-lettered, e.g. {lost[:5]}")
+    for where, letter in ours.items():
+        message = by_key[where]
+        record = (letter.record.key, letter.record.value, letter.record.headers)
+        if record != (message.key, message.value, message.headers):
+            outcome.fail(f"{where}: the dead letter is not byte-exact")
+    for where, message in sorted(by_key.items()):
+        action = message.action
+        dl = ours.get(where)
+        if action == "fail":
+            if dl is None:
+                outcome.fail(f"{where} (fail) was not dead-lettered")
+            elif not reason_matches(dl.reason, text_of(message.value)):
+                outcome.fail(f"{where} (fail): reason {dl.reason[:80]!r} is not `Name: message`")
+            if where in acked:
+                outcome.fail(f"{where} (fail) was acked")
+            continue
+        if dl is not None:
+            outcome.fail(f"{where} ({action}) was dead-lettered: {dl.reason[:120]!r}")
+        if action == "retry":
+            attempts = sorted(e.attempt for e in starts[where])
+            if attempts[:RETRY_ATTEMPTS] != list(range(1, RETRY_ATTEMPTS + 1)):
+                outcome.fail(f"{where} (retry): attempts {attempts}, expected 1, 2, 3")
+        if any(e.attempt > MAX_ATTEMPTS for e in starts[where]):
+            outcome.fail(f"{where}: delivered past max_attempts")
+
+
+def starts_by_offset(events: list[Event]) -> dict[tuple[int, int], list[Event]]:
+    out: dict[tuple[int, int], list[Event]] = defaultdict(list)
+    for event in events:
+        if event.kind == "start":
+            out[event.partition, event.offset].append(event)
+    return out
