@@ -1,16 +1,20 @@
 """`triage deploy` and `triage destroy`: run Triage on this machine or on AWS.
 
-    triage deploy  --target local --config F [--state-dir D] [--timeout S]
+    triage deploy  --target local --config F [--proxies N] [--state-dir D]
+                   [--timeout S]
     triage destroy --target local --config F [--state-dir D]
     triage deploy  --target aws   --config F [--image IMAGE]
     triage destroy --target aws   --config F [--yes] [--delete-data]
 
 local: creates the dead-letter table (and overflow bucket) if missing, starts a detached
-supervisor (`supervisor.py`) that keeps one proxy per partition alive, and returns once
-every proxy it started is ready (HTTP /readyz when the proxy serves it, else its gRPC
-port accepts), counting only answers from a port that process holds: a port answered
-by another deployment is not readiness. A proxy the supervisor gives up (e.g. its port
-is in use) fails the deploy with the cause from its log.
+supervisor (`supervisor.py`) that keeps one proxy per partition alive (or, with
+`--proxies N`, N fleet processes that the deployment's consumer group assigns the
+partitions to; 0 means min(partitions, cores)), and returns once every proxy it started
+is ready (a fleet: every process ready and every partition served; HTTP /readyz
+when the proxy serves it, else its gRPC port accepts), counting only answers from a
+port that process holds: a port answered by another deployment is not readiness. A
+proxy the supervisor gives up (e.g. its port is in use) fails the deploy with the cause
+from its log.
 State lives in the project folder (default `.triage/` next to the config). A second
 deploy is refused while the first one lives; a dead one's leftovers are cleaned up.
 The token is never printed: deploy prints its NAME and the file that holds it (the
@@ -98,8 +102,16 @@ def deploy(
         float | None,
         typer.Option(help="local: seconds to wait for every proxy (default 60 + lease_s)."),
     ] = None,
+    proxies: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="local: run N fleet processes sharing the partitions (assigned by the "
+            "consumer group); 0: min(partitions, cores). Default: one per partition.",
+        ),
+    ] = None,
 ) -> None:
-    """Run one proxy per partition (local processes, or ECS on AWS); print the endpoints."""
+    """Run the proxies (local processes, or ECS on AWS); print the endpoints."""
     with exit_on_errors():
         if target is Target.aws:
             from triage_cli.aws import deploy_aws  # boto3 and the template: only here
@@ -109,7 +121,7 @@ def deploy(
             for key, value in dict(outputs).items():
                 typer.echo(f"  {key}: {value}")
             return
-        deploy_local(config, state_dir, timeout)
+        deploy_local(config, state_dir, timeout, proxies)
 
 
 def destroy(
@@ -140,6 +152,7 @@ def supervise(
     config: ConfigOption,
     state_dir: Annotated[Path, typer.Option(help="Project folder.")],
     partitions: Annotated[int, typer.Option(min=1)],
+    proxies: Annotated[int | None, typer.Option(min=1)] = None,
 ) -> None:
     """(internal) The detached supervisor that `deploy --target local` starts."""
     import logging
@@ -151,14 +164,21 @@ def supervise(
         stream=sys.stderr,
     )
     with exit_on_errors():
-        code = run_supervisor(config, ProjectDir(state_dir), partitions)
+        code = run_supervisor(config, ProjectDir(state_dir), partitions, proxies)
     raise typer.Exit(code)
 
 
 # --- local --------------------------------------------------------------------------------
 
 
-def deploy_local(config: Path, state_dir: Path | None, timeout: float | None) -> None:
+def default_proxies(partitions: int, cores: int | None) -> int:
+    """Fleet processes by default: one per core, never more than partitions (pure)."""
+    return max(1, min(partitions, cores or 1))
+
+
+def deploy_local(
+    config: Path, state_dir: Path | None, timeout: float | None, proxies: int | None = None
+) -> None:
     from triage_proxy.errors import ConfigError
     from triage_proxy.settings import load_settings
     from triage_proxy.table.provisioning import create_bucket, create_table
@@ -168,6 +188,10 @@ def deploy_local(config: Path, state_dir: Path | None, timeout: float | None) ->
     if settings.server.port == 0:
         raise ConfigError("server.port", "deploy needs a fixed base port (consumers dial it)")
     partitions = settings.kafka.partitions or _ask_partitions(settings)
+    if proxies == 0:
+        import os
+
+        proxies = default_proxies(partitions, os.cpu_count())
     project = ProjectDir.for_config(config, state_dir)
     project.root.mkdir(mode=0o700, parents=True, exist_ok=True)
     marker = str(config)
@@ -187,7 +211,7 @@ def deploy_local(config: Path, state_dir: Path | None, timeout: float | None) ->
     project.state_file.unlink(missing_ok=True)
     with open(project.supervisor_log, "ab") as log:
         proc = subprocess.Popen(
-            supervisor_command(config, project, partitions),
+            supervisor_command(config, project, partitions, proxies),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,
@@ -196,11 +220,17 @@ def deploy_local(config: Path, state_dir: Path | None, timeout: float | None) ->
     project.write_pid(project.supervisor_pid_file, proc.pid)
     limit = timeout if timeout is not None else READY_TIMEOUT_S + _lease_s(settings)
     try:
-        pids = _wait_ready(settings, project, proc, partitions, limit)
+        if proxies is None:
+            pids = _wait_ready(settings, project, proc, partitions, limit)
+        else:
+            served = _wait_fleet_ready(settings, project, proc, partitions, proxies, limit)
     except BaseException:
         _stop_local(project, marker, settings.shutdown.drain_timeout_s)
         raise
-    _print_deployment(config, settings, project, pids)
+    if proxies is None:
+        _print_deployment(config, settings, project, pids)
+    else:
+        _print_fleet(config, settings, project, served)
 
 
 def _lease_s(settings: Settings) -> float:
@@ -255,26 +285,109 @@ def _wait_ready(
         time.sleep(0.2)
 
 
-def _running_pids(project: ProjectDir, supervisor_pid: int) -> dict[int, int]:
+def _wait_fleet_ready(
+    settings: Settings,
+    project: ProjectDir,
+    proc: subprocess.Popen[bytes],
+    partitions: int,
+    proxies: int,
+    timeout_s: float,
+) -> dict[int, tuple[int, list[int]]]:
+    """Wait until every fleet process supervisor `proc` runs is ready and together they
+    serve every partition; return slot -> (pid, partitions it serves)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        exited = proc.poll()
+        if exited is not None:
+            raise CommandFailed(
+                ExitCode.UNAVAILABLE,
+                f"the supervisor exited with {exited}; see {project.supervisor_log}",
+            )
+        running = _running_pids(project, proc.pid, key="proxies", what="fleet process")
+        served: dict[int, tuple[int, list[int]]] = {}
+        for slot, pid in running.items():
+            if proxy_ready(settings, slot, pid):
+                served[slot] = (pid, fleet_served(settings, slot))
+        covered = sorted({p for _, parts in served.values() for p in parts})
+        if len(served) == proxies and covered == list(range(partitions)):
+            return served
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(partitions)) - set(covered))
+            raise CommandFailed(
+                ExitCode.UNAVAILABLE,
+                f"fleet not ready after {timeout_s:g}s: {len(served)} of {proxies} processes "
+                f"ready, partition(s) {missing} not served; see {project.root}",
+            )
+        time.sleep(0.2)
+
+
+def fleet_served(settings: Settings, slot: int) -> list[int]:
+    """The partitions fleet process `slot` serves now, from its /status ([] if none)."""
+    import json
+
+    http = settings.server.http_address(slot)
+    if http is None or not http[1]:
+        return []
+    try:
+        url = f"http://{_dialable(http[0])}:{http[1]}/status"
+        with urllib.request.urlopen(url, timeout=1) as response:
+            doc = json.loads(response.read())
+    except (OSError, ValueError):
+        return []
+    return [int(p) for p in doc.get("served", [])]
+
+
+def _print_fleet(
+    config: Path, settings: Settings, project: ProjectDir, served: dict[int, tuple[int, list[int]]]
+) -> None:
+    typer.echo(
+        f"Deployed {settings.kafka.topic!r}: a fleet of {len(served)} proxies "
+        f"(group {settings.kafka.group_id!r}; state in {project.root})"
+    )
+    for slot in sorted(served):
+        pid, parts = served[slot]
+        http = settings.server.http_address(slot)
+        extra = f"  http {_dialable(http[0])}:{http[1]}" if http else ""
+        typer.echo(
+            f"  proxy {slot}: {_dialable(settings.server.host)}:{settings.server.port + slot}"
+            f"{extra}  pid {pid}  partitions {', '.join(map(str, parts)) or '-'}"
+        )
+    names = ", ".join(sorted(settings.auth.active()))
+    typer.echo(
+        f"Consumers: give any proxy's endpoint (Topology names the rest)\n"
+        f"Token(s): {names} (in {config}, [auth] section; never printed)\n"
+        f"TLS: {'on' if settings.tls.enabled else 'off'}\n"
+        f"Stop: triage destroy --target local --config {config}"
+    )
+
+
+def _running_pids(
+    project: ProjectDir,
+    supervisor_pid: int,
+    *,
+    key: str = "partitions",
+    what: str = "proxy for partition",
+) -> dict[int, int]:
     """Pid per partition of the proxies supervisor `supervisor_pid` runs now, from
     state.json; raises naming the cause when it gave one up."""
     state = project.read_state() or {}
     if state.get("supervisor_pid") != supervisor_pid:
         return {}  # not written yet by the supervisor just started
     running: dict[int, int] = {}
-    for entry in state.get("partitions", []):
+    index = "partition" if key == "partitions" else "slot"
+    for entry in state.get(key, []):
         if entry.get("status") == "failed":
             log = Path(entry["log"])
             cause = last_error(log)
             raise CommandFailed(
                 ExitCode.UNAVAILABLE,
-                f"the proxy for partition {entry['partition']} was given up (last exit "
+                f"the {what} {entry[index]} was given up (last exit "
                 f"status {entry.get('last_exit')})"
                 + (f": {cause}" if cause else "")
                 + f"; see {log}",
             )
         if entry.get("status") == "running" and entry.get("pid"):
-            running[int(entry["partition"])] = int(entry["pid"])
+            running[int(entry[index])] = int(entry["pid"])
     return running
 
 

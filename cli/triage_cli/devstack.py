@@ -56,6 +56,7 @@ class DevStack:
         partitions: int = 1,
         state_dir: Path | None = None,
         proxy_overrides: dict[str, dict[str, Any]] | None = None,
+        start_proxies: bool = True,
     ) -> None:
         self.topic = topic
         self.partitions = partitions
@@ -70,6 +71,8 @@ class DevStack:
         self._overrides = proxy_overrides or {}
         self._proxies: list[subprocess.Popen[bytes]] = []
         self._started = False
+        self._start_proxies = start_proxies
+        """False: broker, endpoint, topic, table and config only (benchmarks run their own)."""
 
     @property
     def group_id(self) -> str:
@@ -106,7 +109,7 @@ class DevStack:
             self._create_table()
             base = free_port_block(2 * self.partitions)  # gRPC ports, then HTTP ports
             write_config(self.config_path, self.config_values(base))
-            for partition in range(self.partitions):
+            for partition in range(self.partitions if self._start_proxies else 0):
                 self.start_proxy(partition)
         except BaseException:
             self.stop()

@@ -51,9 +51,25 @@ def quiet_noisy_loggers() -> None:
 @app.command()
 def proxy(
     config: Annotated[Path, typer.Option("--config", "-c", help="TOML config file.")],
-    partition: Annotated[int, typer.Option("--partition", "-p", help="Partition to own.")],
+    partition: Annotated[
+        list[int] | None,
+        typer.Option(
+            "--partition",
+            "-p",
+            help="Partition to serve (repeatable). None: join the topic's fleet, and serve "
+            "what the consumer group assigns.",
+        ),
+    ] = None,
+    slot: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Listen on server.port + SLOT and server.http_port + SLOT (default: the "
+            "partition with one --partition, else 0). One per process on a host.",
+        ),
+    ] = None,
     port: Annotated[
-        int | None, typer.Option(help="Listen on this port instead of server.port + partition.")
+        int | None, typer.Option(help="Listen on this port instead of server.port + slot.")
     ] = None,
     advertised_host: Annotated[
         str | None,
@@ -65,7 +81,11 @@ def proxy(
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
-    """Run one proxy for one partition until SIGTERM/SIGINT (then drain and commit).
+    """Run one proxy process until SIGTERM/SIGINT (then drain and commit).
+
+    With --partition (repeatable) it serves those partitions; without, it joins the
+    topic's fleet: the deployment's consumer group assigns it partitions, and it serves
+    each one once it holds that partition's lease.
 
     SIGHUP re-reads the [auth] section of the config: revoked tokens are refused from
     then on and their open streams end; a bad file keeps the current tokens."""
@@ -80,19 +100,23 @@ def proxy(
 
     _setup_logging(verbose)
     with exit_on_errors():
+        pins = sorted(set(partition)) if partition else None
+        if pins is not None and pins[0] < 0:
+            raise CommandFailed(ExitCode.BAD_INPUT, "--partition must be >= 0")
+        offset = slot if slot is not None else (pins[0] if pins else 0)
         settings = load_settings(config)
         if port is not None:
-            server = dataclasses.replace(settings.server, port=port - partition if port else 0)
+            server = dataclasses.replace(settings.server, port=port - offset if port else 0)
             settings = dataclasses.replace(settings, server=server)
         if advertised_host:
             server = dataclasses.replace(settings.server, advertised_host=advertised_host)
             settings = dataclasses.replace(settings, server=server)
         server_credentials(settings.tls)  # a bad TLS file: exit 2 before anything starts
-        if partition < 0:
-            raise CommandFailed(ExitCode.BAD_INPUT, "--partition must be >= 0")
 
         async def main() -> None:
-            runner = Proxy(settings, partition, auth_source=lambda: load_settings(config).auth)
+            runner = Proxy(
+                settings, pins, slot=slot, auth_source=lambda: load_settings(config).auth
+            )
             loop = asyncio.get_running_loop()
             loop.add_signal_handler(signal.SIGHUP, runner.reload_auth)
             with on_stop_signals(runner.stop, loop):

@@ -7,7 +7,11 @@ Each row joins three sources, so one that is down costs only its own columns:
 - the broker (a confluent-kafka client): the group's committed offset and the log end
   (high watermark); lag = log end - committed (log end - low watermark when nothing is
   committed yet). The partition count is `kafka.partitions`, else the topic's metadata.
-- each proxy's `/status` (`server.host`, or `--host`, at `server.http_port + p`):
+- each proxy process's `/status` (`server.host`, or `--host`, at `server.http_port + k`
+  for k in 0..partitions-1: one process per partition, or a fleet's process slots). A
+  process lists the partitions it runs (`partitions`); a partition's row comes from the
+  process that serves it (`served_by`: its pid, owner id and endpoint), so a fleet shows
+  which process serves which partition. A partition no process lists is down. Per row:
   state, the endpoint it advertises to consumers (`server.advertised_*`, what the lease
   item and Topology carry), in-flight, connected instances, oldest unsettled age, dead
   letters still being
@@ -157,6 +161,7 @@ def partition_row(
         "degraded": list(doc.get("degraded", [])),
         "dead_letters_unwritable": doc.get("dead_letters_unwritable"),
         "unwritable_dead_letters": list(doc.get("unwritable_dead_letters", [])),
+        "served_by": doc.get("served_by"),
     }
 
 
@@ -277,6 +282,39 @@ def fetch_status(url: str, timeout: float = PROXY_TIMEOUT_S) -> ProxyView:
     return ProxyView(url=url, doc=doc)
 
 
+def partition_views(views: Sequence[ProxyView], partitions: int) -> list[ProxyView]:
+    """Each partition's view, from the process that runs it (pure). A process document
+    lists its partitions (`partitions`); an older one-partition proxy's document is its
+    partition's. A partition no process lists keeps its own slot's view (down, or a
+    process serving other partitions: then down with that reason)."""
+    found: dict[int, ProxyView] = {}
+    for view in views:
+        doc = view.doc
+        if doc is None or not isinstance(doc.get("partitions"), list):
+            continue
+        process = {
+            "pid": doc.get("pid"),
+            "owner": doc.get("owner"),
+            "endpoint": doc.get("advertised_endpoint") or None,
+            "url": view.url,
+        }
+        for part in doc["partitions"]:
+            p = int(part.get("partition", -1))
+            if p in found and not part.get("ready"):
+                continue  # a standby or a draining one: the serving process wins
+            found[p] = ProxyView(url=view.url, doc={**part, "served_by": process})
+    out: list[ProxyView] = []
+    for p in range(partitions):
+        if p in found:
+            out.append(found[p])
+            continue
+        own = views[p] if p < len(views) else ProxyView(url=None)
+        if own.doc is not None and isinstance(own.doc.get("partitions"), list):
+            own = ProxyView(url=own.url, error=f"no proxy process serves partition {p}")
+        out.append(own)
+    return out
+
+
 def gather(sources: Sources, *, now: Callable[[], float] = time.time) -> Report:
     """Read every source once; raises BrokerUnavailable only when the partition count
     cannot be known (no `kafka.partitions` and no broker)."""
@@ -285,7 +323,7 @@ def gather(sources: Sources, *, now: Callable[[], float] = time.time) -> Report:
     asked = sources.ask_proxies(count)
     broker = sources.broker(count)
     pending, dl_error = sources.dead_letters(count)
-    views = [future.result() for future in asked]
+    views = partition_views([future.result() for future in asked], count)
     rows = [partition_row(p, broker, views[p], pending.get(p)) for p in range(count)]
     stamp = datetime.fromtimestamp(now(), UTC).isoformat(timespec="seconds")
     return Report(
@@ -367,6 +405,7 @@ def render_table(report: Report) -> Table:
     ]
     if endpoints:
         notes.append(f"endpoints (partition host:port): {', '.join(endpoints)}")
+    notes.extend(served_by_notes(report.partitions))
     if writing:
         notes.append("dead letters (+n): n more the proxy is still writing")
     if report.broker_error:
@@ -382,6 +421,22 @@ def render_table(report: Report) -> Table:
         table.caption = "\n".join(notes)
         table.caption_justify = "left"
     return table
+
+
+def served_by_notes(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Which process serves which partitions, one line per process (pure); nothing when
+    every process serves one partition (the layout of one process per partition)."""
+    by: dict[tuple[Any, Any], list[int]] = {}
+    for row in rows:
+        served = row.get("served_by")
+        if served and row["proxy"] == "running":
+            by.setdefault((served.get("pid"), served.get("endpoint")), []).append(row["partition"])
+    if all(len(parts) == 1 for parts in by.values()):
+        return []
+    return [
+        f"process pid {pid} ({endpoint}) serves partitions {', '.join(map(str, parts))}"
+        for (pid, endpoint), parts in sorted(by.items(), key=lambda kv: kv[1])
+    ]
 
 
 def degraded_notes(row: Mapping[str, Any]) -> list[str]:

@@ -1,4 +1,6 @@
-"""The local deployment: one supervised `triage proxy` process per partition.
+"""The local deployment: supervised `triage proxy` processes, one per partition (pinned)
+or N fleet processes that share the topic's partitions (`--proxies N`: each joins the
+deployment's consumer group and serves what the group coordinator assigns it).
 
 `triage deploy --target local` starts `triage supervise` detached (its own session, so a
 Ctrl-C in the deploying terminal does not reach it) and returns once every proxy is
@@ -11,7 +13,7 @@ SIGKILL what is left -> remove the pid files -> exit 0.
 Everything lives in one project folder (default `.triage/` next to the config):
 
     supervisor.pid  supervisor.log  state.json
-    proxy-P.pid     proxy-P.log     (one each per partition)
+    proxy-P.pid     proxy-P.log     (one each per partition; in a fleet, per process slot P)
 
 `state.json` holds endpoints, pids, statuses and the token NAMES; no file here holds a
 token (the proxies never log one), so the folder is safe to attach to a bug report.
@@ -232,7 +234,25 @@ def proxy_command(config: Path, partition: int) -> list[str]:
     ]
 
 
-def supervisor_command(config: Path, project: ProjectDir, partitions: int) -> list[str]:
+def fleet_command(config: Path, slot: int) -> list[str]:
+    """`triage proxy` for fleet process `slot` (ports server.port + slot and
+    server.http_port + slot), as this interpreter runs it."""
+    return [
+        sys.executable,
+        "-m",
+        "triage_cli.main",
+        "proxy",
+        "--config",
+        str(config),
+        "--slot",
+        str(slot),
+    ]
+
+
+def supervisor_command(
+    config: Path, project: ProjectDir, partitions: int, proxies: int | None = None
+) -> list[str]:
+    fleet = [] if proxies is None else ["--proxies", str(proxies)]
     return [
         sys.executable,
         "-m",
@@ -244,6 +264,7 @@ def supervisor_command(config: Path, project: ProjectDir, partitions: int) -> li
         str(project.root),
         "--partitions",
         str(partitions),
+        *fleet,
     ]
 
 
@@ -263,8 +284,9 @@ class _Child:
 
 
 class Supervisor:
-    """Keeps one proxy process per partition alive until stopped (runs in the foreground
-    of the detached `triage supervise` process; `stop()` is signal-safe)."""
+    """Keeps one proxy process per partition (or `proxies` fleet processes) alive until
+    stopped (runs in the foreground of the detached `triage supervise` process; `stop()`
+    is signal-safe). A fleet child's `partition` field is its slot."""
 
     def __init__(
         self,
@@ -273,12 +295,16 @@ class Supervisor:
         settings: Settings,
         partitions: int,
         policy: RestartPolicy | None = None,
+        proxies: int | None = None,
     ) -> None:
         self.config = config
         self.project = project
         self.settings = settings
         self.policy = policy or RestartPolicy()
-        self.children = [_Child(p) for p in range(partitions)]
+        self.fleet = proxies is not None
+        """N fleet processes instead of one pinned process per partition."""
+        self.partitions = partitions
+        self.children = [_Child(p) for p in range(partitions if proxies is None else proxies)]
         self._stopping = threading.Event()
 
     def stop(self) -> None:
@@ -354,8 +380,9 @@ class Supervisor:
     def _start(self, child: _Child, now: float) -> None:
         log = open(self.project.proxy_log(child.partition), "ab")  # noqa: SIM115
         with log:
+            command = fleet_command if self.fleet else proxy_command
             child.proc = subprocess.Popen(
-                proxy_command(self.config, child.partition),
+                command(self.config, child.partition),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
@@ -393,14 +420,16 @@ class Supervisor:
 
 
 def describe(supervisor: Supervisor, status: str) -> dict[str, Any]:
-    """state.json: what deploy, destroy and people read (token names, never tokens)."""
+    """state.json: what deploy, destroy and people read (token names, never tokens).
+    Pinned: `partitions`, one entry per partition's process; fleet: `proxies`, one entry
+    per process slot (which partitions each serves is in its /status, `triage status`)."""
     settings = supervisor.settings
-    partitions = []
+    entries = []
     for child in supervisor.children:
         http = settings.server.http_address(child.partition)
-        partitions.append(
+        entries.append(
             {
-                "partition": child.partition,
+                "slot" if supervisor.fleet else "partition": child.partition,
                 "pid": child.proc.pid if child.proc is not None else None,
                 "status": child.status,
                 "restarts": child.restarts,
@@ -417,17 +446,22 @@ def describe(supervisor: Supervisor, status: str) -> dict[str, Any]:
         "topic": settings.kafka.topic,
         "tls": settings.tls.enabled,
         "token_names": sorted(settings.auth.active()),
-        "partitions": partitions,
+        "mode": "fleet" if supervisor.fleet else "pinned",
+        "topic_partitions": supervisor.partitions,
+        "partitions": [] if supervisor.fleet else entries,
+        "proxies": entries if supervisor.fleet else [],
     }
 
 
-def run_supervisor(config: Path, project: ProjectDir, partitions: int) -> int:
+def run_supervisor(
+    config: Path, project: ProjectDir, partitions: int, proxies: int | None = None
+) -> int:
     """Body of `triage supervise`: SIGTERM/SIGINT stop it gracefully, SIGHUP is ignored
     (it outlives the terminal that deployed it)."""
     from triage_proxy.settings import load_settings
 
     settings = load_settings(config)
-    supervisor = Supervisor(config, project, settings, partitions)
+    supervisor = Supervisor(config, project, settings, partitions, proxies=proxies)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     with on_stop_signals(supervisor.stop):
         return supervisor.run()

@@ -1,56 +1,72 @@
-"""The proxy application: one process, one (topic, partition).
+"""The proxy application: one process serving one or more partitions of a topic.
 
-`Proxy.serve()` is the one place that owns the long-lived tasks (a single
-TaskGroup: fetcher and committer; the gRPC server owns its per-stream handlers
-and the service its reader tasks). `stop()` only signals; `serve()` then shuts
-down in this order (the steps through the final commit run one after the other in
-`_serve_partition`; the rest is its AsyncExitStack unwinding, which also undoes a
-start that failed half-way):
+A process runs one pipeline per partition it serves (partition.py: fetcher ->
+dispatcher -> tracker -> committer, with the partition's lease) behind one gRPC server
+and one HTTP endpoint. Which partitions: the ones pinned (`--partition N`, repeatable),
+or, with none pinned, the ones Kafka's group coordinator assigns this process as a
+member of the deployment's consumer group (fleet mode, assignment.py). Either way a
+pipeline delivers only while it holds its partition's DynamoDB lease (ownership.py):
+the lease, not the group, is the fence.
 
-    (with ownership.enabled, before Kafka is opened: wait as a standby until this process
-    holds the partition's lease, see ownership.py; it is renewed by a task in the TaskGroup.
-    The lease item advertises this proxy's endpoint, `server.advertised_*`: at once when
-    the port is configured, else by a renewal once the free port is bound)
-    stop fetching (and polling the log end)
-    -> deliver nothing new; let in-flight work settle, up to shutdown.drain_timeout_s
-    -> flush dead letters still being written (bounded by what is left of the deadline;
-       neither step waits for a dead letter that can never be written, see deadletter.py)
-    -> end the streams and stop the gRPC server (accepting nothing new)
-    -> final commit of the committable offset (with the settled-above encoding), only while
-       the lease is still ours
-    -> release the lease (a standby takes over at once)
-    -> close the Kafka client
-    -> stop the HTTP endpoint (http_endpoint.py; it starts first, before Kafka is opened, so
-       a starting or standby proxy can be watched)
+`Proxy.serve()` is the one place that owns the long-lived tasks: a single TaskGroup runs
+every pipeline, the group membership's follower and the token reloader (the gRPC server
+owns its per-stream handlers and the service its reader tasks). `stop()` only signals;
+`serve()` then shuts down in this order:
+
+    (at start: the HTTP endpoint, then the gRPC server, so a starting or standby process
+    can be watched, and a Hello for a partition it does not serve yet is told where it is
+    served; then the pipelines)
+    refuse new streams
+    -> every pipeline drains at once (partition.py: stop fetching, deliver nothing new,
+       let in-flight work settle up to shutdown.drain_timeout_s, flush dead letters, end
+       its streams)
+    -> stop the gRPC server
+    -> every pipeline: final commit (with the settled-above encoding, only while its lease
+       is ours), release the lease, close its Kafka client
+    -> leave the consumer group (fleet mode; the other members take the partitions over,
+       their leases are free by then)
+    -> stop the HTTP endpoint
+
+A pipeline that fails (its lease lost, Kafka unreachable at start) stops the process in
+pinned mode, which then exits with its error (a supervisor restarts it as a standby).
+In fleet mode a lost lease ends only that pipeline; it waits as a standby again while
+the partition is still assigned here.
+
+The ports: the process listens on `server.port + slot` (gRPC) and `server.http_port +
+slot` (HTTP); the slot is the pinned partition for one pin (the layout of one process
+per partition), else given by the supervisor (`--slot`, one per fleet process).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import enum
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING
 
-from triage_proxy.committer import Committer
-from triage_proxy.deadletter import DeadLetterWriter, overflow_warning
+import grpc
+
+from triage_proxy.deadletter import overflow_warning
 from triage_proxy.dispatcher import Dispatcher
-from triage_proxy.errors import StateError, TableUnavailable, TriageError
-from triage_proxy.fetcher import Fetcher
+from triage_proxy.errors import (
+    BrokerUnavailable,
+    ConfigError,
+    OwnershipLost,
+    StateError,
+    TriageError,
+)
 from triage_proxy.http_endpoint import HttpEndpoint
-from triage_proxy.kafka import ConfluentPartition, KafkaThread, PartitionLog
-from triage_proxy.logend import LogEndWatcher
-from triage_proxy.notifier import notifier_from_settings
-from triage_proxy.ownership import Ownership, new_owner_id
+from triage_proxy.kafka import ConfluentPartition, PartitionLog
+from triage_proxy.ownership import new_owner_id
+from triage_proxy.partition import PartitionParts, PartitionPipeline, PipelineState, snapshot_of
 from triage_proxy.service import TriageService, create_server, server_credentials
 from triage_proxy.settings import AuthSettings, Settings
-from triage_proxy.settled import CheckpointError, decode_attempts, decode_settled
-from triage_proxy.snapshot import UNWRITABLE_SHOWN, Instance, ProxySnapshot
-from triage_proxy.structs import DeadLetter
+from triage_proxy.snapshot import ProcessSnapshot, ProxySnapshot
 from triage_proxy.table.checkpoints import CheckpointStore, DynamoDBCheckpoints
 from triage_proxy.table.deadletters import DeadLetterStore, DynamoDBStore
 from triage_proxy.table.leases import (
@@ -61,8 +77,15 @@ from triage_proxy.table.leases import (
     MemoryLeaseReader,
 )
 from triage_proxy.topology import Topology
-from triage_proxy.tracker import CommitTracker
 from triage_proxy.waiting import wait_any
+
+if TYPE_CHECKING:
+    from triage_proxy.assignment import Membership
+    from triage_proxy.committer import Committer
+    from triage_proxy.deadletter import DeadLetterWriter
+    from triage_proxy.fetcher import Fetcher
+    from triage_proxy.logend import LogEndWatcher
+    from triage_proxy.ownership import Ownership
 
 logger = logging.getLogger(__name__)
 
@@ -72,69 +95,137 @@ SERVER_GRACE_S = 2.0
 class ProxyState(enum.Enum):
     NEW = "new"
     STANDBY = "standby"
-    """Waiting for another proxy's lease on the partition to lapse (ownership.py)."""
+    """Waiting for another proxy's lease on a pinned partition to lapse (ownership.py)."""
     STARTING = "starting"
     RUNNING = "running"
     STOPPING = "stopping"
     STOPPED = "stopped"
 
 
+PartsFactory = Callable[[int], PartitionParts]
+"""What a pipeline for partition p talks to (tests pass twins)."""
+
+
 class Proxy:
-    """Fetches one partition, fans it out over gRPC, commits what is settled."""
+    """Serves the pinned partitions, or those the consumer group assigns (see above)."""
 
     def __init__(
         self,
         settings: Settings,
-        partition: int,
+        partitions: int | Sequence[int] | None,
         *,
+        slot: int | None = None,
         log: PartitionLog | None = None,
         store: DeadLetterStore | None = None,
         checkpoints: CheckpointStore | None = None,
         leases: LeaseStore | None = None,
         lease_reader: LeaseReader | None = None,
+        parts: PartsFactory | None = None,
+        membership: Membership | None = None,
         auth_source: Callable[[], AuthSettings] | None = None,
     ) -> None:
         self.settings = settings
-        self.partition = partition
+        if isinstance(partitions, int):
+            partitions = (partitions,)
+        self.pins: tuple[int, ...] | None = (
+            None if partitions is None else tuple(sorted(set(partitions)))
+        )
+        """The pinned partitions; None: fleet mode (the group assigns them)."""
+        if self.pins is not None and not self.pins:
+            raise ConfigError("--partition", "give at least one, or none to join the fleet")
+        self.slot = slot if slot is not None else (self.pins[0] if self.pins else 0)
+        """Offset of this process's ports from server.port and server.http_port."""
         self._log = log
-        """The partition (a twin in tests); by default a ConfluentPartition."""
         self._store = store
         self._checkpoints = checkpoints
         self._leases = leases
-        """Injected stores are the caller's to close; the ones made here are closed here."""
+        """Injected (single-partition) twins are the caller's to close; the ones made here
+        are closed here."""
+        self._parts = parts
         self._lease_reader = lease_reader
         """Every partition's lease, for Topology; with `leases` injected and this not,
         only that store is read (a twin's world)."""
+        self.membership = membership
+        """Fleet mode: the group membership (made at start when not injected)."""
         self.owner = new_owner_id()
         """This process's id: its lease owner id, and the owner Topology names."""
         self.endpoint = ""
-        """host:port consumers are given for this partition (known once it listens)."""
+        """host:port consumers are given for every partition served here (once it listens)."""
         self.topology: Topology | None = None
-        self.state = ProxyState.NEW
+        self._state = ProxyState.NEW
         self.port = 0
-        """The gRPC port actually bound (known once ready)."""
+        """The gRPC port actually bound (known once it listens)."""
         self.ready = asyncio.Event()
+        """Set once every partition it should serve at start delivers."""
         self._auth_source = auth_source
         """Re-reads the [auth] section (the config file) when `reload_auth()` is called."""
         self._reload_wanted = asyncio.Event()
         self._closing = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.dispatcher: Dispatcher | None = None
-        self.committer: Committer | None = None
-        self.fetcher: Fetcher | None = None
-        self.writer: DeadLetterWriter | None = None
-        self.watermarks: LogEndWatcher | None = None
-        self.ownership: Ownership | None = None
+        self.pipelines: dict[int, PartitionPipeline] = {}
+        """The pipelines running now (standby to stopping), by partition."""
+        self._errors: list[BaseException] = []
+        self._service: TriageService | None = None
         self.http_port: int | None = None
         """The HTTP (metrics/health/status) port bound; None when off or not started."""
 
+    # --- one pinned partition (what a one-partition proxy offered) -----------------------
+
+    @property
+    def partition(self) -> int:
+        """The (first) pinned partition."""
+        if not self.pins:
+            raise StateError("a fleet proxy has no single partition")
+        return self.pins[0]
+
+    def _only(self) -> PartitionPipeline | None:
+        return self.pipelines.get(self.pins[0]) if self.pins else None
+
+    @property
+    def dispatcher(self) -> Dispatcher | None:
+        p = self._only()
+        return p.dispatcher if p is not None else None
+
+    @property
+    def committer(self) -> Committer | None:
+        p = self._only()
+        return p.committer if p is not None else None
+
+    @property
+    def fetcher(self) -> Fetcher | None:
+        p = self._only()
+        return p.fetcher if p is not None else None
+
+    @property
+    def writer(self) -> DeadLetterWriter | None:
+        p = self._only()
+        return p.writer if p is not None else None
+
+    @property
+    def watermarks(self) -> LogEndWatcher | None:
+        p = self._only()
+        return p.watermarks if p is not None else None
+
+    @property
+    def ownership(self) -> Ownership | None:
+        p = self._only()
+        return p.ownership if p is not None else None
+
     # --- lifecycle --------------------------------------------------------------------
+
+    @property
+    def state(self) -> ProxyState:
+        if self._state is ProxyState.STARTING and any(
+            p.state is PipelineState.STANDBY for p in self.pipelines.values()
+        ):
+            return ProxyState.STANDBY
+        return self._state
 
     async def start(self) -> None:
         """Run `serve()` in a task owned by this object; return once it accepts streams."""
-        if self.state is not ProxyState.NEW or self._task is not None:
-            raise StateError(f"proxy already {self.state.value}")
-        self._task = asyncio.create_task(self._run(), name=f"proxy-{self.partition}")
+        if self._state is not ProxyState.NEW or self._task is not None:
+            raise StateError(f"proxy already {self._state.value}")
+        self._task = asyncio.create_task(self._run(), name=f"proxy-{self.slot}")
         ready = asyncio.ensure_future(self.ready.wait())
         await asyncio.wait([ready, self._task], return_when=asyncio.FIRST_COMPLETED)
         if not self.ready.is_set():
@@ -169,285 +260,347 @@ class Proxy:
     @property
     def is_alive(self) -> bool:
         """Liveness: started and not yet stopped."""
-        return self.state not in (ProxyState.NEW, ProxyState.STOPPED)
+        return self._state not in (ProxyState.NEW, ProxyState.STOPPED)
 
     @property
     def is_ready(self) -> bool:
-        """Readiness: delivering the partition (not starting, standing by or stopping)."""
-        return self.state is ProxyState.RUNNING
+        """Readiness: running, and delivering every partition it should serve now."""
+        if self._state is not ProxyState.RUNNING:
+            return False
+        wanted = self._wanted()
+        return all(
+            (p := self.pipelines.get(n)) is not None and p.state is PipelineState.RUNNING
+            for n in wanted
+        )
 
-    def snapshot(self, *, now: float | None = None) -> ProxySnapshot:
-        """Read the components as they are now (they appear once Kafka is open); metrics
-        and the HTTP endpoint see the proxy only through this."""
+    def _wanted(self) -> frozenset[int]:
+        """The partitions this process should serve now."""
+        if self.pins is not None:
+            return frozenset(self.pins)
+        if self.membership is None:
+            return frozenset()
+        return self.membership.target()
+
+    def snapshot(self, partition: int | None = None, *, now: float | None = None) -> ProxySnapshot:
+        """One partition's view (default: the first pin), as a one-partition proxy showed
+        itself; `status()` is the whole process."""
         now = time.monotonic() if now is None else now
-        settings = self.settings
-        base: dict[str, Any] = {
-            "topic": settings.kafka.topic,
-            "partition": self.partition,
-            "state": self.state.value,
-            "ready": self.is_ready,
+        if partition is None:
+            partition = self.partition
+        pipeline = self.pipelines.get(partition)
+        state = self.state.value
+        if pipeline is not None and self._state in (ProxyState.STARTING, ProxyState.RUNNING):
+            state = pipeline.state.value
+        base = {
+            "topic": self.settings.kafka.topic,
+            "partition": partition,
+            "state": state,
+            "ready": self.is_ready
+            if self.pins == (partition,)
+            else pipeline is not None and pipeline.state is PipelineState.RUNNING,
             "alive": self.is_alive,
             "grpc_port": self.port,
             "advertised_endpoint": self.endpoint,
-            "window_max_messages": settings.window.max_messages,
-            "window_max_bytes": settings.window.max_bytes,
+            "window_max_messages": self.settings.window.max_messages,
+            "window_max_bytes": self.settings.window.max_bytes,
         }
-        dispatcher, committer = self.dispatcher, self.committer
-        if dispatcher is None or committer is None:
-            return ProxySnapshot(**base)
-        degraded: list[str] = []
-        fetcher, writer, watermarks = self.fetcher, self.writer, self.watermarks
-        if fetcher is not None and fetcher.degraded:
-            degraded.append("fetch")
-        if committer.degraded:
-            degraded.append("commit")
-        if writer is not None and writer.degraded:
-            degraded.append("dead_letters")
-        if writer is not None and writer.too_large:
-            degraded.append("dead_letters_unwritable")
-        log_end: int | None = None
-        log_end_age: float | None = None
-        if watermarks is not None:
-            if watermarks.degraded:
-                degraded.append("log_end")
-            log_end = watermarks.log_end
-            if watermarks.checked_at is not None:
-                log_end_age = now - watermarks.checked_at
-        oldest = dispatcher.oldest_fetched_at
-        counters = dataclasses.asdict(dispatcher.counters)
-        counters["commits"] = committer.commits
-        return ProxySnapshot(
-            **base,
-            committed_offset=committer.committed,
-            log_end_offset=log_end,
-            log_end_age_s=log_end_age,
-            in_flight=dispatcher.in_flight,
-            in_window=dispatcher.in_window,
-            window_bytes=dispatcher.window_bytes,
-            queued=dispatcher.queued,
-            instances=tuple(
-                Instance(s.consumer_id, s.credits, len(s.held)) for s in dispatcher.sessions
-            ),
-            oldest_unsettled_age_s=None if oldest is None else max(0.0, now - oldest),
-            dead_letters_pending=writer.pending if writer is not None else 0,
-            dead_letters_unwritable=writer.too_large if writer is not None else 0,
-            unwritable_dead_letters=(
-                writer.unwritable(UNWRITABLE_SHOWN) if writer is not None else ()
-            ),
-            fetch_paused=fetcher.paused if fetcher is not None else False,
-            degraded=tuple(degraded),
-            counters=counters,
-            settle_latency=dispatcher.settle_latency,
+        return snapshot_of(base, pipeline, now)
+
+    def status(self, *, now: float | None = None) -> ProcessSnapshot:
+        """The process and every partition it runs a pipeline for (the HTTP endpoint's
+        /status and /metrics read only this)."""
+        now = time.monotonic() if now is None else now
+        shown = sorted({*self.pipelines, *(self.pins or ())})
+        return ProcessSnapshot(
+            topic=self.settings.kafka.topic,
+            state=self.state.value,
+            ready=self.is_ready,
+            alive=self.is_alive,
+            grpc_port=self.port,
+            advertised_endpoint=self.endpoint,
+            owner=self.owner,
+            pid=os.getpid(),
+            mode="pinned" if self.pins is not None else "fleet",
+            assigned=tuple(sorted(self._wanted())),
+            partitions=tuple(self.snapshot(p, now=now) for p in shown),
         )
 
     # --- the run ----------------------------------------------------------------------
 
     async def serve(self) -> None:
         """Run in the caller's task until stop(); see the module docstring for the order."""
-        if self.state is not ProxyState.NEW or self._task is not None:
-            raise StateError(f"proxy already {self.state.value}")
+        if self._state is not ProxyState.NEW or self._task is not None:
+            raise StateError(f"proxy already {self._state.value}")
         await self._run()
 
     async def _run(self) -> None:
-        self.state = ProxyState.STARTING
-        endpoint = HttpEndpoint(self.snapshot, self.settings.server.http_address(self.partition))
+        self._state = ProxyState.STARTING
+        endpoint = HttpEndpoint(self.status, self.settings.server.http_address(self.slot))
         try:
             await endpoint.start()
             self.http_port = endpoint.port
-            await self._serve_partition()
+            await self._serve()
         finally:
             await endpoint.stop()  # last, see the module docstring
-            self.state = ProxyState.STOPPED
+            self._state = ProxyState.STOPPED
+        if self._errors:
+            raise self._errors[0]
 
-    async def _serve_partition(self) -> None:
+    async def _serve(self) -> None:
         settings = self.settings
         credentials = server_credentials(settings.tls)  # bad TLS files: fail before opening
         if (warning := overflow_warning(settings.dead_letters)) is not None:
             logger.warning("%s", warning)
-        log = self._log or ConfluentPartition(settings.kafka, self.partition)
-        # Teardown is this stack unwinding: what is pushed last is undone first, so read
-        # the pushes from the bottom up for the module docstring's order.
         async with contextlib.AsyncExitStack() as stack:
-
-            @stack.callback
-            def stopped() -> None:  # once everything below is undone
-                self.state = ProxyState.STOPPED
-
-            ownership = None
-            reader = None
-            if settings.ownership.enabled:
-                leases = self._leases
-                if leases is None:
-                    leases = DynamoDBLeases(
-                        settings.dead_letters, settings.kafka.topic, self.partition
-                    )
-                    stack.callback(leases.close)
-                reader = self._lease_reader
-                if reader is None and self._leases is not None:
-                    reader = MemoryLeaseReader({self.partition: self._leases})
-                elif reader is None:
-                    reader = DynamoDBLeaseReader(settings.dead_letters, settings.kafka.topic)
-                    stack.callback(reader.close)
-                # The endpoint is known now unless the port is picked when bound.
-                endpoint = settings.server.advertised_endpoint(self.partition) or ""
-                self.ownership = ownership = Ownership(
-                    leases, settings.ownership, owner=self.owner, endpoint=endpoint
-                )
-            checkpoints = self._checkpoints
-            if checkpoints is None and settings.commit.encode_settled:
-                checkpoints = DynamoDBCheckpoints(
-                    settings.dead_letters,
-                    settings.kafka.topic,
-                    self.partition,
-                    settings.kafka.group_id,
-                )
-                stack.callback(checkpoints.close)
             store = self._store
             if store is None:
                 store = DynamoDBStore(settings.dead_letters)
                 stack.callback(store.close)
-            thread = KafkaThread()
-            stack.callback(thread.shutdown)
-            lease_lost = ownership.lost if ownership is not None else asyncio.Event()
-
-            if ownership is not None:
-                self.state = ProxyState.STANDBY
-                if not await ownership.acquire(self._closing):
-                    return
-                stack.push_async_callback(ownership.release)  # should Kafka not open
-                self.state = ProxyState.STARTING
-            start_offset, metadata = await thread.run(log.open)
-            stack.push_async_callback(thread.run, log.close)
-            if ownership is not None:
-                # Released before Kafka closes, so a standby takes over at once (release
-                # is safe twice: the one pushed above then does nothing).
-                stack.push_async_callback(ownership.release)
-            settled, failures = await self._restore(start_offset, metadata, checkpoints)
-            if ownership is not None:
-                await ownership.renew()  # the start may have been slow: still ours?
-
-            tracker = CommitTracker(start_offset)
-            notifier = notifier_from_settings(
-                settings.dead_letters, source=f"{settings.kafka.topic}[{self.partition}]"
-            )
-
-            # The dispatcher hands nacked records to the writer, which reports each one
-            # back once it is durable (only then does its offset settle). The writer only
-            # calls back once started, by when `dispatcher` below exists.
-            def dead_letter_written(dl: DeadLetter) -> None:
-                dispatcher.dead_letter_written(dl)
-
-            def dead_letter_unwritable(dl: DeadLetter) -> None:
-                dispatcher.dead_letter_unwritable(dl)
-
-            writer = DeadLetterWriter(
-                store,
-                settings.dead_letters,
-                dead_letter_written,
-                notifier=notifier,
-                on_unwritable=dead_letter_unwritable,
-            )
-            dispatcher = Dispatcher(
-                settings,
-                self.partition,
-                tracker,
-                writer.submit,
-                already_settled=settled,
-                prior_failures=failures,
-            )
+            reader = self._lease_reader
+            if settings.ownership.enabled and reader is None:
+                if self._leases is not None and self.pins:
+                    reader = MemoryLeaseReader({self.pins[0]: self._leases})
+                else:
+                    reader = DynamoDBLeaseReader(settings.dead_letters, settings.kafka.topic)
+                    stack.callback(reader.close)
             topology = Topology(
-                settings,
-                self.owner,
-                leases=reader,
-                partition_count=lambda: thread.run(log.partition_count),
+                settings, self.owner, leases=reader, partition_count=self._partition_count
             )
-            service = TriageService(settings, {self.partition: dispatcher}, topology)
-            server, self.port = create_server(settings, self.partition, service, credentials)
-            stack.push_async_callback(server.stop, None)
-            endpoint = settings.server.advertised_endpoint(self.partition, self.port) or ""
-            if ownership is not None and ownership.endpoint != endpoint:
-                ownership.endpoint = endpoint  # the port was picked when bound: advertise it
-                await ownership.renew()
-            self.endpoint, self.topology = endpoint, topology
-            topology.serve(self.partition, endpoint)
-            fetch_closing = asyncio.Event()
-            fetcher = Fetcher(log, thread, dispatcher, settings.kafka.fetch_batch, fetch_closing)
-            commit_closing = asyncio.Event()
-            committer = Committer(
-                log,
-                thread,
-                tracker,
-                start_offset,
-                settings.commit.interval_s,
-                commit_closing,
-                checkpoints=checkpoints if settings.commit.encode_settled else None,
-                attempts=dispatcher,
-            )
-            watermarks = LogEndWatcher(log, thread, tracker, fetch_closing)
-            self.dispatcher, self.committer, self.fetcher = dispatcher, committer, fetcher
-            self.writer, self.watermarks = writer, watermarks
-
-            def on_lease_lost() -> None:
-                # Synchronously, before any other task runs: nothing more is delivered, and
-                # no commit starts (a new holder may be ahead of us), then the shutdown below.
-                topology.withdraw(self.partition)
-                dispatcher.stop_delivering()
-                fetch_closing.set()
-                commit_closing.set()
-                self._closing.set()
-
-            # The notifier stops after the writer, so the last dead letters are summarized.
-            async with notifier or contextlib.nullcontext(), writer, asyncio.TaskGroup() as tasks:
-                fetch_task = tasks.create_task(fetcher.run(), name="fetcher")
-                tasks.create_task(committer.run(), name="committer")
-                tasks.create_task(dispatcher.run_timers(commit_closing), name="timers")
+            self._service = service = TriageService(settings, {}, topology)
+            self.topology = topology
+            server = None
+            membership = None
+            if self.pins is None:
+                # A fleet process listens at once: it answers Topology, and tells a Hello
+                # for a partition it does not serve where that partition is served.
+                server = await self._listen(stack, service, credentials)
+                membership = await self._join(stack)
+            elif self._log is None and self._parts is None:
+                await self._check_pins()
+            async with asyncio.TaskGroup() as tasks:
                 if self._auth_source is not None:
                     tasks.create_task(self._reload_tokens(service, self._auth_source))
-                tasks.create_task(watermarks.run(), name="log-end")
-                if ownership is not None:
-                    # Renews until the streams have ended (commit_closing), drain included.
-                    tasks.create_task(ownership.keep(commit_closing, on_lease_lost), name="lease")
-                await server.start()
-                self.state = ProxyState.RUNNING
-                self.ready.set()
-                logger.info(
-                    "proxy for %s[%d] serving on port %d from offset %d "
-                    "(%d offsets above it already settled, %d with failed deliveries)",
-                    settings.kafka.topic,
-                    self.partition,
-                    self.port,
-                    start_offset,
-                    len(settled),
-                    len(failures),
-                )
+                if membership is None:
+                    assert self.pins is not None
+                    pinned = [self._launch(tasks, p, store) for p in self.pins]
+                    # A pinned process listens only once it holds every lease it serves: a
+                    # standby is watched through HTTP, and consumers never reach it.
+                    await self._all_leased(pinned)
+                    if not self._closing.is_set():
+                        try:
+                            server = await self._listen(stack, service, credentials)
+                        except (OSError, RuntimeError) as exc:  # port taken: undo the start
+                            self._fail(exc)
+                        else:
+                            for pipeline in pinned:
+                                pipeline.advertise(self.endpoint)
+                else:
+                    tasks.create_task(self._follow(tasks, membership, store), name="membership")
+                tasks.create_task(self._watch_ready(), name="ready")
                 await self._closing.wait()
-                self.state = ProxyState.STOPPING
-                topology.withdraw(self.partition)
-                deadline = time.monotonic() + settings.shutdown.drain_timeout_s
-                logger.info("stopping: fetching stops, draining in-flight work")
-                fetch_closing.set()
-                dispatcher.stop_delivering()
-                await fetch_task
-                await wait_any(dispatcher.quiet, lease_lost, timeout=_left(deadline))
-                logger.debug("drained; %d records still in flight", dispatcher.in_flight)
-                # Lost lease: no commit follows, so waiting for dead letters is pointless.
-                await writer.flush(timeout=0 if lease_lost.is_set() else _left(deadline))
-                logger.debug("dead letters flushed; %d not durable", writer.pending)
+                self._state = ProxyState.STOPPING
+                logger.info("stopping: every partition drains")
                 service.stop_accepting()
-                dispatcher.end_sessions()
-                await server.stop(SERVER_GRACE_S)
+                pipelines = list(self.pipelines.values())
+                for pipeline in pipelines:
+                    pipeline.stop(finish=False)
+                await asyncio.gather(*(p.drained.wait() for p in pipelines))
+                if server is not None:
+                    await server.stop(SERVER_GRACE_S)
                 await service.stop()
                 logger.debug("streams ended; gRPC server stopped")
-                commit_closing.set()
-            if ownership is not None and not ownership.holding:
-                # Settled-but-uncommitted offsets are redelivered by the new holder.
-                raise ownership.lost_error()
-            await committer.commit()
-            logger.info(
-                "stopped; committed offset %d, %d records left for redelivery",
-                committer.committed,
-                dispatcher.in_window,
+                for pipeline in pipelines:
+                    pipeline.finish()
+            # (the membership leaves the group as the stack unwinds)
+
+    async def _listen(
+        self,
+        stack: contextlib.AsyncExitStack,
+        service: TriageService,
+        credentials: grpc.ServerCredentials | None,
+    ) -> grpc.aio.Server:
+        """Bind the gRPC port, start serving; the endpoint is known from now on."""
+        server, self.port = create_server(self.settings, self.slot, service, credentials)
+        stack.push_async_callback(server.stop, None)
+        self.endpoint = self.settings.server.advertised_endpoint(self.slot, self.port) or ""
+        await server.start()
+        return server
+
+    async def _all_leased(self, pipelines: Sequence[PartitionPipeline]) -> None:
+        waiters = [asyncio.ensure_future(p.leased.wait()) for p in pipelines]
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            pending = set(waiters)
+            while pending and not closing.done():
+                _, pending = await asyncio.wait(
+                    {*pending, closing}, return_when=asyncio.FIRST_COMPLETED
+                )
+                pending.discard(closing)
+        finally:
+            for w in [*waiters, closing]:
+                w.cancel()
+            await asyncio.gather(*waiters, closing, return_exceptions=True)
+
+    async def _join(self, stack: contextlib.AsyncExitStack) -> Membership:
+        """Fleet mode: join the deployment's consumer group (exit 3 when its coordinator
+        cannot be reached)."""
+        from triage_proxy.assignment import Assignment
+
+        membership = self.membership
+        if membership is None:
+            membership = self.membership = Assignment(self.settings.kafka, self.owner)
+        await membership.start()
+        stack.push_async_callback(membership.stop)
+        return membership
+
+    async def _check_pins(self) -> None:
+        """ConfigError (exit 2) for a pinned partition the topic does not have."""
+        from triage_proxy.assignment import topic_partitions
+
+        assert self.pins is not None
+        count = await asyncio.to_thread(topic_partitions, self.settings.kafka)
+        outside = [p for p in self.pins if p >= count]
+        if outside:
+            raise ConfigError(
+                "--partition",
+                f"{', '.join(map(str, outside))} outside topic {self.settings.kafka.topic!r}, "
+                f"which has {count} partition(s): 0..{count - 1}",
             )
+
+    def _launch(
+        self, tasks: asyncio.TaskGroup, partition: int, store: DeadLetterStore
+    ) -> PartitionPipeline:
+        pipeline = PartitionPipeline(
+            self.settings,
+            partition,
+            self._parts_for(partition),
+            store,
+            self._routes(),
+            owner=self.owner,
+            # Pinned: not listening yet; the endpoint is known before the port is bound
+            # only when the port is configured.
+            endpoint=self.endpoint or self.settings.server.advertised_endpoint(self.slot) or "",
+            listening=self.pins is None,
+        )
+        self.pipelines[partition] = pipeline
+        tasks.create_task(self._run_pipeline(pipeline), name=f"partition-{partition}")
+        return pipeline
+
+    async def _run_pipeline(self, pipeline: PartitionPipeline) -> None:
+        """One pipeline's task: its failure stops a pinned process (and is what serve()
+        raises); in fleet mode a lost lease only ends the pipeline."""
+        try:
+            await pipeline.serve()
+        except OwnershipLost as exc:
+            if self.pins is None:
+                logger.warning("partition %d: %s", pipeline.partition, exc)
+            else:
+                self._fail(exc)
+        except TriageError as exc:
+            self._fail(exc)
+        except Exception as exc:
+            logger.exception("partition %d failed", pipeline.partition)
+            self._fail(exc)
+        finally:
+            if self.pipelines.get(pipeline.partition) is pipeline:
+                del self.pipelines[pipeline.partition]
+            if self.membership is not None:
+                self.membership.changed.set()  # still assigned here? then wait as a standby
+
+    def _fail(self, exc: BaseException) -> None:
+        self._errors.append(exc)
+        self._closing.set()
+
+    def _routes(self) -> _Routes:
+        assert self._service is not None
+        assert self.topology is not None
+        return _Routes(self._service, self.topology, lambda: self.endpoint)
+
+    def _parts_for(self, partition: int) -> PartitionParts:
+        """The real adapters of `partition` (or the injected twins)."""
+        if self._parts is not None:
+            return self._parts(partition)
+        settings = self.settings
+        made: list[Callable[[], None]] = []
+        log = self._log or self._new_log(partition)
+        leases = None
+        if settings.ownership.enabled:
+            leases = self._leases
+            if leases is None:
+                leases = DynamoDBLeases(settings.dead_letters, settings.kafka.topic, partition)
+                made.append(leases.close)
+        checkpoints = self._checkpoints
+        if checkpoints is None and settings.commit.encode_settled:
+            checkpoints = DynamoDBCheckpoints(
+                settings.dead_letters, settings.kafka.topic, partition, settings.kafka.group_id
+            )
+            made.append(checkpoints.close)
+
+        def close() -> None:
+            for fn in made:
+                fn()
+
+        return PartitionParts(log, checkpoints, leases, close)
+
+    def _new_log(self, partition: int) -> PartitionLog:
+        log = ConfluentPartition(self.settings.kafka, partition)
+        if self.membership is not None:
+            from triage_proxy.assignment import MemberCommits
+
+            return MemberCommits(log, self.membership, partition)  # commits as a member
+        return log
+
+    async def _partition_count(self) -> int:
+        """The topic's partition count for Topology: from the group membership, else from
+        any open pipeline."""
+        if self.membership is not None:
+            return await self.membership.partition_count()
+        for pipeline in list(self.pipelines.values()):
+            with contextlib.suppress(BrokerUnavailable):
+                return await pipeline.partition_count()
+        raise BrokerUnavailable("no partition is open yet")
+
+    async def _watch_ready(self) -> None:
+        """RUNNING (and `ready` set) once every partition it should serve at start
+        delivers; RUNNING stays (readiness then follows the pipelines, see is_ready)."""
+        while not self._closing.is_set():
+            if self._started():
+                self._state = ProxyState.RUNNING
+                self.ready.set()
+                logger.info(
+                    "proxy serving %s partitions %s on port %d",
+                    self.settings.kafka.topic,
+                    sorted(self.pipelines),
+                    self.port,
+                )
+                return
+            await wait_any(self._closing, timeout=0.02)
+
+    def _started(self) -> bool:
+        if self.membership is not None and not self.membership.joined:
+            return False
+        wanted = self._wanted()
+        return all(
+            (p := self.pipelines.get(n)) is not None and p.state is PipelineState.RUNNING
+            for n in wanted
+        )
+
+    async def _follow(
+        self, tasks: asyncio.TaskGroup, membership: Membership, store: DeadLetterStore
+    ) -> None:
+        """Fleet mode: start a pipeline for each partition the group gives this process,
+        drain the ones it takes away (see assignment.py for when), until stop()."""
+        while not self._closing.is_set():
+            wanted = membership.target()
+            for partition, pipeline in list(self.pipelines.items()):
+                if partition not in wanted and not pipeline.stopping:
+                    logger.info("partition %d was assigned elsewhere: draining it", partition)
+                    pipeline.stop()
+            for partition in sorted(wanted - set(self.pipelines)):
+                logger.info("partition %d assigned here: taking its lease", partition)
+                self._launch(tasks, partition, store)
+            await wait_any(membership.changed, self._closing, timeout=membership.next_decision_in())
+            membership.changed.clear()
 
     async def _reload_tokens(
         self, service: TriageService, source: Callable[[], AuthSettings]
@@ -465,46 +618,22 @@ class Proxy:
                 continue
             service.update_tokens(auth.active())
 
-    async def _restore(
-        self, committed: int, metadata: str | None, checkpoints: CheckpointStore | None
-    ) -> tuple[list[int], dict[int, int]]:
-        """What a previous run left: the offsets it settled above `committed` (from the
-        commit's metadata, else from the checkpoint item) and the failed-delivery counts
-        of its unsettled messages (from the item), both unless the item is newer than
-        Kafka's commit. Trouble here only costs redeliveries (or attempts counted again),
-        so it is logged and ignored."""
-        if not self.settings.commit.encode_settled:
-            return [], {}
-        found = None
-        if checkpoints is not None:
-            try:
-                found = await asyncio.to_thread(checkpoints.get)
-            except TableUnavailable as exc:
-                logger.warning("ignoring the checkpoint item: %s", exc)
-        if found is not None and found.committed > committed:
-            found = None  # newer than Kafka's commit (the group was rewound): unusable
-        # The item may trail Kafka by a commit (it is written just after it). Offsets
-        # settled then are still settled now; the ones below Kafka's commit drop out, and
-        # so do their counts.
-        settled: list[int] = []
-        try:
-            if metadata:
-                settled = decode_settled(committed, metadata)
-            elif found is not None:
-                settled = [
-                    o for o in decode_settled(found.committed, found.settled) if o >= committed
-                ]
-        except CheckpointError as exc:
-            logger.warning("ignoring the settled-above checkpoint: %s", exc)
-        failures: dict[int, int] = {}
-        try:
-            if found is not None:
-                counts = decode_attempts(found.committed, found.attempts)
-                failures = {o: n for o, n in counts.items() if o >= committed}
-        except CheckpointError as exc:
-            logger.warning("ignoring the failed-delivery counts of the checkpoint: %s", exc)
-        return settled, failures
 
+class _Routes:
+    """Where a pipeline registers its partition: the service routes Hellos to it and
+    Topology names this process's endpoint for it."""
 
-def _left(deadline: float) -> float:
-    return max(0.0, deadline - time.monotonic())
+    def __init__(
+        self, service: TriageService, topology: Topology, endpoint: Callable[[], str]
+    ) -> None:
+        self._service = service
+        self._topology = topology
+        self._endpoint = endpoint
+
+    def serve(self, partition: int, dispatcher: Dispatcher) -> None:
+        self._service.serve_partition(partition, dispatcher)
+        self._topology.serve(partition, self._endpoint())
+
+    def withdraw(self, partition: int) -> None:
+        self._service.withdraw_partition(partition)
+        self._topology.withdraw(partition)

@@ -1,15 +1,19 @@
-"""The HTTP endpoint: one proxy's HTTP endpoint for monitoring and orchestration.
+"""The HTTP endpoint: one proxy process's HTTP endpoint for monitoring and orchestration.
 
-    GET /metrics   Prometheus text format (this proxy's own registry, see metrics.py)
+    GET /metrics   Prometheus text format (this proxy's own registry, see metrics.py): one
+                   sample per partition the process runs, labelled `partition`
     GET /healthz   liveness: 200 while the proxy's event loop answers (and it has not stopped)
-    GET /readyz    readiness: 200 only while RUNNING and delivering; 503 while starting,
-                   standing by for the partition lease, or stopping
-    GET /status    JSON snapshot (`snapshot.ProxySnapshot.to_json`); `triage status` reads it
+    GET /readyz    readiness: 200 only while every partition it should serve is delivering
+                   (pinned: every pin; fleet: it joined the group and serves what it was
+                   assigned); 503 while starting, standing by for a lease, or stopping
+    GET /status    JSON snapshot (`snapshot.ProcessSnapshot.to_json`: the process and a
+                   document per partition, `partitions`); `triage status` reads it
 
 It runs on the proxy's event loop (aiohttp), starts before the proxy opens Kafka so a
 standby or a slow start can be watched, and stops last. It carries no secrets and no
 payloads, so it has no token; bind it to an interface only monitoring can reach.
-It reads the proxy only through `Proxy.snapshot` (passed in), never the proxy itself.
+It reads the proxy only through `Proxy.status` (passed in), never the proxy itself; a
+one-partition `ProxySnapshot` is taken as a process serving that partition.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from triage_proxy.errors import ConfigError, StateError
 from triage_proxy.metrics import proxy_registry
-from triage_proxy.snapshot import ProxySnapshot
+from triage_proxy.snapshot import ProcessSnapshot, ProxySnapshot, as_process
 
 logger = logging.getLogger(__name__)
 
@@ -39,18 +43,23 @@ class EndpointState(enum.Enum):
 
 
 class HttpEndpoint:
-    """Serves /metrics, /healthz, /readyz and /status for one proxy."""
+    """Serves /metrics, /healthz, /readyz and /status for one proxy process."""
 
     def __init__(
-        self, snapshot: Callable[[], ProxySnapshot], address: tuple[str, int] | None
+        self,
+        snapshot: Callable[[], ProcessSnapshot | ProxySnapshot],
+        address: tuple[str, int] | None,
     ) -> None:
-        self._snapshot = snapshot
+        self._source = snapshot
         self._address = address
         self._registry = proxy_registry(snapshot)
         self._runner: web.AppRunner | None = None
         self.state = EndpointState.NEW
         self.port: int | None = None
         """The port bound (None when `server.http_port` turns the endpoint off)."""
+
+    def _snapshot(self) -> ProcessSnapshot:
+        return as_process(self._source())
 
     async def start(self) -> None:
         if self.state is not EndpointState.NEW:

@@ -1,4 +1,5 @@
-"""What one proxy reports, as Prometheus metrics: its `ProxySnapshot`, rendered at scrape time.
+"""What one proxy process reports, as Prometheus metrics: the `ProxySnapshot` of every
+partition it runs (its `ProcessSnapshot`), rendered at scrape time.
 
 Why collected at scrape time: the dispatcher, committer and dead-letter writer already
 keep the totals an operator asks for (`dispatcher.Counters` and friends), so a custom
@@ -7,7 +8,8 @@ pays nothing. The one per-message measure, the settle latency, is a `LatencyHist
 (snapshot.py), exported here as a Prometheus histogram.
 
 Each proxy has its own `CollectorRegistry` (tests run several proxies in one process,
-and the global registry would mix them). Every metric carries `topic` and `partition`:
+and the global registry would mix them). Every metric carries `topic` and `partition`;
+a process serving several partitions exports one sample per partition in each family:
 
     counters   triage_fetched_total, triage_delivered_total, triage_redelivered_total,
                triage_acked_total, triage_nacked_total, triage_retried_total,
@@ -35,7 +37,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from triage_proxy.snapshot import ProxySnapshot
+from triage_proxy.snapshot import ProcessSnapshot, ProxySnapshot, as_process
 
 COUNTERS = (
     "fetched",
@@ -51,72 +53,93 @@ COUNTERS = (
 """`dispatcher.Counters` fields exported as `triage_<name>_total`."""
 
 
-def metric_families(snap: ProxySnapshot) -> Iterator[Metric]:
-    """Render a snapshot as Prometheus metric families (pure: tests call it directly)."""
+def metric_families(*snaps: ProxySnapshot) -> Iterator[Metric]:
+    """Render partition snapshots as Prometheus metric families, one sample per partition
+    in each (pure: tests call it directly)."""
     labels = ["topic", "partition"]
-    values = [snap.topic, str(snap.partition)]
 
-    def gauge(name: str, doc: str, value: float | None) -> Iterator[Metric]:
-        if value is not None:
-            family = GaugeMetricFamily(f"triage_{name}", doc, labels=labels)
-            family.add_metric(values, value)
+    def values(snap: ProxySnapshot) -> list[str]:
+        return [snap.topic, str(snap.partition)]
+
+    def gauge(
+        name: str, doc: str, value: Callable[[ProxySnapshot], float | None]
+    ) -> Iterator[Metric]:
+        family = GaugeMetricFamily(f"triage_{name}", doc, labels=labels)
+        found = False
+        for snap in snaps:
+            v = value(snap)
+            if v is not None:
+                family.add_metric(values(snap), v)
+                found = True
+        if found:
             yield family
 
     for name in COUNTERS:
         family = CounterMetricFamily(
             f"triage_{name}", f"Records {name.replace('_', ' ')} so far.", labels=labels
         )
-        family.add_metric(values, snap.counters.get(name, 0))
+        for snap in snaps:
+            family.add_metric(values(snap), snap.counters.get(name, 0))
         yield family
     commits = CounterMetricFamily("triage_commits", "Offset commits Kafka took.", labels=labels)
-    commits.add_metric(values, snap.counters.get("commits", 0))
+    for snap in snaps:
+        commits.add_metric(values(snap), snap.counters.get("commits", 0))
     yield commits
-    if snap.settle_latency is not None:
-        h = snap.settle_latency
+    timed = [snap for snap in snaps if snap.settle_latency is not None]
+    if timed:
         hist = HistogramMetricFamily(
             "triage_settle_latency_seconds",
             "Time from a delivery to its ack or nack.",
             labels=labels,
         )
-        hist.add_metric(values, h.cumulative(), h.total)
+        for snap in timed:
+            h = snap.settle_latency
+            assert h is not None
+            hist.add_metric(values(snap), h.cumulative(), h.total)
         yield hist
-    yield from gauge("ready", "1 while the proxy is running and delivering.", float(snap.ready))
-    yield from gauge("in_flight", "Delivered and unsettled records.", snap.in_flight)
-    yield from gauge("in_window_messages", "Fetched and unsettled records.", snap.in_window)
-    yield from gauge("in_window_bytes", "Payload bytes of the window.", snap.window_bytes)
-    yield from gauge("window_max_messages", "window.max_messages.", snap.window_max_messages)
-    yield from gauge("window_max_bytes", "window.max_bytes.", snap.window_max_bytes)
-    yield from gauge("committed_offset", "Last committed offset.", snap.committed_offset)
-    yield from gauge("log_end_offset", "The partition's log end offset.", snap.log_end_offset)
-    yield from gauge("lag", "Log end offset minus committed offset.", snap.lag)
-    yield from gauge("connected_instances", "Connected consumer instances.", len(snap.instances))
+    yield from gauge(
+        "ready", "1 while the proxy is running and delivering.", lambda s: float(s.ready)
+    )
+    yield from gauge("in_flight", "Delivered and unsettled records.", lambda s: s.in_flight)
+    yield from gauge("in_window_messages", "Fetched and unsettled records.", lambda s: s.in_window)
+    yield from gauge("in_window_bytes", "Payload bytes of the window.", lambda s: s.window_bytes)
+    yield from gauge("window_max_messages", "window.max_messages.", lambda s: s.window_max_messages)
+    yield from gauge("window_max_bytes", "window.max_bytes.", lambda s: s.window_max_bytes)
+    yield from gauge("committed_offset", "Last committed offset.", lambda s: s.committed_offset)
+    yield from gauge(
+        "log_end_offset", "The partition's log end offset.", lambda s: s.log_end_offset
+    )
+    yield from gauge("lag", "Log end offset minus committed offset.", lambda s: s.lag)
+    yield from gauge(
+        "connected_instances", "Connected consumer instances.", lambda s: len(s.instances)
+    )
     yield from gauge(
         "oldest_unsettled_age_seconds",
         "Age of the oldest unsettled record in the window (0 when empty).",
-        snap.oldest_unsettled_age_s or 0.0 if snap.committed_offset is not None else None,
+        lambda s: s.oldest_unsettled_age_s or 0.0 if s.committed_offset is not None else None,
     )
     yield from gauge(
-        "dead_letters_pending", "Dead letters not yet durable.", snap.dead_letters_pending
+        "dead_letters_pending", "Dead letters not yet durable.", lambda s: s.dead_letters_pending
     )
     yield from gauge(
         "dead_letters_unwritable",
         "Dead letters that can never be written as they are (over DynamoDB's item limit): "
         "held, so the commit waits at the first; see /status for the offset and the fix.",
-        snap.dead_letters_unwritable,
+        lambda s: s.dead_letters_unwritable,
     )
 
 
 class ProxyCollector(Collector):
-    """Reads one proxy at scrape time."""
+    """Reads one proxy process (every partition it runs) at scrape time."""
 
-    def __init__(self, snapshot: Callable[[], ProxySnapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], ProcessSnapshot | ProxySnapshot]) -> None:
         self._snapshot = snapshot
 
     def collect(self) -> Iterable[Metric]:
-        return list(metric_families(self._snapshot()))
+        return list(metric_families(*as_process(self._snapshot()).partitions))
 
 
-def proxy_registry(snapshot: Callable[[], ProxySnapshot]) -> CollectorRegistry:
+def proxy_registry(snapshot: Callable[[], ProcessSnapshot | ProxySnapshot]) -> CollectorRegistry:
     """A registry of its own for the proxy `snapshot` reads (never the process-global one)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ProxyCollector(snapshot))

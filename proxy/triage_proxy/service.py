@@ -6,11 +6,15 @@ or missing token gets UNAUTHENTICATED and never a byte of data, on every method.
 accepted stream gets a session of its partition's dispatcher; a reader task applies its
 settlements while the handler itself writes the session's outbox to the wire.
 
-The service knows the set of partitions its process serves (a dispatcher each; today
-one). A Hello names its partition, or none: then the only one served (older clients).
-A partition not served here is refused with FAILED_PRECONDITION, and the trailing
-metadata `triage-owner-endpoint` names where it is served now, from the same source as
-the Topology answer (topology.py), when that is known.
+The service knows the set of partitions its process serves now (a dispatcher each; a
+pipeline adds its partition once it delivers and withdraws it when it drains, see
+partition.py). A Hello names its partition, or none: then the only one served (older
+clients). A Hello without a partition at a process serving none or several is refused
+with INVALID_ARGUMENT, naming the partitions served (such a client must name its
+partition: ask Topology). A partition not served here is refused with
+FAILED_PRECONDITION, and the trailing metadata `triage-owner-endpoint` names where it is
+served now, from the same source as the Topology answer (topology.py), when that is
+known.
 
 Tokens are named (one per consumer app). The service remembers which app each
 stream belongs to (by name: a token is never logged), so `update_tokens` can
@@ -148,6 +152,14 @@ class TriageService(pb_grpc.TriageServicer):
         self._dispatcher_of: dict[Session, Dispatcher] = {}
         """Open streams -> the dispatcher of their partition."""
 
+    def serve_partition(self, partition: int, dispatcher: Dispatcher) -> None:
+        """Route Hellos for `partition` to `dispatcher` from now on."""
+        self._dispatchers[partition] = dispatcher
+
+    def withdraw_partition(self, partition: int) -> None:
+        """No new stream for `partition` (its streams open now go on until they end)."""
+        self._dispatchers.pop(partition, None)
+
     def stop_accepting(self) -> None:
         """New streams are refused with UNAVAILABLE from now on (shutdown)."""
         self._accepting = False
@@ -247,7 +259,11 @@ class TriageService(pb_grpc.TriageServicer):
         served = sorted(self._dispatchers)
         if not hello.HasField("partition"):
             if len(served) != 1:
-                raise FrameError(f"Hello must name a partition: this proxy serves {served}")
+                raise FrameError(
+                    "Hello must name a partition: this proxy serves "
+                    f"{', '.join(map(str, served)) or 'no partition now'} "
+                    "(only a proxy serving exactly one takes a Hello without one; ask Topology)"
+                )
             return served[0]
         partition = hello.partition
         if partition < 0:
@@ -257,7 +273,7 @@ class TriageService(pb_grpc.TriageServicer):
         topic = self._settings.kafka.topic
         answer = await self._topology.answer()
         route = answer.route(partition)
-        here = f"this proxy serves {', '.join(map(str, served))}"
+        here = f"this proxy serves {', '.join(map(str, served)) or 'no partition now'}"
         if route is None:
             raise PartitionNotServed(
                 f"partition {partition} of {topic} does not exist "

@@ -1,6 +1,7 @@
-"""What one proxy reports about itself, as values: `ProxySnapshot` (its state at one
-moment, built by `Proxy.snapshot()`), `Instance`, and the `LatencyHistogram` the
-dispatcher fills and the snapshot carries.
+"""What one proxy reports about itself, as values: `ProxySnapshot` (one partition's
+pipeline at one moment, built by `PartitionPipeline.snapshot()`), `ProcessSnapshot` (the
+process and a `ProxySnapshot` per partition it runs, `Proxy.status()`), `Instance`, and
+the `LatencyHistogram` the dispatcher fills and the snapshot carries.
 
 Why a module of its own: the Prometheus rendering (metrics.py) and the HTTP endpoint
 (http_endpoint.py) read a proxy only through these values, so neither imports the
@@ -105,12 +106,13 @@ class UnwritableDeadLetter:
 
 @dataclass(frozen=True)
 class ProxySnapshot:
-    """One proxy's state at one moment (`Proxy.snapshot()`); metrics and /status render it."""
+    """One partition's pipeline at one moment (`Proxy.snapshot()`); metrics and /status
+    render it (inside its process's `ProcessSnapshot`)."""
 
     topic: str
     """The proxied topic."""
     partition: int
-    """The partition this proxy owns."""
+    """The partition of this pipeline."""
     state: str
     """`ProxyState` value (starting, standby, running, stopping, ...)."""
     ready: bool
@@ -186,3 +188,76 @@ class ProxySnapshot:
             h = self.settle_latency
             doc["settle_latency_mean_s"] = round(h.total / h.count, 6)
         return doc
+
+
+@dataclass(frozen=True)
+class ProcessSnapshot:
+    """One proxy process at one moment (`Proxy.status()`): the process, and one
+    `ProxySnapshot` per partition it runs a pipeline for. /status and metrics render it."""
+
+    topic: str
+    """The proxied topic."""
+    state: str
+    """`ProxyState` value of the process."""
+    ready: bool
+    """Every partition it should serve is delivering (what /readyz answers)."""
+    alive: bool
+    """Started and not yet stopped (what /healthz answers)."""
+    grpc_port: int = 0
+    """The gRPC port bound (0 before it listens)."""
+    advertised_endpoint: str = ""
+    """host:port consumers are given for every partition this process serves."""
+    owner: str = ""
+    """The process's id: its lease owner id, and the owner Topology names."""
+    pid: int = 0
+    """Its operating-system process id."""
+    mode: str = "pinned"
+    """"pinned" (`--partition`) or "fleet" (assigned by the consumer group)."""
+    assigned: tuple[int, ...] = ()
+    """Pinned: the pins; fleet: what the group coordinator assigned it last."""
+    partitions: tuple[ProxySnapshot, ...] = ()
+    """One per pipeline it runs now (standby, starting, running or stopping)."""
+
+    @property
+    def served(self) -> list[int]:
+        """Partitions it delivers now."""
+        return [p.partition for p in self.partitions if p.ready]
+
+    def to_json(self) -> dict[str, Any]:
+        """The /status document: the process, `partitions` (one document each), and, when
+        it runs exactly one pipeline, that pipeline's fields at the top level too (what a
+        one-partition proxy answered before a process served several)."""
+        doc: dict[str, Any] = {}
+        if len(self.partitions) == 1:
+            doc.update(self.partitions[0].to_json())
+        doc.update(
+            topic=self.topic,
+            state=self.state,
+            ready=self.ready,
+            grpc_port=self.grpc_port,
+            advertised_endpoint=self.advertised_endpoint,
+            owner=self.owner,
+            pid=self.pid,
+            mode=self.mode,
+            assigned=list(self.assigned),
+            served=self.served,
+            partitions=[p.to_json() for p in self.partitions],
+        )
+        return doc
+
+
+def as_process(snap: ProcessSnapshot | ProxySnapshot) -> ProcessSnapshot:
+    """A one-partition view as the process that serves it (what the HTTP endpoint and
+    metrics take: a process, however many partitions it serves)."""
+    if isinstance(snap, ProcessSnapshot):
+        return snap
+    return ProcessSnapshot(
+        topic=snap.topic,
+        state=snap.state,
+        ready=snap.ready,
+        alive=snap.alive,
+        grpc_port=snap.grpc_port,
+        advertised_endpoint=snap.advertised_endpoint,
+        assigned=(snap.partition,),
+        partitions=(snap,),
+    )

@@ -1,4 +1,4 @@
-"""What a starting proxy takes from the previous run (app.py `_restore`): the offsets
+"""What a starting proxy takes from the previous run (partition.py `restore`): the offsets
 settled above the commit and the failed-delivery counts, with in-memory twins only."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
+from triage_proxy import partition
 from triage_proxy.app import Proxy
 from triage_proxy.kafka import MemoryPartition
 from triage_proxy.settings import Settings, settings_from_dict
@@ -47,8 +48,7 @@ def checkpoint(committed: int, settled: list[int], counts: dict[int, int]) -> Me
 def restore(
     checkpoints: MemoryCheckpoints, committed: int, metadata: str | None = None
 ) -> tuple[list[int], dict[int, int]]:
-    proxy = Proxy(make_settings(), 0, checkpoints=checkpoints)
-    return asyncio.run(proxy._restore(committed, metadata, checkpoints))
+    return asyncio.run(partition.restore(make_settings(), committed, metadata, checkpoints))
 
 
 def test_a_trailing_checkpoint_gives_what_is_still_above_the_commit() -> None:
@@ -85,8 +85,8 @@ def test_garbled_counts_are_ignored_but_the_settled_set_is_kept(
 
 def test_without_the_encoding_nothing_is_restored() -> None:
     store = checkpoint(10, [12], {11: 4})
-    proxy = Proxy(make_settings(encode_settled=False), 0, checkpoints=store)
-    assert asyncio.run(proxy._restore(10, None, store)) == ([], {})
+    settings = make_settings(encode_settled=False)
+    assert asyncio.run(partition.restore(settings, 10, None, store)) == ([], {})
 
 
 async def until(predicate: Callable[[], bool], within: float = 10.0) -> None:
@@ -99,7 +99,7 @@ async def until(predicate: Callable[[], bool], within: float = 10.0) -> None:
 def test_a_restarted_proxy_continues_the_counts(caplog: pytest.LogCaptureFixture) -> None:
     # Offset 0 had failed four times of five, offset 1 all five: 1 is dead-lettered at
     # once, 0 waits its gap (4/7 of 7 s) and then has one attempt left.
-    caplog.set_level(logging.INFO, logger="triage_proxy.app")
+    caplog.set_level(logging.INFO, logger="triage_proxy.partition")
     log = MemoryPartition("orders", 0)
     for value in (b"pill", b"spent", b"fine"):
         log.append(value)
