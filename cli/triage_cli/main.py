@@ -67,7 +67,7 @@ def proxy(
 ) -> None:
     """Run one proxy for one partition until SIGTERM/SIGINT (then drain and commit).
 
-    SIGHUP re-reads the [auth] section of the config: revoked tokens are refused from
+    SIGHUP re-reads the \\[auth] section of the config: revoked tokens are refused from
     then on and their open streams end; a bad file keeps the current tokens."""
     import asyncio
     import dataclasses
