@@ -169,6 +169,7 @@ class Sources:
     def __init__(self, settings: Settings, host: str | None) -> None:
         from confluent_kafka import Consumer
 
+        from triage_proxy.kafkalog import KafkaLog
         from triage_proxy.table.query import DeadLetterTable
 
         self.settings = settings
@@ -177,6 +178,8 @@ class Sources:
             **settings.kafka.librdkafka_config(),
             "group.id": settings.kafka.group_id,
             "enable.auto.commit": False,
+            # The report names what failed (broker_error): no librdkafka lines on stderr.
+            **KafkaLog(settings.kafka.topic, quiet=True).config(),
         }
         self._consumer: Any = Consumer(config)
         self._table = DeadLetterTable(settings.dead_letters)

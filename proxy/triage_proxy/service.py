@@ -48,6 +48,8 @@ from triage_proxy.errors import (
     grpc_status,
     grpc_trailers,
 )
+from triage_proxy.frames import checked_frames
+from triage_proxy.logthrottle import LogThrottle
 from triage_proxy.settings import Settings, TlsSettings
 from triage_proxy.topology import RouteState, Topology, TopologyAnswer
 
@@ -56,6 +58,16 @@ logger = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 10.0
 MAX_CREDITS = 100_000
 REJECTED_REASON = "offset not held by this instance"
+
+
+_refusals = LogThrottle(logger)
+"""Refused calls and streams: one line per cause per interval, with the caller's address
+(a client retrying a wrong token thousands of times a second writes one line)."""
+
+
+def refused(context: grpc.aio.ServicerContext[Any, Any], what: str, why: str) -> None:
+    """Log a refused call or stream, rate-limited per cause (`why`), naming the peer."""
+    _refusals.warning(why, "refused %s from %s: %s", what, context.peer(), why)
 
 
 # Generic only in the type stubs, hence the string.
@@ -77,6 +89,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         self.replace(tokens)
 
         async def deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+            refused(context, "a call", "missing or wrong token")
             await _refuse(context, AuthError("missing or wrong token"))
 
         # One per kind of method, so a unary call is refused as a unary call.
@@ -116,7 +129,6 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
     ) -> _Handler | None:
         if self.identify(details.invocation_metadata) is not None:
             return await continuation(details)
-        logger.warning("refused a call to %s: missing or wrong token", details.method)
         handler = await continuation(details)  # only to learn the method's kind
         if handler is None:
             return self._deny[True, True]
@@ -144,6 +156,8 @@ class TriageService(pb_grpc.TriageServicer):
         """Streams ended because their app's token was revoked (they end UNAUTHENTICATED)."""
         self._dispatcher_of: dict[Session, Dispatcher] = {}
         """Open streams -> the dispatcher of their partition."""
+        self._broken: dict[Session, FrameError] = {}
+        """Streams whose frames broke the protocol after Hello (they end INVALID_ARGUMENT)."""
 
     def stop_accepting(self) -> None:
         """New streams are refused with UNAVAILABLE from now on (shutdown)."""
@@ -192,6 +206,7 @@ class TriageService(pb_grpc.TriageServicer):
             app = self.auth.identify(context.invocation_metadata())
             if app is None:  # revoked since the interceptor let it in
                 raise AuthError("missing or wrong token")
+            request_iterator = checked_frames(request_iterator)  # FrameError, not a traceback
             hello = await _hello(request_iterator)
             partition = await self._partition_for(hello)
             dispatcher = self._dispatchers[partition]
@@ -219,6 +234,9 @@ class TriageService(pb_grpc.TriageServicer):
                     if frame is None:
                         break
                     yield frame
+                broken = self._broken.pop(session, None)
+                if broken is not None:
+                    raise broken
                 if session in self._revoked:
                     logger.info(
                         "ended the stream of %s: app %r was revoked", for_log(consumer_id), app
@@ -227,12 +245,13 @@ class TriageService(pb_grpc.TriageServicer):
             finally:
                 self._apps.pop(session, None)
                 self._revoked.discard(session)
+                self._broken.pop(session, None)
                 self._dispatcher_of.pop(session, None)
                 reader.cancel()
                 dispatcher.close_session(session)
         except TriageError as exc:
             if isinstance(exc, FrameError | PartitionNotServed):  # no unescaped client text
-                logger.warning("refused a stream from %s: %s", context.peer(), exc)
+                refused(context, "a stream", str(exc))
             await _refuse(context, exc)
 
     async def _partition_for(self, hello: pb.Hello) -> int:
@@ -299,6 +318,10 @@ class TriageService(pb_grpc.TriageServicer):
                     session.outbox.put_nowait(pb.ProxyFrame(rejected=rejected_frame))
         except grpc.aio.AioRpcError as exc:
             logger.debug("stream of %s broke: %s", for_log(session.consumer_id), exc.code())
+        except FrameError as exc:
+            # Garbage or a second Hello after the first: the stream ends INVALID_ARGUMENT.
+            self._broken[session] = exc
+            dispatcher.end_session_now(session)
         except Exception:
             # A bug (in the dispatcher, say): nobody awaits this task, so say it here.
             logger.exception(
