@@ -407,18 +407,22 @@ def check(
         bool, typer.Option("--connect", help="Also reach the broker and the dead-letter table.")
     ] = False,
 ) -> None:
-    """Validate a config; on error name the offending key and exit 2."""
+    """Validate a config and what it points at (TLS files, addresses, secret references,
+    librdkafka properties) as the proxy will at start; on error name the key and exit 2."""
     from triage_proxy.deadletter import overflow_warning
+    from triage_proxy.preflight import file_warnings, preflight
     from triage_proxy.settings import load_settings
 
     with exit_on_errors():
         settings = load_settings(config)
+        preflight(settings, network=connect)  # what the proxy would refuse at start
         typer.echo(f"OK {config}")
         for label, value in summary(settings):
             typer.echo(f"  {label:<14} {value}")
-        warning = overflow_warning(settings.dead_letters)
-        if warning is not None:
-            typer.echo(f"warning: {warning}", err=True)
+        warnings = [overflow_warning(settings.dead_letters), *file_warnings(config)]
+        for warning in warnings:
+            if warning is not None:
+                typer.echo(f"warning: {warning}", err=True)
         if connect:
             _check_connect(settings)
 
@@ -428,7 +432,8 @@ def summary(settings: Settings) -> list[tuple[str, str]]:
     kafka, dlq, server = settings.kafka, settings.dead_letters, settings.server
     partitions = "ask the broker at deploy" if kafka.partitions is None else str(kafka.partitions)
     revoked = f" (revoked: {', '.join(settings.auth.revoked)})" if settings.auth.revoked else ""
-    http = "off" if server.http_port is None else f"{server.host}:{server.http_port} + p"
+    http_at = server.http_address(0)
+    http = "off" if http_at is None else f"{server.http_host}:{server.http_port} + p"
     return [
         ("broker", f"{kafka.bootstrap_servers} ({kafka.security_protocol})"),
         ("topic", kafka.topic),

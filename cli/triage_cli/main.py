@@ -75,7 +75,7 @@ def proxy(
 
     from triage_cli.signals import on_stop_signals
     from triage_proxy.app import Proxy
-    from triage_proxy.service import server_credentials
+    from triage_proxy.preflight import file_warnings, preflight
     from triage_proxy.settings import load_settings
 
     _setup_logging(verbose)
@@ -87,7 +87,12 @@ def proxy(
         if advertised_host:
             server = dataclasses.replace(settings.server, advertised_host=advertised_host)
             settings = dataclasses.replace(settings, server=server)
-        server_credentials(settings.tls)  # a bad TLS file: exit 2 before anything starts
+        # What the proxy would refuse later (a bad TLS file, an address this machine does
+        # not have, an unresolvable secret, a property librdkafka refuses): exit 2 now,
+        # before a port is bound or a lease taken (the supervisor then gives up, no restarts).
+        preflight(settings, network=True)
+        for warning in file_warnings(config):
+            logging.getLogger("triage_proxy").warning("%s", warning)
         if partition < 0:
             raise CommandFailed(ExitCode.BAD_INPUT, "--partition must be >= 0")
 

@@ -2,19 +2,22 @@
 
     GET /metrics   Prometheus text format (this proxy's own registry, see metrics.py)
     GET /healthz   liveness: 200 while the proxy's event loop answers (and it has not stopped)
-    GET /readyz    readiness: 200 only while RUNNING and delivering; 503 while starting,
-                   standing by for the partition lease, or stopping
+    GET /readyz    readiness: 200 only while RUNNING and able to deliver; 503 while
+                   starting, standing by for the partition lease, or stopping, and while
+                   the broker is gone with nothing left to deliver (`not_ready_because`)
     GET /status    JSON snapshot (`snapshot.ProxySnapshot.to_json`); `triage status` reads it
 
 It runs on the proxy's event loop (aiohttp), starts before the proxy opens Kafka so a
 standby or a slow start can be watched, and stops last. It carries no secrets and no
-payloads, so it has no token; bind it to an interface only monitoring can reach.
+payloads, so it has no token; it binds its own interface, `server.http_host` (default
+loopback, whatever `server.host` is), and `server.http_enabled = false` turns it off.
 It reads the proxy only through `Proxy.snapshot` (passed in), never the proxy itself.
 """
 
 from __future__ import annotations
 
 import enum
+import errno
 import logging
 from collections.abc import Callable
 from types import TracebackType
@@ -72,7 +75,10 @@ class HttpEndpoint:
         except OSError as exc:
             await runner.cleanup()
             self.state = EndpointState.STOPPED
-            raise ConfigError("server.http_port", f"cannot listen on {host}:{port}: {exc}") from exc
+            # A port in use is the port's fault; anything else (an address this machine
+            # does not have, a name that does not resolve) the host's.
+            key = "server.http_port" if exc.errno == errno.EADDRINUSE else "server.http_host"
+            raise ConfigError(key, f"cannot listen on {host}:{port}: {exc}") from exc
         self._runner = runner
         self.port = int(runner.addresses[0][1])
         logger.info("metrics, health and status on http://%s:%d", host, self.port)
@@ -113,12 +119,31 @@ class HttpEndpoint:
         return web.Response(status=503, text=f"{snap.state}\n")
 
     async def _readyz(self, request: web.Request) -> web.Response:
-        snap = self._snapshot()
-        if snap.ready:
+        why = not_ready_because(self._snapshot())
+        if why is None:
             return web.Response(text="ready\n")
-        return web.Response(status=503, text=f"{snap.state}\n")
+        return web.Response(status=503, text=f"{why}\n")
 
     async def _status(self, request: web.Request) -> web.Response:
         doc = self._snapshot().to_json()
         doc["http_port"] = self.port
         return web.json_response(doc)
+
+
+BROKER_GONE = "broker unreachable and nothing left to deliver"
+
+
+def not_ready_because(snap: ProxySnapshot) -> str | None:
+    """Why the proxy is not ready, or None when it is (pure; what /readyz answers).
+
+    Ready means RUNNING and able to hand out work: not while the broker is gone (the
+    last fetch or high-watermark query failed, `degraded` names `fetch` or `log_end`)
+    and the window holds nothing to deliver. With records still in the window the proxy
+    keeps serving them, and stays ready; the first good answer from the broker makes it
+    ready again (the watermark is asked every 2 s, see logend.py)."""
+    if not snap.ready:
+        return snap.state
+    broker_gone = "fetch" in snap.degraded or "log_end" in snap.degraded
+    if broker_gone and snap.in_window == 0:
+        return BROKER_GONE
+    return None

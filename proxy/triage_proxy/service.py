@@ -50,6 +50,7 @@ from triage_proxy.errors import (
 )
 from triage_proxy.frames import checked_frames
 from triage_proxy.logthrottle import LogThrottle
+from triage_proxy.preflight import bind_error, check_tls
 from triage_proxy.settings import Settings, TlsSettings
 from triage_proxy.topology import RouteState, Topology, TopologyAnswer
 
@@ -378,6 +379,7 @@ def server_credentials(tls: TlsSettings) -> grpc.ServerCredentials | None:
     before anything else starts. mTLS when `client_ca_file` is set."""
     if tls.cert_file is None or tls.key_file is None:
         return None
+    check_tls(tls)  # garbage, an encrypted key or a mismatch: named, not "Failed to bind"
     chain = _read_pem("tls.cert_file", tls.cert_file, b"CERTIFICATE")
     key = _read_pem("tls.key_file", tls.key_file, b"PRIVATE KEY")
     client_ca = None
@@ -424,10 +426,13 @@ def create_server(
     if credentials is None:
         credentials = server_credentials(settings.tls)
     address = settings.listen_address(partition)
-    if credentials is None:
-        port = server.add_insecure_port(address)
-    else:
-        port = server.add_secure_port(address, credentials)
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
+    except RuntimeError as exc:  # gRPC's "Failed to bind to address": the port, most often
+        raise bind_error(address, exc) from exc
     if port == 0:
-        raise OSError(f"cannot listen on {address}")
+        raise bind_error(address, None)
     return server, port
