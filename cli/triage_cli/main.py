@@ -118,8 +118,12 @@ def dev(
     ] = False,
     messages: Annotated[int, typer.Option(help="Demo: messages to produce.", min=10)] = 2000,
     state_dir: Annotated[
-        Path | None, typer.Option(help="Where config and logs go (default: a temp folder).")
+        Path | None,
+        typer.Option(help="Where config and logs go (default: a temp folder, removed at exit)."),
     ] = None,
+    keep_state: Annotated[
+        bool, typer.Option("--keep-state", help="Keep the temp folder (logs, config) at exit.")
+    ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Start a broker, a DynamoDB endpoint and one proxy per partition on this machine."""
@@ -128,7 +132,10 @@ def dev(
     _setup_logging(verbose)
     if not verbose:
         logging.getLogger().setLevel(logging.WARNING)
-    stack = DevStack(topic=topic, partitions=partitions, state_dir=state_dir)
+    with exit_on_errors():
+        stack = DevStack(
+            topic=topic, partitions=partitions, state_dir=state_dir, keep_state=keep_state
+        )
     with exit_on_errors(), stack:
         if demo:
             from triage_cli.demo import run_demo
