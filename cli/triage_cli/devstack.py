@@ -2,7 +2,8 @@
 
 Start order: broker -> AWS endpoint -> topic and dead-letter table -> config file
 -> one proxy process per partition. Stop order is the reverse, each process by
-PID (SIGTERM, then SIGKILL after a grace period), so nothing outlives the stack.
+PID (SIGTERM, then SIGKILL after a grace period), so nothing outlives the stack; a
+temporary state folder (no --state-dir, no --keep-state) is removed after a clean stop.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -28,7 +30,7 @@ from triage_cli.embedded import (
 )
 from triage_cli.signals import stop_on_signals
 from triage_cli.supervisor import proxy_command
-from triage_proxy.errors import StateError, UnavailableError
+from triage_proxy.errors import ConfigError, StateError, UnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +59,25 @@ class DevStack:
         state_dir: Path | None = None,
         proxy_overrides: dict[str, dict[str, Any]] | None = None,
         start_proxies: bool = True,
+        *,
+        keep_state: bool = False,
     ) -> None:
+        from triage_proxy.settings import topic_problem
+
+        problem = topic_problem(topic)
+        if problem is not None:
+            raise ConfigError("--topic", problem)
+        if state_dir is not None and state_dir.exists() and not state_dir.is_dir():
+            raise ConfigError("--state-dir", f"{state_dir} exists and is not a folder")
         self.topic = topic
         self.partitions = partitions
+        self._temporary = state_dir is None and not keep_state
+        """The state folder is ours to remove after a clean stop (it holds the dev token)."""
         self.state_dir = state_dir or Path(tempfile.mkdtemp(prefix="triage-dev-"))
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError("--state-dir", f"cannot create {self.state_dir}: {exc}") from None
         self.table = TABLE
         self.token = secrets.token_urlsafe(32)
         self.config_path = self.state_dir / "triage.toml"
@@ -192,6 +208,11 @@ class DevStack:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+        clean = exc_type is None or issubclass(exc_type, KeyboardInterrupt)
+        if clean and self._temporary:
+            # Logs and the config with the dev token go; after a failure they stay, so
+            # the message pointing at a log still points at something.
+            shutil.rmtree(self.state_dir, ignore_errors=True)
 
     # --- for people and scripts -------------------------------------------------------
 

@@ -144,14 +144,18 @@ def _show_selection(items: list[dict[str, Any]], json_: bool, would_be: str) -> 
 
 
 def _print_table(items: list[dict[str, Any]], title: str) -> None:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
     from triage_cli.render import item_summary, safe_text, short_text
 
-    table = Table(title=title, title_justify="left")
-    for name, justify, wrap in (
+    # One line per dead letter at any width: the wide columns are cut with an ellipsis
+    # (never folded: a folded cell in a narrow terminal grew every row by empty lines);
+    # `triage dlq show` or --json give the whole text.
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, collapse_padding=True)
+    for name, justify, flexible in (
         ("topic", "left", True),
         ("part", "right", False),
         ("offset", "right", False),
@@ -164,10 +168,16 @@ def _print_table(items: list[dict[str, Any]], title: str) -> None:
         table.add_column(
             name,
             justify=justify,  # type: ignore[arg-type]
-            no_wrap=not wrap,
-            overflow="fold" if wrap else "ellipsis",
-            min_width=8 if wrap else None,
+            # Only the flexible columns give way when the terminal is narrow (rich shrinks
+            # wrappable columns first); their cells never wrap, see `cut` below.
+            no_wrap=not flexible,
+            overflow="ellipsis",
+            min_width=6 if flexible else None,
         )
+
+    def cut(text: str) -> Text:
+        return Text(text, no_wrap=True, overflow="ellipsis")
+
     for item in items:
         info = item_summary(item)
         if info["payload_s3"] is not None:
@@ -176,14 +186,14 @@ def _print_table(items: list[dict[str, Any]], title: str) -> None:
             key = short_text(bytes(item["key"]["B"]) if "key" in item else None, 24)
         reason = safe_text(info["reason"] or "").replace("\n", " ")
         table.add_row(
-            Text(safe_text(info["topic"] or "")),
+            cut(safe_text(info["topic"] or "")),
             str(info["partition"]),
             str(info["offset"]),
             Text(info["status"] or ""),
             str(info["attempts"]),
-            Text(info["dead_lettered_at"] or ""),
-            Text(key),
-            Text(reason if len(reason) <= 80 else reason[:79] + "…"),
+            Text((info["dead_lettered_at"] or "")[:19].replace("T", " ")),  # to the second
+            cut(key),
+            cut(reason if len(reason) <= 80 else reason[:79] + "…"),
         )
     Console(highlight=False).print(table)
 

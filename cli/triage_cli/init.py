@@ -55,11 +55,36 @@ class _Asker:
     def __init__(self, interactive: bool) -> None:
         self.interactive = interactive
 
+    def prompt(self, prompt: str, **options: Any) -> Any:
+        """typer.prompt, except that the end of stdin is bad input (exit 2, naming the
+        question), not an interrupt: click reports both as Abort, so a stop signal is
+        told apart by the handler that sees it."""
+        from triage_cli.signals import on_stop_signals
+
+        interrupted = False
+
+        def stop() -> None:
+            nonlocal interrupted
+            interrupted = True
+            raise KeyboardInterrupt
+
+        with on_stop_signals(stop):
+            try:
+                return typer.prompt(prompt, err=True, **options)
+            except typer.Abort:
+                if interrupted:
+                    raise
+                raise CommandFailed(
+                    ExitCode.BAD_INPUT,
+                    f"stdin ended before an answer to {prompt!r}: answer every question, "
+                    "or give flags with --non-interactive",
+                ) from None
+
     def text(self, flag: str, given: str | None, prompt: str, default: str | None = None) -> str:
         if given is not None:
             return given
         if self.interactive:
-            return str(typer.prompt(prompt, default=default, err=True)).strip()
+            return str(self.prompt(prompt, default=default)).strip()
         if default is None:
             raise CommandFailed(ExitCode.BAD_INPUT, f"{flag} is required with --non-interactive")
         return default
@@ -70,7 +95,7 @@ class _Asker:
             return given or None
         if not self.interactive:
             return None
-        answer = str(typer.prompt(f"{prompt} (empty: none)", default="", err=True)).strip()
+        answer = str(self.prompt(f"{prompt} (empty: none)", default="")).strip()
         return answer or None
 
     def choice(self, flag: str, given: str | None, prompt: str, options: tuple[str, ...]) -> str:
@@ -101,15 +126,17 @@ class _Asker:
                 raise CommandFailed(ExitCode.BAD_INPUT, message)
             _say(message)
 
-    def number(self, flag: str, given: int | None, prompt: str) -> int:
+    def number(
+        self, flag: str, given: int | None, prompt: str, why: CommandFailed | None = None
+    ) -> int:
         if given is not None:
             return given
         if not self.interactive:
-            raise CommandFailed(
+            raise why or CommandFailed(
                 ExitCode.UNAVAILABLE,
                 f"the broker cannot be asked: give {flag} with --non-interactive",
             )
-        return int(typer.prompt(prompt, type=int, err=True))
+        return int(self.prompt(prompt, type=int))
 
 
 def discover_partitions(kafka: dict[str, Any], timeout_s: float = DISCOVERY_TIMEOUT_S) -> int:
@@ -278,6 +305,7 @@ def init(
         DEFAULT_REGION,
         SASL_MECHANISMS,
         SECURITY_PROTOCOLS,
+        topic_problem,
     )
 
     with exit_on_errors():
@@ -310,6 +338,9 @@ def init(
                 ExitCode.BAD_INPUT, "SASL options need a SASL_* --security-protocol"
             )
         kafka["topic"] = ask.text("--topic", topic, "Topic")
+        problem = topic_problem(kafka["topic"])
+        if problem is not None:
+            raise CommandFailed(ExitCode.BAD_INPUT, f"--topic: {problem}")
         kafka["group_id"] = ask.text(
             "--group-id", group_id, "Consumer group", f"triage-{kafka['topic']}"
         )
@@ -353,9 +384,17 @@ def _partitions(kafka: dict[str, Any], given: int | None, ask: _Asker) -> int:
 
     try:
         found = discover_partitions(kafka)
-    except (UnavailableError, ConfigError) as exc:
+    except UnavailableError as exc:
         _say(f"warning: cannot discover the partition count: {exc}")
         return ask.number("--partitions", given, "Number of partitions of the topic")
+    except ConfigError as exc:  # the broker answered: it has no such topic
+        _say(f"warning: {exc.problem}; the proxies will not start until it exists")
+        missing = CommandFailed(
+            ExitCode.NOT_FOUND,
+            f"{exc.problem} ({kafka['bootstrap_servers']}): create it first, or give "
+            "--partitions N with --non-interactive",
+        )
+        return ask.number("--partitions", given, "Number of partitions of the topic", missing)
     if given is not None and given != found:
         raise CommandFailed(
             ExitCode.BAD_INPUT,
@@ -407,18 +446,22 @@ def check(
         bool, typer.Option("--connect", help="Also reach the broker and the dead-letter table.")
     ] = False,
 ) -> None:
-    """Validate a config; on error name the offending key and exit 2."""
+    """Validate a config and what it points at (TLS files, addresses, secret references,
+    librdkafka properties) as the proxy will at start; on error name the key and exit 2."""
     from triage_proxy.deadletter import overflow_warning
+    from triage_proxy.preflight import file_warnings, preflight
     from triage_proxy.settings import load_settings
 
     with exit_on_errors():
         settings = load_settings(config)
+        preflight(settings, network=connect)  # what the proxy would refuse at start
         typer.echo(f"OK {config}")
         for label, value in summary(settings):
             typer.echo(f"  {label:<14} {value}")
-        warning = overflow_warning(settings.dead_letters)
-        if warning is not None:
-            typer.echo(f"warning: {warning}", err=True)
+        warnings = [overflow_warning(settings.dead_letters), *file_warnings(config)]
+        for warning in warnings:
+            if warning is not None:
+                typer.echo(f"warning: {warning}", err=True)
         if connect:
             _check_connect(settings)
 
@@ -428,7 +471,8 @@ def summary(settings: Settings) -> list[tuple[str, str]]:
     kafka, dlq, server = settings.kafka, settings.dead_letters, settings.server
     partitions = "ask the broker at deploy" if kafka.partitions is None else str(kafka.partitions)
     revoked = f" (revoked: {', '.join(settings.auth.revoked)})" if settings.auth.revoked else ""
-    http = "off" if server.http_port is None else f"{server.host}:{server.http_port} + p"
+    http_at = server.http_address(0)
+    http = "off" if http_at is None else f"{server.http_host}:{server.http_port} + p"
     return [
         ("broker", f"{kafka.bootstrap_servers} ({kafka.security_protocol})"),
         ("topic", kafka.topic),

@@ -87,7 +87,7 @@ def proxy(
     topic's fleet: the deployment's consumer group assigns it partitions, and it serves
     each one once it holds that partition's lease.
 
-    SIGHUP re-reads the [auth] section of the config: revoked tokens are refused from
+    SIGHUP re-reads the \\[auth] section of the config: revoked tokens are refused from
     then on and their open streams end; a bad file keeps the current tokens."""
     import asyncio
     import dataclasses
@@ -95,7 +95,7 @@ def proxy(
 
     from triage_cli.signals import on_stop_signals
     from triage_proxy.app import Proxy
-    from triage_proxy.service import server_credentials
+    from triage_proxy.preflight import file_warnings, preflight
     from triage_proxy.settings import load_settings
 
     _setup_logging(verbose)
@@ -111,7 +111,12 @@ def proxy(
         if advertised_host:
             server = dataclasses.replace(settings.server, advertised_host=advertised_host)
             settings = dataclasses.replace(settings, server=server)
-        server_credentials(settings.tls)  # a bad TLS file: exit 2 before anything starts
+        # What the proxy would refuse later (a bad TLS file, an address this machine does
+        # not have, an unresolvable secret, a property librdkafka refuses): exit 2 now,
+        # before a port is bound or a lease taken (the supervisor then gives up, no restarts).
+        preflight(settings, network=True)
+        for warning in file_warnings(config):
+            logging.getLogger("triage_proxy").warning("%s", warning)
 
         async def main() -> None:
             runner = Proxy(
@@ -137,8 +142,12 @@ def dev(
     ] = False,
     messages: Annotated[int, typer.Option(help="Demo: messages to produce.", min=10)] = 2000,
     state_dir: Annotated[
-        Path | None, typer.Option(help="Where config and logs go (default: a temp folder).")
+        Path | None,
+        typer.Option(help="Where config and logs go (default: a temp folder, removed at exit)."),
     ] = None,
+    keep_state: Annotated[
+        bool, typer.Option("--keep-state", help="Keep the temp folder (logs, config) at exit.")
+    ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Start a broker, a DynamoDB endpoint and one proxy per partition on this machine."""
@@ -147,7 +156,10 @@ def dev(
     _setup_logging(verbose)
     if not verbose:
         logging.getLogger().setLevel(logging.WARNING)
-    stack = DevStack(topic=topic, partitions=partitions, state_dir=state_dir)
+    with exit_on_errors():
+        stack = DevStack(
+            topic=topic, partitions=partitions, state_dir=state_dir, keep_state=keep_state
+        )
     with exit_on_errors(), stack:
         if demo:
             from triage_cli.demo import run_demo

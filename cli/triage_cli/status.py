@@ -7,7 +7,7 @@ Each row joins three sources, so one that is down costs only its own columns:
 - the broker (a confluent-kafka client): the group's committed offset and the log end
   (high watermark); lag = log end - committed (log end - low watermark when nothing is
   committed yet). The partition count is `kafka.partitions`, else the topic's metadata.
-- each proxy process's `/status` (`server.host`, or `--host`, at `server.http_port + k`
+- each proxy process's `/status` (`server.http_host`, or `--host`, at `server.http_port + k`
   for k in 0..partitions-1: one process per partition, or a fleet's process slots). A
   process lists the partitions it runs (`partitions`); a partition's row comes from the
   process that serves it (`served_by`: its pid, owner id and endpoint), so a fleet shows
@@ -23,8 +23,10 @@ Each row joins three sources, so one that is down costs only its own columns:
 
 Exit codes (`exitcodes.ExitCode`): 0 every proxy answered; 1 some proxy is down (the
 report is still printed); 2 bad config or flags; 3 the broker could not be read (what
-could be read is printed); `--watch` runs until Ctrl-C or SIGTERM and exits 0 (both
-end it the same way: `exit_on_errors` turns SIGTERM into KeyboardInterrupt).
+could be read is printed: without `kafka.partitions` the partitions are then the proxies
+that answer, 0, 1, ... up to the first that does not; when none answers, no report);
+`--watch` runs until Ctrl-C or SIGTERM and exits 0 (both end it the same way:
+`exit_on_errors` turns SIGTERM into KeyboardInterrupt).
 
 Heavy modules (confluent-kafka, boto3, rich) are imported inside the functions.
 """
@@ -57,6 +59,8 @@ PROXY_TIMEOUT_S = 2.0
 BROKER_TIMEOUT_S = 5.0
 DEFAULT_WATCH_INTERVAL_S = 2.0
 ANY_INTERFACE = ("", "0.0.0.0", "::")
+MAX_PROBED_PARTITIONS = 1024
+"""Most proxies asked in a row when the partition count is unknown (no broker)."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,7 @@ class Sources:
     def __init__(self, settings: Settings, host: str | None) -> None:
         from confluent_kafka import Consumer
 
+        from triage_proxy.kafkalog import KafkaLog
         from triage_proxy.table.query import DeadLetterTable
 
         self.settings = settings
@@ -182,6 +187,8 @@ class Sources:
             **settings.kafka.librdkafka_config(),
             "group.id": settings.kafka.group_id,
             "enable.auto.commit": False,
+            # The report names what failed (broker_error): no librdkafka lines on stderr.
+            **KafkaLog(settings.kafka.topic, quiet=True).config(),
         }
         self._consumer: Any = Consumer(config)
         self._table = DeadLetterTable(settings.dead_letters)
@@ -240,6 +247,14 @@ class Sources:
         if ":" in host:
             host = f"[{host}]"
         return f"http://{host}:{address[1]}/status"
+
+    def answering_proxies(self, most: int = MAX_PROBED_PARTITIONS) -> int:
+        """How many proxies answer /status in a row from partition 0: the partition
+        count when neither the config nor the broker can say."""
+        for partition in range(most):
+            if self._proxy(partition).doc is None:
+                return partition
+        return most
 
     def ask_proxies(self, partitions: int) -> list[Future[ProxyView]]:
         """Ask every proxy at once, in the background; the futures hold the answers."""
@@ -316,10 +331,18 @@ def partition_views(views: Sequence[ProxyView], partitions: int) -> list[ProxyVi
 
 
 def gather(sources: Sources, *, now: Callable[[], float] = time.time) -> Report:
-    """Read every source once; raises BrokerUnavailable only when the partition count
-    cannot be known (no `kafka.partitions` and no broker)."""
+    """Read every source once. Without `kafka.partitions` and without the broker, the
+    partitions are the proxies that answer (0, 1, ... up to the first that does not);
+    raises BrokerUnavailable only when not even proxy 0 answers."""
+    from triage_proxy.errors import BrokerUnavailable
+
     settings = sources.settings
-    count = sources.partitions()
+    try:
+        count = sources.partitions()
+    except BrokerUnavailable:
+        count = sources.answering_proxies()
+        if count == 0:
+            raise
     asked = sources.ask_proxies(count)
     broker = sources.broker(count)
     pending, dl_error = sources.dead_letters(count)
@@ -471,7 +494,7 @@ def status(
     ] = DEFAULT_WATCH_INTERVAL_S,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
     host: Annotated[
-        str | None, typer.Option(help="Ask the proxies on this host instead of server.host.")
+        str | None, typer.Option(help="Ask the proxies on this host instead of server.http_host.")
     ] = None,
 ) -> None:
     """Per partition: committed offset, log end, lag, in-flight, instances, dead letters."""

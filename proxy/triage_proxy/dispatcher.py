@@ -536,7 +536,7 @@ class Dispatcher:
         deadline = self._monotonic() + self._ack_deadline_s
         held = session.held
         extended = []
-        for offset in offsets:
+        for offset in dict.fromkeys(offsets):  # an offset named twice is extended once
             entry = held.get(offset)
             if entry is not None:
                 entry.deadline = deadline

@@ -5,13 +5,16 @@
     GET /healthz   liveness: 200 while the proxy's event loop answers (and it has not stopped)
     GET /readyz    readiness: 200 only while every partition it should serve is delivering
                    (pinned: every pin; fleet: it joined the group and serves what it was
-                   assigned); 503 while starting, standing by for a lease, or stopping
+                   assigned); 503 while starting, standing by for a lease, or stopping,
+                   and while the broker is gone with nothing left to deliver
+                   (`not_ready_because`)
     GET /status    JSON snapshot (`snapshot.ProcessSnapshot.to_json`: the process and a
                    document per partition, `partitions`); `triage status` reads it
 
 It runs on the proxy's event loop (aiohttp), starts before the proxy opens Kafka so a
 standby or a slow start can be watched, and stops last. It carries no secrets and no
-payloads, so it has no token; bind it to an interface only monitoring can reach.
+payloads, so it has no token; it binds its own interface, `server.http_host` (default
+loopback, whatever `server.host` is), and `server.http_enabled = false` turns it off.
 It reads the proxy only through `Proxy.status` (passed in), never the proxy itself; a
 one-partition `ProxySnapshot` is taken as a process serving that partition.
 """
@@ -19,6 +22,7 @@ one-partition `ProxySnapshot` is taken as a process serving that partition.
 from __future__ import annotations
 
 import enum
+import errno
 import logging
 from collections.abc import Callable
 from types import TracebackType
@@ -81,7 +85,10 @@ class HttpEndpoint:
         except OSError as exc:
             await runner.cleanup()
             self.state = EndpointState.STOPPED
-            raise ConfigError("server.http_port", f"cannot listen on {host}:{port}: {exc}") from exc
+            # A port in use is the port's fault; anything else (an address this machine
+            # does not have, a name that does not resolve) the host's.
+            key = "server.http_port" if exc.errno == errno.EADDRINUSE else "server.http_host"
+            raise ConfigError(key, f"cannot listen on {host}:{port}: {exc}") from exc
         self._runner = runner
         self.port = int(runner.addresses[0][1])
         logger.info("metrics, health and status on http://%s:%d", host, self.port)
@@ -122,12 +129,34 @@ class HttpEndpoint:
         return web.Response(status=503, text=f"{snap.state}\n")
 
     async def _readyz(self, request: web.Request) -> web.Response:
-        snap = self._snapshot()
-        if snap.ready:
+        why = not_ready_because(self._snapshot())
+        if why is None:
             return web.Response(text="ready\n")
-        return web.Response(status=503, text=f"{snap.state}\n")
+        return web.Response(status=503, text=f"{why}\n")
 
     async def _status(self, request: web.Request) -> web.Response:
         doc = self._snapshot().to_json()
         doc["http_port"] = self.port
         return web.json_response(doc)
+
+
+BROKER_GONE = "broker unreachable and nothing left to deliver"
+
+
+def not_ready_because(snap: ProcessSnapshot | ProxySnapshot) -> str | None:
+    """Why the proxy is not ready, or None when it is (pure; what /readyz answers).
+
+    Ready means RUNNING and able to hand out work on every partition it should serve:
+    not while the broker is gone for one of them (the last fetch or high-watermark query
+    failed, `degraded` names `fetch` or `log_end`) and its window holds nothing to
+    deliver. With records still in the window the proxy keeps serving them, and stays
+    ready; the first good answer from the broker makes it ready again (the watermark is
+    asked every 2 s, see logend.py)."""
+    if not snap.ready:
+        return snap.state
+    parts = snap.partitions if isinstance(snap, ProcessSnapshot) else (snap,)
+    for part in parts:
+        broker_gone = "fetch" in part.degraded or "log_end" in part.degraded
+        if broker_gone and part.in_window == 0:
+            return BROKER_GONE if len(parts) == 1 else f"partition {part.partition}: {BROKER_GONE}"
+    return None

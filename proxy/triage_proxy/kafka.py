@@ -26,8 +26,9 @@ from typing import Any, Protocol, TypeVar
 
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, TopicPartition
 
-from triage_proxy.errors import BrokerUnavailable
-from triage_proxy.settings import KafkaSettings
+from triage_proxy.errors import BrokerUnavailable, ConfigError, NotFoundError, TriageError
+from triage_proxy.kafkalog import GONE_CODES, KafkaLog
+from triage_proxy.settings import KafkaSettings, client_key
 from triage_proxy.structs import Record
 
 logger = logging.getLogger(__name__)
@@ -98,18 +99,15 @@ class ConfluentPartition:
             # caps (default 1 s): short, so the queue refills as soon as we drain it.
             "fetch.queue.backoff.ms": 20,
             "fetch.wait.max.ms": 100,
-            "error_cb": self._on_error,
-            "logger": logger,
+            # error_cb and logger: reported once per cause, never raw on stderr.
+            **KafkaLog(self._settings.topic).config(),
         }
         # Connection and secrets (resolved only now), then our own properties, which win.
         return {**self._settings.librdkafka_config(), **own}
 
-    @staticmethod
-    def _on_error(err: KafkaError) -> None:
-        logger.warning("kafka: %s", err.str())
-
     def open(self) -> tuple[int, str | None]:
         metadata: str | None = None
+        consumer: Any = None
         try:
             consumer = Consumer(self._config())
             committed = consumer.committed([self._tp], timeout=BROKER_TIMEOUT_S)[0]
@@ -123,10 +121,45 @@ class ConfluentPartition:
                 metadata = committed.metadata
             consumer.assign([TopicPartition(self._tp.topic, self._tp.partition, start)])
         except KafkaException as exc:
-            raise BrokerUnavailable(f"opening {self._tp.topic}[{self._tp.partition}]") from exc
+            error = self._open_error(exc, consumer)
+            if consumer is not None:
+                consumer.close()
+            raise error from exc
         self._consumer = consumer
         logger.info("assigned %s[%d] at offset %d", self._tp.topic, self._tp.partition, start)
         return start, metadata
+
+    def _open_error(self, exc: KafkaException, consumer: Any) -> TriageError:
+        """What made `open` fail, keeping librdkafka's cause: a property librdkafka
+        refuses is a ConfigError naming it; a topic or partition the broker does not have
+        is NotFoundError; anything else BrokerUnavailable (the broker may come back)."""
+        err = exc.args[0] if exc.args else None
+        cause = err.str() if isinstance(err, KafkaError) else str(exc)
+        where = f"{self._tp.topic}[{self._tp.partition}]"
+        if isinstance(err, KafkaError) and err.code() == KafkaError._INVALID_ARG:
+            name = cause.split('"')[1] if cause.count('"') >= 2 else ""
+            key = client_key(name) if name in self._settings.client else "kafka.client"
+            return ConfigError(key, f"librdkafka refuses it: {cause}")
+        if consumer is not None and isinstance(err, KafkaError) and err.code() in GONE_CODES:
+            missing = self._missing(consumer)
+            if missing is not None:
+                return NotFoundError(f"cannot open {where}: {missing}")
+        return BrokerUnavailable(f"opening {where}: {cause}")
+
+    def _missing(self, consumer: Any) -> str | None:
+        """Why the broker's metadata has no such partition, or None if it does (or the
+        metadata cannot be read)."""
+        topic, partition = self._tp.topic, self._tp.partition
+        try:
+            meta = consumer.list_topics(topic, timeout=WATERMARK_TIMEOUT_S)
+        except KafkaException:
+            return None
+        found = meta.topics.get(topic)
+        if found is None or found.error is not None or not found.partitions:
+            return f"topic {topic!r} does not exist on {self._settings.bootstrap_servers}"
+        if partition not in found.partitions:
+            return f"topic {topic!r} has {len(found.partitions)} partition(s), not {partition}"
+        return None
 
     def fetch(self, max_records: int) -> list[Record]:
         consumer = self._consumer

@@ -54,7 +54,10 @@ from triage_proxy.errors import (
     grpc_status,
     grpc_trailers,
 )
+from triage_proxy.frames import checked_frames
 from triage_proxy.framing import frame_limit, frame_limit_problem
+from triage_proxy.logthrottle import LogThrottle
+from triage_proxy.preflight import bind_error, check_tls
 from triage_proxy.settings import Settings, TlsSettings
 from triage_proxy.topology import RouteState, Topology, TopologyAnswer
 
@@ -63,6 +66,16 @@ logger = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 10.0
 MAX_CREDITS = 100_000
 REJECTED_REASON = "offset not held by this instance"
+
+
+_refusals = LogThrottle(logger)
+"""Refused calls and streams: one line per cause per interval, with the caller's address
+(a client retrying a wrong token thousands of times a second writes one line)."""
+
+
+def refused(context: grpc.aio.ServicerContext[Any, Any], what: str, why: str) -> None:
+    """Log a refused call or stream, rate-limited per cause (`why`), naming the peer."""
+    _refusals.warning(why, "refused %s from %s: %s", what, context.peer(), why)
 
 
 # Generic only in the type stubs, hence the string.
@@ -84,6 +97,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         self.replace(tokens)
 
         async def deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+            refused(context, "a call", "missing or wrong token")
             await _refuse(context, AuthError("missing or wrong token"))
 
         # One per kind of method, so a unary call is refused as a unary call.
@@ -123,7 +137,6 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
     ) -> _Handler | None:
         if self.identify(details.invocation_metadata) is not None:
             return await continuation(details)
-        logger.warning("refused a call to %s: missing or wrong token", details.method)
         handler = await continuation(details)  # only to learn the method's kind
         if handler is None:
             return self._deny[True, True]
@@ -151,6 +164,8 @@ class TriageService(pb_grpc.TriageServicer):
         """Streams ended because their app's token was revoked (they end UNAUTHENTICATED)."""
         self._dispatcher_of: dict[Session, Dispatcher] = {}
         """Open streams -> the dispatcher of their partition."""
+        self._broken: dict[Session, FrameError] = {}
+        """Streams whose frames broke the protocol after Hello (they end INVALID_ARGUMENT)."""
 
     def serve_partition(self, partition: int, dispatcher: Dispatcher) -> None:
         """Route Hellos for `partition` to `dispatcher` from now on."""
@@ -207,6 +222,7 @@ class TriageService(pb_grpc.TriageServicer):
             app = self.auth.identify(context.invocation_metadata())
             if app is None:  # revoked since the interceptor let it in
                 raise AuthError("missing or wrong token")
+            request_iterator = checked_frames(request_iterator)  # FrameError, not a traceback
             hello = await _hello(request_iterator)
             partition = await self._partition_for(hello)
             dispatcher = self._dispatchers[partition]
@@ -236,6 +252,9 @@ class TriageService(pb_grpc.TriageServicer):
                     if frame is None:
                         break
                     yield frame
+                broken = self._broken.pop(session, None)
+                if broken is not None:
+                    raise broken
                 if session in self._revoked:
                     logger.info(
                         "ended the stream of %s: app %r was revoked", for_log(consumer_id), app
@@ -244,12 +263,13 @@ class TriageService(pb_grpc.TriageServicer):
             finally:
                 self._apps.pop(session, None)
                 self._revoked.discard(session)
+                self._broken.pop(session, None)
                 self._dispatcher_of.pop(session, None)
                 reader.cancel()
                 dispatcher.close_session(session)
         except TriageError as exc:
             if isinstance(exc, FrameError | PartitionNotServed):  # no unescaped client text
-                logger.warning("refused a stream from %s: %s", context.peer(), exc)
+                refused(context, "a stream", str(exc))
             await _refuse(context, exc)
 
     async def _partition_for(self, hello: pb.Hello) -> int:
@@ -325,6 +345,10 @@ class TriageService(pb_grpc.TriageServicer):
                     session.outbox.put_nowait(pb.ProxyFrame(rejected=rejected_frame))
         except grpc.aio.AioRpcError as exc:
             logger.debug("stream of %s broke: %s", for_log(session.consumer_id), exc.code())
+        except FrameError as exc:
+            # Garbage or a second Hello after the first: the stream ends INVALID_ARGUMENT.
+            self._broken[session] = exc
+            dispatcher.end_session_now(session)
         except Exception:
             # A bug (in the dispatcher, say): nobody awaits this task, so say it here.
             logger.exception(
@@ -383,6 +407,7 @@ def server_credentials(tls: TlsSettings) -> grpc.ServerCredentials | None:
     before anything else starts. mTLS when `client_ca_file` is set."""
     if tls.cert_file is None or tls.key_file is None:
         return None
+    check_tls(tls)  # garbage, an encrypted key or a mismatch: named, not "Failed to bind"
     chain = _read_pem("tls.cert_file", tls.cert_file, b"CERTIFICATE")
     key = _read_pem("tls.key_file", tls.key_file, b"PRIVATE KEY")
     client_ca = None
@@ -429,10 +454,13 @@ def create_server(
     if credentials is None:
         credentials = server_credentials(settings.tls)
     address = settings.listen_address(partition)
-    if credentials is None:
-        port = server.add_insecure_port(address)
-    else:
-        port = server.add_secure_port(address, credentials)
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
+    except RuntimeError as exc:  # gRPC's "Failed to bind to address": the port, most often
+        raise bind_error(address, exc) from exc
     if port == 0:
-        raise OSError(f"cannot listen on {address}")
+        raise bind_error(address, None)
     return server, port

@@ -8,6 +8,7 @@ Nothing below the CLI reads files or the environment: `load_settings` resolves
                    "secret:NAME", never inline), client (librdkafka extras)
     [server]       host, port (partition p listens on port + p), max_frame_bytes,
                    http_port (metrics/health/status; partition p on http_port + p),
+                   http_host (its own interface, default loopback), http_enabled,
                    advertised_host, advertised_port (what consumers are told to dial)
     [auth]         token | token_env, tokens (name -> token or "env:VAR"/"secret:NAME"),
                    revoked (names refused even though listed)
@@ -74,6 +75,7 @@ DEFAULT_DLQ_FLUSH_MS = 20
 DEFAULT_DLQ_RETRY_MAX_S = 5.0
 DEFAULT_REGION = "us-east-1"
 DEFAULT_HTTP_PORT = 9700
+DEFAULT_HTTP_HOST = "127.0.0.1"
 DEFAULT_LEASE_S = 10.0
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER")
@@ -273,7 +275,12 @@ class ServerSettings:
     """Largest gRPC frame either side may send; bounds one oversized message."""
     http_port: int | None = _bounded(DEFAULT_HTTP_PORT, 0, MAX_PORT, why="a TCP port")
     """Base port of the HTTP endpoint (/metrics, /healthz, /readyz, /status): partition p
-    serves on http_port + p; 0 picks a free port; None turns it off."""
+    serves on http_port + p; 0 picks a free port; None (in code) turns it off."""
+    http_host: str = DEFAULT_HTTP_HOST
+    """Interface the HTTP endpoint binds: its own, since /status has no token (exposing
+    gRPC on a public interface must not expose it too). Default loopback."""
+    http_enabled: bool = True
+    """False turns the HTTP endpoint off (what a TOML file can say; see http_port)."""
 
     advertised_host: str | None = None
     """Host consumers are given for this deployment's proxies (Topology, the lease item),
@@ -286,9 +293,9 @@ class ServerSettings:
 
     def http_address(self, partition: int) -> tuple[str, int] | None:
         """(host, port) the HTTP endpoint for `partition` binds, or None when off."""
-        if self.http_port is None:
+        if self.http_port is None or not self.http_enabled:
             return None
-        return self.host, self.http_port + partition if self.http_port else 0
+        return self.http_host, self.http_port + partition if self.http_port else 0
 
     def advertised_endpoint(self, partition: int, bound_port: int = 0) -> str | None:
         """host:port consumers dial for `partition` (the one formula, see the two fields
@@ -525,8 +532,19 @@ class Settings:
         if not self.auth.active():
             raise ConfigError("auth.tokens", "no usable token: set auth.token or auth.tokens")
         for name, tok in self.auth.active().items():
-            if len(tok) < 16:
-                raise ConfigError(f"auth.tokens.{name}", "must be at least 16 characters")
+            problem = token_problem(tok)
+            if problem is not None:
+                raise ConfigError(f"auth.tokens.{name}", problem)
+        problem = topic_problem(self.kafka.topic)
+        if problem is not None:
+            raise ConfigError("kafka.topic", problem)
+        for key, url in (
+            ("dead_letters.endpoint_url", self.dead_letters.endpoint_url),
+            ("dead_letters.notify_webhook_url", self.dead_letters.notify_webhook_url),
+        ):
+            problem = None if url is None else url_problem(url)
+            if problem is not None:
+                raise ConfigError(key, problem)
         if self.kafka.security_protocol not in SECURITY_PROTOCOLS:
             raise ConfigError(
                 "kafka.security_protocol", f"must be one of {', '.join(SECURITY_PROTOCOLS)}"
@@ -602,6 +620,57 @@ def _number(key: str, value: object, kind: type, bounds: Bounds) -> None:
         raise ConfigError(key, f"must be a finite number, got {value}")
     if not bounds.holds(value):
         raise ConfigError(key, f"must be {bounds.describe(kind)}, got {value}")
+
+
+MIN_TOKEN_CHARS = 16
+
+
+def token_problem(token: str) -> str | None:
+    """Why `token` cannot be a bearer token, or None. It travels as gRPC metadata
+    (`authorization: Bearer <token>`), which holds printable ASCII only: a token with
+    another character is refused by every client (INTERNAL "Invalid metadata"), and one
+    of spaces is no secret. The message never quotes the token."""
+    if len(token) < MIN_TOKEN_CHARS:
+        return f"must be at least {MIN_TOKEN_CHARS} characters"
+    if not all("!" <= c <= "~" for c in token):
+        return (
+            "must be printable ASCII without spaces ('!'..'~'): gRPC metadata cannot carry "
+            "other characters, so no client could send it"
+        )
+    return None
+
+
+MAX_TOPIC_CHARS = 249
+"""Kafka's longest topic name."""
+
+
+def topic_problem(topic: str) -> str | None:
+    """Why `topic` is not a Kafka topic name, or None. Kafka allows letters, digits, '.',
+    '_' and '-' (1..249 of them, not '.' or '..'); so never '#', which separates the parts
+    of the dead-letter table's keys (`<topic>#<partition>`, table/items.py)."""
+    allowed = all(c.isascii() and (c.isalnum() or c in "._-") for c in topic)
+    if not topic or len(topic) > MAX_TOPIC_CHARS or not allowed or topic in (".", ".."):
+        return (
+            f"{topic!r} is not a Kafka topic name: 1..{MAX_TOPIC_CHARS} letters, digits, "
+            "'.', '_' or '-' (so never '#', which the dead-letter table's keys use)"
+        )
+    return None
+
+
+def url_problem(url: str) -> str | None:
+    """Why `url` is not an http(s) endpoint (boto3 and the webhook need one), or None."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return f"is not a URL: {exc}"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"must be an http:// or https:// URL with a host, got {url!r}"
+    if port == 0:
+        return f"port 0 cannot be dialled, got {url!r}"
+    return None
 
 
 SecretResolver = Callable[[str, str], str]

@@ -139,6 +139,7 @@ def test_config_check_warns_without_an_overflow_bucket(tmp_path: Path) -> None:
         '[auth]\ntoken = "unit-test-token-0123"\n[dead_letters]\ntable = "d"\n'
     )
     path.write_text(text)
+    path.chmod(0o600)  # it holds a token: readable by others is a warning of its own
     result = CliRunner().invoke(app, ["config", "check", "--config", str(path)])
     assert result.exit_code == 0
     assert "warning: dead_letters.overflow_bucket is not set" in result.stderr

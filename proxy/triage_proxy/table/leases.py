@@ -29,9 +29,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from triage_proxy.errors import TableUnavailable
+from triage_proxy.errors import NotFoundError, TableUnavailable
 from triage_proxy.settings import DeadLetterSettings
-from triage_proxy.table.aws import CONDITION_FAILED, aws_errors, dynamodb_client
+from triage_proxy.table.aws import CONDITION_FAILED, TABLE_MISSING, aws_errors, dynamodb_client
 from triage_proxy.table.items import LEASE_OFFSET, format_iso_ms, lease_source, table_key
 
 CALL_TIMEOUT_S = 1.0
@@ -95,9 +95,18 @@ class DynamoDBLeases:
 
     def _conditional(self, what: str, call: Callable[[], Any]) -> bool:
         with aws_errors(
-            f"{what} the partition lease", TableUnavailable, expect={CONDITION_FAILED}
+            f"{what} the partition lease",
+            TableUnavailable,
+            expect={CONDITION_FAILED, TABLE_MISSING},
         ) as refused:
             call()
+        if refused.code == TABLE_MISSING:
+            # Waiting cannot help (a standby would wait forever): say which table.
+            raise NotFoundError(
+                f"{what} the partition lease: the dead-letter table {self._table!r} does not "
+                f"exist (create it: `triage deploy` does; `triage config check --connect` "
+                f"checks it)"
+            ) from refused.error
         return not refused
 
     def acquire(self, owner: str, now_ms: int, until_ms: int, endpoint: str = "") -> Lease:

@@ -1,0 +1,45 @@
+"""A consumer's frames read distrustfully: what does not parse, or breaks the stream's
+grammar, is a `FrameError` (INVALID_ARGUMENT), never an ERROR traceback or a stream
+that ends OK.
+
+The grammar of one `Consume` stream from the consumer's side: exactly one Hello, first,
+then any number of other frames. The service reads every frame through `checked_frames`,
+so both places that read (the Hello, then the settlement reader) see the same rules:
+
+- bytes that are not a `ConsumerFrame` (protobuf's DecodeError, raised by gRPC's
+  deserializer while the service iterates) -> FrameError naming the frame's position;
+- a second Hello -> FrameError (it would silently be ignored: its credits and its
+  partition would never apply).
+
+Why a wrapper and not a custom deserializer: the generated servicer registration keeps
+working unchanged, and the translation of protobuf's error lives in this one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from google.protobuf.message import DecodeError
+
+from triage_client._proto import triage_pb2 as pb
+from triage_proxy.errors import FrameError
+
+
+async def checked_frames(
+    frames: AsyncIterator[pb.ConsumerFrame],
+) -> AsyncIterator[pb.ConsumerFrame]:
+    """`frames`, each checked against the stream's grammar (see the module docstring)."""
+    seen = 0
+    while True:
+        try:
+            frame = await anext(frames)
+        except StopAsyncIteration:
+            return
+        except DecodeError:
+            raise FrameError(
+                f"frame {seen + 1} of the stream is not a ConsumerFrame (it does not parse)"
+            ) from None
+        seen += 1
+        if seen > 1 and frame.WhichOneof("frame") == "hello":
+            raise FrameError(f"frame {seen} is a second Hello: a stream has exactly one, first")
+        yield frame

@@ -1,0 +1,457 @@
+"""The bad-input table, the half that needs no process: config files through `triage
+config check` (the same loader and preflight the proxy runs at start), command-line
+input, and the pure pieces (frame grammar, tokens, readiness, the log throttle).
+
+Each row is one bad input, what it must end with (an exit code) and a fragment of the
+message that names the cause. The half that needs a broker, DynamoDB and a running
+proxy (gRPC frames, HTTP, Kafka records, the proxy's own exit codes) is
+tests/integration/test_bad_input.py. Cases covered elsewhere, and not repeated here:
+tests/unit/test_settings_limits.py (every number: NaN, +-inf, 0, negative, too large;
+every reserved `[kafka.client]` property; inline secrets), tests/unit/test_security.py
+(missing and non-PEM TLS files), tests/integration/test_client_input.py (consumer ids,
+unwritable dead letters), tests/integration/test_attempts.py (a flapping fleet, crash
+pills across a kill -9), tests/integration/test_security.py (TLS, mTLS, revocation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomli_w
+import trustme
+from google.protobuf.message import DecodeError
+from typer.testing import CliRunner
+
+from tests.unit.test_dispatcher import make, records
+from triage_cli.main import app
+from triage_client._proto import triage_pb2 as pb
+from triage_proxy.errors import FrameError
+from triage_proxy.frames import checked_frames
+from triage_proxy.http_endpoint import BROKER_GONE, not_ready_because
+from triage_proxy.logthrottle import LogThrottle, throttle_decision
+from triage_proxy.snapshot import ProxySnapshot
+
+TOKEN = "unit-test-token-0123456789"
+
+
+def base_config() -> dict[str, dict[str, Any]]:
+    return {
+        "kafka": {"bootstrap_servers": "127.0.0.1:1", "topic": "orders", "group_id": "g"},
+        "server": {"host": "127.0.0.1", "port": 0, "http_port": 0},
+        "auth": {"token": TOKEN},
+        "dead_letters": {"table": "d", "overflow_bucket": "b"},
+    }
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Good and bad TLS files: a server certificate and its key, another key, a CA, an
+    encrypted key and PEM-shaped garbage."""
+    folder = tmp_path_factory.mktemp("pki")
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1")
+    files = {name: folder / f"{name}.pem" for name in ("cert", "key", "other", "ca", "enc")}
+    files["cert"].write_bytes(b"".join(blob.bytes() for blob in server.cert_chain_pems))
+    server.private_key_pem.write_to_path(str(files["key"]))
+    trustme.CA().issue_cert("x").private_key_pem.write_to_path(str(files["other"]))
+    ca.cert_pem.write_to_path(str(files["ca"]))
+    encrypt = ["openssl", "pkey", "-in", str(files["key"]), "-aes256", "-passout", "pass:pw"]
+    subprocess.run(
+        [*encrypt, "-out", str(files["enc"])],
+        check=True,
+        capture_output=True,
+    )
+    files["garbage"] = folder / "garbage.pem"
+    files["garbage"].write_bytes(
+        b"-----BEGIN CERTIFICATE-----\nnot base64!\n-----END CERTIFICATE-----\n"
+    )
+    files["garbage_key"] = folder / "garbage_key.pem"
+    files["garbage_key"].write_bytes(
+        b"-----BEGIN PRIVATE KEY-----\nnope\n-----END PRIVATE KEY-----\n"
+    )
+    return files
+
+
+Edit = Callable[[dict[str, dict[str, Any]], dict[str, Path]], None]
+
+
+def _set(section: str, key: str, value: Any) -> Edit:
+    def edit(raw: dict[str, dict[str, Any]], pki: dict[str, Path]) -> None:
+        raw.setdefault(section, {})[key] = value
+
+    return edit
+
+
+def _tls(cert: str, key: str, ca: str | None = None) -> Edit:
+    def edit(raw: dict[str, dict[str, Any]], pki: dict[str, Path]) -> None:
+        raw["tls"] = {"cert_file": str(pki[cert]), "key_file": str(pki[key])}
+        if ca is not None:
+            raw["tls"]["client_ca_file"] = str(pki[ca])
+
+    return edit
+
+
+def _client(name: str, value: Any) -> Edit:
+    def edit(raw: dict[str, dict[str, Any]], pki: dict[str, Path]) -> None:
+        raw["kafka"]["client"] = {name: value}
+
+    return edit
+
+
+# (id, edit, exit code, fragment of the message naming the cause)
+CONFIG_CASES: list[tuple[str, Edit, int, str]] = [
+    ("token-of-spaces", _set("auth", "token", " " * 16), 2, "auth.tokens.default"),
+    ("token-non-ascii", _set("auth", "token", "tøken-0123456789abc"), 2, "printable ASCII"),
+    ("token-control-char", _set("auth", "token", "token\x01-0123456789ab"), 2, "printable ASCII"),
+    ("token-inner-space", _set("auth", "token", "token 0123456789abcd"), 2, "without spaces"),
+    ("token-too-short", _set("auth", "token", "short"), 2, "at least 16"),
+    (
+        "named-token-newline",
+        _set("auth", "tokens", {"app": "line\nbreak-0123456789"}),
+        2,
+        "auth.tokens.app",
+    ),
+    (
+        "token-env-unset",
+        _set("auth", "tokens", {"app": "env:TRIAGE_NO_SUCH_VAR"}),
+        2,
+        "TRIAGE_NO_SUCH_VAR",
+    ),
+    ("topic-with-hash", _set("kafka", "topic", "a#b"), 2, "kafka.topic"),
+    ("topic-empty", _set("kafka", "topic", ""), 2, "kafka.topic"),
+    ("topic-too-long", _set("kafka", "topic", "t" * 250), 2, "kafka.topic"),
+    ("topic-dot", _set("kafka", "topic", "."), 2, "kafka.topic"),
+    (
+        "endpoint-url-no-scheme",
+        _set("dead_letters", "endpoint_url", "localhost:5000"),
+        2,
+        "dead_letters.endpoint_url",
+    ),
+    (
+        "endpoint-url-bad-port",
+        _set("dead_letters", "endpoint_url", "http://h:99999"),
+        2,
+        "dead_letters.endpoint_url",
+    ),
+    (
+        "endpoint-url-ftp",
+        _set("dead_letters", "endpoint_url", "ftp://h"),
+        2,
+        "dead_letters.endpoint_url",
+    ),
+    (
+        "webhook-not-url",
+        _set("dead_letters", "notify_webhook_url", "hooks"),
+        2,
+        "notify_webhook_url",
+    ),
+    ("tls-key-mismatch", _tls("cert", "other"), 2, "tls.key_file"),
+    ("tls-garbage-cert", _tls("garbage", "key"), 2, "tls.cert_file"),
+    ("tls-garbage-key", _tls("cert", "garbage_key"), 2, "tls.key_file"),
+    ("tls-encrypted-key", _tls("cert", "enc"), 2, "is encrypted"),
+    ("tls-garbage-ca", _tls("cert", "key", "garbage"), 2, "tls.client_ca_file"),
+    ("tls-key-as-ca", _tls("cert", "key", "key"), 2, "tls.client_ca_file"),
+    ("tls-cert-as-key", _tls("cert", "cert"), 2, "tls.key_file"),
+    ("tls-cert-without-key", _set("tls", "cert_file", "/nonexistent.pem"), 2, "tls.key_file"),
+    ("server-host-not-here", _set("server", "host", "192.0.2.1"), 2, "server.host"),
+    ("server-host-unresolvable", _set("server", "host", "no-such-host.invalid"), 2, "server.host"),
+    ("http-host-not-here", _set("server", "http_host", "192.0.2.1"), 2, "server.http_host"),
+    ("http-enabled-not-bool", _set("server", "http_enabled", "no"), 2, "server.http_enabled"),
+    (
+        "librdkafka-unknown-property",
+        _client("no.such.property", 1),
+        2,
+        'kafka.client."no.such.property"',
+    ),
+    (
+        "librdkafka-bad-value",
+        _client("socket.timeout.ms", "soon"),
+        2,
+        'kafka.client."socket.timeout.ms"',
+    ),
+    ("librdkafka-reserved", _client("enable.auto.commit", True), 2, "enable.auto.commit"),
+    ("librdkafka-inline-secret", _client("ssl.key.password", "hunter2"), 2, "ssl.key.password"),
+    ("sasl-password-inline", _set("kafka", "sasl_password", "hunter2"), 2, "kafka.sasl_password"),
+    (
+        "sasl-password-env-unset",
+        _set("kafka", "sasl_password", "env:TRIAGE_NO_SUCH_VAR"),
+        2,
+        "kafka.sasl_password",
+    ),
+    (
+        "ack-deadline-nan",
+        _set("delivery", "ack_deadline_s", float("nan")),
+        2,
+        "delivery.ack_deadline_s",
+    ),
+    (
+        "max-attempts-over-uint32",
+        _set("delivery", "max_attempts", 2**32),
+        2,
+        "delivery.max_attempts",
+    ),
+    ("frame-below-floor", _set("server", "max_frame_bytes", 1024), 2, "server.max_frame_bytes"),
+    ("unknown-section", _set("nope", "x", 1), 2, "unknown section"),
+    ("unknown-key", _set("server", "hots", "x"), 2, "server.hots"),
+]
+
+
+@pytest.mark.parametrize(
+    ("edit", "code", "names"),
+    [pytest.param(edit, code, names, id=name) for name, edit, code, names in CONFIG_CASES],
+)
+def test_config_check_refuses_naming_the_cause(
+    tmp_path: Path,
+    pki: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    edit: Edit,
+    code: int,
+    names: str,
+) -> None:
+    monkeypatch.delenv("TRIAGE_NO_SUCH_VAR", raising=False)
+    raw = base_config()
+    sasl = {"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "PLAIN"}
+    edit(raw, pki)
+    if "sasl_password" in raw["kafka"]:
+        raw["kafka"].update(sasl)
+    path = tmp_path / "triage.toml"
+    path.write_bytes(tomli_w.dumps(raw).encode())
+    path.chmod(0o600)
+    result = CliRunner().invoke(app, ["config", "check", "--config", str(path)])
+    assert result.exit_code == code, result.output
+    assert names in result.stderr
+    assert "Traceback" not in result.output
+    assert "hunter2" not in result.output  # a secret is never quoted
+
+
+def test_a_readable_config_with_inline_tokens_is_a_warning(tmp_path: Path) -> None:
+    path = tmp_path / "triage.toml"
+    path.write_bytes(tomli_w.dumps(base_config()).encode())
+    path.chmod(0o644)
+    result = CliRunner().invoke(app, ["config", "check", "--config", str(path)])
+    assert result.exit_code == 0
+    assert "readable by others" in result.stderr
+    assert "chmod 600" in result.stderr
+    assert TOKEN not in result.output
+    path.chmod(0o600)
+    result = CliRunner().invoke(app, ["config", "check", "--config", str(path)])
+    assert "readable by others" not in result.stderr
+
+
+# --- the command line ---------------------------------------------------------------------
+
+CLI_CASES: list[tuple[str, list[str], str, int, str]] = [
+    ("init-eof-on-stdin", ["init", "--bootstrap-servers", "b:1"], "", 2, "stdin ended"),
+    (
+        "init-topic-with-hash",
+        ["init", "--non-interactive", "--bootstrap-servers", "b:1", "--topic", "a#b"],
+        "",
+        2,
+        "--topic",
+    ),
+    (
+        "init-inline-sasl-password",
+        [
+            "init",
+            "--non-interactive",
+            "--bootstrap-servers",
+            "b:1",
+            "--security-protocol",
+            "SASL_SSL",
+            "--sasl-mechanism",
+            "PLAIN",
+            "--sasl-username",
+            "u",
+            "--sasl-password",
+            "hunter2",
+            "--topic",
+            "t",
+        ],
+        "",
+        2,
+        "--sasl-password",
+    ),
+    (
+        "init-bad-notify",
+        [
+            "init",
+            "--non-interactive",
+            "--bootstrap-servers",
+            "b:1",
+            "--topic",
+            "t",
+            "--notify",
+            "carrier-pigeon",
+            "--partitions",
+            "1",
+        ],
+        "",
+        2,
+        "--notify",
+    ),
+    (
+        "init-bad-app-name",
+        [
+            "init",
+            "--non-interactive",
+            "--bootstrap-servers",
+            "b:1",
+            "--topic",
+            "t",
+            "--partitions",
+            "1",
+            "--app-name",
+            "a b",
+        ],
+        "",
+        2,
+        "--app-name",
+    ),
+    ("dev-topic-with-hash", ["dev", "--topic", "bad#"], "", 2, "--topic"),
+    (
+        "status-watch-and-json",
+        ["status", "--config", "{config}", "--watch", "--json"],
+        "",
+        2,
+        "--watch",
+    ),
+    (
+        "config-check-missing-file",
+        ["config", "check", "--config", "{missing}"],
+        "",
+        2,
+        "does not exist",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "stdin", "code", "names"),
+    [pytest.param(a, i, c, n, id=name) for name, a, i, c, n in CLI_CASES],
+)
+def test_the_command_line_refuses_naming_the_cause(
+    tmp_path: Path, args: list[str], stdin: str, code: int, names: str
+) -> None:
+    config = tmp_path / "triage.toml"
+    config.write_bytes(tomli_w.dumps(base_config()).encode())
+    values = {"config": str(config), "missing": str(tmp_path / "absent.toml")}
+    args = [a.format(**values) for a in args]
+    if args[0] == "init":
+        args += ["--config", str(tmp_path / "new.toml")]
+    result = CliRunner().invoke(app, args, input=stdin)
+    assert result.exit_code == code, result.output
+    assert names in result.output
+    assert "hunter2" not in result.output
+
+
+def test_dev_state_dir_that_is_a_file_is_bad_input(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    result = CliRunner().invoke(app, ["dev", "--state-dir", str(afile)])
+    assert result.exit_code == 2
+    assert "--state-dir" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_proxy_help_shows_the_auth_section() -> None:
+    result = CliRunner().invoke(app, ["proxy", "--help"], env={"COLUMNS": "80"})
+    assert "[auth]" in result.output
+
+
+# --- the pure pieces ----------------------------------------------------------------------
+
+
+def _frames(*frames: pb.ConsumerFrame | Exception) -> AsyncIterator[pb.ConsumerFrame]:
+    async def gen() -> AsyncIterator[pb.ConsumerFrame]:
+        for frame in frames:
+            if isinstance(frame, Exception):
+                raise frame
+            yield frame
+
+    return gen()
+
+
+HELLO = pb.ConsumerFrame(hello=pb.Hello(consumer_id="c", credits=1))
+
+
+@pytest.mark.parametrize(
+    ("frames", "names"),
+    [
+        pytest.param([DecodeError("x")], "frame 1", id="garbage-first-frame"),
+        pytest.param([HELLO, DecodeError("x")], "frame 2", id="garbage-after-hello"),
+        pytest.param([HELLO, HELLO], "second Hello", id="second-hello"),
+    ],
+)
+def test_frames_that_break_the_grammar_are_frame_errors(
+    frames: list[pb.ConsumerFrame | Exception], names: str
+) -> None:
+    async def read_all() -> None:
+        async for _ in checked_frames(_frames(*frames)):
+            pass
+
+    with pytest.raises(FrameError, match=names):
+        asyncio.run(read_all())
+
+
+def test_duplicate_offsets_in_one_extend_count_once() -> None:
+    dispatcher, _tracker, _dead = make()
+    dispatcher.add(records(0, 3))
+    session = dispatcher.open_session("c", 10)
+    dispatcher.extend(session, [0] * 100_000 + [1, 1, 2])
+    assert dispatcher.counters.extended == 3
+
+
+@pytest.mark.parametrize(
+    ("snap", "why"),
+    [
+        pytest.param({"state": "running", "ready": True}, None, id="running"),
+        pytest.param({"state": "standby", "ready": False}, "standby", id="standby"),
+        pytest.param(
+            {"state": "running", "ready": True, "degraded": ("log_end",)},
+            BROKER_GONE,
+            id="broker-gone-window-empty",
+        ),
+        pytest.param(
+            {"state": "running", "ready": True, "degraded": ("fetch",), "in_window": 3},
+            None,
+            id="broker-gone-work-left",
+        ),
+    ],
+)
+def test_readiness_is_false_while_the_broker_is_gone_and_nothing_is_left(
+    snap: dict[str, Any], why: str | None
+) -> None:
+    base: dict[str, Any] = {"topic": "t", "partition": 0, "alive": True, "grpc_port": 1}
+    base.update({"window_max_messages": 1, "window_max_bytes": 1, "advertised_endpoint": ""})
+    assert not_ready_because(ProxySnapshot(**base, **snap)) == why
+
+
+def test_the_throttle_policy_logs_first_then_counts() -> None:
+    assert throttle_decision(None, 0, 100.0, 10.0).log
+    counted = throttle_decision(100.0, 0, 105.0, 10.0)
+    assert (counted.log, counted.suppressed) == (False, 1)
+    again = throttle_decision(100.0, 7, 110.0, 10.0)
+    assert (again.log, again.suppressed) == (True, 7)
+
+
+def test_three_thousand_refusals_make_one_line_per_cause_with_a_count(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [0.0]
+    throttle = LogThrottle(logging.getLogger("test.throttle"), 10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="test.throttle"):
+        for _ in range(3000):
+            throttle.warning("wrong token", "refused a call from %s", "ipv4:10.0.0.1:5")
+        throttle.warning("other cause", "refused a stream from %s", "ipv4:10.0.0.2:6")
+        now[0] = 11.0
+        throttle.warning("wrong token", "refused a call from %s", "ipv4:10.0.0.1:5")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3
+    assert "10.0.0.1" in lines[0]
+    assert "2999 more like it" in lines[2]
