@@ -21,6 +21,9 @@ requires a client certificate signed by that CA (mTLS).
 An authenticated client is still not trusted with the proxy's logs or items: its Hello's
 `consumer_id` is bounded and must be printable (clienttext.py), else the stream is
 refused with INVALID_ARGUMENT; every log line shows it through `clienttext.for_log`.
+
+The Welcome says `grants`: a Grant frame changes the stream's credits from then on (bounded
+like Hello.credits; a Grant out of bounds ends the stream with INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
@@ -141,6 +144,8 @@ class TriageService(pb_grpc.TriageServicer):
         self._apps: dict[Session, str] = {}
         """Open streams -> the name of the app whose token opened them."""
         self._revoked: set[Session] = set()
+        self._bad_frames: dict[Session, FrameError] = {}
+        """Streams ended for a malformed frame after the Hello, and why."""
         """Streams ended because their app's token was revoked (they end UNAUTHENTICATED)."""
         self._dispatcher_of: dict[Session, Dispatcher] = {}
         """Open streams -> the dispatcher of their partition."""
@@ -203,6 +208,7 @@ class TriageService(pb_grpc.TriageServicer):
                     partition=partition,
                     ack_deadline_ms=int(delivery.ack_deadline_s * 1000),
                     max_attempts=delivery.max_attempts,
+                    grants=True,
                 )
             )
             logger.info("instance %s authenticated as app %r", for_log(consumer_id), app)
@@ -224,9 +230,12 @@ class TriageService(pb_grpc.TriageServicer):
                         "ended the stream of %s: app %r was revoked", for_log(consumer_id), app
                     )
                     raise AuthError("token revoked")
+                if (bad := self._bad_frames.pop(session, None)) is not None:
+                    raise bad
             finally:
                 self._apps.pop(session, None)
                 self._revoked.discard(session)
+                self._bad_frames.pop(session, None)
                 self._dispatcher_of.pop(session, None)
                 reader.cancel()
                 dispatcher.close_session(session)
@@ -290,6 +299,16 @@ class TriageService(pb_grpc.TriageServicer):
                     rejected = dispatcher.settle(session, frame.settle.acks, frame.settle.nacks)
                 elif kind == "release":
                     rejected = dispatcher.release(session, frame.release.offsets)
+                elif kind == "grant":
+                    credits = frame.grant.credits
+                    if not 1 <= credits <= MAX_CREDITS:
+                        self._bad_frames[session] = FrameError(
+                            f"Grant.credits must be 1..{MAX_CREDITS}, got {credits}"
+                        )
+                        dispatcher.end_session_now(session)
+                        return
+                    dispatcher.grant(session, credits)
+                    continue
                 else:
                     if kind == "extend":
                         dispatcher.extend(session, frame.extend.offsets)

@@ -33,10 +33,10 @@ from triage_client import (
     StateError,
 )
 from triage_client._proto import triage_pb2, triage_pb2_grpc
+from triage_client.credits import credit_share
 from triage_client.pool import MAX_REASON_CHARS
 from triage_client.pool import nack_reason as _reason
 from triage_client.stream import backoff_delay
-from triage_client.topology import credit_share
 
 TOKEN = "s3cret-token"
 WAIT_S = 5.0
