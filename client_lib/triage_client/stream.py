@@ -134,7 +134,7 @@ class PartitionStream:
         self.slots = 1 << 30
         """Most handlers of this stream the pool runs at once (pool's lock; see credits.py)."""
         self._lowered_from = 0  # credits before a lowering in this rebalance period
-        self._allowed = 0  # most the proxy may have sent: a lowering revokes nothing held
+        self._allowed = 0  # most the stream may hold: credits, or higher ones just lowered
         self._peak = 0  # most held at once since the last rebalance
         self._grant_due = False  # the writer sends a Grant with `credits`
         self._batch_limit = 1
@@ -464,8 +464,6 @@ class PartitionStream:
             self._flush_timer.cancel()
             self._flush_timer = None
         self._held -= len(acks) + len(nacks)
-        if self._held <= self.credits:
-            self._allowed = self.credits  # what a lowering let it keep is settled
         try:
             await call.write(
                 triage_pb2.ConsumerFrame(settle=triage_pb2.Settle(acks=acks, nacks=nacks))
@@ -534,6 +532,10 @@ class PartitionStream:
             adjustable=connected and self.grants and not self._ctx.stopping.is_set(),
         )
         self._peak = held
+        if not self._lowered_from:
+            # No lowering for a whole period: what was on its way under the old credits has
+            # arrived, so from now on the proxy sends only while the stream holds fewer.
+            self._allowed = self.credits
         self._lowered_from = 0
         return load
 
