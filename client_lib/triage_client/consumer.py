@@ -15,18 +15,20 @@ does not speak gRPC at all is reported as such at once.
                          ^                                            |
                          +------------- acks / nacks (per stream) ----+
 
-Credits (the split): the proxy lets a stream hold at most the credits its Hello announced, and
-the protocol has no frame to change them later, so they are static per stream:
-`concurrency + prefetch` split evenly over the partition streams (`credit_share`). Total
-unsettled deliveries thus stay within `concurrency + prefetch` (a stream gets at least 1, so
-more partitions than that exceed it by design; a partition added while running gets its share
-at once and older streams take the smaller share when they next reconnect). An idle partition
-holds nothing beyond its share, and fairness comes from the shared pool, which gives a free
-slot to the stream with the fewest running handlers (see pool.py), so a partition with a
-backlog of slow messages never starves another. The price of static credits: when only one
-partition has work, it can use at most its share of the slots (raise `prefetch` for workloads
-that are that skewed). Moving credits between partitions would need an additive frame in the
-protocol (a Grant) that proxies honour.
+Credits (the split): the proxy lets a stream hold at most the credits its Hello announced,
+`concurrency + prefetch` split evenly over the partition streams (`credit_share`). When a
+proxy's Welcome says it honours Grant frames, the Consumer moves credits between its streams
+as they need them: every REBALANCE_INTERVAL_S a pure policy (`credits.split`) gives a
+partition that filled its credits (a backlog) an even share of the budget beside the other
+backlogs plus what the others leave, and shrinks an idle one to a small prefetch; raises come
+only out of credits no stream may hold, so total unsettled deliveries stay within
+`concurrency + prefetch` (a stream keeps at least 1, so more partitions than that exceed it
+by design). The same rebalance caps how many handler slots each backlogged partition may run
+(an even share of `concurrency`), and the shared pool gives a free slot to the stream with
+the fewest running handlers under its cap (see pool.py), so a partition with a backlog of
+slow messages never starves another, and a partition alone with work gets every slot.
+Against an older proxy (no `Welcome.grants`) a stream keeps its Hello's share, as before:
+when only one partition has work, it then uses at most its share of the credits.
 
 Stream mechanics (reconnects, epochs, batching, leases) are in stream.py; the handler pool
 and the fairness rule in pool.py.
@@ -46,6 +48,7 @@ from typing import Any
 import grpc
 
 from triage_client._proto import triage_pb2
+from triage_client.credits import REBALANCE_INTERVAL_S, credit_share, split
 from triage_client.errors import (
     EndpointError,
     PartitionError,
@@ -66,7 +69,7 @@ from triage_client.stream import (
     StreamContext,
     backoff_delay,
 )
-from triage_client.topology import Layout, credit_share, fetch_layout
+from triage_client.topology import Layout, fetch_layout
 
 __all__ = ["MAX_REASON_CHARS", "Consumer", "Handler", "backoff_delay"]
 
@@ -180,6 +183,7 @@ class Consumer:
         self._metadata = (("authorization", f"Bearer {token}"),)
         self._concurrency = concurrency
         self._credits = concurrency + prefetch
+        self._granting = False  # a stream's proxy has honoured Grant frames: credits move
         self._consumer_id = consumer_id or f"{socket.gethostname()}-{os.getpid()}"
         self._credentials: grpc.ChannelCredentials | None = None
         if secure or root_certificates or certificate_chain:
@@ -282,7 +286,7 @@ class Consumer:
             "async" if self._pool.is_async else "sync",
         )
         self._pool.start(loop)
-        topology: asyncio.Task[None] | None = None
+        background: list[asyncio.Task[None]] = []  # the topology reader and the rebalancer
         clean = False
         try:
             layout = await self._discover()
@@ -291,9 +295,16 @@ class Consumer:
                     self._add_streams({None: self._target})
                 else:
                     self._apply(layout)
-                    topology = loop.create_task(
-                        self._guarded(self._topology_loop(self._trouble(layout))),
-                        name="triage-topology",
+                    background.append(
+                        loop.create_task(
+                            self._guarded(self._topology_loop(self._trouble(layout))),
+                            name="triage-topology",
+                        )
+                    )
+                    background.append(
+                        loop.create_task(
+                            self._guarded(self._rebalance_loop()), name="triage-credits"
+                        )
                     )
             await self._stopping.wait()
             # No stream is added once stopping is set: these are all of them.
@@ -304,13 +315,9 @@ class Consumer:
                 await self._pool.drained.wait()
             clean = True
         finally:
-            if topology is not None:
-                topology.cancel()
-            for task in self._tasks:
+            for task in (*background, *self._tasks):
                 task.cancel()
-            await asyncio.gather(
-                *self._tasks, *([topology] if topology else []), return_exceptions=True
-            )
+            await asyncio.gather(*background, *self._tasks, return_exceptions=True)
             self._loop = None
             self._state = _State.STOPPED
             await self._pool.close(clean)
@@ -484,11 +491,41 @@ class Consumer:
             )
 
     def _credits_for(self, stream: PartitionStream) -> int:
-        """The Hello credits of a stream about to connect: its share of the split."""
+        """The Hello credits of a stream about to connect: its share of the even split; once
+        credits move (`_granting`), no more than what the other streams leave free."""
         order = sorted(self._streams, key=_by_partition_key)
-        return credit_share(
+        share = credit_share(
             self._credits, len(order), order.index(stream.partition if stream.named else None)
         )
+        if not self._granting:
+            return share
+        others = sum(s.committed() for s in self._streams.values() if s is not stream)
+        return max(1, min(share, self._credits - others))
+
+    async def _rebalance_loop(self) -> None:
+        """Every REBALANCE_INTERVAL_S, until stop(): split credits and handler slots over
+        the streams from what each showed (see credits.py); send Grants where they changed."""
+        streams = self._streams
+        while not self._stopping.is_set():
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), REBALANCE_INTERVAL_S)
+            if self._stopping.is_set() or (len(streams) < 2 and not self._granting):
+                continue
+            current = list(streams.values())
+            loads = [stream.load() for stream in current]
+            if any(load.adjustable for load in loads):
+                self._granting = True
+            decision = split(self._concurrency, self._credits, loads)
+            raised = False
+            with self._pool.lock:
+                for stream, slots in zip(current, decision.slots, strict=True):
+                    raised = raised or slots > stream.slots
+                    stream.slots = slots
+            for stream, load, credits in zip(current, loads, decision.credits, strict=True):
+                if load.adjustable:
+                    stream.set_credits(credits)
+            if raised:
+                self._pool.kick()
 
     async def _guarded(self, work: Coroutine[Any, Any, None]) -> None:
         """A stream's or the topology reader's task: a stream refused for good (or a bug)

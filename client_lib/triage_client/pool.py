@@ -2,8 +2,14 @@
 
 Each stream keeps its own local queue of deliveries waiting for a slot. When a slot frees,
 the pool takes the next delivery from the stream with the fewest handlers running right now
-(ties go round-robin), so a partition with a backlog of slow messages holds at most its
-fair share of the slots while another partition has work: it never starves the others.
+(ties go round-robin), skipping a stream that runs as many as its cap (`PartitionStream.slots`,
+set by the Consumer's rebalance, see credits.py: while several partitions have a backlog each
+may run at most an even share of the slots). So a partition with a backlog of slow messages
+cannot take the slots another partition's backlog needs, not even in the moments that
+partition's queue is empty while its next deliveries are on the way (a plain
+fewest-running-first choice would give such a slot to the slow backlog, for a whole slow
+message): it never starves the others. A cap may leave a slot idle for that moment; that is
+the price of the reservation.
 
 Async handlers run in `concurrency` worker tasks on the event loop (no thread hop per
 message: the fast path). Sync handlers run in a ThreadPoolExecutor of `concurrency` threads,
@@ -198,18 +204,25 @@ class HandlerPool:
 
     def _pick(self) -> tuple[PartitionStream, Message] | None:
         """The next delivery for a free slot: from the stream with the fewest running
-        handlers, ties round-robin. Under `lock` in sync mode."""
+        handlers among those under their cap, ties round-robin; None when every stream with
+        queued deliveries is at its cap (or none has any). Under `lock` in sync mode."""
         ready = self._ready
         count = len(ready)
         if count == 1:
             index = 0
+            if ready[0].busy >= ready[0].slots:
+                return None
         elif count:
-            index = start = self._turn % count
-            fewest = ready[start].busy
-            for step in range(1, count):
+            start = self._turn % count
+            index = -1
+            fewest = 1 << 62
+            for step in range(count):
                 i = (start + step) % count
-                if ready[i].busy < fewest:
-                    index, fewest = i, ready[i].busy
+                candidate = ready[i]
+                if candidate.busy < fewest and candidate.busy < candidate.slots:
+                    index, fewest = i, candidate.busy
+            if index < 0:
+                return None
             self._turn = index + 1
         else:
             return None
@@ -221,6 +234,20 @@ class HandlerPool:
             del ready[index]
         stream.busy += 1
         return stream, message
+
+    def kick(self) -> None:
+        """Caps were raised (on the loop): put idle slots to work on what they allow now."""
+        if not self._queued:
+            return
+        if self._executor is None:
+            for _ in range(min(self._queued, len(self._idle_workers))):
+                self._wake_worker()
+            return
+        with self.lock:
+            idle = min(self._concurrency - self._jobs, self._queued)
+            self._jobs += idle
+        for _ in range(idle):
+            self._executor.submit(self._drain)
 
     @staticmethod
     def _finished(
@@ -264,7 +291,8 @@ class HandlerPool:
         retry_on = self._retry_on
         streak = 0
         while not self._closing:
-            if not ready:
+            picked = pick() if ready else None
+            if picked is None:
                 fut: asyncio.Future[None] = loop.create_future()
                 self._idle_workers.append(fut)
                 await fut
@@ -273,7 +301,7 @@ class HandlerPool:
                 self._wakes_pending -= 1
                 streak = 0
                 continue
-            stream, message = cast("tuple[PartitionStream, Message]", pick())
+            stream, message = picked
             if ready and not self._deck_check_scheduled:
                 # If this handler suspends, the rest of the queue needs another worker; checking
                 # on the next loop turn costs nothing when handlers finish without suspending.

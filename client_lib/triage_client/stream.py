@@ -22,6 +22,11 @@ the deliveries queued behind it (as Pub/Sub's client does); a per-stream ticker 
 it and the writer builds and sends it, so frames never interleave and an offset is never
 extended after its settlement was sent. A delivery whose instance dies or hangs its event loop
 stops being extended and is redelivered after the deadline.
+
+Credits: the Hello announces the Consumer's split for this stream. When the Welcome says the
+proxy honours Grant frames (`grants`), the Consumer changes them while the stream runs
+(`set_credits`, see credits.py): the writer sends a Grant, and the stream reports what it
+held (`load`) to the next rebalance. Against an older proxy the Hello's credits hold.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from typing import TypeAlias
 import grpc
 
 from triage_client._proto import triage_pb2
+from triage_client.credits import StreamLoad
 from triage_client.errors import PartitionError, error_for_status
 from triage_client.message import ConsumerStats, Message, make_message
 from triage_client.pool import HandlerPool
@@ -125,6 +131,15 @@ class PartitionStream:
         # Touched only on the loop thread, except where noted.
         self.epoch = 0  # read by handler threads under the pool's lock
         self.credits = 0
+        """Most unsettled deliveries the proxy may send now (the Hello's or the last Grant's)."""
+        self.grants = False
+        """This stream's proxy honours Grant frames (its Welcome said so)."""
+        self.slots = 1 << 30
+        """Most handlers of this stream the pool runs at once (pool's lock; see credits.py)."""
+        self._lowered_from = 0  # credits before a lowering in this rebalance period
+        self._allowed = 0  # most the stream may hold: credits, or higher ones just lowered
+        self._peak = 0  # most held at once since the last rebalance
+        self._grant_due = False  # the writer sends a Grant with `credits`
         self._batch_limit = 1
         self.call: _Call | None = None
         self.established = False
@@ -270,7 +285,9 @@ class PartitionStream:
         self.established = False
         self._over_warned = False
         self._flush_wanted.clear()
-        self.credits = self._ctx.credits(self)
+        self.credits = self._allowed = self._ctx.credits(self)
+        self.grants = self._grant_due = False
+        self._lowered_from = self._peak = 0
         self._batch_limit = min(SETTLE_BATCH, self.credits)
         call = consume(metadata=self._ctx.metadata)
         self.call = call
@@ -359,15 +376,18 @@ class PartitionStream:
                 )
             self.partition = welcome.partition
         self.established = True
+        self.grants = welcome.grants
         if not deadline_ms.done():
             deadline_ms.set_result(welcome.ack_deadline_ms)
         logger.info(
-            "consumer %s connected to %s: %s[%d], credits %d, ack deadline %d ms, max attempts %d",
+            "consumer %s connected to %s: %s[%d], credits %d%s, ack deadline %d ms, "
+            "max attempts %d",
             ctx.consumer_id,
             self.endpoint,
             welcome.topic,
             welcome.partition,
             self.credits,
+            " (granted as needed)" if welcome.grants else "",
             welcome.ack_deadline_ms,
             welcome.max_attempts,
         )
@@ -422,6 +442,10 @@ class PartitionStream:
                 self._flush_wanted.set()
 
     async def _flush(self, call: _Call) -> None:
+        if self._grant_due:
+            self._grant_due = False
+            grant = triage_pb2.Grant(credits=self.credits)
+            await call.write(triage_pb2.ConsumerFrame(grant=grant))
         if self._extend_due:
             # Listed at send time, before any settlement that follows it: a handler that has
             # finished is out of the set before its result can be settled, so the proxy never
@@ -484,13 +508,15 @@ class PartitionStream:
         self.established = True
         self.delivered += count
         self._held += count
-        if self._held > self.credits and not self._over_warned:
+        if self._held > self._peak:
+            self._peak = self._held
+        if self._held > self._allowed and not self._over_warned:
             self._over_warned = True
             logger.warning(
                 "consumer %s: proxy sent %d unsettled deliveries, more than the %d credits",
                 self._ctx.consumer_id,
                 self._held,
-                self.credits,
+                self._allowed,
             )
         if self._ctx.stopping.is_set():
             self.dropped += count  # released: the proxy redelivers them
@@ -498,6 +524,46 @@ class PartitionStream:
             self._flush_wanted.set()
             return
         self._ctx.pool.submit(self, messages)
+
+    def load(self) -> StreamLoad:
+        """What this stream showed since the last call (one rebalance period), for the
+        Consumer's split; starts the next period."""
+        connected = self.call is not None and self.established
+        held = self._held
+        load = StreamLoad(
+            credits=self.credits if connected else 0,
+            peak=max(self._peak, held),
+            committed=self.committed(),
+            adjustable=connected and self.grants and not self._ctx.stopping.is_set(),
+        )
+        self._peak = held
+        if not self._lowered_from:
+            # No lowering for a whole period: what was on its way under the old credits has
+            # arrived, so from now on the proxy sends only while the stream holds fewer.
+            self._allowed = self.credits
+        self._lowered_from = 0
+        return load
+
+    def committed(self) -> int:
+        """Most unsettled deliveries this stream may come to hold without a new Grant: its
+        credits, what it holds, and what a lowering in this period may still bring."""
+        if self.call is None:
+            return 0  # its next Hello asks the Consumer for credits again
+        return max(self.credits, self._held, self._lowered_from)
+
+    def set_credits(self, credits: int) -> None:
+        """The Consumer's new split gives this stream `credits`: the writer sends a Grant.
+        Only for a stream whose proxy honours Grant (`grants`)."""
+        if credits == self.credits or not self.grants or self.call is None:
+            return
+        if credits < self.credits:
+            self._lowered_from = max(self._lowered_from, self.credits)
+        else:
+            self._allowed = max(self._allowed, credits)
+        self.credits = credits
+        self._batch_limit = min(SETTLE_BATCH, credits)
+        self._grant_due = True
+        self._flush_wanted.set()
 
     def after_settle(self, queue_drained: bool) -> None:
         """Send now if the batch is full or nobody is queued behind it; else soon."""

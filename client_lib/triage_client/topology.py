@@ -1,8 +1,7 @@
-"""Where a deployment's partitions are served now, and how an instance's credits are split.
+"""Where a deployment's partitions are served now.
 
 Any proxy of a deployment answers the Topology RPC; `Layout` is its answer, read once into
-plain values. `credit_share` is the one formula that splits `concurrency + prefetch` over the
-partition streams of one Consumer.
+plain values. (How credits are split over the partition streams is in credits.py.)
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import grpc
 
 from triage_client._proto import triage_pb2
 
-__all__ = ["TOPOLOGY", "Layout", "credit_share", "layout_from_reply", "owner_endpoint"]
+__all__ = ["TOPOLOGY", "Layout", "layout_from_reply", "owner_endpoint"]
 
 _SERVICE = triage_pb2.DESCRIPTOR.services_by_name["Triage"]
 TOPOLOGY = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['Topology'].name}"
@@ -56,14 +55,6 @@ def owner_endpoint(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | 
             text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
             return text or None
     return None
-
-
-def credit_share(budget: int, streams: int, index: int) -> int:
-    """Hello credits of stream number `index` (0-based) out of `streams`: `budget` split as
-    evenly as it goes, the remainder to the first ones, so the shares sum to `budget`; at
-    least 1 each (the protocol's minimum), so more streams than budget exceed it by design."""
-    base, extra = divmod(budget, max(1, streams))
-    return max(1, base + (1 if index < extra else 0))
 
 
 async def fetch_layout(

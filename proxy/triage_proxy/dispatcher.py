@@ -569,6 +569,15 @@ class Dispatcher:
                 refs += len(live)
         self._lease_batches, self._lease_refs = kept, refs
 
+    def grant(self, session: Session, credits: int) -> None:
+        """The instance's credits from now on (a Grant frame). Lowering takes back nothing
+        it holds: it just gets nothing more until it holds fewer. Ignored once the instance
+        released (it is stopping: credits 0) or is gone."""
+        if session.closed or session.credits == 0:
+            return
+        session.credits = credits
+        self._pump()
+
     def release(self, session: Session, offsets: Sequence[int]) -> list[int]:
         """The instance is stopping: take back what it never started, send it nothing more.
 

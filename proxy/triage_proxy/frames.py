@@ -9,7 +9,8 @@ so both places that read (the Hello, then the settlement reader) see the same ru
 - bytes that are not a `ConsumerFrame` (protobuf's DecodeError, raised by gRPC's
   deserializer while the service iterates) -> FrameError naming the frame's position;
 - a second Hello -> FrameError (it would silently be ignored: its credits and its
-  partition would never apply).
+  partition would never apply);
+- a Grant whose credits are outside the bounds of Hello.credits -> FrameError.
 
 Why a wrapper and not a custom deserializer: the generated servicer registration keeps
 working unchanged, and the translation of protobuf's error lives in this one place.
@@ -23,6 +24,9 @@ from google.protobuf.message import DecodeError
 
 from triage_client._proto import triage_pb2 as pb
 from triage_proxy.errors import FrameError
+
+MAX_CREDITS = 100_000
+"""Most unsettled deliveries one stream may hold (Hello.credits and Grant.credits)."""
 
 
 async def checked_frames(
@@ -40,6 +44,9 @@ async def checked_frames(
                 f"frame {seen + 1} of the stream is not a ConsumerFrame (it does not parse)"
             ) from None
         seen += 1
-        if seen > 1 and frame.WhichOneof("frame") == "hello":
+        kind = frame.WhichOneof("frame")
+        if seen > 1 and kind == "hello":
             raise FrameError(f"frame {seen} is a second Hello: a stream has exactly one, first")
+        if kind == "grant" and not 1 <= frame.grant.credits <= MAX_CREDITS:
+            raise FrameError(f"Grant.credits must be 1..{MAX_CREDITS}, got {frame.grant.credits}")
         yield frame

@@ -26,7 +26,9 @@ An authenticated client is still not trusted with the proxy's logs or items: its
 `consumer_id` is bounded and must be printable (clienttext.py), else the stream is
 refused with INVALID_ARGUMENT; every log line shows it through `clienttext.for_log`.
 Its `max_frame_bytes` (absent: 4 MiB) bounds every frame sent to it (framing.py); the
-Welcome says the limit applied.
+Welcome says the limit applied. The Welcome also says `grants`: a Grant frame changes the
+stream's credits from then on (bounded like Hello.credits; a Grant out of bounds ends the
+stream with INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from triage_proxy.errors import (
     grpc_status,
     grpc_trailers,
 )
-from triage_proxy.frames import checked_frames
+from triage_proxy.frames import MAX_CREDITS, checked_frames
 from triage_proxy.framing import frame_limit, frame_limit_problem
 from triage_proxy.logthrottle import LogThrottle
 from triage_proxy.preflight import bind_error, check_tls
@@ -64,7 +66,6 @@ from triage_proxy.topology import RouteState, Topology, TopologyAnswer
 logger = logging.getLogger(__name__)
 
 HELLO_TIMEOUT_S = 10.0
-MAX_CREDITS = 100_000
 REJECTED_REASON = "offset not held by this instance"
 
 
@@ -236,6 +237,7 @@ class TriageService(pb_grpc.TriageServicer):
                     ack_deadline_ms=int(delivery.ack_deadline_s * 1000),
                     max_attempts=delivery.max_attempts,
                     max_frame_bytes=max_frame,
+                    grants=True,
                 )
             )
             logger.info("instance %s authenticated as app %r", for_log(consumer_id), app)
@@ -331,6 +333,9 @@ class TriageService(pb_grpc.TriageServicer):
                     rejected = dispatcher.settle(session, frame.settle.acks, frame.settle.nacks)
                 elif kind == "release":
                     rejected = dispatcher.release(session, frame.release.offsets)
+                elif kind == "grant":
+                    dispatcher.grant(session, frame.grant.credits)  # bounded by checked_frames
+                    continue
                 else:
                     if kind == "extend":
                         dispatcher.extend(session, frame.extend.offsets)

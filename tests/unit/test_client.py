@@ -33,10 +33,11 @@ from triage_client import (
     StateError,
 )
 from triage_client._proto import triage_pb2, triage_pb2_grpc
-from triage_client.pool import MAX_REASON_CHARS
+from triage_client.credits import IDLE_CREDITS, credit_share
+from triage_client.message import make_message
+from triage_client.pool import MAX_REASON_CHARS, HandlerPool
 from triage_client.pool import nack_reason as _reason
 from triage_client.stream import backoff_delay
-from triage_client.topology import credit_share
 
 TOKEN = "s3cret-token"
 WAIT_S = 5.0
@@ -153,7 +154,9 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
     back and queued again with its attempt raised, as the real proxy does. Alone, it is an
     older proxy: no Topology, one partition (3) for a Hello that names none. In a Deployment
     it answers Topology and serves the partitions the deployment gives it, refusing a Hello
-    for any other with FAILED_PRECONDITION and the owner in `triage-owner-endpoint`.
+    for any other with FAILED_PRECONDITION and the owner in `triage-owner-endpoint`. With
+    `grants` set its Welcome says so and it applies Grant frames, as a current proxy does;
+    without, it ignores them (an older proxy).
     """
 
     def __init__(self, *, batch: int = 64, deployment: Deployment | None = None) -> None:
@@ -161,6 +164,8 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
         self.deployment = deployment
         self.port = 0
         self.ack_deadline_ms = 0  # sent in the Welcome of each new stream; 0: leases never lapse
+        self.grants = False  # Welcome.grants: Grant frames change a stream's credits
+        self.granted: list[tuple[int | None, int]] = []  # (partition, credits) of each Grant
         self.reject: set[int] = set()  # offsets whose settlement is answered with Rejected
         self.hellos: list[triage_pb2.Hello] = []
         self.refused: list[int] = []  # partitions of Hellos refused with FAILED_PRECONDITION
@@ -313,9 +318,11 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
             generation = self._generation
             self._cond.notify_all()
         deadline_ms = self.ack_deadline_ms
+        grants = self.grants
         welcome = triage_pb2.Welcome(
-            topic="orders", partition=partition, ack_deadline_ms=deadline_ms
+            topic="orders", partition=partition, ack_deadline_ms=deadline_ms, grants=grants
         )
+        credits = hello.credits
         await context.write(triage_pb2.ProxyFrame(welcome=welcome))
         loop = asyncio.get_running_loop()
         unsettled: dict[int, triage_pb2.Delivery] = {}
@@ -329,9 +336,13 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
                 deployment.held(-1)
 
         async def read() -> None:
-            nonlocal half_closed
+            nonlocal half_closed, credits
             async for frame in frames:
                 with self._cond:
+                    if frame.HasField("grant"):
+                        self.granted.append((partition, frame.grant.credits))
+                        if grants:
+                            credits = frame.grant.credits
                     for offset in frame.settle.acks:
                         self.acks.append((stream, offset))
                         settled(offset)
@@ -375,7 +386,7 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
                     await context.write(triage_pb2.ProxyFrame(rejected=refusal))
                 with self._cond:
                     queue = queue_of()
-                    room = min(self.batch, hello.credits - len(unsettled))
+                    room = min(self.batch, credits - len(unsettled))
                     batch = [queue.popleft() for _ in range(min(room, len(queue)))]
                     for d in batch:
                         unsettled[d.offset] = d
@@ -1042,6 +1053,108 @@ def test_a_backlog_of_slow_messages_does_not_starve_another_partition(
     # A free slot goes to the partition with fewer running handlers: partition 1 gets it
     # each time, instead of waiting behind the 8 queued slow ones (4 more slow rounds).
     assert slow_done <= 4, f"{slow_done} slow messages finished before 20 fast ones"
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_slow_backlog_cannot_hold_the_slots_another_backlog_needs(
+    deployment: Deployment, kind: str
+) -> None:
+    """Against a proxy that grants: the slow backlog has every slot and the idle partition
+    is down to its small prefetch when fast work arrives there; the fast partition gets
+    credits and slots back and finishes within a wave or two of slow messages, and the sum
+    of credits stays within concurrency + prefetch throughout. (The moment a FIFO choice
+    loses, a slot freeing while the fast queue waits for its next deliveries, is timing the
+    fake proxy does not reproduce: the pool's rule is checked directly below, and
+    tests/integration/test_topic_consumer.py measures it against the real proxy.)"""
+    slow_s, fast_s = 0.4, 0.005
+    a = deployment.proxy()
+    a.grants = True
+    serve_all(deployment, a, a, a)
+    started: list[int] = []
+
+    def sync_handler(message: Message) -> None:
+        started.append(message.partition)
+        time.sleep(slow_s if message.partition == 0 else fast_s)
+
+    async def async_handler(message: Message) -> None:
+        started.append(message.partition)
+        await asyncio.sleep(slow_s if message.partition == 0 else fast_s)
+
+    deployment.feed(0, (delivery(o) for o in range(60)))
+    handler = sync_handler if kind == "sync" else async_handler
+    run = Running(consumer(a, handler, concurrency=4, prefetch=12))
+    deployment.wait_for(
+        lambda: started.count(0) == 4 and (1, IDLE_CREDITS) in a.granted,
+        "the slow backlog on every slot, the idle partition down to its prefetch",
+    )
+    deployment.feed(1, (delivery(o) for o in range(60)))
+    deployment.wait_for(lambda: len(deployment.acked(1)) == 60, "the other partition's work")
+    slow_done = len(deployment.acked(0))
+    run.stop()
+    assert slow_done <= 8, f"{slow_done} slow messages finished before 60 fast ones"
+    assert deployment.max_unsettled <= 16, "never more than concurrency + prefetch in all"
+
+
+class Queued:
+    """What the pool's choice reads of a stream: its queue, running handlers and cap."""
+
+    def __init__(self, name: str, queued: int, busy: int, slots: int) -> None:
+        self.queued = deque(make_message("t", 0, o, None, None, [], 0, 1) for o in range(queued))
+        self.busy, self.slots, self.name = busy, slots, name
+
+
+def test_the_pool_skips_a_stream_at_its_slot_cap_even_with_a_free_slot() -> None:
+    pool = HandlerPool(lambda m: None, 4, (), 16)
+    slow, fast = Queued("slow", 5, 2, 2), Queued("fast", 0, 0, 2)
+    pool._ready[:] = [cast(Any, slow)]
+    pool._queued = 5
+    assert pool._pick() is None, "the fast partition's half stays free for its next delivery"
+    fast.queued.append(make_message("t", 1, 0, None, None, [], 0, 1))
+    pool._ready.append(cast(Any, fast))
+    pool._queued += 1
+    picked = pool._pick()
+    assert picked is not None
+    assert cast(Any, picked[0]).name == "fast"
+    slow.slots = 4  # the next rebalance lifted the cap (the fast partition went idle)
+    picked = pool._pick()
+    assert picked is not None
+    assert cast(Any, picked[0]).name == "slow"
+    assert slow.busy == 3
+
+
+@pytest.mark.parametrize("grants", [True, False])
+def test_credits_follow_demand_when_the_proxy_grants(deployment: Deployment, grants: bool) -> None:
+    """One partition busy, two idle: with Grant the busy one ends up with what the idle ones
+    leave (16 - 2 - 2) and runs on every slot; an older proxy keeps the even split (6, 5, 5),
+    so the busy partition runs on at most 6 of the 8 slots."""
+    a = deployment.proxy()
+    a.grants = grants
+    serve_all(deployment, a, a, a)
+    lock = threading.Lock()
+    running = peak = 0
+
+    async def handler(message: Message) -> None:
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+        await asyncio.sleep(0.01)
+        with lock:
+            running -= 1
+
+    deployment.feed(0, (delivery(o) for o in range(400)))
+    run = Running(consumer(a, handler, concurrency=8, prefetch=8))
+    deployment.wait_for(lambda: len(deployment.acked(0)) == 400, "the busy partition's work")
+    run.stop()
+    assert hellos(deployment) == [(0, 6), (1, 5), (2, 5)], "Hellos: the even split"
+    assert deployment.max_unsettled <= 16
+    if grants:
+        assert (0, 12) in a.granted
+        assert {c for p, c in a.granted if p != 0} == {2}, "idle partitions keep a prefetch"
+        assert peak == 8
+    else:
+        assert peak <= 6
+        assert a.max_unsettled == 6
 
 
 def test_a_moved_partition_is_followed_to_the_owner_its_old_proxy_names(

@@ -645,3 +645,23 @@ def test_streams_ended_by_a_shutdown_use_no_attempt() -> None:
     assert d.queued == 3
     assert d.in_flight == 0
     assert d.quiet.is_set()
+
+
+def test_a_grant_changes_credits_without_revoking_what_is_held() -> None:
+    d, _, _ = make()
+    a = d.open_session("a", 2)
+    d.add(records(0, 10))
+    assert [x.offset for x in drain(a)] == [0, 1]
+    d.grant(a, 5)  # raised: three more at once
+    assert [x.offset for x in drain(a)] == [2, 3, 4]
+    d.grant(a, 2)  # lowered below the 5 held: nothing taken back, nothing new
+    assert drain(a) == []
+    assert len(a.held) == 5
+    d.settle(a, [0, 1, 2], [])  # holds 2: still not under the grant
+    assert drain(a) == []
+    d.settle(a, [3], [])  # holds 1: room for one
+    assert [x.offset for x in drain(a)] == [5]
+    d.release(a, [])  # stopping: a later grant sends nothing more
+    d.grant(a, 10)
+    assert a.credits == 0
+    assert drain(a) == []

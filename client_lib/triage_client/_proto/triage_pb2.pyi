@@ -49,16 +49,18 @@ class PartitionRoute(_message.Message):
     def __init__(self, partition: _Optional[int] = ..., endpoint: _Optional[str] = ..., state: _Optional[_Union[PartitionRoute.State, str]] = ..., owner_id: _Optional[str] = ...) -> None: ...
 
 class ConsumerFrame(_message.Message):
-    __slots__ = ("hello", "settle", "extend", "release")
+    __slots__ = ("hello", "settle", "extend", "release", "grant")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     SETTLE_FIELD_NUMBER: _ClassVar[int]
     EXTEND_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     settle: Settle
     extend: Extend
     release: Release
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., settle: _Optional[_Union[Settle, _Mapping]] = ..., extend: _Optional[_Union[Extend, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
+    grant: Grant
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., settle: _Optional[_Union[Settle, _Mapping]] = ..., extend: _Optional[_Union[Extend, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., grant: _Optional[_Union[Grant, _Mapping]] = ...) -> None: ...
 
 class ProxyFrame(_message.Message):
     __slots__ = ("welcome", "deliveries", "rejected")
@@ -83,18 +85,20 @@ class Hello(_message.Message):
     def __init__(self, consumer_id: _Optional[str] = ..., credits: _Optional[int] = ..., partition: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("topic", "partition", "ack_deadline_ms", "max_attempts", "max_frame_bytes")
+    __slots__ = ("topic", "partition", "ack_deadline_ms", "max_attempts", "grants", "max_frame_bytes")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     ACK_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    GRANTS_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     topic: str
     partition: int
     ack_deadline_ms: int
     max_attempts: int
+    grants: bool
     max_frame_bytes: int
-    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., ack_deadline_ms: _Optional[int] = ..., max_attempts: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., ack_deadline_ms: _Optional[int] = ..., max_attempts: _Optional[int] = ..., grants: _Optional[bool] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
 
 class Header(_message.Message):
     __slots__ = ("key", "value")
@@ -159,6 +163,12 @@ class Release(_message.Message):
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     offsets: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Grant(_message.Message):
+    __slots__ = ("credits",)
+    CREDITS_FIELD_NUMBER: _ClassVar[int]
+    credits: int
+    def __init__(self, credits: _Optional[int] = ...) -> None: ...
 
 class Rejected(_message.Message):
     __slots__ = ("offsets", "reason")

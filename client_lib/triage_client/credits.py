@@ -1,0 +1,158 @@
+"""How one Consumer's `concurrency + prefetch` credits and its handler slots are split over
+its partition streams: the two pure policies, no I/O.
+
+`credit_share` is the static split, for streams whose proxy cannot change credits after the
+Hello (an older proxy, without `Welcome.grants`) and for every Hello.
+
+`split` is the dynamic one, run every REBALANCE_INTERVAL_S from what each stream showed over
+the last period (`StreamLoad`):
+
+- A stream is *hungry* when it held as many unsettled deliveries as its credits allow: its
+  proxy had more for it. A hungry stream wants all it can get; any other wants what it
+  used at its peak plus one (never less than an idle stream's small prefetch,
+  `idle_credits`), so an idle partition shrinks back to that prefetch.
+- The budget is water-filled (max-min fair): every stream first gets up to the idle prefetch,
+  then the rest rises evenly until each has what it wants or the budget is spent, so a
+  partition with a backlog gets an even share beside another backlog and everything the
+  others leave. What nobody wants stays unallocated, ready for a stream that wakes up.
+- Lowering a stream's credits revokes nothing: it may hold what it held, and, for one more
+  period, as much as its old credits allowed (deliveries may have been on their way when the
+  proxy applied the Grant). Raises come only out of what no stream may hold (its
+  `committed`), so the credits in force plus what lowered streams still hold stay within the
+  budget: total unsettled deliveries stay <= concurrency + prefetch.
+- Handler slots: hungry streams split `concurrency` evenly and may run at most their share,
+  so a backlog of slow messages cannot take the slots another backlogged partition needs
+  (even in the moments its queue is empty while its next deliveries are on the way). A
+  stream that is not hungry is not limited: it has few deliveries, and the pool's
+  fewest-running-first choice serves it at the next free slot.
+
+Every stream keeps at least 1 credit (the protocol's minimum), so more streams than the
+budget exceed it by design, as in the static split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "IDLE_CREDITS",
+    "REBALANCE_INTERVAL_S",
+    "Split",
+    "StreamLoad",
+    "credit_share",
+    "hungry",
+    "split",
+]
+
+REBALANCE_INTERVAL_S = 0.1
+"""How often a Consumer with several streams re-splits its credits and slots."""
+IDLE_CREDITS = 2
+"""Credits an idle stream keeps: a small prefetch, so its first deliveries need no Grant."""
+
+
+def credit_share(budget: int, streams: int, index: int) -> int:
+    """Hello credits of stream number `index` (0-based) out of `streams`: `budget` split as
+    evenly as it goes, the remainder to the first ones, so the shares sum to `budget`; at
+    least 1 each (the protocol's minimum), so more streams than budget exceed it by design."""
+    base, extra = divmod(budget, max(1, streams))
+    return max(1, base + (1 if index < extra else 0))
+
+
+@dataclass(frozen=True, slots=True)
+class StreamLoad:
+    """What one stream showed over the last rebalance period."""
+
+    credits: int
+    """Credits in force now (the Hello's, or the last Grant's); 0 for a stream not connected."""
+    peak: int
+    """Most unsettled deliveries it held at once during the period."""
+    committed: int
+    """Most it may hold now: its credits, what it holds, and, for one period after a
+    lowering, the credits it had before."""
+    adjustable: bool
+    """Its proxy honours Grant frames; False: its credits stay what the Hello said."""
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """The decision of one rebalance, one entry per stream in the order given."""
+
+    credits: tuple[int, ...]
+    """Credits each stream may hold from now on (unchanged for one not adjustable)."""
+    slots: tuple[int, ...]
+    """Most handlers each stream may run at once."""
+
+
+def hungry(load: StreamLoad) -> bool:
+    """The stream filled its credits during the period: its proxy had more for it."""
+    return load.credits > 0 and load.peak >= load.credits
+
+
+def split(concurrency: int, budget: int, loads: Sequence[StreamLoad]) -> Split:
+    """Credits and slot caps for every stream (see the module doc)."""
+    count = len(loads)
+    starving = [hungry(load) for load in loads]
+    slots = _slots(concurrency, starving)
+    if count <= 1:
+        # Nobody to share with: a lone adjustable stream has the whole budget.
+        return Split(tuple(budget if s.adjustable else s.credits for s in loads), slots)
+    adjustable = [i for i, load in enumerate(loads) if load.adjustable]
+    fixed = sum(load.credits for load in loads if not load.adjustable)
+    available = max(0, budget - fixed)
+    floor = max(1, min(IDLE_CREDITS, available // max(1, len(adjustable))))
+    wants = {
+        i: budget if starving[i] else min(budget, max(floor, loads[i].peak + 1)) for i in adjustable
+    }
+    targets = _water_fill(available, floor, wants)
+    # Raises come out of what no stream may hold now; lowerings take effect at once.
+    free = budget - sum(load.committed for load in loads)
+    raises = {
+        i: targets[i] - loads[i].committed for i in adjustable if targets[i] > loads[i].committed
+    }
+    granted = _water_fill(max(0, free), 0, raises) if raises else {}
+    credits = []
+    for i, load in enumerate(loads):
+        if not load.adjustable:
+            credits.append(load.credits)
+        elif i in raises:
+            credits.append(max(1, load.committed + granted[i]))
+        else:
+            credits.append(max(1, targets[i]))
+    return Split(tuple(credits), slots)
+
+
+def _slots(concurrency: int, starving: Sequence[bool]) -> tuple[int, ...]:
+    """Hungry streams split `concurrency` evenly; the others are not limited."""
+    rank = 0
+    total = sum(starving)
+    caps = []
+    for is_hungry in starving:
+        if is_hungry and total > 1:
+            caps.append(credit_share(concurrency, total, rank))
+            rank += 1
+        else:
+            caps.append(concurrency)
+    return tuple(caps)
+
+
+def _water_fill(amount: int, floor: int, wants: dict[int, int]) -> dict[int, int]:
+    """Split `amount` over `wants` max-min fairly: first up to `floor` each (at least that
+    much even beyond `amount`: the protocol's minimum), then evenly upwards, nobody past what
+    it wants; ties of the remainder go to the lower index."""
+    given = {i: min(floor, want) for i, want in wants.items()}
+    left = amount - sum(given.values())
+    open_ = sorted(i for i in wants if given[i] < wants[i])
+    while left > 0 and open_:
+        each, extra = divmod(left, len(open_))
+        still_open = []
+        for rank, i in enumerate(open_):
+            add = min(wants[i] - given[i], each + (1 if rank < extra else 0))
+            given[i] += add
+            left -= add
+            if given[i] < wants[i]:
+                still_open.append(i)
+        if each == 0 and len(still_open) == len(open_):
+            break  # the remainder was handed out one by one: nothing left to level
+        open_ = still_open
+    return given

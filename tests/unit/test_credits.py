@@ -1,0 +1,150 @@
+"""The client's credit and slot split (credits.py): pure, so checked exhaustively."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from triage_client.credits import IDLE_CREDITS, Split, StreamLoad, credit_share, hungry, split
+
+
+def load(credits: int, peak: int, held: int = 0, *, adjustable: bool = True) -> StreamLoad:
+    return StreamLoad(credits, peak, max(credits, held), adjustable)
+
+
+def test_a_lone_stream_has_the_whole_budget_and_every_slot() -> None:
+    assert split(4, 8, [load(3, 0)]) == Split((8,), (4,))
+    assert split(4, 8, [load(3, 3, adjustable=False)]) == Split((3,), (4,))
+
+
+def test_idle_streams_shrink_to_a_small_prefetch_and_the_rest_stays_free() -> None:
+    decision = split(32, 64, [load(16, 0) for _ in range(4)])
+    assert decision.credits == (IDLE_CREDITS,) * 4
+    assert decision.slots == (32,) * 4, "nobody is hungry: nobody is capped"
+
+
+def test_a_stream_that_used_some_keeps_its_peak_plus_one() -> None:
+    assert split(4, 16, [load(8, 5), load(8, 0)]).credits == (6, IDLE_CREDITS)
+
+
+def test_a_backlog_beside_idle_partitions_gets_everything_they_leave() -> None:
+    # Start: the even split (16 each); partition 0 filled its 16, the others held nothing.
+    first = split(32, 64, [load(16, 16), load(16, 0), load(16, 0), load(16, 0)])
+    # The idle ones are lowered now; what they could still hold this period is not free yet.
+    assert first.credits == (16, 2, 2, 2)
+    assert first.slots == (32, 32, 32, 32), "one hungry stream: not capped"
+    lowered = [StreamLoad(2, 0, 16, True)] * 3
+    assert split(32, 64, [load(16, 16), *lowered]).credits == (16, 2, 2, 2)
+    # One period later the lowering has taken effect: the backlog gets the rest.
+    settled = [load(2, 0)] * 3
+    assert split(32, 64, [load(16, 16), *settled]).credits == (58, 2, 2, 2)
+
+
+def test_two_backlogs_share_credits_and_slots_evenly() -> None:
+    decision = split(4, 8, [load(6, 6), load(2, 2)])
+    # The first keeps 6 this period (it may hold them); the second gets what is free.
+    assert decision.credits == (4, 2)
+    assert decision.slots == (2, 2)
+    assert split(4, 8, [load(4, 4, held=6), load(2, 2)]).credits == (4, 2)
+    assert split(4, 8, [load(4, 4), load(2, 2)]).credits == (4, 4)
+
+
+def test_hungry_means_the_stream_filled_its_credits() -> None:
+    assert hungry(load(4, 4))
+    assert hungry(load(4, 5))
+    assert not hungry(load(4, 3))
+    assert not hungry(StreamLoad(0, 0, 0, False)), "not connected"
+
+
+def test_a_stream_without_grants_keeps_its_hello_credits_and_still_gets_a_slot_cap() -> None:
+    decision = split(4, 8, [load(4, 4, adjustable=False), load(4, 4)])
+    assert decision.credits == (4, 4)
+    assert decision.slots == (2, 2)
+
+
+def test_slot_caps_split_concurrency_over_hungry_streams_only() -> None:
+    decision = split(5, 10, [load(2, 2), load(2, 0), load(2, 2), load(2, 2)])
+    assert decision.slots == (2, 5, 2, 1)
+
+
+loads = st.lists(
+    st.builds(
+        lambda credits, peak, extra, adjustable, connected: (
+            StreamLoad(credits, peak, credits + extra, adjustable)
+            if connected
+            else StreamLoad(0, 0, 0, False)
+        ),
+        st.integers(1, 40),
+        st.integers(0, 60),
+        st.integers(0, 20),
+        st.booleans(),
+        st.booleans(),
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=400)
+@given(concurrency=st.integers(1, 32), prefetch=st.integers(0, 32), streams=loads)
+def test_credits_held_or_in_force_never_grow_past_the_budget(
+    concurrency: int, prefetch: int, streams: list[StreamLoad]
+) -> None:
+    budget = concurrency + prefetch
+    decision = split(concurrency, budget, streams)
+    assert len(decision.credits) == len(decision.slots) == len(streams)
+    for old, new, slots in zip(streams, decision.credits, decision.slots, strict=True):
+        assert 1 <= slots <= concurrency
+        if not old.adjustable:
+            assert new == old.credits, "a stream without grants keeps its Hello's credits"
+        else:
+            assert new >= 1
+    committed_before = sum(s.committed for s in streams)
+    committed_after = sum(
+        max(new, s.committed) for s, new in zip(streams, decision.credits, strict=True)
+    )
+    # Raises only out of what is free: within the budget whenever it was before (more
+    # streams than budget exceed it by design: each keeps at least 1).
+    if len(streams) > 1:
+        assert committed_after <= max(budget, committed_before)
+    hungry_caps = [c for s, c in zip(streams, decision.slots, strict=True) if hungry(s)]
+    if len(hungry_caps) > 1:
+        assert sum(hungry_caps) == max(concurrency, len(hungry_caps)), "at least 1 each"
+        assert max(hungry_caps) - min(hungry_caps) <= 1
+
+
+@given(
+    concurrency=st.integers(1, 16),
+    prefetch=st.integers(0, 16),
+    demand=st.lists(st.booleans(), min_size=2, max_size=6),
+    periods=st.integers(3, 6),
+)
+def test_backlogs_converge_to_an_even_share_and_idle_streams_to_the_prefetch(
+    concurrency: int, prefetch: int, demand: list[bool], periods: int
+) -> None:
+    """Repeated rebalances where a stream with a backlog always fills its credits and an
+    idle one holds nothing: the backlogs end with even shares of what idle ones leave."""
+    budget = concurrency + prefetch
+    n = len(demand)
+    credits = [credit_share(budget, n, i) for i in range(n)]
+    lowered = list(credits)
+    for _ in range(periods):
+        streams = [
+            StreamLoad(c, c if busy else 0, max(c, low), True)
+            for c, busy, low in zip(credits, demand, lowered, strict=True)
+        ]
+        new = list(split(concurrency, budget, streams).credits)
+        lowered = [max(c, n_) if n_ < c else n_ for c, n_ in zip(credits, new, strict=True)]
+        credits = new
+    # A last period in which lowerings took effect.
+    streams = [
+        StreamLoad(c, c if busy else 0, c, True) for c, busy in zip(credits, demand, strict=True)
+    ]
+    credits = list(split(concurrency, budget, streams).credits)
+    idle = [c for c, busy in zip(credits, demand, strict=True) if not busy]
+    busy = [c for c, b in zip(credits, demand, strict=True) if b]
+    if budget >= n * IDLE_CREDITS:
+        assert all(c == IDLE_CREDITS for c in idle)
+    if busy and budget >= n * IDLE_CREDITS:
+        assert max(busy) - min(busy) <= 1
+        assert sum(busy) + sum(idle) == budget, "the backlogs use everything left"
