@@ -152,3 +152,81 @@ def run_instances(
         results = instances.stop()
         watcher.close()
     return InstancesRun(launched, committed_at, results)
+
+
+def status(stack: DevStack, partition: int = 0) -> dict[str, Any]:
+    """The proxy's /status document (window, fetch_paused, counters)."""
+    import urllib.request
+
+    from triage_proxy.settings import load_settings
+
+    http_port = load_settings(stack.config_path).server.http_port
+    if http_port is None:
+        raise RuntimeError("the dev stack's proxies serve no HTTP endpoint")
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port + partition}/status", timeout=5) as answer:
+        doc: dict[str, Any] = json.loads(answer.read())
+    return doc
+
+
+class Profiler:
+    """py-spy record (raw collapsed stacks) on the given PIDs while it is open; stopped by
+    PID with SIGINT so py-spy writes its file. `top_frames` sums the self and inclusive
+    sample counts per frame: where the time goes, in text a report can quote."""
+
+    def __init__(self, pids: dict[str, int], out_dir: Path, rate: int = 200) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        spy = Path(sys.executable).parent / "py-spy"
+        self.files = {name: out_dir / f"{name}.txt" for name in pids}
+        self._procs = [
+            subprocess.Popen(
+                [
+                    str(spy),
+                    "record",
+                    "--pid",
+                    str(pid),
+                    "--rate",
+                    str(rate),
+                    "--format",
+                    "raw",
+                    "--threads",
+                    "--nonblocking",
+                    "--output",
+                    str(self.files[name]),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for name, pid in pids.items()
+        ]
+
+    def stop(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        for proc in self._procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def top_frames(raw: Path, count: int = 15) -> list[tuple[str, int, int]]:
+    """(frame, self samples, inclusive samples) of py-spy's collapsed stacks, by self."""
+    own: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        samples = int(n)
+        total += samples
+        frames = stack.split(";")[1:]  # the first is the thread
+        if not frames:
+            continue
+        own[frames[-1]] = own.get(frames[-1], 0) + samples
+        for frame in set(frames):
+            inclusive[frame] = inclusive.get(frame, 0) + samples
+    ranked = sorted(own.items(), key=lambda kv: -kv[1])[:count]
+    return [(frame, n, inclusive[frame]) for frame, n in ranked]
