@@ -67,7 +67,8 @@ class InstanceResult:
     """partition (a JSON key) -> [messages handled, time.time() of the last finish]."""
     finish_partitions: list[int] = field(default_factory=list)
     """The partition of each entry of `finishes`."""
-    """partition (a JSON key) -> [messages handled, time.time() of the last finish]."""
+    started: float = 0.0
+    """time.time() when the first handler started (0: none ran)."""
 
 
 class Instances:
