@@ -36,7 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.commit_watcher import CommitWatcher
-from tests.perf.common import ROOT, Profiler, produce_values, table, top_frames
+from tests.perf.common import (
+    ROOT,
+    Profiler,
+    print_frames,
+    produce_values,
+    table,
+    top_frames,
+)
 from tests.perf.fifo_bound import efficiency, fifo_bound
 from triage_cli.demo import count_dead_letters
 from triage_cli.devstack import DevStack
@@ -84,7 +91,7 @@ class Run:
     records: list[list[float]]
     """[offset, start, finish, thread, consumer, poison] per delivery, plus the process index."""
     dead: int
-    frames: dict[str, list[tuple[str, int, int]]]
+    frames: dict[str, list[tuple[str, float, float]]]
 
 
 def start_instances(stack: DevStack, arr: Arrangement) -> list[subprocess.Popen[bytes]]:
@@ -147,7 +154,7 @@ def stop_instances(procs: list[subprocess.Popen[bytes]]) -> list[list[float]]:
 def run_arrangement(arr: Arrangement, kinds: list[tuple[str, int]], profile: Path | None) -> Run:
     overrides = {"commit": {"interval_s": 0.1}}
     name = f"bench-eff-{arr.processes}x{arr.consumers}x{arr.handlers}"
-    frames: dict[str, list[tuple[str, int, int]]] = {}
+    frames: dict[str, list[tuple[str, float, float]]] = {}
     with DevStack(topic=name, proxy_overrides=overrides) as stack:
         values = (f"{k}:{ms}:{i}".encode() for i, (k, ms) in enumerate(kinds))
         produce_values(stack.broker.bootstrap, stack.topic, values)
@@ -248,10 +255,7 @@ def report(run: Run, kinds: list[tuple[str, int]]) -> bool:
             ]
         )
     )
-    for name, frames in run.frames.items():
-        print(f"  py-spy top frames, {name} (self / inclusive samples):")
-        for frame, own, incl in frames:
-            print(f"    {own:6d} {incl:6d}  {frame}")
+    print_frames(run.frames)
     print(("PASS" if ok else "FAIL") + f" efficiency {arr}")
     return ok
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -95,6 +96,10 @@ class Instances:
             for i in range(per_target)
         ]
 
+    @property
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self._procs]
+
     def stop(self) -> list[InstanceResult]:
         for proc in self._procs:
             if proc.poll() is None:
@@ -125,6 +130,8 @@ class InstancesRun:
     """time.time() when the committed offset reached the last message."""
     results: list[InstanceResult]
     """What each instance reported when it was stopped."""
+    frames: dict[str, list[tuple[str, float, float]]] = field(default_factory=dict)
+    """With a profile directory: py-spy's top frames per process (`top_frames`)."""
 
 
 def run_instances(
@@ -133,12 +140,14 @@ def run_instances(
     *,
     timeout_s: float,
     poll_s: float | None = None,
+    profile: Path | None = None,
 ) -> InstancesRun:
     """Start `args.instances` x `args.concurrency` instances, wait until all `args.messages`
     (spread round-robin over the partitions) are committed, then stop them.
 
     One partition: the instances run on its proxy, as before. Several: each instance is ONE
-    Consumer given the stack's endpoint, consuming every partition with one pool."""
+    Consumer given the stack's endpoint, consuming every partition with one pool.
+    With `profile`, py-spy samples the proxies and the instances until all is committed."""
     partitions = stack.partitions
     watcher = CommitWatcher(stack.broker.bootstrap, stack.group_id, stack.topic, partitions)
     expected = [len(range(p, args.messages, partitions)) for p in range(partitions)]
@@ -147,12 +156,25 @@ def run_instances(
     launched = time.time()
     instances = Instances(targets, stack.token, args.instances, args.concurrency)
     polling = {} if poll_s is None else {"poll_s": poll_s}
+    profiler = None
+    if profile is not None:
+        # From the first commit on: not the instances' imports and connecting.
+        while watcher.offsets() == [-1001] * partitions:
+            time.sleep(0.01)
+        pids = {f"proxy-{p}": stack.proxy_process(p).pid for p in range(partitions)}
+        pids.update({f"instance-{i}": pid for i, pid in enumerate(instances.pids)})
+        profiler = Profiler(pids, profile)
     try:
         committed_at = watcher.wait_for(expected, timeout_s=timeout_s, **polling)
     finally:
+        if profiler is not None:
+            profiler.stop()
         results = instances.stop()
         watcher.close()
-    return InstancesRun(launched, committed_at, results)
+    frames = {}
+    if profiler is not None:
+        frames = {name: top_frames(path) for name, path in profiler.files.items()}
+    return InstancesRun(launched, committed_at, results, frames)
 
 
 def status(stack: DevStack, partition: int = 0) -> dict[str, Any]:
@@ -214,22 +236,36 @@ class Profiler:
                 proc.wait()
 
 
-def top_frames(raw: Path, count: int = 15) -> list[tuple[str, int, int]]:
-    """(frame, self samples, inclusive samples) of py-spy's collapsed stacks, by self."""
+def top_frames(raw: Path, count: int = 15) -> list[tuple[str, float, float]]:
+    """(function, self %, inclusive %) of py-spy's collapsed stacks, by self time; line
+    numbers are dropped so a function's lines add up. Percentages of all samples of all
+    threads (py-spy leaves idle threads out)."""
     own: dict[str, int] = {}
     inclusive: dict[str, int] = {}
     total = 0
+    if not raw.exists():
+        return []
     for line in raw.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
         if not stack or not n.isdigit():
             continue
         samples = int(n)
-        total += samples
-        frames = stack.split(";")[1:]  # the first is the thread
+        frames = [_LINE.sub(")", f) for f in stack.split(";")[2:]]  # thread id, thread name
         if not frames:
             continue
+        total += samples
         own[frames[-1]] = own.get(frames[-1], 0) + samples
         for frame in set(frames):
             inclusive[frame] = inclusive.get(frame, 0) + samples
     ranked = sorted(own.items(), key=lambda kv: -kv[1])[:count]
-    return [(frame, n, inclusive[frame]) for frame, n in ranked]
+    return [(frame, 100 * n / total, 100 * inclusive[frame] / total) for frame, n in ranked]
+
+
+def print_frames(frames: dict[str, list[tuple[str, float, float]]]) -> None:
+    for name, top in frames.items():
+        print(f"  py-spy top frames, {name} (self % / inclusive % of samples):")
+        for frame, own, incl in top:
+            print(f"    {own:5.1f} {incl:5.1f}  {frame}")
+
+
+_LINE = re.compile(r":\d+\)$")
