@@ -16,7 +16,7 @@ handler thread's return and its next start (hand-off: settle, credit, delivery, 
 wake-up), and gate -> everything committed (commit.interval_s 0.1, dead-letter writes).
 
     .venv/bin/python -m tests.perf.bench_efficiency [--messages N] [--arrangements 1x4x8,...]
-        [--profile DIR]   (py-spy on the proxy and the instance processes)
+        [--profile DIR [--profile-gil]]   (py-spy on the proxy and the instance processes)
 """
 
 from __future__ import annotations
@@ -151,7 +151,9 @@ def stop_instances(procs: list[subprocess.Popen[bytes]]) -> list[list[float]]:
     return records
 
 
-def run_arrangement(arr: Arrangement, kinds: list[tuple[str, int]], profile: Path | None) -> Run:
+def run_arrangement(
+    arr: Arrangement, kinds: list[tuple[str, int]], profile: Path | None, gil: bool = False
+) -> Run:
     overrides = {"commit": {"interval_s": 0.1}}
     name = f"bench-eff-{arr.processes}x{arr.consumers}x{arr.handlers}"
     frames: dict[str, list[tuple[str, float, float]]] = {}
@@ -166,7 +168,7 @@ def run_arrangement(arr: Arrangement, kinds: list[tuple[str, int]], profile: Pat
             if profile is not None:
                 pids = {"proxy": stack.proxy_process(0).pid}
                 pids.update({f"instance-{i}": p.pid for i, p in enumerate(procs)})
-                profiler = Profiler(pids, profile / name)
+                profiler = Profiler(pids, profile / name, gil=gil)
                 time.sleep(0.5)  # py-spy attaches
             t0 = time.monotonic()
             for proc in procs:
@@ -265,6 +267,7 @@ def main() -> int:
     parser.add_argument("--messages", type=int, default=4000)
     parser.add_argument("--arrangements", default="1x4x8,2x1x16")
     parser.add_argument("--profile", type=Path, default=None)
+    parser.add_argument("--profile-gil", action="store_true", help="py-spy --gil")
     args = parser.parse_args()
     kinds = workload(args.messages)
     arrangements = [Arrangement.parse(a) for a in args.arrangements.split(",")]
@@ -275,7 +278,7 @@ def main() -> int:
     )
     ok = True
     for arr in arrangements:
-        ok = report(run_arrangement(arr, kinds, args.profile), kinds) and ok
+        ok = report(run_arrangement(arr, kinds, args.profile, args.profile_gil), kinds) and ok
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -198,7 +198,10 @@ class Profiler:
     PID with SIGINT so py-spy writes its file. `top_frames` sums the self and inclusive
     sample counts per frame: where the time goes, in text a report can quote."""
 
-    def __init__(self, pids: dict[str, int], out_dir: Path, rate: int = 200) -> None:
+    def __init__(
+        self, pids: dict[str, int], out_dir: Path, rate: int = 200, gil: bool = False
+    ) -> None:
+        """`gil`: sample only the thread holding the GIL (py-spy --gil): where the GIL goes."""
         out_dir.mkdir(parents=True, exist_ok=True)
         spy = Path(sys.executable).parent / "py-spy"
         self.files = {name: out_dir / f"{name}.txt" for name in pids}
@@ -215,6 +218,7 @@ class Profiler:
                     "raw",
                     "--threads",
                     "--nonblocking",
+                    *(["--gil"] if gil else []),
                     "--output",
                     str(self.files[name]),
                 ],
