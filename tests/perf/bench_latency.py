@@ -52,6 +52,7 @@ WARM_UP = 0
 PROBE = 99
 WARM_TIMEOUT_S = 60.0
 COMMIT_POLL_S = 0.005
+FLUSH_TIMEOUT_S = 180.0
 PROXY_FETCH_WAIT_MS = 100
 """The proxy's fetch.wait.max.ms (kafka.py); the plain consumer uses the same by default."""
 
@@ -99,11 +100,15 @@ class SteadyProducer:
         self._producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 1})
         self._topic = topic
         self.produced = 0
+        self.failed = 0
         self.acked: dict[int, list[float]] = {}
         """phase -> produce() -> broker acknowledged, ms, per message."""
 
     def _on_delivery(self, err: object, message: Any) -> None:
         now = time.monotonic_ns()
+        if err is not None:
+            self.failed += 1
+            return
         phase, _, sent = message.value().split(b":")
         self.acked.setdefault(int(phase), []).append((now - int(sent)) / 1e6)
 
@@ -134,8 +139,21 @@ class SteadyProducer:
         return total
 
     def flush(self) -> None:
-        if self._producer.flush(30) != 0:
+        # Generous: Tansu has been seen to drop the producer's connection under load, and
+        # librdkafka then retries what was in flight.
+        if self._producer.flush(FLUSH_TIMEOUT_S) != 0:
             raise RuntimeError("produce did not complete")
+
+
+def wait_committed(watcher: CommitWatcher, end: int, timeout_s: float) -> int:
+    """Block until the committed offset is at least `end` (a retried produce can add a
+    duplicate, so the log may end past it); return time.monotonic_ns() then."""
+    deadline = time.monotonic() + timeout_s
+    while watcher.offsets()[0] < end:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"committed {watcher.offsets()}, expected {end}")
+        time.sleep(COMMIT_POLL_S)
+    return time.monotonic_ns()
 
 
 def percentiles(values_ms: list[float]) -> tuple[float, float, float]:
@@ -201,27 +219,26 @@ def main() -> int:
                 producer.flush()
                 i += 1
                 time.sleep(0.05)
-            watcher.wait_for([producer.produced], timeout_s=30)
+            wait_committed(watcher, producer.produced, 60)
             for number, rate in enumerate(rates, 1):
                 count = producer.steady(number, rate, args.seconds)
                 phase = Phase(number, rate, count, producer.produced)
-                watcher.wait_for([producer.produced], timeout_s=120, poll_s=COMMIT_POLL_S)
-                phase.committed_at_ns = time.monotonic_ns()
+                phase.committed_at_ns = wait_committed(watcher, producer.produced, 300)
                 phases.append(phase)
             probes = []
             for k in range(args.probes):
                 time.sleep(1.3)
                 producer.send(PROBE, k)
                 producer.flush()
-                watcher.wait_for([producer.produced], timeout_s=30, poll_s=COMMIT_POLL_S)
-                probes.append(time.monotonic_ns())
+                probes.append(wait_committed(watcher, producer.produced, 60))
             time.sleep(0.5)  # the plain consumer has read everything by now
         finally:
             through = triage.stop()
             baseline = plain.stop()
             second = control.stop()
             watcher.close()
-    return report(args, phases, probes, (through, baseline, second), producer.acked)
+    docs = (through, baseline, second)
+    return report(args, phases, probes, docs, producer.acked, producer.failed)
 
 
 def report(
@@ -230,6 +247,7 @@ def report(
     probes: list[int],
     docs: tuple[dict[str, object], dict[str, object], dict[str, object]],
     acked: dict[int, list[float]],
+    failed: int,
 ) -> int:
     def by_message(doc: dict[str, object]) -> dict[tuple[int, int], int]:
         return {(p, i): ns for p, i, ns in doc.get("latencies", [])}  # type: ignore[attr-defined]
@@ -287,6 +305,8 @@ def report(
             f"~1.3 s apart, handler return -> committed: "
             + (", ".join(f"{lag:.0f}" for lag in lags) + " ms" if lags else "none handled")
         )
+    if failed:
+        print(f"produce failures reported by librdkafka: {failed}")
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
