@@ -101,6 +101,9 @@ class SteadyProducer:
         self._topic = topic
         self.produced = 0
         self.failed = 0
+        self.end = 0
+        """The log end: one past the highest offset the broker acknowledged (a retried
+        produce may have written a duplicate, so it can be past `produced`)."""
         self.acked: dict[int, list[float]] = {}
         """phase -> produce() -> broker acknowledged, ms, per message."""
 
@@ -109,6 +112,7 @@ class SteadyProducer:
         if err is not None:
             self.failed += 1
             return
+        self.end = max(self.end, message.offset() + 1)
         phase, _, sent = message.value().split(b":")
         self.acked.setdefault(int(phase), []).append((now - int(sent)) / 1e6)
 
@@ -146,8 +150,8 @@ class SteadyProducer:
 
 
 def wait_committed(watcher: CommitWatcher, end: int, timeout_s: float) -> int:
-    """Block until the committed offset is at least `end` (a retried produce can add a
-    duplicate, so the log may end past it); return time.monotonic_ns() then."""
+    """Block until the committed offset is at least `end` (after a flush: the producer's
+    `end`); return time.monotonic_ns() then."""
     deadline = time.monotonic() + timeout_s
     while watcher.offsets()[0] < end:
         if time.monotonic() > deadline:
@@ -219,18 +223,18 @@ def main() -> int:
                 producer.flush()
                 i += 1
                 time.sleep(0.05)
-            wait_committed(watcher, producer.produced, 60)
+            wait_committed(watcher, producer.end, 60)
             for number, rate in enumerate(rates, 1):
                 count = producer.steady(number, rate, args.seconds)
-                phase = Phase(number, rate, count, producer.produced)
-                phase.committed_at_ns = wait_committed(watcher, producer.produced, 300)
+                phase = Phase(number, rate, count, producer.end)
+                phase.committed_at_ns = wait_committed(watcher, producer.end, 300)
                 phases.append(phase)
             probes = []
             for k in range(args.probes):
                 time.sleep(1.3)
                 producer.send(PROBE, k)
                 producer.flush()
-                probes.append(wait_committed(watcher, producer.produced, 60))
+                probes.append(wait_committed(watcher, producer.end, 60))
             time.sleep(0.5)  # the plain consumer has read everything by now
         finally:
             through = triage.stop()
