@@ -169,7 +169,7 @@ def run_arrangement(
                 pids = {"proxy": stack.proxy_process(0).pid}
                 pids.update({f"instance-{i}": p.pid for i, p in enumerate(procs)})
                 profiler = Profiler(pids, profile / name, gil=gil)
-                time.sleep(0.5)  # py-spy attaches
+                time.sleep(2.0)  # py-spy attaches (slowly on a loaded machine)
             t0 = time.monotonic()
             for proc in procs:
                 assert proc.stdin is not None

@@ -11,7 +11,7 @@ its own raw read, and adds issue 15's target: at least 150,000 messages/s in at 
 4 of 5 runs (80% of the runs). `--profile DIR` samples the proxy and the instances with
 py-spy during the (first) run and prints the top frames.
 
-    .venv/bin/python -m tests.perf.bench_throughput [--messages N] [--runs 5] [--profile DIR]
+    .venv/bin/python -m tests.perf.bench_throughput [--messages N] [--runs 5] [--profile DIR [--profile-gil]]
 """
 
 from __future__ import annotations
@@ -60,14 +60,14 @@ class Measured:
     """The raw confluent-kafka read of the same partition, same run."""
 
 
-def measure(args: argparse.Namespace, profile: Path | None) -> Measured:
+def measure(args: argparse.Namespace, profile: Path | None, gil: bool = False) -> Measured:
     messages = args.messages
     overrides = {"commit": {"interval_s": 0.1}}
     with DevStack(topic="bench-throughput", proxy_overrides=overrides) as stack:
         bootstrap = stack.broker.bootstrap
         produce_values(bootstrap, stack.topic, (b"x" * 100 for _ in range(messages)))
         plain_s = plain_read(bootstrap, stack.topic, messages)
-        run = run_instances(stack, args, timeout_s=300, poll_s=0.02, profile=profile)
+        run = run_instances(stack, args, timeout_s=300, poll_s=0.02, profile=profile, profile_gil=gil)
     committed_at, results = run.committed_at, run.results
     first = min(r.first for r in results)
     last = max(r.last for r in results)
@@ -95,6 +95,7 @@ def main() -> int:
     parser = bench_arguments(messages=200_000, instances=2, concurrency=256)
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--profile", type=Path, default=None)
+    parser.add_argument("--profile-gil", action="store_true", help="py-spy --gil")
     args = parser.parse_args()
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"no-op throughput on {os.cpu_count()} cores, load average {load}")
@@ -102,7 +103,7 @@ def main() -> int:
     for n in range(args.runs):
         if args.runs > 1:
             print(f"run {n + 1} of {args.runs}")
-        runs.append(measure(args, args.profile if n == 0 else None))
+        runs.append(measure(args, args.profile if n == 0 else None, args.profile_gil))
     ok = all(r.rate >= TARGET_PER_S for r in runs)
     print(("PASS" if ok else "FAIL") + f" >= {TARGET_PER_S:,} msg/s in every run")
     if args.runs > 1:

@@ -141,6 +141,7 @@ def run_instances(
     timeout_s: float,
     poll_s: float | None = None,
     profile: Path | None = None,
+    profile_gil: bool = False,
 ) -> InstancesRun:
     """Start `args.instances` x `args.concurrency` instances, wait until all `args.messages`
     (spread round-robin over the partitions) are committed, then stop them.
@@ -163,7 +164,7 @@ def run_instances(
             time.sleep(0.01)
         pids = {f"proxy-{p}": stack.proxy_process(p).pid for p in range(partitions)}
         pids.update({f"instance-{i}": pid for i, pid in enumerate(instances.pids)})
-        profiler = Profiler(pids, profile)
+        profiler = Profiler(pids, profile, gil=profile_gil)
     try:
         committed_at = watcher.wait_for(expected, timeout_s=timeout_s, **polling)
     finally:
