@@ -11,7 +11,8 @@ its own raw read, and adds issue 15's target: at least 150,000 messages/s in at 
 4 of 5 runs (80% of the runs). `--profile DIR` samples the proxy and the instances with
 py-spy during the (first) run and prints the top frames.
 
-    .venv/bin/python -m tests.perf.bench_throughput [--messages N] [--runs 5] [--profile DIR [--profile-gil]]
+    .venv/bin/python -m tests.perf.bench_throughput [--messages N] [--runs 5]
+        [--profile DIR [--profile-gil]]
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ def measure(args: argparse.Namespace, profile: Path | None, gil: bool = False) -
         bootstrap = stack.broker.bootstrap
         produce_values(bootstrap, stack.topic, (b"x" * 100 for _ in range(messages)))
         plain_s = plain_read(bootstrap, stack.topic, messages)
-        run = run_instances(stack, args, timeout_s=300, poll_s=0.02, profile=profile, profile_gil=gil)
+        run = run_instances(
+            stack, args, timeout_s=300, poll_s=0.02, profile=profile, profile_gil=gil
+        )
     committed_at, results = run.committed_at, run.results
     first = min(r.first for r in results)
     last = max(r.last for r in results)
