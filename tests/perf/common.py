@@ -205,6 +205,8 @@ class Profiler:
         """`gil`: sample only the thread holding the GIL (py-spy --gil): where the GIL goes."""
         out_dir.mkdir(parents=True, exist_ok=True)
         spy = Path(sys.executable).parent / "py-spy"
+        if not spy.exists():
+            raise FileNotFoundError(f"{spy}: install it with `.venv/bin/pip install py-spy`")
         self.files = {name: out_dir / f"{name}.txt" for name in pids}
         self._procs = [
             subprocess.Popen(
