@@ -53,6 +53,9 @@ PROBE = 99
 WARM_TIMEOUT_S = 60.0
 COMMIT_POLL_S = 0.005
 FLUSH_TIMEOUT_S = 180.0
+PRODUCE_TIMEOUT_MS = 1000
+SLOW_ACK_MS = 100.0
+"""A produce acknowledged later than this was delayed by the broker, not by a consumer."""
 PROXY_FETCH_WAIT_MS = 100
 """The proxy's fetch.wait.max.ms (kafka.py); the plain consumer uses the same by default."""
 
@@ -97,7 +100,17 @@ class Reader:
 
 class SteadyProducer:
     def __init__(self, bootstrap: str, topic: str) -> None:
-        self._producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 1})
+        self._producer = Producer(
+            {
+                "bootstrap.servers": bootstrap,
+                "linger.ms": 1,
+                # Tansu was seen to leave a produce request unanswered until librdkafka's
+                # 60 s socket timeout (then it drops the connection): every message behind
+                # it waited a minute, for both consumers alike. Time out and retry in 1 s.
+                "request.timeout.ms": PRODUCE_TIMEOUT_MS,
+                "socket.timeout.ms": PRODUCE_TIMEOUT_MS,
+            }
+        )
         self._topic = topic
         self.produced = 0
         self.failed = 0
@@ -285,6 +298,10 @@ def report(
                     ("added: max Triage - max plain", f"{pt[2] - pb[2]:.2f} ms"),
                     ("per message, Triage - plain", fmt(pa)),
                     ("per message, control: a 2nd plain - plain", fmt(percentiles(floor))),
+                    (
+                        f"  acknowledged later than {SLOW_ACK_MS:.0f} ms",
+                        f"{sum(a > SLOW_ACK_MS for a in acked[phase.number])} messages",
+                    ),
                     ("seen through Triage / plain", f"{len(lt)} / {len(lb)}"),
                     ("last handler return -> committed", f"{lag_ms:.0f} ms"),
                 ]
