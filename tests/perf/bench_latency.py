@@ -54,6 +54,8 @@ WARM_TIMEOUT_S = 60.0
 COMMIT_POLL_S = 0.005
 FLUSH_TIMEOUT_S = 180.0
 PRODUCE_TIMEOUT_MS = 1000
+LINGER_MS = 5
+"""librdkafka's default: fewer, larger batches (Tansu's fetches slow down as batches pile up)."""
 SLOW_ACK_MS = 100.0
 """A produce acknowledged later than this was delayed by the broker, not by a consumer."""
 PROXY_FETCH_WAIT_MS = 100
@@ -103,7 +105,7 @@ class SteadyProducer:
         self._producer = Producer(
             {
                 "bootstrap.servers": bootstrap,
-                "linger.ms": 1,
+                "linger.ms": LINGER_MS,
                 # Tansu was seen to leave a produce request unanswered until librdkafka's
                 # 60 s socket timeout (then it drops the connection): every message behind
                 # it waited a minute, for both consumers alike. Time out and retry in 1 s.
