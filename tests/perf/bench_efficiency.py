@@ -17,6 +17,7 @@ wake-up), and gate -> everything committed (commit.interval_s 0.1, dead-letter w
 
     .venv/bin/python -m tests.perf.bench_efficiency [--messages N] [--arrangements 1x4x8,...]
         [--profile DIR [--profile-gil]]   (py-spy on the proxy and the instance processes)
+        [--switch-interval-ms MS]          (the instances' GIL switch interval, an experiment)
 """
 
 from __future__ import annotations
@@ -94,7 +95,9 @@ class Run:
     frames: dict[str, list[tuple[str, float, float]]]
 
 
-def start_instances(stack: DevStack, arr: Arrangement) -> list[subprocess.Popen[bytes]]:
+def start_instances(
+    stack: DevStack, arr: Arrangement, switch_ms: float | None
+) -> list[subprocess.Popen[bytes]]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRIAGE_TOKEN": stack.token}
     target = stack.describe()["proxies"][0]["target"]
     return [
@@ -110,6 +113,7 @@ def start_instances(stack: DevStack, arr: Arrangement) -> list[subprocess.Popen[
                 str(arr.handlers),
                 "--id",
                 f"eff-{i}",
+                *([] if switch_ms is None else ["--switch-interval-ms", str(switch_ms)]),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -152,7 +156,11 @@ def stop_instances(procs: list[subprocess.Popen[bytes]]) -> list[list[float]]:
 
 
 def run_arrangement(
-    arr: Arrangement, kinds: list[tuple[str, int]], profile: Path | None, gil: bool = False
+    arr: Arrangement,
+    kinds: list[tuple[str, int]],
+    profile: Path | None,
+    gil: bool = False,
+    switch_ms: float | None = None,
 ) -> Run:
     overrides = {"commit": {"interval_s": 0.1}}
     name = f"bench-eff-{arr.processes}x{arr.consumers}x{arr.handlers}"
@@ -161,7 +169,7 @@ def run_arrangement(
         values = (f"{k}:{ms}:{i}".encode() for i, (k, ms) in enumerate(kinds))
         produce_values(stack.broker.bootstrap, stack.topic, values)
         watcher = CommitWatcher(stack.broker.bootstrap, stack.group_id, stack.topic, 1)
-        procs = start_instances(stack, arr)
+        procs = start_instances(stack, arr, switch_ms)
         profiler = None
         try:
             wait_ready(procs)
@@ -268,6 +276,12 @@ def main() -> int:
     parser.add_argument("--arrangements", default="1x4x8,2x1x16")
     parser.add_argument("--profile", type=Path, default=None)
     parser.add_argument("--profile-gil", action="store_true", help="py-spy --gil")
+    parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval in the instances (an experiment; Python's default is 5)",
+    )
     args = parser.parse_args()
     kinds = workload(args.messages)
     arrangements = [Arrangement.parse(a) for a in args.arrangements.split(",")]
@@ -278,7 +292,15 @@ def main() -> int:
     )
     ok = True
     for arr in arrangements:
-        ok = report(run_arrangement(arr, kinds, args.profile, args.profile_gil), kinds) and ok
+        ok = (
+            report(
+                run_arrangement(
+                    arr, kinds, args.profile, args.profile_gil, args.switch_interval_ms
+                ),
+                kinds,
+            )
+            and ok
+        )
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

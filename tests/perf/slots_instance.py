@@ -34,7 +34,11 @@ def main() -> None:
     parser.add_argument("--consumers", type=int, default=1)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--id", default="slots")
+    parser.add_argument("--switch-interval-ms", type=float, default=None)
     args = parser.parse_args()
+    if args.switch_interval_ms is not None:
+        # An experiment on GIL hand-off between the Consumers' loops and handler threads.
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     slots = args.consumers * args.concurrency
     gate = threading.Event()
     lock = threading.Lock()
