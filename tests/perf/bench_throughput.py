@@ -6,19 +6,38 @@ side-by-side baseline, a plain confluent-kafka consumer reads the same partition
 in this invocation (no handler work, no commits per message): the ceiling of
 what one partition gives on this machine.
 
-    .venv/bin/python -m tests.perf.bench_throughput [--messages N]
+`--runs N` (N > 1) repeats the whole measurement N times, each on a fresh dev stack with
+its own raw read, and adds issue 15's target: at least 150,000 messages/s in at least
+4 of 5 runs (80% of the runs). `--profile DIR` samples the proxy and the instances with
+py-spy during the (first) run and prints the top frames.
+
+    .venv/bin/python -m tests.perf.bench_throughput [--messages N] [--runs 5]
+        [--profile DIR [--profile-gil]]
 """
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
-from tests.perf.common import bench_arguments, produce_values, run_instances, table
+from tests.perf.common import (
+    bench_arguments,
+    print_frames,
+    produce_values,
+    run_instances,
+    table,
+)
 from triage_cli.devstack import DevStack
 
 TARGET_PER_S = 50_000
+GOAL_PER_S = 150_000
+"""Issue 15: this rate in at least GOAL_SHARE of the runs."""
+GOAL_SHARE = 0.8
 
 
 def plain_read(bootstrap: str, topic: str, count: int) -> float:
@@ -34,36 +53,75 @@ def plain_read(bootstrap: str, topic: str, count: int) -> float:
     return elapsed
 
 
-def main() -> int:
-    args = bench_arguments(messages=200_000, instances=2, concurrency=256).parse_args()
+@dataclass(frozen=True)
+class Measured:
+    rate: float
+    """Triage messages/s, first handled -> all committed."""
+    plain_rate: float
+    """The raw confluent-kafka read of the same partition, same run."""
+
+
+def measure(args: argparse.Namespace, profile: Path | None, gil: bool = False) -> Measured:
+    messages = args.messages
     overrides = {"commit": {"interval_s": 0.1}}
     with DevStack(topic="bench-throughput", proxy_overrides=overrides) as stack:
         bootstrap = stack.broker.bootstrap
-        produce_values(bootstrap, stack.topic, (b"x" * 100 for _ in range(args.messages)))
-        plain_s = plain_read(bootstrap, stack.topic, args.messages)
-        run = run_instances(stack, args, timeout_s=300, poll_s=0.02)
+        produce_values(bootstrap, stack.topic, (b"x" * 100 for _ in range(messages)))
+        plain_s = plain_read(bootstrap, stack.topic, messages)
+        run = run_instances(
+            stack, args, timeout_s=300, poll_s=0.02, profile=profile, profile_gil=gil
+        )
     committed_at, results = run.committed_at, run.results
     first = min(r.first for r in results)
     last = max(r.last for r in results)
     e2e = committed_at - first
-    rate = args.messages / e2e
-    print(f"no-op throughput on {os.cpu_count()} cores")
+    rate = messages / e2e
     print(
         table(
             [
-                ("messages", f"{args.messages} x 100 bytes"),
+                ("messages", f"{messages} x 100 bytes"),
                 ("instances x concurrency", f"{args.instances} x {args.concurrency}"),
                 ("Triage end to end (first handled -> all committed)", f"{e2e:.2f} s"),
                 ("Triage messages/s", f"{rate:,.0f} (target >= {TARGET_PER_S:,})"),
                 ("Triage first -> last handled", f"{last - first:.2f} s"),
                 ("commit lag after last handled", f"{(committed_at - last) * 1000:.0f} ms"),
                 ("per instance handled", ", ".join(str(r.handled) for r in results)),
-                ("plain confluent-kafka read, same run", f"{args.messages / plain_s:,.0f}/s"),
+                ("plain confluent-kafka read, same run", f"{messages / plain_s:,.0f}/s"),
             ]
         )
     )
-    ok = rate >= TARGET_PER_S
-    print("PASS" if ok else "FAIL")
+    print_frames(run.frames)
+    return Measured(rate, messages / plain_s)
+
+
+def main() -> int:
+    parser = bench_arguments(messages=200_000, instances=2, concurrency=256)
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--profile", type=Path, default=None)
+    parser.add_argument("--profile-gil", action="store_true", help="py-spy --gil")
+    args = parser.parse_args()
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"no-op throughput on {os.cpu_count()} cores, load average {load}")
+    runs = []
+    for n in range(args.runs):
+        if args.runs > 1:
+            print(f"run {n + 1} of {args.runs}")
+        runs.append(measure(args, args.profile if n == 0 else None, args.profile_gil))
+    ok = all(r.rate >= TARGET_PER_S for r in runs)
+    print(("PASS" if ok else "FAIL") + f" >= {TARGET_PER_S:,} msg/s in every run")
+    if args.runs > 1:
+        print(
+            "runs, Triage / raw read msg/s: "
+            + ", ".join(f"{r.rate:,.0f} / {r.plain_rate:,.0f}" for r in runs)
+        )
+        reached = sum(r.rate >= GOAL_PER_S for r in runs)
+        needed = math.ceil(GOAL_SHARE * args.runs)
+        goal = reached >= needed
+        print(
+            ("PASS" if goal else "FAIL")
+            + f" >= {GOAL_PER_S:,} msg/s in {reached} of {args.runs} runs (target >= {needed})"
+        )
+        ok = ok and goal
     return 0 if ok else 1
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -67,7 +68,8 @@ class InstanceResult:
     """partition (a JSON key) -> [messages handled, time.time() of the last finish]."""
     finish_partitions: list[int] = field(default_factory=list)
     """The partition of each entry of `finishes`."""
-    """partition (a JSON key) -> [messages handled, time.time() of the last finish]."""
+    started: float = 0.0
+    """time.time() when the first handler started (0: none ran)."""
 
 
 class Instances:
@@ -93,6 +95,10 @@ class Instances:
             for target in targets
             for i in range(per_target)
         ]
+
+    @property
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self._procs]
 
     def stop(self) -> list[InstanceResult]:
         for proc in self._procs:
@@ -124,6 +130,8 @@ class InstancesRun:
     """time.time() when the committed offset reached the last message."""
     results: list[InstanceResult]
     """What each instance reported when it was stopped."""
+    frames: dict[str, list[tuple[str, float, float]]] = field(default_factory=dict)
+    """With a profile directory: py-spy's top frames per process (`top_frames`)."""
 
 
 def run_instances(
@@ -132,12 +140,15 @@ def run_instances(
     *,
     timeout_s: float,
     poll_s: float | None = None,
+    profile: Path | None = None,
+    profile_gil: bool = False,
 ) -> InstancesRun:
     """Start `args.instances` x `args.concurrency` instances, wait until all `args.messages`
     (spread round-robin over the partitions) are committed, then stop them.
 
     One partition: the instances run on its proxy, as before. Several: each instance is ONE
-    Consumer given the stack's endpoint, consuming every partition with one pool."""
+    Consumer given the stack's endpoint, consuming every partition with one pool.
+    With `profile`, py-spy samples the proxies and the instances until all is committed."""
     partitions = stack.partitions
     watcher = CommitWatcher(stack.broker.bootstrap, stack.group_id, stack.topic, partitions)
     expected = [len(range(p, args.messages, partitions)) for p in range(partitions)]
@@ -146,9 +157,122 @@ def run_instances(
     launched = time.time()
     instances = Instances(targets, stack.token, args.instances, args.concurrency)
     polling = {} if poll_s is None else {"poll_s": poll_s}
+    profiler = None
+    if profile is not None:
+        # From the first commit on: not the instances' imports and connecting.
+        while max(watcher.offsets()) <= 0:  # none yet, or the start offset 0
+            time.sleep(0.01)
+        pids = {f"proxy-{p}": stack.proxy_process(p).pid for p in range(partitions)}
+        pids.update({f"instance-{i}": pid for i, pid in enumerate(instances.pids)})
+        profiler = Profiler(pids, profile, gil=profile_gil)
     try:
         committed_at = watcher.wait_for(expected, timeout_s=timeout_s, **polling)
     finally:
+        if profiler is not None:
+            profiler.stop()
         results = instances.stop()
         watcher.close()
-    return InstancesRun(launched, committed_at, results)
+    frames = {}
+    if profiler is not None:
+        frames = {name: top_frames(path) for name, path in profiler.files.items()}
+    return InstancesRun(launched, committed_at, results, frames)
+
+
+def status(stack: DevStack, partition: int = 0) -> dict[str, Any]:
+    """The proxy's /status document (window, fetch_paused, counters)."""
+    import urllib.request
+
+    from triage_proxy.settings import load_settings
+
+    http_port = load_settings(stack.config_path).server.http_port
+    if http_port is None:
+        raise RuntimeError("the dev stack's proxies serve no HTTP endpoint")
+    with urllib.request.urlopen(
+        f"http://127.0.0.1:{http_port + partition}/status", timeout=5
+    ) as answer:
+        doc: dict[str, Any] = json.loads(answer.read())
+    return doc
+
+
+class Profiler:
+    """py-spy record (raw collapsed stacks) on the given PIDs while it is open; stopped by
+    PID with SIGINT so py-spy writes its file. `top_frames` sums the self and inclusive
+    sample counts per frame: where the time goes, in text a report can quote."""
+
+    def __init__(
+        self, pids: dict[str, int], out_dir: Path, rate: int = 200, gil: bool = False
+    ) -> None:
+        """`gil`: sample only the thread holding the GIL (py-spy --gil): where the GIL goes."""
+        out_dir.mkdir(parents=True, exist_ok=True)
+        spy = Path(sys.executable).parent / "py-spy"
+        if not spy.exists():
+            raise FileNotFoundError(f"{spy}: install it with `.venv/bin/pip install py-spy`")
+        self.files = {name: out_dir / f"{name}.txt" for name in pids}
+        self._procs = [
+            subprocess.Popen(
+                [
+                    str(spy),
+                    "record",
+                    "--pid",
+                    str(pid),
+                    "--rate",
+                    str(rate),
+                    "--format",
+                    "raw",
+                    "--threads",
+                    "--nonblocking",
+                    *(["--gil"] if gil else []),
+                    "--output",
+                    str(self.files[name]),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for name, pid in pids.items()
+        ]
+
+    def stop(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        for proc in self._procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def top_frames(raw: Path, count: int = 15) -> list[tuple[str, float, float]]:
+    """(function, self %, inclusive %) of py-spy's collapsed stacks, by self time; line
+    numbers are dropped so a function's lines add up. Percentages of all samples of all
+    threads (py-spy leaves idle threads out)."""
+    own: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    total = 0
+    if not raw.exists():
+        return []
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        samples = int(n)
+        frames = [_LINE.sub(")", f) for f in stack.split(";")[2:]]  # thread id, thread name
+        if not frames:
+            continue
+        total += samples
+        own[frames[-1]] = own.get(frames[-1], 0) + samples
+        for frame in set(frames):
+            inclusive[frame] = inclusive.get(frame, 0) + samples
+    ranked = sorted(own.items(), key=lambda kv: -kv[1])[:count]
+    return [(frame, 100 * n / total, 100 * inclusive[frame] / total) for frame, n in ranked]
+
+
+def print_frames(frames: dict[str, list[tuple[str, float, float]]]) -> None:
+    for name, top in frames.items():
+        print(f"  py-spy top frames, {name} (self % / inclusive % of samples):")
+        for frame, own, incl in top:
+            print(f"    {own:5.1f} {incl:5.1f}  {frame}")
+
+
+_LINE = re.compile(r":\d+\)$")

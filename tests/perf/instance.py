@@ -4,9 +4,9 @@ The value of each message says what the handler does: `poison...` raises,
 `slow...` sleeps 500 ms, `ordinary...` sleeps 2 ms, `sleep:<ms>` sleeps that
 long, anything else returns at once (no-op). Handlers are async (asyncio.sleep),
 the client's fast path. On SIGTERM it stops gracefully and prints one JSON line:
-handled, acked, nacked, first and last handler finish times (time.time()), and
-every finish as (time, was-ordinary) for the stall measurement, and per partition the
-messages handled and the last finish time.
+handled, acked, nacked, the first handler start, first and last handler finish times
+(time.time()), every finish as (time, was-ordinary) for the stall measurement, and per
+partition the messages handled and the last finish time.
 """
 
 from __future__ import annotations
@@ -21,7 +21,14 @@ from triage_client import Message
 
 def main() -> None:
     args = instance_arguments(default_id="bench").parse_args()
-    stats: dict[str, float] = {"handled": 0, "acked": 0, "nacked": 0, "first": 0.0, "last": 0.0}
+    stats: dict[str, float] = {
+        "handled": 0,
+        "acked": 0,
+        "nacked": 0,
+        "started": 0.0,
+        "first": 0.0,
+        "last": 0.0,
+    }
     finishes: list[tuple[float, bool]] = []
     partitions: dict[int, list[float]] = {}
     finish_partitions: list[int] = []
@@ -38,6 +45,7 @@ def main() -> None:
 
     async def handle(message: Message) -> None:
         value = message.value or b""
+        stats["started"] = stats["started"] or time.time()
         try:
             await work(value)
             stats["acked"] += 1

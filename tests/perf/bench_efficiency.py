@@ -1,0 +1,309 @@
+"""Short-work efficiency: how close Triage comes to a perfect first-in-first-out schedule.
+
+Workload: 4,000 messages of 2 ms work, 2% slow (200 ms), 1% poison pills (raise at once),
+SYNC handlers. Arrangements (`--arrangements`, each PROCESSESxCONSUMERSxHANDLERS): one
+process running 4 `Consumer` objects x 8 handlers (1x4x8), and 2 processes x 1 Consumer x
+16 handlers (2x1x16); 32 slots either way. Each arrangement gets its own dev stack.
+
+Every slot is busy at time zero (tests/perf/slots_instance.py holds the first deliveries
+at a gate until all slots wait), so the bound (tests/perf/fifo_bound.py: list scheduling of
+the workload's exact durations on the 32 slots) and the run start together. Measured: gate
+opened -> last handler returned. Target: bound / measured >= 90% in every arrangement.
+
+Also printed, to say where the rest goes: the bound over the handlers' MEASURED durations
+(what is left is slots idle, not handlers overrunning their sleeps), the idle gap between a
+handler thread's return and its next start (hand-off: settle, credit, delivery, thread
+wake-up), and gate -> everything committed (commit.interval_s 0.1, dead-letter writes).
+
+    .venv/bin/python -m tests.perf.bench_efficiency [--messages N] [--arrangements 1x4x8,...]
+        [--profile DIR [--profile-gil]]   (py-spy on the proxy and the instance processes)
+        [--switch-interval-ms MS]          (the instances' GIL switch interval, an experiment)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.commit_watcher import CommitWatcher
+from tests.perf.common import (
+    ROOT,
+    Profiler,
+    print_frames,
+    produce_values,
+    table,
+    top_frames,
+)
+from tests.perf.fifo_bound import efficiency, fifo_bound
+from triage_cli.demo import count_dead_letters
+from triage_cli.devstack import DevStack
+
+TARGET_EFFICIENCY = 0.90
+ORDINARY_MS, SLOW_MS = 2, 200
+SLOW_SHARE, POISON_SHARE = 0.02, 0.01
+READY_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Arrangement:
+    processes: int
+    consumers: int
+    handlers: int
+
+    @classmethod
+    def parse(cls, text: str) -> Arrangement:
+        p, c, h = (int(x) for x in text.lower().split("x"))
+        return cls(p, c, h)
+
+    @property
+    def slots(self) -> int:
+        return self.processes * self.consumers * self.handlers
+
+    def __str__(self) -> str:
+        return f"{self.processes} process(es) x {self.consumers} Consumer(s) x {self.handlers} sync"
+
+
+def workload(count: int, seed: int = 7) -> list[tuple[str, int]]:
+    """(kind, ms) per offset: exactly round(count*share) slow and poison, at random places."""
+    rng = random.Random(seed)
+    n_slow, n_poison = round(count * SLOW_SHARE), round(count * POISON_SHARE)
+    kinds = [("slow", SLOW_MS)] * n_slow + [("poison", 0)] * n_poison
+    kinds += [("ordinary", ORDINARY_MS)] * (count - len(kinds))
+    rng.shuffle(kinds)
+    return kinds
+
+
+@dataclass
+class Run:
+    arrangement: Arrangement
+    t0: float
+    committed: float
+    records: list[list[float]]
+    """[offset, start, finish, thread, consumer, poison] per delivery, plus the process index."""
+    dead: int
+    frames: dict[str, list[tuple[str, float, float]]]
+
+
+def start_instances(
+    stack: DevStack, arr: Arrangement, switch_ms: float | None
+) -> list[subprocess.Popen[bytes]]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRIAGE_TOKEN": stack.token}
+    target = stack.describe()["proxies"][0]["target"]
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "tests" / "perf" / "slots_instance.py"),
+                "--target",
+                target,
+                "--consumers",
+                str(arr.consumers),
+                "--concurrency",
+                str(arr.handlers),
+                "--id",
+                f"eff-{i}",
+                *([] if switch_ms is None else ["--switch-interval-ms", str(switch_ms)]),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        for i in range(arr.processes)
+    ]
+
+
+def wait_ready(procs: list[subprocess.Popen[bytes]]) -> None:
+    def read(proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        proc.stdout.readline()
+
+    readers = [threading.Thread(target=read, args=(p,), daemon=True) for p in procs]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    for reader in readers:
+        reader.join(max(0.0, deadline - time.monotonic()))
+        if reader.is_alive():
+            raise TimeoutError("an instance never filled all its handler slots")
+
+
+def stop_instances(procs: list[subprocess.Popen[bytes]]) -> list[list[float]]:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    records = []
+    for index, proc in enumerate(procs):
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        lines = out.decode().strip().splitlines()
+        if lines:
+            records += [[*r, index] for r in json.loads(lines[-1])["records"]]
+    return records
+
+
+def run_arrangement(
+    arr: Arrangement,
+    kinds: list[tuple[str, int]],
+    profile: Path | None,
+    gil: bool = False,
+    switch_ms: float | None = None,
+) -> Run:
+    overrides = {"commit": {"interval_s": 0.1}}
+    name = f"bench-eff-{arr.processes}x{arr.consumers}x{arr.handlers}"
+    frames: dict[str, list[tuple[str, float, float]]] = {}
+    with DevStack(topic=name, proxy_overrides=overrides) as stack:
+        values = (f"{k}:{ms}:{i}".encode() for i, (k, ms) in enumerate(kinds))
+        produce_values(stack.broker.bootstrap, stack.topic, values)
+        watcher = CommitWatcher(stack.broker.bootstrap, stack.group_id, stack.topic, 1)
+        procs = start_instances(stack, arr, switch_ms)
+        profiler = None
+        try:
+            wait_ready(procs)
+            if profile is not None:
+                pids = {"proxy": stack.proxy_process(0).pid}
+                pids.update({f"instance-{i}": p.pid for i, p in enumerate(procs)})
+                profiler = Profiler(pids, profile / name, gil=gil)
+                time.sleep(2.0)  # py-spy attaches (slowly on a loaded machine)
+            t0 = time.monotonic()
+            for proc in procs:
+                assert proc.stdin is not None
+                proc.stdin.write(b"g")
+                proc.stdin.flush()
+            watcher.wait_for([len(kinds)], timeout_s=300, poll_s=0.005)
+            committed = time.monotonic()
+        finally:
+            if profiler is not None:
+                profiler.stop()
+            records = stop_instances(procs)
+            watcher.close()
+        dead = count_dead_letters(stack.aws.endpoint_url, stack.table)
+    if profiler is not None:
+        frames = {name: top_frames(path) for name, path in profiler.files.items()}
+    return Run(arr, t0, committed, records, dead, frames)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def report(run: Run, kinds: list[tuple[str, int]]) -> bool:
+    arr = run.arrangement
+    nominal = [ms / 1000 for _, ms in kinds]
+    bound = fifo_bound(nominal, arr.slots)
+    first: dict[int, list[float]] = {}
+    for r in sorted(run.records, key=lambda r: r[1]):
+        first.setdefault(int(r[0]), r)
+    measured_durations = [first[o][2] - first[o][1] for o in sorted(first)]
+    measured_bound = fifo_bound(measured_durations, arr.slots)
+    makespan = max(r[2] for r in run.records) - run.t0
+    busy = sum(r[2] - r[1] for r in run.records)
+    by_thread: dict[tuple[int, int], list[list[float]]] = {}
+    for r in run.records:
+        by_thread.setdefault((int(r[6]), int(r[3])), []).append(r)
+    gaps = []
+    for rs in by_thread.values():
+        rs.sort(key=lambda r: r[1])
+        gaps += [b[1] - a[2] for a, b in itertools.pairwise(rs)]
+    overrun = [
+        (first[o][2] - first[o][1]) - ms / 1000
+        for o, (kind, ms) in enumerate(kinds)
+        if o in first and kind == "ordinary"
+    ]
+    lost = len(kinds) - len(first)
+    pills = sum(1 for k, _ in kinds if k == "poison")
+    eff = efficiency(bound, makespan)
+    ok = eff >= TARGET_EFFICIENCY and lost == 0 and run.dead == pills
+    print(f"\n{arr} ({arr.slots} slots)")
+    print(
+        table(
+            [
+                ("FIFO bound, exact durations", f"{bound:.3f} s"),
+                ("measured, gate -> last handler returned", f"{makespan:.3f} s"),
+                (
+                    "efficiency (bound / measured)",
+                    f"{eff:.1%} (target >= {TARGET_EFFICIENCY:.0%})",
+                ),
+                ("FIFO bound, measured handler durations", f"{measured_bound:.3f} s"),
+                ("efficiency against that bound", f"{efficiency(measured_bound, makespan):.1%}"),
+                (
+                    "ordinary handler overran its 2 ms sleep, p50 / p99",
+                    f"{percentile(overrun, 0.5) * 1000:.2f} / "
+                    f"{percentile(overrun, 0.99) * 1000:.2f} ms",
+                ),
+                (
+                    "slots idle (slots x measured - busy)",
+                    f"{arr.slots * makespan - busy:.3f} slot-s of {arr.slots * makespan:.3f}",
+                ),
+                (
+                    "hand-off gap per thread, mean / p50 / p99 / max",
+                    f"{statistics.fmean(gaps) * 1000:.2f} / {percentile(gaps, 0.5) * 1000:.2f}"
+                    f" / {percentile(gaps, 0.99) * 1000:.2f} / {max(gaps) * 1000:.1f} ms"
+                    if gaps
+                    else "-",
+                ),
+                ("gate -> everything committed", f"{run.committed - run.t0:.3f} s"),
+                ("deliveries / distinct offsets", f"{len(run.records)} / {len(first)}"),
+                ("lost", lost),
+                ("dead letters (poison pills)", f"{run.dead} ({pills})"),
+            ]
+        )
+    )
+    print_frames(run.frames)
+    print(("PASS" if ok else "FAIL") + f" efficiency {arr}")
+    return ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--messages", type=int, default=4000)
+    parser.add_argument("--arrangements", default="1x4x8,2x1x16")
+    parser.add_argument("--profile", type=Path, default=None)
+    parser.add_argument("--profile-gil", action="store_true", help="py-spy --gil")
+    parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval in the instances (an experiment; Python's default is 5)",
+    )
+    args = parser.parse_args()
+    kinds = workload(args.messages)
+    arrangements = [Arrangement.parse(a) for a in args.arrangements.split(",")]
+    print(
+        f"short-work efficiency on {os.cpu_count()} cores, load average "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}: {args.messages} messages, "
+        f"{ORDINARY_MS} ms work, {SLOW_SHARE:.0%} at {SLOW_MS} ms, {POISON_SHARE:.0%} poison"
+    )
+    ok = True
+    for arr in arrangements:
+        ok = (
+            report(
+                run_arrangement(
+                    arr, kinds, args.profile, args.profile_gil, args.switch_interval_ms
+                ),
+                kinds,
+            )
+            and ok
+        )
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""Added latency: produce -> handler start through Triage vs a plain confluent-kafka consumer.
+
+The producer (this process) produces at a steady rate, 1,000 msg/s then 10,000 msg/s for
+30 s each (`--rates`, `--seconds`), stamping each value with time.monotonic_ns(). Two
+consumer processes read the same partition at the same time (tests/perf/latency_instance.py):
+one instance through Triage (one Consumer, async no-op handler, `--concurrency`; `--sync`
+for a sync handler) and a plain confluent-kafka consumer (its defaults, a poll loop). Each
+records now - produced at handler start. Targets: added p50 <= 2 ms and p99 <= 10 ms at
+1k msg/s, added p99 <= 20 ms at 10k msg/s, where "added pXX" is Triage's pXX minus the
+plain consumer's pXX over the same messages.
+
+Why percentiles of each and not the per-message difference: Tansu answers a fetch that
+finds nothing new only when fetch.wait.max.ms runs out (it is not woken by a produce), so
+when a message becomes readable each consumer waits out whatever is left of ITS OWN
+fetch, anywhere between 0 and fetch.wait.max.ms. The per-message difference then carries
+tens of milliseconds of broker phase noise that no consumer can remove; it is printed,
+next to a control (a second plain consumer minus the first, the noise floor). The plain
+consumers use the proxy's own fetch.wait.max.ms (100 ms; `--plain-fetch-wait-ms`), so
+both sides wait on the broker alike.
+
+Commit lag: the proxy runs with the default commit.interval_s; after each phase and for
+`--probes` single messages produced ~1.3 s apart, the time from the last handler's return
+to the committed offset covering it (the commit is polled every 5 ms).
+
+    .venv/bin/python -m tests.perf.bench_latency [--seconds 30] [--rates 1000,10000]
+        [--probes 5] [--sync]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import Producer
+
+from tests.commit_watcher import CommitWatcher
+from tests.perf.common import ROOT, table
+from triage_cli.devstack import DevStack
+
+TARGETS = {1000: (2.0, 10.0), 10_000: (None, 20.0)}
+"""rate -> (added p50, added p99) targets in ms (None: no target)."""
+WARM_UP = 0
+PROBE = 99
+WARM_TIMEOUT_S = 60.0
+COMMIT_POLL_S = 0.005
+FLUSH_TIMEOUT_S = 180.0
+PRODUCE_TIMEOUT_MS = 1000
+LINGER_MS = 5
+"""librdkafka's default: fewer, larger batches (Tansu's fetches slow down as batches pile up)."""
+SLOW_ACK_MS = 100.0
+"""A produce acknowledged later than this was delayed by the broker, not by a consumer."""
+PROXY_FETCH_WAIT_MS = 100
+"""The proxy's fetch.wait.max.ms (kafka.py); the plain consumer uses the same by default."""
+
+
+class Reader:
+    """A consumer process whose stdout lines are read on a thread (the last is its JSON)."""
+
+    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, env=env)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+        self.warm = False
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.decode())
+
+    def check_warm(self) -> bool:
+        while not self.warm:
+            try:
+                self.warm = self.lines.get_nowait().strip() == "warm"
+            except queue.Empty:
+                break
+        return self.warm
+
+    def stop(self) -> dict[str, object]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._thread.join(10)
+        last = ""
+        while not self.lines.empty():
+            last = self.lines.get_nowait()
+        return json.loads(last) if last.strip().startswith("{") else {}
+
+
+class SteadyProducer:
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self._producer = Producer(
+            {
+                "bootstrap.servers": bootstrap,
+                "linger.ms": LINGER_MS,
+                # Tansu was seen to leave a produce request unanswered until librdkafka's
+                # 60 s socket timeout (then it drops the connection): every message behind
+                # it waited a minute, for both consumers alike. Time out and retry in 1 s.
+                "request.timeout.ms": PRODUCE_TIMEOUT_MS,
+                "socket.timeout.ms": PRODUCE_TIMEOUT_MS,
+            }
+        )
+        self._topic = topic
+        self.produced = 0
+        self.failed = 0
+        self.end = 0
+        """The log end: one past the highest offset the broker acknowledged (a retried
+        produce may have written a duplicate, so it can be past `produced`)."""
+        self.acked: dict[int, list[float]] = {}
+        """phase -> produce() -> broker acknowledged, ms, per message."""
+
+    def _on_delivery(self, err: object, message: Any) -> None:
+        now = time.monotonic_ns()
+        if err is not None:
+            self.failed += 1
+            return
+        self.end = max(self.end, message.offset() + 1)
+        phase, _, sent = message.value().split(b":")
+        self.acked.setdefault(int(phase), []).append((now - int(sent)) / 1e6)
+
+    def send(self, phase: int, index: int) -> None:
+        value = f"{phase}:{index}:{time.monotonic_ns()}".encode()
+        while True:
+            try:
+                self._producer.produce(
+                    self._topic, value=value, partition=0, on_delivery=self._on_delivery
+                )
+                break
+            except BufferError:
+                self._producer.poll(0.001)
+        self.produced += 1
+
+    def steady(self, phase: int, rate: int, seconds: float) -> int:
+        """Produce `rate` x `seconds` messages on schedule (each due at start + i / rate)."""
+        total = round(rate * seconds)
+        start, i = time.monotonic(), 0
+        while i < total:
+            due = min(total, int((time.monotonic() - start) * rate) + 1)
+            while i < due:
+                self.send(phase, i)
+                i += 1
+            self._producer.poll(0)
+            time.sleep(0.0005)
+        self.flush()
+        return total
+
+    def flush(self) -> None:
+        # Generous: Tansu has been seen to drop the producer's connection under load, and
+        # librdkafka then retries what was in flight.
+        if self._producer.flush(FLUSH_TIMEOUT_S) != 0:
+            raise RuntimeError("produce did not complete")
+
+
+def wait_committed(watcher: CommitWatcher, end: int, timeout_s: float) -> int:
+    """Block until the committed offset is at least `end` (after a flush: the producer's
+    `end`); return time.monotonic_ns() then."""
+    deadline = time.monotonic() + timeout_s
+    while watcher.offsets()[0] < end:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"committed {watcher.offsets()}, expected {end}")
+        time.sleep(COMMIT_POLL_S)
+    return time.monotonic_ns()
+
+
+def percentiles(values_ms: list[float]) -> tuple[float, float, float]:
+    ordered = sorted(values_ms)
+    if not ordered:
+        return (float("nan"),) * 3
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    return at(0.5), at(0.99), ordered[-1]
+
+
+def fmt(p: tuple[float, float, float]) -> str:
+    return f"{p[0]:.2f} / {p[1]:.2f} / {p[2]:.1f} ms"
+
+
+@dataclass
+class Phase:
+    number: int
+    rate: int
+    count: int
+    produced_end: int
+    """The partition's end offset after this phase."""
+    committed_at_ns: int = 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--rates", default="1000,10000")
+    parser.add_argument("--probes", type=int, default=5)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--sync", action="store_true")
+    parser.add_argument("--plain-fetch-wait-ms", type=int, default=PROXY_FETCH_WAIT_MS)
+    args = parser.parse_args()
+    rates = [int(r) for r in args.rates.split(",")]
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"added latency on {os.cpu_count()} cores, load average {load}")
+    script = str(ROOT / "tests" / "perf" / "latency_instance.py")
+    phases: list[Phase] = []
+    with DevStack(topic="bench-latency") as stack:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TRIAGE_TOKEN": stack.token}
+        bootstrap, target = stack.broker.bootstrap, stack.describe()["proxies"][0]["target"]
+        triage = Reader(
+            [sys.executable, script, "--target", target, "--concurrency", str(args.concurrency)]
+            + (["--sync"] if args.sync else []),
+            env,
+        )
+        plain_command = [
+            *(sys.executable, script, "--bootstrap", bootstrap, "--topic", stack.topic),
+            *("--fetch-wait-ms", str(args.plain_fetch_wait_ms)),
+        ]
+        plain, control = Reader(plain_command, env), Reader(plain_command, env)
+        watcher = CommitWatcher(bootstrap, stack.group_id, stack.topic, 1)
+        producer = SteadyProducer(bootstrap, stack.topic)
+        try:
+            deadline, i = time.monotonic() + WARM_TIMEOUT_S, 0
+            while not all(r.check_warm() for r in (triage, plain, control)):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("a consumer never saw the warm-up messages")
+                producer.send(WARM_UP, i)
+                producer.flush()
+                i += 1
+                time.sleep(0.05)
+            wait_committed(watcher, producer.end, 60)
+            for number, rate in enumerate(rates, 1):
+                count = producer.steady(number, rate, args.seconds)
+                phase = Phase(number, rate, count, producer.end)
+                phase.committed_at_ns = wait_committed(watcher, producer.end, 300)
+                phases.append(phase)
+            probes = []
+            for k in range(args.probes):
+                time.sleep(1.3)
+                producer.send(PROBE, k)
+                producer.flush()
+                probes.append(wait_committed(watcher, producer.end, 60))
+            time.sleep(0.5)  # the plain consumer has read everything by now
+        finally:
+            through = triage.stop()
+            baseline = plain.stop()
+            second = control.stop()
+            watcher.close()
+    docs = (through, baseline, second)
+    return report(args, phases, probes, docs, producer.acked, producer.failed)
+
+
+def report(
+    args: argparse.Namespace,
+    phases: list[Phase],
+    probes: list[int],
+    docs: tuple[dict[str, object], dict[str, object], dict[str, object]],
+    acked: dict[int, list[float]],
+    failed: int,
+) -> int:
+    def by_message(doc: dict[str, object]) -> dict[tuple[int, int], int]:
+        return {(p, i): ns for p, i, ns in doc.get("latencies", [])}  # type: ignore[attr-defined]
+
+    through = docs[0]
+    t, b, c = (by_message(doc) for doc in docs)
+    returned_t: dict[str, int] = through.get("returned", {})  # type: ignore[assignment]
+    ok = True
+    handler = "sync" if args.sync else "async"
+    for phase in phases:
+        keys = [(phase.number, i) for i in range(phase.count)]
+        both = [k for k in keys if k in t and k in b]
+        lt = [t[k] / 1e6 for k in keys if k in t]
+        lb = [b[k] / 1e6 for k in keys if k in b]
+        added = [(t[k] - b[k]) / 1e6 for k in both]
+        floor = [(c[k] - b[k]) / 1e6 for k in keys if k in b and k in c]
+        pt, pb, pa = percentiles(lt), percentiles(lb), percentiles(added)
+        # What the targets judge: Triage's distribution against the plain one's.
+        d50, d99 = pt[0] - pb[0], pt[1] - pb[1]
+        lag_ms = (phase.committed_at_ns - returned_t.get(str(phase.number), 0)) / 1e6
+        print(f"\n{phase.rate:,} msg/s for {args.seconds:.0f} s ({phase.count} messages)")
+        print(
+            table(
+                [
+                    ("produce -> handler start, p50 / p99 / max", ""),
+                    (f"  through Triage (1 Consumer, {handler} no-op)", fmt(pt)),
+                    ("  plain confluent-kafka consumer", fmt(pb)),
+                    ("  produce() -> broker acknowledged", fmt(percentiles(acked[phase.number]))),
+                    ("added: p50 Triage - p50 plain", f"{d50:.2f} ms"),
+                    ("added: p99 Triage - p99 plain", f"{d99:.2f} ms"),
+                    ("added: max Triage - max plain", f"{pt[2] - pb[2]:.2f} ms"),
+                    ("per message, Triage - plain", fmt(pa)),
+                    ("per message, control: a 2nd plain - plain", fmt(percentiles(floor))),
+                    (
+                        f"  acknowledged later than {SLOW_ACK_MS:.0f} ms",
+                        f"{sum(a > SLOW_ACK_MS for a in acked[phase.number])} messages",
+                    ),
+                    ("seen through Triage / plain", f"{len(lt)} / {len(lb)}"),
+                    ("last handler return -> committed", f"{lag_ms:.0f} ms"),
+                ]
+            )
+        )
+        p50_target, p99_target = TARGETS.get(phase.rate, (None, None))
+        complete = len(lt) == len(lb) == phase.count
+        ok = ok and complete
+        for name, value, limit in (("p50", d50, p50_target), ("p99", d99, p99_target)):
+            if limit is not None:
+                good = complete and value <= limit
+                ok = ok and good
+                verdict = "PASS" if good else "FAIL"
+                print(
+                    f"{verdict} added {name} {value:.2f} ms <= {limit:.0f} ms at {phase.rate:,}/s"
+                )
+    returns: dict[str, int] = through.get("probes", {})  # type: ignore[assignment]
+    lags = [(c - returns[str(k)]) / 1e6 for k, c in enumerate(probes) if str(k) in returns]
+    if probes:
+        print(
+            f"\ncommit lag at the default commit.interval_s, {len(probes)} single messages "
+            f"~1.3 s apart, handler return -> committed: "
+            + (", ".join(f"{lag:.0f}" for lag in lags) + " ms" if lags else "none handled")
+        )
+    if failed:
+        print(f"produce failures reported by librdkafka: {failed}")
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""A consumer for bench_latency, run as its own process: through Triage (`--target`) or a
+plain confluent-kafka consumer of the same partition (`--bootstrap`, `--topic`).
+
+Value format: `<phase>:<index>:<produced>`, `produced` = time.monotonic_ns() when the
+producer handed the message to produce() (CLOCK_MONOTONIC is one clock for every process
+on the host, and never steps). At handler start the latency is now - produced. The
+first message of phase 0 (warm-up) prints `warm`, so the benchmark knows this consumer
+is connected and reading before it measures. On SIGTERM it stops (Triage: gracefully)
+and prints one JSON line: `latencies` [[phase, index, ns], ...], `returned`
+{phase: time.monotonic_ns() when the last handler of that phase returned} and `probes`
+{index: time.monotonic_ns() when the handler of that probe (phase 99) returned}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from triage_client import Consumer, Message
+
+WARM_UP = 0
+PROBE = 99
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.latencies: list[tuple[int, int, int]] = []
+        self.returned: dict[int, int] = {}
+        self.probes: dict[int, int] = {}
+        self._warm = False
+
+    def start(self, value: bytes) -> tuple[int, int]:
+        now = time.monotonic_ns()
+        phase, index, produced = (int(x) for x in value.split(b":"))
+        self.latencies.append((phase, index, now - produced))
+        return phase, index
+
+    def end(self, phase: int, index: int) -> None:
+        self.returned[phase] = now = time.monotonic_ns()
+        if phase == PROBE:
+            self.probes[index] = now
+        if phase == WARM_UP and not self._warm:
+            self._warm = True
+            print("warm", flush=True)
+
+    def dump(self) -> None:
+        doc = {"latencies": self.latencies, "returned": self.returned, "probes": self.probes}
+        print(json.dumps(doc), flush=True)
+
+
+def through_triage(args: argparse.Namespace, recorder: Recorder) -> None:
+    handler: Any
+    if args.sync:
+
+        def handler(message: Message) -> None:
+            recorder.end(*recorder.start(message.value or b""))
+
+    else:
+
+        async def handler(message: Message) -> None:
+            recorder.end(*recorder.start(message.value or b""))
+
+    consumer = Consumer(
+        args.target, os.environ["TRIAGE_TOKEN"], handler, concurrency=args.concurrency
+    )
+    signal.signal(signal.SIGTERM, lambda *_: consumer.stop())
+    consumer.run()
+
+
+def plain(args: argparse.Namespace, recorder: Recorder) -> None:
+    from confluent_kafka import OFFSET_END, Consumer, TopicPartition
+
+    consumer = Consumer(
+        {
+            "bootstrap.servers": args.bootstrap,
+            "group.id": f"latency-plain-{time.time_ns()}",
+            "fetch.wait.max.ms": args.fetch_wait_ms,
+        }
+    )
+    consumer.assign([TopicPartition(args.topic, 0, OFFSET_END)])
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    while not stop.is_set():
+        message = consumer.poll(0.1)
+        if message is None or message.error():
+            continue
+        recorder.end(*recorder.start(message.value() or b""))
+    consumer.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--target")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--sync", action="store_true")
+    parser.add_argument("--bootstrap")
+    parser.add_argument("--topic")
+    parser.add_argument("--fetch-wait-ms", type=int, default=100)
+    args = parser.parse_args()
+    recorder = Recorder()
+    if args.target:
+        through_triage(args, recorder)
+    else:
+        plain(args, recorder)
+    recorder.dump()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""One process of `--consumers` Consumer objects x `--concurrency` SYNC handlers, for
+bench_efficiency, held at a start gate so that every handler slot is busy at time zero.
+
+Why a gate: the first-in-first-out bound assumes every slot is free at time 0. Without
+it, whichever process connects first runs alone for as long as the other takes to
+import and connect, and the efficiency would measure process start-up, not the proxy.
+Each handler waits on the gate; once all `consumers x concurrency` are waiting the
+process prints `ready`; a byte on stdin opens the gate (the parent takes time zero when
+it writes it).
+
+Value format: `<kind>:<milliseconds>:<index>`; kind `poison` raises at once (a nack
+without retry: dead-lettered after one delivery), any other kind sleeps that long.
+On SIGTERM every Consumer stops gracefully and one JSON line is printed: per delivery
+[offset, start, finish, thread, consumer index, was-poison], times from time.monotonic()
+(CLOCK_MONOTONIC: one clock for every process on the host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+from triage_client import Consumer, Message
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--consumers", type=int, default=1)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--id", default="slots")
+    parser.add_argument("--switch-interval-ms", type=float, default=None)
+    args = parser.parse_args()
+    if args.switch_interval_ms is not None:
+        # An experiment on GIL hand-off between the Consumers' loops and handler threads.
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
+    slots = args.consumers * args.concurrency
+    gate = threading.Event()
+    lock = threading.Lock()
+    waiting = [0]
+    records: list[tuple[int, float, float, int, int, bool]] = []
+
+    def handler(index: int) -> object:
+        def handle(message: Message) -> None:
+            if not gate.is_set():
+                with lock:
+                    waiting[0] += 1
+                    if waiting[0] == slots:
+                        print("ready", flush=True)
+                gate.wait()
+            start = time.monotonic()
+            kind, ms, _ = (message.value or b"::").split(b":", 2)
+            poison = kind == b"poison"
+            try:
+                if poison:
+                    raise ValueError("poison pill")
+                time.sleep(int(ms) / 1000)
+            finally:
+                # list.append is atomic under the GIL: no lock on the measured path.
+                records.append(
+                    (message.offset, start, time.monotonic(), threading.get_ident(), index, poison)
+                )
+
+        return handle
+
+    token = os.environ["TRIAGE_TOKEN"]
+    consumers = [
+        Consumer(
+            args.target,
+            token,
+            handler(i),  # type: ignore[arg-type]
+            concurrency=args.concurrency,
+            consumer_id=f"{args.id}-{i}",
+        )
+        for i in range(args.consumers)
+    ]
+
+    def open_gate() -> None:
+        sys.stdin.buffer.read(1)
+        gate.set()
+
+    threading.Thread(target=open_gate, daemon=True).start()
+    threads = [threading.Thread(target=c.run) for c in consumers]
+    done = threading.Event()
+
+    def stop(*_: object) -> None:
+        gate.set()
+        for consumer in consumers:
+            consumer.stop()
+        done.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    for thread in threads:
+        thread.start()
+    while not done.wait(0.2):
+        pass
+    for thread in threads:
+        thread.join(60)
+    print(json.dumps({"records": records}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
