@@ -265,6 +265,7 @@ class Proxy:
         if (warning := overflow_warning(settings.dead_letters)) is not None:
             logger.warning("%s", warning)
         log = self._log or ConfluentPartition(settings.kafka, self.partition)
+        group = settings.kafka.group_id  # the deployment: it keys every table item
         # Teardown is this stack unwinding: what is pushed last is undone first, so read
         # the pushes from the bottom up for the module docstring's order.
         async with contextlib.AsyncExitStack() as stack:
@@ -279,14 +280,14 @@ class Proxy:
                 leases = self._leases
                 if leases is None:
                     leases = DynamoDBLeases(
-                        settings.dead_letters, settings.kafka.topic, self.partition
+                        settings.dead_letters, settings.kafka.topic, self.partition, group
                     )
                     stack.callback(leases.close)
                 reader = self._lease_reader
                 if reader is None and self._leases is not None:
                     reader = MemoryLeaseReader({self.partition: self._leases})
                 elif reader is None:
-                    reader = DynamoDBLeaseReader(settings.dead_letters, settings.kafka.topic)
+                    reader = DynamoDBLeaseReader(settings.dead_letters, settings.kafka.topic, group)
                     stack.callback(reader.close)
                 # The endpoint is known now unless the port is picked when bound.
                 endpoint = settings.server.advertised_endpoint(self.partition) or ""
@@ -304,7 +305,7 @@ class Proxy:
                 stack.callback(checkpoints.close)
             store = self._store
             if store is None:
-                store = DynamoDBStore(settings.dead_letters)
+                store = DynamoDBStore(settings.dead_letters, group=group)
                 stack.callback(store.close)
             thread = KafkaThread()
             stack.callback(thread.shutdown)
