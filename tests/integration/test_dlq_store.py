@@ -167,7 +167,7 @@ def test_large_payload_goes_to_s3_and_comes_back_byte_exact(
     assert "key" not in item
     assert "headers" not in item
     assert settings.overflow_bucket is not None
-    url = f"s3://{settings.overflow_bucket}/{settings.table}/orders/0/7"
+    url = f"s3://{settings.overflow_bucket}/{settings.table}/orders/0/7/{GROUP}"
     assert item["payload_s3"] == {"S": url}
     assert item["reason"] == {"S": "ValueError: bad"}
     client = s3_client(settings)
@@ -207,7 +207,7 @@ def test_ttl_is_enabled_and_set_when_items_settle(
         for offset in (1, 2):
             expires = int(table.get(("orders", 0, offset))["expires_at"]["N"])
             assert before + week - 1 <= expires <= time.time() + week
-        key = f"{settings.table}/orders/0/1"
+        key = f"{settings.table}/orders/0/1/{GROUP}"
         tags = s3.get_object_tagging(Bucket=settings.overflow_bucket, Key=key)["TagSet"]
         assert tags == [{"Key": "triage-status", "Value": "settled"}]
     finally:
