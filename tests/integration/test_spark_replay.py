@@ -514,7 +514,7 @@ def config_file(path: Path, bootstrap: str, table: DeadLetterSettings, topic: st
     write_config(
         path,
         {
-            "kafka": {"bootstrap_servers": bootstrap, "topic": topic, "group_id": "g"},
+            "kafka": {"bootstrap_servers": bootstrap, "topic": topic, "group_id": GROUP},
             "auth": {"token": TOKEN},
             "dead_letters": dead_letters,
         },
@@ -562,7 +562,8 @@ def test_triage_dlq_replay_spark_runs_the_job_from_the_config_file(
 
 
 def test_command_line_options_and_summary(tmp_path: Path) -> None:
-    argv = ["--table", "t", "--bootstrap", "b:9092", "--topic", "orders", "--reason", "json"]
+    argv = ["--table", "t", "--group", "g#1", "--bootstrap", "b:9092", "--topic", "orders"]
+    argv += ["--reason", "json"]
     argv += ["--since", "2024-05-01T12:00:01Z", "--until", "2024-05-01T16:00:01+02:00"]
     argv += ["--to-topic", "fixed", "-X", "security.protocol=SSL", "--master", "local[2]"]
     args = build_parser().parse_args(argv)
@@ -572,6 +573,10 @@ def test_command_line_options_and_summary(tmp_path: Path) -> None:
     )
     assert (opts.to_topic, opts.master, opts.mode) == ("fixed", "local[2]", "replay")
     assert opts.kafka_config == {"security.protocol": "SSL"}
+    assert opts.group == "g#1"
+    no_group = build_parser().parse_args(["--table", "t", "--bootstrap", "b"])
+    with pytest.raises(ValueError, match="--table needs --group"):
+        options_from_args(no_group)
     bad = build_parser().parse_args(["--table", "t", "--bootstrap", "b", "--since", "yesterday"])
     with pytest.raises(ValueError, match="not a time"):
         options_from_args(bad)
@@ -583,6 +588,7 @@ def test_command_line_options_and_summary(tmp_path: Path) -> None:
         build_parser().parse_args(["-c", str(config), "--export", "/x", "-X", "acks=1"])
     )
     assert from_file.dead_letters == load_settings(config).dead_letters
+    assert from_file.group == load_settings(config).kafka.group_id
     assert (from_file.bootstrap, from_file.mode) == ("b:9092", "export")
     assert from_file.kafka_config == {"security.protocol": "plaintext", "acks": "1"}
     both = build_parser().parse_args(["-c", str(config), "--table", "t", "--export", "/x"])

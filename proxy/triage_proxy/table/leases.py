@@ -19,13 +19,14 @@ port not bound yet, and in items written before the attribute existed: read as "
 Each deployment (group) has its own lease per partition, so two apps on one topic serve
 it at once. A proxy from before deployment keys holds the legacy item
 `<topic>#<partition>#lease` instead and knows nothing of the new one. So acquire and
-renew are one TransactWriteItems each, the write above plus a ConditionCheck that the
-legacy lease is absent or lapsed: while an old proxy of any deployment holds the
-partition, a new one waits as a standby (`acquire` returns the legacy holder, its owner
-marked "(legacy lease)") and one that serves gives the partition up at its next renewal
-(renew False). An old proxy still only checks the legacy item, so it may take the
-partition while a new one serves, for at most one renewal interval; the upgrade is
-"stop the old proxies, start the new ones" (README), and this check guards an
+renew first read the legacy item (one consistent GetItem): while an old proxy of any
+deployment holds it live, a new one waits as a standby (`acquire` returns the legacy
+holder, its owner marked "(legacy lease)", and writes nothing) and one that serves
+gives the partition up at its next renewal (renew False). The old proxy checks only the
+legacy item, so the two may overlap for at most one renewal interval (it may take the
+legacy lease right after our read; a TransactWriteItems with a ConditionCheck would
+narrow the instant but not that interval, at twice the write cost per renewal). The
+upgrade is "stop the old proxies, start the new ones" (README); this check guards an
 accidental overlap. Releasing deletes only our own item; migration never touches
 leases (they lapse by themselves).
 
@@ -45,14 +46,7 @@ from typing import Any, Protocol
 
 from triage_proxy.errors import TableUnavailable
 from triage_proxy.settings import DeadLetterSettings
-from triage_proxy.table.aws import (
-    CHECK_FAILED,
-    CONDITION_FAILED,
-    TRANSACTION_CANCELLED,
-    AwsAnswer,
-    aws_errors,
-    dynamodb_client,
-)
+from triage_proxy.table.aws import CONDITION_FAILED, aws_errors, dynamodb_client
 from triage_proxy.table.items import (
     LEASE_OFFSET,
     check_group,
@@ -127,28 +121,6 @@ class DynamoDBLeases:
             max_attempts=1,
         )
 
-    def _transact(self, what: str, now_ms: int, action: dict[str, Any]) -> AwsAnswer:
-        """`action` (one TransactWriteItems action on our item) if the legacy lease is
-        absent or lapsed at `now_ms`; the answer is empty when it was done."""
-        legacy_free = {
-            "ConditionCheck": {
-                "TableName": self._table,
-                "Key": self._legacy_key,
-                "ConditionExpression": "attribute_not_exists(#src) OR #until < :now",
-                "ExpressionAttributeNames": {"#src": "source", "#until": "lease_until_ms"},
-                "ExpressionAttributeValues": {":now": {"N": str(now_ms)}},
-            }
-        }
-        call: Any = self._client.transact_write_items
-        with aws_errors(
-            f"{what} the partition lease", TableUnavailable, expect={TRANSACTION_CANCELLED}
-        ) as refused:
-            call(TransactItems=[legacy_free, action])
-        if refused and CHECK_FAILED not in refused.reasons:
-            # Cancelled for another reason (a conflicting transaction): no answer yet.
-            raise TableUnavailable(f"{what} the partition lease failed: {refused.describe()}")
-        return refused
-
     def _conditional(self, what: str, call: Callable[[], Any]) -> bool:
         with aws_errors(
             f"{what} the partition lease", TableUnavailable, expect={CONDITION_FAILED}
@@ -167,28 +139,27 @@ class DynamoDBLeases:
         }
         if endpoint:
             item["endpoint"] = {"S": endpoint}
-        put = {
-            "Put": {
-                "TableName": self._table,
-                "Item": item,
-                "ConditionExpression": (
-                    "attribute_not_exists(#src) OR #until < :now OR #owner = :me"
-                ),
-                "ExpressionAttributeNames": {
+        legacy = self._live_legacy(now_ms)
+        if legacy is not None:  # an old proxy serves the partition: stand by
+            return legacy
+        took = self._conditional(
+            "acquiring",
+            lambda: self._client.put_item(
+                TableName=self._table,
+                Item=item,
+                ConditionExpression="attribute_not_exists(#src) OR #until < :now OR #owner = :me",
+                ExpressionAttributeNames={
                     "#src": "source",
                     "#until": "lease_until_ms",
                     "#owner": "owner",
                 },
-                "ExpressionAttributeValues": {":now": {"N": str(now_ms)}, ":me": {"S": owner}},
-            }
-        }
-        refused = self._transact("acquiring", now_ms, put)
-        if not refused:
+                ExpressionAttributeValues={":now": {"N": str(now_ms)}, ":me": {"S": owner}},
+            ),
+        )
+        if took:
             return Lease(owner, until_ms, endpoint)
         # Held by someone else; it may be released between the two calls: then say so
         # with a lease that has already lapsed, and the caller tries again at once.
-        if refused.reasons[0] == CHECK_FAILED:  # an old proxy holds the legacy lease
-            return self._get_legacy() or Lease("", 0)
         return self.get() or Lease("", 0)
 
     def renew(self, owner: str, now_ms: int, until_ms: int, endpoint: str = "") -> bool:
@@ -201,17 +172,19 @@ class DynamoDBLeases:
         if endpoint:
             update += ", endpoint = :endpoint"
             values[":endpoint"] = {"S": endpoint}
-        action = {
-            "Update": {
-                "TableName": self._table,
-                "Key": self._key,
-                "UpdateExpression": update,
-                "ConditionExpression": "#owner = :me",
-                "ExpressionAttributeNames": {"#until": "lease_until_ms", "#owner": "owner"},
-                "ExpressionAttributeValues": values,
-            }
-        }
-        return not self._transact("renewing", now_ms, action)
+        if self._live_legacy(now_ms) is not None:  # an old proxy took the partition
+            return False
+        return self._conditional(
+            "renewing",
+            lambda: self._client.update_item(
+                TableName=self._table,
+                Key=self._key,
+                UpdateExpression=update,
+                ConditionExpression="#owner = :me",
+                ExpressionAttributeNames={"#until": "lease_until_ms", "#owner": "owner"},
+                ExpressionAttributeValues=values,
+            ),
+        )
 
     def release(self, owner: str) -> bool:
         return self._conditional(
@@ -231,8 +204,9 @@ class DynamoDBLeases:
         item = found.get("Item")
         return None if item is None else lease_from_item(item)
 
-    def _get_legacy(self) -> Lease | None:
-        """The legacy lease item of an old proxy, its owner marked as such."""
+    def _live_legacy(self, now_ms: int) -> Lease | None:
+        """The legacy lease item of an old proxy if it is live at `now_ms` (its owner
+        marked as such); None when there is none or it lapsed."""
         with aws_errors("reading the legacy partition lease", TableUnavailable):
             found = self._client.get_item(
                 TableName=self._table, Key=self._legacy_key, ConsistentRead=True
@@ -241,6 +215,8 @@ class DynamoDBLeases:
         if item is None:
             return None
         lease = lease_from_item(item)
+        if lease.until_ms < now_ms:
+            return None
         return Lease(lease.owner + LEGACY_OWNER_SUFFIX, lease.until_ms, lease.endpoint)
 
     def close(self) -> None:
