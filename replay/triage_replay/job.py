@@ -6,8 +6,10 @@ an outage there can be millions. DynamoDB's parallel scan splits a table into
 partition per segment (`parallelize(range(N), N)` + `mapPartitions`): reading,
 producing and marking scale out with the cluster's cores, and each executor builds its
 own boto3 client and Kafka producer (`segment.py`). DynamoDB keeps an item collection
-(one partition key) in one segment, and the key is `<topic>#<partition>`, so the
-parallelism is also bounded by the number of source partitions in the table.
+(one partition key) in one segment, and the key is `<topic>#<partition>#dead#<group>`,
+so the parallelism is also bounded by the number of source partitions (times
+deployments) in the table. The job acts on one deployment's dead letters: the config's
+`kafka.group_id`, or `--group`.
 
 Replay protocol: claim -> produce -> mark. The promise is "marked `replayed` only after
 the broker acknowledged the produce, and never replayed twice" (by a rerun, a retried
