@@ -11,9 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 from triage_proxy.structs import DeadLetter, Headers, Record
+from triage_proxy.table.deadletters import MEMORY_GROUP
 from triage_proxy.table.items import item_from_dead_letter
 
 T0 = 1_714_564_800_000  # 2024-05-01T12:00:00Z
+GROUP = MEMORY_GROUP
+"""The deployment (group id) sample items belong to; a MemoryStore's by default."""
 
 
 def make_dl(
@@ -36,8 +39,10 @@ def make_dl(
     return DeadLetter(record, reason, attempts, consumer_id, at_ms)
 
 
-def item(offset: int, *, status: str = "pending", **fields: Any) -> dict[str, Any]:
-    """The table item of `make_dl(offset, **fields)`, with `status`."""
-    built = item_from_dead_letter(make_dl(offset, **fields))
+def item(
+    offset: int, *, status: str = "pending", group: str = GROUP, **fields: Any
+) -> dict[str, Any]:
+    """The table item of `make_dl(offset, **fields)` in deployment `group`, with `status`."""
+    built = item_from_dead_letter(make_dl(offset, **fields), group)
     built["status"] = {"S": status}
     return built

@@ -11,6 +11,13 @@ or whether an item was replayed; rendering for people is `render.py`.
     triage dlq show    --config F TOPIC PARTITION OFFSET [--json]
     triage dlq replay  --config F (filters | --offset N | --all) [--to-topic T] [--dry-run]
     triage dlq discard --config F (filters | --offset N | --all) [--dry-run]
+    triage dlq migrate --config F [--dry-run] [--json]
+
+Every command acts on one deployment's dead letters: those of the config's
+`kafka.group_id`, or of `--group G` (another app reading the same topic into the same
+table has its own, which these commands never touch). `migrate` moves the dead letters
+written before deployment keys (no group) of the config's topic to that deployment
+(`triage_proxy.table.migrate`).
 
 Filters: --topic, --partition, --status (list only; replay and discard act on
 pending items), --reason SUBSTRING (case-insensitive), --since/--until (ISO-8601 or an
@@ -77,15 +84,24 @@ OffsetOption = Annotated[
     int | None, typer.Option(help="Only this offset (with --topic and --partition).")
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+GroupOption = Annotated[
+    str | None,
+    typer.Option(
+        help="The deployment (a Kafka group id) whose dead letters to act on "
+        "[default: the config's kafka.group_id].",
+        show_default=False,
+    ),
+]
 
 
-def _open(config: Path) -> tuple[Settings, DeadLetterTable]:
-    """Settings from the config file and the table, checked to exist and answer."""
+def _open(config: Path, group: str | None = None) -> tuple[Settings, DeadLetterTable]:
+    """Settings from the config file and the deployment's view of the table (`group`, or
+    the config's group id), checked to exist and answer."""
     from triage_proxy.settings import load_settings
     from triage_proxy.table.query import DeadLetterTable
 
     settings = load_settings(config)
-    table = DeadLetterTable(settings.dead_letters)
+    table = DeadLetterTable(settings.dead_letters, group=group or settings.kafka.group_id)
     try:
         table.check()
     except BaseException:
@@ -222,6 +238,7 @@ def list_(
     until: UntilOption = None,
     json_: JsonOption = False,
     limit: Annotated[int | None, typer.Option(min=1, help="Show at most this many.")] = None,
+    group: GroupOption = None,
 ) -> None:
     """List dead letters (a table, or one JSON object per line with --json)."""
     from triage_cli.render import item_summary
@@ -236,7 +253,7 @@ def list_(
             since=since,
             until=until,
         )
-        _, table = _open(config)
+        _, table = _open(config, group)
         with table:
             found = table.scan(filters, attributes=LIST_ATTRIBUTES)
             if json_:
@@ -250,7 +267,9 @@ def list_(
                 items.append(item)
             shown = _sorted(items)[:limit] if limit is not None else _sorted(items)
             more = f" (first {len(shown)} of {len(items)})" if len(shown) < len(items) else ""
-            _print_table(shown, f"{len(items)} dead letters in {table.table}{more}")
+            _print_table(
+                shown, f"{len(items)} dead letters of {table.group!r} in {table.table}{more}"
+            )
 
 
 # --- show -----------------------------------------------------------------------------
@@ -263,10 +282,11 @@ def show(
     partition: Annotated[int, typer.Argument(help="Source partition.", min=0)],
     offset: Annotated[int, typer.Argument(help="Offset of the message.", min=0)],
     json_: JsonOption = False,
+    group: GroupOption = None,
 ) -> None:
     """Show one dead letter with its key, headers and value rendered safely."""
     with exit_on_errors():
-        _, table = _open(config)
+        _, table = _open(config, group)
         with table:
             item = table.get((topic, partition, offset))
             try:
@@ -366,10 +386,10 @@ def _select(
 
 @contextlib.contextmanager
 def _pending(
-    config: Path, filters: Filters, everything: bool, *, what: str
+    config: Path, filters: Filters, everything: bool, *, what: str, group: str | None
 ) -> Iterator[tuple[Settings, DeadLetterTable, list[dict[str, Any]]]]:
     """The settings, the open table and the pending items that replay and discard act on."""
-    settings, table = _open(config)
+    settings, table = _open(config, group)
     with table:
         yield settings, table, _select(table, filters, everything, what=what)
 
@@ -412,6 +432,7 @@ def replay(
         ),
     ] = False,
     master: Annotated[str, typer.Option(help="Spark master of --spark.")] = "local[*]",
+    group: GroupOption = None,
 ) -> None:
     """Produce pending dead letters again and mark them replayed.
 
@@ -433,9 +454,13 @@ def replay(
             raise CommandFailed(ExitCode.BAD_INPUT, f"not a Kafka topic name: {to_topic!r}")
         if spark and not dry_run:
             _require_filter(filters, everything, "replay")
-            _spark_replay(config, filters, to_topic, master, json_)
+            _spark_replay(config, filters, to_topic, master, json_, group)
             return
-        with _pending(config, filters, everything, what="replay") as (settings, table, items):
+        with _pending(config, filters, everything, what="replay", group=group) as (
+            settings,
+            table,
+            items,
+        ):
             if dry_run:
                 _show_selection(items, json_, "replayed")
                 return
@@ -465,7 +490,12 @@ def replay(
 
 
 def _spark_replay(
-    config: Path, filters: Filters, to_topic: str | None, master: str, json_: bool
+    config: Path,
+    filters: Filters,
+    to_topic: str | None,
+    master: str,
+    json_: bool,
+    group: str | None,
 ) -> None:
     """Run the Spark job on this config and filters in this process; print its summary."""
     import dataclasses
@@ -478,8 +508,13 @@ def _spark_replay(
         raise CommandFailed(
             ExitCode.BAD_INPUT, "--spark needs pyspark: pip install 'triage[spark]'"
         )
+    settings = load_settings(config)
     options = ReplayOptions.from_settings(
-        load_settings(config), filters=filters, to_topic=to_topic, master=master
+        settings,
+        filters=filters,
+        to_topic=to_topic,
+        master=master,
+        group=group or settings.kafka.group_id,
     )
     summary = run_replay(options)
     if json_:
@@ -576,6 +611,7 @@ def discard(
         bool, typer.Option("--all", help="Discard every pending dead letter (no filter).")
     ] = False,
     json_: JsonOption = False,
+    group: GroupOption = None,
 ) -> None:
     """Mark pending dead letters discarded (never replayed; expire with TTL if it is on)."""
     from triage_proxy.table.items import item_key
@@ -584,7 +620,11 @@ def discard(
         filters = _filters(
             topic=topic, partition=partition, offset=offset, reason=reason, since=since, until=until
         )
-        with _pending(config, filters, everything, what="discard") as (_, table, items):
+        with _pending(config, filters, everything, what="discard", group=group) as (
+            _,
+            table,
+            items,
+        ):
             if dry_run:
                 _show_selection(items, json_, "discarded")
                 return
@@ -609,3 +649,82 @@ def discard(
                 typer.echo(f"selected {len(items)}, discarded {discarded}, skipped {skipped}")
             if stop.is_set():
                 raise typer.Exit(int(ExitCode.INTERRUPTED))
+
+
+# --- migrate --------------------------------------------------------------------------
+
+
+@dlq_app.command()
+def migrate(
+    config: ConfigOption,
+    group: GroupOption = None,
+    dry_run: Annotated[
+        bool, typer.Option(help="Only say what would be moved; change nothing.")
+    ] = False,
+    json_: JsonOption = False,
+) -> None:
+    """Move the topic's dead letters written before deployment keys to this deployment.
+
+    Tables written before dead letters were keyed by deployment (group id) hold them
+    under the topic and partition only; no command sees them until they are moved. Each
+    is moved in one transaction (copy, then delete the old item), so a crash loses
+    nothing and a rerun continues. Items being replayed, or whose offset this deployment
+    already replayed or discarded, are left and reported (exit 1). Stop the proxies of
+    the old version first; run with --dry-run to see the plan.
+    """
+    from triage_proxy.table.migrate import Migration, Move
+
+    labels = {
+        Move.MOVED: "moved",
+        Move.REPLACED: "replaced",
+        Move.IN_USE: "IN USE",
+        Move.CONFLICT: "CONFLICT",
+        Move.CHANGED: "CHANGED",
+    }
+    why = {
+        Move.REPLACED: "over this deployment's pending copy of the same message",
+        Move.IN_USE: "claimed by a running replay; rerun once it is done",
+        Move.CONFLICT: "this deployment already replayed, discarded or claims that offset",
+        Move.CHANGED: "written meanwhile (by an old proxy or tool?); rerun",
+    }
+    with exit_on_errors():
+        settings, table = _open(config, group)
+        with table, _stop_on_signals() as stop:
+            migration = Migration(table, settings.kafka.topic)
+            result = migration.run(apply=not dry_run, stop=stop)
+        counts = {move.value: result.count(move) for move in Move}
+        if json_:
+            left = [
+                {"dead_letter": _coords(key), "outcome": move.value}
+                for move in (Move.IN_USE, Move.CONFLICT, Move.CHANGED)
+                for key in result.moves[move]
+            ]
+            _json_line(
+                {
+                    "group": table.group,
+                    "topic": settings.kafka.topic,
+                    "dry_run": dry_run,
+                    **counts,
+                    "left": left,
+                    "interrupted": result.interrupted,
+                }
+            )
+        else:
+            prefix = "would be " if dry_run else ""
+            for move in Move:
+                for key in result.moves[move]:
+                    note = f": {why[move]}" if move in why else ""
+                    typer.echo(
+                        f"{prefix}{labels[move]:<9} {_coords(key)}{note}",
+                        err=move in (Move.IN_USE, Move.CONFLICT, Move.CHANGED),
+                    )
+            summary = ", ".join(f"{labels[m].lower()} {result.count(m)}" for m in Move)
+            what = "dry run, nothing changed: " if dry_run else ""
+            typer.echo(
+                f"{what}legacy dead letters of {settings.kafka.topic!r} for group "
+                f"{table.group!r}: {summary}"
+            )
+        if result.interrupted:
+            raise typer.Exit(int(ExitCode.INTERRUPTED))
+        if not dry_run and result.left:
+            raise typer.Exit(int(ExitCode.FAILURE))

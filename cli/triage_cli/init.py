@@ -514,7 +514,7 @@ def _check_connect(settings: Settings) -> None:
             f"reports {found} for {settings.kafka.topic!r}",
         )
     typer.echo(f"  broker         reachable, {settings.kafka.topic!r} has {found} partition(s)")
-    table = DeadLetterTable(settings.dead_letters)
+    table = DeadLetterTable(settings.dead_letters, group=settings.kafka.group_id)
     try:
         table.check()  # a missing table: NotFoundError, exit 4
     finally:

@@ -19,7 +19,8 @@ Each row joins three sources, so one that is down costs only its own columns:
   its offset (where the commit waits) and the fix. A proxy that does not answer is shown
   as down. Its log end also raises the
   broker's (Tansu's high watermark can trail what was fetched, see DESIGN.md).
-- the dead-letter table: items of the partition with `status = pending`.
+- the dead-letter table: this deployment's (`kafka.group_id`) items of the partition
+  with `status = pending`; another app's dead letters on the same topic are not counted.
 
 Exit codes (`exitcodes.ExitCode`): 0 every proxy answered; 1 some proxy is down (the
 report is still printed); 2 bad config or flags; 3 the broker could not be read (what
@@ -191,7 +192,7 @@ class Sources:
             **KafkaLog(settings.kafka.topic, quiet=True).config(),
         }
         self._consumer: Any = Consumer(config)
-        self._table = DeadLetterTable(settings.dead_letters)
+        self._table = DeadLetterTable(settings.dead_letters, group=settings.kafka.group_id)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="status")
 
     def close(self) -> None:

@@ -90,7 +90,8 @@ class Stack:
         self._watcher = Consumer(
             {"bootstrap.servers": self._dev.broker.bootstrap, "group.id": self._dev.group_id}
         )
-        self._table = DeadLetterTable(load_settings(self._dev.config_path).dead_letters)
+        settings = load_settings(self._dev.config_path)
+        self._table = DeadLetterTable(settings.dead_letters, group=settings.kafka.group_id)
 
     def stop(self) -> None:
         if self._watcher is not None:

@@ -354,14 +354,16 @@ class Proxy:
         async with contextlib.AsyncExitStack() as stack:
             store = self._store
             if store is None:
-                store = DynamoDBStore(settings.dead_letters)
+                store = DynamoDBStore(settings.dead_letters, group=settings.kafka.group_id)
                 stack.callback(store.close)
             reader = self._lease_reader
             if settings.ownership.enabled and reader is None:
                 if self._leases is not None and self.pins:
                     reader = MemoryLeaseReader({self.pins[0]: self._leases})
                 else:
-                    reader = DynamoDBLeaseReader(settings.dead_letters, settings.kafka.topic)
+                    reader = DynamoDBLeaseReader(
+                        settings.dead_letters, settings.kafka.topic, settings.kafka.group_id
+                    )
                     stack.callback(reader.close)
             topology = Topology(
                 settings, self.owner, leases=reader, partition_count=self._partition_count
@@ -527,7 +529,9 @@ class Proxy:
         if settings.ownership.enabled:
             leases = self._leases
             if leases is None:
-                leases = DynamoDBLeases(settings.dead_letters, settings.kafka.topic, partition)
+                leases = DynamoDBLeases(
+                    settings.dead_letters, settings.kafka.topic, partition, settings.kafka.group_id
+                )
                 made.append(leases.close)
         checkpoints = self._checkpoints
         if checkpoints is None and settings.commit.encode_settled:

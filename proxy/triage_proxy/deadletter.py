@@ -231,7 +231,7 @@ class DeadLetterWriter(Lifecycle):
             raise StateError(f"dead-letter writer is {self._state.value}")
         seq = self._next_seq
         self._next_seq += 1
-        if not fits_with_overflow(dl, self._settings):
+        if not fits_with_overflow(dl, self._settings, self._store.group):
             self._park(seq, dl)
             return
         self._outstanding[seq] = None
@@ -242,7 +242,7 @@ class DeadLetterWriter(Lifecycle):
         """Hold `dl` unwritten for good: the module docstring's policy, loudly."""
         topic, partition, offset = dead_letter_key(dl)
         held = UnwritableDeadLetter(
-            offset, item_size(dl), MAX_ITEM_BYTES, unwritable_fix(self._settings)
+            offset, item_size(dl, self._store.group), MAX_ITEM_BYTES, unwritable_fix(self._settings)
         )
         self._parked[seq] = held
         logger.error(

@@ -202,9 +202,7 @@ class Ownership:
         """
         sent, now_ms, until_ms = self._times()
         try:
-            ok = await self._call(
-                self.store.renew, self.owner, now_ms, until_ms, self.endpoint
-            )
+            ok = await self._call(self.store.renew, self.owner, now_ms, until_ms, self.endpoint)
         except TableUnavailable as exc:
             if self.valid_for > 0:
                 return  # still ours for a while; keep() retries

@@ -6,8 +6,10 @@ an outage there can be millions. DynamoDB's parallel scan splits a table into
 partition per segment (`parallelize(range(N), N)` + `mapPartitions`): reading,
 producing and marking scale out with the cluster's cores, and each executor builds its
 own boto3 client and Kafka producer (`segment.py`). DynamoDB keeps an item collection
-(one partition key) in one segment, and the key is `<topic>#<partition>`, so the
-parallelism is also bounded by the number of source partitions in the table.
+(one partition key) in one segment, and the key is `<topic>#<partition>#dead#<group>`,
+so the parallelism is also bounded by the number of source partitions (times
+deployments) in the table. The job acts on one deployment's dead letters: the config's
+`kafka.group_id`, or `--group`.
 
 Replay protocol: claim -> produce -> mark. The promise is "marked `replayed` only after
 the broker acknowledged the produce, and never replayed twice" (by a rerun, a retried
@@ -51,8 +53,9 @@ Export writes the selected items to Parquet (columns in `segment.EXPORT_COLUMNS`
 changes nothing in the table.
 
 Entry points: `run_replay(options, spark=None) -> Summary` (tests, `triage dlq replay
---spark`), and `python -m triage_replay.job (--config FILE | --table T --endpoint-url URL
---bootstrap B) [filters] [--to-topic T | --export PATH] [--master M]`, which also runs
+--spark`), and `python -m triage_replay.job (--config FILE [--group G] | --table T
+--group G --endpoint-url URL --bootstrap B) [filters] [--to-topic T | --export PATH]
+[--master M]`, which also runs
 under plain `spark-submit replay/triage_replay/job.py ...` (then the master is
 spark-submit's). The options travel to the executors as `options.ReplayOptions`.
 """
@@ -211,7 +214,7 @@ def run_replay(options: ReplayOptions, *, spark: SparkSession | None = None) -> 
     from pyspark.errors import PySparkException
 
     started = time.monotonic()
-    with DeadLetterTable(options.dead_letters) as table:
+    with DeadLetterTable(options.dead_letters, group=options.group) as table:
         table.check()
     session, owned = (spark, False) if spark is not None else _session(options.master)
     try:
@@ -223,7 +226,10 @@ def run_replay(options: ReplayOptions, *, spark: SparkSession | None = None) -> 
             )
         total = options.segments or min(MAX_SEGMENTS, SEGMENTS_PER_CORE * sc.defaultParallelism)
         job = SegmentJob(options, total, new_replay_id())
-        what = f"{options.mode} {job.replay_id} of {options.dead_letters.table}"
+        what = (
+            f"{options.mode} {job.replay_id} of {options.dead_letters.table} "
+            f"(group {options.group!r})"
+        )
         logger.info("%s started: %d segments, %s", what, total, options.filters)
         try:
             if options.export_path is not None:
@@ -353,6 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--endpoint-url", help="DynamoDB/S3 endpoint (local moto server)")
     where.add_argument("--region", default=DEFAULT_REGION)
     where.add_argument("--bootstrap", help="Kafka bootstrap servers (replay)")
+    where.add_argument(
+        "--group",
+        help="the deployment: the proxies' kafka.group_id (required with --table; "
+        "overrides the config's)",
+    )
     where.add_argument("--ttl-days", type=float, help="replayed items expire after this")
     pick = parser.add_argument_group("filters")
     pick.add_argument("--topic", help="source topic")
@@ -411,17 +422,23 @@ def options_from_args(args: argparse.Namespace) -> ReplayOptions:
             raise ValueError("--config names the table: drop --table/--endpoint-url/--ttl-days")
         if args.bootstrap:
             fields["bootstrap"] = args.bootstrap
+        if args.group:
+            fields["group"] = args.group
         options = ReplayOptions.from_settings(load_settings(args.config), **fields)
         return replace(options, kafka_config={**options.kafka_config, **extra})
     if not args.table:
         raise ValueError("give --config FILE or --table")
+    if not args.group:
+        raise ValueError("--table needs --group (the deployment's kafka.group_id)")
     table = DeadLetterSettings(
         table=args.table,
         region=args.region,
         endpoint_url=args.endpoint_url,
         ttl_days=args.ttl_days,
     )
-    return ReplayOptions(table, bootstrap=args.bootstrap, kafka_config=extra, **fields)
+    return ReplayOptions(
+        table, group=args.group, bootstrap=args.bootstrap, kafka_config=extra, **fields
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,8 +4,9 @@ Why a module of its own: the options travel to the executors inside every task (
 by reference to their class), so their class must live in a module that is importable
 there under its own name. `job.py` does not qualify: `python -m triage_replay.job` runs
 it as `__main__`, and a class pickled as `__main__.ReplayOptions` cannot be found on a
-worker. The table side is the proxy's own `DeadLetterSettings`, so the job reaches the
-table, the S3 overflow bucket and TTL exactly as the proxy and `triage dlq` do.
+worker. The table side is the proxy's own `DeadLetterSettings` and group id (the
+deployment), so the job reaches the table, the S3 overflow bucket and TTL exactly as the
+proxy and `triage dlq` do, and acts on that deployment's dead letters only.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from triage_proxy.errors import ConfigError
 from triage_proxy.settings import DeadLetterSettings, Settings
+from triage_proxy.table.items import check_group
 from triage_proxy.table.query import Filters
 from triage_proxy.table.replay import DEFAULT_CLAIM_LEASE_S
 
@@ -50,6 +52,9 @@ class ReplayOptions:
 
     dead_letters: DeadLetterSettings
     """The table (and overflow bucket, TTL) exactly as the proxy's config names it."""
+    group: str = ""
+    """The deployment whose dead letters to act on: the proxies' `kafka.group_id`
+    (required; a default only so that the fields after it may have theirs)."""
     bootstrap: str | None = None
     """Kafka bootstrap servers; required to replay, unused by export."""
     kafka_config: Mapping[str, Any] = field(default_factory=dict, repr=False)
@@ -99,6 +104,9 @@ class ReplayOptions:
             raise ConfigError("delivery_timeout_s", f"must be > 0, got {self.delivery_timeout_s}")
         if self.claim_lease_s <= self.delivery_timeout_s:
             raise ConfigError("claim_lease_s", "must be longer than delivery_timeout_s")
+        if not self.group:
+            raise ConfigError("group", "is required: the deployment's kafka.group_id")
+        check_group(self.group)
 
     @property
     def mode(self) -> str:
@@ -112,6 +120,7 @@ class ReplayOptions:
         kafka = settings.kafka.librdkafka_config()
         base: dict[str, Any] = {
             "dead_letters": settings.dead_letters,
+            "group": settings.kafka.group_id,
             "bootstrap": kafka.pop("bootstrap.servers"),
             "kafka_config": kafka,
         }

@@ -99,9 +99,11 @@ class TaskTable:
     selection, claim, mark and S3 payload logic) on the worker's DynamoDB client,
     counting what this task's scans read. Close it when done."""
 
-    def __init__(self, settings: DeadLetterSettings) -> None:
+    def __init__(self, settings: DeadLetterSettings, group: str) -> None:
         self._dynamodb = _ScanCounter(_shared_client(settings))
-        self.table = DeadLetterTable(settings, dynamodb=cast("DynamoDBClient", self._dynamodb))
+        self.table = DeadLetterTable(
+            settings, group=group, dynamodb=cast("DynamoDBClient", self._dynamodb)
+        )
 
     @property
     def scanned(self) -> int:
@@ -233,7 +235,7 @@ class SegmentReplayer:
         tasktable: TaskTable | None = None
         pool: ThreadPoolExecutor | None = None
         try:
-            tasktable = TaskTable(job.options.dead_letters)
+            tasktable = TaskTable(job.options.dead_letters, job.options.group)
             pool = ThreadPoolExecutor(job.options.write_concurrency, "triage-replay-write")
             replayer = Replayer(
                 tasktable.table,
@@ -336,7 +338,7 @@ def export_partition(
 ) -> Iterator[tuple[Any, ...]]:
     """mapPartitions body for export: one row (EXPORT_COLUMNS order) per selected item."""
     for segment in segments:
-        opened = TaskTable(job.options.dead_letters)
+        opened = TaskTable(job.options.dead_letters, job.options.group)
         table = opened.table
         count = 0
         try:

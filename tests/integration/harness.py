@@ -23,6 +23,7 @@ import grpc
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from tests.samples import GROUP
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port
 from triage_client._proto import triage_pb2 as pb
@@ -40,11 +41,13 @@ LEASE_S = 5.0
 Message = tuple[bytes | None, bytes | None, list[tuple[str, bytes | None]] | None]
 
 
-def write_dead_letters(settings: DeadLetterSettings, dls: list[DeadLetter]) -> None:
-    """Write `dls` to the table through the real writer, as the proxy does."""
+def write_dead_letters(
+    settings: DeadLetterSettings, dls: list[DeadLetter], group: str = GROUP
+) -> None:
+    """Write `dls` to the table through the real writer, as a proxy of `group` does."""
 
     async def main() -> None:
-        with DynamoDBStore(settings) as store:
+        with DynamoDBStore(settings, group=group) as store:
             async with DeadLetterWriter(store, settings, lambda dl: None) as writer:
                 for dl in dls:
                     writer.submit(dl)

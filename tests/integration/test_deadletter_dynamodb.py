@@ -19,7 +19,7 @@ import boto3
 import pytest
 
 from tests import samples, waiting
-from tests.samples import T0
+from tests.samples import GROUP, T0
 from triage_cli.embedded import EmbeddedAWS, free_port
 from triage_proxy.clienttext import MAX_CONSUMER_ID_CHARS, REASON_MAX_CHARS
 from triage_proxy.deadletter import DeadLetterWriter
@@ -133,14 +133,14 @@ def test_round_trip_is_byte_exact(table: DeadLetterSettings, dynamodb: Any) -> N
         make_dl(6, reason="💥 ünïcödé 失败 \x00 tab\tnl\n", consumer_id=""),
         make_dl(2**62, topic="a.b_c-d", partition=11),
     ]
-    with DynamoDBStore(table) as store:
+    with DynamoDBStore(table, group=GROUP) as store:
         assert store.put_batch(dls) == []
     assert read_dead_letters(dynamodb, table.table) == sorted(
         dls, key=lambda d: (d.record.partition, d.record.offset)
     )
     raw = dynamodb.get_item(
         TableName=table.table,
-        Key={"source": {"S": "orders#0"}, "offset": {"N": "5"}},
+        Key={"source": {"S": f"orders#0#dead#{GROUP}"}, "offset": {"N": "5"}},
         ConsistentRead=True,
     )["Item"]
     assert raw["status"] == {"S": "pending"}
@@ -148,7 +148,7 @@ def test_round_trip_is_byte_exact(table: DeadLetterSettings, dynamodb: Any) -> N
     assert raw["headers"]["L"][2] == {"M": {"k": {"S": "none"}}}
     null_key = dynamodb.get_item(
         TableName=table.table,
-        Key={"source": {"S": "orders#0"}, "offset": {"N": "2"}},
+        Key={"source": {"S": f"orders#0#dead#{GROUP}"}, "offset": {"N": "2"}},
         ConsistentRead=True,
     )["Item"]
     assert "key" not in null_key
@@ -159,7 +159,7 @@ def test_round_trip_is_byte_exact(table: DeadLetterSettings, dynamodb: Any) -> N
 def test_writing_a_message_again_overwrites_its_item(
     table: DeadLetterSettings, dynamodb: Any
 ) -> None:
-    with DynamoDBStore(table) as store:
+    with DynamoDBStore(table, group=GROUP) as store:
         assert store.put_batch([make_dl(9, reason="first")]) == []
         assert store.put_batch([make_dl(9, reason="second")]) == []
     [only] = read_dead_letters(dynamodb, table.table)
@@ -171,7 +171,7 @@ def test_writer_writes_everything_and_reports_it(table: DeadLetterSettings, dyna
     dls = [make_dl(i, partition=i % 2, value=bytes([i % 256]) * 100) for i in range(120)]
 
     async def main() -> None:
-        with DynamoDBStore(table) as store:
+        with DynamoDBStore(table, group=GROUP) as store:
             async with DeadLetterWriter(store, table, written.append) as writer:
                 for dl in dls:
                     writer.submit(dl)
@@ -204,14 +204,14 @@ def test_the_largest_client_metadata_is_written_inline_or_with_its_payload_in_s3
     consumer_id = wide * MAX_CONSUMER_ID_CHARS
     reason = f"delivery attempts exhausted ({2**32 - 1}): " + wide * REASON_MAX_CHARS
     inline = make_dl(1, value=b"v", reason=reason, consumer_id=consumer_id)
-    room = MAX_ITEM_BYTES - item_size(inline) + 1
+    room = MAX_ITEM_BYTES - item_size(inline, GROUP) + 1
     full = make_dl(2, value=b"v" * room, reason=reason, consumer_id=consumer_id)
-    assert item_size(full) == MAX_ITEM_BYTES
+    assert item_size(full, GROUP) == MAX_ITEM_BYTES
     huge = make_dl(3, value=b"v" * (2 * MAX_ITEM_BYTES), reason=reason, consumer_id=consumer_id)
     written: list[DeadLetter] = []
 
     async def main() -> None:
-        with DynamoDBStore(settings) as store:
+        with DynamoDBStore(settings, group=GROUP) as store:
             async with DeadLetterWriter(store, settings, written.append) as writer:
                 for dl in (inline, full, huge):
                     writer.submit(dl)
@@ -220,7 +220,7 @@ def test_the_largest_client_metadata_is_written_inline_or_with_its_payload_in_s3
 
     run(main())
     assert [dl.record.offset for dl in written] == [1, 2, 3]
-    with DeadLetterTable(settings) as table:
+    with DeadLetterTable(settings, group=GROUP) as table:
         items = {o: table.get(("orders", 0, o)) for o in (1, 2, 3)}
         assert ["payload_s3" in items[o] for o in (1, 2, 3)] == [False, False, True]
         assert [table.load(items[o]) for o in (1, 2, 3)] == [inline, full, huge]
@@ -228,7 +228,10 @@ def test_the_largest_client_metadata_is_written_inline_or_with_its_payload_in_s3
 
 def test_dead_endpoint_raises_unavailable() -> None:
     settings = DeadLetterSettings(table="t", endpoint_url=f"http://127.0.0.1:{free_port()}")
-    with DynamoDBStore(settings, **FAST) as store, pytest.raises(DeadLetterUnavailable) as info:
+    with (
+        DynamoDBStore(settings, **FAST, group=GROUP) as store,
+        pytest.raises(DeadLetterUnavailable) as info,
+    ):
         store.put_batch([make_dl(1)])
     assert info.value.retriable
     assert info.value.__cause__ is not None
@@ -246,7 +249,7 @@ def test_writer_holds_everything_while_the_endpoint_is_down(
     written: list[DeadLetter] = []
 
     async def main() -> None:
-        with DynamoDBStore(settings, **FAST) as store:
+        with DynamoDBStore(settings, **FAST, group=GROUP) as store:
             async with DeadLetterWriter(store, settings, written.append) as writer:
                 for i in range(40):
                     writer.submit(make_dl(i))
@@ -268,7 +271,7 @@ def test_killed_endpoint_reports_nothing_written(unique_name: str) -> None:
             table=unique_name, endpoint_url=aws.endpoint_url, retry_max_s=0.2
         )
         create_table(settings)
-        with DynamoDBStore(settings, **FAST) as store:
+        with DynamoDBStore(settings, **FAST, group=GROUP) as store:
             assert store.put_batch([make_dl(0)]) == []
             aws.signal(signal.SIGKILL)
             time.sleep(0.2)
@@ -300,7 +303,7 @@ def test_writer_recovers_when_a_frozen_endpoint_thaws(
         create_table(settings)
 
         async def main() -> None:
-            with DynamoDBStore(settings, **FAST) as store:
+            with DynamoDBStore(settings, **FAST, group=GROUP) as store:
                 async with DeadLetterWriter(store, settings, written.append) as writer:
                     aws.signal(signal.SIGSTOP)
                     try:

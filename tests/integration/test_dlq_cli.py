@@ -87,7 +87,7 @@ def stack(aws: EmbeddedAWS, broker: EmbeddedBroker, unique_name: str, tmp_path: 
             topic, 0, partition=1, value=None, reason="TimeoutError: again", age_ms=2 * HOUR_MS
         ),
     ]
-    write_dead_letters(settings, dls)
+    write_dead_letters(settings, dls, f"g-{topic}")
     return Stack(config, settings, topic, broker.bootstrap, dls)
 
 
@@ -107,7 +107,7 @@ def listed(stack: Stack, *args: str) -> list[tuple[int, int]]:
 
 
 def status_of(stack: Stack, partition: int, offset: int) -> str:
-    with DeadLetterTable(stack.settings) as table:
+    with DeadLetterTable(stack.settings, group=f"g-{stack.topic}") as table:
         return str(table.get((stack.topic, partition, offset))["status"]["S"])
 
 
@@ -260,7 +260,7 @@ def test_replay_one_offset_to_another_topic(stack: Stack) -> None:
     assert "replayed 1" in out.stdout
     [copy] = consume_all(stack.bootstrap, target, partitions=1)
     assert copy.value() == "plain text ✓".encode()
-    with DeadLetterTable(stack.settings) as table:
+    with DeadLetterTable(stack.settings, group=f"g-{stack.topic}") as table:
         item = table.get((stack.topic, 0, 2))
     assert item["replayed_to"] == {"S": f"{target}/{copy.partition()}/{copy.offset()}"}
     assert listed(stack, "--status", "pending") == [(0, 0), (0, 1), (0, 3), (1, 0)]
@@ -314,7 +314,7 @@ def test_discard_is_conditional(stack: Stack) -> None:
     )  # fmt: skip
     assert missing.exit_code == ExitCode.NOT_FOUND
     assert "no dead letter" in missing.stderr
-    with DeadLetterTable(stack.settings) as table:
+    with DeadLetterTable(stack.settings, group=f"g-{stack.topic}") as table:
         assert not table.discard((stack.topic, 0, 1))  # twice: no-op
         claimed = list(table.scan(Filters(topic=stack.topic, status="pending")))
     assert len(claimed) == 3

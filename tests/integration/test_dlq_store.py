@@ -19,7 +19,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from tests import samples
 from tests.integration.harness import create_topic, write_dead_letters
-from tests.samples import T0
+from tests.samples import GROUP, T0
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.deadletter import DeadLetterWriter
 from triage_proxy.notifier import notifier_from_settings
@@ -80,7 +80,7 @@ def settings(aws: EmbeddedAWS, unique_name: str) -> DeadLetterSettings:
 
 @pytest.fixture
 def table(settings: DeadLetterSettings) -> Iterator[DeadLetterTable]:
-    with DeadLetterTable(settings) as opened:
+    with DeadLetterTable(settings, group=GROUP) as opened:
         yield opened
 
 
@@ -123,7 +123,7 @@ def test_a_retried_write_never_clobbers_a_replayed_or_discarded_item(
     settings: DeadLetterSettings, table: DeadLetterTable, batched: bool
 ) -> None:
     first = [make_dl(i, reason="first") for i in range(4)]
-    with DynamoDBStore(settings) as store:
+    with DynamoDBStore(settings, group=GROUP) as store:
         assert store.put_batch(first) == []
         assert table.claim(("orders", 0, 0), "run-1", lease_s=60)
         assert table.mark_replayed(("orders", 0, 0), "run-1", "orders", table.get(("orders", 0, 0)))
@@ -160,14 +160,14 @@ def test_large_payload_goes_to_s3_and_comes_back_byte_exact(
         value=EVERY_BYTE * 2000,
         headers=(("h", None), ("bin", EVERY_BYTE), ("h", b"")),
     )
-    assert item_size(big) > MAX_ITEM_BYTES
+    assert item_size(big, GROUP) > MAX_ITEM_BYTES
     write_dead_letters(settings, [big, make_dl(8)])
     item = table.get(("orders", 0, 7))
     assert "value" not in item
     assert "key" not in item
     assert "headers" not in item
     assert settings.overflow_bucket is not None
-    url = f"s3://{settings.overflow_bucket}/{settings.table}/orders/0/7"
+    url = f"s3://{settings.overflow_bucket}/{settings.table}/orders/0/7/{GROUP}"
     assert item["payload_s3"] == {"S": url}
     assert item["reason"] == {"S": "ValueError: bad"}
     client = s3_client(settings)
@@ -207,7 +207,7 @@ def test_ttl_is_enabled_and_set_when_items_settle(
         for offset in (1, 2):
             expires = int(table.get(("orders", 0, offset))["expires_at"]["N"])
             assert before + week - 1 <= expires <= time.time() + week
-        key = f"{settings.table}/orders/0/1"
+        key = f"{settings.table}/orders/0/1/{GROUP}"
         tags = s3.get_object_tagging(Bucket=settings.overflow_bucket, Key=key)["TagSet"]
         assert tags == [{"Key": "triage-status", "Value": "settled"}]
     finally:
@@ -306,7 +306,7 @@ def test_concurrent_replays_produce_every_item_once(
     results: list[ReplayResult] = []
 
     def run() -> None:
-        with DeadLetterTable(settings) as own:
+        with DeadLetterTable(settings, group=GROUP) as own:
             results.append(replay(own, producer(broker), items, replay_id=new_replay_id(), chunk=7))
 
     threads = [threading.Thread(target=run) for _ in range(3)]
@@ -411,7 +411,7 @@ def test_a_burst_of_dead_letters_makes_a_few_sns_summaries(
             notifier = notifier_from_settings(settings, "orders[0]")
             assert notifier is not None
             async with notifier:
-                with DynamoDBStore(settings) as store:
+                with DynamoDBStore(settings, group=GROUP) as store:
                     async with DeadLetterWriter(
                         store, settings, lambda dl: None, notifier=notifier
                     ) as writer:

@@ -49,9 +49,9 @@ def test_lease_item_conditional_writes(
     broker: EmbeddedBroker, aws: EmbeddedAWS, unique_name: str
 ) -> None:
     settings = settings_for(broker, aws, unique_name)  # creates the table
-    a = DynamoDBLeases(settings.dead_letters, unique_name, 0)
-    b = DynamoDBLeases(settings.dead_letters, unique_name, 0)
-    other_partition = DynamoDBLeases(settings.dead_letters, unique_name, 1)
+    a = DynamoDBLeases(settings.dead_letters, unique_name, 0, settings.kafka.group_id)
+    b = DynamoDBLeases(settings.dead_letters, unique_name, 0, settings.kafka.group_id)
+    other_partition = DynamoDBLeases(settings.dead_letters, unique_name, 1, settings.kafka.group_id)
     try:
         now = 1_000_000
         assert a.acquire("a", now, now + 2000) == Lease("a", now + 2000)
@@ -70,13 +70,14 @@ def test_lease_item_conditional_writes(
         assert a.get() is None
         assert a.acquire("a", now + 3003, now + 5003).owner == "a"  # released: free at once
         # The lease item lives in the dead-letter table but is never a dead letter.
-        with DeadLetterTable(settings.dead_letters) as table:
+        with DeadLetterTable(settings.dead_letters, group=settings.kafka.group_id) as table:
             assert list(table.scan(Filters(), consistent=True)) == []
             assert list(table.scan(Filters(topic=unique_name, partition=0))) == []
     finally:
         for store in (a, b, other_partition):
             store.close()
-    assert lease_source(unique_name, 0) == f"{unique_name}#0#lease"
+    group = settings.kafka.group_id
+    assert lease_source(unique_name, 0, group) == f"{unique_name}#0#lease#{group}"
 
 
 def _config(path: Path, base: dict[str, dict[str, Any]], port: int, http_port: int) -> Path:

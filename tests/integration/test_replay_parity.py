@@ -30,6 +30,7 @@ import pytest
 from confluent_kafka import KafkaError, Producer
 
 from tests.integration.harness import create_topic
+from tests.samples import GROUP
 from triage_proxy.settings import DeadLetterSettings
 from triage_proxy.structs import DeadLetter, Record
 from triage_proxy.table.deadletters import DynamoDBStore
@@ -192,7 +193,7 @@ def run_path(
     """Replay every dead letter of `topic` the way `path` does, through `wrap`'s producer."""
     make_producer: MakeProducer = lambda config: wrap(Producer(config))  # noqa: E731
     if path == "cli":
-        with DeadLetterTable(settings) as table:
+        with DeadLetterTable(settings, group=GROUP) as table:
             items = sorted(
                 table.scan(Filters(topic=topic), consistent=True),
                 key=lambda i: int(i["offset"]["N"]),
@@ -206,7 +207,7 @@ def run_path(
             )
         return (len(result.replayed), len(result.skipped), len(result.failed), len(result.in_doubt))
     options = ReplayOptions(
-        settings, bootstrap=bootstrap, filters=Filters(topic=topic), chunk_size=CHUNK
+        settings, bootstrap=bootstrap, filters=Filters(topic=topic), chunk_size=CHUNK, group=GROUP
     )
     job = SegmentJob(options, total_segments=1, replay_id=new_replay_id())
     counts = SegmentReplayer(job, 0, make_producer=make_producer).run()
@@ -254,14 +255,14 @@ def dead_letters(settings: DeadLetterSettings, bootstrap: str, topic: str) -> No
         )
         for o in range(ITEMS)
     ]
-    with DynamoDBStore(settings) as store:
+    with DynamoDBStore(settings, group=GROUP) as store:
         assert store.put_batch(dls) == []
 
 
 def states(settings: DeadLetterSettings, topic: str) -> dict[int, State]:
     """Every item of `topic`, by offset, with the topic itself left out (it differs)."""
     out: dict[int, State] = {}
-    with DeadLetterTable(settings) as table:
+    with DeadLetterTable(settings, group=GROUP) as table:
         for item in table.scan(Filters(topic=topic), consistent=True):
             replayed_to = item.get("replayed_to", {}).get("S")
             if replayed_to is not None:

@@ -29,6 +29,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
 
 from tests import samples
 from tests.integration.harness import TOKEN, create_topic
+from tests.samples import GROUP
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_cli.exitcodes import ExitCode
@@ -102,7 +103,7 @@ def make_dl(topic: str, partition: int, offset: int, **fields: Any) -> DeadLette
 def write(dynamodb: Any, table: str, dls: Iterable[DeadLetter], status: str = "pending") -> None:
     requests = []
     for dl in dls:
-        item = item_from_dead_letter(dl)
+        item = item_from_dead_letter(dl, GROUP)
         item["status"] = {"S": status}
         requests.append({"PutRequest": {"Item": item}})
     for start in range(0, len(requests), 25):
@@ -193,6 +194,7 @@ def options(
         segments=kwargs.pop("segments", 3),
         delivery_timeout_s=kwargs.pop("delivery_timeout_s", 20.0),
         **kwargs,
+        group=GROUP,
     )
 
 
@@ -237,7 +239,7 @@ def test_replay_arrives_byte_exact_with_provenance(
     )
     dls = [*mixed_set(topic), large]
     write(dynamodb, table.table, dls[:-1])
-    with DynamoDBStore(table) as store:
+    with DynamoDBStore(table, group=GROUP) as store:
         assert store.put_batch([large]) == []
     assert "payload_s3" in items(dynamodb, table.table)[(topic, 1, 11)]
     write_checkpoint(dynamodb, table.table, topic)
@@ -482,7 +484,7 @@ def test_retry_in_doubt_takes_over_expired_claims_only(
     for offset, until in [(0, now_ms - 1000), (1, now_ms - 1000), (2, now_ms + 600_000)]:
         dynamodb.update_item(
             TableName=table.table,
-            Key={"source": {"S": f"{topic}#0"}, "offset": {"N": str(offset)}},
+            Key={"source": {"S": f"{topic}#0#dead#{GROUP}"}, "offset": {"N": str(offset)}},
             UpdateExpression="SET replay_claim = :c, replay_claim_until = :u",
             ExpressionAttributeValues={":c": {"S": "dead-run"}, ":u": {"N": str(until)}},
         )
@@ -512,7 +514,7 @@ def config_file(path: Path, bootstrap: str, table: DeadLetterSettings, topic: st
     write_config(
         path,
         {
-            "kafka": {"bootstrap_servers": bootstrap, "topic": topic, "group_id": "g"},
+            "kafka": {"bootstrap_servers": bootstrap, "topic": topic, "group_id": GROUP},
             "auth": {"token": TOKEN},
             "dead_letters": dead_letters,
         },
@@ -560,7 +562,8 @@ def test_triage_dlq_replay_spark_runs_the_job_from_the_config_file(
 
 
 def test_command_line_options_and_summary(tmp_path: Path) -> None:
-    argv = ["--table", "t", "--bootstrap", "b:9092", "--topic", "orders", "--reason", "json"]
+    argv = ["--table", "t", "--group", "g#1", "--bootstrap", "b:9092", "--topic", "orders"]
+    argv += ["--reason", "json"]
     argv += ["--since", "2024-05-01T12:00:01Z", "--until", "2024-05-01T16:00:01+02:00"]
     argv += ["--to-topic", "fixed", "-X", "security.protocol=SSL", "--master", "local[2]"]
     args = build_parser().parse_args(argv)
@@ -570,17 +573,22 @@ def test_command_line_options_and_summary(tmp_path: Path) -> None:
     )
     assert (opts.to_topic, opts.master, opts.mode) == ("fixed", "local[2]", "replay")
     assert opts.kafka_config == {"security.protocol": "SSL"}
+    assert opts.group == "g#1"
+    no_group = build_parser().parse_args(["--table", "t", "--bootstrap", "b"])
+    with pytest.raises(ValueError, match="--table needs --group"):
+        options_from_args(no_group)
     bad = build_parser().parse_args(["--table", "t", "--bootstrap", "b", "--since", "yesterday"])
     with pytest.raises(ValueError, match="not a time"):
         options_from_args(bad)
     with pytest.raises(ConfigError, match="bootstrap"):
-        ReplayOptions(DeadLetterSettings(table="t"))
+        ReplayOptions(DeadLetterSettings(table="t"), group=GROUP)
     table = DeadLetterSettings(table="dl", endpoint_url="http://127.0.0.1:1", ttl_days=3)
     config = config_file(tmp_path / "triage.toml", "b:9092", table, "orders")
     from_file = options_from_args(
         build_parser().parse_args(["-c", str(config), "--export", "/x", "-X", "acks=1"])
     )
     assert from_file.dead_letters == load_settings(config).dead_letters
+    assert from_file.group == load_settings(config).kafka.group_id
     assert (from_file.bootstrap, from_file.mode) == ("b:9092", "export")
     assert from_file.kafka_config == {"security.protocol": "plaintext", "acks": "1"}
     both = build_parser().parse_args(["-c", str(config), "--table", "t", "--export", "/x"])

@@ -86,7 +86,9 @@ def test_either_proxy_lists_both_partitions_and_sends_a_stray_hello_to_the_owner
 
             # Where Topology reads it: the lease items carry the port picked at bind.
             for p, proxy in enumerate((p0, p1)):
-                store = DynamoDBLeases(settings.dead_letters, unique_name, p)
+                store = DynamoDBLeases(
+                    settings.dead_letters, unique_name, p, settings.kafka.group_id
+                )
                 try:
                     lease = await asyncio.to_thread(store.get)
                 finally:
@@ -187,7 +189,7 @@ def test_a_table_that_does_not_answer_gives_what_the_proxy_knows_and_complete_fa
         settings = settings_for(broker, aws, unique_name, ownership={"lease_s": 60.0})
 
         # Partition 1 is held by a proxy elsewhere (its lease item, written here).
-        elsewhere = DynamoDBLeases(settings.dead_letters, unique_name, 1)
+        elsewhere = DynamoDBLeases(settings.dead_letters, unique_name, 1, settings.kafka.group_id)
         try:
             now_ms = time.time_ns() // 1_000_000
             elsewhere.acquire("elsewhere", now_ms, now_ms + 60_000, "192.0.2.1:7701")
@@ -234,12 +236,12 @@ def test_the_lease_reader_reads_past_100_partitions_and_old_items_as_unknown(
     settings = settings_for(broker, aws, unique_name)  # creates the table
     held = {p: f"10.0.0.{p % 250}:{7700 + p}" for p in range(130) if p % 3}
     for p, endpoint in held.items():
-        store = DynamoDBLeases(settings.dead_letters, unique_name, p)
+        store = DynamoDBLeases(settings.dead_letters, unique_name, p, settings.kafka.group_id)
         try:
             store.acquire(f"owner-{p}", 0, 10**13, "" if p == 1 else endpoint)
         finally:
             store.close()
-    reader = DynamoDBLeaseReader(settings.dead_letters, unique_name)
+    reader = DynamoDBLeaseReader(settings.dead_letters, unique_name, settings.kafka.group_id)
     try:
         found = reader.get_many(range(130))
     finally:

@@ -29,6 +29,7 @@ from typing import Any
 
 import boto3
 
+from tests.samples import GROUP
 from triage_cli.embedded import EmbeddedAWS
 from triage_proxy.deadletter import DEFAULT_MAX_IN_FLIGHT, DeadLetterWriter
 from triage_proxy.settings import DeadLetterSettings
@@ -122,7 +123,7 @@ def measure(
     """Items/s of one case, in a fresh table, checked by a full count afterwards."""
     settings = DeadLetterSettings(table=f"bench-{name}", endpoint_url=aws.endpoint_url)
     create_table(settings)
-    with DynamoDBStore(settings) as store:
+    with DynamoDBStore(settings, group=GROUP) as store:
         warm_up(store)
         elapsed = write(store, settings)
     stored = count_items(settings) - 1

@@ -72,6 +72,7 @@ import psutil
 from pyspark import SparkContext
 
 from tests.integration.harness import create_topic
+from tests.samples import GROUP
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.settings import DeadLetterSettings
 from triage_proxy.structs import DeadLetter, Record
@@ -134,7 +135,7 @@ def seed(settings: DeadLetterSettings, n: int) -> float:
             if start is None:
                 return
             requests = [
-                {"PutRequest": {"Item": item_from_dead_letter(dead_letter(i))}}
+                {"PutRequest": {"Item": item_from_dead_letter(dead_letter(i), GROUP)}}
                 for i in range(start, min(n, start + 25))
             ]
             pending: dict[str, Any] = {settings.table: requests}
@@ -156,7 +157,7 @@ def slow_endpoint_table(settings: DeadLetterSettings) -> Iterator[DeadLetterTabl
     """table.query's DeadLetterTable on a client that waits as long as moto takes for a page."""
     client = dynamodb_client(settings, read_timeout_s=120, max_attempts=5)
     try:
-        with DeadLetterTable(settings, dynamodb=client) as table:
+        with DeadLetterTable(settings, dynamodb=client, group=GROUP) as table:
             yield table
     finally:
         client.close()
@@ -384,11 +385,13 @@ def bench(workdir: Path) -> int:
                     bootstrap=broker.bootstrap,
                     to_topic="replayed",
                     segments=SEGMENTS,
+                    group=GROUP,
                 )
                 export = ReplayOptions(
                     table("export"),
                     export_path=str(workdir / f"export-{cores}.parquet"),
                     segments=SEGMENTS,
+                    group=GROUP,
                 )
                 jvm = SparkContext._gateway.proc.pid  # the Python workers are its children
                 phases[f"replay-{cores}"] = timed(

@@ -177,7 +177,7 @@ def test_the_replay_job_ends_with_the_codes_triage_uses(
     monkeypatch.setattr(job, "run_replay", run_replay)
     for name in ("triage_replay", job.__name__):  # main() turns these up to INFO
         monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
-    assert job.main(["--table", "t", "--bootstrap", "127.0.0.1:1"]) == code
+    assert job.main(["--table", "t", "--group", "g", "--bootstrap", "127.0.0.1:1"]) == code
 
 
 # --- deploy: whose port answers, and why a proxy exited -----------------------------------

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.samples import GROUP
 from triage_client._proto import triage_pb2 as pb
 from triage_proxy.clienttext import (
     LOG_MAX_CHARS,
@@ -165,10 +166,10 @@ def write_all(store: MemoryStore, settings: DeadLetterSettings, dls: list[DeadLe
 
 def test_largest_metadata_with_a_payload_that_fits_inline_is_written() -> None:
     small = largest_metadata(1, b"v" * 1000)
-    metadata = item_size(small) - 1000
+    metadata = item_size(small, GROUP) - 1000
     assert metadata < 40_000  # bounded: a tenth of the item limit at most
     fits = largest_metadata(2, b"v" * (MAX_ITEM_BYTES - metadata))
-    assert item_size(fits) == MAX_ITEM_BYTES
+    assert item_size(fits, GROUP) == MAX_ITEM_BYTES
     store = MemoryStore()
     write_all(store, DeadLetterSettings(table="d", flush_interval_ms=1), [small, fits])
     assert store.dead_letters() == [small, fits]

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests import samples, waiting
-from tests.samples import T0
+from tests.samples import GROUP, T0
 from triage_proxy.deadletter import DeadLetterWriter, WriterState, backoff_delay
 from triage_proxy.errors import ConfigError, DeadLetterTooLarge, DeadLetterUnavailable, StateError
 from triage_proxy.settings import DeadLetterSettings
@@ -65,7 +65,7 @@ class Harness:
         self.writer = DeadLetterWriter(self.store, settings, self.on_written, **kwargs)
 
     def on_written(self, dl: DeadLetter) -> None:
-        item = item_from_dead_letter(dl)
+        item = item_from_dead_letter(dl, GROUP)
         key = (item["source"]["S"], dl.record.offset)
         assert key in self.store.items, "reported before the store held it"
         self.written.append(dl)
@@ -80,9 +80,10 @@ class Harness:
 
 def test_item_schema_is_exact() -> None:
     dl = make_dl(42, partition=3, headers=(("trace", b"\x01"), ("empty", None)), reason="bad ✗")
-    assert item_from_dead_letter(dl) == {
-        "source": {"S": "orders#3"},
+    assert item_from_dead_letter(dl, GROUP) == {
+        "source": {"S": f"orders#3#dead#{GROUP}"},
         "offset": {"N": "42"},
+        "group": {"S": GROUP},
         "topic": {"S": "orders"},
         "partition": {"N": "3"},
         "key": {"B": b"k"},
@@ -103,7 +104,7 @@ def test_item_schema_is_exact() -> None:
 
 
 def test_null_key_value_and_no_headers_are_absent() -> None:
-    item = item_from_dead_letter(make_dl(1, key=None, value=None))
+    item = item_from_dead_letter(make_dl(1, key=None, value=None), GROUP)
     assert "key" not in item
     assert "value" not in item
     assert "headers" not in item
@@ -112,14 +113,14 @@ def test_null_key_value_and_no_headers_are_absent() -> None:
 
 def test_empty_bytes_are_not_null() -> None:
     dl = make_dl(1, key=b"", value=b"", headers=(("h", b""),))
-    item = item_from_dead_letter(dl)
+    item = item_from_dead_letter(dl, GROUP)
     assert item["key"] == {"B": b""}
     assert item["value"] == {"B": b""}
     assert dead_letter_from_item(item) == dl
 
 
 def test_empty_header_list_reads_back_as_no_headers() -> None:
-    item = item_from_dead_letter(make_dl(1))
+    item = item_from_dead_letter(make_dl(1), GROUP)
     item["headers"] = {"L": []}
     assert dead_letter_from_item(item).record.headers == ()
 
@@ -171,25 +172,25 @@ def test_round_trip_is_exact(
 ) -> None:
     record = Record(topic, partition, offset, key, value, headers, timestamp_ms)
     dl = DeadLetter(record, reason, attempts, consumer_id, dead_lettered_at_ms)
-    assert dead_letter_from_item(item_from_dead_letter(dl)) == dl
+    assert dead_letter_from_item(item_from_dead_letter(dl, GROUP)) == dl
 
 
 def test_too_large_item_is_refused_at_the_limit() -> None:
-    base = item_size(make_dl(1, value=b""))
+    base = item_size(make_dl(1, value=b""), GROUP)
     fits = make_dl(1, value=b"x" * (MAX_ITEM_BYTES - base))
-    assert item_size(fits) == MAX_ITEM_BYTES
-    item_from_dead_letter(fits)
+    assert item_size(fits, GROUP) == MAX_ITEM_BYTES
+    item_from_dead_letter(fits, GROUP)
     over = make_dl(1, value=b"x" * (MAX_ITEM_BYTES - base + 1))
     with pytest.raises(DeadLetterTooLarge) as info:
-        item_from_dead_letter(over)
+        item_from_dead_letter(over, GROUP)
     assert info.value.key == ("orders", 0, 1)
     assert not info.value.retriable
 
 
 def test_item_size_counts_headers_and_unicode() -> None:
-    plain = item_size(make_dl(1))
-    assert item_size(make_dl(1, reason="é" * 10)) == plain - len("boom") + 20
-    assert item_size(make_dl(1, headers=(("ab", b"xyz"),))) > plain + 5
+    plain = item_size(make_dl(1), GROUP)
+    assert item_size(make_dl(1, reason="é" * 10), GROUP) == plain - len("boom") + 20
+    assert item_size(make_dl(1, headers=(("ab", b"xyz"),)), GROUP) > plain + 5
 
 
 # --- backoff policy -------------------------------------------------------------------

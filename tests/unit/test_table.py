@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.samples import T0, item, make_dl
+from tests.samples import GROUP, T0, item, make_dl
 from triage_proxy.deadletter import DeadLetterWriter
 from triage_proxy.settings import DeadLetterSettings
 from triage_proxy.structs import DeadLetter, Headers, Record
@@ -40,8 +40,8 @@ from triage_proxy.table.replay import (
 
 def test_empty_filters_select_every_dead_letter_but_never_a_checkpoint() -> None:
     checkpoint = {"source": {"S": "orders#0#checkpoint#g"}, "offset": {"N": "-1"}}
-    assert matches(item(0), Filters())
-    assert not matches(checkpoint, Filters())
+    assert matches(item(0), Filters(), group=GROUP)
+    assert not matches(checkpoint, Filters(), group=GROUP)
     assert not Filters().narrows
     assert Filters(reason="x").narrows
 
@@ -72,7 +72,9 @@ def test_filters_select_exactly_what_they_say(filters: Filters, selected: set[in
         item(3, reason="TimeoutError: downstream timeout", at_ms=T0 + 3000),
         item(4, topic="payments", partition=1, reason="timeout", at_ms=T0 + 4000),
     ]
-    assert {i["offset"]["N"] for i in items if matches(i, filters)} == {str(o) for o in selected}
+    assert {i["offset"]["N"] for i in items if matches(i, filters, group=GROUP)} == {
+        str(o) for o in selected
+    }
 
 
 @pytest.mark.parametrize(
@@ -167,7 +169,7 @@ def test_malformed_payload_is_refused(mangle: Any) -> None:
 
 def test_pointer_item_keeps_everything_but_the_payload() -> None:
     dl = make_dl(5, value=b"x" * (MAX_ITEM_BYTES + 10), headers=(("h", b"1"),))
-    item = pointer_item(dl, "bucket", "tbl/orders/0/5", 1234)
+    item = pointer_item(dl, GROUP, "bucket", "tbl/orders/0/5", 1234)
     assert "key" not in item
     assert "value" not in item
     assert "headers" not in item
@@ -181,11 +183,13 @@ def test_pointer_item_keeps_everything_but_the_payload() -> None:
 
 def test_overflow_fits_only_with_a_bucket() -> None:
     big = make_dl(1, value=b"x" * (MAX_ITEM_BYTES + 1))
-    assert item_size(big) > MAX_ITEM_BYTES
-    assert not fits_with_overflow(big, DeadLetterSettings(table="t"))
-    assert fits_with_overflow(big, DeadLetterSettings(table="t", overflow_bucket="b"))
+    assert item_size(big, GROUP) > MAX_ITEM_BYTES
+    assert not fits_with_overflow(big, DeadLetterSettings(table="t"), GROUP)
+    assert fits_with_overflow(big, DeadLetterSettings(table="t", overflow_bucket="b"), GROUP)
     huge_reason = make_dl(1, value=b"x" * MAX_ITEM_BYTES, reason="r" * MAX_ITEM_BYTES)
-    assert not fits_with_overflow(huge_reason, DeadLetterSettings(table="t", overflow_bucket="b"))
+    assert not fits_with_overflow(
+        huge_reason, DeadLetterSettings(table="t", overflow_bucket="b"), GROUP
+    )
 
 
 # --- idempotent writes (the memory twin mirrors DynamoDBStore) ------------------------
@@ -205,14 +209,18 @@ def test_write_condition(existing: dict[str, Any] | None, allowed: bool) -> None
     assert writable(existing) is allowed
 
 
+SOURCE = f"orders#0#dead#{GROUP}"
+"""The partition key of orders/0's dead letters in the sample deployment."""
+
+
 def test_memory_store_never_clobbers_a_replayed_item() -> None:
     store = MemoryStore()
     assert store.put_batch([make_dl(1, reason="first"), make_dl(2, reason="first")]) == []
-    store.items[("orders#0", 1)]["status"] = {"S": "replayed"}
+    store.items[(SOURCE, 1)]["status"] = {"S": "replayed"}
     assert store.put_batch([make_dl(1, reason="again"), make_dl(2, reason="again")]) == []
-    assert store.items[("orders#0", 1)]["status"] == {"S": "replayed"}
-    assert store.items[("orders#0", 1)]["reason"] == {"S": "first"}
-    assert store.items[("orders#0", 2)]["reason"] == {"S": "again"}
+    assert store.items[(SOURCE, 1)]["status"] == {"S": "replayed"}
+    assert store.items[(SOURCE, 1)]["reason"] == {"S": "first"}
+    assert store.items[(SOURCE, 2)]["reason"] == {"S": "again"}
     assert store.kept == 1
 
 
@@ -231,8 +239,8 @@ def test_writer_sends_large_payloads_to_the_bucket_instead_of_holding_them() -> 
 
     asyncio.run(main())
     assert store.dead_letters() == [big, make_dl(2)]
-    assert list(store.objects) == [("overflow", "dead-letters/orders/0/1")]
-    assert "value" not in store.items[("orders#0", 1)]
+    assert list(store.objects) == [("overflow", f"dead-letters/orders/0/1/{GROUP}")]
+    assert "value" not in store.items[(SOURCE, 1)]
 
 
 def test_a_timeout_without_a_response_is_translated_not_crashed() -> None:
@@ -247,7 +255,7 @@ def test_a_timeout_without_a_response_is_translated_not_crashed() -> None:
             raise ReadTimeoutError(endpoint_url="http://127.0.0.1:9/")
 
     settings = DeadLetterSettings(table="t", endpoint_url="http://127.0.0.1:9")
-    table = DeadLetterTable(settings, dynamodb=TimingOut())  # type: ignore[arg-type]
+    table = DeadLetterTable(settings, group=GROUP, dynamodb=TimingOut())  # type: ignore[arg-type]
     with pytest.raises(DeadLetterUnavailable, match="ReadTimeoutError"):
         list(table.scan(Filters()))
 

@@ -16,6 +16,7 @@ import grpc
 import pytest
 from typer.testing import CliRunner
 
+from tests.samples import GROUP
 from tests.waiting import eventually
 from triage_client._proto import triage_pb2 as pb
 from triage_client._proto import triage_pb2_grpc as pb_grpc
@@ -73,7 +74,7 @@ def test_the_writer_reports_an_unwritable_dead_letter_once_with_its_offset_and_f
             assert time.monotonic() - started < 5
             assert [dl.record.offset for dl in written] == [8]
             assert writer.unwritable() == (
-                UnwritableDeadLetter(7, item_size(big_dl(7)), MAX_ITEM_BYTES, NO_BUCKET_FIX),
+                UnwritableDeadLetter(7, item_size(big_dl(7), GROUP), MAX_ITEM_BYTES, NO_BUCKET_FIX),
             )
             assert writer.too_large == 1
             assert writer.pending == 1

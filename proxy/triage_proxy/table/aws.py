@@ -43,6 +43,11 @@ CONDITION_FAILED = "ConditionalCheckFailedException"
 """DynamoDB's answer when a conditional write's condition does not hold."""
 TABLE_MISSING = "ResourceNotFoundException"
 """DynamoDB's answer when the table does not exist."""
+TRANSACTION_CANCELLED = "TransactionCanceledException"
+"""DynamoDB's answer when a TransactWriteItems call did nothing (`AwsAnswer.reasons` says
+why, action by action)."""
+CHECK_FAILED = "ConditionalCheckFailed"
+"""A cancellation reason: that action's condition did not hold."""
 
 
 # --- errors -----------------------------------------------------------------------------
@@ -58,6 +63,9 @@ class AwsAnswer:
     """AWS's message with that code."""
     error: BaseException | None = None
     """The original exception, for `raise ... from answer.error`."""
+    reasons: tuple[str, ...] = ()
+    """For TRANSACTION_CANCELLED: each action's code, in order ("None": it was fine,
+    CHECK_FAILED: its condition did not hold)."""
 
     def __bool__(self) -> bool:
         return bool(self.code)
@@ -97,6 +105,7 @@ def aws_errors(
         code, message = _code(exc), _message(exc)
         if code and code in expect:
             answer.code, answer.message, answer.error = code, message, exc
+            answer.reasons = _reasons(exc)
             return
         raise error(f"{what} failed: {code or type(exc).__name__}: {message}") from exc
     except BotoCoreError as exc:  # no response: a timeout, a refused connection
@@ -108,6 +117,13 @@ def _code(exc: BaseException) -> str:
     if isinstance(response, dict):
         return str(response.get("Error", {}).get("Code", ""))
     return ""
+
+
+def _reasons(exc: BaseException) -> tuple[str, ...]:
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return ()
+    return tuple(str(r.get("Code", "")) for r in response.get("CancellationReasons", []))
 
 
 def _message(exc: BaseException) -> str:

@@ -21,8 +21,12 @@ A one-item batch is a single conditional PutItem. What is left unguarded: an ite
 did not exist at the read and was both created by another writer and replayed in the
 milliseconds before our BatchWriteItem lands.
 
+Every item a store writes belongs to its deployment (`group`, the proxy's
+`kafka.group_id`): the key and the `group` attribute say so (`items.py`), so another
+deployment's item for the same offset is neither overwritten nor taken for ours.
+
 Large payloads: an item over DynamoDB's limit keeps its key, value and headers in one S3
-object (`<table>/<topic>/<partition>/<offset>` in `dead_letters.overflow_bucket`, format
+object (`<table>/<topic>/<partition>/<offset>/<group>` in `dead_letters.overflow_bucket`, format
 in `payload.py`), written before the item that points to it, so a pointer never dangles.
 """
 
@@ -53,6 +57,7 @@ from triage_proxy.table.items import (
     MAX_ITEM_BYTES,
     PAYLOAD_S3_ATTR,
     STATUS_PENDING,
+    check_group,
     dead_letter_from_item,
     dead_letter_key,
     dead_letter_source,
@@ -71,6 +76,8 @@ logger = logging.getLogger(__name__)
 
 MAX_BATCH = DEFAULT_DLQ_BATCH
 """Most items one BatchWriteItem call takes."""
+MEMORY_GROUP = "triage-test"
+"""The deployment of a `MemoryStore` built without one (unit tests)."""
 
 _WRITE_CONDITION = "attribute_not_exists(#s) OR (#s = :pending AND attribute_not_exists(#c))"
 """What a write may replace: nothing, or a pending item no replay has claimed."""
@@ -80,6 +87,9 @@ _WRITE_VALUES = {":pending": {"S": STATUS_PENDING}}
 
 class DeadLetterStore(Protocol):
     """Where dead letters go; sync, called from a worker thread."""
+
+    group: str
+    """The deployment whose items it writes (sizes depend on it: `items.item_size`)."""
 
     def put_batch(self, items: Sequence[DeadLetter]) -> list[DeadLetter]:
         """Write up to 25 items with distinct keys; return those NOT written.
@@ -111,11 +121,13 @@ class DynamoDBStore:
         self,
         settings: DeadLetterSettings,
         *,
+        group: str,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
         max_attempts: int = DEFAULT_BOTO_ATTEMPTS,
     ) -> None:
         self.table = settings.table
+        self.group = check_group(group)
         self.bucket = settings.overflow_bucket
         self.kept = 0
         """Writes skipped because the item was already replayed, discarded or claimed."""
@@ -151,7 +163,7 @@ class DynamoDBStore:
         pending: list[DeadLetter] = []
         kept = 0
         for dl in items:
-            key = _item_key(dl)
+            key = self._item_key(dl)
             if key in unread:
                 continue
             state = existing.get(key)
@@ -162,7 +174,7 @@ class DynamoDBStore:
             else:
                 kept += 1
         self._count_kept(kept)
-        unwritten = [dl for dl in items if _item_key(dl) in unread]
+        unwritten = [dl for dl in items if self._item_key(dl) in unread]
         unwritten.extend(self._batch_write(fresh))
         unwritten.extend(self._put_conditional(pending))
         return unwritten
@@ -171,7 +183,7 @@ class DynamoDBStore:
         self, items: Sequence[DeadLetter]
     ) -> tuple[dict[tuple[str, str], dict[str, Any]], set[tuple[str, str]]]:
         """Status and claim of every key (consistent read); also the keys left unread."""
-        keys = [_item_key(dl) for dl in items]
+        keys = [self._item_key(dl) for dl in items]
         request: Any = {
             self.table: {
                 "Keys": [table_key(s, int(o)) for s, o in keys],
@@ -203,7 +215,7 @@ class DynamoDBStore:
         requests: list[Any] = []
         for dl in items:
             item = self._prepare(dl)
-            by_key[_item_key(dl)] = dl
+            by_key[self._item_key(dl)] = dl
             requests.append({"PutRequest": {"Item": item}})
         with aws_errors(f"BatchWriteItem on table {self.table!r}", DeadLetterUnavailable):
             response = self._client.batch_write_item(RequestItems={self.table: requests})
@@ -244,12 +256,13 @@ class DynamoDBStore:
 
     def _prepare(self, dl: DeadLetter) -> dict[str, Any]:
         """The item to write; uploads the payload to S3 first when it is too large inline."""
-        if self.bucket is None or self._s3 is None or item_size(dl) <= MAX_ITEM_BYTES:
-            return item_from_dead_letter(dl)
+        group = self.group
+        if self.bucket is None or self._s3 is None or item_size(dl, group) <= MAX_ITEM_BYTES:
+            return item_from_dead_letter(dl, group)
         topic, partition, offset = dead_letter_key(dl)
-        object_key = payload_object_key(self.table, topic, partition, offset)
+        object_key = payload_object_key(self.table, topic, partition, offset, group)
         payload = encode_payload(dl.record)
-        item = pointer_item(dl, self.bucket, object_key, len(payload))
+        item = pointer_item(dl, group, self.bucket, object_key, len(payload))
         with aws_errors(f"PutObject s3://{self.bucket}/{object_key}", DeadLetterUnavailable):
             self._s3.put_object(
                 Bucket=self.bucket,
@@ -258,6 +271,11 @@ class DynamoDBStore:
                 ContentType="application/octet-stream",
             )
         return item
+
+    def _item_key(self, dl: DeadLetter) -> tuple[str, str]:
+        """(source, offset) of a dead letter's item as DynamoDB spells them."""
+        record = dl.record
+        return (dead_letter_source(record.topic, record.partition, self.group), str(record.offset))
 
     def _count_kept(self, kept: int) -> None:
         if not kept:
@@ -287,12 +305,6 @@ class DynamoDBStore:
         self.close()
 
 
-def _item_key(dl: DeadLetter) -> tuple[str, str]:
-    """(source, offset) of a dead letter's item as DynamoDB spells them."""
-    record = dl.record
-    return (dead_letter_source(record.topic, record.partition), str(record.offset))
-
-
 class MemoryStore:
     """In-memory twin of DynamoDBStore for unit tests; thread-safe.
 
@@ -303,7 +315,14 @@ class MemoryStore:
     or hold calls in flight by clearing `gate`.
     """
 
-    def __init__(self, *, table: str = "dead-letters", overflow_bucket: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        table: str = "dead-letters",
+        overflow_bucket: str | None = None,
+        group: str = MEMORY_GROUP,
+    ) -> None:
+        self.group = check_group(group)
         self.items: dict[tuple[str, int], dict[str, Any]] = {}
         """Written items by (source, offset)."""
         self.objects: dict[tuple[str, str], bytes] = {}
@@ -379,12 +398,13 @@ class MemoryStore:
         return list(items[len(items) - left :])
 
     def _build(self, dl: DeadLetter) -> tuple[dict[str, Any], tuple[tuple[str, str], bytes] | None]:
-        if self.bucket is None or item_size(dl) <= MAX_ITEM_BYTES:
-            return item_from_dead_letter(dl), None
+        group = self.group
+        if self.bucket is None or item_size(dl, group) <= MAX_ITEM_BYTES:
+            return item_from_dead_letter(dl, group), None
         topic, partition, offset = dead_letter_key(dl)
-        object_key = payload_object_key(self.table, topic, partition, offset)
+        object_key = payload_object_key(self.table, topic, partition, offset, group)
         payload = encode_payload(dl.record)
-        item = pointer_item(dl, self.bucket, object_key, len(payload))
+        item = pointer_item(dl, group, self.bucket, object_key, len(payload))
         return item, ((self.bucket, object_key), payload)
 
 

@@ -5,12 +5,29 @@ docstring), so their key formats sit side by side here and nowhere else; and a d
 letter's item format is the contract between the proxy that writes it and every tool
 that reads it, so its codec is pure and exact.
 
+Keys. Every item belongs to one deployment: the Kafka group id its proxies commit with
+(`kafka.group_id`), so two apps reading one topic (billing and shipping on `orders`)
+share a table without touching each other's items. The partition key (`source`) is
+
+    <topic>#<partition>#<kind>#<group>        kind: dead | checkpoint | lease
+
+The group comes last, after fields that cannot hold a `#` (Kafka topic names are
+[a-zA-Z0-9._-]; the partition is digits; the kind is one of three words), so it may
+hold anything, `#` included: everything after the third `#` is the group
+(`parse_source`). Groups are 1..`MAX_GROUP_BYTES` bytes of UTF-8.
+
+Legacy keys (tables written before deployments were keyed; `triage dlq migrate` moves
+their dead letters, see `migrate.py`): a dead letter `<topic>#<partition>` with no
+`group` attribute, a lease `<topic>#<partition>#lease`. The checkpoint key has always
+carried the group and is unchanged.
+
 Dead-letter item (one per dead message):
 
 | attribute          | type | content                                                       |
 |--------------------|------|---------------------------------------------------------------|
-| `source`           | S    | partition key: `<topic>#<partition>` (no `#` in topic names)  |
+| `source`           | S    | partition key: `<topic>#<partition>#dead#<group>` (above)     |
 | `offset`           | N    | sort key: the message's offset                                |
+| `group`            | S    | the deployment: the Kafka group id of the proxy that wrote it |
 | `topic`            | S    | source topic                                                  |
 | `partition`        | N    | source partition                                              |
 | `key`              | B    | message key; absent when null (or when the payload is in S3)  |
@@ -31,7 +48,7 @@ Replay and discard (`query.py`, `replay.py`) add `replayed_at`, `replayed_to`
 `replay_claim`/`replay_claim_until`.
 
 Byte strings may be empty (then present, unlike null); headers keep duplicates and order.
-`dead_letter_from_item` inverts `item_from_dead_letter` exactly (an empty `headers` list
+`dead_letter_from_item` inverts `item_from_dead_letter(dl, group)` exactly (an empty `headers` list
 reads as no headers); `dead_letter_with_payload` does the same for a pointer item and
 the bytes of its S3 object (`payload.py`).
 
@@ -47,7 +64,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from triage_proxy.errors import DeadLetterTooLarge
+from triage_proxy.errors import ConfigError, DeadLetterTooLarge
 from triage_proxy.settings import DeadLetterSettings
 from triage_proxy.structs import DeadLetter, Record
 from triage_proxy.table.payload import decode_payload, payload_object_key, payload_size
@@ -72,8 +89,20 @@ EXPIRES_AT_ATTR = "expires_at"
 PAYLOAD_S3_ATTR = "payload_s3"
 PAYLOAD_BYTES_ATTR = "payload_bytes"
 
+MAX_GROUP_BYTES = 255
+"""Longest group id (UTF-8 bytes) a key may hold: with a 249-byte topic it keeps the
+partition key far below DynamoDB's 2048 bytes and the S3 payload key below 1024."""
+KIND_DEAD_LETTER = "dead"
+KIND_CHECKPOINT = "checkpoint"
+KIND_LEASE = "lease"
+KINDS = (KIND_DEAD_LETTER, KIND_CHECKPOINT, KIND_LEASE)
+"""The third field of every partition key (see the module docstring)."""
+GROUP_ATTR = "group"
+"""The deployment (Kafka group id) of a dead-letter item; absent on legacy items."""
+
 DeadLetterKey = tuple[str, int, int]
-"""(topic, partition, offset): what identifies a dead letter (and its item)."""
+"""(topic, partition, offset): what identifies a dead letter (and its item) within one
+deployment; the group is the store's or the table view's (`query.DeadLetterTable`)."""
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _ISO_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
@@ -82,19 +111,64 @@ _ISO_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 # --- keys -------------------------------------------------------------------------------
 
 
-def dead_letter_source(topic: str, partition: int) -> str:
-    """Partition key of the dead letters of one source partition."""
-    return f"{topic}#{partition}"
+def check_group(group: str) -> str:
+    """`group` if it can key items (1..MAX_GROUP_BYTES bytes); ConfigError otherwise."""
+    if not group:
+        raise ConfigError("kafka.group_id", "must not be empty: it names the deployment")
+    size = len(group.encode("utf-8", "surrogatepass"))
+    if size > MAX_GROUP_BYTES:
+        raise ConfigError(
+            "kafka.group_id",
+            f"is {size} bytes; table keys hold at most {MAX_GROUP_BYTES}",
+        )
+    return group
+
+
+def item_source(topic: str, partition: int, kind: str, group: str) -> str:
+    """Partition key of the items of `kind` of (topic, partition) in deployment `group`."""
+    return f"{topic}#{partition}#{kind}#{group}"
+
+
+def dead_letter_source(topic: str, partition: int, group: str) -> str:
+    """Partition key of the dead letters of one source partition in one deployment."""
+    return item_source(topic, partition, KIND_DEAD_LETTER, group)
 
 
 def checkpoint_source(topic: str, partition: int, group: str) -> str:
-    """Partition key of the commit checkpoint of (topic, partition, group)."""
-    return f"{topic}#{partition}#checkpoint#{group}"
+    """Partition key of the commit checkpoint of (topic, partition, group); the format
+    predates deployment keys and did not change."""
+    return item_source(topic, partition, KIND_CHECKPOINT, group)
 
 
-def lease_source(topic: str, partition: int) -> str:
-    """Partition key of the ownership lease of (topic, partition)."""
+def lease_source(topic: str, partition: int, group: str) -> str:
+    """Partition key of the ownership lease of (topic, partition) in deployment `group`."""
+    return item_source(topic, partition, KIND_LEASE, group)
+
+
+def legacy_dead_letter_source(topic: str, partition: int) -> str:
+    """Partition key of a dead letter written before deployment keys (no group)."""
+    return f"{topic}#{partition}"
+
+
+def legacy_lease_source(topic: str, partition: int) -> str:
+    """Partition key of a lease written before deployment keys (no group)."""
     return f"{topic}#{partition}#lease"
+
+
+def parse_source(source: str) -> tuple[str, int, str, str | None]:
+    """(topic, partition, kind, group) of a partition key; group None for a legacy key
+    (`<topic>#<partition>` is a legacy dead letter). ValueError when malformed."""
+    parts = source.split("#", 3)
+    if len(parts) < 2 or not parts[0] or not parts[1].isdigit():
+        raise ValueError(f"not a table key: {source!r}")
+    topic, partition = parts[0], int(parts[1])
+    if len(parts) == 2:
+        return topic, partition, KIND_DEAD_LETTER, None
+    if len(parts) == 3 and parts[2] == KIND_LEASE:
+        return topic, partition, KIND_LEASE, None
+    if len(parts) == 4 and parts[2] in KINDS and parts[3]:
+        return topic, partition, parts[2], parts[3]
+    raise ValueError(f"not a table key: {source!r}")
 
 
 def table_key(source: str, offset: int) -> dict[str, Any]:
@@ -102,10 +176,10 @@ def table_key(source: str, offset: int) -> dict[str, Any]:
     return {"source": {"S": source}, "offset": {"N": str(offset)}}
 
 
-def dead_letter_table_key(key: DeadLetterKey) -> dict[str, Any]:
-    """The primary key of the dead letter at (topic, partition, offset)."""
+def dead_letter_table_key(key: DeadLetterKey, group: str) -> dict[str, Any]:
+    """The primary key of the dead letter at (topic, partition, offset) of `group`."""
     topic, partition, offset = key
-    return table_key(dead_letter_source(topic, partition), offset)
+    return table_key(dead_letter_source(topic, partition, group), offset)
 
 
 def dead_letter_key(dl: DeadLetter) -> DeadLetterKey:
@@ -123,21 +197,33 @@ def is_dead_letter(item: Mapping[str, Any]) -> bool:
     return int(item["offset"]["N"]) >= 0
 
 
+def item_group(item: Mapping[str, Any]) -> str | None:
+    """The deployment of a low-level dead-letter item; None for a legacy item."""
+    group = item.get(GROUP_ATTR)
+    return None if group is None else str(group["S"])
+
+
+def is_legacy_dead_letter(item: Mapping[str, Any]) -> bool:
+    """Whether a low-level item is a dead letter written before deployment keys."""
+    return is_dead_letter(item) and GROUP_ATTR not in item
+
+
 # --- the dead-letter codec --------------------------------------------------------------
 
 
-def item_from_dead_letter(dl: DeadLetter) -> dict[str, Any]:
-    """The DynamoDB item (low-level attribute values); DeadLetterTooLarge if over the limit."""
-    item = _build_item(dl)
+def item_from_dead_letter(dl: DeadLetter, group: str) -> dict[str, Any]:
+    """The DynamoDB item of `dl` in deployment `group` (low-level attribute values);
+    DeadLetterTooLarge if over the limit."""
+    item = _build_item(dl, group)
     size = _item_size(item)
     if size > MAX_ITEM_BYTES:
         raise DeadLetterTooLarge(dead_letter_key(dl), size, MAX_ITEM_BYTES)
     return item
 
 
-def item_size(dl: DeadLetter) -> int:
+def item_size(dl: DeadLetter, group: str) -> int:
     """Bytes the item takes by DynamoDB's accounting (an upper bound; numbers rounded up)."""
-    return _item_size(_build_item(dl))
+    return _item_size(_build_item(dl, group))
 
 
 def dead_letter_from_item(item: Mapping[str, Any]) -> DeadLetter:
@@ -189,10 +275,11 @@ def _binary(attr: Mapping[str, Any]) -> bytes:
     return bytes(attr["B"])
 
 
-def _build_item(dl: DeadLetter) -> dict[str, Any]:
+def _build_item(dl: DeadLetter, group: str) -> dict[str, Any]:
     record = dl.record
     item: dict[str, Any] = {
-        **table_key(dead_letter_source(record.topic, record.partition), record.offset),
+        **table_key(dead_letter_source(record.topic, record.partition, group), record.offset),
+        GROUP_ATTR: {"S": group},
         "topic": {"S": record.topic},
         "partition": {"N": str(record.partition)},
         "timestamp_ms": {"N": str(record.timestamp_ms)},
@@ -241,13 +328,13 @@ def _value_size(attr: Mapping[str, Any]) -> int:
 
 
 def pointer_item(
-    dl: DeadLetter, bucket: str, object_key: str, payload_bytes: int
+    dl: DeadLetter, group: str, bucket: str, object_key: str, payload_bytes: int
 ) -> dict[str, Any]:
     """The item of a dead letter whose key, value and headers live in S3.
 
     Raises DeadLetterTooLarge if even that item exceeds the limit (a huge reason).
     """
-    item = _build_item(dl)
+    item = _build_item(dl, group)
     for name in ("key", "value", "headers"):
         item.pop(name, None)
     item[PAYLOAD_S3_ATTR] = {"S": f"s3://{bucket}/{object_key}"}
@@ -258,16 +345,17 @@ def pointer_item(
     return item
 
 
-def fits_with_overflow(dl: DeadLetter, settings: DeadLetterSettings) -> bool:
-    """Whether `dl` can be written under `settings`: inline, or via the overflow bucket."""
-    if item_size(dl) <= MAX_ITEM_BYTES:
+def fits_with_overflow(dl: DeadLetter, settings: DeadLetterSettings, group: str) -> bool:
+    """Whether `dl` can be written under `settings` for deployment `group`: inline, or
+    via the overflow bucket."""
+    if item_size(dl, group) <= MAX_ITEM_BYTES:
         return True
     if settings.overflow_bucket is None:
         return False
     topic, partition, offset = dead_letter_key(dl)
-    object_key = payload_object_key(settings.table, topic, partition, offset)
+    object_key = payload_object_key(settings.table, topic, partition, offset, group)
     try:
-        pointer_item(dl, settings.overflow_bucket, object_key, payload_size(dl.record))
+        pointer_item(dl, group, settings.overflow_bucket, object_key, payload_size(dl.record))
     except DeadLetterTooLarge:
         return False
     return True

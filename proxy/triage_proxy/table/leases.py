@@ -1,11 +1,12 @@
-"""The partition lease item: who may deliver a (topic, partition) right now.
+"""The partition lease item: who may deliver a (topic, partition) of a deployment right now.
 
 Why a store of its own: `triage_proxy.ownership` decides when to acquire, renew and give
 up a lease (and how to fence); this module only makes the three conditional writes
 atomic in DynamoDB, with an in-memory twin (`MemoryLeases`) for unit tests.
 
-Item: `source` = `lease_source(topic, partition)`, `offset` = `LEASE_OFFSET` (-2; see the
-package docstring), `owner` (S: host, pid and a random part, unique per process),
+Item: `source` = `lease_source(topic, partition, group)` (`<topic>#<partition>#lease#<group>`),
+`offset` = `LEASE_OFFSET` (-2; see the package docstring), `owner` (S: host, pid and a
+random part, unique per process),
 `lease_until_ms` (N: epoch ms; not `expires_at`, the table's TTL attribute),
 `acquired_at` and `renewed_at` (S, ISO-8601), `endpoint` (S: host:port consumers dial to
 reach the holder, its `server.advertised_*`; absent while not known, e.g. an ephemeral
@@ -15,11 +16,25 @@ port not bound yet, and in items written before the attribute existed: read as "
     renew:   UpdateItem  if owner = me          (so it fails once anyone else acquired)
     release: DeleteItem  if owner = me          (graceful stop: the standby takes over at once)
 
+Each deployment (group) has its own lease per partition, so two apps on one topic serve
+it at once. A proxy from before deployment keys holds the legacy item
+`<topic>#<partition>#lease` instead and knows nothing of the new one. So acquire and
+renew first read the legacy item (one consistent GetItem): while an old proxy of any
+deployment holds it live, a new one waits as a standby (`acquire` returns the legacy
+holder, its owner marked "(legacy lease)", and writes nothing) and one that serves
+gives the partition up at its next renewal (renew False). The old proxy checks only the
+legacy item, so the two may overlap for at most one renewal interval (it may take the
+legacy lease right after our read; a TransactWriteItems with a ConditionCheck would
+narrow the instant but not that interval, at twice the write cost per renewal). The
+upgrade is "stop the old proxies, start the new ones" (README); this check guards an
+accidental overlap. Releasing deletes only our own item; migration never touches
+leases (they lapse by themselves).
+
 Failures raise `TableUnavailable`; a condition that does not hold is an answer (False,
 or the lease as it stands), not an error.
 
 Reading every partition's lease at once (the Topology RPC, see topology.py) is a
-`LeaseReader`: one BatchGetItem for up to 100 partitions.
+`LeaseReader`: one BatchGetItem for up to 100 partitions, the deployment's items only.
 """
 
 from __future__ import annotations
@@ -32,7 +47,15 @@ from typing import Any, Protocol
 from triage_proxy.errors import NotFoundError, TableUnavailable
 from triage_proxy.settings import DeadLetterSettings
 from triage_proxy.table.aws import CONDITION_FAILED, TABLE_MISSING, aws_errors, dynamodb_client
-from triage_proxy.table.items import LEASE_OFFSET, format_iso_ms, lease_source, table_key
+from triage_proxy.table.items import (
+    LEASE_OFFSET,
+    check_group,
+    format_iso_ms,
+    lease_source,
+    legacy_lease_source,
+    parse_source,
+    table_key,
+)
 
 CALL_TIMEOUT_S = 1.0
 """boto3 connect and read timeouts of the lease calls (one attempt each)."""
@@ -41,6 +64,8 @@ BATCH_GET_MAX_KEYS = 100
 BATCH_GET_ROUNDS = 3
 """BatchGetItem calls per 100 keys when DynamoDB returns some keys unprocessed (throttled);
 what is still unprocessed after them is an error, not an absent lease."""
+LEGACY_OWNER_SUFFIX = " (legacy lease)"
+"""Appended to the owner of a legacy lease item, so logs tell an old proxy's hold apart."""
 
 
 @dataclass(frozen=True)
@@ -79,11 +104,14 @@ class LeaseStore(Protocol):
 
 
 class DynamoDBLeases:
-    """The lease item of one (topic, partition) in the table."""
+    """The lease item of one (topic, partition) of deployment `group` in the table."""
 
-    def __init__(self, settings: DeadLetterSettings, topic: str, partition: int) -> None:
+    def __init__(
+        self, settings: DeadLetterSettings, topic: str, partition: int, group: str
+    ) -> None:
         self._table = settings.table
-        self._key = table_key(lease_source(topic, partition), LEASE_OFFSET)
+        self._key = table_key(lease_source(topic, partition, check_group(group)), LEASE_OFFSET)
+        self._legacy_key = table_key(legacy_lease_source(topic, partition), LEASE_OFFSET)
         # One attempt, short timeouts: the caller retries on its own schedule, and a
         # renewal that answers late is worth nothing (the lease counts from the send).
         self._client = dynamodb_client(
@@ -120,6 +148,9 @@ class DynamoDBLeases:
         }
         if endpoint:
             item["endpoint"] = {"S": endpoint}
+        legacy = self._live_legacy(now_ms)
+        if legacy is not None:  # an old proxy serves the partition: stand by
+            return legacy
         took = self._conditional(
             "acquiring",
             lambda: self._client.put_item(
@@ -150,6 +181,8 @@ class DynamoDBLeases:
         if endpoint:
             update += ", endpoint = :endpoint"
             values[":endpoint"] = {"S": endpoint}
+        if self._live_legacy(now_ms) is not None:  # an old proxy took the partition
+            return False
         return self._conditional(
             "renewing",
             lambda: self._client.update_item(
@@ -180,6 +213,21 @@ class DynamoDBLeases:
         item = found.get("Item")
         return None if item is None else lease_from_item(item)
 
+    def _live_legacy(self, now_ms: int) -> Lease | None:
+        """The legacy lease item of an old proxy if it is live at `now_ms` (its owner
+        marked as such); None when there is none or it lapsed."""
+        with aws_errors("reading the legacy partition lease", TableUnavailable):
+            found = self._client.get_item(
+                TableName=self._table, Key=self._legacy_key, ConsistentRead=True
+            )
+        item = found.get("Item")
+        if item is None:
+            return None
+        lease = lease_from_item(item)
+        if lease.until_ms < now_ms:
+            return None
+        return Lease(lease.owner + LEGACY_OWNER_SUFFIX, lease.until_ms, lease.endpoint)
+
     def close(self) -> None:
         self._client.close()
 
@@ -202,12 +250,13 @@ class LeaseReader(Protocol):
 
 
 class DynamoDBLeaseReader:
-    """Reads the lease items of a topic's partitions with BatchGetItem (strongly
-    consistent, 100 keys per call)."""
+    """Reads the lease items of a topic's partitions in deployment `group` with
+    BatchGetItem (strongly consistent, 100 keys per call)."""
 
-    def __init__(self, settings: DeadLetterSettings, topic: str) -> None:
+    def __init__(self, settings: DeadLetterSettings, topic: str, group: str) -> None:
         self._table = settings.table
         self._topic = topic
+        self._group = check_group(group)
         self._client = dynamodb_client(
             settings,
             connect_timeout_s=CALL_TIMEOUT_S,
@@ -220,7 +269,7 @@ class DynamoDBLeaseReader:
         wanted = list(dict.fromkeys(partitions))
         for start in range(0, len(wanted), BATCH_GET_MAX_KEYS):
             keys = [
-                table_key(lease_source(self._topic, p), LEASE_OFFSET)
+                table_key(lease_source(self._topic, p, self._group), LEASE_OFFSET)
                 for p in wanted[start : start + BATCH_GET_MAX_KEYS]
             ]
             for item in self._batch_get(keys):
@@ -242,8 +291,8 @@ class DynamoDBLeaseReader:
         )
 
     def _partition_of(self, item: Mapping[str, Any]) -> int:
-        # `<topic>#<partition>#lease`: the topic itself never holds a `#`.
-        return int(item["source"]["S"].split("#")[1])
+        _, partition, _, _ = parse_source(item["source"]["S"])
+        return partition
 
     def close(self) -> None:
         self._client.close()

@@ -22,12 +22,16 @@ S3_LIFECYCLE_RULE_ID = "triage-expire-settled-payloads"
 """The bucket lifecycle rule that expires settled payloads (`provisioning.create_bucket`)."""
 
 
-def payload_object_key(table: str, topic: str, partition: int, offset: int) -> str:
-    """S3 key of a dead letter's payload: `<table>/<topic>/<partition>/<offset>`.
+def payload_object_key(table: str, topic: str, partition: int, offset: int, group: str) -> str:
+    """S3 key of a dead letter's payload: `<table>/<topic>/<partition>/<offset>/<group>`.
 
-    The table name leads so that several tables (environments) can share one bucket.
+    The table name leads so that several tables (environments) can share one bucket. The
+    group (the deployment) comes last, after fields that cannot hold a `/` (table and
+    topic names cannot), so it may hold anything and two deployments never share an
+    object. Objects written before deployment keys are `<table>/<topic>/<partition>/
+    <offset>`; their items point to them by URL (`payload_s3`), so they never move.
     """
-    return f"{table}/{topic}/{partition}/{offset}"
+    return f"{table}/{topic}/{partition}/{offset}/{group}"
 
 
 def encode_payload(record: Record) -> bytes:

@@ -7,9 +7,12 @@ replay twice. So everything they share lives here, with no CLI and no Spark in i
 
 - `Filters` (frozen) and the pure `matches(item, filters)`: the single definition of
   "selected"; `parse_time` for `--since/--until` (ISO-8601 or relative like `1h`).
-- `DeadLetterTable`: paginated Query/Scan (parallel-scan segments for Spark) that
-  never yields a checkpoint or lease item (`offset < 0`), `get`, `load` (follows S3
-  pointers), and the conditional status changes that `replay.py` and discard use.
+- `DeadLetterTable`: one deployment's view of the table (`group`, the Kafka group id its
+  proxies commit with): paginated Query/Scan (parallel-scan segments for Spark) that
+  yields only that deployment's dead letters, never a checkpoint or lease item
+  (`offset < 0`), another deployment's item or a legacy one (no `group`: `triage dlq
+  migrate`, see `migrate.py`); `get`, `load` (follows S3 pointers), and the conditional
+  status changes that `replay.py` and discard use, all on that deployment's keys.
 
 Status changes (all conditional UpdateItem calls, so concurrent tools cannot race):
 
@@ -70,12 +73,14 @@ from triage_proxy.table.items import (
     STATUS_REPLAYED,
     STATUSES,
     DeadLetterKey,
+    check_group,
     dead_letter_from_item,
     dead_letter_source,
     dead_letter_table_key,
     dead_letter_with_payload,
     format_iso_ms,
     is_dead_letter,
+    item_group,
     parse_iso_ms,
 )
 from triage_proxy.table.payload import S3_SETTLED_TAG, parse_s3_url
@@ -92,6 +97,7 @@ TABLE_ATTEMPTS = 5
 LIST_ATTRIBUTES = (
     "source",
     "offset",
+    "group",
     "topic",
     "partition",
     "key",
@@ -184,12 +190,14 @@ class Filters:
         return any(getattr(self, f.name) is not None for f in dataclasses.fields(self))
 
 
-def matches(item: Mapping[str, Any], filters: Filters) -> bool:
-    """Whether a low-level DynamoDB item is a dead letter `filters` selects. Pure.
+def matches(item: Mapping[str, Any], filters: Filters, *, group: str) -> bool:
+    """Whether a low-level DynamoDB item is a dead letter of deployment `group` that
+    `filters` selects. Pure.
 
-    Items with a negative offset (commit checkpoints) are never dead letters.
+    Items with a negative offset (checkpoints, leases) are never dead letters; items of
+    another deployment, or legacy ones without a group, are never selected.
     """
-    if not is_dead_letter(item):
+    if not is_dead_letter(item) or item_group(item) != group:
         return False
     offset = int(item["offset"]["N"])
     if filters.offset is not None and offset != filters.offset:
@@ -264,23 +272,28 @@ def load_dead_letter(item: Mapping[str, Any], s3: S3Client | None) -> DeadLetter
 
 
 class DeadLetterTable:
-    """The dead-letter table (and overflow bucket) for tools; sync, thread-safe clients.
+    """One deployment's dead letters in the table (and overflow bucket) for tools; sync,
+    thread-safe clients.
 
-    Build it from the same `DeadLetterSettings` the proxy uses, or hand it clients (the
-    Spark executors build their own). `clock` gives wall time in seconds (for claims,
-    replay times and TTL). Close it, or use it as a context manager.
+    Build it from the same `DeadLetterSettings` and group (`kafka.group_id`) the proxy
+    uses, or hand it clients (the Spark executors build their own). `clock` gives wall
+    time in seconds (for claims, replay times and TTL). Close it, or use it as a context
+    manager.
     """
 
     def __init__(
         self,
         settings: DeadLetterSettings,
         *,
+        group: str,
         dynamodb: DynamoDBClient | None = None,
         s3: S3Client | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
         self.table = settings.table
+        self.group = check_group(group)
+        """The deployment whose items this view reads and changes."""
         self._clock = clock
         self._own = dynamodb is None
         self._client = dynamodb or dynamodb_client(settings, max_attempts=TABLE_ATTEMPTS)
@@ -292,7 +305,7 @@ class DeadLetterTable:
 
     def check(self) -> None:
         """Raise TableNotFound or DeadLetterUnavailable unless the table can be used."""
-        with self._errors("DescribeTable"):
+        with self.errors("DescribeTable"):
             self._client.describe_table(TableName=self.table)
 
     def scan(
@@ -305,7 +318,8 @@ class DeadLetterTable:
         total_segments: int | None = None,
         page_size: int | None = None,
     ) -> Iterator[dict[str, Any]]:
-        """Every item `filters` selects, page by page, never a checkpoint item.
+        """Every item of this deployment `filters` selects, page by page, never a
+        checkpoint or lease item.
 
         With topic and partition given it is one Query on that partition (offset order;
         only segment 0 yields it). Otherwise a Scan, optionally one segment of a parallel
@@ -319,7 +333,7 @@ class DeadLetterTable:
             kwargs["Limit"] = page_size
         if attributes is not None:
             wanted = dict.fromkeys(
-                (*attributes, "topic", "partition", "offset", "status", "reason")
+                (*attributes, "topic", "partition", "offset", "status", "reason", "group")
             )
             wanted.update(dict.fromkeys(("dead_lettered_at", "source")))
             aliases = {f"#a{i}": name for i, name in enumerate(wanted)}
@@ -329,7 +343,7 @@ class DeadLetterTable:
             if segment not in (None, 0):
                 return
             names["#src"] = "source"
-            values[":src"] = {"S": dead_letter_source(filters.topic, filters.partition)}
+            values[":src"] = {"S": dead_letter_source(filters.topic, filters.partition, self.group)}
             if filters.offset is not None:
                 values[":off"] = {"N": str(filters.offset)}
                 condition = "#src = :src AND #o = :off"
@@ -339,7 +353,9 @@ class DeadLetterTable:
             kwargs["KeyConditionExpression"] = condition
             operation, method = "Query", self._query
         else:
-            clauses = ["#o >= :zero"]
+            clauses = ["#o >= :zero", "#g = :group"]
+            names["#g"] = "group"
+            values[":group"] = {"S": self.group}
             if filters.topic is not None:
                 names["#t"] = "topic"
                 values[":topic"] = {"S": filters.topic}
@@ -356,10 +372,10 @@ class DeadLetterTable:
         kwargs["ExpressionAttributeNames"] = names
         kwargs["ExpressionAttributeValues"] = values
         while True:
-            with self._errors(operation):
+            with self.errors(operation):
                 page: Any = method(**kwargs)
             for item in page.get("Items", []):
-                if matches(item, filters):
+                if matches(item, filters, group=self.group):
                     yield item
             last = page.get("LastEvaluatedKey")
             if not last:
@@ -377,9 +393,11 @@ class DeadLetterTable:
         _, _, offset = key
         if offset < 0:
             raise DeadLetterNotFound(key)
-        with self._errors("GetItem"):
+        with self.errors("GetItem"):
             found: Any = self._client.get_item(
-                TableName=self.table, Key=dead_letter_table_key(key), ConsistentRead=True
+                TableName=self.table,
+                Key=dead_letter_table_key(key, self.group),
+                ConsistentRead=True,
             )
         item = found.get("Item")
         if item is None:
@@ -487,10 +505,10 @@ class DeadLetterTable:
         names: dict[str, str],
         values: dict[str, Any],
     ) -> bool:
-        with self._errors("UpdateItem", expect={CONDITION_FAILED}) as refused:
+        with self.errors("UpdateItem", expect={CONDITION_FAILED}) as refused:
             self._client.update_item(
                 TableName=self.table,
-                Key=dead_letter_table_key(key),
+                Key=dead_letter_table_key(key, self.group),
                 UpdateExpression=update,
                 ConditionExpression=condition,
                 ExpressionAttributeNames=names,
@@ -527,8 +545,13 @@ class DeadLetterTable:
         """The table's wall clock (`clock`) in ms: what claims are judged stale by."""
         return int(self._clock() * 1000)
 
+    @property
+    def client(self) -> DynamoDBClient:
+        """The DynamoDB client (for `migrate.py`, which reads and writes legacy keys)."""
+        return self._client
+
     @contextmanager
-    def _errors(self, operation: str, *, expect: Collection[str] = ()) -> Iterator[AwsAnswer]:
+    def errors(self, operation: str, *, expect: Collection[str] = ()) -> Iterator[AwsAnswer]:
         """aws_errors for one call on the table: TableNotFound when the table does not
         exist, DeadLetterUnavailable when DynamoDB does not answer."""
         where = self.settings.endpoint_url or f"AWS {self.settings.region}"
