@@ -156,19 +156,19 @@ class Flag {
       return Promise.resolve();
     }
     return new Promise((resolve) => {
-      const timer = ms === Infinity ? null : setTimeout(done, ms);
-      const waiters = this.waiters;
-      function done(): void {
+      const done = (): void => {
         if (timer !== null) {
           clearTimeout(timer);
         }
-        const index = waiters.indexOf(done);
+        // set() has already taken the list it wakes; a timeout leaves the current one.
+        const index = this.waiters.indexOf(done);
         if (index >= 0) {
-          waiters.splice(index, 1);
+          this.waiters.splice(index, 1);
         }
         resolve();
-      }
-      waiters.push(done);
+      };
+      const timer = ms === Infinity ? null : setTimeout(done, ms);
+      this.waiters.push(done);
     });
   }
 }

@@ -29,7 +29,8 @@ function protoPath(): string {
 
 export const PROTO_PATH = protoPath();
 
-const definition = loadSync(PROTO_PATH, {
+/** The loaded package definition (the tests' fake proxy serves it too). */
+export const definition = loadSync(PROTO_PATH, {
   keepCase: true,
   longs: Number,
   defaults: false,
