@@ -282,10 +282,14 @@ test("stop(): Release the unstarted, settle the running, half-close, wait for th
 test("stop() waits for the proxy to end the stream after the half-close", async () => {
   await withProxies(1, async (proxy) => {
     proxy.endOnHalfClose = false;
-    proxy.onStream = (s) => s.welcome();
+    proxy.onStream = (s) => {
+      s.welcome();
+      s.deliver([0]);
+    };
     const c = consumer(proxy, {});
     await c.start();
-    await until(() => proxy.streams.length === 1 && proxy.streams[0]!.received.length === 1);
+    // Settled: the client has seen the Welcome (before it, stop() cancels instead of draining).
+    await until(() => proxy.streams[0]?.acks().includes(0) === true);
     let stopped = false;
     const stopping = c.stop().then(() => {
       stopped = true;
