@@ -372,3 +372,37 @@ def test_the_example_consumer_dead_letters_what_is_not_json(
     assert letters[0].consumer_id == "ts-example"
     assert letters[0].record.value == b"not json {"
     assert list(letters[0].record.headers) == [("h", b"\x00")]
+
+
+def test_a_handler_that_never_settles_is_extended_then_redelivered_after_a_kill(
+    built: Path,
+    broker: EmbeddedBroker,
+    aws: EmbeddedAWS,
+    topic: str,
+    nodes: list[NodeProcess],
+) -> None:
+    """Bad input: a hanging handler keeps its 1 s lease (Extend) for as long as its process
+    lives; once the process is killed, the message goes to the next instance, attempt 2."""
+    settings = settings_for(broker, aws, topic, delivery={"ack_deadline_s": 1.0})
+    produce(broker.bootstrap, topic, [(None, b"hangs", [(ACTION, b"hang")])])
+
+    async def scenario() -> tuple[list[int], list[int]]:
+        async with Proxy(settings, 0) as proxy:
+            first = await NodeProcess.start(str(ADAPTER), env=adapter_env(target(proxy)))
+            nodes.append(first)
+            assert await await_until(lambda: len(first.started(0)) == 1, timeout=30)
+            await asyncio.sleep(3.5)  # three and a half ack deadlines
+            held = [e["attempt"] for e in first.started(0)]
+            first.proc.send_signal(signal.SIGKILL)
+            await first.proc.wait()
+            second = await NodeProcess.start(str(ADAPTER), env=adapter_env(target(proxy)))
+            nodes.append(second)
+            assert await await_until(lambda: len(second.started(0)) == 1, timeout=30)
+            again = [e["attempt"] for e in second.started(0)]
+            second.kill()
+            await second.proc.wait()
+            return held, again
+
+    held, again = asyncio.run(scenario())
+    assert held == [1], "extended: never redelivered while its process lived"
+    assert again == [2]
