@@ -75,13 +75,22 @@ class InstanceResult:
 class Instances:
     """Consumer instance processes (tests/perf/instance.py), stopped by PID."""
 
-    def __init__(self, targets: list[str], token: str, per_target: int, concurrency: int) -> None:
+    def __init__(
+        self,
+        targets: list[str],
+        token: str,
+        per_target: int,
+        concurrency: int,
+        command: list[str] | None = None,
+    ) -> None:
+        """`command` runs one instance (default: tests/perf/instance.py, the Python client);
+        it takes --target, --concurrency and --id and prints one JSON line on SIGTERM."""
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TRIAGE_TOKEN": token}
+        command = command or [sys.executable, str(ROOT / "tests" / "perf" / "instance.py")]
         self._procs = [
             subprocess.Popen(
                 [
-                    sys.executable,
-                    str(ROOT / "tests" / "perf" / "instance.py"),
+                    *command,
                     "--target",
                     target,
                     "--concurrency",

@@ -1,0 +1,579 @@
+/**
+ * One partition's stream: Hello, deliveries into the shared pool, batched settlements, leases.
+ *
+ * How a delivery flows:
+ *
+ *     Deliveries frame --> this stream's local queue --> the Consumer's shared handler pool
+ *     handler returns / throws --> this stream's ack / nack batch --Settle--> proxy
+ *
+ * Settlements are batched, never one frame per result: a batch goes out when it is full
+ * (SETTLE_BATCH, or the stream's credits if fewer), when this stream's local queue drains
+ * (the moment the proxy's next batch is needed; sent on the next turn of the event loop, so
+ * every handler that finished in this turn shares the frame), or SETTLE_DELAY_MS after its
+ * first result otherwise.
+ *
+ * A broken stream is reopened with capped, jittered backoff, at the endpoint the topology
+ * names for its partition then: a proxy that refuses the Hello with FAILED_PRECONDITION and
+ * names the partition's owner (`triage-owner-endpoint`) is followed at once, and every failure
+ * asks the Consumer to refresh the topology. Each stream is an epoch: results of handlers that
+ * started on an earlier stream are dropped and counted, never settled on the new stream,
+ * because the proxy redelivers whatever the broken stream held.
+ *
+ * Leases: the proxy redelivers a delivery left unsettled for the Welcome's `ack_deadline_ms`
+ * (0: never). Every third of that deadline one Extend frame lists the offsets this stream
+ * holds right then (running or queued for a handler slot, not yet settled), so long work keeps
+ * its lease and so do the deliveries queued behind it. An offset leaves the lease set before
+ * its result joins a batch, so it is never extended after its settlement was sent.
+ *
+ * Shutdown (stop()), per stream: queued deliveries are given back in a Release frame (no
+ * attempt used) -> running handlers finish and their settlements are sent -> half-close ->
+ * the proxy ends the stream with OK (cancelled after CLOSE_TIMEOUT_MS if it does not).
+ */
+
+import {
+  status as Status,
+  type Client,
+  type ClientDuplexStream,
+  type Metadata,
+  type StatusObject,
+} from "@grpc/grpc-js";
+
+import { PartitionError, errorForStatus, statusName } from "./errors";
+import type { Logger } from "./log";
+import { emptyStats, type Headers, type Message, type PartitionStats } from "./message";
+import type { HandlerPool } from "./pool";
+import {
+  CONSUME,
+  HELLO_HAS_MAX_FRAME,
+  type ConsumerFrame,
+  type Deliveries,
+  type Hello,
+  type Nack,
+  type ProxyFrame,
+  type Welcome,
+} from "./proto";
+import { ownerEndpoint } from "./topology";
+
+export const DEFAULT_MAX_BACKOFF_MS = 5000;
+export const INITIAL_BACKOFF_MS = 50;
+/** Settlements sent at once without waiting for the queue to drain. */
+export const SETTLE_BATCH = 256;
+/** Longest a settlement waits for company before it is sent. */
+export const SETTLE_DELAY_MS = 2;
+/** How long stop() waits for the proxy to end the stream after the half-close. */
+export const CLOSE_TIMEOUT_MS = 5000;
+/**
+ * Owner endpoints followed at once in a row; past that, redirects wait out the backoff too,
+ * so two proxies that each name the other cannot spin a stream.
+ */
+export const MAX_REDIRECTS = 3;
+
+/**
+ * Milliseconds to wait before reconnect number `failures` (0-based): exponential, capped,
+ * with jitter over the upper half so many instances do not reconnect in lockstep. The same
+ * formula as the Python client's `backoff_delay`.
+ */
+export function backoffDelay(
+  failures: number,
+  { initial = INITIAL_BACKOFF_MS, cap = DEFAULT_MAX_BACKOFF_MS, rand = Math.random } = {},
+): number {
+  const ceiling = Math.min(cap, initial * 2 ** Math.min(failures, 32));
+  return ceiling / 2 + (ceiling / 2) * rand();
+}
+
+/** What every stream of one Consumer shares. */
+export interface StreamContext {
+  /** The instance name sent in each Hello. */
+  readonly consumerId: string;
+  /** Call metadata (the bearer token). */
+  readonly metadata: Metadata;
+  /** The handler slots all streams feed. */
+  readonly pool: HandlerPool;
+  /** True once stop() began: streams drain and end. */
+  stopping(): boolean;
+  /** Longest wait between reconnects. */
+  readonly maxBackoffMs: number;
+  /** `partitions: [...]`: checked against the Welcome of a stream that names none. */
+  readonly allowed: ReadonlySet<number> | null;
+  /** The shared client (channel) to an endpoint. */
+  client(endpoint: string): Client;
+  /** Hello credits for a stream about to connect (the Consumer's split). */
+  credits(stream: PartitionStream): number;
+  /** Ask the Consumer to read the topology again now. */
+  refresh(): void;
+  /** The largest frame this client receives, announced in Hello.max_frame_bytes. */
+  readonly maxFrameBytes: number;
+  readonly logger: Logger;
+  /** Test seam: the backoff's random source. */
+  readonly rand?: () => number;
+}
+
+type Call = ClientDuplexStream<ConsumerFrame, ProxyFrame>;
+
+/**
+ * The stream for one partition (or, against a proxy without Topology, for that proxy's only
+ * partition): reconnects until stop(), following the partition's owner.
+ */
+export class PartitionStream {
+  /** The Hello names the partition (false: an older proxy's only partition). */
+  readonly named: boolean;
+  /** The partition, or null until the Welcome of an unnamed stream says which. */
+  partition: number | null;
+  /** Where the next connection goes; null while nobody serves the partition. */
+  endpoint: string | null;
+
+  /** Bumped when a stream ends: results of handlers started before are stale. */
+  epoch = 0;
+  /** The credits the current stream's Hello announced. */
+  credits = 0;
+  /** A Welcome or a delivery arrived on the current stream. */
+  established = false;
+  /** Deliveries of the current epoch queued or running. */
+  outstanding = 0;
+  /** Deliveries waiting for a handler slot, from `head` on (the pool takes from the front). */
+  queue: Message[] = [];
+  head = 0;
+  /** Handlers running in the pool's slots for this stream, any epoch. */
+  busy = 0;
+  /**
+   * Offsets this stream holds, running or queued: the next Extend lists them. A new stream
+   * gets a new set, and a handler removes its offset from the set it started in, so one that
+   * outlives its stream never touches the next stream's leases.
+   */
+  leases = new Set<number>();
+  acks: number[] = [];
+  nacks: Nack[] = [];
+  /** Deliveries given back unstarted at stop(): sent as Release, no attempt used. */
+  releases: number[] = [];
+  dropped = 0;
+
+  private call: Call | null = null;
+  private batchLimit = 1;
+  private held = 0; // delivered on this stream and not yet settled
+  private overWarned = false;
+  private halfClosed = false;
+  private fatal: Error | null = null; // raised by a frame handler: ends the Consumer
+  private flushTimer: NodeJS.Timeout | null = null;
+  private flushSoon: NodeJS.Immediate | null = null;
+  private extendTimer: NodeJS.Timeout | null = null;
+  private closeTimer: NodeJS.Timeout | null = null;
+  private woken = false; // a new endpoint, or stop(): cut a backoff short
+  private wake: (() => void) | null = null;
+
+  private delivered = 0;
+  private acked = 0;
+  private nacked = 0;
+  private rejected = 0;
+  private opened = 0;
+  private extended = 0;
+
+  constructor(
+    private readonly ctx: StreamContext,
+    partition: number | null,
+    endpoint: string | null,
+  ) {
+    this.named = partition !== null;
+    this.partition = partition;
+    this.endpoint = endpoint;
+  }
+
+  /** How logs name this stream's partition. */
+  get label(): string {
+    return this.partition === null ? "the proxy's only partition" : `partition ${this.partition}`;
+  }
+
+  /** Deliveries waiting in the local queue. */
+  get queued(): number {
+    return this.queue.length - this.head;
+  }
+
+  /** The next queued delivery (the pool calls this only when `queued` > 0). */
+  take(): Message {
+    const message = this.queue[this.head]!;
+    this.head += 1;
+    if (this.head === this.queue.length) {
+      this.queue = [];
+      this.head = 0;
+    } else if (this.head >= 1024 && this.head * 2 >= this.queue.length) {
+      this.queue = this.queue.slice(this.head);
+      this.head = 0;
+    }
+    return message;
+  }
+
+  stats(): PartitionStats {
+    return {
+      ...emptyStats(),
+      delivered: this.delivered,
+      acked: this.acked,
+      nacked: this.nacked,
+      rejected: this.rejected,
+      dropped: this.dropped,
+      reconnects: Math.max(0, this.opened - 1),
+      extended: this.extended,
+    };
+  }
+
+  /**
+   * The topology names a new endpoint for this partition: the next connection goes there,
+   * and a reconnect waiting out its backoff goes now. A working stream stays: the proxy that
+   * lost the partition ends it.
+   */
+  move(endpoint: string): void {
+    if (endpoint !== this.endpoint) {
+      this.ctx.logger.info(
+        `consumer ${this.ctx.consumerId}: ${this.label} is served at ${endpoint} now`,
+      );
+      this.endpoint = endpoint;
+      this.rouse();
+    }
+  }
+
+  /** Release the queued deliveries and let the stream drain; [in flight, released]. */
+  beginStop(): [number, number] {
+    const taken = this.ctx.pool.takeBack(this);
+    for (const message of taken) {
+      this.releases.push(message.offset);
+    }
+    this.dropped += taken.length;
+    if (this.call !== null && !this.established) {
+      this.call.cancel(); // nothing to settle yet: do not wait for a slow connect
+    }
+    this.scheduleFlush();
+    this.rouse();
+    return [this.outstanding, taken.length];
+  }
+
+  // -- connections --------------------------------------------------------------------------
+
+  /** Consume until stop(); rejects with a StreamError the proxy means for good. */
+  async run(): Promise<void> {
+    const ctx = this.ctx;
+    let failures = 0;
+    let redirects = 0;
+    while (!ctx.stopping()) {
+      this.woken = false;
+      const endpoint = this.endpoint;
+      if (endpoint === null) {
+        await this.sleep(Infinity); // nobody serves the partition: wait for the topology
+        continue;
+      }
+      const status = await this.connect(ctx.client(endpoint));
+      this.endStream();
+      if (this.fatal !== null) {
+        throw this.fatal;
+      }
+      if (ctx.stopping()) {
+        break;
+      }
+      let owner: string | null = null;
+      let problem: string;
+      if (status.code === Status.OK) {
+        problem = "the proxy ended the stream";
+      } else {
+        const error = errorForStatus(status.code, status.details, endpoint);
+        if (error !== null) {
+          throw error;
+        }
+        if (status.code === Status.FAILED_PRECONDITION) {
+          owner = ownerEndpoint(status.metadata);
+        }
+        problem = `${statusName(status.code)}: ${status.details}`;
+      }
+      if (this.established) {
+        failures = 0;
+        redirects = 0;
+      } else {
+        failures += 1;
+      }
+      if (this.named) {
+        ctx.refresh(); // the topology may know a better endpoint by now
+      }
+      if (owner !== null && owner !== endpoint) {
+        this.endpoint = owner;
+        if (redirects < MAX_REDIRECTS) {
+          redirects += 1;
+          ctx.logger.info(
+            `consumer ${ctx.consumerId}: ${endpoint} does not serve ${this.label} (${problem}); following it to ${owner}`,
+          );
+          continue;
+        }
+      }
+      const delay = backoffDelay(failures, {
+        cap: ctx.maxBackoffMs,
+        ...(ctx.rand ? { rand: ctx.rand } : {}),
+      });
+      ctx.logger.warn(
+        `consumer ${ctx.consumerId}: stream for ${this.label} at ${endpoint} lost (${problem}); reconnecting in ${Math.round(delay)} ms`,
+      );
+      await this.sleep(delay);
+    }
+  }
+
+  /** Wait `ms`, or less if woken (a new endpoint, stop()). */
+  private sleep(ms: number): Promise<void> {
+    if (this.woken) {
+      return Promise.resolve();
+    }
+    return new Promise((resolve) => {
+      const timer = ms === Infinity ? null : setTimeout(done, ms);
+      const self = this;
+      function done(): void {
+        if (timer !== null) {
+          clearTimeout(timer);
+        }
+        self.wake = null;
+        resolve();
+      }
+      this.wake = done;
+    });
+  }
+
+  private rouse(): void {
+    this.woken = true;
+    this.wake?.();
+  }
+
+  /** One stream, from Hello to its end: resolves with the status the call ended with. */
+  private connect(client: Client): Promise<StatusObject> {
+    const ctx = this.ctx;
+    this.opened += 1;
+    this.established = false;
+    this.overWarned = false;
+    this.halfClosed = false;
+    this.credits = ctx.credits(this);
+    this.batchLimit = Math.min(SETTLE_BATCH, this.credits);
+    const call = client.makeBidiStreamRequest(
+      CONSUME.path,
+      CONSUME.requestSerialize,
+      CONSUME.responseDeserialize,
+      ctx.metadata,
+      {},
+    );
+    this.call = call;
+    return new Promise((resolve) => {
+      call.on("data", (frame: ProxyFrame) => {
+        try {
+          this.onFrame(frame);
+        } catch (error) {
+          this.fatal = error instanceof Error ? error : new Error(String(error));
+          call.cancel();
+        }
+      });
+      call.on("error", () => {}); // the status event carries the outcome
+      call.on("status", resolve);
+      const hello: Hello = { consumer_id: ctx.consumerId, credits: this.credits };
+      if (this.named && this.partition !== null) {
+        hello.partition = this.partition;
+      }
+      if (HELLO_HAS_MAX_FRAME) {
+        hello.max_frame_bytes = ctx.maxFrameBytes;
+      }
+      call.write({ hello });
+    });
+  }
+
+  /** Forget what the dead stream held: the proxy redelivers all of it. */
+  private endStream(): void {
+    this.call = null;
+    for (const timer of [this.flushTimer, this.extendTimer, this.closeTimer]) {
+      if (timer !== null) {
+        clearTimeout(timer);
+      }
+    }
+    if (this.flushSoon !== null) {
+      clearImmediate(this.flushSoon);
+    }
+    this.flushTimer = this.extendTimer = this.closeTimer = null;
+    this.flushSoon = null;
+    const released = this.ctx.pool.takeBack(this, true).length;
+    this.outstanding = 0; // handlers still running belong to the dead epoch now
+    const unsent = this.acks.length + this.nacks.length;
+    this.acks = [];
+    this.nacks = [];
+    this.releases = []; // counted as dropped when they were released
+    this.dropped += released + unsent;
+    this.held = 0;
+    if (released || unsent) {
+      this.ctx.logger.debug(
+        `consumer ${this.ctx.consumerId}: ${this.label}: dropped ${released} queued deliveries and ${unsent} unsent settlements`,
+      );
+    }
+  }
+
+  private onFrame(frame: ProxyFrame): void {
+    if (frame.deliveries !== undefined) {
+      this.onDeliveries(frame.deliveries);
+    } else if (frame.welcome !== undefined) {
+      this.onWelcome(frame.welcome);
+    } else if (frame.rejected !== undefined) {
+      const count = frame.rejected.offsets?.length ?? 0;
+      this.rejected += count;
+      this.ctx.logger.warn(
+        `consumer ${this.ctx.consumerId}: proxy rejected ${count} settlements: ${frame.rejected.reason ?? ""}`,
+      );
+    }
+  }
+
+  private onWelcome(welcome: Welcome): void {
+    const ctx = this.ctx;
+    const partition = welcome.partition ?? 0;
+    if (!this.named) {
+      const allowed = ctx.allowed;
+      if (allowed !== null && !allowed.has(partition)) {
+        const wanted = [...allowed].sort((a, b) => a - b);
+        throw new PartitionError(
+          wanted,
+          `partitions [${wanted.join(", ")}] asked for, but the proxy at ${this.endpoint} ` +
+            `(an older proxy, without Topology) serves only partition ${partition} of ` +
+            `'${welcome.topic ?? ""}'`,
+        );
+      }
+      this.partition = partition;
+    }
+    this.established = true;
+    const deadline = welcome.ack_deadline_ms ?? 0;
+    if (deadline > 0 && this.extendTimer === null) {
+      this.extendTimer = setInterval(() => this.extend(), deadline / 3);
+    }
+    ctx.logger.info(
+      `consumer ${ctx.consumerId} connected to ${this.endpoint}: ${welcome.topic ?? ""}[${partition}], ` +
+        `credits ${this.credits}, ack deadline ${deadline} ms, max attempts ${welcome.max_attempts ?? 0}`,
+    );
+  }
+
+  /** The lease ticker: one Extend listing every offset this stream holds right now. */
+  private extend(): void {
+    const call = this.call;
+    if (call === null || this.halfClosed || this.leases.size === 0) {
+      return;
+    }
+    const offsets = [...this.leases].sort((a, b) => a - b);
+    call.write({ extend: { offsets } });
+    this.extended += offsets.length;
+  }
+
+  private onDeliveries(batch: Deliveries): void {
+    const topic = batch.topic ?? "";
+    const partition = batch.partition ?? 0;
+    const deliveries = batch.deliveries ?? [];
+    const count = deliveries.length;
+    const messages: Message[] = new Array(count);
+    for (let i = 0; i < count; i++) {
+      const d = deliveries[i]!;
+      const hs = d.headers;
+      let headers: Headers;
+      if (hs === undefined || hs.length === 0) {
+        headers = [];
+      } else {
+        headers = new Array(hs.length);
+        for (let j = 0; j < hs.length; j++) {
+          const h = hs[j]!;
+          headers[j] = [h.key ?? "", h.value ?? null];
+        }
+      }
+      messages[i] = {
+        topic,
+        partition,
+        offset: d.offset ?? 0,
+        key: d.key ?? null,
+        value: d.value ?? null,
+        headers,
+        timestampMs: d.timestamp_ms ?? 0,
+        attempt: d.attempt ?? 0,
+      };
+    }
+    this.established = true;
+    this.delivered += count;
+    this.held += count;
+    if (this.held > this.credits && !this.overWarned) {
+      this.overWarned = true;
+      this.ctx.logger.warn(
+        `consumer ${this.ctx.consumerId}: proxy sent ${this.held} unsettled deliveries, more than the ${this.credits} credits`,
+      );
+    }
+    if (this.ctx.stopping()) {
+      this.dropped += count; // released: the proxy redelivers them
+      for (const message of messages) {
+        this.releases.push(message.offset);
+      }
+      this.scheduleFlush();
+      return;
+    }
+    this.ctx.pool.submit(this, messages);
+  }
+
+  // -- settlements ----------------------------------------------------------------------------
+
+  /** A handler of this stream finished: send now if the batch is full, soon otherwise. */
+  afterSettle(queueDrained: boolean): void {
+    const pending = this.acks.length + this.nacks.length;
+    if (pending === 0) {
+      if (this.ctx.stopping() && this.outstanding === 0) {
+        this.scheduleFlush(); // let the stream half-close
+      }
+      return;
+    }
+    if (pending >= this.batchLimit) {
+      this.flush();
+    } else if (queueDrained || this.ctx.stopping()) {
+      this.scheduleFlush();
+    } else if (this.flushTimer === null && this.call !== null) {
+      this.flushTimer = setTimeout(() => {
+        this.flushTimer = null;
+        this.flush();
+      }, SETTLE_DELAY_MS);
+    }
+  }
+
+  /** Flush on the next turn of the event loop: every result of this turn shares the frame. */
+  private scheduleFlush(): void {
+    if (this.flushSoon === null && this.call !== null) {
+      this.flushSoon = setImmediate(() => {
+        this.flushSoon = null;
+        this.flush();
+      });
+    }
+  }
+
+  private flush(): void {
+    const call = this.call;
+    if (call === null || this.halfClosed) {
+      return;
+    }
+    if (this.releases.length > 0) {
+      const offsets = this.releases;
+      this.releases = [];
+      this.held -= offsets.length;
+      call.write({ release: { offsets } });
+    }
+    const acks = this.acks;
+    const nacks = this.nacks;
+    if (acks.length > 0 || nacks.length > 0) {
+      this.acks = [];
+      this.nacks = [];
+      if (this.flushTimer !== null) {
+        clearTimeout(this.flushTimer);
+        this.flushTimer = null;
+      }
+      this.held -= acks.length + nacks.length;
+      call.write({ settle: { acks, nacks } });
+      this.acked += acks.length;
+      this.nacked += nacks.length;
+    }
+    if (this.ctx.stopping() && this.outstanding === 0 && this.established) {
+      this.halfClosed = true;
+      call.end();
+      this.ctx.logger.debug(
+        `consumer ${this.ctx.consumerId}: ${this.label}: final settlements sent, half-closed`,
+      );
+      this.closeTimer = setTimeout(() => {
+        this.ctx.logger.warn(
+          `consumer ${this.ctx.consumerId}: proxy did not end the stream for ${this.label} ` +
+            `${CLOSE_TIMEOUT_MS / 1000} s after half-close`,
+        );
+        call.cancel();
+      }, CLOSE_TIMEOUT_MS);
+    }
+  }
+}

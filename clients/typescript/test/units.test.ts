@@ -1,0 +1,136 @@
+/** Pure parts: backoff, credit split, nack reasons, constructor validation, the proto copy. */
+
+import assert from "node:assert/strict";
+import * as fs from "node:fs";
+import * as path from "node:path";
+import { test } from "node:test";
+
+import { Consumer, MAX_REASON_CHARS, Retry } from "../src/index.js";
+import { nackReason } from "../src/pool.js";
+import { PROTO_PATH } from "../src/proto.js";
+import { DEFAULT_MAX_BACKOFF_MS, INITIAL_BACKOFF_MS, backoffDelay } from "../src/stream.js";
+import { creditShare, layoutFromReply } from "../src/topology.js";
+
+const PACKAGE = path.resolve(__dirname, "..", "..");
+const handler = (): void => {};
+
+test("backoff doubles from 50 ms, is capped, and jitters over the upper half", () => {
+  assert.equal(backoffDelay(0, { rand: () => 1 }), INITIAL_BACKOFF_MS);
+  assert.equal(backoffDelay(0, { rand: () => 0 }), INITIAL_BACKOFF_MS / 2);
+  assert.equal(backoffDelay(3, { rand: () => 1 }), INITIAL_BACKOFF_MS * 8);
+  assert.equal(backoffDelay(40, { rand: () => 1 }), DEFAULT_MAX_BACKOFF_MS);
+  assert.equal(backoffDelay(40, { rand: () => 0 }), DEFAULT_MAX_BACKOFF_MS / 2);
+  assert.equal(backoffDelay(2000, { cap: 700, rand: () => 1 }), 700);
+  for (let failures = 0; failures < 12; failures++) {
+    assert.ok(backoffDelay(failures + 1, { rand: () => 1 }) >= backoffDelay(failures, { rand: () => 1 }));
+  }
+});
+
+test("credits are split evenly, remainder first, at least 1 each, summing to the budget", () => {
+  for (const [budget, streams] of [
+    [10, 3],
+    [32, 4],
+    [7, 7],
+    [1000, 6],
+  ] as const) {
+    const shares = Array.from({ length: streams }, (_, i) => creditShare(budget, streams, i));
+    assert.equal(shares.reduce((a, b) => a + b, 0), budget);
+    assert.ok(Math.max(...shares) - Math.min(...shares) <= 1);
+  }
+  assert.deepEqual([0, 1, 2].map((i) => creditShare(10, 3, i)), [4, 3, 3]);
+  assert.equal(creditShare(2, 5, 4), 1, "more streams than budget: still 1 each");
+});
+
+test("a Topology reply keeps only SERVING routes that name an endpoint", () => {
+  const layout = layoutFromReply({
+    topic: "t",
+    partition_count: 3,
+    complete: true,
+    partitions: [
+      { partition: 0, endpoint: "a:1", state: 1 },
+      { partition: 1, endpoint: "", state: 2 },
+      { partition: 2, state: 3 },
+    ],
+  });
+  assert.equal(layout.partitionCount, 3);
+  assert.deepEqual([...layout.endpoints], [[0, "a:1"]]);
+});
+
+test("a nack reason is `Name: message`, for subclasses and non-errors too", () => {
+  class ValidationError extends Error {}
+  assert.equal(nackReason(new Error("boom")), "Error: boom");
+  assert.equal(nackReason(new TypeError("bad type")), "TypeError: bad type");
+  assert.equal(nackReason(new ValidationError("no")), "ValidationError: no");
+  assert.equal(nackReason(new Retry("later")), "Retry: later");
+  assert.equal(nackReason("plain string"), "Error: plain string");
+  const unprintable = {
+    toString(): string {
+      throw new Error("no");
+    },
+  };
+  assert.equal(nackReason(unprintable), "Error: <unprintable>");
+});
+
+test("a nack reason is cut to 4,000 characters, whole code points, valid UTF-8", () => {
+  const long = nackReason(new Error("x".repeat(10_000)));
+  assert.equal(MAX_REASON_CHARS, 4000);
+  assert.equal(long.length, 4000);
+  assert.ok(long.endsWith("..."));
+  const emoji = nackReason(new Error("\u{1F600}".repeat(5000)));
+  assert.equal(Array.from(emoji).length, 4000);
+  assert.ok(!/[\uD800-\uDBFF](?![\uDC00-\uDFFF])/.test(emoji), "no pair cut in half");
+  assert.equal(nackReason(new Error("a\uD800b")), "Error: a\uFFFDb");
+  const exact = nackReason(new Error("y".repeat(4000 - "Error: ".length)));
+  assert.equal(exact.length, 4000);
+  assert.ok(!exact.endsWith("..."), "exactly 4,000 is kept whole");
+});
+
+test("the constructor refuses a missing or empty token with a clear error", () => {
+  for (const token of [undefined, "", null]) {
+    assert.throws(
+      () => new Consumer({ endpoint: "h:1", token: token as unknown as string, handler }),
+      (error: Error) => error instanceof TypeError && /token is required/.test(error.message),
+    );
+  }
+  assert.throws(
+    () => new Consumer({ endpoint: "h:1", token: "a\nb", handler }),
+    /token must be printable ASCII/,
+  );
+});
+
+test("the constructor refuses concurrency < 1 and other bad options", () => {
+  for (const concurrency of [0, -1, 1.5, Number.NaN]) {
+    assert.throws(
+      () => new Consumer({ endpoint: "h:1", token: "t", handler, concurrency }),
+      (error: Error) => error instanceof RangeError && /concurrency must be an integer of at least 1/.test(error.message),
+    );
+  }
+  assert.throws(() => new Consumer({ endpoint: "", token: "t", handler }), /endpoint is required/);
+  assert.throws(
+    () => new Consumer({ endpoint: "h:1", token: "t", handler: undefined as unknown as () => void }),
+    /handler is required/,
+  );
+  assert.throws(() => new Consumer({ endpoint: "h:1", token: "t", handler, prefetch: -1 }), /prefetch/);
+  assert.throws(() => new Consumer({ endpoint: "h:1", token: "t", handler, partitions: [] }), /partitions is empty/);
+  assert.throws(() => new Consumer({ endpoint: "h:1", token: "t", handler, partitions: [-1] }), /integers from 0/);
+  const ok = new Consumer({ endpoint: "h:1", token: "t", handler, concurrency: 3 });
+  assert.equal(ok.credits, 6, "credits = concurrency + prefetch (default: concurrency)");
+});
+
+test("the package's proto is the repo's proto (plus Hello.max_frame_bytes while the repo lacks it)", () => {
+  // eslint-disable-next-line @typescript-eslint/no-require-imports
+  const copy = require(path.join(PACKAGE, "scripts", "copy-proto.js")) as {
+    packaged(text: string): string;
+    source: string;
+  };
+  assert.equal(path.resolve(PROTO_PATH), path.join(PACKAGE, "proto", "triage", "v1", "triage.proto"));
+  const repo = fs.readFileSync(copy.source, "utf8");
+  const ours = fs.readFileSync(PROTO_PATH, "utf8");
+  assert.equal(ours, copy.packaged(repo));
+  assert.match(ours, /max_frame_bytes\s*=\s*4;/);
+  const withoutAddition = ours.replace(
+    /  \/\/ Largest frame this client receives[^\n]*\n[^\n]*\n  optional uint32 max_frame_bytes = 4;\n/,
+    "",
+  );
+  assert.equal(withoutAddition === repo || ours === repo, true, "nothing but that field differs");
+});
