@@ -12,6 +12,12 @@ The checkpoint item also carries the failed-delivery counts of the window (`atte
 from the dispatcher), so a crash-type pill's attempts survive a restart. When they
 change the item is rewritten even if the committed offset did not move (a pill at the
 head of the window holds the commit still), within the same once-a-second limit.
+
+The limit gives way while the committed offset is held (a pill, or a suspect waiting
+out its redelivery backoff, at the head of the window): on a broker that drops commit
+metadata the item is then all that records what settles above it, so once
+CHECKPOINT_HELD_OFFSETS more offsets settled there it is written with the next commit
+(policies.checkpoint_due).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Protocol
 
 from triage_proxy.errors import BrokerUnavailable, TableUnavailable
 from triage_proxy.kafka import KafkaThread, PartitionLog
+from triage_proxy.policies import checkpoint_due
 from triage_proxy.settled import encode_attempts, encode_settled
 from triage_proxy.table.checkpoints import Checkpoint, CheckpointStore
 from triage_proxy.tracker import CommitTracker
@@ -35,6 +42,11 @@ CHECKPOINT_INTERVAL_S = 1.0
 """Least time between checkpoint-item writes. A checkpoint that trails Kafka's commit is
 still used (see app.py), so writing it on every fast commit would only cost DynamoDB
 writes and proxy CPU (measured ~10% of no-op throughput at 10 commits/s)."""
+CHECKPOINT_HELD_OFFSETS = 100
+"""Offsets newly settled above a held committed offset that are worth a checkpoint write
+before CHECKPOINT_INTERVAL_S is up (policies.checkpoint_due). A write costs the proxy
+about what a few hundred deliveries do, but every redelivery also runs a handler again;
+a trickle (ten offsets a second) still waits out the interval."""
 
 
 class FailureCounts(Protocol):
@@ -80,6 +92,10 @@ class Committer:
         """The last offset Kafka acknowledged as committed."""
         self.metadata: str | None = None
         """The settled-above encoding committed with it (None: plain commit)."""
+        self._settled = 0
+        """How many offsets `metadata` holds."""
+        self._encoded = 0
+        """How many offsets the latest `_encoding` held (0 when it did not fit)."""
         self.degraded = False
         self.commits = 0
         self.metadata_overflows = 0
@@ -90,6 +106,8 @@ class Committer:
         """A Kafka commit or a failed-delivery count is not in the checkpoint item yet."""
         self._written: Checkpoint | None = None
         """What this run last wrote to the checkpoint item."""
+        self._written_settled = 0
+        """How many settled-above offsets `_written` holds."""
         self._attempts_seen = 0
         """`failures_version` when the counts were last taken for a checkpoint."""
 
@@ -103,11 +121,14 @@ class Committer:
         if self._checkpoints is None:
             return None
         settled = self._tracker.settled_above()
+        self._encoded = 0
         if not settled:
             return ""
         text = encode_settled(offset, settled)
         if text is None:
             self.metadata_overflows += 1
+        else:
+            self._encoded = len(settled)
         return text
 
     async def commit(self) -> bool:
@@ -128,7 +149,7 @@ class Committer:
         if self.degraded:
             logger.info("recovered: committed offset %d", offset)
             self.degraded = False
-        self.committed, self.metadata = offset, metadata
+        self.committed, self.metadata, self._settled = offset, metadata, self._encoded
         self.commits += 1
         if self._checkpoints is not None:
             self._checkpoint_due = True
@@ -136,17 +157,31 @@ class Committer:
         return True
 
     async def _flush_checkpoint(self, *, force: bool = False) -> None:
-        """Write the checkpoint if something is due and CHECKPOINT_INTERVAL_S passed since
-        the last write (or `force`). Only after this run's first commit: until then the
-        item still holds the previous run's settled-above set."""
+        """Write the checkpoint if something is due and `checkpoint_due` says so (or
+        `force`). Only after this run's first commit: until then the item still holds the
+        previous run's settled-above set."""
         if self._checkpoints is None or not self.commits:
             return
         attempts = self._attempts
         if attempts is not None and attempts.failures_version != self._attempts_seen:
             self._checkpoint_due = True
         now = self._monotonic()
-        if not self._checkpoint_due or (
-            not force and now - self._checkpoint_at < CHECKPOINT_INTERVAL_S
+        if not self._checkpoint_due:
+            return
+        written = self._written
+        # After a failed write, only the interval: a frozen table is not asked 5x a second.
+        held = (
+            written is not None
+            and written.committed == self.committed
+            and not self._checkpoint_degraded
+        )
+        unsaved = self._settled - self._written_settled
+        if not force and not checkpoint_due(
+            now - self._checkpoint_at,
+            held=held,
+            unsaved=unsaved,
+            interval_s=CHECKPOINT_INTERVAL_S,
+            held_offsets=CHECKPOINT_HELD_OFFSETS,
         ):
             return
         self._checkpoint_due = False
@@ -155,14 +190,22 @@ class Committer:
             self._attempts_seen = attempts.failures_version
             counts = encode_attempts(self.committed, attempts.failures())
         checkpoint = Checkpoint(self.committed, self.metadata or "", counts)
-        if checkpoint == self._written:
+        if checkpoint == written:
             return
         self._checkpoint_at = now
-        await self._write_checkpoint(checkpoint)
+        if await self._write_checkpoint(checkpoint):
+            self._written_settled = self._settled
+            logger.debug(
+                "checkpoint written: committed %d, %d offsets settled above it%s",
+                checkpoint.committed,
+                self._settled,
+                " (held)" if held and unsaved >= CHECKPOINT_HELD_OFFSETS else "",
+            )
 
-    async def _write_checkpoint(self, checkpoint: Checkpoint) -> None:
+    async def _write_checkpoint(self, checkpoint: Checkpoint) -> bool:
         """Best effort: a missing or stale checkpoint only means more redeliveries (and a
-        crash-type pill's attempts counted again from where it last was written)."""
+        crash-type pill's attempts counted again from where it last was written). False
+        if the table refused it."""
         assert self._checkpoints is not None
         try:
             await asyncio.to_thread(
@@ -176,6 +219,7 @@ class Committer:
             if not self._checkpoint_degraded:
                 logger.warning("commit checkpoint not written (%s); will retry", exc)
                 self._checkpoint_degraded = True
-            return
+            return False
         self._written = checkpoint
         self._checkpoint_degraded = False
+        return True
