@@ -382,6 +382,7 @@ class Proxy:
                 commit_closing,
                 checkpoints=checkpoints if settings.commit.encode_settled else None,
                 attempts=dispatcher,
+                ahead=dispatcher,
             )
             watermarks = LogEndWatcher(log, thread, tracker, fetch_closing)
             self.dispatcher, self.committer, self.fetcher = dispatcher, committer, fetcher

@@ -5,8 +5,10 @@ when the set of offsets settled above it changed: that set rides along encoded i
 the commit's metadata (and in a checkpoint item, see table/checkpoints.py) so a
 restarted proxy does not redeliver it. When the encoding does not fit the broker's
 metadata limit it commits the plain offset (at-least-once) and counts the overflow.
-A failed commit is retried on the next tick (the offset stays uncommitted, so
-nothing is lost), and there is one final commit on shutdown.
+The set includes what a previous run settled beyond this run's fetch so far
+(`SettledAhead`): a restarted proxy's first commits must not shrink it to the part
+the fetch has reached. A failed commit is retried on the next tick (the offset stays
+uncommitted, so nothing is lost), and there is one final commit on shutdown.
 
 The checkpoint item also carries the failed-delivery counts of the window (`attempts`,
 from the dispatcher), so a crash-type pill's attempts survive a restart. When they
@@ -62,6 +64,14 @@ class FailureCounts(Protocol):
         ...
 
 
+class SettledAhead(Protocol):
+    """Where a previous run's settled offsets not fetched yet come from (the dispatcher)."""
+
+    def settled_ahead(self) -> list[int]:
+        """Sorted, all at or above the tracker's next offset."""
+        ...
+
+
 class Committer:
     """Owns the partition's committed offset as Kafka knows it."""
 
@@ -76,6 +86,7 @@ class Committer:
         *,
         checkpoints: CheckpointStore | None = None,
         attempts: FailureCounts | None = None,
+        ahead: SettledAhead | None = None,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._log = log
@@ -86,6 +97,8 @@ class Committer:
         self._checkpoints = checkpoints
         self._attempts = attempts
         """Their counts ride in the checkpoint item (only with `checkpoints`)."""
+        self._ahead = ahead
+        """A previous run's settled offsets beyond the fetch: they stay in the encoding."""
         self._monotonic = monotonic
         """The clock of the checkpoint interval (a test passes its own)."""
         self.committed = start_offset
@@ -121,6 +134,9 @@ class Committer:
         if self._checkpoints is None:
             return None
         settled = self._tracker.settled_above()
+        if self._ahead is not None and (ahead := self._ahead.settled_ahead()):
+            # Above every tracked offset; the first may be the committable offset itself.
+            settled += ahead[1:] if ahead[0] <= offset else ahead
         self._encoded = 0
         if not settled:
             return ""

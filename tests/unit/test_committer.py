@@ -60,12 +60,23 @@ class Counts:
         return dict(self.counts)
 
 
+class Ahead:
+    """A previous run's settled offsets the fetch has not reached (committer.SettledAhead)."""
+
+    def __init__(self, offsets: list[int]) -> None:
+        self.offsets = offsets
+
+    def settled_ahead(self) -> list[int]:
+        return list(self.offsets)
+
+
 def make(
     *,
     tracked: int = 100,
     interval_s: float = INTERVAL_S,
     encode_settled: bool = False,
     attempts: Counts | None = None,
+    ahead: Ahead | None = None,
 ) -> Rig:
     loop = asyncio.get_running_loop()
     partition = FlakyPartition(loop.time)
@@ -83,6 +94,7 @@ def make(
         closing,
         checkpoints=checkpoints,
         attempts=attempts,
+        ahead=ahead,
         monotonic=loop.time,
     )
     return Rig(partition, tracker, committer, closing, checkpoints)
@@ -190,6 +202,29 @@ def test_offsets_settled_above_ride_the_commit_when_only_they_changed() -> None:
         settle(rig.tracker, 8)  # the same offset, a new set above it: commit again
         assert await rig.committer.commit()
         assert rig.partition.commits[-1] == (0, encode_settled(0, [2, 3, 7, 8]))
+
+    run(main())
+
+
+def test_a_previous_runs_offsets_beyond_the_fetch_stay_in_the_encoding() -> None:
+    # A restarted proxy whose window holds back the fetch: its first commit must not
+    # record only the part of the previous run's set that it has fetched.
+    async def main() -> None:
+        ahead = Ahead(list(range(150, 200)))
+        rig = make(encode_settled=True, ahead=ahead)  # tracked 0..99
+        assert rig.checkpoints is not None
+        settle(rig.tracker, 2, 3)  # 0 pending
+        assert await rig.committer.commit()
+        encoded = encode_settled(0, [2, 3, *range(150, 200)])
+        assert rig.partition.commits == [(0, encoded)]
+        assert rig.checkpoints.value == (0, encoded)
+
+        # Nothing pending: the committable offset is where the fetch goes on, and a settled
+        # offset there cannot ride above it (it is redelivered once, as before).
+        settle(rig.tracker, *(o for o in range(100) if o not in (2, 3)))
+        ahead.offsets = [100, 101, 150]
+        assert await rig.committer.commit()
+        assert rig.partition.commits[-1] == (100, encode_settled(100, [101, 150]))
 
     run(main())
 
