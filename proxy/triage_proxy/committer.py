@@ -15,16 +15,17 @@ from the dispatcher), so a crash-type pill's attempts survive a restart. When th
 change the item is rewritten even if the committed offset did not move (a pill at the
 head of the window holds the commit still), within the same once-a-second limit.
 
-The limit gives way while the committed offset is held (a pill, or a suspect waiting
-out its redelivery backoff, at the head of the window): on a broker that drops commit
-metadata the item is then all that records what settles above it, so once
-CHECKPOINT_HELD_OFFSETS more offsets settled there it is written with the next commit
-(policies.checkpoint_due).
+The limit gives way while the committed offset is held (a pill, a suspect waiting out
+its redelivery backoff or a slow message at the head of the window): on a broker that
+drops commit metadata the item is then all that records what settles above it, so once
+CHECKPOINT_HELD_OFFSETS offsets settled there are not in it, it is written with the
+next commit (policies.checkpoint_due).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import time
 from collections.abc import Callable
@@ -105,10 +106,12 @@ class Committer:
         """The last offset Kafka acknowledged as committed."""
         self.metadata: str | None = None
         """The settled-above encoding committed with it (None: plain commit)."""
-        self._settled = 0
-        """How many offsets `metadata` holds."""
-        self._encoded = 0
-        """How many offsets the latest `_encoding` held (0 when it did not fit)."""
+        self._settled: list[int] = []
+        """The offsets `metadata` holds."""
+        self._encoded: list[int] = []
+        """The offsets the latest `_encoding` holds (none when it did not fit)."""
+        self._held = False
+        """The latest commit left the offset where it was (only the set above it changed)."""
         self.degraded = False
         self.commits = 0
         self.metadata_overflows = 0
@@ -119,8 +122,8 @@ class Committer:
         """A Kafka commit or a failed-delivery count is not in the checkpoint item yet."""
         self._written: Checkpoint | None = None
         """What this run last wrote to the checkpoint item."""
-        self._written_settled = 0
-        """How many settled-above offsets `_written` holds."""
+        self._written_settled: list[int] = []
+        """The settled-above offsets `_written` holds."""
         self._attempts_seen = 0
         """`failures_version` when the counts were last taken for a checkpoint."""
 
@@ -137,14 +140,14 @@ class Committer:
         if self._ahead is not None and (ahead := self._ahead.settled_ahead()):
             # Above every tracked offset; the first may be the committable offset itself.
             settled += ahead[1:] if ahead[0] <= offset else ahead
-        self._encoded = 0
+        self._encoded = []
         if not settled:
             return ""
         text = encode_settled(offset, settled)
         if text is None:
             self.metadata_overflows += 1
         else:
-            self._encoded = len(settled)
+            self._encoded = settled
         return text
 
     async def commit(self) -> bool:
@@ -165,6 +168,7 @@ class Committer:
         if self.degraded:
             logger.info("recovered: committed offset %d", offset)
             self.degraded = False
+        self._held = offset == self.committed
         self.committed, self.metadata, self._settled = offset, metadata, self._encoded
         self.commits += 1
         if self._checkpoints is not None:
@@ -186,12 +190,10 @@ class Committer:
             return
         written = self._written
         # After a failed write, only the interval: a frozen table is not asked 5x a second.
-        held = (
-            written is not None
-            and written.committed == self.committed
-            and not self._checkpoint_degraded
-        )
-        unsaved = self._settled - self._written_settled
+        held = self._held and written is not None and not self._checkpoint_degraded
+        # Settled above the committed offset, not in the item (which has what it had then).
+        saved = self._written_settled
+        unsaved = len(self._settled) - (len(saved) - bisect.bisect_right(saved, self.committed))
         if not force and not checkpoint_due(
             now - self._checkpoint_at,
             held=held,
@@ -214,7 +216,7 @@ class Committer:
             logger.debug(
                 "checkpoint written: committed %d, %d offsets settled above it%s",
                 checkpoint.committed,
-                self._settled,
+                len(self._settled),
                 " (held)" if held and unsaved >= CHECKPOINT_HELD_OFFSETS else "",
             )
 

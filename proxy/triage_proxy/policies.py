@@ -133,9 +133,9 @@ def checkpoint_due(
     since_write_s: float, *, held: bool, unsaved: int, interval_s: float, held_offsets: int
 ) -> bool:
     """Whether a changed checkpoint item (committer.py) is written now: once `interval_s`
-    passed since the last write, or sooner while the committed offset is `held` (the one
-    the item already has) and at least `held_offsets` offsets settled above it since
-    (`unsaved`).
+    passed since the last write, or sooner while the committed offset is `held` (the
+    latest commit did not move it) and at least `held_offsets` offsets settled above it
+    are not in the item (`unsaved`).
 
     Why: a kill -9 redelivers what settled above the committed offset and is not in the
     item (on a broker that drops commit metadata the item is all there is). While the

@@ -317,6 +317,30 @@ def test_a_held_commit_writes_what_settles_above_it_without_waiting_out_the_seco
     run(main())
 
 
+def test_a_commit_held_right_after_it_moved_writes_without_waiting_out_the_second() -> None:
+    # The fault suite's slow messages: the head jumps to the next one and stays there. The
+    # item still has the committed offset from before the jump; what settles above the new
+    # one must not wait out the second either.
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        rig = make(tracked=3000, interval_s=0.2, encode_settled=True)
+        assert rig.checkpoints is not None
+        checkpoints = rig.checkpoints
+        rig.start()
+        await until(lambda: checkpoints.puts == 1)
+        first_write = checkpoints.put_times[0]
+        settle(rig.tracker, *range(200), *range(300, 350))  # the head jumps to 200
+        await until(lambda: rig.partition.commits[-1][0] == 200)
+        assert checkpoints.puts == 1  # it moved: the interval holds
+        settle(rig.tracker, *range(201, 300))  # 149 above 200 now, none in the item
+        await until(lambda: checkpoints.puts == 2)
+        assert loop.time() - first_write < CHECKPOINT_INTERVAL_S
+        assert checkpoints.value == (200, encode_settled(200, list(range(201, 350))))
+        await rig.stop()
+
+    run(main())
+
+
 def test_a_held_commit_with_a_trickle_above_it_keeps_the_once_a_second_limit() -> None:
     async def main() -> None:
         rig = make(tracked=1000, interval_s=0.2, encode_settled=True)
