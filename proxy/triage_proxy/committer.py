@@ -5,18 +5,27 @@ when the set of offsets settled above it changed: that set rides along encoded i
 the commit's metadata (and in a checkpoint item, see table/checkpoints.py) so a
 restarted proxy does not redeliver it. When the encoding does not fit the broker's
 metadata limit it commits the plain offset (at-least-once) and counts the overflow.
-A failed commit is retried on the next tick (the offset stays uncommitted, so
-nothing is lost), and there is one final commit on shutdown.
+The set includes what a previous run settled beyond this run's fetch so far
+(`SettledAhead`): a restarted proxy's first commits must not shrink it to the part
+the fetch has reached. A failed commit is retried on the next tick (the offset stays
+uncommitted, so nothing is lost), and there is one final commit on shutdown.
 
 The checkpoint item also carries the failed-delivery counts of the window (`attempts`,
 from the dispatcher), so a crash-type pill's attempts survive a restart. When they
 change the item is rewritten even if the committed offset did not move (a pill at the
 head of the window holds the commit still), within the same once-a-second limit.
+
+The limit gives way while the committed offset is held (a pill, a suspect waiting out
+its redelivery backoff or a slow message at the head of the window): on a broker that
+drops commit metadata the item is then all that records what settles above it, so once
+CHECKPOINT_HELD_OFFSETS offsets settled there are not in it, it is written with the
+next commit (policies.checkpoint_due).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import time
 from collections.abc import Callable
@@ -24,6 +33,7 @@ from typing import Protocol
 
 from triage_proxy.errors import BrokerUnavailable, TableUnavailable
 from triage_proxy.kafka import KafkaThread, PartitionLog
+from triage_proxy.policies import checkpoint_due
 from triage_proxy.settled import encode_attempts, encode_settled
 from triage_proxy.table.checkpoints import Checkpoint, CheckpointStore
 from triage_proxy.tracker import CommitTracker
@@ -35,6 +45,11 @@ CHECKPOINT_INTERVAL_S = 1.0
 """Least time between checkpoint-item writes. A checkpoint that trails Kafka's commit is
 still used (see app.py), so writing it on every fast commit would only cost DynamoDB
 writes and proxy CPU (measured ~10% of no-op throughput at 10 commits/s)."""
+CHECKPOINT_HELD_OFFSETS = 100
+"""Offsets newly settled above a held committed offset that are worth a checkpoint write
+before CHECKPOINT_INTERVAL_S is up (policies.checkpoint_due). A write costs the proxy
+about what a few hundred deliveries do, but every redelivery also runs a handler again;
+a trickle (ten offsets a second) still waits out the interval."""
 
 
 class FailureCounts(Protocol):
@@ -47,6 +62,14 @@ class FailureCounts(Protocol):
 
     def failures(self) -> dict[int, int]:
         """Failed deliveries by offset of the unsettled records that failed."""
+        ...
+
+
+class SettledAhead(Protocol):
+    """Where a previous run's settled offsets not fetched yet come from (the dispatcher)."""
+
+    def settled_ahead(self) -> list[int]:
+        """Sorted, all at or above the tracker's next offset."""
         ...
 
 
@@ -64,6 +87,7 @@ class Committer:
         *,
         checkpoints: CheckpointStore | None = None,
         attempts: FailureCounts | None = None,
+        ahead: SettledAhead | None = None,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._log = log
@@ -74,12 +98,20 @@ class Committer:
         self._checkpoints = checkpoints
         self._attempts = attempts
         """Their counts ride in the checkpoint item (only with `checkpoints`)."""
+        self._ahead = ahead
+        """A previous run's settled offsets beyond the fetch: they stay in the encoding."""
         self._monotonic = monotonic
         """The clock of the checkpoint interval (a test passes its own)."""
         self.committed = start_offset
         """The last offset Kafka acknowledged as committed."""
         self.metadata: str | None = None
         """The settled-above encoding committed with it (None: plain commit)."""
+        self._settled: list[int] = []
+        """The offsets `metadata` holds."""
+        self._encoded: list[int] = []
+        """The offsets the latest `_encoding` holds (none when it did not fit)."""
+        self._held = False
+        """The latest commit left the offset where it was (only the set above it changed)."""
         self.degraded = False
         self.commits = 0
         self.metadata_overflows = 0
@@ -90,6 +122,8 @@ class Committer:
         """A Kafka commit or a failed-delivery count is not in the checkpoint item yet."""
         self._written: Checkpoint | None = None
         """What this run last wrote to the checkpoint item."""
+        self._written_settled: list[int] = []
+        """The settled-above offsets `_written` holds."""
         self._attempts_seen = 0
         """`failures_version` when the counts were last taken for a checkpoint."""
 
@@ -103,11 +137,17 @@ class Committer:
         if self._checkpoints is None:
             return None
         settled = self._tracker.settled_above()
+        if self._ahead is not None and (ahead := self._ahead.settled_ahead()):
+            # Above every tracked offset; the first may be the committable offset itself.
+            settled += ahead[1:] if ahead[0] <= offset else ahead
+        self._encoded = []
         if not settled:
             return ""
         text = encode_settled(offset, settled)
         if text is None:
             self.metadata_overflows += 1
+        else:
+            self._encoded = settled
         return text
 
     async def commit(self) -> bool:
@@ -128,7 +168,8 @@ class Committer:
         if self.degraded:
             logger.info("recovered: committed offset %d", offset)
             self.degraded = False
-        self.committed, self.metadata = offset, metadata
+        self._held = offset == self.committed
+        self.committed, self.metadata, self._settled = offset, metadata, self._encoded
         self.commits += 1
         if self._checkpoints is not None:
             self._checkpoint_due = True
@@ -136,17 +177,29 @@ class Committer:
         return True
 
     async def _flush_checkpoint(self, *, force: bool = False) -> None:
-        """Write the checkpoint if something is due and CHECKPOINT_INTERVAL_S passed since
-        the last write (or `force`). Only after this run's first commit: until then the
-        item still holds the previous run's settled-above set."""
+        """Write the checkpoint if something is due and `checkpoint_due` says so (or
+        `force`). Only after this run's first commit: until then the item still holds the
+        previous run's settled-above set."""
         if self._checkpoints is None or not self.commits:
             return
         attempts = self._attempts
         if attempts is not None and attempts.failures_version != self._attempts_seen:
             self._checkpoint_due = True
         now = self._monotonic()
-        if not self._checkpoint_due or (
-            not force and now - self._checkpoint_at < CHECKPOINT_INTERVAL_S
+        if not self._checkpoint_due:
+            return
+        written = self._written
+        # After a failed write, only the interval: a frozen table is not asked 5x a second.
+        held = self._held and written is not None and not self._checkpoint_degraded
+        # Settled above the committed offset, not in the item (which has what it had then).
+        saved = self._written_settled
+        unsaved = len(self._settled) - (len(saved) - bisect.bisect_right(saved, self.committed))
+        if not force and not checkpoint_due(
+            now - self._checkpoint_at,
+            held=held,
+            unsaved=unsaved,
+            interval_s=CHECKPOINT_INTERVAL_S,
+            held_offsets=CHECKPOINT_HELD_OFFSETS,
         ):
             return
         self._checkpoint_due = False
@@ -155,14 +208,22 @@ class Committer:
             self._attempts_seen = attempts.failures_version
             counts = encode_attempts(self.committed, attempts.failures())
         checkpoint = Checkpoint(self.committed, self.metadata or "", counts)
-        if checkpoint == self._written:
+        if checkpoint == written:
             return
         self._checkpoint_at = now
-        await self._write_checkpoint(checkpoint)
+        if await self._write_checkpoint(checkpoint):
+            self._written_settled = self._settled
+            logger.debug(
+                "checkpoint written: committed %d, %d offsets settled above it%s",
+                checkpoint.committed,
+                len(self._settled),
+                " (held)" if held and unsaved >= CHECKPOINT_HELD_OFFSETS else "",
+            )
 
-    async def _write_checkpoint(self, checkpoint: Checkpoint) -> None:
+    async def _write_checkpoint(self, checkpoint: Checkpoint) -> bool:
         """Best effort: a missing or stale checkpoint only means more redeliveries (and a
-        crash-type pill's attempts counted again from where it last was written)."""
+        crash-type pill's attempts counted again from where it last was written). False
+        if the table refused it."""
         assert self._checkpoints is not None
         try:
             await asyncio.to_thread(
@@ -176,6 +237,7 @@ class Committer:
             if not self._checkpoint_degraded:
                 logger.warning("commit checkpoint not written (%s); will retry", exc)
                 self._checkpoint_degraded = True
-            return
+            return False
         self._written = checkpoint
         self._checkpoint_degraded = False
+        return True

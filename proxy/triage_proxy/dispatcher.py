@@ -35,6 +35,7 @@ is putting it on the session's outbox, which the gRPC stream drains.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import enum
 import logging
 import time
@@ -230,6 +231,8 @@ class Dispatcher:
         self._monotonic = monotonic
         self._skip = set(already_settled)
         """Offsets a previous run settled above its committed offset (commit metadata)."""
+        self._skip_sorted = sorted(self._skip)
+        """The same, in order, for `settled_ahead` (the part not fetched yet)."""
         self._prior = {o: n for o, n in (prior_failures or {}).items() if o not in self._skip}
         """Failed deliveries a previous run counted (checkpoint item), by offset, until the
         offset is fetched again; its entry then continues from there."""
@@ -397,6 +400,21 @@ class Dispatcher:
         committer persists; see `prior_failures`)."""
         self._prune_failures()
         return {**self._prior, **self._failures}
+
+    def settled_ahead(self) -> list[int]:
+        """Offsets a previous run settled that this run has not fetched yet (sorted, all at
+        or above where fetching continues): still settled, so the committer keeps them in
+        what it records. Without them a restarted proxy's first commits would record only
+        the part of that run's set its fetch had reached (the window may hold it back for
+        long), and a kill then would redeliver the rest."""
+        ahead = self._skip_sorted
+        if not ahead:
+            return []
+        start = bisect.bisect_left(ahead, self._tracker.next_offset)
+        if start == len(ahead):
+            self._skip_sorted = []  # all fetched: nothing to look at again
+            return []
+        return ahead[start:]
 
     def _prune_failures(self) -> None:
         entries = self._entries

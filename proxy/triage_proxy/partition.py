@@ -274,6 +274,7 @@ class PartitionPipeline:
                 commit_closing,
                 checkpoints=checkpoints,
                 attempts=dispatcher,
+                ahead=dispatcher,
             )
             watermarks = LogEndWatcher(log, thread, tracker, fetch_closing)
             self.dispatcher, self.committer, self.fetcher = dispatcher, committer, fetcher

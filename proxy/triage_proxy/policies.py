@@ -21,6 +21,7 @@ __all__ = [
     "TokenBucket",
     "after_failure",
     "backoff",
+    "checkpoint_due",
     "rate_limit",
     "redelivery_delay",
     "retry_delay",
@@ -126,6 +127,24 @@ def redelivery_delay(failures: int, max_attempts: int, span_s: float) -> float:
     # say, is 2**64 in floats).
     first = math.nextafter(span_s / (2.0**doublings - 1), math.inf)
     return backoff(step, initial=first, cap=span_s, multiplier=2.0)
+
+
+def checkpoint_due(
+    since_write_s: float, *, held: bool, unsaved: int, interval_s: float, held_offsets: int
+) -> bool:
+    """Whether a changed checkpoint item (committer.py) is written now: once `interval_s`
+    passed since the last write, or sooner while the committed offset is `held` (the
+    latest commit did not move it) and at least `held_offsets` offsets settled above it
+    are not in the item (`unsaved`).
+
+    Why: a kill -9 redelivers what settled above the committed offset and is not in the
+    item (on a broker that drops commit metadata the item is all there is). While the
+    offset moves, that is about the in-flight spread however often the item is written,
+    so the interval only saves writes. While it is held (a crash-type pill, or a suspect
+    waiting out `redelivery_delay` at the head of the window), it grows with everything
+    that settles: at full speed a one-second interval cost a kill thousands of duplicates.
+    """
+    return since_write_s >= interval_s or (held and unsaved >= held_offsets)
 
 
 def after_failure(attempt: int, max_attempts: int) -> Outcome:

@@ -16,7 +16,7 @@ import pytest
 
 from tests.unit.twins import KAFKA_CALL_S, FlakyPartition, InlineKafkaThread, TimedCheckpoints
 from tests.unit.virtual_time import gaps, run, until
-from triage_proxy.committer import Committer
+from triage_proxy.committer import CHECKPOINT_HELD_OFFSETS, CHECKPOINT_INTERVAL_S, Committer
 from triage_proxy.errors import TableUnavailable
 from triage_proxy.settled import decode_attempts, decode_settled, encode_settled
 from triage_proxy.tracker import CommitTracker
@@ -60,12 +60,23 @@ class Counts:
         return dict(self.counts)
 
 
+class Ahead:
+    """A previous run's settled offsets the fetch has not reached (committer.SettledAhead)."""
+
+    def __init__(self, offsets: list[int]) -> None:
+        self.offsets = offsets
+
+    def settled_ahead(self) -> list[int]:
+        return list(self.offsets)
+
+
 def make(
     *,
     tracked: int = 100,
     interval_s: float = INTERVAL_S,
     encode_settled: bool = False,
     attempts: Counts | None = None,
+    ahead: Ahead | None = None,
 ) -> Rig:
     loop = asyncio.get_running_loop()
     partition = FlakyPartition(loop.time)
@@ -83,6 +94,7 @@ def make(
         closing,
         checkpoints=checkpoints,
         attempts=attempts,
+        ahead=ahead,
         monotonic=loop.time,
     )
     return Rig(partition, tracker, committer, closing, checkpoints)
@@ -194,6 +206,29 @@ def test_offsets_settled_above_ride_the_commit_when_only_they_changed() -> None:
     run(main())
 
 
+def test_a_previous_runs_offsets_beyond_the_fetch_stay_in_the_encoding() -> None:
+    # A restarted proxy whose window holds back the fetch: its first commit must not
+    # record only the part of the previous run's set that it has fetched.
+    async def main() -> None:
+        ahead = Ahead(list(range(150, 200)))
+        rig = make(encode_settled=True, ahead=ahead)  # tracked 0..99
+        assert rig.checkpoints is not None
+        settle(rig.tracker, 2, 3)  # 0 pending
+        assert await rig.committer.commit()
+        encoded = encode_settled(0, [2, 3, *range(150, 200)])
+        assert rig.partition.commits == [(0, encoded)]
+        assert rig.checkpoints.value == (0, encoded)
+
+        # Nothing pending: the committable offset is where the fetch goes on, and a settled
+        # offset there cannot ride above it (it is redelivered once, as before).
+        settle(rig.tracker, *(o for o in range(100) if o not in (2, 3)))
+        ahead.offsets = [100, 101, 150]
+        assert await rig.committer.commit()
+        assert rig.partition.commits[-1] == (100, encode_settled(100, [101, 150]))
+
+    run(main())
+
+
 def test_an_encoding_over_the_limit_commits_the_plain_offset_and_counts_it() -> None:
     async def main() -> None:
         rig = make(tracked=40_000, encode_settled=True)
@@ -232,6 +267,91 @@ def test_the_checkpoint_is_written_at_most_once_a_second() -> None:
         rig.closing.set()
         assert rig.task is not None
         await rig.task
+
+    run(main())
+
+
+def test_a_held_commit_writes_what_settles_above_it_without_waiting_out_the_second() -> None:
+    # The fault suite's restarted proxies: offset 0 (a crash pill, or a suspect backing off)
+    # holds the commit, the instances come back and settle hundreds a tick above it, and a
+    # kill -9 comes within a second of the run's first checkpoint write. On a broker that
+    # drops commit metadata only the item keeps those offsets from being redelivered, so it
+    # must not wait out the once-a-second limit for them.
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        rig = make(tracked=3000, interval_s=0.2, encode_settled=True)
+        assert rig.checkpoints is not None
+        checkpoints = rig.checkpoints
+        rig.start()
+        await until(lambda: checkpoints.puts == 1)  # the run's first commit and write
+        first_write = checkpoints.put_times[0]
+        n = CHECKPOINT_HELD_OFFSETS
+        settle(rig.tracker, *range(1, 1 + n))
+        settled_at = loop.time()
+        await until(lambda: checkpoints.puts == 2)
+        assert checkpoints.put_times[1] - settled_at <= 0.2 + 2 * KAFKA_CALL_S  # next commit
+        assert checkpoints.put_times[1] - first_write < CHECKPOINT_INTERVAL_S
+        assert checkpoints.value == (0, encode_settled(0, list(range(1, 1 + n))))
+        assert decode_settled(0, checkpoints.value[1]) == list(range(1, 1 + n))
+
+        # Each tick's batch reaches the item with that tick's commit, all held at 0.
+        for tick in range(1, 4):
+            settle(rig.tracker, *range(n * tick + 1, n * tick + n + 1))
+            await until(lambda: checkpoints.puts == 2 + tick)  # noqa: B023 - awaited here
+        assert checkpoints.value == (0, encode_settled(0, list(range(1, 4 * n + 1))))
+        assert max(gaps(checkpoints.put_times)) < CHECKPOINT_INTERVAL_S
+        assert all(c[0] == 0 for c in rig.partition.commits)
+
+        # While the commit moves, the interval holds again: what the item lacks then is
+        # about the in-flight spread, whatever the pace of the writes.
+        writes = checkpoints.puts
+        pending = 0
+        for start in range(4 * n + 1, 4 * n + 2001, 200):  # the head settles, 199 above it
+            settle(rig.tracker, pending, *range(start, start + 199))
+            pending = start + 199
+            await asyncio.sleep(0.2)
+        assert rig.partition.commits[-1][0] == pending
+        assert min(gaps(checkpoints.put_times[writes - 1 :])) >= CHECKPOINT_INTERVAL_S
+        await rig.stop()
+
+    run(main())
+
+
+def test_a_commit_held_right_after_it_moved_writes_without_waiting_out_the_second() -> None:
+    # The fault suite's slow messages: the head jumps to the next one and stays there. The
+    # item still has the committed offset from before the jump; what settles above the new
+    # one must not wait out the second either.
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        rig = make(tracked=3000, interval_s=0.2, encode_settled=True)
+        assert rig.checkpoints is not None
+        checkpoints = rig.checkpoints
+        rig.start()
+        await until(lambda: checkpoints.puts == 1)
+        first_write = checkpoints.put_times[0]
+        settle(rig.tracker, *range(200), *range(300, 350))  # the head jumps to 200
+        await until(lambda: rig.partition.commits[-1][0] == 200)
+        assert checkpoints.puts == 1  # it moved: the interval holds
+        settle(rig.tracker, *range(201, 300))  # 149 above 200 now, none in the item
+        await until(lambda: checkpoints.puts == 2)
+        assert loop.time() - first_write < CHECKPOINT_INTERVAL_S
+        assert checkpoints.value == (200, encode_settled(200, list(range(201, 350))))
+        await rig.stop()
+
+    run(main())
+
+
+def test_a_held_commit_with_a_trickle_above_it_keeps_the_once_a_second_limit() -> None:
+    async def main() -> None:
+        rig = make(tracked=1000, interval_s=0.2, encode_settled=True)
+        assert rig.checkpoints is not None
+        rig.start()
+        await until(lambda: rig.checkpoints is not None and rig.checkpoints.puts == 1)
+        for offset in range(1, CHECKPOINT_HELD_OFFSETS):  # 99 in ~10 s: never a burst
+            settle(rig.tracker, offset)
+            await asyncio.sleep(0.1)
+        assert min(gaps(rig.checkpoints.put_times)) >= CHECKPOINT_INTERVAL_S
+        await rig.stop()
 
     run(main())
 

@@ -398,6 +398,19 @@ def test_offsets_settled_by_a_previous_run_are_not_delivered() -> None:
     assert d.counters.skipped_settled == 2
 
 
+def test_a_previous_runs_settled_offsets_stay_known_until_fetched() -> None:
+    # What the committer adds to the settled-above set while the fetch has not reached them.
+    d, tracker, _ = make(already_settled=(1, 3, 7, 8))
+    assert d.settled_ahead() == [1, 3, 7, 8]
+    d.add(records(0, 4))
+    assert d.settled_ahead() == [7, 8]
+    assert tracker.settled_above() == [1, 3]
+    d.add(records(4, 8))  # 7 fetched (settled in the tracker); 8 is next
+    assert d.settled_ahead() == [8]
+    d.add(records(8, 10))
+    assert d.settled_ahead() == []
+
+
 def test_lease_bookkeeping_stays_bounded_and_still_expires_after_compaction() -> None:
     clock = Clock()
     d, _, _ = make(max_messages=10, clock=clock)

@@ -14,6 +14,7 @@ from triage_proxy.policies import (
     Outcome,
     after_failure,
     backoff,
+    checkpoint_due,
     redelivery_delay,
     retry_delay,
 )
@@ -289,3 +290,19 @@ def test_gaps_double_after_the_first_non_zero_one(max_attempts: int, span_s: flo
     gaps = gaps_before_dead_letter(max_attempts, span_s)[1:]
     for before, after in itertools.pairwise(gaps):
         assert after == 2 * before
+
+
+# --- checkpoint_due ---------------------------------------------------------------------
+
+
+def test_a_checkpoint_waits_out_the_interval_while_the_commit_moves() -> None:
+    due = {"interval_s": 1.0, "held_offsets": 100}
+    assert not checkpoint_due(0.2, held=False, unsaved=10_000, **due)
+    assert checkpoint_due(1.0, held=False, unsaved=0, **due)
+
+
+def test_a_held_commit_writes_the_checkpoint_once_enough_settled_above_it() -> None:
+    due = {"interval_s": 1.0, "held_offsets": 100}
+    assert not checkpoint_due(0.2, held=True, unsaved=99, **due)  # a trickle waits
+    assert checkpoint_due(0.2, held=True, unsaved=100, **due)
+    assert checkpoint_due(0.0, held=True, unsaved=5_000, **due)

@@ -23,18 +23,22 @@ from triage_proxy.table.leases import MemoryLeases
 TOKEN = "restore-test-token-0123"
 
 
-def make_settings(*, encode_settled: bool = True) -> Settings:
-    return settings_from_dict(
-        {
-            "kafka": {"bootstrap_servers": "127.0.0.1:1", "topic": "orders", "group_id": "g"},
-            "auth": {"token": TOKEN},
-            "dead_letters": {"table": "d", "flush_interval_ms": 1},
-            "server": {"host": "127.0.0.1", "port": 0, "http_port": 0},
-            "delivery": {"max_attempts": 5, "redelivery_span_s": 7.0},
-            "commit": {"encode_settled": encode_settled},
-        },
-        {},
-    )
+def make_settings(
+    *, encode_settled: bool = True, window: int | None = None, commit_s: float | None = None
+) -> Settings:
+    raw = {
+        "kafka": {"bootstrap_servers": "127.0.0.1:1", "topic": "orders", "group_id": "g"},
+        "auth": {"token": TOKEN},
+        "dead_letters": {"table": "d", "flush_interval_ms": 1},
+        "server": {"host": "127.0.0.1", "port": 0, "http_port": 0},
+        "delivery": {"max_attempts": 5, "redelivery_span_s": 7.0},
+        "commit": {"encode_settled": encode_settled},
+    }
+    if window is not None:
+        raw["window"] = {"max_messages": window}
+    if commit_s is not None:
+        raw["commit"]["interval_s"] = commit_s
+    return settings_from_dict(raw, {})
 
 
 def checkpoint(committed: int, settled: list[int], counts: dict[int, int]) -> MemoryCheckpoints:
@@ -127,3 +131,32 @@ def test_a_restarted_proxy_continues_the_counts(caplog: pytest.LogCaptureFixture
     assert (dl.record.offset, dl.attempts) == (1, 5)
     assert dl.reason == "delivery attempts exhausted (5) before a proxy restart"
     assert "2 with failed deliveries" in caplog.text
+
+
+def test_the_first_commits_keep_what_the_previous_run_settled_beyond_the_window() -> None:
+    # The previous run settled 10..29 above its commit of 0; this run's window (5) fills
+    # with 0..4, which no instance takes, so the fetch never reaches 10. Its commits must
+    # still record 10..29, or a kill now would redeliver them after the next restart.
+    log = MemoryPartition("orders", 0)
+    for i in range(30):
+        log.append(b"m%d" % i)
+    checkpoints = checkpoint(0, list(range(10, 30)), {})
+    proxy = Proxy(
+        make_settings(window=5, commit_s=0.05),
+        0,
+        log=log,
+        store=MemoryStore(),
+        checkpoints=checkpoints,
+        leases=MemoryLeases(),
+    )
+
+    async def scenario() -> None:
+        async with proxy:
+            committer = proxy.committer
+            assert committer is not None
+            await until(lambda: committer.commits >= 1 and checkpoints.puts >= 2)
+            assert proxy.dispatcher is not None
+            assert proxy.dispatcher.in_window == 5
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert checkpoints.value == (0, encode_settled(0, list(range(10, 30))))

@@ -5,7 +5,8 @@ The encoding (`triage_proxy.settled`) rides in the commit's metadata, which Apac
 Kafka, MSK, Confluent Cloud and Redpanda keep. Some brokers drop it: Tansu 0.6 (the
 embedded broker) accepts a commit's metadata and returns null on fetch. So the
 committer also writes the same text, tagged with the committed offset it belongs to,
-to one item of the table after a Kafka commit, at most once a second. A restarting
+to one item of the table after a Kafka commit, at most once a second (sooner while
+the committed offset is held, see `triage_proxy.committer`). A restarting
 proxy uses it unless it is newer than Kafka's committed offset (the group was rewound);
 when it trails Kafka by a commit, the offsets below Kafka's commit are dropped from it
 (they are settled anyway). An operator who rewinds a group should delete the item.
