@@ -6,12 +6,15 @@ deploy_aws, in order (each step is idempotent, so a rerun continues a failed one
    schema, TTL when `ttl_days`) with point-in-time recovery on;
 2. the S3 overflow bucket (`table.provisioning.create_bucket`) with default encryption
    and every public-access block on;
-3. Secrets Manager entries `<stack>/token/<name>` for each active token and
+3. Secrets Manager entries `<stack>/token/<name>` for each active token,
    `<stack>/kafka-sasl-password` for a password given as "env:VAR" (a "secret:NAME"
-   password is used where it is). The values are never printed or logged; the
-   containers' config holds only "secret:NAME" references, read with the task role;
-4. the CloudFormation stack (`awsstack.render` for the partition count) created or
-   updated, followed with a progress display until it settles; returns its outputs.
+   password is used where it is) and `<stack>/tls/{cert,key,client-ca}` holding the
+   `[tls]` files (checked first as the proxy would). The values are never printed or
+   logged; the containers' config holds only "secret:NAME" references, read with the
+   task role; the TLS secrets reach the container through ECS (the execution role);
+4. the CloudFormation stack (`awsstack.render`: one service of `aws.proxies` fleet tasks
+   behind one TCP listener) created or updated, followed with a progress display until
+   it settles; returns its outputs.
 
 destroy_aws deletes the stack and waits. The table, bucket and secrets stay unless
 `delete_data`. Every client uses boto3's standard credential chain and honours
@@ -39,8 +42,10 @@ import tomli_w
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 
-from triage_cli.awsstack import LOG_RETENTION_DAYS, render
+from triage_cli.awsstack import LOG_RETENTION_DAYS, SERVICE_NAME, render
+from triage_proxy.ecstask import ECS_ADDRESS_KINDS, ECS_TASK_DNS
 from triage_proxy.errors import ConfigError, DeployError, TriageError
+from triage_proxy.preflight import check_tls
 from triage_proxy.settings import (
     DeadLetterSettings,
     Settings,
@@ -107,6 +112,24 @@ class _Deployment:
     def kafka_secret_name(self) -> str:
         return f"{self.stack}/kafka-sasl-password"
 
+    @property
+    def tls_prefix(self) -> str:
+        return f"{self.stack}/tls/"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Secrets:
+    """What `_store_secrets` put where (ARNs and references, never values)."""
+
+    token_refs: dict[str, str]
+    """Token name -> "secret:NAME" for the containers' config."""
+    kafka_ref: str | None
+    """The Kafka password's reference, or None."""
+    task_arns: list[str]
+    """What the task role may read (tokens, the Kafka password)."""
+    tls_arns: dict[str, str]
+    """"cert", "key" and, with mTLS, "client-ca" -> ARN: injected by ECS."""
+
 
 def stack_name(settings: Settings) -> str:
     """`aws.stack_name`, else "triage-<topic>-<group>" made CloudFormation-safe; a short
@@ -143,29 +166,46 @@ def _aws_call(what: str, call: Callable[[], T]) -> T:
 
 def deploy_aws(config: Path, *, image: str | None, console: Console) -> dict[str, str]:
     """Create or update the AWS deployment of `config`; returns the stack's outputs
-    (ConsumerEndpoint, Partition<p>Endpoint, LoadBalancerDns, ClusterName, LogGroupName)."""
+    (BootstrapEndpoint, ConsumerEndpoint, LoadBalancerDns, ClusterName, ServiceName,
+    LogGroupName)."""
     dep = _load(config)
-    aws = dep.settings.aws
+    settings = dep.settings
+    aws = settings.aws
     image = image or aws.image
     if not image:
         raise ConfigError("aws.image", "no container image: pass --image or set aws.image")
-    if not aws.certificate_arn:
-        raise ConfigError("aws.certificate_arn", "the TLS listeners need an ACM certificate ARN")
+    if not settings.tls.enabled:
+        raise ConfigError(
+            "tls.cert_file",
+            "an AWS deployment serves TLS from each task (the load balancer passes TCP "
+            "through): set tls.cert_file and tls.key_file; deploy stores them in Secrets "
+            "Manager",
+        )
+    check_tls(settings.tls)  # a bad file fails here, not in every task at start
+    if not settings.server.port:
+        raise ConfigError("server.port", "the load balancer needs a fixed port, not 0")
     if aws.log_retention_days not in LOG_RETENTION_DAYS:
         raise ConfigError(
             "aws.log_retention_days",
             f"CloudWatch keeps logs {', '.join(map(str, LOG_RETENTION_DAYS))} days",
         )
-    partitions = dep.settings.kafka.partitions
+    if aws.certificate_arn:
+        console.print(
+            "[yellow]note:[/] aws.certificate_arn is no longer used: TLS runs from each "
+            "consumer to the task that serves it, with the [tls] files"
+        )
+    partitions = settings.kafka.partitions
     if partitions is None:
         from triage_cli.init import discover_partitions
 
         partitions = discover_partitions(dict(dep.raw["kafka"]))
-    if dep.settings.tls.client_ca_file:
+    proxies = aws.fleet_size(partitions)
+    if proxies > partitions:
         console.print(
-            "[yellow]note:[/] tls.client_ca_file is not carried to AWS: the NLB terminates "
-            "TLS and cannot ask for client certificates; tokens still apply."
+            f"[yellow]note:[/] {proxies} tasks for {partitions} partition(s): "
+            f"{proxies - partitions} will hold no partition until another task goes"
         )
+    http_port = _monitoring_port(settings)
     with _steps(console, 5) as step:
         step("dead-letter table")
         create_table(dep.dead_letters)
@@ -173,20 +213,21 @@ def deploy_aws(config: Path, *, image: str | None, console: Console) -> dict[str
         step("overflow bucket")
         _create_bucket(dep)
         step("secrets")
-        token_refs, kafka_ref, secret_arns = _store_secrets(dep)
+        stored = _store_secrets(dep)
         step("container config")
-        container_config = _container_config(dep, partitions, token_refs, kafka_ref)
-        vpc_id, subnets = _network(dep)
+        container_config = _container_config(dep, partitions, stored.token_refs, stored.kafka_ref)
+        vpc_id, vpc_cidr, subnets = _network(dep)
         step(f"stack {dep.stack}")
     bucket = dep.dead_letters.overflow_bucket
+    count = len(stored.task_arns) + len(stored.tls_arns)
     console.print(
         f"[green]ready:[/] table {dep.dead_letters.table} (point-in-time recovery on)"
         + (f", bucket {bucket} (encrypted, not public)" if bucket else "")
-        + f", {len(secret_arns)} secret(s)"
+        + f", {count} secret(s)"
     )
     parameters = {
         "Image": image,
-        "CertificateArn": aws.certificate_arn,
+        "Proxies": str(proxies),
         "VpcId": vpc_id,
         "SubnetIds": ",".join(subnets),
         "Scheme": aws.scheme,
@@ -199,18 +240,30 @@ def deploy_aws(config: Path, *, image: str | None, console: Console) -> dict[str
         "TableName": dep.dead_letters.table,
         "OverflowBucket": dep.dead_letters.overflow_bucket or "",
         "NotifyTopicArn": dep.dead_letters.notify_sns_topic_arn or "",
-        "SecretArns": ",".join(secret_arns),
-        "TlsListeners": "true" if aws.tls_listeners else "false",
+        "SecretArns": ",".join(stored.task_arns),
+        "TlsCertSecretArn": stored.tls_arns["cert"],
+        "TlsKeySecretArn": stored.tls_arns["key"],
+        "TlsClientCaSecretArn": stored.tls_arns.get("client-ca", ""),
+        "CreateListener": "true" if aws.listener else "false",
         "ImageRepositoryArn": _repository_arn(image),
     }
-    body = render(partitions, dep.settings.server.port)
+    if http_port is not None:
+        parameters["VpcCidr"] = vpc_cidr
+    body = render(settings.server.port, http_port)
     outputs = _apply_stack(dep, body, parameters, console)
-    endpoint = outputs.get("ConsumerEndpoint", "?")
+    endpoint = outputs.get("BootstrapEndpoint", "?")
     console.print(
-        f"[green]deployed[/] {dep.stack}: {partitions} partition(s); consumers connect with "
-        f"TLS to [bold]{endpoint}[/] (partition p on port {dep.settings.server.port} + p)"
+        f"[green]deployed[/] {dep.stack}: {proxies} fleet task(s) for {partitions} "
+        f"partition(s); consumers bootstrap with TLS at [bold]{endpoint}[/] and then reach "
+        "each task at its own address inside the VPC"
     )
     return outputs
+
+
+def _monitoring_port(settings: Settings) -> int | None:
+    """The tasks' HTTP port (/status, /metrics), or None when it is off or picked at start."""
+    address = settings.server.http_address(0)
+    return address[1] if address is not None and address[1] else None
 
 
 @contextmanager
@@ -269,12 +322,9 @@ def _create_bucket(dep: _Deployment) -> None:
         client.close()
 
 
-def _store_secrets(dep: _Deployment) -> tuple[dict[str, str], str | None, list[str]]:
-    """Put each active token (and an env: Kafka password) in Secrets Manager.
-
-    Returns (token name -> "secret:NAME", the Kafka password reference or None, the ARNs
-    the task role may read). Values go only into SecretString; nothing here prints them.
-    """
+def _store_secrets(dep: _Deployment) -> _Secrets:
+    """Put each active token, an env: Kafka password and the [tls] files in Secrets
+    Manager. Values go only into SecretString; nothing here prints them."""
     client = dep.client("secretsmanager")
     refs: dict[str, str] = {}
     arns: list[str] = []
@@ -296,7 +346,21 @@ def _store_secrets(dep: _Deployment) -> tuple[dict[str, str], str | None, list[s
             value = resolve_secret("kafka.sasl_password", password)
             arns.append(_put_secret(client, dep, dep.kafka_secret_name, value))
             kafka_ref = f"secret:{dep.kafka_secret_name}"
-    return refs, kafka_ref, arns
+    tls = dep.settings.tls
+    files = {"cert": tls.cert_file, "key": tls.key_file, "client-ca": tls.client_ca_file}
+    tls_arns = {
+        name: _put_secret(client, dep, dep.tls_prefix + name, Path(path).read_text())
+        for name, path in files.items()
+        if path is not None
+    }
+    if tls.client_ca_file is None:  # mTLS turned off: no stale CA left to read
+        _delete_secret_if_any(client, dep.tls_prefix + "client-ca")
+    return _Secrets(refs, kafka_ref, arns, tls_arns)
+
+
+def _delete_secret_if_any(client: Any, name: str) -> None:
+    with aws_errors(f"deleting secret {name}", DeployError, expect={"ResourceNotFoundException"}):
+        client.delete_secret(SecretId=name, ForceDeleteWithoutRecovery=True)
 
 
 def _put_secret(client: Any, dep: _Deployment, name: str, value: str) -> str:
@@ -326,23 +390,27 @@ def _container_config(
     dep: _Deployment, partitions: int, token_refs: Mapping[str, str], kafka_ref: str | None
 ) -> str:
     """triage.toml for the containers: the operator's config with secrets as references,
-    listening on every interface, AWS endpoints (no endpoint_url), no TLS files (the NLB
-    terminates TLS), no [aws], no advertised address (the stack sets the NLB's). Checked
-    by loading it, which also reads every secret back."""
+    listening on every interface (gRPC, and HTTP for `triage status` inside the VPC), AWS
+    endpoints (no endpoint_url), no [aws], no [tls] (the entrypoint adds it with the files
+    ECS injects from Secrets Manager), and each task advertising its own address
+    (`ecstask`: "ecs-task-dns" unless the operator chose "ecs-task-ip"). Checked by
+    loading it, which also reads every secret back."""
     doc: dict[str, Any] = {
         name: dict(table) for name, table in dep.raw.items() if name not in ("tls", "aws")
     }
     doc["kafka"]["partitions"] = partitions
     if kafka_ref is not None:
         doc["kafka"]["sasl_password"] = kafka_ref
-    # The stack advertises the NLB's name (TRIAGE_ADVERTISED_HOST) and its listener port
-    # is the container's: an advertised address meant for elsewhere would be wrong here.
-    server = {
-        k: v
-        for k, v in doc.get("server", {}).items()
-        if k not in ("advertised_host", "advertised_port")
-    }
-    doc["server"] = {**server, "host": "0.0.0.0"}
+    # One config serves every task, and each is dialled at its own address on the port it
+    # binds: an advertised address meant for elsewhere would be wrong here.
+    server = dict(doc.get("server", {}))
+    chosen = server.pop("advertised_host", None)
+    server.pop("advertised_port", None)
+    server["advertised_host"] = chosen if chosen in ECS_ADDRESS_KINDS else ECS_TASK_DNS
+    server["host"] = "0.0.0.0"
+    if _monitoring_port(dep.settings) is not None:
+        server["http_host"] = "0.0.0.0"  # the security group lets only the VPC in
+    doc["server"] = server
     auth: dict[str, Any] = {"tokens": dict(token_refs)}
     if dep.settings.auth.revoked:
         auth["revoked"] = list(dep.settings.auth.revoked)
@@ -363,21 +431,28 @@ def _container_config(
     return text
 
 
-def _network(dep: _Deployment) -> tuple[str, list[str]]:
-    """aws.vpc_id / aws.subnet_ids, else the default VPC and its default subnets."""
+def _network(dep: _Deployment) -> tuple[str, str, list[str]]:
+    """(VPC id, its CIDR, subnets): aws.vpc_id / aws.subnet_ids, else the default VPC and
+    its default subnets. The CIDR bounds who may reach the tasks' HTTP endpoint."""
     aws = dep.settings.aws
     ec2 = dep.client("ec2")
-    vpc_id = aws.vpc_id
-    if vpc_id is None:
+    if aws.vpc_id is None:
         vpcs = _aws_call(
             "finding the default VPC",
             lambda: ec2.describe_vpcs(Filters=[{"Name": "isDefault", "Values": ["true"]}]),
         )["Vpcs"]
         if not vpcs:
             raise ConfigError("aws.vpc_id", f"no default VPC in {dep.region}: set aws.vpc_id")
-        vpc_id = str(vpcs[0]["VpcId"])
+    else:
+        chosen = aws.vpc_id
+        vpcs = _aws_call(f"describing VPC {chosen}", lambda: ec2.describe_vpcs(VpcIds=[chosen]))[
+            "Vpcs"
+        ]
+        if not vpcs:
+            raise ConfigError("aws.vpc_id", f"no VPC {chosen} in {dep.region}")
+    vpc_id, cidr = str(vpcs[0]["VpcId"]), str(vpcs[0]["CidrBlock"])
     if aws.subnet_ids:
-        return vpc_id, list(aws.subnet_ids)
+        return vpc_id, cidr, list(aws.subnet_ids)
     filters = [{"Name": "vpc-id", "Values": [vpc_id]}]
     if aws.vpc_id is None:
         filters.append({"Name": "default-for-az", "Values": ["true"]})
@@ -386,7 +461,7 @@ def _network(dep: _Deployment) -> tuple[str, list[str]]:
     )["Subnets"]
     if not found:
         raise ConfigError("aws.subnet_ids", f"VPC {vpc_id} has no subnets: set aws.subnet_ids")
-    return vpc_id, sorted(str(s["SubnetId"]) for s in found)
+    return vpc_id, cidr, sorted(str(s["SubnetId"]) for s in found)
 
 
 def _repository_arn(image: str) -> str:
@@ -396,6 +471,47 @@ def _repository_arn(image: str) -> str:
         return "*"  # not ECR: no ECR permission is used, the statement is inert
     partition = "aws-cn" if match["cn"] else "aws"
     return f"arn:{partition}:ecr:{match['region']}:{match['account']}:repository/{match['repo']}"
+
+
+# --- the running fleet ----------------------------------------------------------------
+
+DESCRIBE_TASKS_LIMIT = 100
+"""ECS DescribeTasks takes at most 100 tasks per call."""
+
+
+def fleet_hosts(config: Path) -> list[str]:
+    """The private IPv4 address of each running task of the deployment's service, where
+    `triage status --target aws` asks `/status` (sorted; empty when none runs)."""
+    dep = _load(config)
+    ecs = dep.client("ecs")
+    what = f"listing the tasks of {dep.stack}/{SERVICE_NAME}"
+    pages = ecs.get_paginator("list_tasks").paginate(
+        cluster=dep.stack, serviceName=SERVICE_NAME, desiredStatus="RUNNING"
+    )
+    arns = [arn for page in _aws_call(what, lambda: list(pages)) for arn in page["taskArns"]]
+    tasks: list[Mapping[str, Any]] = []
+    for start in range(0, len(arns), DESCRIBE_TASKS_LIMIT):
+        chunk = arns[start : start + DESCRIBE_TASKS_LIMIT]
+        found = _aws_call(
+            f"describing the tasks of {dep.stack}",
+            lambda chunk=chunk: ecs.describe_tasks(cluster=dep.stack, tasks=chunk),  # type: ignore[misc]
+        )
+        tasks.extend(found["tasks"])
+    return task_hosts(tasks)
+
+
+def task_hosts(tasks: list[Mapping[str, Any]]) -> list[str]:
+    """The private IPv4 address of each described task's network interface (pure; a task
+    still being placed has none yet and is left out)."""
+    hosts = {
+        str(detail["value"])
+        for task in tasks
+        for attachment in task.get("attachments", [])
+        if attachment.get("type") == "ElasticNetworkInterface"
+        for detail in attachment.get("details", [])
+        if detail.get("name") == "privateIPv4Address" and detail.get("value")
+    }
+    return sorted(hosts)
 
 
 # --- the stack ------------------------------------------------------------------------

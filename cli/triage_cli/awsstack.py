@@ -1,27 +1,32 @@
-"""The CloudFormation template of an AWS deployment, rendered for N partitions.
+"""The CloudFormation template of an AWS deployment: one ECS service running a proxy fleet.
 
-Why generated: CloudFormation has no loops, and a deployment needs one ECS service,
-one target group and one TLS listener per partition (partition p on port base + p,
-the same numbering as `server.port` locally). Rendering from Python keeps the
-template exactly as large as the topic instead of a fixed maximum with Conditions.
-`infra/triage.yaml` is this module's output for three partitions, kept as a readable
-reference (a test fails when it is stale; `python -m triage_cli.awsstack` rewrites it).
+Layout (B = server.port, H = server.http_port):
 
-Why a Network Load Balancer: every partition has its own proxy, so a consumer must
-reach a *specific* one. gRPC calls to different proxies carry the same path, so an
-ALB could only tell them apart by host name (one DNS name and certificate name per
-partition). An NLB gives each partition its own port with a TLS listener (ALPN h2 for
-gRPC) and forwards plain TCP to the task, with no idle-stream surprises.
-
-Layout (P = partitions, B = base port):
-
-    clients --TLS :B..B+P-1--> NLB (LoadBalancerSecurityGroup: only those ports in)
-        --TCP--> ServiceP -> TaskDefinitionP (Fargate, `triage proxy --partition p`,
-                 advertising <NLB DNS name>:B+p: TRIAGE_ADVERTISED_HOST)
-                 (ProxySecurityGroup: only B..B+P-1 and only from the NLB's group)
+    consumers --TCP :B--> NLB (one listener, passthrough: the bootstrap for Topology)
+        --TCP--> any task of Service (DesiredCount = Proxies; each task is a fleet member,
+                 `triage proxy` without --partition, advertising its own private DNS name
+                 or IP:B, so Topology answers with every task's own address)
+    consumers --TLS :B--> each task directly, inside the VPC (as a Kafka client reaches
+                 each broker): TLS runs from the client to the task that serves it
+    TaskDefinition: TRIAGE_CONFIG (the containers' triage.toml); Secrets TRIAGE_TLS_CERT,
+              TRIAGE_TLS_KEY, TRIAGE_TLS_CLIENT_CA (Secrets Manager, injected by ECS with
+              the execution role; infra/entrypoint.sh writes them to private files)
+    LoadBalancerSecurityGroup: B from ClientCidr in, B to the proxies out
+    ProxySecurityGroup: B from the NLB's group and from ClientCidr; H (/status, /metrics)
+              from the VPC's CIDR only (the HTTP endpoint has no token)
     TaskRole: DynamoDB on the dead-letter table, S3 on the overflow bucket, SNS publish
               on the topic, GetSecretValue on the named secrets -- nothing else.
-    ExecutionRole: pull the image, write to the log group.
+    ExecutionRole: pull the image, write to the log group, read the TLS secrets.
+
+Why an NLB with one TCP listener: the load balancer only has to bring a consumer to
+*some* task, which answers Topology from the lease items; the consumer then dials each
+partition's task itself. Passthrough keeps TLS end to end, so `[tls]` (and mTLS with
+`tls.client_ca_file`) hold on AWS as they do locally.
+
+Why still rendered from Python rather than a static file: the ports, the optional HTTP
+endpoint and the optional client CA shape the template. `infra/triage.yaml` is this
+module's output with the default ports, kept as a readable reference (a test fails when
+it is stale; `python -m triage_cli.awsstack` rewrites it).
 """
 
 from __future__ import annotations
@@ -36,9 +41,10 @@ import yaml
 CONTAINER_NAME = "triage"
 STOP_TIMEOUT_S = 120
 """Fargate's maximum: SIGTERM lets in-flight work drain (shutdown.drain_timeout_s)."""
-TLS_POLICY = "ELBSecurityPolicy-TLS13-1-2-2021-06"
 LOG_RETENTION_DAYS = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096)
-REFERENCE_PARTITIONS = 3
+SERVICE_NAME = "proxies"
+REFERENCE_PORT = 7700
+REFERENCE_HTTP_PORT = 9700
 REFERENCE_PATH = Path(__file__).resolve().parents[2] / "infra" / "triage.yaml"
 
 _DYNAMODB_ACTIONS = [
@@ -77,13 +83,13 @@ def _assume(service: str) -> dict[str, Any]:
     }
 
 
-def _parameters() -> dict[str, Any]:
-    return {
+def _parameters(http_port: int | None) -> dict[str, Any]:
+    found: dict[str, Any] = {
         "Image": {"Type": "String", "Description": "Container image built from infra/Dockerfile"},
-        "CertificateArn": {
-            "Type": "String",
-            "AllowedPattern": "arn:aws[a-z-]*:acm:.+",
-            "Description": "ACM certificate the TLS listeners present",
+        "Proxies": {
+            "Type": "Number",
+            "MinValue": 1,
+            "Description": "Fleet tasks; the consumer group spreads the partitions over them",
         },
         "VpcId": {"Type": "AWS::EC2::VPC::Id"},
         "SubnetIds": {"Type": "List<AWS::EC2::Subnet::Id>"},
@@ -95,7 +101,7 @@ def _parameters() -> dict[str, Any]:
         "ClientCidr": {
             "Type": "String",
             "Default": "0.0.0.0/0",
-            "Description": "Addresses allowed to reach the listener ports",
+            "Description": "Addresses allowed to reach the listener and the tasks' gRPC port",
         },
         "AssignPublicIp": {
             "Type": "String",
@@ -120,11 +126,24 @@ def _parameters() -> dict[str, Any]:
             "Type": "CommaDelimitedList",
             "Description": "Secrets the proxies may read (tokens, Kafka password)",
         },
-        "TlsListeners": {
+        "TlsCertSecretArn": {
+            "Type": "String",
+            "Description": "Secret holding the PEM certificate chain the tasks present",
+        },
+        "TlsKeySecretArn": {
+            "Type": "String",
+            "Description": "Secret holding the PEM private key of that certificate",
+        },
+        "TlsClientCaSecretArn": {
+            "Type": "String",
+            "Default": "",
+            "Description": "Secret holding the PEM CA of client certificates (mTLS); '' for none",
+        },
+        "CreateListener": {
             "Type": "String",
             "Default": "true",
             "AllowedValues": ["true", "false"],
-            "Description": "false only where CloudFormation cannot make NLB TLS listeners (moto)",
+            "Description": "false only where CloudFormation cannot make an NLB listener (moto)",
         },
         "ImageRepositoryArn": {
             "Type": "String",
@@ -132,6 +151,12 @@ def _parameters() -> dict[str, Any]:
             "Description": "ECR repository of the image ('*' when not in ECR)",
         },
     }
+    if http_port is not None:
+        found["VpcCidr"] = {
+            "Type": "String",
+            "Description": "The VPC's CIDR: who may reach the HTTP endpoint (/status, /metrics)",
+        }
+    return found
 
 
 def _roles() -> dict[str, Any]:
@@ -206,6 +231,23 @@ def _roles() -> dict[str, Any]:
                                     "Action": ["logs:CreateLogStream", "logs:PutLogEvents"],
                                     "Resource": _getatt("LogGroup", "Arn"),
                                 },
+                                {
+                                    # ECS injects the TLS files' secrets with this role;
+                                    # the task role (the proxy itself) never reads them
+                                    "Effect": "Allow",
+                                    "Action": "secretsmanager:GetSecretValue",
+                                    "Resource": [
+                                        _ref("TlsCertSecretArn"),
+                                        _ref("TlsKeySecretArn"),
+                                        {
+                                            "Fn::If": [
+                                                "HasClientCa",
+                                                _ref("TlsClientCaSecretArn"),
+                                                _ref("AWS::NoValue"),
+                                            ]
+                                        },
+                                    ],
+                                },
                             ],
                         },
                     }
@@ -215,29 +257,26 @@ def _roles() -> dict[str, Any]:
     }
 
 
-def _network(partitions: int, base_port: int) -> dict[str, Any]:
-    last = base_port + partitions - 1
-    return {
+def _network(port: int, http_port: int | None) -> dict[str, Any]:
+    resources: dict[str, Any] = {
         "LoadBalancerSecurityGroup": {
             "Type": "AWS::EC2::SecurityGroup",
             "Properties": {
-                "GroupDescription": _sub(
-                    "${AWS::StackName}: TLS listeners, one port per partition"
-                ),
+                "GroupDescription": _sub("${AWS::StackName}: the bootstrap listener"),
                 "VpcId": _ref("VpcId"),
                 "SecurityGroupIngress": [
                     {
                         "IpProtocol": "tcp",
-                        "FromPort": base_port,
-                        "ToPort": last,
+                        "FromPort": port,
+                        "ToPort": port,
                         "CidrIp": _ref("ClientCidr"),
                     }
                 ],
                 "SecurityGroupEgress": [
                     {
                         "IpProtocol": "tcp",
-                        "FromPort": base_port,
-                        "ToPort": last,
+                        "FromPort": port,
+                        "ToPort": port,
                         "DestinationSecurityGroupId": _getatt("ProxySecurityGroup", "GroupId"),
                     }
                 ],
@@ -246,7 +285,9 @@ def _network(partitions: int, base_port: int) -> dict[str, Any]:
         "ProxySecurityGroup": {
             "Type": "AWS::EC2::SecurityGroup",
             "Properties": {
-                "GroupDescription": _sub("${AWS::StackName}: proxies, reachable from the NLB only"),
+                "GroupDescription": _sub(
+                    "${AWS::StackName}: proxies, gRPC from the NLB and the clients"
+                ),
                 "VpcId": _ref("VpcId"),
                 # out: Kafka, AWS APIs and the image registry, wherever they are
                 "SecurityGroupEgress": [
@@ -259,9 +300,20 @@ def _network(partitions: int, base_port: int) -> dict[str, Any]:
             "Properties": {
                 "GroupId": _getatt("ProxySecurityGroup", "GroupId"),
                 "IpProtocol": "tcp",
-                "FromPort": base_port,
-                "ToPort": last,
+                "FromPort": port,
+                "ToPort": port,
                 "SourceSecurityGroupId": _getatt("LoadBalancerSecurityGroup", "GroupId"),
+            },
+        },
+        # Consumers dial the task that serves their partition (its advertised address).
+        "ProxyIngressFromClients": {
+            "Type": "AWS::EC2::SecurityGroupIngress",
+            "Properties": {
+                "GroupId": _getatt("ProxySecurityGroup", "GroupId"),
+                "IpProtocol": "tcp",
+                "FromPort": port,
+                "ToPort": port,
+                "CidrIp": _ref("ClientCidr"),
             },
         },
         "LoadBalancer": {
@@ -274,12 +326,39 @@ def _network(partitions: int, base_port: int) -> dict[str, Any]:
             },
         },
     }
+    if http_port is not None:
+        # /status and /metrics have no token: only from inside the VPC (`triage status`
+        # run there, a Prometheus in the VPC), never from ClientCidr at large.
+        resources["ProxyIngressForMonitoring"] = {
+            "Type": "AWS::EC2::SecurityGroupIngress",
+            "Properties": {
+                "GroupId": _getatt("ProxySecurityGroup", "GroupId"),
+                "IpProtocol": "tcp",
+                "FromPort": http_port,
+                "ToPort": http_port,
+                "CidrIp": _ref("VpcCidr"),
+            },
+        }
+    return resources
 
 
-def _partition(p: int, base_port: int) -> dict[str, Any]:
-    port = base_port + p
+def _fleet(port: int, http_port: int | None) -> dict[str, Any]:
+    ports = [{"ContainerPort": port, "Protocol": "tcp"}]
+    if http_port is not None:
+        ports.append({"ContainerPort": http_port, "Protocol": "tcp"})
+    secrets: list[Any] = [
+        {"Name": "TRIAGE_TLS_CERT", "ValueFrom": _ref("TlsCertSecretArn")},
+        {"Name": "TRIAGE_TLS_KEY", "ValueFrom": _ref("TlsKeySecretArn")},
+        {
+            "Fn::If": [
+                "HasClientCa",
+                {"Name": "TRIAGE_TLS_CLIENT_CA", "ValueFrom": _ref("TlsClientCaSecretArn")},
+                _ref("AWS::NoValue"),
+            ]
+        },
+    ]
     return {
-        f"TargetGroup{p}": {
+        "TargetGroup": {
             "Type": "AWS::ElasticLoadBalancingV2::TargetGroup",
             "Properties": {
                 "Protocol": "TCP",
@@ -293,29 +372,27 @@ def _partition(p: int, base_port: int) -> dict[str, Any]:
                 ],
             },
         },
-        f"Listener{p}": {
+        "Listener": {
             "Type": "AWS::ElasticLoadBalancingV2::Listener",
-            "Condition": "HasListeners",
+            "Condition": "HasListener",
             "Properties": {
                 "LoadBalancerArn": _ref("LoadBalancer"),
-                "Protocol": "TLS",
+                # passthrough: TLS ends at the task, which holds the certificate
+                "Protocol": "TCP",
                 "Port": port,
-                "Certificates": [{"CertificateArn": _ref("CertificateArn")}],
-                "SslPolicy": TLS_POLICY,
-                "AlpnPolicy": ["HTTP2Only"],  # gRPC clients insist on h2 over ALPN
-                "DefaultActions": [{"Type": "forward", "TargetGroupArn": _ref(f"TargetGroup{p}")}],
+                "DefaultActions": [{"Type": "forward", "TargetGroupArn": _ref("TargetGroup")}],
             },
         },
         # A Service cannot DependsOn a conditional resource, so it depends on this handle,
         # which refers to the listener only when there is one (the documented pattern).
-        f"Listener{p}Ready": {
+        "ListenerReady": {
             "Type": "AWS::CloudFormation::WaitConditionHandle",
-            "Metadata": {"Listener": {"Fn::If": ["HasListeners", _ref(f"Listener{p}"), "none"]}},
+            "Metadata": {"Listener": {"Fn::If": ["HasListener", _ref("Listener"), "none"]}},
         },
-        f"TaskDefinition{p}": {
+        "TaskDefinition": {
             "Type": "AWS::ECS::TaskDefinition",
             "Properties": {
-                "Family": _sub(f"${{AWS::StackName}}-partition-{p}"),
+                "Family": _sub("${AWS::StackName}-proxy"),
                 "RequiresCompatibilities": ["FARGATE"],
                 "NetworkMode": "awsvpc",
                 "Cpu": _ref("Cpu"),
@@ -332,40 +409,36 @@ def _partition(p: int, base_port: int) -> dict[str, Any]:
                         "Image": _ref("Image"),
                         "Essential": True,
                         "StopTimeout": STOP_TIMEOUT_S,
-                        "PortMappings": [{"ContainerPort": port, "Protocol": "tcp"}],
-                        "Environment": [
-                            {"Name": "TRIAGE_CONFIG", "Value": _ref("TriageConfig")},
-                            {"Name": "TRIAGE_PARTITION", "Value": str(p)},
-                            # What consumers dial (the lease item, Topology): the NLB's
-                            # name; its listener port is the container's, the default.
-                            {
-                                "Name": "TRIAGE_ADVERTISED_HOST",
-                                "Value": _getatt("LoadBalancer", "DNSName"),
-                            },
-                        ],
+                        "PortMappings": ports,
+                        # No TRIAGE_PARTITION: every task joins the fleet. The config's
+                        # server.advertised_host names a kind of address ("ecs-task-dns"),
+                        # which each task resolves from its own metadata at start.
+                        "Environment": [{"Name": "TRIAGE_CONFIG", "Value": _ref("TriageConfig")}],
+                        "Secrets": secrets,
                         "LogConfiguration": {
                             "LogDriver": "awslogs",
                             "Options": {
                                 "awslogs-group": _ref("LogGroup"),
                                 "awslogs-region": _ref("AWS::Region"),
-                                "awslogs-stream-prefix": f"partition-{p}",
+                                "awslogs-stream-prefix": "proxy",
                             },
                         },
                     }
                 ],
             },
         },
-        f"Service{p}": {
+        "Service": {
             "Type": "AWS::ECS::Service",
-            "DependsOn": [f"Listener{p}Ready"],  # the target group must belong to the NLB first
+            "DependsOn": ["ListenerReady"],  # the target group must belong to the NLB first
             "Properties": {
                 "Cluster": _ref("Cluster"),
-                "ServiceName": f"partition-{p}",
-                "TaskDefinition": _ref(f"TaskDefinition{p}"),
+                "ServiceName": SERVICE_NAME,
+                "TaskDefinition": _ref("TaskDefinition"),
                 "LaunchType": "FARGATE",
-                "DesiredCount": 1,
-                # one owner per partition: stop the old task before starting the new one
-                "DeploymentConfiguration": {"MinimumHealthyPercent": 0, "MaximumPercent": 100},
+                "DesiredCount": _ref("Proxies"),
+                # The partitions' DynamoDB leases are the fence, not the task count: a
+                # rolling update may start new tasks before the old ones drain.
+                "DeploymentConfiguration": {"MinimumHealthyPercent": 100, "MaximumPercent": 200},
                 "HealthCheckGracePeriodSeconds": 60,
                 "NetworkConfiguration": {
                     "AwsvpcConfiguration": {
@@ -378,7 +451,7 @@ def _partition(p: int, base_port: int) -> dict[str, Any]:
                     {
                         "ContainerName": CONTAINER_NAME,
                         "ContainerPort": port,
-                        "TargetGroupArn": _ref(f"TargetGroup{p}"),
+                        "TargetGroupArn": _ref("TargetGroup"),
                     }
                 ],
             },
@@ -386,12 +459,12 @@ def _partition(p: int, base_port: int) -> dict[str, Any]:
     }
 
 
-def template(partitions: int, base_port: int) -> dict[str, Any]:
-    """The template as a dict: every partition p in [0, partitions) on base_port + p."""
-    if partitions < 1:
-        raise ValueError(f"partitions must be >= 1, got {partitions}")
-    if not base_port >= 1 or base_port + partitions - 1 > 65535:
-        raise ValueError(f"ports {base_port}..{base_port + partitions - 1} are not all valid")
+def template(port: int, http_port: int | None) -> dict[str, Any]:
+    """The template as a dict: every task listens on `port` (gRPC) and `http_port` (the
+    HTTP endpoint; None: off)."""
+    for value in (port, http_port):
+        if value is not None and not 1 <= value <= 65535:
+            raise ValueError(f"{value} is not a port a load balancer can forward to")
     resources: dict[str, Any] = {
         "LogGroup": {
             "Type": "AWS::Logs::LogGroup",
@@ -407,53 +480,56 @@ def template(partitions: int, base_port: int) -> dict[str, Any]:
             "Properties": {"ClusterName": _ref("AWS::StackName")},
         },
         **_roles(),
-        **_network(partitions, base_port),
+        **_network(port, http_port),
+        **_fleet(port, http_port),
     }
+    bootstrap = f"${{LoadBalancer.DNSName}}:{port}"
     outputs: dict[str, Any] = {
+        "BootstrapEndpoint": {
+            "Description": "host:port for Topology: consumers then dial each task directly",
+            "Value": _sub(bootstrap),
+        },
         "ConsumerEndpoint": {
-            "Description": f"host:port of partition 0; partition p listens on port {base_port} + p",
-            "Value": _sub(f"${{LoadBalancer.DNSName}}:{base_port}"),
+            "Description": "The same, under its older name",
+            "Value": _sub(bootstrap),
         },
         "LoadBalancerDns": {"Value": _getatt("LoadBalancer", "DNSName")},
         "ClusterName": {"Value": _ref("Cluster")},
+        "ServiceName": {"Value": SERVICE_NAME},
         "LogGroupName": {"Value": _ref("LogGroup")},
     }
-    for p in range(partitions):
-        resources.update(_partition(p, base_port))
-        outputs[f"Partition{p}Endpoint"] = {
-            "Value": _sub(f"${{LoadBalancer.DNSName}}:{base_port + p}")
-        }
     return {
         "AWSTemplateFormatVersion": "2010-09-09",
-        "Description": f"Triage: {partitions} partition proxies on ECS Fargate behind a TLS NLB",
-        "Parameters": _parameters(),
+        "Description": "Triage: a proxy fleet on ECS Fargate, bootstrapped through a TCP NLB",
+        "Parameters": _parameters(http_port),
         "Conditions": {
             "HasBucket": {"Fn::Not": [{"Fn::Equals": [_ref("OverflowBucket"), ""]}]},
             "HasTopic": {"Fn::Not": [{"Fn::Equals": [_ref("NotifyTopicArn"), ""]}]},
-            "HasListeners": {"Fn::Equals": [_ref("TlsListeners"), "true"]},
+            "HasClientCa": {"Fn::Not": [{"Fn::Equals": [_ref("TlsClientCaSecretArn"), ""]}]},
+            "HasListener": {"Fn::Equals": [_ref("CreateListener"), "true"]},
         },
         "Resources": resources,
         "Outputs": outputs,
     }
 
 
-def render(partitions: int, base_port: int) -> str:
+def render(port: int, http_port: int | None) -> str:
     """The template as YAML (long-form intrinsics, so any YAML parser reads it)."""
     header = (
         "# Generated by `python -m triage_cli.awsstack` (cli/triage_cli/awsstack.py); "
         "edit that, not this.\n"
     )
-    return header + yaml.safe_dump(template(partitions, base_port), sort_keys=False, width=100)
+    return header + yaml.safe_dump(template(port, http_port), sort_keys=False, width=100)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Write the reference template (or one for --partitions) to infra/triage.yaml."""
+    """Write the reference template (or one for other ports) to infra/triage.yaml."""
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--partitions", type=int, default=REFERENCE_PARTITIONS)
-    parser.add_argument("--base-port", type=int, default=7700)
+    parser.add_argument("--port", type=int, default=REFERENCE_PORT)
+    parser.add_argument("--http-port", type=int, default=REFERENCE_HTTP_PORT, help="0: off")
     parser.add_argument("--out", type=Path, default=REFERENCE_PATH)
     args = parser.parse_args(argv)
-    text = render(args.partitions, args.base_port)
+    text = render(args.port, args.http_port or None)
     if str(args.out) == "-":
         sys.stdout.write(text)
     else:

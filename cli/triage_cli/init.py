@@ -291,6 +291,14 @@ def init(
     http_port: Annotated[
         int | None, typer.Option(help="Base metrics/health port: partition p on PORT + p.")
     ] = None,
+    aws_proxies: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=5000,
+            help="Fleet tasks for `deploy --target aws` (default: min(partitions, 2)).",
+        ),
+    ] = None,
     non_interactive: Annotated[
         bool, typer.Option("--non-interactive", help="Never prompt; take flags and defaults.")
     ] = False,
@@ -305,6 +313,7 @@ def init(
         DEFAULT_REGION,
         SASL_MECHANISMS,
         SECURITY_PROTOCOLS,
+        AwsSettings,
         topic_problem,
     )
 
@@ -373,6 +382,8 @@ def init(
             },
             "auth": {"tokens": {token_name: secrets.token_urlsafe(TOKEN_BYTES)}},
             "dead_letters": dead_letters,
+            # deploy --target aws runs this many fleet tasks (one formula: fleet_size)
+            "aws": {"proxies": AwsSettings(proxies=aws_proxies).fleet_size(kafka["partitions"])},
         }
         backup = write_private(config, render_config(raw), force=force)
     _print_next(config, raw, token_name, backup)

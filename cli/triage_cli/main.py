@@ -91,10 +91,12 @@ def proxy(
     then on and their open streams end; a bad file keeps the current tokens."""
     import asyncio
     import dataclasses
+    import os
     import signal
 
     from triage_cli.signals import on_stop_signals
     from triage_proxy.app import Proxy
+    from triage_proxy.ecstask import resolve_advertised_host
     from triage_proxy.preflight import file_warnings, preflight
     from triage_proxy.settings import load_settings
 
@@ -111,6 +113,9 @@ def proxy(
         if advertised_host:
             server = dataclasses.replace(settings.server, advertised_host=advertised_host)
             settings = dataclasses.replace(settings, server=server)
+        # "ecs-task-dns"/"ecs-task-ip": this ECS task's own address, asked once here
+        server = resolve_advertised_host(settings.server, os.environ)
+        settings = dataclasses.replace(settings, server=server)
         # What the proxy would refuse later (a bad TLS file, an address this machine does
         # not have, an unresolvable secret, a property librdkafka refuses): exit 2 now,
         # before a port is bound or a lease taken (the supervisor then gives up, no restarts).

@@ -1,6 +1,6 @@
 """`triage status`: is every partition keeping up? One row per partition.
 
-    triage status --config F [--watch [--interval S]] [--json] [--host H]
+    triage status --config F [--watch [--interval S]] [--json] [--host H] [--target aws]
 
 Each row joins three sources, so one that is down costs only its own columns:
 
@@ -11,7 +11,9 @@ Each row joins three sources, so one that is down costs only its own columns:
   for k in 0..partitions-1: one process per partition, or a fleet's process slots). A
   process lists the partitions it runs (`partitions`); a partition's row comes from the
   process that serves it (`served_by`: its pid, owner id and endpoint), so a fleet shows
-  which process serves which partition. A partition no process lists is down. Per row:
+  which process serves which partition. A partition no process lists is down. With
+  `--target aws` the processes are the deployment's running ECS tasks (`aws.fleet_hosts`),
+  each asked at `server.http_port` on its private IP. Per row:
   state, the endpoint it advertises to consumers (`server.advertised_*`, what the lease
   item and Topology carry), in-flight, connected instances, oldest unsettled age, dead
   letters still being
@@ -176,7 +178,9 @@ def partition_row(
 class Sources:
     """The clients one `triage status` run reads from (kept across --watch refreshes)."""
 
-    def __init__(self, settings: Settings, host: str | None) -> None:
+    def __init__(
+        self, settings: Settings, host: str | None, hosts: Sequence[str] | None = None
+    ) -> None:
         from confluent_kafka import Consumer
 
         from triage_proxy.kafkalog import KafkaLog
@@ -184,6 +188,9 @@ class Sources:
 
         self.settings = settings
         self._host = host
+        self._hosts = None if hosts is None else list(hosts)
+        """Fleet processes each on its own host at slot 0 (AWS tasks), instead of slots
+        0, 1, ... on one host."""
         config = {
             **settings.kafka.librdkafka_config(),
             "group.id": settings.kafka.group_id,
@@ -239,7 +246,13 @@ class Sources:
         return BrokerView(committed=committed, low=low, high=high)
 
     def proxy_url(self, partition: int) -> str | None:
-        address = self.settings.server.http_address(partition)
+        if self._hosts is not None:  # k is a host of the fleet, each at slot 0's port
+            address = self.settings.server.http_address(0)
+            if address is None or address[1] == 0 or partition >= len(self._hosts):
+                return None
+            address = (self._hosts[partition], address[1])
+        else:
+            address = self.settings.server.http_address(partition)
         if address is None or address[1] == 0:
             return None
         host = self._host or address[0]
@@ -259,7 +272,8 @@ class Sources:
 
     def ask_proxies(self, partitions: int) -> list[Future[ProxyView]]:
         """Ask every proxy at once, in the background; the futures hold the answers."""
-        return [self._pool.submit(self._proxy, p) for p in range(partitions)]
+        count = partitions if self._hosts is None else len(self._hosts)
+        return [self._pool.submit(self._proxy, p) for p in range(count)]
 
     def _proxy(self, partition: int) -> ProxyView:
         url = self.proxy_url(partition)
@@ -497,6 +511,13 @@ def status(
     host: Annotated[
         str | None, typer.Option(help="Ask the proxies on this host instead of server.http_host.")
     ] = None,
+    target: Annotated[
+        str,
+        typer.Option(
+            help="local: the proxies at server.http_port + k; aws: each running ECS task of "
+            "the deployment at server.http_port (run inside the VPC)."
+        ),
+    ] = "local",
 ) -> None:
     """Per partition: committed offset, log end, lag, in-flight, instances, dead letters."""
     from rich.console import Console
@@ -506,8 +527,15 @@ def status(
     with exit_on_errors():
         if watch and json_:
             raise CommandFailed(ExitCode.BAD_INPUT, "--watch and --json do not go together")
+        if target not in ("local", "aws"):
+            raise CommandFailed(ExitCode.BAD_INPUT, "--target must be local or aws")
         settings = load_settings(config)
-        sources = Sources(settings, host)
+        hosts = None
+        if target == "aws":
+            from triage_cli.aws import fleet_hosts
+
+            hosts = fleet_hosts(config)
+        sources = Sources(settings, host, hosts)
         console = Console(highlight=False)
         try:
             if watch:

@@ -9,15 +9,17 @@ Nothing below the CLI reads files or the environment: `load_settings` resolves
     [server]       host, port (partition p listens on port + p), max_frame_bytes,
                    http_port (metrics/health/status; partition p on http_port + p),
                    http_host (its own interface, default loopback), http_enabled,
-                   advertised_host, advertised_port (what consumers are told to dial)
+                   advertised_host, advertised_port (what consumers are told to dial;
+                   advertised_host "ecs-task-dns"/"ecs-task-ip": the ECS task's own, see
+                   ecstask.py)
     [auth]         token | token_env, tokens (name -> token or "env:VAR"/"secret:NAME"),
                    revoked (names refused even though listed)
     [tls]          cert_file, key_file, client_ca_file (set: client certificates required)
     [ownership]    enabled, lease_s, renew_interval_s
     [rate_limit]   messages_per_s, bytes_per_s
-    [aws]          image, certificate_arn, vpc_id, subnet_ids, scheme, client_cidr,
+    [aws]          image, proxies, vpc_id, subnet_ids, scheme, client_cidr,
                    assign_public_ip, cpu, memory_mb, log_retention_days, stack_name,
-                   tls_listeners
+                   listener, certificate_arn (no longer used)
                    (read only by `triage deploy --target aws`)
     [dead_letters] table, region, endpoint_url, batch_size, flush_interval_ms, retry_max_s,
                    overflow_bucket, ttl_days, notify_sns_topic_arn, notify_webhook_url,
@@ -119,6 +121,11 @@ FARGATE_CPU = (256, 16_384)
 FARGATE_MEMORY_MB = (512, 122_880)
 MAX_LOG_RETENTION_DAYS = 3653
 """CloudWatch Logs' longest retention (10 years)."""
+MAX_AWS_PROXIES = 5000
+"""ECS's quota of tasks per service."""
+DEFAULT_AWS_PROXIES = 2
+"""Fleet tasks on AWS unless `aws.proxies` says (fewer when the topic has fewer
+partitions): two, so losing a task leaves one serving while ECS replaces it."""
 
 
 _COMMITS = "the proxy commits only settled offsets itself (how often: commit.interval_s)"
@@ -383,8 +390,12 @@ class AwsSettings:
 
     image: str | None = None
     """Container image of the proxy (built from infra/Dockerfile); --image overrides."""
+    proxies: int | None = _bounded(None, 1, MAX_AWS_PROXIES, why="ECS's tasks per service")
+    """Fleet tasks the one ECS service runs (the consumer group spreads the partitions
+    over them). None: `aws_proxies(partitions)`, min(partitions, DEFAULT_AWS_PROXIES)."""
     certificate_arn: str | None = None
-    """ACM certificate the TLS listener presents (required to deploy)."""
+    """No longer used: TLS runs to each task now ([tls], stored in Secrets Manager), so
+    the load balancer presents no certificate. Kept so older files still load."""
     vpc_id: str | None = None
     """VPC of the load balancer and the tasks (None: the account's default VPC)."""
     subnet_ids: tuple[str, ...] = ()
@@ -405,9 +416,14 @@ class AwsSettings:
     """How long CloudWatch keeps the proxies' logs."""
     stack_name: str | None = None
     """CloudFormation stack name (None: derived from the topic and group)."""
-    tls_listeners: bool = True
-    """False leaves the NLB's TLS listeners out: only for an endpoint whose CloudFormation
-    cannot create them (moto server, in the tests); a real deployment needs them."""
+    listener: bool = True
+    """False leaves the NLB's listener out: only for an endpoint whose CloudFormation
+    cannot create an NLB listener (moto server, in the tests); a real deployment needs it."""
+
+    def fleet_size(self, partitions: int) -> int:
+        """Tasks to run for a topic of `partitions`: `proxies`, else
+        min(partitions, DEFAULT_AWS_PROXIES) (the one formula: deploy and init use it)."""
+        return self.proxies if self.proxies is not None else min(partitions, DEFAULT_AWS_PROXIES)
 
 
 @dataclass(frozen=True)

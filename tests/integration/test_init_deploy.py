@@ -68,6 +68,24 @@ def test_init_discovers_partitions_and_writes_a_private_valid_config(
     assert token not in out.stdout + out.stderr
     assert "triage deploy --target local" in out.stdout
     assert "[auth.tokens] billing" in out.stdout
+    assert settings.aws.proxies == 2  # min(partitions, 2): what deploy --target aws runs
+
+
+def test_init_writes_aws_proxies_from_the_flag_or_the_partition_count(
+    tmp_path: Path, unique_name: str
+) -> None:
+    closed = f"127.0.0.1:{free_port()}"
+    one = tmp_path / "one.toml"
+    out = run_triage(*init_args(one, closed, unique_name, "--partitions", "1"))
+    assert out.returncode == 0, out.stderr
+    assert load_settings(one, env={}).aws.proxies == 1
+    four = tmp_path / "four.toml"
+    flags = ["--partitions", "8", "--aws-proxies", "4"]
+    out = run_triage(*init_args(four, closed, unique_name, *flags))
+    assert out.returncode == 0, out.stderr
+    assert load_settings(four, env={}).aws.proxies == 4
+    out = run_triage(*init_args(tmp_path / "zero.toml", closed, unique_name, "--aws-proxies", "0"))
+    assert out.returncode == 2
 
 
 def test_init_unreachable_broker_needs_partitions(tmp_path: Path, unique_name: str) -> None:

@@ -1,5 +1,6 @@
-"""The generated CloudFormation template: cfn-lint clean, one service/listener per partition,
-least-privilege policies, and the committed reference copy is fresh."""
+"""The generated CloudFormation template: cfn-lint clean, one fleet service behind one TCP
+(passthrough) listener, TLS files as task-definition secrets, least-privilege policies, and
+the committed reference copy is fresh."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import yaml
 from cfnlint.api import ManualArgs, lint
 
 from triage_cli.aws import _repository_arn, stack_name
-from triage_cli.awsstack import REFERENCE_PARTITIONS, REFERENCE_PATH, render, template
+from triage_cli.awsstack import (
+    REFERENCE_HTTP_PORT,
+    REFERENCE_PATH,
+    REFERENCE_PORT,
+    SERVICE_NAME,
+    render,
+    template,
+)
 from triage_proxy.errors import ConfigError
 from triage_proxy.settings import settings_from_dict
 
@@ -20,48 +28,86 @@ def lint_errors(text: str) -> list[str]:
     return [str(m) for m in lint(text, config=ManualArgs(regions=["us-east-1"]))]
 
 
-@pytest.mark.parametrize("partitions", [1, 3])
-def test_rendered_template_passes_cfn_lint(partitions: int) -> None:
-    assert lint_errors(render(partitions, 7700)) == []
+@pytest.mark.parametrize("http_port", [9700, None])
+def test_rendered_template_passes_cfn_lint(http_port: int | None) -> None:
+    assert lint_errors(render(7700, http_port)) == []
 
 
 def test_cfn_lint_does_catch_a_broken_template() -> None:
-    broken = render(1, 7700).replace("Protocol: TLS\n", "Protocol: TLZ\n")
-    assert broken != render(1, 7700)
+    broken = render(7700, 9700).replace("Protocol: TCP\n", "Protocol: TLZ\n")
+    assert broken != render(7700, 9700)
     assert any("TLZ" in e for e in lint_errors(broken))
 
 
 def test_reference_template_in_infra_is_fresh() -> None:
-    assert REFERENCE_PATH.read_text() == render(REFERENCE_PARTITIONS, 7700), (
+    assert REFERENCE_PATH.read_text() == render(REFERENCE_PORT, REFERENCE_HTTP_PORT), (
         "infra/triage.yaml is stale: run `.venv/bin/python -m triage_cli.awsstack`"
     )
 
 
-def test_one_service_target_group_and_listener_per_partition_port() -> None:
-    resources = template(3, 9000)["Resources"]
-    for p in range(3):
-        port = 9000 + p
-        assert resources[f"Listener{p}"]["Properties"]["Port"] == port
-        assert resources[f"Listener{p}"]["Properties"]["Protocol"] == "TLS"
-        assert resources[f"TargetGroup{p}"]["Properties"]["Port"] == port
-        container = resources[f"TaskDefinition{p}"]["Properties"]["ContainerDefinitions"][0]
-        assert container["PortMappings"] == [{"ContainerPort": port, "Protocol": "tcp"}]
-        assert {"Name": "TRIAGE_PARTITION", "Value": str(p)} in container["Environment"]
-        # The proxy advertises the NLB's name (its listener port is the container's).
-        advertised = {"Fn::GetAtt": ["LoadBalancer", "DNSName"]}
-        assert {"Name": "TRIAGE_ADVERTISED_HOST", "Value": advertised} in container["Environment"]
-        service = resources[f"Service{p}"]["Properties"]
-        assert service["LoadBalancers"][0]["ContainerPort"] == port
-    assert "Service3" not in resources
-    # only the listener ports are open, and the proxies only to the load balancer
+def test_one_fleet_service_behind_one_tcp_listener() -> None:
+    resources = template(9000, 9100)["Resources"]
+    services = [name for name, r in resources.items() if r["Type"] == "AWS::ECS::Service"]
+    assert services == ["Service"]  # no per-partition services
+    service = resources["Service"]["Properties"]
+    assert service["DesiredCount"] == {"Ref": "Proxies"}
+    assert service["ServiceName"] == SERVICE_NAME
+    assert service["LoadBalancers"][0]["ContainerPort"] == 9000
+    listeners = [r for r in resources.values() if r["Type"].endswith("::Listener")]
+    assert len(listeners) == 1
+    listener = resources["Listener"]["Properties"]
+    # passthrough: no certificate at the load balancer, TLS ends at the task
+    assert (listener["Protocol"], listener["Port"]) == ("TCP", 9000)
+    assert "Certificates" not in listener
+    assert resources["TargetGroup"]["Properties"]["Port"] == 9000
+    container = resources["TaskDefinition"]["Properties"]["ContainerDefinitions"][0]
+    assert container["PortMappings"] == [
+        {"ContainerPort": 9000, "Protocol": "tcp"},
+        {"ContainerPort": 9100, "Protocol": "tcp"},
+    ]
+    names = [e["Name"] for e in container["Environment"]]
+    assert names == ["TRIAGE_CONFIG"]  # no TRIAGE_PARTITION, no advertised host
+    secrets = {}
+    for entry in container["Secrets"]:
+        if "Fn::If" in entry:
+            assert entry["Fn::If"][0] == "HasClientCa"
+            entry = entry["Fn::If"][1]
+        secrets[entry["Name"]] = entry["ValueFrom"]
+    assert secrets == {
+        "TRIAGE_TLS_CERT": {"Ref": "TlsCertSecretArn"},
+        "TRIAGE_TLS_KEY": {"Ref": "TlsKeySecretArn"},
+        "TRIAGE_TLS_CLIENT_CA": {"Ref": "TlsClientCaSecretArn"},
+    }
+
+
+def test_security_groups_open_grpc_to_clients_and_http_to_the_vpc_only() -> None:
+    resources = template(9000, 9100)["Resources"]
     lb_in = resources["LoadBalancerSecurityGroup"]["Properties"]["SecurityGroupIngress"]
-    assert [(r["FromPort"], r["ToPort"]) for r in lb_in] == [(9000, 9002)]
+    assert [(r["FromPort"], r["ToPort"], r["CidrIp"]) for r in lb_in] == [
+        (9000, 9000, {"Ref": "ClientCidr"})
+    ]
     assert "SecurityGroupIngress" not in resources["ProxySecurityGroup"]["Properties"]
-    proxy_in = resources["ProxyIngressFromLoadBalancer"]["Properties"]
-    assert (proxy_in["FromPort"], proxy_in["ToPort"]) == (9000, 9002)
-    assert proxy_in["SourceSecurityGroupId"] == {
+    rules = {
+        name: r["Properties"]
+        for name, r in resources.items()
+        if r["Type"] == "AWS::EC2::SecurityGroupIngress"
+    }
+    assert {n: (r["FromPort"], r["ToPort"]) for n, r in rules.items()} == {
+        "ProxyIngressFromLoadBalancer": (9000, 9000),
+        "ProxyIngressFromClients": (9000, 9000),
+        "ProxyIngressForMonitoring": (9100, 9100),
+    }
+    assert rules["ProxyIngressFromLoadBalancer"]["SourceSecurityGroupId"] == {
         "Fn::GetAtt": ["LoadBalancerSecurityGroup", "GroupId"]
     }
+    assert rules["ProxyIngressFromClients"]["CidrIp"] == {"Ref": "ClientCidr"}
+    assert rules["ProxyIngressForMonitoring"]["CidrIp"] == {"Ref": "VpcCidr"}
+    # no HTTP endpoint: no port for it, no rule, no VpcCidr parameter
+    quiet = template(9000, None)
+    assert "ProxyIngressForMonitoring" not in quiet["Resources"]
+    assert "VpcCidr" not in quiet["Parameters"]
+    container = quiet["Resources"]["TaskDefinition"]["Properties"]["ContainerDefinitions"][0]
+    assert container["PortMappings"] == [{"ContainerPort": 9000, "Protocol": "tcp"}]
 
 
 def _statements(role: dict[str, Any]) -> list[dict[str, Any]]:
@@ -74,7 +120,7 @@ def _statements(role: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def test_roles_grant_no_wildcard_actions_or_resources_beyond_ecr_login() -> None:
-    resources = template(1, 7700)["Resources"]
+    resources = template(7700, 9700)["Resources"]
     for role in ("TaskRole", "ExecutionRole"):
         for statement in _statements(resources[role]):
             actions = statement["Action"]
@@ -86,6 +132,20 @@ def test_roles_grant_no_wildcard_actions_or_resources_beyond_ecr_login() -> None
     assert "dynamodb:Scan" not in task
     assert "dynamodb:DeleteTable" not in task
     assert "secretsmanager:GetSecretValue" in task
+    # The TLS secrets: read by ECS with the execution role, never by the proxy's task role.
+    task_secrets = [
+        s["Resource"]
+        for s in _statements(resources["TaskRole"])
+        if s["Action"] == "secretsmanager:GetSecretValue"
+    ]
+    assert task_secrets == [{"Ref": "SecretArns"}]
+    (tls,) = [
+        s["Resource"]
+        for s in _statements(resources["ExecutionRole"])
+        if s["Action"] == "secretsmanager:GetSecretValue"
+    ]
+    assert tls[:2] == [{"Ref": "TlsCertSecretArn"}, {"Ref": "TlsKeySecretArn"}]
+    assert tls[2]["Fn::If"][:2] == ["HasClientCa", {"Ref": "TlsClientCaSecretArn"}]
 
 
 def as_list(value: str | list[str]) -> list[str]:
@@ -93,12 +153,9 @@ def as_list(value: str | list[str]) -> list[str]:
 
 
 def test_template_parses_as_plain_yaml() -> None:
-    parsed = yaml.safe_load(render(2, 7700))
-    assert set(parsed["Outputs"]) >= {
-        "ConsumerEndpoint",
-        "Partition0Endpoint",
-        "Partition1Endpoint",
-    }
+    parsed = yaml.safe_load(render(7700, 9700))
+    assert set(parsed["Outputs"]) >= {"BootstrapEndpoint", "ConsumerEndpoint", "ServiceName"}
+    assert not any(name.startswith("Partition") for name in parsed["Outputs"])
 
 
 def _settings(topic: str, group: str = "g", **aws: Any) -> Any:
@@ -150,3 +207,13 @@ def test_execution_role_may_pull_only_from_the_images_ecr_repository() -> None:
         == "arn:aws:ecr:eu-west-1:123456789012:repository/triage"
     )
     assert _repository_arn("ghcr.io/acme/triage:1") == "*"
+
+
+def test_aws_proxies_default_to_two_or_the_partition_count_and_are_bounded() -> None:
+    assert _settings("t").aws.proxies is None
+    assert [_settings("t").aws.fleet_size(p) for p in (1, 2, 3, 64)] == [1, 2, 2, 2]
+    assert _settings("t", proxies=5).aws.fleet_size(3) == 5
+    for bad in (0, 5001, True, 2.0):
+        with pytest.raises(ConfigError) as caught:
+            _settings("t", proxies=bad)
+        assert caught.value.key == "aws.proxies"

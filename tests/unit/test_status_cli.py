@@ -122,6 +122,17 @@ def test_proxy_urls_follow_http_port_and_host() -> None:
         sources.close()
 
 
+def test_a_fleet_on_aws_is_asked_at_each_tasks_address_and_one_port() -> None:
+    """`--target aws`: one process per task, each on its own IP at server.http_port."""
+    sources = Sources(make_settings(http_port=9800), None, ["10.0.0.7", "10.0.1.9"])
+    try:
+        assert sources.proxy_url(0) == "http://10.0.0.7:9800/status"
+        assert sources.proxy_url(1) == "http://10.0.1.9:9800/status"
+        assert sources.proxy_url(2) is None
+    finally:
+        sources.close()
+
+
 def test_a_proxy_that_does_not_answer_is_down_not_a_crash() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
