@@ -634,6 +634,9 @@ class _Routes:
         self._topology = topology
         self._endpoint = endpoint
 
+    def coming(self, partition: int) -> None:
+        self._service.expect_partition(partition)
+
     def serve(self, partition: int, dispatcher: Dispatcher) -> None:
         self._service.serve_partition(partition, dispatcher)
         self._topology.serve(partition, self._endpoint())

@@ -90,6 +90,11 @@ class PartitionParts:
 class Routes(Protocol):
     """How a pipeline tells its process which partitions it may route streams to."""
 
+    def coming(self, partition: int) -> None:
+        """`partition` holds its lease and starts: a Hello for it waits a moment rather
+        than being refused."""
+        ...
+
     def serve(self, partition: int, dispatcher: Dispatcher) -> None:
         """Hellos for `partition` go to `dispatcher` from now on."""
         ...
@@ -218,6 +223,7 @@ class PartitionPipeline:
                     return
                 stack.push_async_callback(ownership.release)  # should Kafka not open
                 self.state = PipelineState.STARTING
+            self._routes.coming(partition)
             self.leased.set()
             start_offset, metadata = await thread.run(log.open)
             self._open = True

@@ -34,6 +34,7 @@ stream with INVALID_ARGUMENT).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -165,16 +166,43 @@ class TriageService(pb_grpc.TriageServicer):
         """Streams ended because their app's token was revoked (they end UNAUTHENTICATED)."""
         self._dispatcher_of: dict[Session, Dispatcher] = {}
         """Open streams -> the dispatcher of their partition."""
+        self._coming: dict[int, asyncio.Event] = {}
+        """Partitions starting here (`expect_partition`), set once they serve or withdraw."""
         self._broken: dict[Session, FrameError] = {}
         """Streams whose frames broke the protocol after Hello (they end INVALID_ARGUMENT)."""
+
+    def expect_partition(self, partition: int) -> None:
+        """`partition` is starting here (its lease is held, Kafka opening): a Hello for it
+        waits until it serves, up to HELLO_TIMEOUT_S, rather than being refused. Why: a
+        pinned process listens once its leases are held, and a client that connects at
+        once (an old one treats an INVALID_ARGUMENT for a Hello without a partition as
+        final) would otherwise be refused for the few moments the start takes."""
+        self._coming.setdefault(partition, asyncio.Event())
 
     def serve_partition(self, partition: int, dispatcher: Dispatcher) -> None:
         """Route Hellos for `partition` to `dispatcher` from now on."""
         self._dispatchers[partition] = dispatcher
+        if (arrived := self._coming.pop(partition, None)) is not None:
+            arrived.set()
 
     def withdraw_partition(self, partition: int) -> None:
         """No new stream for `partition` (its streams open now go on until they end)."""
         self._dispatchers.pop(partition, None)
+        if (gone := self._coming.pop(partition, None)) is not None:
+            gone.set()  # whoever waits is refused now
+
+    async def _await_coming(self, hello: pb.Hello) -> None:
+        """Wait (bounded) for the partition a Hello asks for when it is starting here; a
+        Hello without one waits for this process's only partition while none serves."""
+        if hello.HasField("partition"):
+            arrival = self._coming.get(hello.partition)
+        elif not self._dispatchers and len(self._coming) == 1:
+            arrival = next(iter(self._coming.values()))
+        else:
+            return
+        if arrival is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(arrival.wait(), HELLO_TIMEOUT_S)
 
     def stop_accepting(self) -> None:
         """New streams are refused with UNAVAILABLE from now on (shutdown)."""
@@ -278,6 +306,8 @@ class TriageService(pb_grpc.TriageServicer):
         """The partition a Hello asks for, if this process serves it: absent means the
         only one served. FrameError for a malformed or missing one, PartitionNotServed
         (with its owner's endpoint when known) for one served elsewhere."""
+        if self._coming:
+            await self._await_coming(hello)
         served = sorted(self._dispatchers)
         if not hello.HasField("partition"):
             if len(served) != 1:
