@@ -114,7 +114,8 @@ def run_kit(work_dir: Path, *args: str) -> str:
     )
     report = out.stdout + out.stderr
     assert out.returncode == 0, f"{report}\n(client logs under {work_dir}/clients)"
-    assert "FAIL" not in report and "lost 0" in report, report
+    assert "FAIL" not in report, report
+    assert "lost 0" in report, report
     return report
 
 
