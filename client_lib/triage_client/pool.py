@@ -47,7 +47,9 @@ Handler = Callable[[Message], Any] | Callable[[Message], Awaitable[Any]]
 `retry_on` lists, to ask for redelivery)."""
 _AsyncHandler = Callable[[Message], Awaitable[Any]]
 
-MAX_REASON_CHARS = 1000
+MAX_REASON_CHARS = 4000
+"""The proxy keeps the first 4,000 characters of a nack reason (PROTOCOL.md, limits): a
+longer one is cut here to 3,997 and "...", so the dead letter shows where it was cut."""
 RELEASE = triage_pb2.Nack()
 """Result of a delivery a handler thread let go unstarted because of stop()."""
 

@@ -160,6 +160,8 @@ class PartitionStream:
         self.nacks: list[triage_pb2.Nack] = []
         self.releases: list[int] = []
         """Deliveries given back unstarted at stop(): sent as Release, no attempt used."""
+        self._release_due = False
+        """stop() began on an established stream: the next flush sends a Release, even empty."""
         self._flush_wanted = asyncio.Event()
         self._flush_timer: asyncio.TimerHandle | None = None
         self._extend_due = False  # the ticker asked the writer for an Extend
@@ -210,6 +212,9 @@ class PartitionStream:
         if taken:
             self.releases.extend(message.offset for message in taken)
             self.dropped += len(taken)
+        # Sent even when empty: the Release ends the stream's credits, else the proxy refills
+        # what the last Settle frees and holds that at the half-close (an attempt each).
+        self._release_due = self.call is not None and self.established
         if self.call is not None and not self.established:
             self.call.cancel()  # nothing to settle yet: do not wait for a slow connect
         self._flush_wanted.set()
@@ -321,6 +326,7 @@ class PartitionStream:
         self.acks = []
         self.nacks = []
         self.releases = []
+        self._release_due = False
         self._extend_due = False
         self.dropped += released + unsent
         self._held = 0
@@ -457,7 +463,8 @@ class PartitionStream:
                 extend = triage_pb2.Extend(offsets=offsets)
                 await call.write(triage_pb2.ConsumerFrame(extend=extend))
                 self.extended += len(offsets)
-        if self.releases:
+        if self.releases or self._release_due:
+            self._release_due = False
             releases, self.releases = self.releases, []
             self._held -= len(releases)
             await call.write(triage_pb2.ConsumerFrame(release=triage_pb2.Release(offsets=releases)))

@@ -18,8 +18,9 @@ from triage_proxy.structs import DeadLetter
 RETRY_ATTEMPTS = 3
 """The `retry` action raises Retry while attempt < 3: three starts, then an ack."""
 SHORTEST_KEPT_REASON = 200
-"""A long nack reason may be cut, by the client (the Python client keeps 1,000 characters,
-ending in "...") or the proxy (4,000); at least this much of the message must be in it."""
+"""A long nack reason may be cut, by the client (the Python and TypeScript clients keep 4,000
+characters, ending in "...") or the proxy (4,000); at least this much of the message must be
+in it."""
 
 
 @dataclass

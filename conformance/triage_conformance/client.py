@@ -2,7 +2,8 @@
 
 Why a process: the scenarios SIGTERM and SIGKILL it, and any language's client is a
 command. stdout is read by a thread into `events` as it arrives (a line that is not JSON
-is kept in `bad_lines`); stderr goes to a log file.
+is kept in `bad_lines`) and to `<consumer id>.stdout.log`, each line after its wall-clock
+time, to read beside the proxies' logs; stderr goes to a log file.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
@@ -68,6 +70,7 @@ class ClientProcess:
     ) -> None:
         self.consumer_id = consumer_id
         self.log_path = log_path
+        self.stdout_path = log_path.parent / f"{consumer_id}.stdout.log"
         env = {
             **os.environ,
             "TRIAGE_ENDPOINT": endpoint,
@@ -98,25 +101,30 @@ class ClientProcess:
         return self._proc.pid
 
     def _read(self, stream: IO[bytes]) -> None:
-        for raw in stream:
-            line = raw.decode("utf-8", "replace").strip()
-            if not line:
-                continue
-            try:
-                data = json.loads(line)
-                event = Event(
-                    str(data["event"]),
-                    int(data["partition"]),
-                    int(data["offset"]),
-                    time.monotonic(),
-                    data,
-                )
-            except (ValueError, KeyError, TypeError):
-                with self._lock:
-                    self.bad_lines.append(line[:200])
-                continue
+        with open(self.stdout_path, "a", encoding="utf-8") as copy:
+            for raw in stream:
+                line = raw.decode("utf-8", "replace").strip()
+                if line:
+                    copy.write(f"{datetime.now().isoformat(timespec='milliseconds')} {line}\n")
+                    copy.flush()
+                    self._parse(line)
+
+    def _parse(self, line: str) -> None:
+        try:
+            data = json.loads(line)
+            event = Event(
+                str(data["event"]),
+                int(data["partition"]),
+                int(data["offset"]),
+                time.monotonic(),
+                data,
+            )
+        except (ValueError, KeyError, TypeError):
             with self._lock:
-                self.events.append(event)
+                self.bad_lines.append(line[:200])
+            return
+        with self._lock:
+            self.events.append(event)
 
     def snapshot(self) -> list[Event]:
         with self._lock:

@@ -12,9 +12,11 @@ import base64
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ from tests.integration.harness import (
     wait_until,
 )
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
+from triage_conformance.scenarios import SCENARIOS
 from triage_proxy.app import Proxy
 
 pytestmark = pytest.mark.integration
@@ -79,6 +82,61 @@ def built() -> Path:
     assert out.returncode == 0, out.stdout + out.stderr
     assert ADAPTER.is_file()
     return PACKAGE
+
+
+ALONE = [name for name in SCENARIOS if name != "side-by-side"]
+"""The kit's scenarios the TypeScript client runs on its own (side-by-side runs beside the
+Python client, below)."""
+
+
+def run_kit(work_dir: Path, *args: str) -> str:
+    """`python -m triage_conformance --client <the TypeScript adapter> ARGS`: its report,
+    asserted to pass every scenario it ran with lost 0 (the kit starts and stops its own
+    stack by PID)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "conformance"), str(ROOT)])}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "triage_conformance",
+            "--client",
+            shlex.join([tool("node"), str(ADAPTER)]),
+            "--work-dir",
+            str(work_dir),
+            *args,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    report = out.stdout + out.stderr
+    assert out.returncode == 0, f"{report}\n(client logs under {work_dir}/clients)"
+    assert "FAIL" not in report, report
+    assert "lost 0" in report, report
+    return report
+
+
+@pytest.mark.slow
+def test_the_typescript_client_passes_the_conformance_kit(built: Path, tmp_path: Path) -> None:
+    """Every scenario but side-by-side, on two partitions: the client finds them with
+    Topology discovery and drains both streams at SIGTERM."""
+    report = run_kit(
+        tmp_path, "--partitions", "2", *(arg for name in ALONE for arg in ("--scenario", name))
+    )
+    for name in ALONE:
+        assert f"PASS  {name}" in report, report
+
+
+@pytest.mark.slow
+def test_the_typescript_and_python_clients_share_the_work(built: Path, tmp_path: Path) -> None:
+    """The kit's side-by-side with a TypeScript and a Python instance on one deployment:
+    both handle some, nothing is handled twice or lost."""
+    peer = shlex.join([sys.executable, "-m", "triage_conformance.python_client"])
+    report = run_kit(tmp_path, "--peer", peer, "--scenario", "side-by-side")
+    assert "PASS  side-by-side" in report, report
 
 
 def test_the_typescript_unit_suite_passes(built: Path) -> None:

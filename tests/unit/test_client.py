@@ -38,6 +38,7 @@ from triage_client.message import make_message
 from triage_client.pool import MAX_REASON_CHARS, HandlerPool
 from triage_client.pool import nack_reason as _reason
 from triage_client.stream import backoff_delay
+from triage_proxy.clienttext import REASON_MAX_CHARS
 
 TOKEN = "s3cret-token"
 WAIT_S = 5.0
@@ -801,6 +802,30 @@ def test_stop_from_another_thread_waits_for_running_handlers_and_their_acks(
     assert run.consumer.stats.dropped == 2
 
 
+def test_stop_with_nothing_queued_still_sends_a_release_before_the_last_settle(
+    proxy: FakeProxy,
+) -> None:
+    """The Release ends the stream's credits: without it the proxy refills what the final
+    Settle frees, and holds what it sends then at the half-close (an attempt each)."""
+    started: list[int] = []
+    release = threading.Event()
+
+    def handler(message: Message) -> None:
+        started.append(message.offset)
+        assert release.wait(WAIT_S)
+
+    proxy.feed(delivery(o) for o in range(4))
+    run = Running(consumer(proxy, handler, concurrency=2, prefetch=0))
+    proxy.wait_for(lambda: len(started) == 2, "two running handlers")
+    run.consumer.stop()
+    proxy.wait_for(lambda: (1, "release") in proxy.events, "a Release at stop()")
+    release.set()
+    run.join()
+    assert proxy.releases == [], "it lists nothing: nothing was queued"
+    kinds = [kind for stream, kind in proxy.events if stream == 1]
+    assert kinds[-3:] == ["release", "settle", "half-close"], kinds
+
+
 def test_stop_releases_queued_deliveries_of_async_handlers(proxy: FakeProxy) -> None:
     gate = threading.Event()
     started: list[int] = []
@@ -918,8 +943,11 @@ def test_stop_before_run_returns_at_once(proxy: FakeProxy) -> None:
 
 
 def test_reason_is_bounded_and_valid_utf8() -> None:
+    assert MAX_REASON_CHARS == REASON_MAX_CHARS, "the client cuts where the proxy does"
     reason = _reason(ValueError("x" * 5000 + "\udc80"))
     assert len(reason) == MAX_REASON_CHARS
+    assert reason.endswith("x...")
+    assert len(_reason(ValueError("y" * (MAX_REASON_CHARS - 12)))) == MAX_REASON_CHARS, "kept whole"
     assert reason.startswith("ValueError: xxx")
     reason.encode("utf-8")
     assert _reason(ValueError("\udc80")) == "ValueError: ?"

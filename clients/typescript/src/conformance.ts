@@ -17,7 +17,7 @@
  *     node clients/typescript/dist/conformance.js
  */
 
-import { Consumer, Retry, type Message } from "./index";
+import { Consumer, Retry, type Logger, type Message } from "./index";
 
 const ACTION_HEADER = "x-triage-action";
 
@@ -38,6 +38,18 @@ function action(message: Message): string {
   }
   return "ack";
 }
+
+/** Every log line, timestamped, on stderr: the kit keeps each client's stderr as its log. */
+function stderrLine(level: string): (message: string) => void {
+  return (message) => process.stderr.write(`${new Date().toISOString()} ${level} ${message}\n`);
+}
+
+const LOGGER: Logger = {
+  debug: stderrLine("DEBUG"),
+  info: stderrLine("INFO"),
+  warn: stderrLine("WARN"),
+  error: stderrLine("ERROR"),
+};
 
 function sleep(ms: number): Promise<void> {
   return new Promise((resolve) => setTimeout(resolve, ms));
@@ -91,6 +103,7 @@ async function main(): Promise<void> {
       consumerId: process.env["TRIAGE_CONSUMER_ID"] || undefined,
       concurrency: Number(process.env["TRIAGE_CONCURRENCY"] ?? "16"),
       handler: handle,
+      logger: LOGGER,
     });
   } catch (error) {
     process.stderr.write(`conformance client: ${(error as Error).message}\n`);

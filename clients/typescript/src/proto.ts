@@ -135,11 +135,3 @@ function method<Req, Res>(name: string): MethodDefinition<Req, Res> {
 
 export const CONSUME = method<ConsumerFrame, ProxyFrame>("Consume");
 export const TOPOLOGY = method<Record<string, never>, TopologyReply>("Topology");
-
-function hasField(message: string, field: string): boolean {
-  const type = (definition[message] as { type?: { field?: { name?: string }[] } }).type;
-  return (type?.field ?? []).some((f) => f.name === field);
-}
-
-/** This copy of the proto has Hello.max_frame_bytes (issue 13): send it. */
-export const HELLO_HAS_MAX_FRAME = hasField("triage.v1.Hello", "max_frame_bytes");

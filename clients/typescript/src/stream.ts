@@ -26,8 +26,9 @@
  * its result joins a batch, so it is never extended after its settlement was sent.
  *
  * Shutdown (stop()), per stream: queued deliveries are given back in a Release frame (no
- * attempt used) -> running handlers finish and their settlements are sent -> half-close ->
- * the proxy ends the stream with OK (cancelled after CLOSE_TIMEOUT_MS if it does not).
+ * attempt used; sent even when empty, since it also stops the proxy sending more) -> running
+ * handlers finish and their settlements are sent -> half-close -> the proxy ends the stream
+ * with OK (cancelled after CLOSE_TIMEOUT_MS if it does not).
  */
 
 import {
@@ -44,7 +45,6 @@ import { emptyStats, type Headers, type Message, type PartitionStats } from "./m
 import type { HandlerPool } from "./pool";
 import {
   CONSUME,
-  HELLO_HAS_MAX_FRAME,
   type ConsumerFrame,
   type Deliveries,
   type Hello,
@@ -62,6 +62,18 @@ export const SETTLE_BATCH = 256;
 export const SETTLE_DELAY_MS = 2;
 /** How long stop() waits for the proxy to end the stream after the half-close. */
 export const CLOSE_TIMEOUT_MS = 5000;
+/**
+ * How long stop() waits for the Welcome of a stream still connecting before it cancels the
+ * call. Waiting is worth it: a proxy that read the Hello has already sent deliveries, and a
+ * cancelled call counts each as a failed attempt, where a Release gives them back free.
+ */
+export const STOP_CONNECT_GRACE_MS = 2000;
+/**
+ * After a Welcome that arrives during stop(), how long to wait for the deliveries the proxy
+ * sent right behind it (before it read the Release) so they are released, not held at the
+ * half-close.
+ */
+export const STOP_WELCOME_WAIT_MS = 50;
 /**
  * Owner endpoints followed at once in a row; past that, redirects wait out the backoff too,
  * so two proxies that each name the other cannot spin a stream.
@@ -145,6 +157,13 @@ export class PartitionStream {
   nacks: Nack[] = [];
   /** Deliveries given back unstarted at stop(): sent as Release, no attempt used. */
   releases: number[] = [];
+  /**
+   * stop() began on an established stream: the next flush sends a Release even if it lists
+   * nothing, because the Release is what sets the stream's credits to 0. Without it the
+   * proxy refills the credits each final settlement frees, and what it sends then arrives
+   * after the half-close: held at the stream's end, each counts as a failed attempt.
+   */
+  private releaseDue = false;
   dropped = 0;
 
   private call: Call | null = null;
@@ -152,6 +171,7 @@ export class PartitionStream {
   private held = 0; // delivered on this stream and not yet settled
   private overWarned = false;
   private halfClosed = false;
+  private halfCloseAfter = 0; // Date.now() before which flush() does not half-close
   private fatal: Error | null = null; // raised by a frame handler: ends the Consumer
   private flushTimer: NodeJS.Timeout | null = null;
   private flushSoon: NodeJS.Immediate | null = null;
@@ -236,8 +256,16 @@ export class PartitionStream {
       this.releases.push(message.offset);
     }
     this.dropped += taken.length;
-    if (this.call !== null && !this.established) {
-      this.call.cancel(); // nothing to settle yet: do not wait for a slow connect
+    this.releaseDue = this.call !== null;
+    const call = this.call;
+    if (call !== null && !this.established && this.closeTimer === null) {
+      // Connecting: the Release follows the Hello; wait a little for the Welcome, and do not
+      // wait long for a slow connect.
+      this.closeTimer = setTimeout(() => {
+        if (!this.established) {
+          call.cancel();
+        }
+      }, STOP_CONNECT_GRACE_MS);
     }
     this.scheduleFlush();
     this.rouse();
@@ -341,6 +369,7 @@ export class PartitionStream {
     this.established = false;
     this.overWarned = false;
     this.halfClosed = false;
+    this.halfCloseAfter = 0;
     this.credits = ctx.credits(this);
     this.batchLimit = Math.min(SETTLE_BATCH, this.credits);
     const call = client.makeBidiStreamRequest(
@@ -362,12 +391,13 @@ export class PartitionStream {
       });
       call.on("error", () => {}); // the status event carries the outcome
       call.on("status", resolve);
-      const hello: Hello = { consumer_id: ctx.consumerId, credits: this.credits };
+      const hello: Hello = {
+        consumer_id: ctx.consumerId,
+        credits: this.credits,
+        max_frame_bytes: ctx.maxFrameBytes,
+      };
       if (this.named && this.partition !== null) {
         hello.partition = this.partition;
-      }
-      if (HELLO_HAS_MAX_FRAME) {
-        hello.max_frame_bytes = ctx.maxFrameBytes;
       }
       call.write({ hello });
     });
@@ -392,6 +422,7 @@ export class PartitionStream {
     this.acks = [];
     this.nacks = [];
     this.releases = []; // counted as dropped when they were released
+    this.releaseDue = false;
     this.dropped += released + unsent;
     this.held = 0;
     if (released || unsent) {
@@ -432,6 +463,15 @@ export class PartitionStream {
       this.partition = partition;
     }
     this.established = true;
+    if (ctx.stopping()) {
+      if (this.closeTimer !== null) {
+        clearTimeout(this.closeTimer);
+        this.closeTimer = null;
+      }
+      // Release what the proxy sent behind the Welcome, then half-close (flush()).
+      this.halfCloseAfter = Date.now() + STOP_WELCOME_WAIT_MS;
+      setTimeout(() => this.scheduleFlush(), STOP_WELCOME_WAIT_MS);
+    }
     const deadline = welcome.ack_deadline_ms ?? 0;
     if (deadline > 0 && this.extendTimer === null) {
       this.extendTimer = setInterval(() => this.extend(), deadline / 3);
@@ -541,9 +581,10 @@ export class PartitionStream {
     if (call === null || this.halfClosed) {
       return;
     }
-    if (this.releases.length > 0) {
+    if (this.releases.length > 0 || this.releaseDue) {
       const offsets = this.releases;
       this.releases = [];
+      this.releaseDue = false;
       this.held -= offsets.length;
       call.write({ release: { offsets } });
     }
@@ -561,7 +602,12 @@ export class PartitionStream {
       this.acked += acks.length;
       this.nacked += nacks.length;
     }
-    if (this.ctx.stopping() && this.outstanding === 0 && this.established) {
+    if (
+      this.ctx.stopping() &&
+      this.outstanding === 0 &&
+      this.established &&
+      Date.now() >= this.halfCloseAfter
+    ) {
       this.halfClosed = true;
       call.end();
       this.ctx.logger.debug(

@@ -10,7 +10,7 @@ import * as grpc from "@grpc/grpc-js";
 
 import { Consumer, Retry, type ConsumerOptions, type Message } from "../src/index.js";
 import { MAX_MESSAGE_BYTES } from "../src/consumer.js";
-import { SETTLE_BATCH } from "../src/stream.js";
+import { SETTLE_BATCH, STOP_CONNECT_GRACE_MS } from "../src/stream.js";
 import { FakeProxy, TOKEN, sleep, track, until, withProxies, type FakeStream } from "./fake.js";
 
 const quiet = { debug() {}, info() {}, warn() {}, error() {} };
@@ -279,6 +279,79 @@ test("stop(): Release the unstarted, settle the running, half-close, wait for th
   });
 });
 
+test("stop() with nothing queued still sends a Release, before the last Settle", async () => {
+  // The Release is what ends the stream's credits: without it the proxy refills the credits
+  // the final Settle frees, and what it sends then is held at the half-close (an attempt each).
+  await withProxies(1, async (proxy) => {
+    const running = gate();
+    const started: number[] = [];
+    proxy.onStream = (s) => {
+      s.welcome();
+      s.deliver([0, 1]);
+    };
+    const c = consumer(proxy, {
+      concurrency: 2,
+      prefetch: 0,
+      handler: async (m: Message) => {
+        started.push(m.offset);
+        await running.wait;
+      },
+    });
+    await c.start();
+    await until(() => started.length === 2);
+    const stopping = c.stop();
+    const stream = proxy.streams[0]!;
+    await until(() => stream.frames("release").length === 1, 2000, "Release");
+    assert.deepEqual(stream.frames("release")[0]!.value.offsets ?? [], []);
+    running.open();
+    await stopping;
+    const kinds = stream.received.map((r) => Object.keys(r.frame)[0]);
+    assert.deepEqual(kinds, ["hello", "release", "settle"]);
+    assert.deepEqual(stream.acks(), [0, 1]);
+    assert.equal(c.stats.dropped, 0);
+  });
+});
+
+test("stop() while a stream connects: Release, wait for the Welcome, release what follows it", async () => {
+  // A proxy that read the Hello has sent deliveries already: a cancelled call would count
+  // each as a failed attempt, a Release gives them back free.
+  await withProxies(1, async (proxy) => {
+    let stream: FakeStream | null = null;
+    proxy.onStream = (s) => {
+      stream = s;
+    };
+    const c = consumer(proxy, { handler: () => assert.fail("nothing starts after stop()") });
+    await c.start();
+    await until(() => stream?.hello !== undefined && stream?.hello !== null, 2000, "Hello");
+    const stopping = c.stop();
+    await sleep(100);
+    const s = stream!;
+    s.welcome();
+    s.deliver([0, 1]);
+    await stopping;
+    assert.deepEqual(s.frames("release").flatMap((r) => r.value.offsets ?? []), [0, 1]);
+    const releasedAt = s.frames("release").at(-1)!.at;
+    assert.ok(s.halfClosedAt !== null && s.halfClosedAt >= releasedAt, "drained: half-closed after the Release");
+    assert.equal(c.stats.dropped, 2);
+  });
+});
+
+test("stop() cancels a stream whose Welcome never comes, after a grace", async () => {
+  await withProxies(1, async (proxy) => {
+    let stream: FakeStream | null = null;
+    proxy.onStream = (s) => {
+      stream = s;
+    };
+    const c = consumer(proxy, {});
+    await c.start();
+    await until(() => stream !== null, 2000, "a stream");
+    const began = Date.now();
+    await c.stop();
+    assert.ok(Date.now() - began >= STOP_CONNECT_GRACE_MS - 50);
+    await until(() => stream!.cancelled, 2000, "cancelled");
+  });
+});
+
 test("stop() waits for the proxy to end the stream after the half-close", async () => {
   await withProxies(1, async (proxy) => {
     proxy.endOnHalfClose = false;
@@ -288,7 +361,7 @@ test("stop() waits for the proxy to end the stream after the half-close", async 
     };
     const c = consumer(proxy, {});
     await c.start();
-    // Settled: the client has seen the Welcome (before it, stop() cancels instead of draining).
+    // Settled: the client has seen the Welcome (before it, stop() waits a little for one).
     await until(() => proxy.streams[0]?.acks().includes(0) === true);
     let stopped = false;
     const stopping = c.stop().then(() => {
@@ -321,11 +394,12 @@ test("deliveries that arrive while stopping are released, not handled", async ()
     const stopping = c.stop();
     const stream = proxy.streams[0]!;
     stream.deliver([7, 8]);
-    await until(() => stream.frames("release").some((r) => r.value.offsets.includes(7)), 2000, "Release 7, 8");
+    await until(() => stream.frames("release").some((r) => (r.value.offsets ?? []).includes(7)), 2000, "Release 7, 8");
     running.open();
     await stopping;
     assert.deepEqual(handled, [0]);
-    assert.deepEqual(stream.frames("release").flatMap((r) => r.value.offsets), [7, 8]);
+    // The first Release (at stop(), nothing queued then) lists nothing: an absent repeated field.
+    assert.deepEqual(stream.frames("release").flatMap((r) => r.value.offsets ?? []), [7, 8]);
   });
 });
 
