@@ -377,6 +377,8 @@ class FleetReport:
     window: int = 0
     events: list[FleetEvent] = field(default_factory=list)
     unexpected_exits: list[str] = field(default_factory=list)
+    written_twice: int = 0
+    """Records the producer wrote twice (a resent batch): each copy must be settled."""
     collateral_dead: int = 0
     """Dead-lettered messages whose behaviour never asked for it (attempts used up by
     crashes of the instance they were in flight at): reported, not judged."""
@@ -410,54 +412,104 @@ def cause_of(prev: Invocation, cur: Invocation, move_times: list[float]) -> str:
     return "other"
 
 
+class TopicLog:
+    """The topic as the broker holds it: the authority on which record sits where.
+
+    Why not the producer's delivery reports: a producer that resends a batch (a request
+    that timed out on the loaded broker) writes its records twice, and its report names
+    only the second copy; both copies are messages the proxies must settle."""
+
+    def __init__(self, bootstrap: str, partitions: int) -> None:
+        from confluent_kafka import Consumer
+
+        self._partitions = partitions
+        self._consumer = Consumer(
+            {"bootstrap.servers": bootstrap, "group.id": f"fault-log-{time.time_ns()}"}
+        )
+
+    def ends(self) -> dict[int, int]:
+        from confluent_kafka import TopicPartition
+
+        return {
+            p: self._consumer.get_watermark_offsets(
+                TopicPartition(TOPIC, p), timeout=10, cached=False
+            )[1]
+            for p in range(self._partitions)
+        }
+
+    def records(self) -> dict[tuple[int, int], int]:
+        """(partition, offset) -> the index its value carries, for every record."""
+        from confluent_kafka import TopicPartition
+
+        ends = self.ends()
+        found: dict[tuple[int, int], int] = {}
+        self._consumer.assign([TopicPartition(TOPIC, p, 0) for p in range(self._partitions)])
+        deadline = time.monotonic() + 120
+        while len(found) < sum(ends.values()) and time.monotonic() < deadline:
+            for message in self._consumer.consume(5000, 1.0):
+                partition, offset = message.partition(), message.offset()
+                if message.error() is None and partition is not None and offset is not None:
+                    index = int((message.value() or b"-:-1").split(b":", 1)[1])
+                    found[(partition, offset)] = index
+        return found
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
 def verify_fleet(
     report: FleetReport,
     workload: Workload,
-    positions: dict[int, tuple[int, int]],
+    records: dict[tuple[int, int], int],
     history: list[Incarnation],
     dead: list[Any],
 ) -> None:
+    """Every record of the log (`records`: (partition, offset) -> index) against the
+    handlers' logs and the dead-letter table. An invocation's record is (its index's
+    partition, its offset): the instance log names the offset and the index."""
     options = report.options
-    index_at = {pos: index for index, pos in positions.items()}
-    report.produced = len(positions)
+    partitions = options.partitions
+    report.produced = len(records)
+    report.written_twice = len(records) - len(set(records.values()))
+    for pos, index in records.items():
+        if pos[0] != index % partitions:
+            report.mismatched.append(f"index {index} found in partition {pos[0]}")
     invocations, torn = read_invocations(history)
     if torn:
         report.mismatched.append(f"{torn} torn log lines")
-    by_index: dict[int, list[Invocation]] = defaultdict(list)
+    by_record: dict[tuple[int, int], list[Invocation]] = defaultdict(list)
     for inv in invocations:
-        pos = positions.get(inv.index)
-        if pos is None or pos[1] != inv.offset:
-            report.mismatched.append(f"index {inv.index} delivered at offset {inv.offset}, {pos}")
+        pos = (inv.index % partitions, inv.offset)
+        if records.get(pos) != inv.index:
+            report.mismatched.append(f"index {inv.index} delivered at {pos}: {records.get(pos)}")
             continue
         if inv.plan != plan_for(workload.behaviours[inv.index], inv.attempt):
             report.mismatched.append(f"index {inv.index} attempt {inv.attempt}: {inv.plan}")
-        by_index[inv.index].append(inv)
+        by_record[pos].append(inv)
     report.invocations = len(invocations)
-    acked = {i for i, invs in by_index.items() if any(v.done_t is not None for v in invs)}
+    acked = {pos for pos, invs in by_record.items() if any(v.done_t is not None for v in invs)}
     report.acked = len(acked)
 
     dead_at = {(dl.record.partition, dl.record.offset): dl for dl in dead}
     report.dead_lettered = len(dead_at)
     for pos, dl in sorted(dead_at.items()):
-        index = index_at.get(pos)
-        if index is None or dl.record.value != workload.value(index):
+        found = records.get(pos)
+        if found is None or dl.record.value != workload.value(found):
             report.not_exact.append(pos)
-        elif workload.behaviours[index] not in ("nack", "crash"):
+        elif workload.behaviours[found] not in ("nack", "crash"):
             report.collateral_dead += 1
-    dead_indexes = {index_at[pos] for pos in dead_at if pos in index_at}
-    for index, (partition, offset) in sorted(positions.items()):
-        settled = index in acked or index in dead_indexes
-        if not settled and offset < report.committed.get(partition, -1):
-            report.lost.append((partition, offset))
+    for pos, index in sorted(records.items()):
+        partition, offset = pos
+        if pos not in acked and pos not in dead_at and offset < report.committed.get(partition, -1):
+            report.lost.append(pos)
         if workload.behaviours[index] == "crash":
             report.crash_pills += 1
-            dl = dead_at.get((partition, offset))
+            dl = dead_at.get(pos)
             if dl is not None:
                 report.crash_pills_dead += 1
                 report.crash_attempts[dl.attempts] += 1
 
-    for index, invs in by_index.items():
-        partition = positions[index][0]
+    for (partition, _), invs in by_record.items():
         move_times = report.moves.get(partition, [])
         invs.sort(key=lambda i: i.t)
         causes = []
@@ -469,7 +521,7 @@ def verify_fleet(
                 assert move is not None
                 key = (partition, move)
                 report.per_move[key] = report.per_move.get(key, 0) + 1
-        budget = expected_budget(workload.behaviours[index], options.max_attempts)
+        budget = expected_budget(workload.behaviours[invs[0].index], options.max_attempts)
         for cause in causes:
             report.causes[cause] += 1
         for cause in EXPECTED:
@@ -520,7 +572,8 @@ def render(report: FleetReport) -> str:
         f"{o.partitions} partitions, {o.instances} instances x {o.concurrency} handlers, "
         f"seed {o.seed}",
         f"  wall time                 {report.wall_s:.1f} s {report.unfinished}",
-        f"  produced                  {report.produced}",
+        f"  records in the topic      {report.produced} ({report.written_twice} written "
+        "twice by the producer)",
         f"  acked / dead-lettered     {report.acked} / {report.dead_lettered}",
         f"  lost                      {len(report.lost)}",
         f"  crash pills dead-lettered {report.crash_pills_dead}/{report.crash_pills} "
@@ -594,6 +647,8 @@ def run_fleet(options: FleetOptions) -> FleetReport:
         cleanup.callback(instances.stop)
         watcher = CommitWatcher(stack.broker.bootstrap, stack.group_id, TOPIC, options.partitions)
         cleanup.callback(watcher.close)
+        log = TopicLog(stack.broker.bootstrap, options.partitions)
+        cleanup.callback(log.close)
         producer = Production(
             stack.broker.bootstrap, workload, options.duration_s, 0.0, options.partitions
         )
@@ -606,7 +661,7 @@ def run_fleet(options: FleetOptions) -> FleetReport:
         started = events.start_at = time.time()
         events.start()
         report.unfinished = _supervise(
-            report, options, instances, proxies, producer, events, watcher
+            report, options, instances, proxies, producer, events, watcher, log
         )
         report.wall_s = time.time() - started
         events.stop()
@@ -615,6 +670,7 @@ def run_fleet(options: FleetOptions) -> FleetReport:
         poller.stop()
         proxies.stop()
         dead = scan_dead_letters(stack)
+        records = log.records()
 
     now = time.time()
     report.events = events.records
@@ -623,7 +679,7 @@ def run_fleet(options: FleetOptions) -> FleetReport:
     for p in range(options.partitions):
         report.gaps[p] = poller.longest_gap(p, now)
         report.moves[p] = moves(poller.episodes(p))
-    verify_fleet(report, workload, producer.positions, instances.history, dead)
+    verify_fleet(report, workload, records, instances.history, dead)
     return report
 
 
@@ -635,6 +691,7 @@ def _supervise(
     producer: Production,
     events: Events,
     watcher: CommitWatcher,
+    log: TopicLog,
 ) -> str:
     """Restart exited instances until every commit reached its end; why it ended early."""
     deadline = time.monotonic() + options.duration_s + options.timeout_s
@@ -644,17 +701,15 @@ def _supervise(
         proxies.check()
         if events.error is not None:
             return f"aborted: {events.error!r}"
-        if producer.finished.is_set() and events.finished.is_set():
-            ends: dict[int, int] = defaultdict(int)
-            for partition, offset in producer.positions.values():
-                ends[partition] = max(ends[partition], offset + 1)
-            report.ends = dict(ends)
-            if time.monotonic() >= next_commit_read:
-                next_commit_read = time.monotonic() + 0.5
-                with contextlib.suppress(Exception):
-                    report.committed = dict(enumerate(watcher.offsets()))
-                if all(report.committed.get(p, -1) >= e for p, e in report.ends.items()):
-                    return ""
+        due = time.monotonic() >= next_commit_read
+        if producer.finished.is_set() and events.finished.is_set() and due:
+            next_commit_read = time.monotonic() + 0.5
+            with contextlib.suppress(Exception):
+                report.ends = report.ends or log.ends()  # production has ended
+                report.committed = dict(enumerate(watcher.offsets()))
+            ends = report.ends.items()
+            if ends and all(report.committed.get(p, -1) >= e for p, e in ends):
+                return ""
         if time.monotonic() > deadline:
             with contextlib.suppress(Exception):
                 report.committed = dict(enumerate(watcher.offsets()))
