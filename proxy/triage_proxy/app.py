@@ -626,7 +626,7 @@ class Proxy:
             wanted = membership.target()
             for partition, pipeline in list(self.pipelines.items()):
                 if partition not in wanted and not pipeline.stopping:
-                    logger.info("partition %d was assigned elsewhere: draining it", partition)
+                    logger.info("partition %d is no longer assigned here: draining it", partition)
                     pipeline.stop()
             for partition in sorted(wanted - set(self.pipelines)):
                 logger.info("partition %d assigned here: taking its lease", partition)
