@@ -377,6 +377,7 @@ class FleetReport:
     window: int = 0
     events: list[FleetEvent] = field(default_factory=list)
     unexpected_exits: list[str] = field(default_factory=list)
+    produce_errors: list[str] = field(default_factory=list)
     written_twice: int = 0
     """Records the producer wrote twice (a resent batch): each copy must be settled."""
     collateral_dead: int = 0
@@ -437,20 +438,25 @@ class TopicLog:
             for p in range(self._partitions)
         }
 
-    def records(self) -> dict[tuple[int, int], int]:
-        """(partition, offset) -> the index its value carries, for every record."""
+    def records(self, at_least: dict[int, int]) -> dict[tuple[int, int], int]:
+        """(partition, offset) -> the index its value carries, for every record up to the
+        end of each partition (the greater of the broker's high watermark and
+        `at_least`, e.g. what the group committed)."""
         from confluent_kafka import TopicPartition
 
-        ends = self.ends()
+        fresh = self.ends()
+        ends = {p: max(fresh[p], at_least.get(p, 0)) for p in fresh}
         found: dict[tuple[int, int], int] = {}
+        reached = {p: 0 for p in ends}
         self._consumer.assign([TopicPartition(TOPIC, p, 0) for p in range(self._partitions)])
-        deadline = time.monotonic() + 120
-        while len(found) < sum(ends.values()) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 180
+        while any(reached[p] < ends[p] for p in ends) and time.monotonic() < deadline:
             for message in self._consumer.consume(5000, 1.0):
                 partition, offset = message.partition(), message.offset()
                 if message.error() is None and partition is not None and offset is not None:
                     index = int((message.value() or b"-:-1").split(b":", 1)[1])
                     found[(partition, offset)] = index
+                    reached[partition] = max(reached[partition], offset + 1)
         return found
 
     def close(self) -> None:
@@ -596,6 +602,8 @@ def render(report: FleetReport) -> str:
         )
     for text in report.unexpected_exits:
         lines.append(f"  unexpected exit: {text}")
+    for text in report.produce_errors[:5]:
+        lines.append(f"  producer: {text}")
     for pos in report.lost[:10]:
         lines.append(f"  lost: partition {pos[0]} offset {pos[1]}")
     for text in report.mismatched[:5]:
@@ -670,15 +678,18 @@ def run_fleet(options: FleetOptions) -> FleetReport:
         poller.stop()
         proxies.stop()
         dead = scan_dead_letters(stack)
-        records = log.records()
+        records = log.records(report.committed)
 
     now = time.time()
     report.events = events.records
     report.unexpected_exits = proxies.unexpected
+    report.produce_errors = producer.errors[:10]
     report.instance_crashes = sum(1 for i in instances.history if i.fate == "crashed")
     for p in range(options.partitions):
         report.gaps[p] = poller.longest_gap(p, now)
         report.moves[p] = moves(poller.episodes(p))
+    for partition, offset in records:  # the end, as the records in the topic say
+        report.ends[partition] = max(report.ends.get(partition, 0), offset + 1)
     verify_fleet(report, workload, records, instances.history, dead)
     return report
 
@@ -705,7 +716,12 @@ def _supervise(
         if producer.finished.is_set() and events.finished.is_set() and due:
             next_commit_read = time.monotonic() + 0.5
             with contextlib.suppress(Exception):
-                report.ends = report.ends or log.ends()  # production has ended
+                # The broker's end, read afresh each time: it once answered a stale one.
+                produced: dict[int, int] = defaultdict(int)
+                for partition, offset in producer.positions.values():
+                    produced[partition] = max(produced[partition], offset + 1)
+                fresh = log.ends()
+                report.ends = {p: max(fresh[p], produced[p]) for p in fresh}
                 report.committed = dict(enumerate(watcher.offsets()))
             ends = report.ends.items()
             if ends and all(report.committed.get(p, -1) >= e for p, e in ends):
