@@ -59,8 +59,9 @@ def measure_fleet(args: argparse.Namespace) -> float:
         assert server.http_port is not None
         log = open(stack.state_dir / "fleet-0.log", "ab")  # noqa: SIM115
         with log:
+            pins = [a for p in range(args.partitions) for a in ("-p", str(p))]
             proxy = subprocess.Popen(
-                fleet_command(stack.config_path, 0),
+                fleet_command(stack.config_path, 0) + (pins if args.pinned else []),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
@@ -108,12 +109,19 @@ def measure_fleet(args: argparse.Namespace) -> float:
 def main() -> int:
     parser = bench_arguments(messages=200_000, instances=2, concurrency=256)
     parser.add_argument("--partitions", type=int, default=4)
+    parser.add_argument(
+        "--pinned",
+        action="store_true",
+        help="the process pins the partitions (--partition) instead of joining the group: "
+        "its commits go straight to the broker, not through a group member",
+    )
     args = parser.parse_args()
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"fleet no-op throughput on {os.cpu_count()} cores, load average {load}")
     print("single partition (bench_throughput's measurement):")
     single = measure(args, None)
-    print(f"one fleet process, {args.partitions} partitions:")
+    mode = "pinned" if args.pinned else "fleet"
+    print(f"one {mode} process, {args.partitions} partitions:")
     fleet = measure_fleet(args)
     ratio = fleet / single.rate
     after = " ".join(f"{x:.2f}" for x in os.getloadavg())
