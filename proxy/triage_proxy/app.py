@@ -400,7 +400,8 @@ class Proxy:
                     if not self._closing.is_set():
                         try:
                             server = await self._listen(stack, service, credentials)
-                        except (OSError, RuntimeError) as exc:  # port taken: undo the start
+                        except (OSError, RuntimeError, ConfigError) as exc:  # port taken
+                            # (create_server says so with a ConfigError): undo the start
                             self._fail(exc)
                         else:
                             for pipeline in pinned:
