@@ -1,20 +1,20 @@
 """`triage deploy` and `triage destroy`: run Triage on this machine or on AWS.
 
-    triage deploy  --target local --config F [--proxies N] [--state-dir D]
+    triage deploy  --target local --config F [--proxies N | --pinned] [--state-dir D]
                    [--timeout S]
     triage destroy --target local --config F [--state-dir D]
     triage deploy  --target aws   --config F [--image IMAGE]
     triage destroy --target aws   --config F [--yes] [--delete-data]
 
 local: creates the dead-letter table (and overflow bucket) if missing, starts a detached
-supervisor (`supervisor.py`) that keeps one proxy per partition alive (or, with
-`--proxies N`, N fleet processes that the deployment's consumer group assigns the
-partitions to; 0 means min(partitions, cores)), and returns once every proxy it started
-is ready (a fleet: every process ready and every partition served; HTTP /readyz
-when the proxy serves it, else its gRPC port accepts), counting only answers from a
-port that process holds: a port answered by another deployment is not readiness. A
-proxy the supervisor gives up (e.g. its port is in use) fails the deploy with the cause
-from its log.
+supervisor (`supervisor.py`) that keeps N fleet processes alive, which the deployment's
+consumer group assigns the partitions to (`--proxies N`, default min(partitions, cores);
+0 means that default too), or with `--pinned` one process pinned to each partition (the
+layout before fleets), and returns once every proxy it started is ready (a fleet: every
+process ready and every partition served; HTTP /readyz when the proxy serves it, else
+its gRPC port accepts), counting only answers from a port that process holds: a port
+answered by another deployment is not readiness. A proxy the supervisor gives up (e.g.
+its port is in use) fails the deploy with the cause from its log.
 State lives in the project folder (default `.triage/` next to the config). A second
 deploy is refused while the first one lives; a dead one's leftovers are cleaned up.
 The token is never printed: deploy prints its NAME and the file that holds it (the
@@ -107,9 +107,17 @@ def deploy(
         typer.Option(
             min=0,
             help="local: run N fleet processes sharing the partitions (assigned by the "
-            "consumer group); 0: min(partitions, cores). Default: one per partition.",
+            "consumer group). Default (or 0): min(partitions, cores).",
+            show_default=False,
         ),
     ] = None,
+    pinned: Annotated[
+        bool,
+        typer.Option(
+            "--pinned",
+            help="local: one process pinned to each partition instead of a fleet.",
+        ),
+    ] = False,
 ) -> None:
     """Run the proxies (local processes, or ECS on AWS); print the endpoints."""
     with exit_on_errors():
@@ -121,7 +129,9 @@ def deploy(
             for key, value in dict(outputs).items():
                 typer.echo(f"  {key}: {value}")
             return
-        deploy_local(config, state_dir, timeout, proxies)
+        if pinned and proxies is not None:
+            raise CommandFailed(ExitCode.BAD_INPUT, "--pinned and --proxies do not go together")
+        deploy_local(config, state_dir, timeout, None if pinned else (proxies or 0))
 
 
 def destroy(
@@ -177,8 +187,9 @@ def default_proxies(partitions: int, cores: int | None) -> int:
 
 
 def deploy_local(
-    config: Path, state_dir: Path | None, timeout: float | None, proxies: int | None = None
+    config: Path, state_dir: Path | None, timeout: float | None, proxies: int | None = 0
 ) -> None:
+    """`proxies`: fleet processes (0: default_proxies); None: pinned, one per partition."""
     from triage_proxy.errors import ConfigError
     from triage_proxy.settings import load_settings
     from triage_proxy.table.provisioning import create_bucket, create_table

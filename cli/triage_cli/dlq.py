@@ -253,7 +253,7 @@ def list_(
             since=since,
             until=until,
         )
-        _, table = _open(config, group)
+        settings, table = _open(config, group)
         with table:
             found = table.scan(filters, attributes=LIST_ATTRIBUTES)
             if json_:
@@ -261,6 +261,7 @@ def list_(
                     _json_line(item_summary(item))
                     if limit is not None and n >= limit:
                         break
+                _warn_legacy(config, settings, table, topic, partition)
                 return
             items: list[dict[str, Any]] = []
             for item in found:
@@ -270,6 +271,51 @@ def list_(
             _print_table(
                 shown, f"{len(items)} dead letters of {table.group!r} in {table.table}{more}"
             )
+            _warn_legacy(config, settings, table, topic, partition)
+
+
+def _warn_legacy(
+    config: Path,
+    settings: Settings,
+    table: DeadLetterTable,
+    topic: str | None,
+    partition: int | None,
+) -> None:
+    """On stderr: the topic's dead letters from before deployment keys, which no command
+    shows until `triage dlq migrate` moves them (a Query per partition, Limit 1)."""
+    from triage_proxy.errors import TriageError
+    from triage_proxy.table.migrate import legacy_partitions, legacy_warning
+
+    topic = topic or settings.kafka.topic
+    if partition is not None:
+        partitions: list[int] = [partition]
+    else:
+        count = settings.kafka.partitions if topic == settings.kafka.topic else None
+        partitions = list(range(count if count is not None else _partition_count(settings, topic)))
+    with contextlib.suppress(TriageError):  # the listing worked; the hint is a bonus
+        found = legacy_partitions(table, topic, partitions)
+        if found:
+            typer.echo(f"warning: {legacy_warning(topic, found, str(config))}", err=True)
+
+
+LEGACY_METADATA_TIMEOUT_S = 3.0
+
+
+def _partition_count(settings: Settings, topic: str) -> int:
+    """The topic's partition count from the broker; 1 (partition 0 only) when it does not
+    answer in LEGACY_METADATA_TIMEOUT_S (dlq works without a broker)."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    config = {**settings.kafka.librdkafka_config(), "logger": _quiet_kafka_logger()}
+    try:
+        meta = AdminClient(config).list_topics(topic, timeout=LEGACY_METADATA_TIMEOUT_S)
+    except KafkaException:
+        return 1
+    found = meta.topics.get(topic)
+    if found is None or found.error is not None or not found.partitions:
+        return 1
+    return len(found.partitions)
 
 
 # --- show -----------------------------------------------------------------------------

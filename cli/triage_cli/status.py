@@ -102,6 +102,11 @@ class Report:
     broker_error: str | None = None
     dead_letters_error: str | None = None
     generated_at: str = ""
+    legacy_partitions: Sequence[int] = ()
+    """Partitions still holding dead letters written before deployment keys (invisible
+    to every command until `triage dlq migrate` moves them)."""
+    config: str = "<config>"
+    """The config file, as the migrate hint names it."""
 
     @property
     def proxies_down(self) -> list[int]:
@@ -118,6 +123,7 @@ class Report:
             "generated_at": self.generated_at,
             "broker_error": self.broker_error,
             "dead_letters_error": self.dead_letters_error,
+            "legacy_dead_letters": list(self.legacy_partitions),
             "totals": {
                 "lag": total("lag"),
                 "in_flight": total("in_flight"),
@@ -191,6 +197,8 @@ class Sources:
         self._hosts = None if hosts is None else list(hosts)
         """Fleet processes each on its own host at slot 0 (AWS tasks), instead of slots
         0, 1, ... on one host."""
+        self.config = "<config>"
+        """The config file's path, as the migrate hint names it."""
         config = {
             **settings.kafka.librdkafka_config(),
             "group.id": settings.kafka.group_id,
@@ -298,6 +306,17 @@ class Sources:
             return dict.fromkeys(range(partitions)), str(exc)
         return counts, None
 
+    def legacy_partitions(self, partitions: int) -> list[int]:
+        """Partitions with dead letters from before deployment keys (a Query each, Limit
+        1); none when the table cannot be read (dead_letters already says why)."""
+        from triage_proxy.errors import TriageError
+        from triage_proxy.table.migrate import legacy_partitions
+
+        try:
+            return legacy_partitions(self._table, self.settings.kafka.topic, range(partitions))
+        except TriageError:
+            return []
+
 
 def fetch_status(url: str, timeout: float = PROXY_TIMEOUT_S) -> ProxyView:
     """GET a proxy's /status; any failure means down (with the reason)."""
@@ -361,6 +380,7 @@ def gather(sources: Sources, *, now: Callable[[], float] = time.time) -> Report:
     asked = sources.ask_proxies(count)
     broker = sources.broker(count)
     pending, dl_error = sources.dead_letters(count)
+    legacy = sources.legacy_partitions(count) if dl_error is None else []
     views = partition_views([future.result() for future in asked], count)
     rows = [partition_row(p, broker, views[p], pending.get(p)) for p in range(count)]
     stamp = datetime.fromtimestamp(now(), UTC).isoformat(timespec="seconds")
@@ -371,6 +391,8 @@ def gather(sources: Sources, *, now: Callable[[], float] = time.time) -> Report:
         broker_error=broker.error,
         dead_letters_error=dl_error,
         generated_at=stamp,
+        legacy_partitions=legacy,
+        config=sources.config,
     )
 
 
@@ -450,6 +472,12 @@ def render_table(report: Report) -> Table:
         notes.append(f"broker: {report.broker_error}")
     if report.dead_letters_error:
         notes.append(f"dead letters: {report.dead_letters_error}")
+    if report.legacy_partitions:
+        from triage_proxy.table.migrate import legacy_warning
+
+        notes.append(
+            "warning: " + legacy_warning(report.topic, report.legacy_partitions, report.config)
+        )
     for row in report.partitions:
         if row["proxy"] == "down":
             where = f"proxy {row['partition']} down ({row['proxy_url']})"
@@ -536,6 +564,7 @@ def status(
 
             hosts = fleet_hosts(config)
         sources = Sources(settings, host, hosts)
+        sources.config = str(config)
         console = Console(highlight=False)
         try:
             if watch:
@@ -546,6 +575,14 @@ def status(
             sources.close()
         if json_:
             print(json.dumps(report.to_json(), indent=2))
+            if report.legacy_partitions:
+                from triage_proxy.table.migrate import legacy_warning
+
+                typer.echo(
+                    "warning: "
+                    + legacy_warning(report.topic, report.legacy_partitions, str(config)),
+                    err=True,
+                )
         else:
             console.print(render_table(report))
         if report.broker_error:

@@ -76,6 +76,7 @@ from triage_proxy.table.leases import (
     LeaseStore,
     MemoryLeaseReader,
 )
+from triage_proxy.table.query import DeadLetterTable
 from triage_proxy.topology import Topology
 from triage_proxy.waiting import wait_any
 
@@ -168,6 +169,10 @@ class Proxy:
         self._service: TriageService | None = None
         self.http_port: int | None = None
         """The HTTP (metrics/health/status) port bound; None when off or not started."""
+        self._legacy_view: DeadLetterTable | None = None
+        """Reads the table for legacy dead letters (None with injected twins)."""
+        self._legacy_checked: set[int] = set()
+        """Partitions whose legacy dead letters were looked for (once per process)."""
 
     # --- one pinned partition (what a one-partition proxy offered) -----------------------
 
@@ -356,6 +361,10 @@ class Proxy:
             if store is None:
                 store = DynamoDBStore(settings.dead_letters, group=settings.kafka.group_id)
                 stack.callback(store.close)
+                self._legacy_view = DeadLetterTable(
+                    settings.dead_letters, group=settings.kafka.group_id
+                )
+                stack.callback(self._legacy_view.close)
             reader = self._lease_reader
             if settings.ownership.enabled and reader is None:
                 if self._leases is not None and self.pins:
@@ -391,7 +400,8 @@ class Proxy:
                     if not self._closing.is_set():
                         try:
                             server = await self._listen(stack, service, credentials)
-                        except (OSError, RuntimeError) as exc:  # port taken: undo the start
+                        except (OSError, RuntimeError, ConfigError) as exc:  # port taken
+                            # (create_server says so with a ConfigError): undo the start
                             self._fail(exc)
                         else:
                             for pipeline in pinned:
@@ -486,7 +496,26 @@ class Proxy:
         )
         self.pipelines[partition] = pipeline
         tasks.create_task(self._run_pipeline(pipeline), name=f"partition-{partition}")
+        if self._legacy_view is not None and partition not in self._legacy_checked:
+            self._legacy_checked.add(partition)
+            tasks.create_task(self._warn_legacy(partition), name=f"legacy-{partition}")
         return pipeline
+
+    async def _warn_legacy(self, partition: int) -> None:
+        """One WARNING when the partition still has dead letters from before deployment
+        keys: this version neither shows nor replays them until `triage dlq migrate`."""
+        from triage_proxy.table.migrate import legacy_partitions, legacy_warning
+
+        view = self._legacy_view
+        assert view is not None
+        topic = self.settings.kafka.topic
+        try:
+            found = await asyncio.to_thread(legacy_partitions, view, topic, [partition])
+        except TriageError as exc:
+            logger.debug("partition %d: legacy dead letters not looked for: %s", partition, exc)
+            return
+        if found:
+            logger.warning("%s", legacy_warning(topic, found))
 
     async def _run_pipeline(self, pipeline: PartitionPipeline) -> None:
         """One pipeline's task: its failure stops a pinned process (and is what serve()
@@ -598,7 +627,7 @@ class Proxy:
             wanted = membership.target()
             for partition, pipeline in list(self.pipelines.items()):
                 if partition not in wanted and not pipeline.stopping:
-                    logger.info("partition %d was assigned elsewhere: draining it", partition)
+                    logger.info("partition %d is no longer assigned here: draining it", partition)
                     pipeline.stop()
             for partition in sorted(wanted - set(self.pipelines)):
                 logger.info("partition %d assigned here: taking its lease", partition)

@@ -152,6 +152,9 @@ class Assignment:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]
         self._jobs = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._commits: dict[tuple[int, int], list[concurrent.futures.Future[None]]] = {}
+        """Commits sent and not answered yet, by (partition, offset): on_commit answers
+        them (on the membership thread, like every use of this dict)."""
 
     # --- what the proxy reads ------------------------------------------------------------
 
@@ -175,6 +178,7 @@ class Assignment:
             "session.timeout.ms": SESSION_TIMEOUT_MS,
             "heartbeat.interval.ms": HEARTBEAT_MS,
             "error_cb": _on_error,
+            "on_commit": self._on_commit,
             "logger": logger,
         }
         # [kafka.client] may override the strategy and the timeouts (a real cluster may
@@ -242,6 +246,11 @@ class Assignment:
             consumer.close()  # leaves the group
         except KafkaException as exc:
             logger.warning("leaving the group: %s", exc)
+        for waiters in self._commits.values():
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_exception(BrokerUnavailable("the group membership has stopped"))
+        self._commits.clear()
         while True:  # what came after the close: refused
             try:
                 _, future = self._jobs.get_nowait()
@@ -332,20 +341,54 @@ class Assignment:
         return await asyncio.to_thread(self._call, ask)
 
     def commit(self, partition: int, offset: int, metadata: str | None) -> None:
+        """Commit as a member, asynchronously on the membership thread, and wait for the
+        answer (on_commit) up to CALL_TIMEOUT_S.
+
+        Why asynchronously: a synchronous commit blocks the membership thread until the
+        coordinator answers, and that thread must keep polling: a session that times out
+        (the coordinator unreachable) is reported by the `on_lost` callback, which only a
+        poll runs. With commits blocking it, a process cut off from its coordinator went
+        on serving its partitions for as long as the commits kept failing."""
         topic = self._settings.topic
         tp = TopicPartition(topic, partition, offset)
         if metadata is not None:  # confluent-kafka refuses metadata=None
             tp = TopicPartition(topic, partition, offset, metadata=metadata)
+        answer: concurrent.futures.Future[None] = concurrent.futures.Future()
 
-        def commit() -> None:
+        def send() -> None:
+            for key, waiters in list(self._commits.items()):  # forget the ones given up on
+                if all(w.done() for w in waiters):
+                    del self._commits[key]
             try:
-                result = self._consumer.commit(offsets=[tp], asynchronous=False)
+                self._consumer.commit(offsets=[tp], asynchronous=True)
             except KafkaException as exc:
                 raise BrokerUnavailable(f"commit of offset {offset} failed: {exc}") from exc
-            if result and result[0].error:
-                raise BrokerUnavailable(f"commit of offset {offset} failed: {result[0].error}")
+            self._commits.setdefault((partition, offset), []).append(answer)
 
-        self._call(commit)
+        self._call(send)
+        try:
+            answer.result(CALL_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            answer.cancel()
+            raise BrokerUnavailable(
+                f"commit of offset {offset}: the group coordinator did not answer in time"
+            ) from None
+
+    def _on_commit(self, err: Any, partitions: list[TopicPartition] | None) -> None:
+        """librdkafka's answer to commits (on the membership thread, from a poll)."""
+        for tp in partitions or []:
+            waiters = self._commits.pop((tp.partition, tp.offset), [])
+            error = err or tp.error
+            for waiter in waiters:
+                if waiter.done():
+                    continue
+                if error is not None:
+                    reason = error.str() if hasattr(error, "str") else str(error)
+                    waiter.set_exception(
+                        BrokerUnavailable(f"commit of offset {tp.offset} failed: {reason}")
+                    )
+                else:
+                    waiter.set_result(None)
 
 
 def _on_error(err: Any) -> None:

@@ -42,13 +42,16 @@ duplicates per proxy kill no more than the in-flight window (instances x credits
 --encode-settled both, at least 5x fewer duplicates per proxy kill with the encoding than
 without (exit 2 when only a figure target fails).
 
-    .venv/bin/python -m tests.fault.fault_suite [--messages N] [--proxy-kills N]
-        [--consumer-kills N] [--outage-s S] [--instances N] [--seed N]
+    .venv/bin/python -m tests.fault.fault_suite [--scenario single|fleet] [--messages N]
+        [--proxy-kills N] [--consumer-kills N] [--outage-s S] [--instances N] [--seed N]
         [--encode-settled on|off|both] [--max-attempts N] [--ack-deadline-s S]
         [--redelivery-span-s S]
 
 Every process started is stopped by PID on the way out, also on error, Ctrl-C and
 SIGTERM (which raises SystemExit so the context managers run).
+
+`--scenario fleet` runs tests/fault/fleet.py instead: partitions moving between fleet
+processes (a join, a SIGTERM, a SIGKILL) under crash pills, nothing lost.
 
 This module runs it (`run_suite`, `main`); the parts live beside it: scenario.py (options,
 workload, fault plan), processes.py (producer, fleet, faults), verify.py (the checks above),
@@ -222,7 +225,21 @@ def _raise_exit(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    scenario = argparse.ArgumentParser(add_help=False)
+    scenario.add_argument("--scenario", choices=("single", "fleet"), default="single")
+    picked, rest = scenario.parse_known_args(args_in)
+    if picked.scenario == "fleet":
+        from tests.fault.fleet import main as fleet_main
+
+        return fleet_main(rest)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--scenario",
+        choices=("single", "fleet"),
+        default="single",
+        help="single: one partition, kill -9s and outages (below); fleet: tests/fault/fleet.py",
+    )
     parser.add_argument("--messages", type=int, default=Options.messages)
     parser.add_argument("--proxy-kills", type=int, default=Options.proxy_kills)
     parser.add_argument("--consumer-kills", type=int, default=Options.consumer_kills)
@@ -239,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout-s", type=float, default=Options.timeout_s)
     parser.add_argument("--work-dir", type=Path, default=None)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(args_in)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     signal.signal(signal.SIGTERM, _raise_exit)
 

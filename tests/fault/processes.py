@@ -40,10 +40,18 @@ STOP_INSTANCE_S = 10.0
 
 
 class Production(threading.Thread):
-    """Produces the workload at a steady rate; records the offset of every index."""
+    """Produces the workload at a steady rate; records the offset of every index.
+
+    With `partitions` > 1 (the fleet scenario) index i goes to partition i % partitions
+    and `positions` says where each one landed."""
 
     def __init__(
-        self, bootstrap: str, workload: Workload, duration_s: float, outage_s: float
+        self,
+        bootstrap: str,
+        workload: Workload,
+        duration_s: float,
+        outage_s: float,
+        partitions: int = 1,
     ) -> None:
         super().__init__(name="producer", daemon=True)
         patience_ms = int(max(120.0, 3 * outage_s) * 1000)
@@ -61,8 +69,11 @@ class Production(threading.Thread):
         self._workload = workload
         self._duration_s = duration_s
         self._halt = threading.Event()
+        self._partitions = partitions
         self.offsets: dict[int, int] = {}
         """index -> offset, from the delivery reports."""
+        self.positions: dict[int, tuple[int, int]] = {}
+        """index -> (partition, offset), from the delivery reports."""
         self.errors: list[str] = []
         self.started_at = 0.0
         self.finished = threading.Event()
@@ -74,6 +85,7 @@ class Production(threading.Thread):
             return
         index = int(msg.value().split(b":", 1)[1])
         self.offsets[index] = msg.offset()
+        self.positions[index] = (msg.partition(), msg.offset())
 
     def run(self) -> None:
         try:
@@ -97,7 +109,7 @@ class Production(threading.Thread):
                         TOPIC,
                         value=self._workload.value(index),
                         key=str(index).encode(),
-                        partition=0,
+                        partition=index % self._partitions,
                         on_delivery=self._on_delivery,
                     )
                 except BufferError:

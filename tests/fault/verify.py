@@ -41,7 +41,9 @@ def read_invocations(history: list[Incarnation]) -> tuple[list[Invocation], int]
     for inc in history:
         if not inc.log.exists():
             continue
-        open_: dict[tuple[int, int], Invocation] = {}
+        open_: dict[tuple[int, int, int], Invocation] = {}
+        # Keyed with the index too: in the fleet scenario one instance serves several
+        # partitions, whose offsets repeat.
         for line in inc.log.read_text().splitlines():
             parts = line.split()
             try:
@@ -56,12 +58,12 @@ def read_invocations(history: list[Incarnation]) -> tuple[list[Invocation], int]
                 torn += 1
                 continue
             if what == "done":
-                if (inv := open_.get((offset, attempt))) is not None:
+                if (inv := open_.get((offset, attempt, index))) is not None:
                     inv.done_t = t
                 continue
             inv = Invocation(offset, attempt, index, what, t, inc)
             invocations.append(inv)
-            open_[(offset, attempt)] = inv
+            open_[(offset, attempt, index)] = inv
         if inc.fate == "crashed" and inc.ended is not None:
             # The crash happened when the crash pill's line was written, not when the
             # supervisor noticed the exit.

@@ -478,3 +478,59 @@ def test_a_checkpoint_written_before_deployment_keys_reads_as_it_did(
     finally:
         billing.close()
         shipping.close()
+
+
+def test_legacy_dead_letters_are_not_silent_until_migrated(
+    broker: EmbeddedBroker,
+    aws: EmbeddedAWS,
+    unique_name: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Dead letters from before deployment keys are invisible to this version until
+    `triage dlq migrate` moves them: `dlq list`, `status` and the proxy starting on their
+    partition say so (one Limit-1 Query per partition), and stop once they are moved."""
+    import logging
+
+    topic = unique_name
+    create_topic(broker.bootstrap, topic, partitions=2)
+    settings = settings_for(broker, aws, topic, kafka={"group_id": BILLING})
+    config = config_of(tmp_path / "billing.toml", settings)
+    dynamodb = raw_client(settings.dead_letters)
+    for offset in (3, 7):
+        dl = samples.make_dl(offset, topic=topic)
+        dynamodb.put_item(TableName=settings.dead_letters.table, Item=legacy_item(dl))
+    dynamodb.close()
+    hint = f"triage dlq migrate --config {config}"
+
+    out = triage("dlq", "list", "-c", config)
+    assert out.exit_code == 0, out.output
+    assert "0 dead letters" in out.stdout
+    assert "written before deployment keys (partition 0)" in out.stderr
+    assert hint in out.stderr
+    out = triage("dlq", "list", "-c", config, "--json")
+    assert out.stdout == ""  # the warning stays off stdout
+    assert hint in out.stderr
+    assert "written before" not in triage("dlq", "list", "-c", config, "--partition", "1").stderr
+
+    shown = triage("status", "-c", config, "--json")
+    assert json.loads(shown.stdout)["legacy_dead_letters"] == [0]
+    assert hint in shown.stderr
+
+    async def start() -> None:
+        async with Proxy(settings, 0) as proxy:
+            assert await await_until(lambda: "written before" in caplog.text, timeout=10)
+            assert proxy.state.value == "running"
+
+    with caplog.at_level(logging.WARNING, logger="triage_proxy.app"):
+        asyncio.run(asyncio.wait_for(start(), 60))
+    warned = [r for r in caplog.records if "written before deployment keys" in r.message]
+    assert len(warned) == 1
+    assert "partition 0" in warned[0].message
+    assert "triage dlq migrate" in warned[0].message
+
+    assert triage("dlq", "migrate", "-c", config).exit_code == 0
+    out = triage("dlq", "list", "-c", config)
+    assert "2 dead letters" in out.stdout
+    assert "written before" not in out.stderr
+    assert json.loads(triage("status", "-c", config, "--json").stdout)["legacy_dead_letters"] == []

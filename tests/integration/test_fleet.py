@@ -350,3 +350,54 @@ def test_deploy_local_runs_a_fleet_and_status_shows_who_serves_what(
         )
     assert destroyed.returncode == 0, destroyed.stderr
     assert not list(state.glob("*.pid"))
+
+
+# --- the group coordinator lost later --------------------------------------------------------
+
+
+def test_a_fleet_process_that_loses_the_group_coordinator_stops_delivering(
+    aws: EmbeddedAWS, unique_name: str, tmp_path: Path
+) -> None:
+    """Its own broker, frozen with SIGSTOP while a fleet process serves two partitions:
+    once the group session times out the process drains every partition and its leases
+    end (released, or lapsed), so it never serves a partition it may no longer own; it
+    stays up, and serves again once the coordinator answers."""
+    import signal
+
+    from triage_proxy.settings import load_settings
+    from triage_proxy.table.leases import DynamoDBLeaseReader
+
+    with EmbeddedBroker() as broker:
+        create_topic(broker.bootstrap, unique_name, partitions=2)
+        config = fleet_config(tmp_path, broker, aws, unique_name, 1)
+        settings = load_settings(config)
+        http = settings.server.http_port
+        assert http is not None
+        reader = DynamoDBLeaseReader(settings.dead_letters, unique_name, settings.kafka.group_id)
+        proc = start_fleet_process(config, 0, tmp_path / "p.log")
+
+        def leases_live() -> list[int]:
+            now_ms = int(time.time() * 1000)
+            found = reader.get_many([0, 1])
+            return sorted(p for p, lease in found.items() if lease.until_ms > now_ms)
+
+        try:
+            assert wait_until(lambda: served_by(http) == [0, 1], 60), served_by(http)
+            assert leases_live() == [0, 1]
+            broker.signal(signal.SIGSTOP)
+            stopped = time.monotonic()
+            try:
+                assert wait_until(lambda: served_by(http) == [], 30), served_by(http)
+                drained_after = time.monotonic() - stopped
+                assert wait_until(lambda: leases_live() == [], 30), leases_live()
+                assert proc.poll() is None  # it stays up, delivering nothing
+            finally:
+                broker.signal(signal.SIGCONT)
+            assert wait_until(lambda: served_by(http) == [0, 1], 90), served_by(http)
+        finally:
+            kill_processes([proc])
+            reader.close()
+    log = (tmp_path / "p.log").read_text()
+    assert "group session lost" in log, log[-3000:]
+    # The session timeout (6 s) and the coordinator's silence, not a drain of its own.
+    assert drained_after < 25, drained_after

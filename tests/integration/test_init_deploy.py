@@ -244,14 +244,21 @@ class Deployment:
 
     def state(self) -> dict[str, Any]:
         state = self.project.read_state() or {}
-        self.seen.update(int(e["pid"]) for e in state.get("partitions", []) if e.get("pid"))
+        entries = [*state.get("partitions", []), *state.get("proxies", [])]
+        self.seen.update(int(e["pid"]) for e in entries if e.get("pid"))
         if state.get("supervisor_pid"):
             self.seen.add(int(state["supervisor_pid"]))
         return state
 
+    def entries(self) -> list[dict[str, Any]]:
+        """The supervised processes: a fleet's per slot, a pinned layout's per partition."""
+        state = self.state()
+        return list(state["proxies"] if state["mode"] == "fleet" else state["partitions"])
+
     def pids(self) -> dict[int, int]:
-        entries = self.state()["partitions"]
-        return {int(e["partition"]): int(e["pid"]) for e in entries if e["pid"]}
+        """Pid by slot (a fleet) or by partition (pinned)."""
+        key = "slot" if self.state()["mode"] == "fleet" else "partition"
+        return {int(e[key]): int(e["pid"]) for e in self.entries() if e["pid"]}
 
     def supervisor_pid(self) -> int:
         pid = self.project.read_pid(self.project.supervisor_pid_file)
@@ -291,6 +298,32 @@ def deployment(
         found.kill_leftovers()
 
 
+async def _consume_from(
+    endpoint: str, token: str, partition: int, value: bytes, timeout: float = 40
+) -> None:
+    """A topic-level Consumer given any process of the deployment, on `partition` only,
+    until `value` is delivered (Topology finds the process that serves it, wherever the
+    group put it)."""
+    from triage_client import Consumer, Message
+
+    seen = asyncio.Event()
+
+    async def handle(message: Message) -> None:
+        if message.value == value:
+            seen.set()
+
+    consumer = Consumer(endpoint, token, handle, partitions=[partition], max_backoff=0.5)
+    task = asyncio.create_task(consumer.run_async())
+    try:
+        await asyncio.wait_for(seen.wait(), timeout)
+        await asyncio.sleep(0.3)  # let the ack reach the proxy
+    except TimeoutError:
+        raise AssertionError(f"{value!r} never delivered through {endpoint}") from None
+    finally:
+        consumer.stop()
+        await asyncio.wait_for(task, 30)
+
+
 async def _consume_one(target: str, token: str, value: bytes, timeout: float = 30) -> None:
     """Connect (retrying while the proxy is not serving yet) until `value` is delivered."""
     loop = asyncio.get_running_loop()
@@ -314,6 +347,7 @@ async def _consume_one(target: str, token: str, value: bytes, timeout: float = 3
 def test_deploy_local_supervises_and_destroy_stops_everything(
     deployment: Deployment, broker: EmbeddedBroker
 ) -> None:
+    """The default: a fleet of min(partitions, cores) processes sharing the partitions."""
     config = deployment.config
     settings = load_settings(config)
     token = settings.auth.tokens["consumer"]
@@ -322,15 +356,18 @@ def test_deploy_local_supervises_and_destroy_stops_everything(
     assert out.returncode == 0, out.stderr + out.stdout
     assert "consumer" in out.stdout
     assert token not in out.stdout + out.stderr
+    assert deployment.state()["mode"] == "fleet"
+    processes = min(2, os.cpu_count() or 1)
+    assert f"a fleet of {processes} proxies" in out.stdout
     pids = deployment.pids()
     supervisor = deployment.supervisor_pid()
-    assert sorted(pids) == [0, 1]
+    assert sorted(pids) == list(range(processes))
     assert all(_alive(pid) for pid in [*pids.values(), supervisor])
 
-    targets = {p: f"127.0.0.1:{settings.server.port + p}" for p in (0, 1)}
+    endpoint = f"127.0.0.1:{settings.server.port}"  # slot 0: any process answers Topology
     for p in (0, 1):
         produce(broker.bootstrap, settings.kafka.topic, [(None, f"first-{p}".encode(), None)], p)
-        asyncio.run(_consume_one(targets[p], token, f"first-{p}".encode()))
+        asyncio.run(_consume_from(endpoint, token, p, f"first-{p}".encode()))
 
     again = run_triage("deploy", "--target", "local", "--config", str(config))
     assert again.returncode == 5
@@ -342,11 +379,12 @@ def test_deploy_local_supervises_and_destroy_stops_everything(
     new_pid = deployment.pids()[0]
     assert _alive(new_pid)
     assert not _alive(pids[0])
-    produce(broker.bootstrap, settings.kafka.topic, [(None, b"after-restart", None)], 0)
-    asyncio.run(_consume_one(targets[0], token, b"after-restart", timeout=40))
-    assert deployment.state()["partitions"][0]["restarts"] == 1
+    for p in (0, 1):  # served again, by the restarted process or by the other one
+        produce(broker.bootstrap, settings.kafka.topic, [(None, b"after-restart", None)], p)
+        asyncio.run(_consume_from(endpoint, token, p, b"after-restart", timeout=60))
+    assert deployment.entries()[0]["restarts"] == 1
 
-    everything = [supervisor, new_pid, pids[1]]
+    everything = [supervisor, new_pid, *pids.values()]
     out = run_triage("destroy", "--target", "local", "--config", str(config))
     assert out.returncode == 0, out.stderr
     assert wait_until(lambda: not any(_alive(pid) for pid in everything), timeout=10)
@@ -356,6 +394,36 @@ def test_deploy_local_supervises_and_destroy_stops_everything(
     out = run_triage("destroy", "--target", "local", "--config", str(config))
     assert out.returncode == 0
     assert "nothing deployed" in out.stdout
+
+
+@pytest.mark.slow
+def test_deploy_local_pinned_runs_one_process_per_partition(
+    deployment: Deployment, broker: EmbeddedBroker
+) -> None:
+    """--pinned: the layout from before fleets, each partition at server.port + p."""
+    config = deployment.config
+    settings = load_settings(config)
+    token = settings.auth.tokens["consumer"]
+    out = run_triage("deploy", "--target", "local", "--config", str(config), "--pinned")
+    try:
+        assert out.returncode == 0, out.stderr + out.stdout
+        assert deployment.state()["mode"] == "pinned"
+        pids = deployment.pids()
+        assert sorted(pids) == [0, 1]
+        targets = {p: f"127.0.0.1:{settings.server.port + p}" for p in (0, 1)}
+        for p in (0, 1):
+            value = f"pinned-{p}".encode()
+            produce(broker.bootstrap, settings.kafka.topic, [(None, value, None)], p)
+            asyncio.run(_consume_one(targets[p], token, value))
+        both = run_triage(
+            "deploy", "--target", "local", "--config", str(config), "--pinned", "--proxies", "2"
+        )
+        assert both.returncode == 2
+        assert "--pinned and --proxies" in both.stderr
+    finally:
+        out = run_triage("destroy", "--target", "local", "--config", str(config))
+    assert out.returncode == 0, out.stderr
+    assert wait_until(lambda: not any(_alive(pid) for pid in pids.values()), timeout=10)
 
 
 @pytest.mark.slow

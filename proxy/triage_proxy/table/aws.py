@@ -21,6 +21,7 @@ Messages name the call and the AWS error code and message, never request content
 from __future__ import annotations
 
 import ipaddress
+import threading
 from collections.abc import Callable, Container, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -135,6 +136,27 @@ def _message(exc: BaseException) -> str:
 
 # --- clients ----------------------------------------------------------------------------
 
+_session_lock = threading.Lock()
+_session: Any = None
+
+
+def _client(service: str, options: dict[str, Any]) -> Any:
+    """A new client of `service` from the process's one boto3 Session.
+
+    Why one Session: each Session loads and keeps its own copy of botocore's service
+    models, about 10 MB resident per DynamoDB client; a fleet process made two clients
+    per partition (lease, checkpoint), so 16 idle partitions cost 3.3x the memory of one
+    (tests/perf/bench_fleet_memory.py). Clients made from one Session share the loaded
+    models (about 0.2 MB each); each client is still its caller's to close. A Session is
+    not thread-safe, so clients are made under a lock (the clients themselves are)."""
+    global _session
+    import boto3
+
+    with _session_lock:
+        if _session is None:
+            _session = boto3.session.Session()
+        return _session.client(service, **options)
+
 
 def dynamodb_client(
     settings: DeadLetterSettings,
@@ -144,11 +166,9 @@ def dynamodb_client(
     max_attempts: int = DEFAULT_BOTO_ATTEMPTS,
 ) -> DynamoDBClient:
     """A boto3 DynamoDB client with short timeouts; placeholder credentials on loopback."""
-    import boto3
-
-    return boto3.session.Session().client(
-        "dynamodb", **_client_options(settings, connect_timeout_s, read_timeout_s, max_attempts)
-    )
+    options = _client_options(settings, connect_timeout_s, read_timeout_s, max_attempts)
+    client: DynamoDBClient = _client("dynamodb", options)
+    return client
 
 
 def s3_client(
@@ -161,10 +181,9 @@ def s3_client(
     """A boto3 S3 client for the overflow bucket: same endpoint, region and credentials
     logic as dynamodb_client (path-style addressing when an endpoint_url is set, since a
     local endpoint has no per-bucket host names)."""
-    import boto3
-
     options = _client_options(settings, connect_timeout_s, read_timeout_s, max_attempts)
-    return boto3.session.Session().client("s3", **options)
+    client: S3Client = _client("s3", options)
+    return client
 
 
 def aws_client(
@@ -177,10 +196,8 @@ def aws_client(
 ) -> Any:
     """A boto3 client of any `service` (e.g. "sns") with the same endpoint, region,
     timeouts and loopback-credentials logic as dynamodb_client."""
-    import boto3
-
     options = _client_options(settings, connect_timeout_s, read_timeout_s, max_attempts)
-    return boto3.session.Session().client(service, **options)  # type: ignore[call-overload]
+    return _client(service, options)
 
 
 def _client_options(

@@ -40,7 +40,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +60,41 @@ from triage_proxy.table.items import (
 from triage_proxy.table.query import DeadLetterNotFound, DeadLetterTable
 
 logger = logging.getLogger(__name__)
+
+MIGRATE_HINT = "triage dlq migrate --config {config} (--dry-run first)"
+"""What moves them (the command every warning below names)."""
+
+
+def legacy_partitions(table: DeadLetterTable, topic: str, partitions: Iterable[int]) -> list[int]:
+    """The partitions of `topic` that still hold legacy dead letters, which no command of
+    this version shows until `triage dlq migrate` moves them: one Query per partition,
+    Limit 1 (cheap enough for every `triage status`, `dlq list` and proxy start)."""
+    found = []
+    for partition in partitions:
+        with table.errors("Query"):
+            page: Any = table.client.query(
+                TableName=table.table,
+                KeyConditionExpression="#s = :s",
+                ExpressionAttributeNames={"#s": "source"},
+                ExpressionAttributeValues={
+                    ":s": {"S": legacy_dead_letter_source(topic, partition)}
+                },
+                ProjectionExpression="#s",
+                Limit=1,
+            )
+        if page.get("Items"):
+            found.append(partition)
+    return found
+
+
+def legacy_warning(topic: str, partitions: Sequence[int], config: str = "<config>") -> str:
+    """The one wording of the warning about legacy dead letters in `partitions`."""
+    where = ", ".join(map(str, partitions))
+    many = "s" if len(partitions) > 1 else ""
+    return (
+        f"dead letters of {topic!r} written before deployment keys (partition{many} {where}) "
+        f"are not shown or replayed until moved: {MIGRATE_HINT.format(config=config)}"
+    )
 
 
 class Move(enum.Enum):
