@@ -129,13 +129,27 @@ class DynamoDBLeases:
         ) as refused:
             call()
         if refused.code == TABLE_MISSING:
-            # Waiting cannot help (a standby would wait forever): say which table.
-            raise NotFoundError(
-                f"{what} the partition lease: the dead-letter table {self._table!r} does not "
-                f"exist (create it: `triage deploy` does; `triage config check --connect` "
-                f"checks it)"
-            ) from refused.error
+            raise self._missing(what) from refused.error
         return not refused
+
+    def _missing(self, what: str) -> NotFoundError:
+        # Waiting cannot help (a standby would wait forever): say which table.
+        return NotFoundError(
+            f"{what} the partition lease: the dead-letter table {self._table!r} does not "
+            f"exist (create it: `triage deploy` does; `triage config check --connect` "
+            f"checks it)"
+        )
+
+    def _read(self, what: str, key: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """The item at `key` (a consistent read), None when there is none."""
+        with aws_errors(
+            f"{what} the partition lease", TableUnavailable, expect={TABLE_MISSING}
+        ) as refused:
+            found = self._client.get_item(TableName=self._table, Key=key, ConsistentRead=True)
+        if refused.code == TABLE_MISSING:
+            raise self._missing(what) from refused.error
+        item: Mapping[str, Any] | None = found.get("Item")
+        return item
 
     def acquire(self, owner: str, now_ms: int, until_ms: int, endpoint: str = "") -> Lease:
         stamp = format_iso_ms(now_ms)
@@ -208,19 +222,13 @@ class DynamoDBLeases:
         )
 
     def get(self) -> Lease | None:
-        with aws_errors("reading the partition lease", TableUnavailable):
-            found = self._client.get_item(TableName=self._table, Key=self._key, ConsistentRead=True)
-        item = found.get("Item")
+        item = self._read("reading", self._key)
         return None if item is None else lease_from_item(item)
 
     def _live_legacy(self, now_ms: int) -> Lease | None:
         """The legacy lease item of an old proxy if it is live at `now_ms` (its owner
         marked as such); None when there is none or it lapsed."""
-        with aws_errors("reading the legacy partition lease", TableUnavailable):
-            found = self._client.get_item(
-                TableName=self._table, Key=self._legacy_key, ConsistentRead=True
-            )
-        item = found.get("Item")
+        item = self._read("reading the legacy", self._legacy_key)
         if item is None:
             return None
         lease = lease_from_item(item)
