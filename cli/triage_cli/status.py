@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -608,6 +609,9 @@ def _watch(sources: Sources, console: Any, interval: float) -> None:
         contextlib.suppress(KeyboardInterrupt),  # Ctrl-C or SIGTERM (see exit_on_errors)
         Live(frame(), console=console, auto_refresh=False) as live,
     ):
+        # On stderr once the first table is drawn, so a script (or a test) knows a
+        # signal from now on ends it with 0 and leaves that table on a non-terminal.
+        print(f"watching every {interval:g} s; Ctrl-C stops", file=sys.stderr, flush=True)
         while True:
             time.sleep(interval)
             live.update(frame(), refresh=True)
