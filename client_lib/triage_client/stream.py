@@ -6,7 +6,9 @@ How a delivery flows:
     handler returns / raises  -->  this stream's ack / nack batch  --Settle-->  proxy (writer)
 
 Settlements go out when the batch is large, after a short delay, or when this stream's local
-queue drains (the moment its proxy's next batch is needed).
+queue drains (the moment its proxy's next batch is needed). When the Welcome says the proxy
+understands them (`ack_ranges`), runs of consecutive acks go as offset ranges
+(`settle_frame`); against an older proxy, as plain acks.
 
 A broken stream is reopened with capped, jittered backoff, at the endpoint the topology names
 for its partition then: a proxy that refuses the Hello with FAILED_PRECONDITION and names the
@@ -49,7 +51,7 @@ from triage_client.message import ConsumerStats, Message, make_message
 from triage_client.pool import HandlerPool
 from triage_client.topology import owner_endpoint
 
-__all__ = ["PartitionStream", "StreamContext", "backoff_delay"]
+__all__ = ["PartitionStream", "StreamContext", "backoff_delay", "settle_frame"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,31 @@ def backoff_delay(
     with jitter over the upper half so many instances do not reconnect in lockstep."""
     ceiling = min(cap, initial * 2.0 ** min(failures, 32))
     return ceiling / 2 + ceiling / 2 * rand()
+
+
+def settle_frame(acks: list[int], nacks: list[triage_pb2.Nack]) -> triage_pb2.Settle:
+    """A Settle for a proxy that understands ack ranges: runs of consecutive offsets (most
+    acks are: handlers finish in about delivery order) become `ack_ranges`, the rest stay
+    plain acks. A duplicate ack stays a separate plain ack, so the proxy rejects it as
+    before."""
+    ordered = sorted(acks)
+    singles: list[int] = []
+    ranges: list[triage_pb2.OffsetRange] = []
+    first = prev = ordered[0]
+    for offset in ordered[1:]:
+        if offset == prev + 1:
+            prev = offset
+            continue
+        if prev > first:
+            ranges.append(triage_pb2.OffsetRange(first=first, last=prev))
+        else:
+            singles.append(first)
+        first = prev = offset
+    if prev > first:
+        ranges.append(triage_pb2.OffsetRange(first=first, last=prev))
+    else:
+        singles.append(first)
+    return triage_pb2.Settle(acks=singles, nacks=nacks, ack_ranges=ranges)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -136,6 +163,8 @@ class PartitionStream:
         """This stream's proxy honours Grant frames (its Welcome said so)."""
         self.slots = 1 << 30
         """Most handlers of this stream the pool runs at once (pool's lock; see credits.py)."""
+        self.ack_ranges = False
+        """This stream's proxy understands Settle.ack_ranges (its Welcome said so)."""
         self._lowered_from = 0  # credits before a lowering in this rebalance period
         self._allowed = 0  # most the stream may hold: credits, or higher ones just lowered
         self._peak = 0  # most held at once since the last rebalance
@@ -286,7 +315,7 @@ class PartitionStream:
         self._over_warned = False
         self._flush_wanted.clear()
         self.credits = self._allowed = self._ctx.credits(self)
-        self.grants = self._grant_due = False
+        self.grants = self._grant_due = self.ack_ranges = False
         self._lowered_from = self._peak = 0
         self._batch_limit = min(SETTLE_BATCH, self.credits)
         call = consume(metadata=self._ctx.metadata)
@@ -377,6 +406,7 @@ class PartitionStream:
             self.partition = welcome.partition
         self.established = True
         self.grants = welcome.grants
+        self.ack_ranges = welcome.ack_ranges
         if not deadline_ms.done():
             deadline_ms.set_result(welcome.ack_deadline_ms)
         logger.info(
@@ -469,10 +499,12 @@ class PartitionStream:
             self._flush_timer.cancel()
             self._flush_timer = None
         self._held -= len(acks) + len(nacks)
+        if self.ack_ranges and len(acks) > 1:
+            settle = settle_frame(acks, nacks)
+        else:
+            settle = triage_pb2.Settle(acks=acks, nacks=nacks)
         try:
-            await call.write(
-                triage_pb2.ConsumerFrame(settle=triage_pb2.Settle(acks=acks, nacks=nacks))
-            )
+            await call.write(triage_pb2.ConsumerFrame(settle=settle))
         except BaseException:
             self.dropped += len(acks) + len(nacks)
             raise

@@ -475,33 +475,78 @@ class Dispatcher:
 
     # --- settlements ------------------------------------------------------------------
 
-    def settle(self, session: Session, acks: Sequence[int], nacks: Sequence[pb.Nack]) -> list[int]:
-        """Apply a batch of settlements from `session`; return the offsets it did not hold."""
+    def settle(
+        self,
+        session: Session,
+        acks: Sequence[int],
+        nacks: Sequence[pb.Nack],
+        ranges: Sequence[pb.OffsetRange] = (),
+    ) -> list[int]:
+        """Apply a batch of settlements from `session` (`ranges`: acks of first..last, each
+        offset checked like one in `acks`); return the offsets it did not hold."""
         self.counters.settle_frames += 1
         rejected: list[int] = []
         held = session.held
         entries = self._entries
-        settle = self._tracker.settle
         ordered = self._ordered
         freed = 0
+        acked = 0
         now = self._monotonic()
+        # Deliveries of one frame share `delivered_at`: one histogram step per run of them.
         observe = self.settle_latency.observe
+        seen_at, seen = 0.0, 0
+        settle = self._tracker.settle
         for offset in acks:
             entry = held.pop(offset, None)
             if entry is None:
                 rejected.append(offset)
                 continue
-            observe(now - entry.delivered_at)
+            if entry.delivered_at != seen_at:
+                if seen:
+                    observe(now - seen_at, seen)
+                seen_at, seen = entry.delivered_at, 0
+            seen += 1
             if entry.suspect:
                 entry.suspect = False
                 session.suspects -= 1
             settle(offset)
             del entries[offset]
             freed += entry.size
+            acked += 1
             if ordered:
                 self._release_key(entry)
+        settle_span = self._tracker.settle_span
+        pop = held.pop
+        for span in ranges:
+            first, last = span.first, span.last
+            start = first  # the run of held offsets settled in the tracker in one call
+            for offset in range(first, last + 1):
+                entry = pop(offset, None)
+                if entry is None:
+                    rejected.append(offset)
+                    if start < offset:
+                        settle_span(start, offset - 1)
+                    start = offset + 1
+                    continue
+                if entry.delivered_at != seen_at:
+                    if seen:
+                        observe(now - seen_at, seen)
+                    seen_at, seen = entry.delivered_at, 0
+                seen += 1
+                if entry.suspect:
+                    entry.suspect = False
+                    session.suspects -= 1
+                del entries[offset]
+                freed += entry.size
+                acked += 1
+                if ordered:
+                    self._release_key(entry)
+            if start <= last:
+                settle_span(start, last)
+        if seen:
+            observe(now - seen_at, seen)
         self._bytes -= freed
-        self.counters.acked += len(acks) - len(rejected)
+        self.counters.acked += acked
         for nack in nacks:
             entry = held.pop(nack.offset, None)
             if entry is None:
