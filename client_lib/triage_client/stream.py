@@ -6,7 +6,8 @@ How a delivery flows:
     handler returns / raises  -->  this stream's ack / nack batch  --Settle-->  proxy (writer)
 
 Settlements go out when the batch is large, after a short delay, or when this stream's local
-queue drains (the moment its proxy's next batch is needed). When the Welcome says the proxy
+queue drains while the proxy may send fewer than half the credits (the moment its next batch
+is needed). When the Welcome says the proxy
 understands them (`ack_ranges`), runs of consecutive acks go as offset ranges
 (`settle_frame`); against an older proxy, as plain acks.
 
@@ -598,12 +599,20 @@ class PartitionStream:
         self._flush_wanted.set()
 
     def after_settle(self, queue_drained: bool) -> None:
-        """Send now if the batch is full or nobody is queued behind it; else soon."""
+        """Send now if the batch is full, or if nobody is queued behind it while the proxy
+        may send fewer than half the credits (the freed ones are needed); else soon.
+
+        While the proxy may still send half the credits, its next deliveries are on their
+        way or it has none: a drained queue then waits for company (the batch limit or
+        SETTLE_DELAY_S) instead of costing a Settle frame per few results (each a gRPC
+        write, a proxy wake-up and a loop turn on both sides)."""
         if not self.acks and not self.nacks:
             if self._ctx.stopping.is_set() and not self.outstanding:
                 self._flush_wanted.set()  # let the writer half-close
             return
-        if queue_drained or len(self.acks) + len(self.nacks) >= self._batch_limit:
+        if len(self.acks) + len(self.nacks) >= self._batch_limit or (
+            queue_drained and 2 * (self.credits - self._held) < self.credits
+        ):
             self._flush_wanted.set()
         elif self._flush_timer is None and self._loop is not None:
             self._flush_timer = self._loop.call_later(SETTLE_DELAY_S, self._on_flush_timer)
