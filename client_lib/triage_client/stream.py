@@ -6,7 +6,10 @@ How a delivery flows:
     handler returns / raises  -->  this stream's ack / nack batch  --Settle-->  proxy (writer)
 
 Settlements go out when the batch is large, after a short delay, or when this stream's local
-queue drains (the moment its proxy's next batch is needed).
+queue drains while the proxy may send fewer than half the credits (the moment its next batch
+is needed). When the Welcome says the proxy
+understands them (`ack_ranges`), runs of consecutive acks go as offset ranges
+(`settle_frame`); against an older proxy, as plain acks.
 
 A broken stream is reopened with capped, jittered backoff, at the endpoint the topology names
 for its partition then: a proxy that refuses the Hello with FAILED_PRECONDITION and names the
@@ -49,7 +52,7 @@ from triage_client.message import ConsumerStats, Message, make_message
 from triage_client.pool import HandlerPool
 from triage_client.topology import owner_endpoint
 
-__all__ = ["PartitionStream", "StreamContext", "backoff_delay"]
+__all__ = ["PartitionStream", "StreamContext", "backoff_delay", "settle_frame"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +90,31 @@ def backoff_delay(
     with jitter over the upper half so many instances do not reconnect in lockstep."""
     ceiling = min(cap, initial * 2.0 ** min(failures, 32))
     return ceiling / 2 + ceiling / 2 * rand()
+
+
+def settle_frame(acks: list[int], nacks: list[triage_pb2.Nack]) -> triage_pb2.Settle:
+    """A Settle for a proxy that understands ack ranges: runs of consecutive offsets (most
+    acks are: handlers finish in about delivery order) become `ack_ranges`, the rest stay
+    plain acks. A duplicate ack stays a separate plain ack, so the proxy rejects it as
+    before."""
+    ordered = sorted(acks)
+    singles: list[int] = []
+    ranges: list[triage_pb2.OffsetRange] = []
+    first = prev = ordered[0]
+    for offset in ordered[1:]:
+        if offset == prev + 1:
+            prev = offset
+            continue
+        if prev > first:
+            ranges.append(triage_pb2.OffsetRange(first=first, last=prev))
+        else:
+            singles.append(first)
+        first = prev = offset
+    if prev > first:
+        ranges.append(triage_pb2.OffsetRange(first=first, last=prev))
+    else:
+        singles.append(first)
+    return triage_pb2.Settle(acks=singles, nacks=nacks, ack_ranges=ranges)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -136,6 +164,8 @@ class PartitionStream:
         """This stream's proxy honours Grant frames (its Welcome said so)."""
         self.slots = 1 << 30
         """Most handlers of this stream the pool runs at once (pool's lock; see credits.py)."""
+        self.ack_ranges = False
+        """This stream's proxy understands Settle.ack_ranges (its Welcome said so)."""
         self._lowered_from = 0  # credits before a lowering in this rebalance period
         self._allowed = 0  # most the stream may hold: credits, or higher ones just lowered
         self._peak = 0  # most held at once since the last rebalance
@@ -291,7 +321,7 @@ class PartitionStream:
         self._over_warned = False
         self._flush_wanted.clear()
         self.credits = self._allowed = self._ctx.credits(self)
-        self.grants = self._grant_due = False
+        self.grants = self._grant_due = self.ack_ranges = False
         self._lowered_from = self._peak = 0
         self._batch_limit = min(SETTLE_BATCH, self.credits)
         call = consume(metadata=self._ctx.metadata)
@@ -383,6 +413,7 @@ class PartitionStream:
             self.partition = welcome.partition
         self.established = True
         self.grants = welcome.grants
+        self.ack_ranges = welcome.ack_ranges
         if not deadline_ms.done():
             deadline_ms.set_result(welcome.ack_deadline_ms)
         logger.info(
@@ -476,10 +507,12 @@ class PartitionStream:
             self._flush_timer.cancel()
             self._flush_timer = None
         self._held -= len(acks) + len(nacks)
+        if self.ack_ranges and len(acks) > 1:
+            settle = settle_frame(acks, nacks)
+        else:
+            settle = triage_pb2.Settle(acks=acks, nacks=nacks)
         try:
-            await call.write(
-                triage_pb2.ConsumerFrame(settle=triage_pb2.Settle(acks=acks, nacks=nacks))
-            )
+            await call.write(triage_pb2.ConsumerFrame(settle=settle))
         except BaseException:
             self.dropped += len(acks) + len(nacks)
             raise
@@ -573,12 +606,20 @@ class PartitionStream:
         self._flush_wanted.set()
 
     def after_settle(self, queue_drained: bool) -> None:
-        """Send now if the batch is full or nobody is queued behind it; else soon."""
+        """Send now if the batch is full, or if nobody is queued behind it while the proxy
+        may send fewer than half the credits (the freed ones are needed); else soon.
+
+        While the proxy may still send half the credits, its next deliveries are on their
+        way or it has none: a drained queue then waits for company (the batch limit or
+        SETTLE_DELAY_S) instead of costing a Settle frame per few results (each a gRPC
+        write, a proxy wake-up and a loop turn on both sides)."""
         if not self.acks and not self.nacks:
             if self._ctx.stopping.is_set() and not self.outstanding:
                 self._flush_wanted.set()  # let the writer half-close
             return
-        if queue_drained or len(self.acks) + len(self.nacks) >= self._batch_limit:
+        if len(self.acks) + len(self.nacks) >= self._batch_limit or (
+            queue_drained and 2 * (self.credits - self._held) < self.credits
+        ):
             self._flush_wanted.set()
         elif self._flush_timer is None and self._loop is not None:
             self._flush_timer = self._loop.call_later(SETTLE_DELAY_S, self._on_flush_timer)

@@ -93,6 +93,17 @@ class EntryState(enum.Enum):
     """Its dead letter can never be written (deadletter.py): unsettled until a restart."""
 
 
+def _scalars_size(record: Record) -> int:
+    """Bytes of a Delivery's offset and timestamp fields (framing.delivery_base_size)."""
+    offset, timestamp = record[2], record[6]
+    n = 0
+    if offset:
+        n = 11 if offset < 0 else 1 + (offset.bit_length() + 6) // 7
+    if timestamp:
+        n += 11 if timestamp < 0 else 1 + (timestamp.bit_length() + 6) // 7
+    return n
+
+
 class Entry:
     """One unsettled record in the window, with its delivery state."""
 
@@ -110,10 +121,26 @@ class Entry:
         "wire",
     )
 
-    def __init__(self, record: Record) -> None:
+    def __init__(self, record: Record, fetched_at: float = 0.0) -> None:
         self.record = record
-        self.size = record.size
-        self.wire = delivery_base_size(record)
+        _, _, _, key, value, headers, _ = record
+        if headers:
+            self.size = record.size
+            self.wire = delivery_base_size(record)
+        else:
+            # Record.size and framing.delivery_base_size in one pass, for the common record
+            # without headers (one built per fetched message; checked against both in
+            # tests/unit/test_framing.py).
+            size = wire = 0
+            if key is not None:
+                size = k = len(key)
+                wire = 1 + (1 if k < 128 else (k.bit_length() + 6) // 7) + k
+            if value is not None:
+                v = len(value)
+                size += v
+                wire += 1 + (1 if v < 128 else (v.bit_length() + 6) // 7) + v
+            self.size = size
+            self.wire = wire + _scalars_size(record)
         """Serialized bytes of its Delivery without the attempt (framing.py)."""
         self.attempt = 0
         self.holder: Session | None = None
@@ -124,7 +151,7 @@ class Entry:
         self.suspect = False
         """Its instance vanished (or its lease lapsed) while holding it: maybe a poison pill.
         Set from then until it is settled or handled (see `Dispatcher._suspects`)."""
-        self.fetched_at = 0.0
+        self.fetched_at = fetched_at
         """When it entered the window (monotonic seconds; for the oldest unsettled age)."""
         self.delivered_at = 0.0
         """When its current delivery went out (monotonic seconds; for the settle latency)."""
@@ -347,7 +374,13 @@ class Dispatcher:
         track = self._tracker.track
         skip = self._skip
         prior = self._prior
+        entries = self._entries
+        ready = self._ready.append
+        ordered = self._ordered
+        max_record = self._max_record_bytes
         now = self._monotonic()
+        added = 0
+        size = 0
         for record in records:
             offset = record.offset
             track(offset)
@@ -357,29 +390,30 @@ class Dispatcher:
                 self._tracker.settle(offset)
                 self.counters.skipped_settled += 1
                 continue
-            entry = Entry(record)
-            entry.fetched_at = now
-            self._entries[offset] = entry
-            self._bytes += entry.size
-            self.counters.fetched += 1
+            entry = Entry(record, now)
+            entries[offset] = entry
+            size += entry.size
+            added += 1
             if prior and offset in prior:
                 # It failed in a previous run: the count goes on (see `_continue`).
                 entry.attempt = self._failures[offset] = prior.pop(offset)
-            if entry.size > self._max_record_bytes:
+            if entry.size > max_record:
                 entry.attempt = 1
                 self._to_dead_letter(
                     entry, f"message of {entry.size} bytes exceeds server.max_frame_bytes", ""
                 )
-            elif self._ordered and record.key is not None and record.key in self._key_owner:
+            elif ordered and record.key is not None and record.key in self._key_owner:
                 entry.state = EntryState.WAITING
                 self._key_waiting.setdefault(record.key, deque()).append(entry)
             else:
-                if self._ordered and record.key is not None:
+                if ordered and record.key is not None:
                     self._key_owner[record.key] = entry
                 if entry.attempt:
                     self._continue(entry)
                 else:
-                    self._ready.append(entry)
+                    ready(entry)
+        self._bytes += size
+        self.counters.fetched += added
         self._update_window_events()
         self._pump()
 
@@ -493,33 +527,78 @@ class Dispatcher:
 
     # --- settlements ------------------------------------------------------------------
 
-    def settle(self, session: Session, acks: Sequence[int], nacks: Sequence[pb.Nack]) -> list[int]:
-        """Apply a batch of settlements from `session`; return the offsets it did not hold."""
+    def settle(
+        self,
+        session: Session,
+        acks: Sequence[int],
+        nacks: Sequence[pb.Nack],
+        ranges: Sequence[pb.OffsetRange] = (),
+    ) -> list[int]:
+        """Apply a batch of settlements from `session` (`ranges`: acks of first..last, each
+        offset checked like one in `acks`); return the offsets it did not hold."""
         self.counters.settle_frames += 1
         rejected: list[int] = []
         held = session.held
         entries = self._entries
-        settle = self._tracker.settle
         ordered = self._ordered
         freed = 0
+        acked = 0
         now = self._monotonic()
+        # Deliveries of one frame share `delivered_at`: one histogram step per run of them.
         observe = self.settle_latency.observe
+        seen_at, seen = 0.0, 0
+        settle = self._tracker.settle
         for offset in acks:
             entry = held.pop(offset, None)
             if entry is None:
                 rejected.append(offset)
                 continue
-            observe(now - entry.delivered_at)
+            if entry.delivered_at != seen_at:
+                if seen:
+                    observe(now - seen_at, seen)
+                seen_at, seen = entry.delivered_at, 0
+            seen += 1
             if entry.suspect:
                 entry.suspect = False
                 session.suspects -= 1
             settle(offset)
             del entries[offset]
             freed += entry.size
+            acked += 1
             if ordered:
                 self._release_key(entry)
+        settle_span = self._tracker.settle_span
+        pop = held.pop
+        for span in ranges:
+            first, last = span.first, span.last
+            start = first  # the run of held offsets settled in the tracker in one call
+            for offset in range(first, last + 1):
+                entry = pop(offset, None)
+                if entry is None:
+                    rejected.append(offset)
+                    if start < offset:
+                        settle_span(start, offset - 1)
+                    start = offset + 1
+                    continue
+                if entry.delivered_at != seen_at:
+                    if seen:
+                        observe(now - seen_at, seen)
+                    seen_at, seen = entry.delivered_at, 0
+                seen += 1
+                if entry.suspect:
+                    entry.suspect = False
+                    session.suspects -= 1
+                del entries[offset]
+                freed += entry.size
+                acked += 1
+                if ordered:
+                    self._release_key(entry)
+            if start <= last:
+                settle_span(start, last)
+        if seen:
+            observe(now - seen_at, seen)
         self._bytes -= freed
-        self.counters.acked += len(acks) - len(rejected)
+        self.counters.acked += acked
         for nack in nacks:
             entry = held.pop(nack.offset, None)
             if entry is None:
@@ -926,6 +1005,8 @@ class Dispatcher:
         now = self._monotonic()
         deadline = now + self._ack_deadline_s
         leased: list[int] = []
+        lease = leased.append
+        held_state = EntryState.HELD
         for entry in batch:
             # item_size(entry.wire + attempt_size(attempt)), inlined: an attempt below 128
             # is a 2-byte field, and a Delivery is never empty (it has its attempt).
@@ -947,30 +1028,26 @@ class Dispatcher:
                 add = deliveries.deliveries.add
             used += item
             delivered += 1
-            entry.attempt += 1
-            if entry.attempt > 1:
+            entry.attempt = attempt
+            if attempt > 1:
                 redelivered += 1
-            entry.state = EntryState.HELD
+            entry.state = held_state
             entry.holder = session
             if entry.suspect:
                 session.suspects += 1
-            record = entry.record
-            held[record.offset] = entry
+            _, _, offset, key, value, headers, timestamp = entry.record
+            held[offset] = entry
             entry.deadline = deadline
             entry.delivered_at = now
-            leased.append(record.offset)
-            # Setting fields one by one is ~20% cheaper than add(**kwargs) (measured).
-            delivery = add()
-            delivery.offset = record.offset
-            if record.key is not None:
-                delivery.key = record.key
-            if record.value is not None:
-                delivery.value = record.value
-            delivery.timestamp_ms = record.timestamp_ms
-            delivery.attempt = entry.attempt
-            if record.headers:
-                for name, value in record.headers:
-                    delivery.headers.add(key=name, value=value)
+            lease(offset)
+            # One add() with every field (None leaves an optional unset): as fast as
+            # setting them one by one on protobuf's upb backend, and fewer bytecodes.
+            delivery = add(
+                offset=offset, key=key, value=value, timestamp_ms=timestamp, attempt=attempt
+            )
+            if headers:
+                for name, data in headers:
+                    delivery.headers.add(key=name, value=data)
         if frame is not None:
             session.outbox.put_nowait(frame)
             self.counters.frames_out += 1

@@ -10,7 +10,10 @@ so both places that read (the Hello, then the settlement reader) see the same ru
   deserializer while the service iterates) -> FrameError naming the frame's position;
 - a second Hello -> FrameError (it would silently be ignored: its credits and its
   partition would never apply);
-- a Grant whose credits are outside the bounds of Hello.credits -> FrameError.
+- a Grant whose credits are outside the bounds of Hello.credits -> FrameError;
+- a Settle with an ack range that is empty or negative, or acking more than MAX_CREDITS
+  offsets in all (no stream ever holds more, and each offset of a range is checked and
+  possibly Rejected one by one) -> FrameError.
 
 Why a wrapper and not a custom deserializer: the generated servicer registration keeps
 working unchanged, and the translation of protobuf's error lives in this one place.
@@ -49,4 +52,20 @@ async def checked_frames(
             raise FrameError(f"frame {seen} is a second Hello: a stream has exactly one, first")
         if kind == "grant" and not 1 <= frame.grant.credits <= MAX_CREDITS:
             raise FrameError(f"Grant.credits must be 1..{MAX_CREDITS}, got {frame.grant.credits}")
+        if kind == "settle" and frame.settle.ack_ranges:
+            problem = ack_ranges_problem(frame.settle)
+            if problem is not None:
+                raise FrameError(f"frame {seen}: {problem}")
         yield frame
+
+
+def ack_ranges_problem(settle: pb.Settle) -> str | None:
+    """Why a Settle's ack ranges break the grammar (see the module docstring), or None."""
+    total = len(settle.acks)
+    for r in settle.ack_ranges:
+        if r.first < 0 or r.last < r.first:
+            return f"Settle.ack_ranges needs 0 <= first <= last, got {r.first}..{r.last}"
+        total += r.last - r.first + 1
+        if total > MAX_CREDITS:
+            return f"a Settle acks at most {MAX_CREDITS} offsets, acks and ranges together"
+    return None

@@ -172,32 +172,33 @@ class ConfluentPartition:
                     messages.extend(consumer.consume(max_records - 1, 0))
         except KafkaException as exc:
             raise BrokerUnavailable("fetch failed") from exc
-        records: list[Record] = []
-        append = records.append
         topic, partition = self._tp.topic, self._tp.partition
         new = tuple.__new__
-        for m in messages:
-            err = m.error()
-            if err is not None:
-                if err.fatal():
-                    raise BrokerUnavailable(f"fatal fetch error: {err.str()}")
-                logger.warning("fetch: %s", err.str())
-                continue
-            headers = m.headers()
-            append(
-                new(
-                    Record,
-                    (
-                        topic,
-                        partition,
-                        m.offset(),
-                        m.key(),
-                        m.value(),
-                        tuple(headers) if headers else (),
-                        m.timestamp()[1],
-                    ),
-                )
+        # One comprehension, no per-message append or branch beyond the error test; the
+        # (rare) errors are looked at only when some message was left out.
+        records = [
+            new(
+                Record,
+                (
+                    topic,
+                    partition,
+                    m.offset(),
+                    m.key(),
+                    m.value(),
+                    tuple(headers) if (headers := m.headers()) else (),
+                    m.timestamp()[1],
+                ),
             )
+            for m in messages
+            if m.error() is None
+        ]
+        if len(records) != len(messages):
+            for m in messages:
+                err = m.error()
+                if err is not None:
+                    if err.fatal():
+                        raise BrokerUnavailable(f"fatal fetch error: {err.str()}")
+                    logger.warning("fetch: %s", err.str())
         return records
 
     def commit(self, offset: int, metadata: str | None = None) -> None:

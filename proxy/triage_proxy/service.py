@@ -28,7 +28,8 @@ refused with INVALID_ARGUMENT; every log line shows it through `clienttext.for_l
 Its `max_frame_bytes` (absent: 4 MiB) bounds every frame sent to it (framing.py); the
 Welcome says the limit applied. The Welcome also says `grants`: a Grant frame changes the
 stream's credits from then on (bounded like Hello.credits; a Grant out of bounds ends the
-stream with INVALID_ARGUMENT).
+stream with INVALID_ARGUMENT), and `ack_ranges`: a Settle may ack offset ranges, each
+offset of a range checked (and Rejected) like a plain ack (frames.py bounds them).
 """
 
 from __future__ import annotations
@@ -266,6 +267,7 @@ class TriageService(pb_grpc.TriageServicer):
                     max_attempts=delivery.max_attempts,
                     max_frame_bytes=max_frame,
                     grants=True,
+                    ack_ranges=True,
                 )
             )
             logger.info("instance %s authenticated as app %r", for_log(consumer_id), app)
@@ -360,7 +362,10 @@ class TriageService(pb_grpc.TriageServicer):
             async for frame in frames:
                 kind = frame.WhichOneof("frame")
                 if kind == "settle":
-                    rejected = dispatcher.settle(session, frame.settle.acks, frame.settle.nacks)
+                    settle = frame.settle
+                    rejected = dispatcher.settle(
+                        session, settle.acks, settle.nacks, settle.ack_ranges
+                    )
                 elif kind == "release":
                     rejected = dispatcher.release(session, frame.release.offsets)
                 elif kind == "grant":

@@ -58,9 +58,10 @@ class LatencyHistogram:
         self.total = 0.0
         """Sum of every observation (seconds)."""
 
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect_left(self.bounds, seconds)] += 1
-        self.total += seconds
+    def observe(self, seconds: float, n: int = 1) -> None:
+        """`n` observations of `seconds` (a batch delivered together and settled together)."""
+        self.counts[bisect_left(self.bounds, seconds)] += n
+        self.total += seconds * n
 
     @property
     def count(self) -> int:

@@ -224,9 +224,19 @@ class RawConsumer:
                 await self.read()
         return self.deliveries[before:]
 
-    def settle(self, acks: Sequence[int] = (), nacks: Sequence[tuple[int, str]] = ()) -> None:
+    def settle(
+        self,
+        acks: Sequence[int] = (),
+        nacks: Sequence[tuple[int, str]] = (),
+        ranges: Sequence[tuple[int, int]] = (),
+    ) -> None:
+        """A Settle frame; `ranges` (first, last) go as Settle.ack_ranges (a newer client)."""
         frame = pb.ConsumerFrame(
-            settle=pb.Settle(acks=list(acks), nacks=[pb.Nack(offset=o, reason=r) for o, r in nacks])
+            settle=pb.Settle(
+                acks=list(acks),
+                nacks=[pb.Nack(offset=o, reason=r) for o, r in nacks],
+                ack_ranges=[pb.OffsetRange(first=f, last=la) for f, la in ranges],
+            )
         )
         self._outgoing.put_nowait(frame)
 

@@ -135,6 +135,68 @@ def test_forged_and_duplicate_settlements_are_rejected_and_counted(
     asyncio.run(scenario())
 
 
+def test_ack_ranges_settle_and_forged_or_duplicate_offsets_in_a_range_are_rejected(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    settings = settings_for(broker, aws, topic)
+    produce(broker.bootstrap, topic, plain(10))
+
+    async def scenario() -> None:
+        async with (
+            Proxy(settings, 0) as proxy,
+            RawConsumer(target(proxy), credits=6) as a,
+            RawConsumer(target(proxy), credits=4) as b,
+        ):
+            mine = await a.receive(6)
+            theirs = await b.receive(4)
+            assert a.welcome is not None
+            assert a.welcome.ack_ranges
+            held = sorted(d.offset for d in mine)
+            others = sorted(d.offset for d in theirs)
+            # One range over all of this stream's offsets, another's, and one never fetched;
+            # then the same range again (duplicates): only what it holds settles.
+            a.settle(ranges=[(0, 9), (9990, 9991)])
+            a.settle(ranges=[(held[0], held[-1])])
+            expected = [*others, 9990, 9991, *list(range(held[0], held[-1] + 1))]
+            async with asyncio.timeout(10):
+                while len(a.rejected) < len(expected):
+                    await a.read()
+            assert sorted(a.rejected) == sorted(expected)
+            assert proxy.dispatcher is not None
+            assert proxy.dispatcher.counters.rejected == len(expected)
+            assert proxy.dispatcher.counters.acked == 6
+            b.settle(acks=others)  # the old way, beside it
+            assert await await_until(
+                lambda: committed(broker.bootstrap, settings.kafka.group_id, topic) == 10
+            )
+
+    asyncio.run(scenario())
+
+
+def test_a_settle_with_a_malformed_range_ends_the_stream_invalid_argument(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    settings = settings_for(broker, aws, topic)
+    produce(broker.bootstrap, topic, plain(1))
+
+    async def scenario() -> None:
+        async with Proxy(settings, 0) as proxy, RawConsumer(target(proxy)) as consumer:
+            await consumer.receive(1)
+            consumer.settle(ranges=[(0, 200_000)])
+
+            async def read_to_the_end() -> None:
+                async with asyncio.timeout(10):
+                    while True:
+                        await consumer.read()
+
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await read_to_the_end()
+            assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert "at most 100000 offsets" in (caught.value.details() or "")
+
+    asyncio.run(scenario())
+
+
 def test_restarted_proxy_resumes_from_the_committed_offset(
     broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
 ) -> None:

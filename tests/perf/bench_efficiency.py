@@ -1,7 +1,9 @@
 """Short-work efficiency: how close Triage comes to a perfect first-in-first-out schedule.
 
 Workload: 4,000 messages of 2 ms work, 2% slow (200 ms), 1% poison pills (raise at once),
-SYNC handlers. Arrangements (`--arrangements`, each PROCESSESxCONSUMERSxHANDLERS): one
+SYNC handlers. Arrangements (`--arrangements`, each PROCESSESxCONSUMERSxHANDLERS, and with
+a trailing `s` the Consumers of a process share one event loop, `run_async` under one
+gather): one
 process running 4 `Consumer` objects x 8 handlers (1x4x8), and 2 processes x 1 Consumer x
 16 handlers (2x1x16); 32 slots either way. Each arrangement gets its own dev stack.
 
@@ -60,18 +62,26 @@ class Arrangement:
     processes: int
     consumers: int
     handlers: int
+    shared_loop: bool = False
+    """`PxCxHs`: the C Consumers of a process run in one event loop (slots_instance.py)."""
 
     @classmethod
     def parse(cls, text: str) -> Arrangement:
-        p, c, h = (int(x) for x in text.lower().split("x"))
-        return cls(p, c, h)
+        text = text.lower()
+        shared = text.endswith("s")
+        p, c, h = (int(x) for x in text.removesuffix("s").split("x"))
+        return cls(p, c, h, shared)
 
     @property
     def slots(self) -> int:
         return self.processes * self.consumers * self.handlers
 
     def __str__(self) -> str:
-        return f"{self.processes} process(es) x {self.consumers} Consumer(s) x {self.handlers} sync"
+        loops = ", one shared loop" if self.shared_loop else ""
+        return (
+            f"{self.processes} process(es) x {self.consumers} Consumer(s) x {self.handlers} "
+            f"sync{loops}"
+        )
 
 
 def workload(count: int, seed: int = 7) -> list[tuple[str, int]]:
@@ -114,6 +124,7 @@ def start_instances(
                 "--id",
                 f"eff-{i}",
                 *([] if switch_ms is None else ["--switch-interval-ms", str(switch_ms)]),
+                *(["--shared-loop"] if arr.shared_loop else []),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -30,6 +30,7 @@ from tests.perf.common import (
     print_frames,
     produce_values,
     run_instances,
+    status,
     table,
 )
 from triage_cli.devstack import DevStack
@@ -71,6 +72,7 @@ def measure(args: argparse.Namespace, profile: Path | None, gil: bool = False) -
         run = run_instances(
             stack, args, timeout_s=300, poll_s=0.02, profile=profile, profile_gil=gil
         )
+        counters = status(stack).get("counters", {})
     committed_at, results = run.committed_at, run.results
     first = min(r.first for r in results)
     last = max(r.last for r in results)
@@ -87,6 +89,10 @@ def measure(args: argparse.Namespace, profile: Path | None, gil: bool = False) -
                 ("commit lag after last handled", f"{(committed_at - last) * 1000:.0f} ms"),
                 ("per instance handled", ", ".join(str(r.handled) for r in results)),
                 ("plain confluent-kafka read, same run", f"{messages / plain_s:,.0f}/s"),
+                (
+                    "proxy frames: Deliveries out / Settle in",
+                    f"{counters.get('frames_out', '?')} / {counters.get('settle_frames', '?')}",
+                ),
             ]
         )
     )

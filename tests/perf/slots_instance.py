@@ -12,12 +12,15 @@ Value format: `<kind>:<milliseconds>:<index>`; kind `poison` raises at once (a n
 without retry: dead-lettered after one delivery), any other kind sleeps that long.
 On SIGTERM every Consumer stops gracefully and one JSON line is printed: per delivery
 [offset, start, finish, thread, consumer index, was-poison], times from time.monotonic()
-(CLOCK_MONOTONIC: one clock for every process on the host).
+(CLOCK_MONOTONIC: one clock for every process on the host). `--shared-loop` runs every
+Consumer in one event loop (`run_async` under one `asyncio.gather`) instead of one
+`run()` thread, and loop, each.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import signal
@@ -35,6 +38,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--id", default="slots")
     parser.add_argument("--switch-interval-ms", type=float, default=None)
+    parser.add_argument(
+        "--shared-loop",
+        action="store_true",
+        help="run every Consumer in one event loop (run_async + gather), not one loop each",
+    )
     args = parser.parse_args()
     if args.switch_interval_ms is not None:
         # An experiment on GIL hand-off between the Consumers' loops and handler threads.
@@ -85,7 +93,14 @@ def main() -> None:
         gate.set()
 
     threading.Thread(target=open_gate, daemon=True).start()
-    threads = [threading.Thread(target=c.run) for c in consumers]
+    if args.shared_loop:
+
+        async def together() -> None:
+            await asyncio.gather(*(c.run_async() for c in consumers))
+
+        threads = [threading.Thread(target=asyncio.run, args=(together(),))]
+    else:
+        threads = [threading.Thread(target=c.run) for c in consumers]
     done = threading.Event()
 
     def stop(*_: object) -> None:

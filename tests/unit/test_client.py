@@ -166,6 +166,8 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
         self.port = 0
         self.ack_deadline_ms = 0  # sent in the Welcome of each new stream; 0: leases never lapse
         self.grants = False  # Welcome.grants: Grant frames change a stream's credits
+        self.ack_ranges = False  # Welcome.ack_ranges: Settle.ack_ranges are understood
+        self.ranges: list[tuple[int, int]] = []  # every Settle.ack_ranges entry received
         self.granted: list[tuple[int | None, int]] = []  # (partition, credits) of each Grant
         self.reject: set[int] = set()  # offsets whose settlement is answered with Rejected
         self.hellos: list[triage_pb2.Hello] = []
@@ -321,7 +323,11 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
         deadline_ms = self.ack_deadline_ms
         grants = self.grants
         welcome = triage_pb2.Welcome(
-            topic="orders", partition=partition, ack_deadline_ms=deadline_ms, grants=grants
+            topic="orders",
+            partition=partition,
+            ack_deadline_ms=deadline_ms,
+            grants=grants,
+            ack_ranges=self.ack_ranges,
         )
         credits = hello.credits
         await context.write(triage_pb2.ProxyFrame(welcome=welcome))
@@ -344,7 +350,11 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
                         self.granted.append((partition, frame.grant.credits))
                         if grants:
                             credits = frame.grant.credits
-                    for offset in frame.settle.acks:
+                    ranged = [
+                        o for r in frame.settle.ack_ranges for o in range(r.first, r.last + 1)
+                    ]
+                    self.ranges.extend((r.first, r.last) for r in frame.settle.ack_ranges)
+                    for offset in [*frame.settle.acks, *ranged]:
                         self.acks.append((stream, offset))
                         settled(offset)
                     for nack in frame.settle.nacks:
@@ -923,6 +933,23 @@ def test_settlements_are_batched(proxy: FakeProxy) -> None:
     run.stop()
     settles = [e for e in proxy.events if e[1] == "settle"]
     assert len(settles) <= 3, f"{len(settles)} Settle frames for 100 acks"
+
+
+@pytest.mark.parametrize("ranges", [True, False])
+def test_acks_go_as_ranges_only_to_a_proxy_that_understands_them(
+    proxy: FakeProxy, ranges: bool
+) -> None:
+    async def handler(message: Message) -> None:
+        pass
+
+    proxy.batch = 100
+    proxy.ack_ranges = ranges
+    proxy.feed(delivery(o) for o in range(100))
+    run = Running(consumer(proxy, handler, concurrency=50, prefetch=50))
+    proxy.wait_for(lambda: len(proxy.acks) == 100, "100 acks")
+    run.stop()
+    assert sorted(offset for _, offset in proxy.acks) == list(range(100))
+    assert bool(proxy.ranges) is ranges  # an older proxy gets plain acks only
 
 
 def test_rejected_settlements_are_logged_and_counted(

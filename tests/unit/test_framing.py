@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from tests.unit.test_dispatcher import make, records
 from triage_client._proto import triage_pb2 as pb
-from triage_proxy.dispatcher import Session
+from triage_proxy.dispatcher import Entry, Session
 from triage_proxy.framing import (
     DEFAULT_FRAME_BYTES,
     MIN_FRAME_BYTES,
@@ -60,6 +60,9 @@ def test_delivery_size_is_exact(
     record = Record("t", 0, offset, key, value, tuple(headers), timestamp)
     expected = delivery_of(record, attempt).ByteSize()
     assert delivery_base_size(record) + attempt_size(attempt) == expected
+    entry = Entry(record)  # its one-pass copy of both formulas for records without headers
+    assert entry.wire == delivery_base_size(record)
+    assert entry.size == record.size
 
 
 @settings(max_examples=200, deadline=None)

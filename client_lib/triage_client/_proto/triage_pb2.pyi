@@ -85,20 +85,22 @@ class Hello(_message.Message):
     def __init__(self, consumer_id: _Optional[str] = ..., credits: _Optional[int] = ..., partition: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("topic", "partition", "ack_deadline_ms", "max_attempts", "grants", "max_frame_bytes")
+    __slots__ = ("topic", "partition", "ack_deadline_ms", "max_attempts", "grants", "max_frame_bytes", "ack_ranges")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     ACK_DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     GRANTS_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACK_RANGES_FIELD_NUMBER: _ClassVar[int]
     topic: str
     partition: int
     ack_deadline_ms: int
     max_attempts: int
     grants: bool
     max_frame_bytes: int
-    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., ack_deadline_ms: _Optional[int] = ..., max_attempts: _Optional[int] = ..., grants: _Optional[bool] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
+    ack_ranges: bool
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., ack_deadline_ms: _Optional[int] = ..., max_attempts: _Optional[int] = ..., grants: _Optional[bool] = ..., max_frame_bytes: _Optional[int] = ..., ack_ranges: _Optional[bool] = ...) -> None: ...
 
 class Header(_message.Message):
     __slots__ = ("key", "value")
@@ -145,12 +147,22 @@ class Nack(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., reason: _Optional[str] = ..., retry: _Optional[bool] = ...) -> None: ...
 
 class Settle(_message.Message):
-    __slots__ = ("acks", "nacks")
+    __slots__ = ("acks", "nacks", "ack_ranges")
     ACKS_FIELD_NUMBER: _ClassVar[int]
     NACKS_FIELD_NUMBER: _ClassVar[int]
+    ACK_RANGES_FIELD_NUMBER: _ClassVar[int]
     acks: _containers.RepeatedScalarFieldContainer[int]
     nacks: _containers.RepeatedCompositeFieldContainer[Nack]
-    def __init__(self, acks: _Optional[_Iterable[int]] = ..., nacks: _Optional[_Iterable[_Union[Nack, _Mapping]]] = ...) -> None: ...
+    ack_ranges: _containers.RepeatedCompositeFieldContainer[OffsetRange]
+    def __init__(self, acks: _Optional[_Iterable[int]] = ..., nacks: _Optional[_Iterable[_Union[Nack, _Mapping]]] = ..., ack_ranges: _Optional[_Iterable[_Union[OffsetRange, _Mapping]]] = ...) -> None: ...
+
+class OffsetRange(_message.Message):
+    __slots__ = ("first", "last")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    first: int
+    last: int
+    def __init__(self, first: _Optional[int] = ..., last: _Optional[int] = ...) -> None: ...
 
 class Extend(_message.Message):
     __slots__ = ("offsets",)
