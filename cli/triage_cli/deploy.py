@@ -309,12 +309,14 @@ def _wait_fleet_ready(
     deadline = time.monotonic() + timeout_s
     while True:
         exited = proc.poll()
+        # First: a process it gave up is named with its cause (raised here), which says
+        # more than the supervisor's own exit after giving every process up.
+        running = _running_pids(project, proc.pid, key="proxies", what="fleet process")
         if exited is not None:
             raise CommandFailed(
                 ExitCode.UNAVAILABLE,
                 f"the supervisor exited with {exited}; see {project.supervisor_log}",
             )
-        running = _running_pids(project, proc.pid, key="proxies", what="fleet process")
         served: dict[int, tuple[int, list[int]]] = {}
         for slot, pid in running.items():
             if proxy_ready(settings, slot, pid):
