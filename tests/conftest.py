@@ -9,6 +9,15 @@ default, or it fails here rather than on a user's machine.
 
 from __future__ import annotations
 
+import os
+
+# The test process runs gRPC servers and channels and also starts children (Spark's JVM,
+# npm, the CLI): each fork is followed at once by exec, which is what gRPC's own advice
+# for GRPC_ENABLE_FORK_SUPPORT=false covers. With its fork handlers on, a fork while gRPC
+# threads were busy left the child dead before exec (CI: "Java gateway process exited",
+# after "Other threads are currently calling into gRPC, skipping fork() handlers").
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 import contextlib
 import errno
 import itertools

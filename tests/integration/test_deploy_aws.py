@@ -40,6 +40,8 @@ from triage_cli.aws import deploy_aws, destroy_aws, fleet_hosts, stack_name
 from triage_cli.awsstack import SERVICE_NAME
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
 from triage_client import Consumer, Message
+from triage_client._proto import triage_pb2 as pb
+from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_proxy.ecstask import METADATA_ENV
 from triage_proxy.errors import ConfigError, DeployError
 from triage_proxy.settings import load_settings, settings_from_dict
@@ -524,9 +526,15 @@ def test_container_entrypoint_runs_a_fleet_member_with_tls_from_the_deployed_sta
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
                     await refused.read()
                 assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-            async with RawConsumer(f"127.0.0.1:{port}", token=REVOKED, credentials=mtls) as revoked:
+            # A revoked token is refused. Asked with the unary Topology: on a stream, the
+            # client's Hello write can race the refusal and end the call INTERNAL
+            # ("Failed execute_batch"), a client-side artefact, not the proxy's answer.
+            async with grpc.aio.secure_channel(f"127.0.0.1:{port}", mtls) as channel:
+                stub = pb_grpc.TriageStub(channel)  # type: ignore[no-untyped-call]
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
-                    await revoked.read()
+                    await stub.Topology(
+                        pb.TopologyRequest(), metadata=[("authorization", f"Bearer {REVOKED}")]
+                    )
                 assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
         asyncio.run(scenario())
