@@ -154,8 +154,14 @@ class RawConsumer:
         credits: int = 100,
         credentials: grpc.ChannelCredentials | None = None,
         max_frame_bytes: int = 0,
+        hello: bool = True,
     ) -> None:
         self.target = target
+        self.hello = hello
+        """False: open the stream and send nothing. A refusal test wants this: the proxy
+        refuses from the metadata alone, and a Hello write racing that refusal can end the
+        call INTERNAL ("Failed execute_batch") on the client's side instead of with the
+        proxy's status."""
         self.max_frame_bytes = max_frame_bytes
         """Hello.max_frame_bytes (0: not sent, as by an older client) and, when set, the
         channel's receive limit."""
@@ -181,15 +187,16 @@ class RawConsumer:
             self._channel = grpc.aio.secure_channel(self.target, self.credentials, options)
         stub = pb_grpc.TriageStub(self._channel)
         metadata = [("authorization", f"Bearer {self.token}")] if self.token else []
-        self._outgoing.put_nowait(
-            pb.ConsumerFrame(
-                hello=pb.Hello(
-                    consumer_id=self.consumer_id,
-                    credits=self.credits,
-                    max_frame_bytes=self.max_frame_bytes,
+        if self.hello:
+            self._outgoing.put_nowait(
+                pb.ConsumerFrame(
+                    hello=pb.Hello(
+                        consumer_id=self.consumer_id,
+                        credits=self.credits,
+                        max_frame_bytes=self.max_frame_bytes,
+                    )
                 )
             )
-        )
         self._call = stub.Consume(self._frames(), metadata=metadata)
         return self
 

@@ -64,7 +64,7 @@ def test_wrong_or_missing_token_gets_unauthenticated_and_no_data(
     async def scenario() -> None:
         async with Proxy(settings, 0) as proxy:
             for token in ("wrong", None, ""):
-                async with RawConsumer(target(proxy), token=token) as consumer:
+                async with RawConsumer(target(proxy), token=token, hello=False) as consumer:
                     with pytest.raises(grpc.aio.AioRpcError) as info:
                         await consumer.read()
                     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -171,7 +171,7 @@ def test_no_token_password_or_payload_in_the_debug_log(
 
     async def scenario() -> None:
         async with Proxy(settings, 0) as proxy:
-            async with RawConsumer(target(proxy), token=wrong) as refused:
+            async with RawConsumer(target(proxy), token=wrong, hello=False) as refused:
                 assert await _refused(refused) == grpc.StatusCode.UNAUTHENTICATED
 
             async def handle(message: Message) -> None:
@@ -293,7 +293,7 @@ def test_sighup_revokes_one_app_and_leaves_the_others_alone(
             [again] = await beta.receive(1)
             assert held_by_alpha.offset in {next_for_beta.offset, again.offset}
 
-            async with RawConsumer(where, token=ALPHA) as new_alpha:
+            async with RawConsumer(where, token=ALPHA, hello=False) as new_alpha:
                 assert await _refused(new_alpha) == grpc.StatusCode.UNAUTHENTICATED
             async with RawConsumer(where, token=BETA) as new_beta:
                 frame = await asyncio.wait_for(new_beta.read(), 15)
@@ -303,7 +303,7 @@ def test_sighup_revokes_one_app_and_leaves_the_others_alone(
             proxy_process.config.write_text("[auth\n")
             proxy_process.hangup()
             await asyncio.sleep(1.0)
-            async with RawConsumer(where, token=ALPHA) as still_revoked:
+            async with RawConsumer(where, token=ALPHA, hello=False) as still_revoked:
                 assert await _refused(still_revoked) == grpc.StatusCode.UNAUTHENTICATED
             async with RawConsumer(where, token=BETA) as still_fine:
                 frame = await asyncio.wait_for(still_fine.read(), 15)
