@@ -22,6 +22,16 @@ async def wait_any(
     """
     if any(e.is_set() for e in events):
         return True
+    if len(events) == 1 and sleep is None:
+        # The common case (a loop ticking until its closing event): waited in this task,
+        # with no helper tasks to create, cancel and gather. A proxy process runs several
+        # such loops per partition it serves, each waking many times a second.
+        try:
+            async with asyncio.timeout(timeout):
+                await events[0].wait()
+        except TimeoutError:
+            return events[0].is_set()
+        return True
     waiters = [asyncio.ensure_future(e.wait()) for e in events]
     timer = None
     if sleep is not None and timeout is not None:

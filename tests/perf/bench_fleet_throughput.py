@@ -11,7 +11,14 @@ with no `--partition` (the coordinator assigns it all 4), so its commits go thro
 group member, as in production; the instances are each given its address and discover
 the partitions with Topology.
 
+Beside the rates it prints, per measurement, the CPU each role spent per 1,000 messages
+(proxy, instances, broker: cpumeter.py; load moves the rates far more than these) and the
+proxy's Deliveries / Settle frame counts. `--profile DIR` samples the fleet process and
+the instances with py-spy (and the single partition's processes) and prints their top
+frames; `--fleet-only` skips the single-partition measurement.
+
     .venv/bin/python -m tests.perf.bench_fleet_throughput [--messages N] [--partitions 4]
+        [--profile DIR [--profile-gil]] [--fleet-only]
 """
 
 from __future__ import annotations
@@ -24,10 +31,20 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from tests.commit_watcher import CommitWatcher
 from tests.perf.bench_throughput import measure
-from tests.perf.common import Instances, bench_arguments, produce_values, table
+from tests.perf.common import (
+    Instances,
+    Profiler,
+    bench_arguments,
+    print_frames,
+    produce_values,
+    table,
+    top_frames,
+)
+from tests.perf.cpumeter import CpuMeter, cpu_row, last_window
 from triage_cli.devstack import DevStack
 from triage_cli.embedded import HOST
 from triage_cli.supervisor import fleet_command
@@ -36,19 +53,32 @@ TARGET_RATIO = 1.0
 READY_S = 120.0
 
 
-def served(http_port: int) -> list[int]:
+def process_status(http_port: int) -> dict[str, Any]:
     try:
         with urllib.request.urlopen(f"http://{HOST}:{http_port}/status", timeout=2) as reply:
-            return list(json.loads(reply.read()).get("served", []))
+            doc: dict[str, Any] = json.loads(reply.read())
+            return doc
     except OSError:
-        return []
+        return {}
+
+
+def served(http_port: int) -> list[int]:
+    return list(process_status(http_port).get("served", []))
+
+
+def frame_counts(http_port: int) -> str:
+    """Deliveries frames out / Settle frames in, summed over the partitions served."""
+    parts = process_status(http_port).get("partitions", [])
+    out = sum(p.get("counters", {}).get("frames_out", 0) for p in parts)
+    settles = sum(p.get("counters", {}).get("settle_frames", 0) for p in parts)
+    return f"{out} / {settles}"
 
 
 def measure_fleet(args: argparse.Namespace) -> float:
     """Messages/s of one fleet process serving `args.partitions` partitions."""
     from triage_proxy.settings import load_settings
 
-    overrides = {"commit": {"interval_s": 0.1}}
+    overrides: dict[str, Any] = {"commit": {"interval_s": 0.1}}
     with DevStack(
         topic="bench-fleet-throughput",
         partitions=args.partitions,
@@ -82,11 +112,24 @@ def measure_fleet(args: argparse.Namespace) -> float:
             instances = Instances(
                 [f"{HOST}:{server.port}"], stack.token, args.instances, args.concurrency
             )
+            profiler = None
+            if args.profile is not None:
+                # From the first commit on: not the instances' imports and connecting.
+                while max(watcher.offsets()) <= 0:
+                    time.sleep(0.01)
+                pids = {"fleet-proxy": proxy.pid}
+                pids.update({f"instance-{i}": pid for i, pid in enumerate(instances.pids)})
+                profiler = Profiler(pids, args.profile / "fleet", gil=args.profile_gil)
             try:
                 committed_at = watcher.wait_for(expected, timeout_s=300, poll_s=0.02)
             finally:
+                if profiler is not None:
+                    profiler.stop()
                 results = instances.stop()
                 watcher.close()
+            frames = frame_counts(server.http_port)
+            if profiler is not None:
+                print_frames({name: top_frames(path) for name, path in profiler.files.items()})
         finally:
             proxy.terminate()
             proxy.wait(60)
@@ -100,6 +143,7 @@ def measure_fleet(args: argparse.Namespace) -> float:
                 ("fleet process end to end", f"{committed_at - first:.2f} s"),
                 ("fleet process messages/s", f"{rate:,.0f}"),
                 ("per instance handled", ", ".join(str(r.handled) for r in results)),
+                ("proxy frames: Deliveries out / Settle in", frames),
             ]
         )
     )
@@ -115,20 +159,51 @@ def main() -> int:
         help="the process pins the partitions (--partition) instead of joining the group: "
         "its commits go straight to the broker, not through a group member",
     )
+    parser.add_argument(
+        "--profile", type=Path, default=None, help="py-spy the fleet process and instances"
+    )
+    parser.add_argument("--profile-gil", action="store_true", help="py-spy --gil")
+    parser.add_argument("--fleet-only", action="store_true", help="skip the single partition")
     args = parser.parse_args()
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"fleet no-op throughput on {os.cpu_count()} cores, load average {load}")
     print("single partition (bench_throughput's measurement):")
-    single = measure(args, None)
+    single = float("nan")
+    if not args.fleet_only:
+        profile = args.profile / "single" if args.profile is not None else None
+        with CpuMeter() as meter:
+            measured = measure(args, profile, args.profile_gil)
+        single = measured.rate
+        print(
+            table(
+                [
+                    (
+                        "CPU ms per 1,000 messages",
+                        cpu_row(last_window(meter, args.messages / single), args.messages),
+                    )
+                ]
+            )
+        )
     mode = "pinned" if args.pinned else "fleet"
     print(f"one {mode} process, {args.partitions} partitions:")
-    fleet = measure_fleet(args)
-    ratio = fleet / single.rate
+    with CpuMeter() as meter:
+        fleet = measure_fleet(args)
+    print(
+        table(
+            [
+                (
+                    "CPU ms per 1,000 messages",
+                    cpu_row(last_window(meter, args.messages / fleet), args.messages),
+                )
+            ]
+        )
+    )
+    ratio = fleet / single
     after = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(
         table(
             [
-                ("single partition msg/s", f"{single.rate:,.0f}"),
+                ("single partition msg/s", f"{single:,.0f}"),
                 (f"fleet process, {args.partitions} partitions msg/s", f"{fleet:,.0f}"),
                 ("ratio", f"{ratio:.2f} (target >= {TARGET_RATIO})"),
                 ("load average before / after", f"{load} / {after}"),

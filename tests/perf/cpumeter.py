@@ -1,0 +1,119 @@
+"""CPU seconds spent by this process's descendants, by role, over a time window.
+
+Why: on a machine shared with other work, messages/s moves with the load, but the CPU a
+message costs each process (proxy, consumer instances, broker) barely does; comparing
+those tells which process a change made cheaper. Linux only (/proc); elsewhere it
+reports nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _role(cmdline: str) -> str | None:
+    if "instance.py" in cmdline:
+        return "instances"
+    if "triage_cli.main" in cmdline and " proxy" in cmdline:
+        return "proxy"
+    if "tansu" in cmdline:
+        return "broker"
+    return None
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rpartition(")")[2].split()[1])
+        tree.setdefault(ppid, []).append(int(entry.name))
+    return tree
+
+
+def _cpu(pid: int) -> float | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+class CpuMeter:
+    """Samples every descendant's CPU time every `period` s while open."""
+
+    def __init__(self, period: float = 0.05) -> None:
+        self._period = period
+        self._samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> CpuMeter:
+        if Path("/proc/self/stat").exists():
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        me = os.getpid()
+        roles: dict[int, str | None] = {}
+        while not self._stop.wait(self._period):
+            tree = _children()
+            todo, found = list(tree.get(me, [])), {}
+            while todo:
+                pid = todo.pop()
+                todo.extend(tree.get(pid, []))
+                if pid not in roles:
+                    try:
+                        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                    except OSError:
+                        continue
+                    roles[pid] = _role(cmd.decode(errors="replace"))
+                role = roles[pid]
+                if role is not None and (cpu := _cpu(pid)) is not None:
+                    found[pid] = (role, cpu)
+            self._samples.append((time.time(), found))
+
+    def between(self, start: float, end: float) -> dict[str, float]:
+        """CPU seconds by role from `start` to `end` (time.time()), from the samples nearest
+        inside the window, for processes alive at both ends."""
+        inside = [s for s in self._samples if start <= s[0] <= end]
+        if len(inside) < 2:
+            return {}
+        (t0, first), (t1, last) = inside[0], inside[-1]
+        scale = (end - start) / (t1 - t0) if t1 > t0 else 1.0
+        used: dict[str, float] = {}
+        for pid, (role, cpu) in last.items():
+            if pid in first:
+                used[role] = used.get(role, 0.0) + (cpu - first[pid][1]) * scale
+        return used
+
+
+def cpu_row(used: dict[str, float], messages: int) -> str:
+    """CPU ms per 1,000 messages by role, for a table."""
+    if not used:
+        return "n/a"
+    per = {role: 1000 * 1000 * s / messages for role, s in sorted(used.items())}
+    return ", ".join(f"{role} {ms:.1f}" for role, ms in per.items())
+
+
+def last_window(meter: CpuMeter, duration: float) -> dict[str, float]:
+    """CPU by role over the `duration` s that ended when the consumer instances were last
+    seen alive (they are stopped right after the last commit)."""
+    seen = [t for t, found in meter._samples if any(r == "instances" for r, _ in found.values())]
+    if not seen:
+        return {}
+    return meter.between(seen[-1] - duration, seen[-1])
