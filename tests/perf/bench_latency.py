@@ -308,7 +308,7 @@ def report(
                     ("produce -> handler start, p50 / p99 / max", ""),
                     (
                         f"  through Triage (1 Consumer, {handler} no-op, "
-                        f"{args.concurrency} + {args.prefetch} credits)",
+                        f"concurrency {args.concurrency}, prefetch {args.prefetch})",
                         fmt(pt),
                     ),
                     ("  plain confluent-kafka consumer", fmt(pb)),
