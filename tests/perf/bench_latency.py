@@ -24,6 +24,12 @@ figure becomes its queue. With the Consumer's default prefetch (= concurrency, 1
 credits) at 10k msg/s on the loaded 2-core machine, records waited for credits in the
 proxy and Triage added 150-480 ms at p50; `--prefetch 64` shows it.
 
+Per phase it also prints what each process cost and how long it waited for a CPU
+(/proc/<pid>/task/*/schedstat: CPU time, and time runnable but not running; the main
+thread's wait alone, the event loop's for Triage) and the share of the phase in which some
+task on the machine waited (/proc/pressure/cpu): on the shared 2-core machine the 10k
+phase is bound by CPU, and these say by how much, from the same run.
+
 Commit lag: the proxy runs with the default commit.interval_s; after each phase and for
 `--probes` single messages produced 1-2 s apart at random (so they fall at every phase of
 the commit interval, not at one), the time from the last handler's return to the
@@ -45,7 +51,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from confluent_kafka import Producer
@@ -202,6 +208,75 @@ def fmt(p: tuple[float, float, float]) -> str:
     return f"{p[0]:.2f} / {p[1]:.2f} / {p[2]:.1f} ms"
 
 
+def sched(pid: int) -> tuple[int, int, int]:
+    """(CPU ns, ns runnable but waiting for a CPU) summed over the process's threads, and
+    that wait for its main thread alone (the event loop's, for Triage): /proc schedstat."""
+    cpu = wait = 0
+    main = 0
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                ran, waited, _ = (int(x) for x in f.read().split())
+            cpu, wait = cpu + ran, wait + waited
+            if int(task) == pid:
+                main = waited
+    except (OSError, ValueError):
+        pass  # gone, or no schedstat on this kernel: zeros
+    return cpu, wait, main
+
+
+def cpu_pressure_us() -> int:
+    """Total microseconds some runnable task waited for a CPU (/proc/pressure/cpu), or 0."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            return int(f.readline().rsplit("total=", 1)[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+@dataclass
+class Load:
+    """What each process cost over one phase, and how long the machine's CPUs kept it
+    waiting: the proof when a phase is bound by the machine rather than by Triage."""
+
+    pids: dict[str, int]
+    start: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    end: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    pressure: tuple[int, int] = (0, 0)
+    wall: tuple[float, float] = (0.0, 0.0)
+
+    def begin(self) -> None:
+        self.start = {name: sched(pid) for name, pid in self.pids.items()}
+        self.pressure = (cpu_pressure_us(), 0)
+        self.wall = (time.monotonic(), 0.0)
+
+    def finish(self) -> None:
+        self.end = {name: sched(pid) for name, pid in self.pids.items()}
+        self.pressure = (self.pressure[0], cpu_pressure_us())
+        self.wall = (self.wall[0], time.monotonic())
+
+    def rows(self, messages: int) -> list[tuple[str, str]]:
+        seconds = self.wall[1] - self.wall[0]
+        waited = (self.pressure[1] - self.pressure[0]) / 1e6
+        rows = [
+            (
+                "CPU ms (us per message) / ms waiting for a CPU (main thread)",
+                f"machine: some task waiting {100 * waited / max(seconds, 1e-9):.0f}% of "
+                f"{seconds:.1f} s",
+            )
+        ]
+        for name in self.pids:
+            (c0, w0, m0), (c1, w1, m1) = self.start[name], self.end[name]
+            rows.append(
+                (
+                    f"  {name}",
+                    f"{(c1 - c0) / 1e6:.0f} ({(c1 - c0) / 1e3 / messages:.1f}) / "
+                    f"{(w1 - w0) / 1e6:.0f} ({(m1 - m0) / 1e6:.0f})",
+                )
+            )
+        return rows
+
+
 @dataclass
 class Phase:
     number: int
@@ -210,6 +285,7 @@ class Phase:
     produced_end: int
     """The partition's end offset after this phase."""
     committed_at_ns: int = 0
+    load: Load | None = None
 
 
 def main() -> int:
@@ -253,10 +329,20 @@ def main() -> int:
                 i += 1
                 time.sleep(0.05)
             wait_committed(watcher, producer.end, 60)
+            pids = {
+                "Tansu (broker)": stack.broker.pid,
+                "Triage proxy": stack.proxy_process(0).pid,
+                "Triage consumer": triage.proc.pid,
+                "plain consumer": plain.proc.pid,
+                "this producer": os.getpid(),
+            }
             for number, rate in enumerate(rates, 1):
+                cost = Load(pids)
+                cost.begin()
                 count = producer.steady(number, rate, args.seconds)
-                phase = Phase(number, rate, count, producer.end)
+                phase = Phase(number, rate, count, producer.end, load=cost)
                 phase.committed_at_ns = wait_committed(watcher, producer.end, 300)
+                cost.finish()
                 phases.append(phase)
             probes = []
             gaps = random.Random(15)
@@ -325,6 +411,7 @@ def report(
                     ),
                     ("seen through Triage / plain", f"{len(lt)} / {len(lb)}"),
                     ("last handler return -> committed", f"{lag_ms:.0f} ms"),
+                    *(phase.load.rows(phase.count) if phase.load else []),
                 ]
             )
         )
