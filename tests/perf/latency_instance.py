@@ -66,7 +66,11 @@ def through_triage(args: argparse.Namespace, recorder: Recorder) -> None:
             recorder.end(*recorder.start(message.value or b""))
 
     consumer = Consumer(
-        args.target, os.environ["TRIAGE_TOKEN"], handler, concurrency=args.concurrency
+        args.target,
+        os.environ["TRIAGE_TOKEN"],
+        handler,
+        concurrency=args.concurrency,
+        prefetch=args.prefetch,
     )
     signal.signal(signal.SIGTERM, lambda *_: consumer.stop())
     consumer.run()
@@ -97,6 +101,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--target")
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--prefetch", type=int)
     parser.add_argument("--sync", action="store_true")
     parser.add_argument("--bootstrap")
     parser.add_argument("--topic")
