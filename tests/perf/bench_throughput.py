@@ -41,6 +41,12 @@ GOAL_PER_S = 150_000
 GOAL_SHARE = 0.8
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process `pid` used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def plain_read(bootstrap: str, topic: str, count: int) -> float:
     from confluent_kafka import Consumer, TopicPartition
 
@@ -69,8 +75,17 @@ def measure(args: argparse.Namespace, profile: Path | None, gil: bool = False) -
         bootstrap = stack.broker.bootstrap
         produce_values(bootstrap, stack.topic, (b"x" * 100 for _ in range(messages)))
         plain_s = plain_read(bootstrap, stack.topic, messages)
+        proxy_pid = stack.proxy_process(0).pid
+        proxy_before, children_before = cpu_seconds(proxy_pid), os.times()
         run = run_instances(
             stack, args, timeout_s=300, poll_s=0.02, profile=profile, profile_gil=gil
+        )
+        # The instances are reaped by now (their CPU counts as this process's children's);
+        # the proxy's is read from /proc. Both include connecting, the instances' imports too.
+        proxy_cpu = cpu_seconds(proxy_pid) - proxy_before
+        children = os.times()
+        instances_cpu = (children.children_user - children_before.children_user) + (
+            children.children_system - children_before.children_system
         )
         counters = status(stack).get("counters", {})
     committed_at, results = run.committed_at, run.results
@@ -89,6 +104,10 @@ def measure(args: argparse.Namespace, profile: Path | None, gil: bool = False) -
                 ("commit lag after last handled", f"{(committed_at - last) * 1000:.0f} ms"),
                 ("per instance handled", ", ".join(str(r.handled) for r in results)),
                 ("plain confluent-kafka read, same run", f"{messages / plain_s:,.0f}/s"),
+                (
+                    "CPU s: proxy / instances (all, from launch)",
+                    f"{proxy_cpu:.2f} / {instances_cpu:.2f}",
+                ),
                 (
                     "proxy frames: Deliveries out / Settle in",
                     f"{counters.get('frames_out', '?')} / {counters.get('settle_frames', '?')}",
