@@ -93,17 +93,6 @@ class EntryState(enum.Enum):
     """Its dead letter can never be written (deadletter.py): unsettled until a restart."""
 
 
-def _scalars_size(record: Record) -> int:
-    """Bytes of a Delivery's offset and timestamp fields (framing.delivery_base_size)."""
-    offset, timestamp = record[2], record[6]
-    n = 0
-    if offset:
-        n = 11 if offset < 0 else 1 + (offset.bit_length() + 6) // 7
-    if timestamp:
-        n += 11 if timestamp < 0 else 1 + (timestamp.bit_length() + 6) // 7
-    return n
-
-
 class Entry:
     """One unsettled record in the window, with its delivery state."""
 
@@ -123,13 +112,13 @@ class Entry:
 
     def __init__(self, record: Record, fetched_at: float = 0.0) -> None:
         self.record = record
-        _, _, _, key, value, headers, _ = record
+        _, _, offset, key, value, headers, timestamp = record
         if headers:
             self.size = record.size
             self.wire = delivery_base_size(record)
         else:
-            # Record.size and framing.delivery_base_size in one pass, for the common record
-            # without headers (one built per fetched message; checked against both in
+            # Record.size and framing.delivery_base_size in one pass, inlined, for the common
+            # record without headers (one built per fetched message; checked against both in
             # tests/unit/test_framing.py).
             size = wire = 0
             if key is not None:
@@ -139,8 +128,12 @@ class Entry:
                 v = len(value)
                 size += v
                 wire += 1 + (1 if v < 128 else (v.bit_length() + 6) // 7) + v
+            if offset:
+                wire += 11 if offset < 0 else 1 + (offset.bit_length() + 6) // 7
+            if timestamp:
+                wire += 11 if timestamp < 0 else 1 + (timestamp.bit_length() + 6) // 7
             self.size = size
-            self.wire = wire + _scalars_size(record)
+            self.wire = wire
         """Serialized bytes of its Delivery without the attempt (framing.py)."""
         self.attempt = 0
         self.holder: Session | None = None
