@@ -678,3 +678,24 @@ def test_a_grant_changes_credits_without_revoking_what_is_held() -> None:
     d.grant(a, 10)
     assert a.credits == 0
     assert drain(a) == []
+
+
+def test_a_contiguous_batch_and_a_batch_with_a_gap_fill_the_window_alike() -> None:
+    """`add` takes a gapless batch in bulk (`_add_run`); the result is the per-record one:
+    same entries, sizes, order of delivery, tracker state, and the oversized record is
+    dead-lettered in both."""
+    big = b"x" * ((1 << 20) - 64 * 1024 + 1)  # over server.max_frame_bytes - overhead
+    outcomes = []
+    for batch in (
+        [*records(0, 3), Record("t", 0, 3, None, big, (), 0), *records(4, 8)],  # contiguous
+        [*records(0, 3), Record("t", 0, 3, None, big, (), 0), *records(4, 7), *records(9, 10)],
+    ):
+        d, tracker, dead = make()
+        session = d.open_session("a", 100)
+        d.add(batch)
+        offsets = [x.offset for x in drain(session)]
+        outcomes.append((offsets, d.in_window, tracker.pending, [x.record.offset for x in dead]))
+        assert d.window_bytes == sum(len(r.value or b"") for r in batch)
+    contiguous, gapped = outcomes
+    assert contiguous == ([0, 1, 2, 4, 5, 6, 7], 8, 8, [3])
+    assert gapped == ([0, 1, 2, 4, 5, 6, 9], 8, 8, [3])
