@@ -684,11 +684,17 @@ class Dispatcher:
             self._compact_leases()
 
     def _compact_leases(self) -> None:
-        """Drop references to settled offsets; amortized O(1) per delivery."""
+        """Drop references to settled offsets; amortized O(1) per delivery. A batch wholly
+        below the committable offset is all settled and goes without a look at each offset
+        (a C-level max instead of a dict lookup per offset: most batches, when handlers
+        keep up)."""
         entries = self._entries
+        committable = self._tracker.committable
         kept: deque[tuple[float, list[int]]] = deque()
         refs = 0
         for deadline, offsets in self._lease_batches:
+            if max(offsets) < committable:
+                continue
             live = [
                 o
                 for o in offsets

@@ -428,6 +428,28 @@ def test_lease_bookkeeping_stays_bounded_and_still_expires_after_compaction() ->
     assert d.counters.expired == 1
 
 
+def test_compaction_drops_batches_below_the_commit_and_keeps_the_held_ones() -> None:
+    """Batches wholly below the committable offset go at once (no look at each offset);
+    a held delivery above it keeps its lease and still expires."""
+    clock = Clock()
+    d, tracker, _ = make(max_messages=10, clock=clock)
+    a = d.open_session("a", 5)
+    for start in range(0, 20_000, 4):
+        d.add(records(start, start + 4))
+        got = [x.offset for x in drain(a)]
+        d.settle(a, got, [])
+        clock.now += 0.0001
+    assert tracker.committable == 20_000
+    d.add(records(20_000, 20_002))
+    held = [x.offset for x in drain(a)]
+    d.settle(a, held[1:], [])  # 20_000 stays held
+    d._compact_leases()
+    assert d._lease_refs == 1
+    clock.now += 10.1
+    d.tick()
+    assert d.counters.expired == 1
+
+
 def test_a_vanished_instances_records_go_out_one_suspect_per_instance() -> None:
     d, tracker, _ = make()
     a = d.open_session("a", 10)
