@@ -97,6 +97,7 @@ def proxy(
     from triage_cli.signals import on_stop_signals
     from triage_proxy.app import Proxy
     from triage_proxy.ecstask import resolve_advertised_host
+    from triage_proxy.heap import freeze_when_ready, set_collection_policy
     from triage_proxy.preflight import file_warnings, preflight
     from triage_proxy.settings import load_settings
 
@@ -129,8 +130,12 @@ def proxy(
             )
             loop = asyncio.get_running_loop()
             loop.add_signal_handler(signal.SIGHUP, runner.reload_auth)
+            frozen = loop.create_task(freeze_when_ready(runner.ready))
             with on_stop_signals(runner.stop, loop):
                 await runner.serve()
+            frozen.cancel()
+
+        set_collection_policy()  # heap.py: the process's GC policy (this process only)
 
         asyncio.run(main())  # a TLS file that is missing or not PEM: ConfigError, exit 2
 

@@ -529,15 +529,25 @@ class PartitionStream:
         topic, partition = batch.topic, batch.partition
         messages: list[Message] = []
         append = messages.append
+        make = make_message
+        has = triage_pb2.Delivery.HasField
         for d in batch.deliveries:
+            # Presence is asked only of an empty key or value (None and b"" differ); a
+            # non-empty one is present.
+            key: bytes | None = d.key
+            if not key and not has(d, "key"):
+                key = None
+            value: bytes | None = d.value
+            if not value and not has(d, "value"):
+                value = None
             hs = d.headers
             append(
-                make_message(
+                make(
                     topic,
                     partition,
                     d.offset,
-                    d.key if d.HasField("key") else None,
-                    d.value if d.HasField("value") else None,
+                    key,
+                    value,
                     # iterating an empty repeated field costs microseconds: skip it
                     [(h.key, h.value if h.HasField("value") else None) for h in hs] if hs else [],
                     d.timestamp_ms,

@@ -21,6 +21,7 @@ import argparse
 import math
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,65 @@ TARGET_PER_S = 50_000
 GOAL_PER_S = 150_000
 """Issue 15: this rate in at least GOAL_SHARE of the runs."""
 GOAL_SHARE = 0.8
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process `pid` used so far (Linux /proc); 0 once gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuSampler:
+    """Samples the CPU seconds of the proxy and of the instance processes (children of this
+    one running instance.py) every INTERVAL_S, so the run's window (first handled -> all
+    committed) can be charged to each: which process the figure costs most."""
+
+    INTERVAL_S = 0.05
+
+    def __init__(self, proxy_pid: int) -> None:
+        self._proxy = proxy_pid
+        self.samples: list[tuple[float, float, float]] = []
+        """(time.time(), proxy CPU s, all instances' CPU s)."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _instances(self) -> list[int]:
+        me = os.getpid()
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text().rpartition(")")[2].split()
+                if int(stat[1]) == me and b"instance.py" in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+        return found
+
+    def _run(self) -> None:
+        pids: list[int] = []
+        while not self._stop.wait(self.INTERVAL_S):
+            pids = pids or self._instances()
+            inst = sum(cpu_seconds(pid) for pid in pids)
+            self.samples.append((time.time(), cpu_seconds(self._proxy), inst))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def between(self, start: float, end: float) -> tuple[float, float]:
+        """(proxy, instances) CPU seconds from the last sample at or before `start` to the
+        first at or after `end` (so it may overstate by up to two intervals)."""
+        before = [s for s in self.samples if s[0] <= start] or self.samples[:1]
+        after = [s for s in self.samples if s[0] >= end] or self.samples[-1:]
+        if not before or not after:
+            return 0.0, 0.0
+        return after[0][1] - before[-1][1], after[0][2] - before[-1][2]
 
 
 def plain_read(bootstrap: str, topic: str, count: int) -> float:
@@ -69,15 +129,20 @@ def measure(args: argparse.Namespace, profile: Path | None, gil: bool = False) -
         bootstrap = stack.broker.bootstrap
         produce_values(bootstrap, stack.topic, (b"x" * 100 for _ in range(messages)))
         plain_s = plain_read(bootstrap, stack.topic, messages)
-        run = run_instances(
-            stack, args, timeout_s=300, poll_s=0.02, profile=profile, profile_gil=gil
-        )
+        sampler = CpuSampler(stack.proxy_process(0).pid)
+        try:
+            run = run_instances(
+                stack, args, timeout_s=300, poll_s=0.02, profile=profile, profile_gil=gil
+            )
+        finally:
+            sampler.stop()
         counters = status(stack).get("counters", {})
     committed_at, results = run.committed_at, run.results
     first = min(r.first for r in results)
     last = max(r.last for r in results)
     e2e = committed_at - first
     rate = messages / e2e
+    proxy_cpu, instances_cpu = sampler.between(first, committed_at)
     print(
         table(
             [
@@ -89,6 +154,12 @@ def measure(args: argparse.Namespace, profile: Path | None, gil: bool = False) -
                 ("commit lag after last handled", f"{(committed_at - last) * 1000:.0f} ms"),
                 ("per instance handled", ", ".join(str(r.handled) for r in results)),
                 ("plain confluent-kafka read, same run", f"{messages / plain_s:,.0f}/s"),
+                (
+                    "CPU in that window: proxy / all instances",
+                    f"{proxy_cpu:.2f} s / {instances_cpu:.2f} s = "
+                    f"{proxy_cpu / messages * 1e6:.1f} / {instances_cpu / messages * 1e6:.1f} "
+                    "us per message",
+                ),
                 (
                     "proxy frames: Deliveries out / Settle in",
                     f"{counters.get('frames_out', '?')} / {counters.get('settle_frames', '?')}",

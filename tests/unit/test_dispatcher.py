@@ -428,6 +428,28 @@ def test_lease_bookkeeping_stays_bounded_and_still_expires_after_compaction() ->
     assert d.counters.expired == 1
 
 
+def test_compaction_drops_batches_below_the_commit_and_keeps_the_held_ones() -> None:
+    """Batches wholly below the committable offset go at once (no look at each offset);
+    a held delivery above it keeps its lease and still expires."""
+    clock = Clock()
+    d, tracker, _ = make(max_messages=10, clock=clock)
+    a = d.open_session("a", 5)
+    for start in range(0, 20_000, 4):
+        d.add(records(start, start + 4))
+        got = [x.offset for x in drain(a)]
+        d.settle(a, got, [])
+        clock.now += 0.0001
+    assert tracker.committable == 20_000
+    d.add(records(20_000, 20_002))
+    held = [x.offset for x in drain(a)]
+    d.settle(a, held[1:], [])  # 20_000 stays held
+    d._compact_leases()
+    assert d._lease_refs == 1
+    clock.now += 10.1
+    d.tick()
+    assert d.counters.expired == 1
+
+
 def test_a_vanished_instances_records_go_out_one_suspect_per_instance() -> None:
     d, tracker, _ = make()
     a = d.open_session("a", 10)
@@ -678,3 +700,24 @@ def test_a_grant_changes_credits_without_revoking_what_is_held() -> None:
     d.grant(a, 10)
     assert a.credits == 0
     assert drain(a) == []
+
+
+def test_a_contiguous_batch_and_a_batch_with_a_gap_fill_the_window_alike() -> None:
+    """`add` takes a gapless batch in bulk (`_add_run`); the result is the per-record one:
+    same entries, sizes, order of delivery, tracker state, and the oversized record is
+    dead-lettered in both."""
+    big = b"x" * ((1 << 20) - 64 * 1024 + 1)  # over server.max_frame_bytes - overhead
+    outcomes = []
+    for batch in (
+        [*records(0, 3), Record("t", 0, 3, None, big, (), 0), *records(4, 8)],  # contiguous
+        [*records(0, 3), Record("t", 0, 3, None, big, (), 0), *records(4, 7), *records(9, 10)],
+    ):
+        d, tracker, dead = make()
+        session = d.open_session("a", 100)
+        d.add(batch)
+        offsets = [x.offset for x in drain(session)]
+        outcomes.append((offsets, d.in_window, tracker.pending, [x.record.offset for x in dead]))
+        assert d.window_bytes == sum(len(r.value or b"") for r in batch)
+    contiguous, gapped = outcomes
+    assert contiguous == ([0, 1, 2, 4, 5, 6, 7], 8, 8, [3])
+    assert gapped == ([0, 1, 2, 4, 5, 6, 9], 8, 8, [3])

@@ -348,3 +348,32 @@ class TrackerMachine(RuleBasedStateMachine):
 
 TrackerMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
 test_tracker_matches_model = TrackerMachine.TestCase
+
+
+@pytest.mark.parametrize(
+    ("start", "spans"),
+    [
+        (0, [(0, 0)]),
+        (5, [(5, PAGE + 3), (PAGE + 4, 3 * PAGE + 1)]),
+        (PAGE - 2, [(PAGE - 2, PAGE + 1), (PAGE + 9, 2 * PAGE)]),  # a gap between the spans
+    ],
+)
+def test_track_span_is_track_of_each_offset(start: int, spans: list[tuple[int, int]]) -> None:
+    bulk, single = CommitTracker(start), CommitTracker(start)
+    for first, last in spans:
+        bulk.track_span(first, last)
+        for offset in range(first, last + 1):
+            single.track(offset)
+    assert (bulk.committable, bulk.pending, bulk.next_offset) == (
+        single.committable,
+        single.pending,
+        single.next_offset,
+    )
+    for first, last in spans:  # settle the same way, checking the two agree throughout
+        for offset in range(last, first - 1, -1):
+            assert bulk.settle(offset) == single.settle(offset)
+            assert bulk.committable == single.committable
+            assert bulk.settled_above() == single.settled_above()
+    assert bulk.pending == 0
+    with pytest.raises(ValueError, match="not above"):
+        bulk.track_span(spans[-1][1], spans[-1][1] + 2)
