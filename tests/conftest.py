@@ -27,9 +27,15 @@ from collections.abc import Iterator
 from types import FrameType
 
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.settings import DEFAULT_HTTP_PORT, DEFAULT_PORT
+
+# Properties check behaviour, not speed: on CI's 2 shared cores one example of a stateful
+# test can take longer than hypothesis' default 200 ms deadline for no fault of the code.
+hypothesis_settings.register_profile("triage", deadline=None)
+hypothesis_settings.load_profile("triage")
 
 DEFAULT_PARTITIONS_HELD = 4
 """Partitions whose default proxy ports are held (tests run at most 2 partitions)."""
