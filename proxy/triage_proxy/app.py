@@ -573,7 +573,9 @@ class Proxy:
             for fn in made:
                 fn()
 
-        return PartitionParts(log, checkpoints, leases, close)
+        return PartitionParts(
+            log, checkpoints, leases, close, commits_apart=self.membership is not None
+        )
 
     def _new_log(self, partition: int) -> PartitionLog:
         log = ConfluentPartition(self.settings.kafka, partition)

@@ -85,6 +85,11 @@ class PartitionParts:
     """The partition's lease item (None: ownership is off)."""
     close: Callable[[], None] = lambda: None
     """Closes what was made for this pipeline (not what a test injected)."""
+    commits_apart: bool = False
+    """The log commits through another Kafka client (a fleet's group member): the
+    committer then waits for it on a thread of its own, not on the fetch's. A member's
+    commit takes up to two of the member's polls plus the broker's answer; on the fetch
+    thread that stalled the partition's fetching at every commit."""
 
 
 class Routes(Protocol):
@@ -271,9 +276,13 @@ class PartitionPipeline:
             fetch_closing = asyncio.Event()
             fetcher = Fetcher(log, thread, dispatcher, settings.kafka.fetch_batch, fetch_closing)
             commit_closing = asyncio.Event()
+            commit_thread = thread
+            if self.parts.commits_apart:
+                commit_thread = KafkaThread()
+                stack.callback(commit_thread.shutdown)
             committer = Committer(
                 log,
-                thread,
+                commit_thread,
                 tracker,
                 start_offset,
                 settings.commit.interval_s,
