@@ -95,7 +95,9 @@ def scan_dead_letters(stack: DevStack) -> list[Any]:
         client.close()
 
 
-def redelivery_cause(prev: Invocation, cur: Invocation, proxy_kills: list[float]) -> str:
+def redelivery_cause(
+    prev: Invocation, cur: Invocation, proxy_kills: list[float], proxy_exits: list[float]
+) -> str:
     """Why `cur` followed `prev` for the same offset (see the module docstring)."""
     if prev.plan == "retry":
         return "retry"
@@ -105,6 +107,9 @@ def redelivery_cause(prev: Invocation, cur: Invocation, proxy_kills: list[float]
     kill = first_kill_between(proxy_kills, prev.t, cur.t)
     if kill is not None:
         candidates.append((proxy_kills[kill], "proxy kill"))
+    exit_ = first_kill_between(proxy_exits, prev.t, cur.t)
+    if exit_ is not None:
+        candidates.append((proxy_exits[exit_], "proxy exit"))
     inc = prev.incarnation
     died = inc.killed_at if inc.fate == "killed" else inc.ended
     unsettled = prev.done_t is None or (died or 0.0) - prev.done_t < SETTLE_SLACK_S
@@ -121,8 +126,8 @@ def redelivery_cause(prev: Invocation, cur: Invocation, proxy_kills: list[float]
 
 
 def first_kill_between(proxy_kills: list[float], since: float, until: float) -> int | None:
-    """Index of the first proxy kill that can explain a redelivery of an invocation made
-    at `since` seen again at `until`, or None."""
+    """Index of the first proxy kill (or exit: any sorted times) that can explain a
+    redelivery of an invocation made at `since` seen again at `until`, or None."""
     i = bisect.bisect_right(proxy_kills, since - PROXY_KILL_SLACK_S)
     return i if i < len(proxy_kills) and proxy_kills[i] <= until else None
 
@@ -146,6 +151,7 @@ def verify(
 ) -> None:
     """Fill in the verification half of `report` (see the module docstring)."""
     options = report.options
+    exits = sorted(report.proxy_exits)
     index_at = {offset: index for index, offset in offsets.items()}
     behaviour_at = {offset: workload.behaviours[i] for offset, i in index_at.items()}
     report.produced = len(offsets)
@@ -222,7 +228,7 @@ def verify(
         invs.sort(key=lambda i: i.t)
         causes = []
         for a, b in itertools.pairwise(invs):
-            cause = redelivery_cause(a, b, proxy_kill_times)
+            cause = redelivery_cause(a, b, proxy_kill_times, exits)
             causes.append(cause)
             kill = first_kill_between(proxy_kill_times, a.t, b.t)
             if cause == "proxy kill" and kill is not None:
@@ -235,6 +241,11 @@ def verify(
         if excess:
             # e.g. a crash pill starting over at attempt 1 on a restarted proxy
             reset = first_kill_between(proxy_kill_times, invs[0].t, invs[-1].t)
-            report.duplicates_by_cause["other" if reset is None else "proxy kill"] += excess
-            if reset is not None:
+            exit_ = first_kill_between(exits, invs[0].t, invs[-1].t)
+            if exit_ is not None and (reset is None or exits[exit_] < proxy_kill_times[reset]):
+                report.duplicates_by_cause["proxy exit"] += excess
+            elif reset is not None:
+                report.duplicates_by_cause["proxy kill"] += excess
                 report.per_kill[reset] += excess
+            else:
+                report.duplicates_by_cause["other"] += excess
