@@ -16,7 +16,12 @@ import pytest
 
 from tests.unit.twins import KAFKA_CALL_S, FlakyPartition, InlineKafkaThread, TimedCheckpoints
 from tests.unit.virtual_time import gaps, run, until
-from triage_proxy.committer import CHECKPOINT_HELD_OFFSETS, CHECKPOINT_INTERVAL_S, Committer
+from triage_proxy.committer import (
+    CHECKPOINT_HELD_OFFSETS,
+    CHECKPOINT_INTERVAL_S,
+    CHECKPOINT_POLLS,
+    Committer,
+)
 from triage_proxy.errors import TableUnavailable
 from triage_proxy.settled import decode_attempts, decode_settled, encode_settled
 from triage_proxy.tracker import CommitTracker
@@ -336,6 +341,93 @@ def test_a_commit_held_right_after_it_moved_writes_without_waiting_out_the_secon
         await until(lambda: checkpoints.puts == 2)
         assert loop.time() - first_write < CHECKPOINT_INTERVAL_S
         assert checkpoints.value == (200, encode_settled(200, list(range(201, 350))))
+        await rig.stop()
+
+    run(main())
+
+
+def test_a_burst_above_a_held_commit_is_written_within_a_poll_not_at_the_tick() -> None:
+    # The fault suite's kill 50 ms after a restarted proxy's instances came back: they
+    # settled hundreds above a held offset in 40 ms, and the 0.2 s tick came too late.
+    # At the default 1 s interval, too, a burst reaches the item within a poll (an eighth
+    # of the interval) and a write.
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        rig = make(tracked=3000, interval_s=1.0, encode_settled=True)
+        assert rig.checkpoints is not None
+        checkpoints = rig.checkpoints
+        rig.start()
+        await until(lambda: checkpoints.puts == 1)  # the run's first commit and write
+        await asyncio.sleep(0.3)  # well inside the interval
+        n = CHECKPOINT_HELD_OFFSETS
+        settle(rig.tracker, *range(1, 1 + n))
+        settled_at = loop.time()
+        await until(lambda: checkpoints.puts == 2)
+        poll_s = 1.0 / CHECKPOINT_POLLS
+        assert checkpoints.put_times[1] - settled_at <= poll_s + 2 * KAFKA_CALL_S
+        assert checkpoints.value == (0, encode_settled(0, list(range(1, 1 + n))))
+        assert rig.committer.early_commits == 1
+
+        # Burst after burst: each within a poll of the one before, all held at 0.
+        for burst in range(2, 6):
+            settle(rig.tracker, *range(n * (burst - 1) + 1, n * burst + 1))
+            await until(lambda: checkpoints.puts == 1 + burst)  # noqa: B023 - awaited here
+        assert max(gaps(checkpoints.put_times[1:])) <= poll_s + 2 * KAFKA_CALL_S
+        assert checkpoints.value == (0, encode_settled(0, list(range(1, 5 * n + 1))))
+        assert all(c[0] == 0 for c in rig.partition.commits)
+
+        # Fewer than a burst: no early commit, the tick (and the interval) decide.
+        early = rig.committer.early_commits
+        settle(rig.tracker, *range(5 * n + 1, 6 * n))
+        await asyncio.sleep(0.5)
+        assert rig.committer.early_commits == early
+        await rig.stop()
+
+    run(main())
+
+
+def test_a_burst_while_the_commit_moves_waits_for_the_tick() -> None:
+    # Kafka's commit records the head: no commit comes early however much settles.
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        rig = make(tracked=3000, interval_s=1.0, encode_settled=True)
+        assert rig.checkpoints is not None
+        rig.start()
+        await until(lambda: rig.partition.commits)
+        first = loop.time()
+        settle(rig.tracker, *range(0, 1000))
+        await until(lambda: len(rig.partition.commits) == 2)
+        assert rig.partition.commits[-1][0] == 1000
+        assert loop.time() - first >= 1.0 - KAFKA_CALL_S
+        assert rig.committer.early_commits == 0
+        await rig.stop()
+
+    run(main())
+
+
+def test_a_held_burst_after_a_failed_write_waits_out_the_interval() -> None:
+    # DynamoDB frozen: a held burst does not turn into a Kafka commit and a write attempt
+    # every poll.
+    async def main() -> None:
+        rig = make(tracked=3000, interval_s=0.2, encode_settled=True)
+        assert rig.checkpoints is not None
+        checkpoints = rig.checkpoints
+        tries: list[float] = []
+        loop = asyncio.get_running_loop()
+
+        def frozen(committed: int, settled: str, attempts: str = "") -> None:
+            tries.append(loop.time())
+            raise TableUnavailable("frozen (twin)")
+
+        rig.start()
+        await until(lambda: checkpoints.puts == 1)
+        checkpoints.put = frozen  # type: ignore[method-assign]
+        for burst in range(1, 11):  # a burst every 0.1 s for a second
+            n = CHECKPOINT_HELD_OFFSETS
+            settle(rig.tracker, *range(n * (burst - 1) + 1, n * burst + 1))
+            await asyncio.sleep(0.1)
+        assert 1 <= len(tries) <= 2
+        assert len(rig.partition.commits) <= 7  # the ticks, and the one early commit
         await rig.stop()
 
     run(main())
