@@ -35,7 +35,11 @@ killed by the suite, the previous instance crashed by another message's crash pi
 none ("other"). A proxy that exits on its own is one that lost its lease in the DynamoDB
 outage (exit 3, restarted as a standby): what it settled while the table was frozen
 reached no checkpoint, and its redeliveries are that exit's, not those of a kill of the
-proxy that came back after the outage (before, they were charged to that later kill). Expected
+proxy that came back after the outage (before, they were charged to that later kill). An
+instance that dies takes at most credits (the in-flight window's share) unacked
+deliveries with it, the ones it completed last: only those, and the ones it never
+completed, can be its collateral (before, everything it completed in its last second
+was, and a later proxy kill's redeliveries of them were hidden as crash collateral). Expected
 redeliveries beyond the behaviour's need (a crash pill starting again at attempt 1 on a
 restarted proxy) count as duplicates of the proxy kill that reset its attempts. This is
 stricter than `invocations - unique offsets - expected`: a missing expected redelivery
