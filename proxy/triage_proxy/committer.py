@@ -19,7 +19,9 @@ The limit gives way while the committed offset is held (a pill, a suspect waitin
 its redelivery backoff or a slow message at the head of the window): on a broker that
 drops commit metadata the item is then all that records what settles above it, so once
 CHECKPOINT_HELD_OFFSETS offsets settled there are not in it, it is written with the
-next commit (policies.checkpoint_due). That next commit does not wait for the tick:
+next commit (policies.checkpoint_due), or at the next tick if nothing changed (the head
+jumped onto a pill over offsets that had settled above it, and stopped). That next
+commit does not wait for the tick:
 between ticks the committer looks CHECKPOINT_POLLS times an interval whether that many
 settled while the offset stood still (a count from the tracker, O(1):
 `policies.held_burst`) and then commits and writes at once. A kill -9 then redelivers
@@ -129,7 +131,9 @@ class Committer:
         self._encoded: list[int] = []
         """The offsets the latest `_encoding` holds (none when it did not fit)."""
         self._held = False
-        """The latest commit left the offset where it was (only the set above it changed)."""
+        """The latest tick left the offset where it was: its commit changed only the set
+        above it, or nothing changed at all (a commit that moved the offset onto a pill
+        leaves what settled above it to the next tick)."""
         self.degraded = False
         self.commits = 0
         self.metadata_overflows = 0
@@ -206,6 +210,9 @@ class Committer:
         offset = self._tracker.committable
         metadata = self._encoding(offset)
         if offset < self.committed or (offset == self.committed and metadata == self.metadata):
+            # Nothing settled for a tick: the offset is held, though the commit before this
+            # tick moved it (the head jumped onto a pill over what settled above it).
+            self._held = True
             if self._closing.is_set():  # the last chance for changed counts
                 await self._flush_checkpoint(force=True)
             return True

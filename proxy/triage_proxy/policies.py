@@ -135,8 +135,8 @@ def checkpoint_due(
 ) -> bool:
     """Whether a changed checkpoint item (committer.py) is written now: once `interval_s`
     passed since the last write, or sooner while the committed offset is `held` (the
-    latest commit did not move it) and at least `held_offsets` offsets settled above it
-    are not in the item (`unsaved`).
+    latest commit tick did not move it) and at least `held_offsets` offsets settled above
+    it are not in the item (`unsaved`).
 
     Why: a kill -9 redelivers what settled above the committed offset and is not in the
     item (on a broker that drops commit metadata the item is all there is). While the
@@ -144,6 +144,8 @@ def checkpoint_due(
     so the interval only saves writes. While it is held (a crash-type pill, or a suspect
     waiting out `redelivery_delay` at the head of the window), it grows with everything
     that settles: at full speed a one-second interval cost a kill thousands of duplicates.
+    A head that jumps onto such a pill over offsets settled above it is held from the next
+    tick on, so those are written then.
     """
     return since_write_s >= interval_s or (held and unsaved >= held_offsets)
 

@@ -386,6 +386,30 @@ def test_a_burst_above_a_held_commit_is_written_within_a_poll_not_at_the_tick() 
     run(main())
 
 
+def test_a_head_that_jumps_onto_a_pill_and_stops_is_written_at_the_next_tick() -> None:
+    # The fault suite's kill 3: the instances settled ~1,000 offsets above a crash pill
+    # and the pill crashed them; the commit that took the head onto the pill moved it (so
+    # the interval held) and nothing settled after it, and a kill 0.7 s later redelivered
+    # them all. The tick after such a jump finds the offset held and writes.
+    async def main() -> None:
+        rig = make(tracked=3000, interval_s=0.2, encode_settled=True)
+        assert rig.checkpoints is not None
+        checkpoints = rig.checkpoints
+        rig.start()
+        await until(lambda: checkpoints.puts == 1)
+        settle(rig.tracker, *range(200), *range(201, 1200))  # the head jumps to 200
+        await until(lambda: rig.partition.commits[-1][0] == 200)
+        jumped_at = rig.partition.commit_times[-1]
+        assert checkpoints.puts == 1  # the commit moved: not with it
+        await until(lambda: checkpoints.puts == 2)
+        assert checkpoints.put_times[1] - jumped_at <= 0.2 + 2 * KAFKA_CALL_S
+        assert checkpoints.value == (200, encode_settled(200, list(range(201, 1200))))
+        assert len(rig.partition.commits) == 2  # no Kafka commit for it
+        await rig.stop()
+
+    run(main())
+
+
 def test_a_burst_while_the_commit_moves_waits_for_the_tick() -> None:
     # Kafka's commit records the head: no commit comes early however much settles.
     async def main() -> None:
