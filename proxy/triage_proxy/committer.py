@@ -20,15 +20,16 @@ its redelivery backoff or a slow message at the head of the window): on a broker
 drops commit metadata the item is then all that records what settles above it, so once
 CHECKPOINT_HELD_OFFSETS offsets settled there are not in it, it is written with the
 next commit (policies.checkpoint_due), or at the next tick if nothing changed (the head
-jumped onto a pill over offsets that had settled above it, and stopped). That next
-commit does not wait for the tick:
-between ticks the committer looks CHECKPOINT_POLLS times an interval whether that many
-settled while the offset stood still (a count from the tracker, O(1):
-`policies.held_burst`) and then commits and writes at once. A kill -9 then redelivers
+jumped onto a pill over offsets that had settled above it, and stopped). A burst does
+not wait for the tick: between ticks the committer looks CHECKPOINT_POLLS times an
+interval whether that many settled while the offset stood still (a count from the
+tracker, O(1): `policies.held_burst`) and then writes the item at once with what a
+commit would carry, without waiting for Kafka's commit (held, the item's committed
+offset is Kafka's already; the commit follows at the tick). A kill -9 then redelivers
 about what settled in one poll and one write, not in a whole commit interval (the fault
 suite: a restarted proxy's instances settled 557 offsets in the 40 ms before the next
-kill, at its 0.2 s interval).
-The write stays off the delivery path: the committer's own task, one write at a time.
+kill, at its 0.2 s interval). The write stays off the delivery path: the committer's own
+task, one write at a time.
 """
 
 from __future__ import annotations
@@ -149,9 +150,9 @@ class Committer:
         self._attempts_seen = 0
         """`failures_version` when the counts were last taken for a checkpoint."""
         self._settled_mark = 0
-        """`_settled_count()` at the latest commit: what settled since is in no record."""
-        self.early_commits = 0
-        """Commits made before the tick because a burst settled above a held offset."""
+        """`_settled_count()` at the latest encoding: what settled since is in no record."""
+        self.burst_writes = 0
+        """Checkpoint writes made before the tick: a burst settled above a held offset."""
 
     async def run(self) -> None:
         poll_s = self._interval_s
@@ -159,19 +160,20 @@ class Committer:
             poll_s /= CHECKPOINT_POLLS
         while True:
             due = self._monotonic() + self._interval_s
-            early = False
             while (left := due - self._monotonic()) > TICK_SLACK_S:
                 polling = poll_s < left and self._tracker.pending > 0
                 if await wait_any(self._closing, timeout=poll_s if polling else left):
                     logger.debug("committer stopped")
                     return
                 if polling and self._held_burst():
-                    early = True
-                    break
+                    # The item alone, at once: its committed offset is Kafka's already, and
+                    # Kafka's commit (the first one of a run can take 100+ ms: the group
+                    # coordinator is looked up) follows at the tick.
+                    self._checkpoint_due = True
+                    await self._flush_checkpoint(burst=True)
+                    self.burst_writes += 1
             await self.commit()
             await self._flush_checkpoint()
-            if early:
-                self.early_commits += 1
 
     def _settled_count(self) -> int:
         """Offsets the tracker settled so far, give or take a constant (O(1)): every fetched
@@ -179,15 +181,29 @@ class Committer:
         return self._tracker.next_offset - self._tracker.pending
 
     def _held_burst(self) -> bool:
-        """Whether a commit and a checkpoint write are due before the tick (held_burst)."""
+        """Whether a checkpoint write is due before the tick (held_burst)."""
         return held_burst(
             held=self._tracker.committable == self.committed,
             newly_settled=self._settled_count() - self._settled_mark,
-            recording=bool(self.commits) and not self._checkpoint_degraded,
+            recording=not self._checkpoint_degraded,
             held_offsets=CHECKPOINT_HELD_OFFSETS,
         )
 
-    def _encoding(self, offset: int) -> str | None:
+    def _item_settled(self) -> tuple[str, list[int]]:
+        """The settled-above text (and offsets) for the checkpoint item now: while the
+        offset is held and more settled since the latest encoding, what a commit now would
+        carry (its committed offset is Kafka's already, so it holds as is); else what the
+        latest commit carried."""
+        if (
+            self._tracker.committable == self.committed
+            and self._settled_count() != self._settled_mark
+        ):
+            text = self._encoding(self.committed, count_overflow=False)
+            if text is not None:
+                return text, self._encoded
+        return self.metadata or "", self._settled
+
+    def _encoding(self, offset: int, *, count_overflow: bool = True) -> str | None:
         if self._checkpoints is None:
             return None
         self._settled_mark = self._settled_count()
@@ -200,7 +216,7 @@ class Committer:
             return ""
         text = encode_settled(offset, settled)
         if text is None:
-            self.metadata_overflows += 1
+            self.metadata_overflows += count_overflow
         else:
             self._encoded = settled
         return text
@@ -234,11 +250,13 @@ class Committer:
             await self._flush_checkpoint(force=self._closing.is_set())
         return True
 
-    async def _flush_checkpoint(self, *, force: bool = False) -> None:
+    async def _flush_checkpoint(self, *, force: bool = False, burst: bool = False) -> None:
         """Write the checkpoint if something is due and `checkpoint_due` says so (or
-        `force`). Only after this run's first commit: until then the item still holds the
-        previous run's settled-above set."""
-        if self._checkpoints is None or not self.commits:
+        `force`). Only after this run's first commit (until then the item still holds the
+        previous run's settled-above set), or in a `burst` above the held offset (what it
+        writes then holds that set: the part fetched settled in the tracker, the rest
+        `settled_ahead`)."""
+        if self._checkpoints is None or not (self.commits or burst):
             return
         attempts = self._attempts
         if attempts is not None and attempts.failures_version != self._attempts_seen:
@@ -248,10 +266,11 @@ class Committer:
             return
         written = self._written
         # After a failed write, only the interval: a frozen table is not asked 5x a second.
-        held = self._held and written is not None and not self._checkpoint_degraded
+        held = (self._held or burst) and written is not None and not self._checkpoint_degraded
+        text, settled = self._item_settled()
         # Settled above the committed offset, not in the item (which has what it had then).
         saved = self._written_settled
-        unsaved = len(self._settled) - (len(saved) - bisect.bisect_right(saved, self.committed))
+        unsaved = len(settled) - (len(saved) - bisect.bisect_right(saved, self.committed))
         if not force and not checkpoint_due(
             now - self._checkpoint_at,
             held=held,
@@ -265,16 +284,16 @@ class Committer:
         if attempts is not None:
             self._attempts_seen = attempts.failures_version
             counts = encode_attempts(self.committed, attempts.failures())
-        checkpoint = Checkpoint(self.committed, self.metadata or "", counts)
+        checkpoint = Checkpoint(self.committed, text, counts)
         if checkpoint == written:
             return
         self._checkpoint_at = now
         if await self._write_checkpoint(checkpoint):
-            self._written_settled = self._settled
+            self._written_settled = settled
             logger.debug(
                 "checkpoint written: committed %d, %d offsets settled above it%s",
                 checkpoint.committed,
-                len(self._settled),
+                len(settled),
                 " (held)" if held and unsaved >= CHECKPOINT_HELD_OFFSETS else "",
             )
 

@@ -151,17 +151,17 @@ def checkpoint_due(
 
 
 def held_burst(*, held: bool, newly_settled: int, recording: bool, held_offsets: int) -> bool:
-    """Whether the committer commits (and so may write the checkpoint item) before its
-    tick: the committed offset is `held` (the head has not moved past it since the latest
-    commit), at least `held_offsets` offsets settled since that commit, and the run is
-    `recording` (it made its first commit, and the item's latest write did not fail).
+    """Whether the committer writes the checkpoint item before its tick: the committed
+    offset is `held` (the head has not moved past Kafka's committed offset), at least
+    `held_offsets` offsets settled since the latest record of the set above it (a commit
+    or a write), and the item is `recording` (its latest write did not fail).
 
     Why: held, only the item records what settles above the offset (on a broker that
     drops commit metadata), and `checkpoint_due` lets it be written as soon as
-    `held_offsets` are missing from it; waiting for the tick left a whole interval's
-    worth of settles to redeliver on a kill (hundreds in a burst). Moving, the Kafka
-    commit records the head and the tick holds. A failed write waits out its interval
-    (a frozen table is not asked 40 times a second).
+    `held_offsets` are missing from it; waiting for the tick (and its Kafka commit) left
+    a whole interval's worth of settles to redeliver on a kill (hundreds in a burst).
+    Moving, the Kafka commit records the head and the tick holds. A failed write waits
+    out its interval (a frozen table is not asked 40 times a second).
     """
     return held and recording and newly_settled >= held_offsets
 

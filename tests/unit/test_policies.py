@@ -326,7 +326,6 @@ def test_a_moving_offset_waits_for_the_tick_however_much_settled() -> None:
     assert not held_burst(held=False, newly_settled=10_000, recording=True, held_offsets=48)
 
 
-def test_no_burst_commit_before_the_runs_first_or_after_a_failed_write() -> None:
-    # Not recording: the run has not committed yet (the item holds the previous run's
-    # set), or the latest write failed (a frozen table waits out the interval).
+def test_no_burst_write_after_a_failed_write() -> None:
+    # Not recording: the latest write failed (a frozen table waits out the interval).
     assert not held_burst(held=True, newly_settled=10_000, recording=False, held_offsets=48)
