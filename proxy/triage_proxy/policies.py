@@ -22,6 +22,7 @@ __all__ = [
     "after_failure",
     "backoff",
     "checkpoint_due",
+    "held_burst",
     "rate_limit",
     "redelivery_delay",
     "retry_delay",
@@ -134,8 +135,8 @@ def checkpoint_due(
 ) -> bool:
     """Whether a changed checkpoint item (committer.py) is written now: once `interval_s`
     passed since the last write, or sooner while the committed offset is `held` (the
-    latest commit did not move it) and at least `held_offsets` offsets settled above it
-    are not in the item (`unsaved`).
+    latest commit tick did not move it) and at least `held_offsets` offsets settled above
+    it are not in the item (`unsaved`).
 
     Why: a kill -9 redelivers what settled above the committed offset and is not in the
     item (on a broker that drops commit metadata the item is all there is). While the
@@ -143,8 +144,26 @@ def checkpoint_due(
     so the interval only saves writes. While it is held (a crash-type pill, or a suspect
     waiting out `redelivery_delay` at the head of the window), it grows with everything
     that settles: at full speed a one-second interval cost a kill thousands of duplicates.
+    A head that jumps onto such a pill over offsets settled above it is held from the next
+    tick on, so those are written then.
     """
     return since_write_s >= interval_s or (held and unsaved >= held_offsets)
+
+
+def held_burst(*, held: bool, newly_settled: int, recording: bool, held_offsets: int) -> bool:
+    """Whether the committer writes the checkpoint item before its tick: the committed
+    offset is `held` (the head has not moved past Kafka's committed offset), at least
+    `held_offsets` offsets settled since the latest record of the set above it (a commit
+    or a write), and the item is `recording` (its latest write did not fail).
+
+    Why: held, only the item records what settles above the offset (on a broker that
+    drops commit metadata), and `checkpoint_due` lets it be written as soon as
+    `held_offsets` are missing from it; waiting for the tick (and its Kafka commit) left
+    a whole interval's worth of settles to redeliver on a kill (hundreds in a burst).
+    Moving, the Kafka commit records the head and the tick holds. A failed write waits
+    out its interval (a frozen table is not asked 40 times a second).
+    """
+    return held and recording and newly_settled >= held_offsets
 
 
 def after_failure(attempt: int, max_attempts: int) -> Outcome:

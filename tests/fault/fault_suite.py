@@ -30,8 +30,16 @@ Duplicates. Each handler invocation after an offset's first is attributed to wha
 the proxy redeliver it, taken from the previous invocation of the same offset: it asked
 for it (retry, its own crash, a slow handler past its deadline: expected, up to what the
 behaviour needs: retry 1, slow 1, crash max_attempts - 1), or the first fault between
-the two invocations (a proxy kill, the previous instance killed by the suite, the
-previous instance crashed by another message's crash pill), or none ("other"). Expected
+the two invocations (a proxy kill, the proxy exiting on its own, the previous instance
+killed by the suite, the previous instance crashed by another message's crash pill), or
+none ("other"). A proxy that exits on its own is one that lost its lease in the DynamoDB
+outage (exit 3, restarted as a standby): what it settled while the table was frozen
+reached no checkpoint, and its redeliveries are that exit's, not those of a kill of the
+proxy that came back after the outage (before, they were charged to that later kill). An
+instance that dies takes at most credits (the in-flight window's share) unacked
+deliveries with it, the ones it completed last: only those, and the ones it never
+completed, can be its collateral (before, everything it completed in its last second
+was, and a later proxy kill's redeliveries of them were hidden as crash collateral). Expected
 redeliveries beyond the behaviour's need (a crash pill starting again at attempt 1 on a
 restarted proxy) count as duplicates of the proxy kill that reset its attempts. This is
 stricter than `invocations - unique offsets - expected`: a missing expected redelivery
@@ -151,7 +159,8 @@ def run_suite(options: Options) -> Report:
     report.instance_crashes = sum(1 for i in fleet.history if i.fate == "crashed")
     kill_times = sorted(r.started for r in faults.records if r.kind == "proxy-kill")
     verify(report, workload, producer.offsets, fleet.history, dead, kill_times)
-    write_timeline(run_dir / "timeline.txt", faults.records, fleet.history)
+    exits = [FaultRecord("proxy-exit", t, t, "on its own") for t in report.proxy_exits]
+    write_timeline(run_dir / "timeline.txt", faults.records + exits, fleet.history)
     collateral = "".join(f"{line}\n" for line in report.collateral)
     (run_dir / "dead-lettered-not-asked.txt").write_text(collateral)
     return report
@@ -189,6 +198,7 @@ def _supervise(
             try:
                 proc = stack.proxy_process(0)
                 if proc.poll() is not None:
+                    report.proxy_exits.append(time.time())
                     exit_ = f"pid {proc.pid} exited with {proc.returncode}"
                     if proc.returncode == ExitCode.UNAVAILABLE and _after_aws_outage(faults):
                         report.lease_losses.append(exit_)

@@ -15,7 +15,7 @@ from tests.fault.scenario import BEHAVIOURS, LABELS, Options
 
 RATIO_TARGET = 5.0
 EXPECTED_CAUSES = ("retry", "own crash", "deadline")
-FAULT_CAUSES = ("proxy kill", "consumer kill", "crash collateral", "other")
+FAULT_CAUSES = ("proxy kill", "proxy exit", "consumer kill", "crash collateral", "other")
 
 
 @dataclass
@@ -34,6 +34,8 @@ class Report:
     unexpected_proxy_exits: list[str] = field(default_factory=list)
     lease_losses: list[str] = field(default_factory=list)
     """Proxy exits because the lease lapsed in a DynamoDB outage (expected; restarted)."""
+    proxy_exits: list[float] = field(default_factory=list)
+    """When the suite saw the proxy exit on its own (either kind above), unix time."""
     committed: int = -1
     end_offset: int = 0
     unfinished: str = ""

@@ -16,7 +16,12 @@ import pytest
 
 from tests.unit.twins import KAFKA_CALL_S, FlakyPartition, InlineKafkaThread, TimedCheckpoints
 from tests.unit.virtual_time import gaps, run, until
-from triage_proxy.committer import CHECKPOINT_HELD_OFFSETS, CHECKPOINT_INTERVAL_S, Committer
+from triage_proxy.committer import (
+    CHECKPOINT_HELD_OFFSETS,
+    CHECKPOINT_INTERVAL_S,
+    CHECKPOINT_POLLS,
+    Committer,
+)
 from triage_proxy.errors import TableUnavailable
 from triage_proxy.settled import decode_attempts, decode_settled, encode_settled
 from triage_proxy.tracker import CommitTracker
@@ -336,6 +341,152 @@ def test_a_commit_held_right_after_it_moved_writes_without_waiting_out_the_secon
         await until(lambda: checkpoints.puts == 2)
         assert loop.time() - first_write < CHECKPOINT_INTERVAL_S
         assert checkpoints.value == (200, encode_settled(200, list(range(201, 350))))
+        await rig.stop()
+
+    run(main())
+
+
+def test_a_burst_above_a_held_commit_is_written_within_a_poll_not_at_the_tick() -> None:
+    # The fault suite's kill 50 ms after a restarted proxy's instances came back: they
+    # settled hundreds above a held offset in 40 ms, and the 0.2 s tick came too late.
+    # At the default 1 s interval, too, a burst reaches the item within a poll (an eighth
+    # of the interval) and a write.
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        rig = make(tracked=3000, interval_s=1.0, encode_settled=True)
+        assert rig.checkpoints is not None
+        checkpoints = rig.checkpoints
+        rig.start()
+        await until(lambda: checkpoints.puts == 1)  # the run's first commit and write
+        await asyncio.sleep(0.3)  # well inside the interval
+        n = CHECKPOINT_HELD_OFFSETS
+        settle(rig.tracker, *range(1, 1 + n))
+        settled_at = loop.time()
+        await until(lambda: checkpoints.puts == 2)
+        poll_s = 1.0 / CHECKPOINT_POLLS
+        assert checkpoints.put_times[1] - settled_at <= poll_s + 2 * KAFKA_CALL_S
+        assert checkpoints.value == (0, encode_settled(0, list(range(1, 1 + n))))
+        assert rig.committer.burst_writes == 1
+
+        # Burst after burst: each within a poll of the one before, all held at 0.
+        for burst in range(2, 6):
+            settle(rig.tracker, *range(n * (burst - 1) + 1, n * burst + 1))
+            await until(lambda: checkpoints.puts == 1 + burst)  # noqa: B023 - awaited here
+        assert max(gaps(checkpoints.put_times[1:])) <= poll_s + 2 * KAFKA_CALL_S
+        assert checkpoints.value == (0, encode_settled(0, list(range(1, 5 * n + 1))))
+        assert all(c[0] == 0 for c in rig.partition.commits)
+
+        # Fewer than a burst: no early write, the tick (and the interval) decide.
+        bursts = rig.committer.burst_writes
+        settle(rig.tracker, *range(5 * n + 1, 6 * n))
+        await asyncio.sleep(0.5)
+        assert rig.committer.burst_writes == bursts
+        await rig.stop()
+
+    run(main())
+
+
+def test_a_burst_reaches_the_item_without_waiting_for_kafkas_commit() -> None:
+    # The fault suite's kill 6 (second run): a restarted proxy's first Kafka commit took
+    # 160 ms (the group coordinator), its instances settled 1,135 offsets above the held
+    # offset meanwhile, and the write waited for that commit. The item's committed offset
+    # is Kafka's already while the offset is held, so the write does not wait; here Kafka
+    # refuses every commit, and the previous run's set (ahead) stays in what is written.
+    async def main() -> None:
+        counts = Counts()
+        rig = make(
+            tracked=3000,
+            interval_s=0.2,
+            encode_settled=True,
+            attempts=counts,
+            ahead=Ahead([5000, 5001]),
+        )
+        assert rig.checkpoints is not None
+        checkpoints = rig.checkpoints
+        rig.partition.failing_commits = 10**6
+        counts.fail(0)
+        rig.start()
+        await asyncio.sleep(0.5)
+        assert checkpoints.puts == 0  # counts alone wait for the run's first commit
+        settle(rig.tracker, *range(1, 1 + CHECKPOINT_HELD_OFFSETS))
+        await until(lambda: checkpoints.puts == 1)
+        assert rig.committer.commits == 0
+        expected = [*range(1, 1 + CHECKPOINT_HELD_OFFSETS), 5000, 5001]
+        assert checkpoints.value == (0, encode_settled(0, expected))
+        assert decode_attempts(0, checkpoints.attempts) == {0: 1}
+        rig.closing.set()
+        assert rig.task is not None
+        await rig.task
+
+    run(main())
+
+
+def test_a_head_that_jumps_onto_a_pill_and_stops_is_written_at_the_next_tick() -> None:
+    # The fault suite's kill 3: the instances settled ~1,000 offsets above a crash pill
+    # and the pill crashed them; the commit that took the head onto the pill moved it (so
+    # the interval held) and nothing settled after it, and a kill 0.7 s later redelivered
+    # them all. The tick after such a jump finds the offset held and writes.
+    async def main() -> None:
+        rig = make(tracked=3000, interval_s=0.2, encode_settled=True)
+        assert rig.checkpoints is not None
+        checkpoints = rig.checkpoints
+        rig.start()
+        await until(lambda: checkpoints.puts == 1)
+        settle(rig.tracker, *range(200), *range(201, 1200))  # the head jumps to 200
+        await until(lambda: rig.partition.commits[-1][0] == 200)
+        jumped_at = rig.partition.commit_times[-1]
+        assert checkpoints.puts == 1  # the commit moved: not with it
+        await until(lambda: checkpoints.puts == 2)
+        assert checkpoints.put_times[1] - jumped_at <= 0.2 + 2 * KAFKA_CALL_S
+        assert checkpoints.value == (200, encode_settled(200, list(range(201, 1200))))
+        assert len(rig.partition.commits) == 2  # no Kafka commit for it
+        await rig.stop()
+
+    run(main())
+
+
+def test_a_burst_while_the_commit_moves_waits_for_the_tick() -> None:
+    # Kafka's commit records the head: no commit comes early however much settles.
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        rig = make(tracked=3000, interval_s=1.0, encode_settled=True)
+        assert rig.checkpoints is not None
+        rig.start()
+        await until(lambda: rig.partition.commits)
+        first = loop.time()
+        settle(rig.tracker, *range(0, 1000))
+        await until(lambda: len(rig.partition.commits) == 2)
+        assert rig.partition.commits[-1][0] == 1000
+        assert loop.time() - first >= 1.0 - KAFKA_CALL_S
+        assert rig.committer.burst_writes == 0
+        await rig.stop()
+
+    run(main())
+
+
+def test_a_held_burst_after_a_failed_write_waits_out_the_interval() -> None:
+    # DynamoDB frozen: a held burst does not turn into a Kafka commit and a write attempt
+    # every poll.
+    async def main() -> None:
+        rig = make(tracked=3000, interval_s=0.2, encode_settled=True)
+        assert rig.checkpoints is not None
+        checkpoints = rig.checkpoints
+        tries: list[float] = []
+        loop = asyncio.get_running_loop()
+
+        def frozen(committed: int, settled: str, attempts: str = "") -> None:
+            tries.append(loop.time())
+            raise TableUnavailable("frozen (twin)")
+
+        rig.start()
+        await until(lambda: checkpoints.puts == 1)
+        checkpoints.put = frozen  # type: ignore[method-assign]
+        for burst in range(1, 11):  # a burst every 0.1 s for a second
+            n = CHECKPOINT_HELD_OFFSETS
+            settle(rig.tracker, *range(n * (burst - 1) + 1, n * burst + 1))
+            await asyncio.sleep(0.1)
+        assert 1 <= len(tries) <= 2
+        assert len(rig.partition.commits) <= 7  # the ticks, and the one early commit
         await rig.stop()
 
     run(main())

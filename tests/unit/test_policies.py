@@ -15,6 +15,7 @@ from triage_proxy.policies import (
     after_failure,
     backoff,
     checkpoint_due,
+    held_burst,
     redelivery_delay,
     retry_delay,
 )
@@ -306,3 +307,25 @@ def test_a_held_commit_writes_the_checkpoint_once_enough_settled_above_it() -> N
     assert not checkpoint_due(0.2, held=True, unsaved=99, **due)  # a trickle waits
     assert checkpoint_due(0.2, held=True, unsaved=100, **due)
     assert checkpoint_due(0.0, held=True, unsaved=5_000, **due)
+
+
+# --- held_burst --------------------------------------------------------------------------
+
+
+def test_a_burst_above_a_held_offset_commits_before_the_tick() -> None:
+    def burst(newly_settled: int) -> bool:
+        return held_burst(held=True, newly_settled=newly_settled, recording=True, held_offsets=48)
+
+    assert not burst(47)  # a trickle waits
+    assert burst(48)
+    assert burst(10_000)
+
+
+def test_a_moving_offset_waits_for_the_tick_however_much_settled() -> None:
+    # Kafka's commit records the head at the tick; the item only saves writes then.
+    assert not held_burst(held=False, newly_settled=10_000, recording=True, held_offsets=48)
+
+
+def test_no_burst_write_after_a_failed_write() -> None:
+    # Not recording: the latest write failed (a frozen table waits out the interval).
+    assert not held_burst(held=True, newly_settled=10_000, recording=False, held_offsets=48)
