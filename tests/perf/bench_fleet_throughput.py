@@ -142,6 +142,7 @@ def measure_fleet(args: argparse.Namespace) -> float:
                 ("instances x concurrency", f"{args.instances} x {args.concurrency}"),
                 ("fleet process end to end", f"{committed_at - first:.2f} s"),
                 ("fleet process messages/s", f"{rate:,.0f}"),
+                ("first -> last handled", f"{max(r.last for r in results) - first:.2f} s"),
                 ("per instance handled", ", ".join(str(r.handled) for r in results)),
                 ("proxy frames: Deliveries out / Settle in", frames),
             ]
