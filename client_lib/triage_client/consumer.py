@@ -41,6 +41,7 @@ import enum
 import logging
 import os
 import socket
+import threading
 from collections.abc import Coroutine, Iterable
 from contextlib import suppress
 from typing import Any
@@ -57,6 +58,7 @@ from triage_client.errors import (
     error_for_status,
     speaks_grpc,
 )
+from triage_client.loop import SHARED
 from triage_client.message import ConsumerStats
 from triage_client.pool import MAX_REASON_CHARS, Handler, HandlerPool
 from triage_client.stream import (
@@ -252,13 +254,44 @@ class Consumer:
     # -- lifecycle -------------------------------------------------------------------------
 
     def run(self) -> None:
-        """Consume until stop(); blocks this thread, which must not be running an event loop."""
+        """Consume until stop(); blocks this thread, which must not be running an event loop.
+
+        With a sync handler the streams run in the process's shared loop thread (loop.py:
+        several Consumers of one process then share one loop instead of contending for the
+        GIL with a loop each); with an async handler, in a loop of its own on this thread.
+        An exception in this thread while waiting (Ctrl-C) cancels the run and waits for it
+        to end, as `asyncio.run` does, then propagates."""
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            asyncio.run(self.run_async())
+            pass
         else:
             raise StateError("run() blocks; inside an event loop use `await run_async()`")
+        if self._pool.is_async:
+            asyncio.run(self.run_async())
+            return
+        loop = SHARED.acquire()
+        try:
+            ended = threading.Event()
+            tasks: list[asyncio.Task[None]] = []
+
+            def start() -> None:
+                task = loop.create_task(self.run_async(), name=f"triage-{self._consumer_id}")
+                task.add_done_callback(lambda _: ended.set())
+                tasks.append(task)
+
+            loop.call_soon_threadsafe(start)
+            try:
+                ended.wait()
+            except BaseException:
+                # Interrupted in this thread (Ctrl-C): callbacks run in order, so the task
+                # exists by the time this one runs.
+                loop.call_soon_threadsafe(lambda: tasks[0].cancel())
+                ended.wait()
+                raise
+            tasks[0].result()
+        finally:
+            SHARED.release()
 
     async def run_async(self) -> None:
         """Consume until stop(), in the running event loop.
