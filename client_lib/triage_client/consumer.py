@@ -49,7 +49,7 @@ from typing import Any
 import grpc
 
 from triage_client._proto import triage_pb2
-from triage_client.credits import REBALANCE_INTERVAL_S, credit_share, split
+from triage_client.credits import REBALANCE_INTERVAL_S, credit_share, grown, split
 from triage_client.errors import (
     EndpointError,
     PartitionError,
@@ -73,11 +73,14 @@ from triage_client.stream import (
 )
 from triage_client.topology import Layout, fetch_layout
 
-__all__ = ["MAX_REASON_CHARS", "Consumer", "Handler", "backoff_delay"]
+__all__ = ["AUTO_PREFETCH_MAX", "MAX_REASON_CHARS", "Consumer", "Handler", "backoff_delay"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONCURRENCY = 16
+AUTO_PREFETCH_MAX = 4
+"""The default prefetch grows to this many times `concurrency` when the round trip outlasts
+the local queue (see credits.grown)."""
 DEFAULT_TOPOLOGY_INTERVAL_S = 30.0
 """How often a running Consumer reads the topology again when nothing asks for it sooner."""
 TOPOLOGY_TIMEOUT_S = 5.0
@@ -91,6 +94,7 @@ MAX_MESSAGE_BYTES = MAX_FRAME_BYTES
 _SERVICE = triage_pb2.DESCRIPTOR.services_by_name["Triage"]
 _CONSUME = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['Consume'].name}"
 _MAX_CREDITS = 2**32 - 1  # Hello.credits is a uint32
+_GROWN_CREDITS_MAX = 100_000  # the most a Grant may give (PROTOCOL.md, limits)
 
 
 class _State(enum.Enum):
@@ -139,8 +143,10 @@ class Consumer:
             without Topology: then that proxy's only partition is consumed).
         concurrency: most handlers running at once, over all partitions (threads for a sync
             handler).
-        prefetch: deliveries queued locally beyond the running ones (default: concurrency),
-            so handlers never wait for a round trip; credits = concurrency + prefetch, split
+        prefetch: deliveries queued locally beyond the running ones, so handlers never wait
+            for a round trip (default: concurrency, raised to AUTO_PREFETCH_MAX x concurrency
+            once handler slots run out of queued work while the proxy has a backlog, against
+            a proxy that honours Grant); credits = concurrency + prefetch, split
             over the partitions' streams.
         partitions: consume only these partitions (default: every partition of the topic,
             including ones added later); one the topic lacks raises PartitionError at start.
@@ -158,6 +164,7 @@ class Consumer:
         """
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+        self._auto_prefetch = prefetch is None
         prefetch = concurrency if prefetch is None else prefetch
         if prefetch < 0:
             raise ValueError(f"prefetch must not be negative, got {prefetch}")
@@ -185,6 +192,9 @@ class Consumer:
         self._metadata = (("authorization", f"Bearer {token}"),)
         self._concurrency = concurrency
         self._credits = concurrency + prefetch
+        self._max_credits = max(
+            self._credits, min(_GROWN_CREDITS_MAX, concurrency * (1 + AUTO_PREFETCH_MAX))
+        )
         self._granting = False  # a stream's proxy has honoured Grant frames: credits move
         self._consumer_id = consumer_id or f"{socket.gethostname()}-{os.getpid()}"
         self._credentials: grpc.ChannelCredentials | None = None
@@ -232,7 +242,7 @@ class Consumer:
     @property
     def credits(self) -> int:
         """Most unsettled deliveries the proxies may send this instance, over all partitions
-        (each stream's Hello announces its share)."""
+        (each stream's Hello announces its share; the default prefetch may grow it)."""
         return self._credits
 
     @property
@@ -542,12 +552,26 @@ class Consumer:
         while not self._stopping.is_set():
             with suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), REBALANCE_INTERVAL_S)
-            if self._stopping.is_set() or (len(streams) < 2 and not self._granting):
+            idled = self._pool.take_idled()
+            if self._stopping.is_set() or (
+                len(streams) < 2 and not self._granting and not self._auto_prefetch
+            ):
                 continue
             current = list(streams.values())
             loads = [stream.load() for stream in current]
             if any(load.adjustable for load in loads):
                 self._granting = True
+            if self._auto_prefetch and self._granting:
+                budget = grown(self._credits, self._max_credits, loads, idled)
+                if budget != self._credits:
+                    logger.info(
+                        "consumer %s: handler slots ran out of queued work while the proxy "
+                        "had more: prefetch %d -> %d",
+                        self._consumer_id,
+                        self._credits - self._concurrency,
+                        budget - self._concurrency,
+                    )
+                    self._credits = budget
             decision = split(self._concurrency, self._credits, loads)
             raised = False
             with self._pool.lock:

@@ -130,6 +130,7 @@ class HandlerPool:
         self._results: list[tuple[PartitionStream, int, int, triage_pb2.Nack | None]] = []
         self._collect_scheduled = False
         self._tick: asyncio.TimerHandle | None = None  # the next collection tick (lock)
+        self._idled = 0  # slots that found nothing queued after a delivery (lock in sync mode)
         self._awaiting_tick: dict[PartitionStream, None] = {}  # streams it is to flush
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -247,6 +248,13 @@ class HandlerPool:
         stream.busy += 1
         return stream, message
 
+    def take_idled(self) -> int:
+        """How many times a slot found nothing queued after finishing a delivery, since the
+        last call (on the loop): the Consumer's prefetch rule reads it (credits.grown)."""
+        with self.lock:
+            idled, self._idled = self._idled, 0
+        return idled
+
     def kick(self) -> None:
         """Caps were raised (on the loop): put idle slots to work on what they allow now."""
         if not self._queued:
@@ -305,6 +313,8 @@ class HandlerPool:
         while not self._closing:
             picked = pick() if ready else None
             if picked is None:
+                if streak:
+                    self._idled += 1
                 fut: asyncio.Future[None] = loop.create_future()
                 self._idle_workers.append(fut)
                 await fut
@@ -382,6 +392,7 @@ class HandlerPool:
                 picked = self._pick()
                 if picked is None:
                     self._jobs -= 1
+                    self._idled += 1
                 else:
                     stream, message = picked
                     epoch, running = stream.epoch, stream.running

@@ -33,6 +33,7 @@ from triage_client import (
     StateError,
 )
 from triage_client._proto import triage_pb2, triage_pb2_grpc
+from triage_client.consumer import AUTO_PREFETCH_MAX
 from triage_client.credits import IDLE_CREDITS, credit_share
 from triage_client.message import make_message
 from triage_client.pool import MAX_REASON_CHARS, HandlerPool
@@ -167,6 +168,7 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
         self.ack_deadline_ms = 0  # sent in the Welcome of each new stream; 0: leases never lapse
         self.grants = False  # Welcome.grants: Grant frames change a stream's credits
         self.ack_ranges = False  # Welcome.ack_ranges: Settle.ack_ranges are understood
+        self.delay_s = 0.0  # before each Deliveries frame: a round trip longer than the work
         self.ranges: list[tuple[int, int]] = []  # every Settle.ack_ranges entry received
         self.granted: list[tuple[int | None, int]] = []  # (partition, credits) of each Grant
         self.reject: set[int] = set()  # offsets whose settlement is answered with Rejected
@@ -409,6 +411,8 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
                     if deployment is not None:
                         deployment.held(len(batch))
                 if batch:
+                    if self.delay_s:
+                        await asyncio.sleep(self.delay_s)
                     frame = triage_pb2.Deliveries(
                         topic="orders", partition=partition, deliveries=batch
                     )
@@ -1436,3 +1440,45 @@ def test_stop_while_the_target_does_not_answer_returns_promptly() -> None:
         assert time.monotonic() - started < 2.0
     finally:
         silent.close()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_the_default_prefetch_grows_when_the_refill_outlasts_the_local_queue(
+    deployment: Deployment, kind: str
+) -> None:
+    """Work shorter than the proxy's round trip: slots run dry while the proxy has more,
+    so the default prefetch goes to AUTO_PREFETCH_MAX x concurrency (a Grant)."""
+    a = deployment.proxy()
+    a.grants = True
+    a.delay_s = 0.02
+    deployment.serve(0, a)
+
+    def sync_handler(message: Message) -> None:
+        time.sleep(0.002)
+
+    async def async_handler(message: Message) -> None:
+        await asyncio.sleep(0.002)
+
+    deployment.feed(0, (delivery(o) for o in range(600)))
+    handler = sync_handler if kind == "sync" else async_handler
+    run = Running(consumer(a, handler, concurrency=2, partitions=[0]))
+    deployment.wait_for(lambda: len(deployment.acked(0)) == 600, "every delivery acked")
+    run.stop()
+    assert [h.credits for h in a.hellos] == [4], "the Hello: concurrency + concurrency"
+    assert a.granted == [(0, 2 * (1 + AUTO_PREFETCH_MAX))]
+    assert run.consumer.credits == 2 * (1 + AUTO_PREFETCH_MAX)
+
+
+def test_an_explicit_prefetch_does_not_grow(deployment: Deployment) -> None:
+    a = deployment.proxy()
+    a.grants = True
+    a.delay_s = 0.02
+    deployment.serve(0, a)
+    deployment.feed(0, (delivery(o) for o in range(200)))
+    run = Running(
+        consumer(a, lambda m: time.sleep(0.002), concurrency=2, prefetch=2, partitions=[0])
+    )
+    deployment.wait_for(lambda: len(deployment.acked(0)) == 200, "every delivery acked")
+    run.stop()
+    assert a.granted == []
+    assert deployment.max_unsettled <= 4
