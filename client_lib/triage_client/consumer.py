@@ -212,9 +212,13 @@ class Consumer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = asyncio.Event()
         self._refresh_wanted = asyncio.Event()  # also set by stop(), to end the topology loop
+        # Ends a rebalance period early: stop(), or a slot ran dry beside a backlog while
+        # the default prefetch can still grow (_on_idle).
+        self._rebalance_now = asyncio.Event()
         self._pool = HandlerPool(
             handler, concurrency, (Retry, *retry_on), min(SETTLE_BATCH, self._credits)
         )
+        self._pool.on_idle = self._on_idle
         self._context = StreamContext(
             consumer_id=self._consumer_id,
             metadata=self._metadata,
@@ -390,6 +394,7 @@ class Consumer:
             return
         self._stopping.set()
         self._refresh_wanted.set()
+        self._rebalance_now.set()
         in_flight = released = 0
         for stream in list(self._streams.values()):
             running, given_back = stream.begin_stop()
@@ -551,7 +556,8 @@ class Consumer:
         streams = self._streams
         while not self._stopping.is_set():
             with suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), REBALANCE_INTERVAL_S)
+                await asyncio.wait_for(self._rebalance_now.wait(), REBALANCE_INTERVAL_S)
+            self._rebalance_now.clear()
             idled = self._pool.take_idled()
             if self._stopping.is_set() or (
                 len(streams) < 2 and not self._granting and not self._auto_prefetch
@@ -583,6 +589,19 @@ class Consumer:
                     stream.set_credits(credits)
             if raised:
                 self._pool.kick()
+
+    def _on_idle(self) -> None:
+        """A handler slot found nothing queued (on the loop): while the default prefetch can
+        still grow and a stream shows a backlog, rebalance now rather than at the end of the
+        period (a tenth of a second of slots waiting for refills, each time)."""
+        if (
+            self._auto_prefetch
+            and self._granting
+            and self._credits < self._max_credits
+            and not self._rebalance_now.is_set()
+            and any(s.backlogged() for s in self._streams.values())
+        ):
+            self._rebalance_now.set()
 
     async def _guarded(self, work: Coroutine[Any, Any, None]) -> None:
         """A stream's or the topology reader's task: a stream refused for good (or a bug)

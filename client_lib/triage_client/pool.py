@@ -131,6 +131,9 @@ class HandlerPool:
         self._collect_scheduled = False
         self._tick: asyncio.TimerHandle | None = None  # the next collection tick (lock)
         self._idled = 0  # slots that found nothing queued after a delivery (lock in sync mode)
+        self.on_idle: Callable[[], None] | None = None
+        """Called on the loop once results show a slot found nothing queued (the Consumer's
+        prefetch rule)."""
         self._awaiting_tick: dict[PartitionStream, None] = {}  # streams it is to flush
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -315,6 +318,8 @@ class HandlerPool:
             if picked is None:
                 if streak:
                     self._idled += 1
+                    if self.on_idle is not None:
+                        self.on_idle()
                 fut: asyncio.Future[None] = loop.create_future()
                 self._idle_workers.append(fut)
                 await fut
@@ -455,6 +460,8 @@ class HandlerPool:
             finished(stream, epoch, offset, nack)
             touched[stream] = None
         self.outstanding -= len(results)
+        if self._idled and self.on_idle is not None:
+            self.on_idle()
         ticking = bool(results) and self.outstanding > 0 and not self._closing
         if ticking and self._tick is None and self._loop is not None:
             self._arm_tick()

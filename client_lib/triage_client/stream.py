@@ -582,6 +582,11 @@ class PartitionStream:
         self._lowered_from = 0
         return load
 
+    def backlogged(self) -> bool:
+        """This period the stream held more than half its credits at once (credits.grown's
+        sign of a backlog at its proxy)."""
+        return self.established and 2 * max(self._peak, self._held) > self.credits
+
     def committed(self) -> int:
         """Most unsettled deliveries this stream may come to hold without a new Grant: its
         credits, what it holds, and what a lowering in this period may still bring."""
