@@ -1482,3 +1482,33 @@ def test_an_explicit_prefetch_does_not_grow(deployment: Deployment) -> None:
     run.stop()
     assert a.granted == []
     assert deployment.max_unsettled <= 4
+
+
+def test_consumers_with_sync_handlers_share_one_loop_thread_until_the_last_returns(
+    proxy: FakeProxy,
+) -> None:
+    """loop.py: one loop for every run() with a sync handler in the process (a loop each
+    contended for the GIL); an async handler's Consumer keeps its own."""
+    proxy.feed(delivery(o) for o in range(40))
+    seen: list[int] = []
+
+    async def async_handler(message: Message) -> None:
+        seen.append(message.offset)
+
+    runs = [
+        Running(consumer(proxy, lambda m: seen.append(m.offset), consumer_id=f"sync-{i}"))
+        for i in range(2)
+    ]
+    other = Running(consumer(proxy, async_handler, consumer_id="async"))
+    proxy.wait_for(lambda: len(proxy.acks) == 40, "every delivery acked")
+    loops = [run.consumer._loop for run in (*runs, other)]
+    assert loops[0] is not None
+    assert loops[0] is loops[1], "the sync Consumers share one loop"
+    assert loops[2] is not loops[0], "the async one runs its own"
+    assert [t.name for t in threading.enumerate()].count("triage-loop") == 1
+    runs[0].stop()
+    assert [t.name for t in threading.enumerate()].count("triage-loop") == 1, "one still runs"
+    runs[1].stop()
+    other.stop()
+    assert "triage-loop" not in [t.name for t in threading.enumerate()], "the last one ended it"
+    assert sorted(seen) == list(range(40))
