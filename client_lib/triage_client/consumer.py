@@ -41,6 +41,7 @@ import enum
 import logging
 import os
 import socket
+import threading
 from collections.abc import Coroutine, Iterable
 from contextlib import suppress
 from typing import Any
@@ -48,7 +49,7 @@ from typing import Any
 import grpc
 
 from triage_client._proto import triage_pb2
-from triage_client.credits import REBALANCE_INTERVAL_S, credit_share, split
+from triage_client.credits import REBALANCE_INTERVAL_S, credit_share, grown, split
 from triage_client.errors import (
     EndpointError,
     PartitionError,
@@ -57,6 +58,7 @@ from triage_client.errors import (
     error_for_status,
     speaks_grpc,
 )
+from triage_client.loop import SHARED
 from triage_client.message import ConsumerStats
 from triage_client.pool import MAX_REASON_CHARS, Handler, HandlerPool
 from triage_client.stream import (
@@ -71,11 +73,14 @@ from triage_client.stream import (
 )
 from triage_client.topology import Layout, fetch_layout
 
-__all__ = ["MAX_REASON_CHARS", "Consumer", "Handler", "backoff_delay"]
+__all__ = ["AUTO_PREFETCH_MAX", "MAX_REASON_CHARS", "Consumer", "Handler", "backoff_delay"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONCURRENCY = 16
+AUTO_PREFETCH_MAX = 4
+"""The default prefetch grows to this many times `concurrency` when the round trip outlasts
+the local queue (see credits.grown)."""
 DEFAULT_TOPOLOGY_INTERVAL_S = 30.0
 """How often a running Consumer reads the topology again when nothing asks for it sooner."""
 TOPOLOGY_TIMEOUT_S = 5.0
@@ -89,6 +94,7 @@ MAX_MESSAGE_BYTES = MAX_FRAME_BYTES
 _SERVICE = triage_pb2.DESCRIPTOR.services_by_name["Triage"]
 _CONSUME = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['Consume'].name}"
 _MAX_CREDITS = 2**32 - 1  # Hello.credits is a uint32
+_GROWN_CREDITS_MAX = 100_000  # the most a Grant may give (PROTOCOL.md, limits)
 
 
 class _State(enum.Enum):
@@ -137,8 +143,10 @@ class Consumer:
             without Topology: then that proxy's only partition is consumed).
         concurrency: most handlers running at once, over all partitions (threads for a sync
             handler).
-        prefetch: deliveries queued locally beyond the running ones (default: concurrency),
-            so handlers never wait for a round trip; credits = concurrency + prefetch, split
+        prefetch: deliveries queued locally beyond the running ones, so handlers never wait
+            for a round trip (default: concurrency, raised to AUTO_PREFETCH_MAX x concurrency
+            once handler slots run out of queued work while the proxy has a backlog, against
+            a proxy that honours Grant); credits = concurrency + prefetch, split
             over the partitions' streams.
         partitions: consume only these partitions (default: every partition of the topic,
             including ones added later); one the topic lacks raises PartitionError at start.
@@ -156,6 +164,7 @@ class Consumer:
         """
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+        self._auto_prefetch = prefetch is None
         prefetch = concurrency if prefetch is None else prefetch
         if prefetch < 0:
             raise ValueError(f"prefetch must not be negative, got {prefetch}")
@@ -183,6 +192,9 @@ class Consumer:
         self._metadata = (("authorization", f"Bearer {token}"),)
         self._concurrency = concurrency
         self._credits = concurrency + prefetch
+        self._max_credits = max(
+            self._credits, min(_GROWN_CREDITS_MAX, concurrency * (1 + AUTO_PREFETCH_MAX))
+        )
         self._granting = False  # a stream's proxy has honoured Grant frames: credits move
         self._consumer_id = consumer_id or f"{socket.gethostname()}-{os.getpid()}"
         self._credentials: grpc.ChannelCredentials | None = None
@@ -200,9 +212,13 @@ class Consumer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = asyncio.Event()
         self._refresh_wanted = asyncio.Event()  # also set by stop(), to end the topology loop
+        # Ends a rebalance period early: stop(), or a slot ran dry beside a backlog while
+        # the default prefetch can still grow (_on_idle).
+        self._rebalance_now = asyncio.Event()
         self._pool = HandlerPool(
             handler, concurrency, (Retry, *retry_on), min(SETTLE_BATCH, self._credits)
         )
+        self._pool.on_idle = self._on_idle
         self._context = StreamContext(
             consumer_id=self._consumer_id,
             metadata=self._metadata,
@@ -230,7 +246,7 @@ class Consumer:
     @property
     def credits(self) -> int:
         """Most unsettled deliveries the proxies may send this instance, over all partitions
-        (each stream's Hello announces its share)."""
+        (each stream's Hello announces its share; the default prefetch may grow it)."""
         return self._credits
 
     @property
@@ -252,13 +268,44 @@ class Consumer:
     # -- lifecycle -------------------------------------------------------------------------
 
     def run(self) -> None:
-        """Consume until stop(); blocks this thread, which must not be running an event loop."""
+        """Consume until stop(); blocks this thread, which must not be running an event loop.
+
+        With a sync handler the streams run in the process's shared loop thread (loop.py:
+        several Consumers of one process then share one loop instead of contending for the
+        GIL with a loop each); with an async handler, in a loop of its own on this thread.
+        An exception in this thread while waiting (Ctrl-C) cancels the run and waits for it
+        to end, as `asyncio.run` does, then propagates."""
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            asyncio.run(self.run_async())
+            pass
         else:
             raise StateError("run() blocks; inside an event loop use `await run_async()`")
+        if self._pool.is_async:
+            asyncio.run(self.run_async())
+            return
+        loop = SHARED.acquire()
+        try:
+            ended = threading.Event()
+            tasks: list[asyncio.Task[None]] = []
+
+            def start() -> None:
+                task = loop.create_task(self.run_async(), name=f"triage-{self._consumer_id}")
+                task.add_done_callback(lambda _: ended.set())
+                tasks.append(task)
+
+            loop.call_soon_threadsafe(start)
+            try:
+                ended.wait()
+            except BaseException:
+                # Interrupted in this thread (Ctrl-C): callbacks run in order, so the task
+                # exists by the time this one runs.
+                loop.call_soon_threadsafe(lambda: tasks[0].cancel())
+                ended.wait()
+                raise
+            tasks[0].result()
+        finally:
+            SHARED.release()
 
     async def run_async(self) -> None:
         """Consume until stop(), in the running event loop.
@@ -347,6 +394,7 @@ class Consumer:
             return
         self._stopping.set()
         self._refresh_wanted.set()
+        self._rebalance_now.set()
         in_flight = released = 0
         for stream in list(self._streams.values()):
             running, given_back = stream.begin_stop()
@@ -508,13 +556,28 @@ class Consumer:
         streams = self._streams
         while not self._stopping.is_set():
             with suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), REBALANCE_INTERVAL_S)
-            if self._stopping.is_set() or (len(streams) < 2 and not self._granting):
+                await asyncio.wait_for(self._rebalance_now.wait(), REBALANCE_INTERVAL_S)
+            self._rebalance_now.clear()
+            idled = self._pool.take_idled()
+            if self._stopping.is_set() or (
+                len(streams) < 2 and not self._granting and not self._auto_prefetch
+            ):
                 continue
             current = list(streams.values())
             loads = [stream.load() for stream in current]
             if any(load.adjustable for load in loads):
                 self._granting = True
+            if self._auto_prefetch and self._granting:
+                budget = grown(self._credits, self._max_credits, loads, idled)
+                if budget != self._credits:
+                    logger.info(
+                        "consumer %s: handler slots ran out of queued work while the proxy "
+                        "had more: prefetch %d -> %d",
+                        self._consumer_id,
+                        self._credits - self._concurrency,
+                        budget - self._concurrency,
+                    )
+                    self._credits = budget
             decision = split(self._concurrency, self._credits, loads)
             raised = False
             with self._pool.lock:
@@ -526,6 +589,19 @@ class Consumer:
                     stream.set_credits(credits)
             if raised:
                 self._pool.kick()
+
+    def _on_idle(self) -> None:
+        """A handler slot found nothing queued (on the loop): while the default prefetch can
+        still grow and a stream shows a backlog, rebalance now rather than at the end of the
+        period (a tenth of a second of slots waiting for refills, each time)."""
+        if (
+            self._auto_prefetch
+            and self._granting
+            and self._credits < self._max_credits
+            and not self._rebalance_now.is_set()
+            and any(s.backlogged() for s in self._streams.values())
+        ):
+            self._rebalance_now.set()
 
     async def _guarded(self, work: Coroutine[Any, Any, None]) -> None:
         """A stream's or the topology reader's task: a stream refused for good (or a bug)

@@ -26,6 +26,15 @@ the last period (`StreamLoad`):
   stream that is not hungry is not limited: it has few deliveries, and the pool's
   fewest-running-first choice serves it at the next free slot.
 
+`grown` is the default prefetch's own rule: when a period saw handler slots run out of
+queued work (`idled`) while a stream held more than half its credits at once (its proxy had
+a backlog for it: a trickle never holds that many), the round trip of settlement -> refill
+outlasted the local queue: the prefetch goes to its cap at once (doubling took a period
+per step, a fifth of a one-second run at each). (Not `hungry`: with a round
+trip longer than the work, part of the credits is always on its way back, so a starving
+stream never holds all of them.) It never shrinks while the Consumer runs (a larger local
+queue costs memory, not speed).
+
 Every stream keeps at least 1 credit (the protocol's minimum), so more streams than the
 budget exceed it by design, as in the static split.
 """
@@ -41,6 +50,7 @@ __all__ = [
     "Split",
     "StreamLoad",
     "credit_share",
+    "grown",
     "hungry",
     "split",
 ]
@@ -87,6 +97,14 @@ class Split:
 def hungry(load: StreamLoad) -> bool:
     """The stream filled its credits during the period: its proxy had more for it."""
     return load.credits > 0 and load.peak >= load.credits
+
+
+def grown(budget: int, cap: int, loads: Sequence[StreamLoad], idled: int) -> int:
+    """The Consumer's credit budget after a period (see the module doc): `cap` when slots
+    idled while a stream held more than half its credits; else unchanged."""
+    if idled <= 0 or budget >= cap or not any(2 * load.peak > load.credits for load in loads):
+        return budget
+    return cap
 
 
 def split(concurrency: int, budget: int, loads: Sequence[StreamLoad]) -> Split:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -38,7 +39,7 @@ from triage_client.message import Message
 if TYPE_CHECKING:
     from triage_client.stream import PartitionStream
 
-__all__ = ["MAX_REASON_CHARS", "Handler", "HandlerPool", "nack_reason"]
+__all__ = ["MAX_REASON_CHARS", "SETTLE_DELAY_S", "Handler", "HandlerPool", "nack_reason"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,9 @@ _AsyncHandler = Callable[[Message], Awaitable[Any]]
 MAX_REASON_CHARS = 4000
 """The proxy keeps the first 4,000 characters of a nack reason (PROTOCOL.md, limits): a
 longer one is cut here to 3,997 and "...", so the dead letter shows where it was cut."""
+SETTLE_DELAY_S = 0.002
+"""Longest a settlement waits for company before it is sent (the streams' flush timer, and
+the tick on which sync handlers' results are collected while they keep coming)."""
 RELEASE = triage_pb2.Nack()
 """Result of a delivery a handler thread let go unstarted because of stop()."""
 
@@ -125,6 +129,12 @@ class HandlerPool:
         self._jobs = 0  # drain jobs submitted and not finished: at most `concurrency`
         self._results: list[tuple[PartitionStream, int, int, triage_pb2.Nack | None]] = []
         self._collect_scheduled = False
+        self._tick: asyncio.TimerHandle | None = None  # the next collection tick (lock)
+        self._idled = 0  # slots that found nothing queued after a delivery (lock in sync mode)
+        self.on_idle: Callable[[], None] | None = None
+        """Called on the loop once results show a slot found nothing queued (the Consumer's
+        prefetch rule)."""
+        self._awaiting_tick: dict[PartitionStream, None] = {}  # streams it is to flush
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -139,6 +149,10 @@ class HandlerPool:
     async def close(self, clean: bool) -> None:
         """Idle workers exit when woken; after a failure, running ones are cancelled too."""
         self._closing = True
+        with self.lock:
+            tick, self._tick = self._tick, None
+        if tick is not None:
+            tick.cancel()
         while self._idle_workers:
             fut = self._idle_workers.popleft()
             if not fut.done():
@@ -237,6 +251,13 @@ class HandlerPool:
         stream.busy += 1
         return stream, message
 
+    def take_idled(self) -> int:
+        """How many times a slot found nothing queued after finishing a delivery, since the
+        last call (on the loop): the Consumer's prefetch rule reads it (credits.grown)."""
+        with self.lock:
+            idled, self._idled = self._idled, 0
+        return idled
+
     def kick(self) -> None:
         """Caps were raised (on the loop): put idle slots to work on what they allow now."""
         if not self._queued:
@@ -295,6 +316,10 @@ class HandlerPool:
         while not self._closing:
             picked = pick() if ready else None
             if picked is None:
+                if streak:
+                    self._idled += 1
+                    if self.on_idle is not None:
+                        self.on_idle()
                 fut: asyncio.Future[None] = loop.create_future()
                 self._idle_workers.append(fut)
                 await fut
@@ -367,15 +392,22 @@ class HandlerPool:
             with lock:
                 running.discard(offset)
                 stream.busy -= 1
-                self._results.append((stream, epoch, offset, nack))
-                wake = not self._collect_scheduled
-                self._collect_scheduled = True
+                results = self._results
+                results.append((stream, epoch, offset, nack))
                 picked = self._pick()
                 if picked is None:
                     self._jobs -= 1
+                    self._idled += 1
                 else:
                     stream, message = picked
                     epoch, running = stream.epoch, stream.running
+                # While the loop's collection tick runs, a result waits for it, unless this
+                # slot found nothing left to run (its refill is due) or the batch is full.
+                wake = not self._collect_scheduled and (
+                    self._tick is None or picked is None or len(results) >= self._batch_limit
+                )
+                if wake:
+                    self._collect_scheduled = True
             loop = self._loop
             if wake and loop is not None:
                 with suppress(RuntimeError):  # loop closed after a failed run(): nothing to do
@@ -410,17 +442,48 @@ class HandlerPool:
             raise
         return None
 
-    def _collect(self) -> None:
+    def _collect(self, due: bool = False) -> None:
+        """Hand the threads' results to their streams (on the loop): woken by a thread, or
+        by the tick (`due`: the results waited up to a tick, so they are sent now). While
+        results keep coming and deliveries are outstanding the tick runs, so a stream need
+        not arm a flush timer of its own: the next tick sends what it left."""
         with self.lock:
             results, self._results = self._results, []
             self._collect_scheduled = False
-        touched: dict[PartitionStream, None] = {}
+        touched = self._awaiting_tick
+        if due:
+            self._awaiting_tick = {}
+        elif not results:
+            return
         finished = self._finished
         for stream, epoch, offset, nack in results:
             finished(stream, epoch, offset, nack)
             touched[stream] = None
         self.outstanding -= len(results)
+        if self._idled and self.on_idle is not None:
+            self.on_idle()
+        ticking = bool(results) and self.outstanding > 0 and not self._closing
+        if ticking and self._tick is None and self._loop is not None:
+            self._arm_tick()
+        ticking = self._tick is not None
         for stream in touched:
-            stream.after_settle(not stream.queued)
+            stream.after_settle(not stream.queued, due=due, timer=not ticking)
+        if not ticking or due:
+            touched.clear()
         if not self.outstanding:
             self.drained.set()
+
+    def _arm_tick(self) -> None:
+        """Collect again at the next multiple of SETTLE_DELAY_S on the loop's clock: the
+        ticks of every Consumer sharing a loop fall together, one wake-up for all."""
+        loop = self._loop
+        assert loop is not None
+        when = (math.floor(loop.time() / SETTLE_DELAY_S) + 1) * SETTLE_DELAY_S
+        handle = loop.call_at(when, self._on_tick)
+        with self.lock:
+            self._tick = handle
+
+    def _on_tick(self) -> None:
+        with self.lock:
+            self._tick = None
+        self._collect(due=True)

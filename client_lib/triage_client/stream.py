@@ -49,7 +49,7 @@ from triage_client._proto import triage_pb2
 from triage_client.credits import StreamLoad
 from triage_client.errors import PartitionError, error_for_status
 from triage_client.message import ConsumerStats, Message, make_message
-from triage_client.pool import HandlerPool
+from triage_client.pool import SETTLE_DELAY_S, HandlerPool
 from triage_client.topology import owner_endpoint
 
 __all__ = ["PartitionStream", "StreamContext", "backoff_delay", "settle_frame"]
@@ -67,8 +67,6 @@ INITIAL_BACKOFF_S = 0.05
 SETTLE_BATCH = 256
 """Settlements that are sent at once without waiting for the queue to drain (measured: one
 Settle per drained batch beats sending half-batches early, which costs CPU for no gain)."""
-SETTLE_DELAY_S = 0.002
-"""Longest a settlement waits for company before it is sent."""
 CLOSE_TIMEOUT_S = 5.0
 """How long stop() waits for the proxy to end the stream after the half-close."""
 MAX_FRAME_BYTES = 64 * 1024 * 1024
@@ -594,6 +592,11 @@ class PartitionStream:
         self._lowered_from = 0
         return load
 
+    def backlogged(self) -> bool:
+        """This period the stream held more than half its credits at once (credits.grown's
+        sign of a backlog at its proxy)."""
+        return self.established and 2 * max(self._peak, self._held) > self.credits
+
     def committed(self) -> int:
         """Most unsettled deliveries this stream may come to hold without a new Grant: its
         credits, what it holds, and what a lowering in this period may still bring."""
@@ -615,9 +618,11 @@ class PartitionStream:
         self._grant_due = True
         self._flush_wanted.set()
 
-    def after_settle(self, queue_drained: bool) -> None:
-        """Send now if the batch is full, or if nobody is queued behind it while the proxy
-        may send fewer than half the credits (the freed ones are needed); else soon.
+    def after_settle(self, queue_drained: bool, *, due: bool = False, timer: bool = True) -> None:
+        """Send now if the batch is full, if it is `due` (it waited a tick already), or if
+        nobody is queued behind it while the proxy may send fewer than half the credits (the
+        freed ones are needed); else within SETTLE_DELAY_S (by a timer of its own, unless
+        the pool's tick will ask: `timer` False).
 
         While the proxy may still send half the credits, its next deliveries are on their
         way or it has none: a drained queue then waits for company (the batch limit or
@@ -627,9 +632,11 @@ class PartitionStream:
             if self._ctx.stopping.is_set() and not self.outstanding:
                 self._flush_wanted.set()  # let the writer half-close
             return
-        if len(self.acks) + len(self.nacks) >= self._batch_limit or (
-            queue_drained and 2 * (self.credits - self._held) < self.credits
+        if (
+            due
+            or len(self.acks) + len(self.nacks) >= self._batch_limit
+            or (queue_drained and 2 * (self.credits - self._held) < self.credits)
         ):
             self._flush_wanted.set()
-        elif self._flush_timer is None and self._loop is not None:
+        elif timer and self._flush_timer is None and self._loop is not None:
             self._flush_timer = self._loop.call_later(SETTLE_DELAY_S, self._on_flush_timer)

@@ -15,11 +15,16 @@ opened -> last handler returned. Target: bound / measured >= 90% in every arrang
 Also printed, to say where the rest goes: the bound over the handlers' MEASURED durations
 (what is left is slots idle, not handlers overrunning their sleeps), the idle gap between a
 handler thread's return and its next start (hand-off: settle, credit, delivery, thread
-wake-up), and gate -> everything committed (commit.interval_s 0.1, dead-letter writes).
+wake-up), gate -> everything committed (commit.interval_s 0.1, dead-letter writes), and the
+CPU seconds the instances and the proxy spent meanwhile, per message: on a machine shared
+with other work the efficiency swings with its load, the CPU per message much less.
 
     .venv/bin/python -m tests.perf.bench_efficiency [--messages N] [--arrangements 1x4x8,...]
         [--profile DIR [--profile-gil]]   (py-spy on the proxy and the instance processes)
         [--switch-interval-ms MS]          (the instances' GIL switch interval, an experiment)
+        [--prefetch N]                     (Consumer(prefetch=N), an experiment)
+        [--client-path DIR]                (the instances import another triage_client, e.g.
+                                            the code before a change: side by side)
 """
 
 from __future__ import annotations
@@ -103,12 +108,39 @@ class Run:
     """[offset, start, finish, thread, consumer, poison] per delivery, plus the process index."""
     dead: int
     frames: dict[str, list[tuple[str, float, float]]]
+    cpu: dict[str, float]
+    """CPU seconds (user + system) each process spent from the gate to everything committed:
+    a figure the load of other work on the machine barely moves."""
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU time of a process so far (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Experiments on the instances (none changes the workload or the bound)."""
+
+    switch_ms: float | None = None
+    """sys.setswitchinterval in the instances."""
+    prefetch: int | None = None
+    """Consumer(prefetch=...) instead of the default."""
+    client_path: Path | None = None
+    """A directory holding another copy of `triage_client` (e.g. the code before a change,
+    from `git archive`), imported by the instances instead of this one: side by side."""
 
 
 def start_instances(
-    stack: DevStack, arr: Arrangement, switch_ms: float | None
+    stack: DevStack, arr: Arrangement, options: Options
 ) -> list[subprocess.Popen[bytes]]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRIAGE_TOKEN": stack.token}
+    client = options.client_path
+    path = str(ROOT) if client is None else f"{client}{os.pathsep}{ROOT}"
+    env = {**os.environ, "PYTHONPATH": path, "TRIAGE_TOKEN": stack.token}
     target = stack.describe()["proxies"][0]["target"]
     return [
         subprocess.Popen(
@@ -123,7 +155,12 @@ def start_instances(
                 str(arr.handlers),
                 "--id",
                 f"eff-{i}",
-                *([] if switch_ms is None else ["--switch-interval-ms", str(switch_ms)]),
+                *(
+                    []
+                    if options.switch_ms is None
+                    else ["--switch-interval-ms", str(options.switch_ms)]
+                ),
+                *([] if options.prefetch is None else ["--prefetch", str(options.prefetch)]),
                 *(["--shared-loop"] if arr.shared_loop else []),
             ],
             stdin=subprocess.PIPE,
@@ -171,7 +208,7 @@ def run_arrangement(
     kinds: list[tuple[str, int]],
     profile: Path | None,
     gil: bool = False,
-    switch_ms: float | None = None,
+    options: Options = Options(),
 ) -> Run:
     overrides = {"commit": {"interval_s": 0.1}}
     name = f"bench-eff-{arr.processes}x{arr.consumers}x{arr.handlers}"
@@ -180,7 +217,7 @@ def run_arrangement(
         values = (f"{k}:{ms}:{i}".encode() for i, (k, ms) in enumerate(kinds))
         produce_values(stack.broker.bootstrap, stack.topic, values)
         watcher = CommitWatcher(stack.broker.bootstrap, stack.group_id, stack.topic, 1)
-        procs = start_instances(stack, arr, switch_ms)
+        procs = start_instances(stack, arr, options)
         profiler = None
         try:
             wait_ready(procs)
@@ -189,6 +226,10 @@ def run_arrangement(
                 pids.update({f"instance-{i}": p.pid for i, p in enumerate(procs)})
                 profiler = Profiler(pids, profile / name, gil=gil)
                 time.sleep(2.0)  # py-spy attaches (slowly on a loaded machine)
+            cpu0 = {
+                "proxy": cpu_seconds(stack.proxy_process(0).pid),
+                "instances": sum(cpu_seconds(p.pid) for p in procs),
+            }
             t0 = time.monotonic()
             for proc in procs:
                 assert proc.stdin is not None
@@ -196,6 +237,10 @@ def run_arrangement(
                 proc.stdin.flush()
             watcher.wait_for([len(kinds)], timeout_s=300, poll_s=0.005)
             committed = time.monotonic()
+            cpu = {
+                "proxy": cpu_seconds(stack.proxy_process(0).pid) - cpu0["proxy"],
+                "instances": sum(cpu_seconds(p.pid) for p in procs) - cpu0["instances"],
+            }
         finally:
             if profiler is not None:
                 profiler.stop()
@@ -204,7 +249,7 @@ def run_arrangement(
         dead = count_dead_letters(stack.aws.endpoint_url, stack.table)
     if profiler is not None:
         frames = {name: top_frames(path) for name, path in profiler.files.items()}
-    return Run(arr, t0, committed, records, dead, frames)
+    return Run(arr, t0, committed, records, dead, frames, cpu)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -270,6 +315,12 @@ def report(run: Run, kinds: list[tuple[str, int]]) -> bool:
                     else "-",
                 ),
                 ("gate -> everything committed", f"{run.committed - run.t0:.3f} s"),
+                (
+                    "CPU in that time, instances / proxy",
+                    f"{run.cpu['instances']:.2f} / {run.cpu['proxy']:.2f} s "
+                    f"({run.cpu['instances'] / len(kinds) * 1e6:.0f} / "
+                    f"{run.cpu['proxy'] / len(kinds) * 1e6:.0f} us per message)",
+                ),
                 ("deliveries / distinct offsets", f"{len(run.records)} / {len(first)}"),
                 ("lost", lost),
                 ("dead letters (poison pills)", f"{run.dead} ({pills})"),
@@ -293,7 +344,19 @@ def main() -> int:
         default=None,
         help="sys.setswitchinterval in the instances (an experiment; Python's default is 5)",
     )
+    parser.add_argument(
+        "--prefetch", type=int, default=None, help="Consumer(prefetch=N) (an experiment)"
+    )
+    parser.add_argument(
+        "--client-path",
+        type=Path,
+        default=None,
+        help="import triage_client from this directory in the instances (another version of "
+        "the client, side by side: `git archive REV client_lib | tar -x -C DIR`, then "
+        "DIR/client_lib)",
+    )
     args = parser.parse_args()
+    options = Options(args.switch_interval_ms, args.prefetch, args.client_path)
     kinds = workload(args.messages)
     arrangements = [Arrangement.parse(a) for a in args.arrangements.split(",")]
     print(
@@ -305,9 +368,7 @@ def main() -> int:
     for arr in arrangements:
         ok = (
             report(
-                run_arrangement(
-                    arr, kinds, args.profile, args.profile_gil, args.switch_interval_ms
-                ),
+                run_arrangement(arr, kinds, args.profile, args.profile_gil, options),
                 kinds,
             )
             and ok

@@ -14,7 +14,8 @@ On SIGTERM every Consumer stops gracefully and one JSON line is printed: per del
 [offset, start, finish, thread, consumer index, was-poison], times from time.monotonic()
 (CLOCK_MONOTONIC: one clock for every process on the host). `--shared-loop` runs every
 Consumer in one event loop (`run_async` under one `asyncio.gather`) instead of one
-`run()` thread, and loop, each.
+`run()` thread each (whose Consumers, with sync handlers, share the client's one loop
+thread too since loop.py). `--prefetch N`: Consumer(prefetch=N) instead of the default.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--id", default="slots")
     parser.add_argument("--switch-interval-ms", type=float, default=None)
+    parser.add_argument("--prefetch", type=int, default=None)
     parser.add_argument(
         "--shared-loop",
         action="store_true",
@@ -83,6 +85,7 @@ def main() -> None:
             token,
             handler(i),  # type: ignore[arg-type]
             concurrency=args.concurrency,
+            prefetch=args.prefetch,
             consumer_id=f"{args.id}-{i}",
         )
         for i in range(args.consumers)

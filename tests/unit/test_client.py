@@ -33,6 +33,7 @@ from triage_client import (
     StateError,
 )
 from triage_client._proto import triage_pb2, triage_pb2_grpc
+from triage_client.consumer import AUTO_PREFETCH_MAX
 from triage_client.credits import IDLE_CREDITS, credit_share
 from triage_client.message import make_message
 from triage_client.pool import MAX_REASON_CHARS, HandlerPool
@@ -167,6 +168,7 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
         self.ack_deadline_ms = 0  # sent in the Welcome of each new stream; 0: leases never lapse
         self.grants = False  # Welcome.grants: Grant frames change a stream's credits
         self.ack_ranges = False  # Welcome.ack_ranges: Settle.ack_ranges are understood
+        self.delay_s = 0.0  # before each Deliveries frame: a round trip longer than the work
         self.ranges: list[tuple[int, int]] = []  # every Settle.ack_ranges entry received
         self.granted: list[tuple[int | None, int]] = []  # (partition, credits) of each Grant
         self.reject: set[int] = set()  # offsets whose settlement is answered with Rejected
@@ -409,6 +411,8 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
                     if deployment is not None:
                         deployment.held(len(batch))
                 if batch:
+                    if self.delay_s:
+                        await asyncio.sleep(self.delay_s)
                     frame = triage_pb2.Deliveries(
                         topic="orders", partition=partition, deliveries=batch
                     )
@@ -1436,3 +1440,75 @@ def test_stop_while_the_target_does_not_answer_returns_promptly() -> None:
         assert time.monotonic() - started < 2.0
     finally:
         silent.close()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_the_default_prefetch_grows_when_the_refill_outlasts_the_local_queue(
+    deployment: Deployment, kind: str
+) -> None:
+    """Work shorter than the proxy's round trip: slots run dry while the proxy has more,
+    so the default prefetch goes to AUTO_PREFETCH_MAX x concurrency (a Grant)."""
+    a = deployment.proxy()
+    a.grants = True
+    a.delay_s = 0.02
+    deployment.serve(0, a)
+
+    def sync_handler(message: Message) -> None:
+        time.sleep(0.002)
+
+    async def async_handler(message: Message) -> None:
+        await asyncio.sleep(0.002)
+
+    deployment.feed(0, (delivery(o) for o in range(600)))
+    handler = sync_handler if kind == "sync" else async_handler
+    run = Running(consumer(a, handler, concurrency=2, partitions=[0]))
+    deployment.wait_for(lambda: len(deployment.acked(0)) == 600, "every delivery acked")
+    run.stop()
+    assert [h.credits for h in a.hellos] == [4], "the Hello: concurrency + concurrency"
+    assert a.granted == [(0, 2 * (1 + AUTO_PREFETCH_MAX))]
+    assert run.consumer.credits == 2 * (1 + AUTO_PREFETCH_MAX)
+
+
+def test_an_explicit_prefetch_does_not_grow(deployment: Deployment) -> None:
+    a = deployment.proxy()
+    a.grants = True
+    a.delay_s = 0.02
+    deployment.serve(0, a)
+    deployment.feed(0, (delivery(o) for o in range(200)))
+    run = Running(
+        consumer(a, lambda m: time.sleep(0.002), concurrency=2, prefetch=2, partitions=[0])
+    )
+    deployment.wait_for(lambda: len(deployment.acked(0)) == 200, "every delivery acked")
+    run.stop()
+    assert a.granted == []
+    assert deployment.max_unsettled <= 4
+
+
+def test_consumers_with_sync_handlers_share_one_loop_thread_until_the_last_returns(
+    proxy: FakeProxy,
+) -> None:
+    """loop.py: one loop for every run() with a sync handler in the process (a loop each
+    contended for the GIL); an async handler's Consumer keeps its own."""
+    proxy.feed(delivery(o) for o in range(40))
+    seen: list[int] = []
+
+    async def async_handler(message: Message) -> None:
+        seen.append(message.offset)
+
+    runs = [
+        Running(consumer(proxy, lambda m: seen.append(m.offset), consumer_id=f"sync-{i}"))
+        for i in range(2)
+    ]
+    other = Running(consumer(proxy, async_handler, consumer_id="async"))
+    proxy.wait_for(lambda: len(proxy.acks) == 40, "every delivery acked")
+    loops = [run.consumer._loop for run in (*runs, other)]
+    assert loops[0] is not None
+    assert loops[0] is loops[1], "the sync Consumers share one loop"
+    assert loops[2] is not loops[0], "the async one runs its own"
+    assert [t.name for t in threading.enumerate()].count("triage-loop") == 1
+    runs[0].stop()
+    assert [t.name for t in threading.enumerate()].count("triage-loop") == 1, "one still runs"
+    runs[1].stop()
+    other.stop()
+    assert "triage-loop" not in [t.name for t in threading.enumerate()], "the last one ended it"
+    assert sorted(seen) == list(range(40))

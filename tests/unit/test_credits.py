@@ -5,7 +5,15 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triage_client.credits import IDLE_CREDITS, Split, StreamLoad, credit_share, hungry, split
+from triage_client.credits import (
+    IDLE_CREDITS,
+    Split,
+    StreamLoad,
+    credit_share,
+    grown,
+    hungry,
+    split,
+)
 
 
 def load(credits: int, peak: int, held: int = 0, *, adjustable: bool = True) -> StreamLoad:
@@ -148,3 +156,28 @@ def test_backlogs_converge_to_an_even_share_and_idle_streams_to_the_prefetch(
     if busy and budget >= n * IDLE_CREDITS:
         assert max(busy) - min(busy) <= 1
         assert sum(busy) + sum(idle) == budget, "the backlogs use everything left"
+
+
+def test_the_default_prefetch_goes_to_its_cap_when_slots_idled_beside_a_backlog() -> None:
+    assert grown(16, 40, [load(16, 16)], idled=3) == 40
+    assert grown(16, 40, [load(16, 9), load(16, 0)], idled=1) == 40, "a backlog on its way"
+    assert grown(40, 40, [load(40, 40)], idled=5) == 40
+
+
+def test_the_default_prefetch_stays_without_both_signs() -> None:
+    assert grown(16, 40, [load(16, 16)], idled=0) == 16, "no slot ran dry"
+    assert grown(16, 40, [load(16, 8), load(16, 0)], idled=4) == 16, "no backlog: a trickle"
+
+
+@given(
+    budget=st.integers(1, 300),
+    extra=st.integers(0, 512),
+    peaks=st.lists(st.integers(0, 600), min_size=1, max_size=4),
+    idled=st.integers(0, 10),
+)
+def test_the_grown_budget_never_shrinks_nor_passes_its_cap(
+    budget: int, extra: int, peaks: list[int], idled: int
+) -> None:
+    cap = budget + extra
+    loads = [load(budget, peak) for peak in peaks]
+    assert grown(budget, cap, loads, idled) in (budget, cap)
