@@ -30,7 +30,9 @@ from tests.integration.harness import (
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
 from triage_cli.main import quiet_noisy_loggers
 from triage_client import Consumer, Message
+from triage_proxy import service
 from triage_proxy.app import Proxy
+from triage_proxy.logthrottle import LogThrottle
 from triage_proxy.settings import DeadLetterSettings
 from triage_proxy.table.provisioning import create_table
 
@@ -151,6 +153,9 @@ def test_no_token_password_or_payload_in_the_debug_log(
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # Refusals are logged once per cause per 10 s, process-wide: an earlier test's wrong
+    # token in this pytest process must not have used up this test's line.
+    monkeypatch.setattr(service, "_refusals", LogThrottle(service.logger))
     password = "sasl-pa55word-never-logged-7d1e"
     monkeypatch.setenv("TRIAGE_TEST_SASL_PASSWORD", password)
     wrong = "wrong-token-that-looks-real-5c2a"
