@@ -52,6 +52,7 @@ from tests.perf.common import (
     table,
     top_frames,
 )
+from tests.perf.cpumeter import cpu_seconds
 from tests.perf.fifo_bound import efficiency, fifo_bound
 from triage_cli.demo import count_dead_letters
 from triage_cli.devstack import DevStack
@@ -111,15 +112,6 @@ class Run:
     cpu: dict[str, float]
     """CPU seconds (user + system) each process spent from the gate to everything committed:
     a figure the load of other work on the machine barely moves."""
-
-
-def cpu_seconds(pid: int) -> float:
-    """user + system CPU time of a process so far (Linux /proc; 0 elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)

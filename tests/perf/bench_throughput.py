@@ -34,21 +34,13 @@ from tests.perf.common import (
     status,
     table,
 )
+from tests.perf.cpumeter import cpu_seconds
 from triage_cli.devstack import DevStack
 
 TARGET_PER_S = 50_000
 GOAL_PER_S = 150_000
 """Issue 15: this rate in at least GOAL_SHARE of the runs."""
 GOAL_SHARE = 0.8
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds process `pid` used so far (Linux /proc); 0 once gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class CpuSampler:

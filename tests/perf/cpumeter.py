@@ -48,6 +48,11 @@ def _cpu(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process `pid` used so far (Linux /proc); 0 once gone."""
+    return _cpu(pid) or 0.0
+
+
 class CpuMeter:
     """Samples every descendant's CPU time every `period` s while open."""
 
