@@ -72,15 +72,19 @@ class CommitTracker:
         self._last = offset
         page_no = offset >> _PAGE_BITS
         if page_no != self._tail_no:
-            tail = bytearray(_PAGE_SIZE)
-            self._pages[page_no] = tail
-            self._order.append((page_no, tail))
-            self._tail = tail
-            self._tail_no = page_no
+            self._start_page(page_no)
         self._tail[offset & _PAGE_MASK] = _PENDING
         if not self._pending:
             self._head = offset
         self._pending += 1
+
+    def _start_page(self, page_no: int) -> None:
+        """A new tail page for offsets of `page_no` (once per page, off the per-offset path)."""
+        tail = bytearray(_PAGE_SIZE)
+        self._pages[page_no] = tail
+        self._order.append((page_no, tail))
+        self._tail = tail
+        self._tail_no = page_no
 
     def track_span(self, first: int, last: int) -> None:
         """Record every offset of first..last as fetched (a contiguous run of a fetch, in
@@ -94,11 +98,7 @@ class CommitTracker:
         while offset <= last:
             page_no = offset >> _PAGE_BITS
             if page_no != self._tail_no:
-                tail = bytearray(_PAGE_SIZE)
-                self._pages[page_no] = tail
-                self._order.append((page_no, tail))
-                self._tail = tail
-                self._tail_no = page_no
+                self._start_page(page_no)
             start = offset & _PAGE_MASK
             stop = min(_PAGE_SIZE, start + last - offset + 1)
             self._tail[start:stop] = _PENDING_RUN[: stop - start]
