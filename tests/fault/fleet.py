@@ -69,6 +69,7 @@ from tests.fault.verify import (
     SETTLE_SLACK_S,
     Invocation,
     expected_budget,
+    mark_acks_sent,
     read_invocations,
     scan_dead_letters,
 )
@@ -403,7 +404,9 @@ def cause_of(prev: Invocation, cur: Invocation, move_times: list[float]) -> str:
         candidates.append((move_times[move], "partition move"))
     inc = prev.incarnation
     died = inc.killed_at if inc.fate == "killed" else inc.ended
-    unsettled = prev.done_t is None or (died or 0.0) - prev.done_t < SETTLE_SLACK_S
+    unsettled = prev.done_t is None or (
+        prev.ack_may_be_lost and (died or 0.0) - prev.done_t < SETTLE_SLACK_S
+    )
     if died is not None and died <= cur.t and unsettled and inc.fate == "crashed":
         candidates.append((died, "crash collateral"))
     if candidates:
@@ -481,6 +484,9 @@ def verify_fleet(
         if pos[0] != index % partitions:
             report.mismatched.append(f"index {index} found in partition {pos[0]}")
     invocations, torn = read_invocations(history)
+    # As in the single-partition suite: only an instance's latest `credits` completions
+    # can have died with it unacked (the rest are a move's or another fault's).
+    mark_acks_sent(invocations, options.base().credits)
     if torn:
         report.mismatched.append(f"{torn} torn log lines")
     by_record: dict[tuple[int, int], list[Invocation]] = defaultdict(list)
