@@ -39,6 +39,8 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable
+from itertools import groupby
+from operator import itemgetter
 from typing import Any, TypeVar
 
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaException, TopicPartition
@@ -63,6 +65,8 @@ CONSUME_BATCH = 2_000
 """Most records one consume() takes, over all partitions."""
 CALL_TIMEOUT_S = BROKER_TIMEOUT_S + 5.0
 """Longest a caller waits for its call on the reader thread (the call bounds itself)."""
+_PARTITION = itemgetter(1)
+"""A Record's partition."""
 FAILED_CONSUME_WAIT_S = 0.1
 """Pause of the reader thread after a consume() that raised (so it does not spin)."""
 
@@ -268,30 +272,34 @@ class Reader:
         """Sort `messages` into the buffers; pause the partitions now over a cap."""
         topic = self._topic
         new = tuple.__new__
-        groups: dict[int, list[Record]] = {}
-        failed: list[Any] = []
-        for m in messages:
-            if m.error() is not None:
-                failed.append(m)
-                continue
-            partition = m.partition()
-            records = groups.get(partition)
-            if records is None:
-                groups[partition] = records = []
-            records.append(
-                new(
-                    Record,
-                    (
-                        topic,
-                        partition,
-                        m.offset(),
-                        m.key(),
-                        m.value(),
-                        tuple(headers) if (headers := m.headers()) else (),
-                        m.timestamp()[1],
-                    ),
-                )
+        # One comprehension (as ConfluentPartition.fetch), then runs of one partition cut
+        # by groupby in C: a batch is a few long runs, one per fetch response.
+        records = [
+            new(
+                Record,
+                (
+                    topic,
+                    m.partition(),
+                    m.offset(),
+                    m.key(),
+                    m.value(),
+                    tuple(headers) if (headers := m.headers()) else (),
+                    m.timestamp()[1],
+                ),
             )
+            for m in messages
+            if m.error() is None
+        ]
+        failed = (
+            [m for m in messages if m.error() is not None] if len(records) != len(messages) else []
+        )
+        groups: dict[int, list[Record]] = {}
+        for partition, run in groupby(records, _PARTITION):
+            found = groups.get(partition)
+            if found is None:
+                groups[partition] = list(run)
+            else:
+                found.extend(run)
         for partition, records in groups.items():
             buffer = self._buffers.get(partition)
             if buffer is None:
