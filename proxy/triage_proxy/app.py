@@ -27,6 +27,10 @@ owns its per-stream handlers and the service its reader tasks). `stop()` only si
        their leases are free by then)
     -> stop the HTTP endpoint
 
+A process that may serve several partitions reads them all through one Kafka Consumer
+(reader.py, closed once every pipeline has closed); a one-partition process's pipeline
+opens its own.
+
 A pipeline that fails (its lease lost, Kafka unreachable at start) stops the process in
 pinned mode, which then exits with its error (a supervisor restarts it as a standby).
 In fleet mode a lost lease ends only that pipeline; it waits as a standby again while

@@ -5,7 +5,9 @@ auto-commit off); `MemoryPartition` is its in-memory twin for unit tests. Both a
 synchronous and are called from one dedicated thread (`KafkaThread`): a confluent-kafka
 Consumer must not be used from two threads at once (a synchronous commit beside a
 blocking consume was seen to hang), and the event loop must never block on the broker.
-confluent-kafka exceptions become `BrokerUnavailable` here.
+confluent-kafka exceptions become `BrokerUnavailable` here. A process that may serve
+several partitions reads them through one Consumer instead (reader.py, which shares
+this module's settings and error translation).
 
 Pausing: when the window is full the fetcher simply stops taking records. librdkafka's
 own prefetch queue is capped (`queued.min.messages`, `queued.max.messages.kbytes`), so
