@@ -16,11 +16,17 @@ call waits at most one idle consume (FETCH_WAIT_S). consume() fills one buffer p
 partition; each pipeline's `ReaderPartition.fetch` (a `PartitionLog`, on the pipeline's
 own KafkaThread) takes from its own buffer only, waiting up to FETCH_WAIT_S when empty.
 
-Bounds: a partition's buffer holds at most PREFETCH_MESSAGES records and PREFETCH_KBYTES
-of values (kafka.py's per-partition prefetch caps): once over either, that partition
-alone is paused in librdkafka, and resumed once its pipeline took the buffer below half
-of both (librdkafka refetches from the last record handed over, so nothing is lost or
-repeated; the half left hides the slow first fetch after a resume, see kafka.py). So a
+Bounds: a partition's buffer holds at most PREFETCH_KBYTES (kafka.py's per-partition
+prefetch cap) of records, counted as their keys and values plus RECORD_OVERHEAD bytes
+each for the Python objects that carry them: once over, that partition alone is paused
+in librdkafka, and resumed once its pipeline took the buffer below half (librdkafka
+refetches from the last record handed over, so nothing is lost or repeated; the half
+left hides the slow first fetch after a resume, see kafka.py). Not a count of records
+as librdkafka's own cap (`queued.min.messages`): a pause throws away what librdkafka
+had fetched ahead for the partition and costs a refetch (measured with a 10,000-record
+cap: ~10 pauses per bench_fleet_throughput run, proxy 5.9-6.5 vs 4.6-4.8 and broker
+0.6-0.7 vs 0.4 ms CPU per 1,000 messages without), and 10,000 small records are only
+~3 MB. So a
 full window stops fetching for its partition only, and memory stays bounded per
 partition as before. A partition that closes drops what its buffer held (it was never
 delivered; the next owner fetches it again from the committed offset) and is unassigned
@@ -50,7 +56,6 @@ from triage_proxy.kafka import (
     BROKER_TIMEOUT_S,
     FETCH_WAIT_S,
     PREFETCH_KBYTES,
-    PREFETCH_MESSAGES,
     WATERMARK_TIMEOUT_S,
     consumer_config,
     open_error,
@@ -65,6 +70,9 @@ CONSUME_BATCH = 2_000
 """Most records one consume() takes, over all partitions."""
 CALL_TIMEOUT_S = BROKER_TIMEOUT_S + 5.0
 """Longest a caller waits for its call on the reader thread (the call bounds itself)."""
+RECORD_OVERHEAD = 200
+"""Bytes of one buffered Record beside its key and value: the 7-tuple, the bytes and int
+objects, the list slot (measured ~200 with sys.getsizeof)."""
 _PARTITION = itemgetter(1)
 """A Record's partition."""
 FAILED_CONSUME_WAIT_S = 0.1
@@ -95,12 +103,10 @@ class Reader:
         self,
         settings: KafkaSettings,
         *,
-        max_messages: int = PREFETCH_MESSAGES,
         max_bytes: int = PREFETCH_KBYTES * 1024,
     ) -> None:
         self._settings = settings
         self._topic = settings.topic
-        self._max_messages = max_messages
         self._max_bytes = max_bytes
         self._consumer: Any = None
         self._thread: threading.Thread | None = None
@@ -192,7 +198,6 @@ class Reader:
                 if (
                     buffer.paused
                     and not buffer.resume_asked
-                    and buffer.count <= self._max_messages // 2
                     and buffer.nbytes <= self._max_bytes // 2
                 ):
                     buffer.resume_asked = True
@@ -308,9 +313,7 @@ class Reader:
                 buffer.batches.append(records)
                 buffer.count += len(records)
                 buffer.nbytes += _size(records)
-                pause = not buffer.paused and (
-                    buffer.count >= self._max_messages or buffer.nbytes >= self._max_bytes
-                )
+                pause = not buffer.paused and buffer.nbytes >= self._max_bytes
                 if pause:
                     buffer.paused = True
                 buffer.cond.notify()
@@ -450,5 +453,8 @@ class ReaderPartition:
 
 
 def _size(records: list[Record]) -> int:
-    """Bytes of the values of `records` (what the buffer caps)."""
-    return sum([len(v) for r in records if (v := r[4]) is not None])
+    """What `records` hold in memory, about (what the buffer caps): keys, values and
+    RECORD_OVERHEAD each."""
+    return RECORD_OVERHEAD * len(records) + sum(
+        [len(r[3] or b"") + len(r[4] or b"") for r in records]
+    )

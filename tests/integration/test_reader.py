@@ -39,7 +39,7 @@ def test_partitions_read_through_one_consumer_pause_alone(
     n = 3000
     for p in (0, 1):
         produce(broker.bootstrap, unique_name, _messages(p, n, pad=1000), partition=p)
-    reader = Reader(settings.kafka, max_messages=100, max_bytes=1 << 20)
+    reader = Reader(settings.kafka, max_bytes=120_000)  # ~100 records of 1 KB
     try:
         logs = [reader.partition(p) for p in (0, 1)]
         assert [log.open() for log in logs] == [(0, None), (0, None)]
