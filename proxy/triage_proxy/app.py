@@ -27,6 +27,10 @@ owns its per-stream handlers and the service its reader tasks). `stop()` only si
        their leases are free by then)
     -> stop the HTTP endpoint
 
+A process that may serve several partitions reads them all through one Kafka Consumer
+(reader.py, closed once every pipeline has closed); a one-partition process's pipeline
+opens its own.
+
 A pipeline that fails (its lease lost, Kafka unreachable at start) stops the process in
 pinned mode, which then exits with its error (a supervisor restarts it as a standby).
 In fleet mode a lost lease ends only that pipeline; it waits as a standby again while
@@ -64,6 +68,7 @@ from triage_proxy.http_endpoint import HttpEndpoint
 from triage_proxy.kafka import ConfluentPartition, PartitionLog
 from triage_proxy.ownership import new_owner_id
 from triage_proxy.partition import PartitionParts, PartitionPipeline, PipelineState, snapshot_of
+from triage_proxy.reader import Reader
 from triage_proxy.service import TriageService, create_server, server_credentials
 from triage_proxy.settings import AuthSettings, Settings
 from triage_proxy.snapshot import ProcessSnapshot, ProxySnapshot
@@ -173,6 +178,9 @@ class Proxy:
         """Reads the table for legacy dead letters (None with injected twins)."""
         self._legacy_checked: set[int] = set()
         """Partitions whose legacy dead letters were looked for (once per process)."""
+        self._reader: Reader | None = None
+        """The one Kafka Consumer of every pipeline, when the process may serve more than
+        one partition (reader.py); None: each pipeline opens its own (one pin)."""
 
     # --- one pinned partition (what a one-partition proxy offered) -----------------------
 
@@ -377,6 +385,11 @@ class Proxy:
             topology = Topology(
                 settings, self.owner, leases=reader, partition_count=self._partition_count
             )
+            several = self.pins is None or len(self.pins) > 1
+            if several and self._log is None and self._parts is None:
+                self._reader = Reader(settings.kafka)
+                # Closed last: once every pipeline has closed its partition.
+                stack.push_async_callback(asyncio.to_thread, self._reader.close)
             self._service = service = TriageService(settings, {}, topology)
             self.topology = topology
             server = None
@@ -578,7 +591,12 @@ class Proxy:
         )
 
     def _new_log(self, partition: int) -> PartitionLog:
-        log = ConfluentPartition(self.settings.kafka, partition)
+        reader = self._reader
+        log: PartitionLog
+        if reader is not None:
+            log = reader.partition(partition)  # the process's one Consumer (reader.py)
+        else:
+            log = ConfluentPartition(self.settings.kafka, partition)
         if self.membership is not None:
             from triage_proxy.assignment import MemberCommits
 

@@ -5,7 +5,9 @@ auto-commit off); `MemoryPartition` is its in-memory twin for unit tests. Both a
 synchronous and are called from one dedicated thread (`KafkaThread`): a confluent-kafka
 Consumer must not be used from two threads at once (a synchronous commit beside a
 blocking consume was seen to hang), and the event loop must never block on the broker.
-confluent-kafka exceptions become `BrokerUnavailable` here.
+confluent-kafka exceptions become `BrokerUnavailable` here. A process that may serve
+several partitions reads them through one Consumer instead (reader.py, which shares
+this module's settings and error translation).
 
 Pausing: when the window is full the fetcher simply stops taking records. librdkafka's
 own prefetch queue is capped (`queued.min.messages`, `queued.max.messages.kbytes`), so
@@ -83,27 +85,7 @@ class ConfluentPartition:
         self._lock = threading.Lock()  # librdkafka is thread-safe; this keeps close() clean
 
     def _config(self) -> dict[str, Any]:
-        # What the guarantees rest on: every key here is in settings.RESERVED_CLIENT_PROPERTIES,
-        # so [kafka.client] cannot set it (a unit test checks the two agree).
-        own: dict[str, Any] = {
-            "group.id": self._settings.group_id,
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-            "auto.offset.reset": "earliest",
-            "enable.partition.eof": False,
-            "isolation.level": "read_committed",  # librdkafka's default, stated
-            # Bound librdkafka's own prefetch so a full window really stops fetching.
-            "queued.min.messages": PREFETCH_MESSAGES,
-            "queued.max.messages.kbytes": PREFETCH_KBYTES,
-            # librdkafka postpones the next fetch by this much once its queue is over the
-            # caps (default 1 s): short, so the queue refills as soon as we drain it.
-            "fetch.queue.backoff.ms": 20,
-            "fetch.wait.max.ms": 100,
-            # error_cb and logger: reported once per cause, never raw on stderr.
-            **KafkaLog(self._settings.topic).config(),
-        }
-        # Connection and secrets (resolved only now), then our own properties, which win.
-        return {**self._settings.librdkafka_config(), **own}
+        return consumer_config(self._settings)
 
     def open(self) -> tuple[int, str | None]:
         metadata: str | None = None
@@ -130,36 +112,7 @@ class ConfluentPartition:
         return start, metadata
 
     def _open_error(self, exc: KafkaException, consumer: Any) -> TriageError:
-        """What made `open` fail, keeping librdkafka's cause: a property librdkafka
-        refuses is a ConfigError naming it; a topic or partition the broker does not have
-        is NotFoundError; anything else BrokerUnavailable (the broker may come back)."""
-        err = exc.args[0] if exc.args else None
-        cause = err.str() if isinstance(err, KafkaError) else str(exc)
-        where = f"{self._tp.topic}[{self._tp.partition}]"
-        if isinstance(err, KafkaError) and err.code() == KafkaError._INVALID_ARG:
-            name = cause.split('"')[1] if cause.count('"') >= 2 else ""
-            key = client_key(name) if name in self._settings.client else "kafka.client"
-            return ConfigError(key, f"librdkafka refuses it: {cause}")
-        if consumer is not None and isinstance(err, KafkaError) and err.code() in GONE_CODES:
-            missing = self._missing(consumer)
-            if missing is not None:
-                return NotFoundError(f"cannot open {where}: {missing}")
-        return BrokerUnavailable(f"opening {where}: {cause}")
-
-    def _missing(self, consumer: Any) -> str | None:
-        """Why the broker's metadata has no such partition, or None if it does (or the
-        metadata cannot be read)."""
-        topic, partition = self._tp.topic, self._tp.partition
-        try:
-            meta = consumer.list_topics(topic, timeout=WATERMARK_TIMEOUT_S)
-        except KafkaException:
-            return None
-        found = meta.topics.get(topic)
-        if found is None or found.error is not None or not found.partitions:
-            return f"topic {topic!r} does not exist on {self._settings.bootstrap_servers}"
-        if partition not in found.partitions:
-            return f"topic {topic!r} has {len(found.partitions)} partition(s), not {partition}"
-        return None
+        return open_error(self._settings, self._tp, exc, consumer)
 
     def fetch(self, max_records: int) -> list[Record]:
         consumer = self._consumer
@@ -243,6 +196,67 @@ class ConfluentPartition:
             consumer, self._consumer = self._consumer, None
         if consumer is not None:
             consumer.close()
+
+
+def consumer_config(settings: KafkaSettings) -> dict[str, Any]:
+    """The librdkafka properties of a fetching consumer (ConfluentPartition, reader.py)."""
+    # What the guarantees rest on: every key here is in settings.RESERVED_CLIENT_PROPERTIES,
+    # so [kafka.client] cannot set it (a unit test checks the two agree).
+    own: dict[str, Any] = {
+        "group.id": settings.group_id,
+        "enable.auto.commit": False,
+        "enable.auto.offset.store": False,
+        "auto.offset.reset": "earliest",
+        "enable.partition.eof": False,
+        "isolation.level": "read_committed",  # librdkafka's default, stated
+        # Bound librdkafka's own prefetch so a full window really stops fetching.
+        "queued.min.messages": PREFETCH_MESSAGES,
+        "queued.max.messages.kbytes": PREFETCH_KBYTES,
+        # librdkafka postpones the next fetch by this much once its queue is over the
+        # caps (default 1 s): short, so the queue refills as soon as we drain it.
+        "fetch.queue.backoff.ms": 20,
+        "fetch.wait.max.ms": 100,
+        # error_cb and logger: reported once per cause, never raw on stderr.
+        **KafkaLog(settings.topic).config(),
+    }
+    # Connection and secrets (resolved only now), then our own properties, which win.
+    return {**settings.librdkafka_config(), **own}
+
+
+def open_error(
+    settings: KafkaSettings, tp: TopicPartition, exc: KafkaException, consumer: Any
+) -> TriageError:
+    """What made `open` fail, keeping librdkafka's cause: a property librdkafka
+    refuses is a ConfigError naming it; a topic or partition the broker does not have
+    is NotFoundError; anything else BrokerUnavailable (the broker may come back)."""
+    err = exc.args[0] if exc.args else None
+    cause = err.str() if isinstance(err, KafkaError) else str(exc)
+    where = f"{tp.topic}[{tp.partition}]"
+    if isinstance(err, KafkaError) and err.code() == KafkaError._INVALID_ARG:
+        name = cause.split('"')[1] if cause.count('"') >= 2 else ""
+        key = client_key(name) if name in settings.client else "kafka.client"
+        return ConfigError(key, f"librdkafka refuses it: {cause}")
+    if consumer is not None and isinstance(err, KafkaError) and err.code() in GONE_CODES:
+        missing = missing_reason(settings, tp, consumer)
+        if missing is not None:
+            return NotFoundError(f"cannot open {where}: {missing}")
+    return BrokerUnavailable(f"opening {where}: {cause}")
+
+
+def missing_reason(settings: KafkaSettings, tp: TopicPartition, consumer: Any) -> str | None:
+    """Why the broker's metadata has no such partition, or None if it does (or the
+    metadata cannot be read)."""
+    topic, partition = tp.topic, tp.partition
+    try:
+        meta = consumer.list_topics(topic, timeout=WATERMARK_TIMEOUT_S)
+    except KafkaException:
+        return None
+    found = meta.topics.get(topic)
+    if found is None or found.error is not None or not found.partitions:
+        return f"topic {topic!r} does not exist on {settings.bootstrap_servers}"
+    if partition not in found.partitions:
+        return f"topic {topic!r} has {len(found.partitions)} partition(s), not {partition}"
+    return None
 
 
 class KafkaThread:

@@ -26,7 +26,8 @@ undoes a start that failed half-way):
     -> final commit of the committable offset (with the settled-above encoding), only
        while the lease is still ours
     -> release the lease (a standby or the partition's new assignee takes over at once)
-    -> close the Kafka client
+    -> close the Kafka client (or, through the process's shared reader, unassign the
+       partition and drop what it had buffered: reader.py)
 """
 
 from __future__ import annotations
