@@ -98,7 +98,7 @@ class ConfluentPartition:
             # librdkafka postpones the next fetch by this much once its queue is over the
             # caps (default 1 s): short, so the queue refills as soon as we drain it.
             "fetch.queue.backoff.ms": 20,
-            "fetch.wait.max.ms": 100,
+            "fetch.wait.max.ms": self._settings.fetch_wait_ms,
             # error_cb and logger: reported once per cause, never raw on stderr.
             **KafkaLog(self._settings.topic).config(),
         }
