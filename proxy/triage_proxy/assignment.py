@@ -122,7 +122,7 @@ class Membership(Protocol):
         ...
 
     def commit(self, partition: int, offset: int, metadata: str | None) -> None:
-        """Commit as a member of the group (sync; called from a pipeline's Kafka thread)."""
+        """Commit as a member of the group (sync; called from a pipeline's commit thread)."""
         ...
 
 

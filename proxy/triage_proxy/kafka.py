@@ -2,12 +2,17 @@
 
 `ConfluentPartition` is the real adapter (librdkafka via confluent-kafka, `assign`,
 auto-commit off); `MemoryPartition` is its in-memory twin for unit tests. Both are
-synchronous and are called from one dedicated thread (`KafkaThread`): a confluent-kafka
-Consumer must not be used from two threads at once (a synchronous commit beside a
-blocking consume was seen to hang), and the event loop must never block on the broker.
-confluent-kafka exceptions become `BrokerUnavailable` here. A process that may serve
-several partitions reads them through one Consumer instead (reader.py, which shares
-this module's settings and error translation).
+synchronous and are called from dedicated threads (`KafkaThread`), so the event loop
+never blocks on the broker: one thread fetches (only it ever consumes), and the commit
+and the broker queries (log end, partition count) run each on a thread of their own
+(partition.py). librdkafka's handle is thread-safe; a commit or a query on the fetch's
+thread held up every fetch behind it (2-3% of records delayed up to 100 ms). (The seed
+once saw a synchronous commit beside a blocking consume hang, together with
+pause()/resume(), which this adapter does not use; the fault suite and the integration
+tests run the commit beside the consume.) confluent-kafka exceptions become
+`BrokerUnavailable` here. A process that may serve several partitions reads them
+through one Consumer instead (reader.py: it pauses full partitions, and calls its
+Consumer from its one thread only; it shares this module's settings and errors).
 
 Pausing: when the window is full the fetcher simply stops taking records. librdkafka's
 own prefetch queue is capped (`queued.min.messages`, `queued.max.messages.kbytes`), so
@@ -37,13 +42,14 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 FETCH_WAIT_S = 0.05
-"""How long one fetch waits for the first message when the partition is idle (a commit
-queued behind it waits at most this long)."""
+"""How long one fetch waits for the first message when the partition is idle (a drain
+or a close queued behind it waits at most this long)."""
 PREFETCH_MESSAGES = 10_000
 PREFETCH_KBYTES = 16_384
 BROKER_TIMEOUT_S = 10.0
 WATERMARK_TIMEOUT_S = 1.0
-"""Longest a log-end query may hold the Kafka thread (fetches and commits queue behind it)."""
+"""Longest a log-end or metadata query may hold the query thread (the next query queues
+behind it; fetches and commits do not)."""
 
 
 class PartitionLog(Protocol):
@@ -215,7 +221,7 @@ def consumer_config(settings: KafkaSettings) -> dict[str, Any]:
         # librdkafka postpones the next fetch by this much once its queue is over the
         # caps (default 1 s): short, so the queue refills as soon as we drain it.
         "fetch.queue.backoff.ms": 20,
-        "fetch.wait.max.ms": 100,
+        "fetch.wait.max.ms": settings.fetch_wait_ms,
         # error_cb and logger: reported once per cause, never raw on stderr.
         **KafkaLog(settings.topic).config(),
     }
@@ -260,10 +266,10 @@ def missing_reason(settings: KafkaSettings, tp: TopicPartition, consumer: Any) -
 
 
 class KafkaThread:
-    """The one thread that talks to the Kafka client; calls queue up in order."""
+    """One thread that talks to the Kafka client; its calls queue up in order."""
 
-    def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kafka")
+    def __init__(self, name: str = "kafka") -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

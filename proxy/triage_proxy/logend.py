@@ -1,8 +1,8 @@
 """The log-end watcher: the partition's high watermark, polled for lag.
 
-Why polled and not read per scrape: the query goes to the broker on the proxy's one
-Kafka thread (a confluent-kafka Consumer is used from one thread only), where it queues
-behind fetches and commits. Asking every `interval_s` bounds that cost whatever
+Why polled and not read per scrape: each query is a broker round trip (on Tansu p50
+18-52 ms, up to 200 ms), run on the pipeline's query thread, beside the fetch's thread
+so it never holds a fetch up. Asking every `interval_s` bounds that cost whatever
 scrapes or `triage status` calls arrive; a reading is at most that old (its age is
 reported). A broker outage only makes the reading stale: the watcher logs once and
 keeps trying.

@@ -3,7 +3,8 @@
 Nothing below the CLI reads files or the environment: `load_settings` resolves
 `token_env` and friends here and hands the proxy a complete `Settings`.
 
-    [kafka]        bootstrap_servers, topic, group_id, fetch_batch, partitions, security_protocol,
+    [kafka]        bootstrap_servers, topic, group_id, fetch_batch, fetch_wait_ms, partitions,
+                   security_protocol,
                    sasl_mechanism, sasl_username, sasl_password (a reference: "env:VAR" or
                    "secret:NAME", never inline), client (librdkafka extras)
     [server]       host, port (partition p listens on port + p), max_frame_bytes,
@@ -58,6 +59,8 @@ _T = TypeVar("_T")
 
 DEFAULT_PORT = 7700
 DEFAULT_FETCH_BATCH = 2000
+DEFAULT_FETCH_WAIT_MS = 100
+MAX_FETCH_WAIT_MS = 300_000
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 DEFAULT_WINDOW_MESSAGES = 10_000
 DEFAULT_WINDOW_BYTES = 64 * 1024 * 1024
@@ -160,7 +163,7 @@ RESERVED_CLIENT_PROPERTIES: Mapping[str, str] = {
     "queued.min.messages": _PREFETCH + " (window.max_messages bounds memory)",
     "queued.max.messages.kbytes": _PREFETCH + " (window.max_bytes bounds memory)",
     "fetch.queue.backoff.ms": _PREFETCH,
-    "fetch.wait.max.ms": _PREFETCH,
+    "fetch.wait.max.ms": "set kafka.fetch_wait_ms instead",
     "error_cb": _CALLBACK,
     "logger": _CALLBACK,
     "stats_cb": _CALLBACK,
@@ -230,6 +233,13 @@ class KafkaSettings:
         DEFAULT_FETCH_BATCH, 1, MAX_FETCH_BATCH, why="confluent-kafka's consume() limit"
     )
     """Most messages taken from librdkafka per fetch."""
+    fetch_wait_ms: int = _bounded(
+        DEFAULT_FETCH_WAIT_MS, 1, MAX_FETCH_WAIT_MS, why="librdkafka's fetch.wait.max.ms range"
+    )
+    """How long the broker may hold a fetch that finds nothing new (librdkafka's
+    fetch.wait.max.ms, which `[kafka.client]` may not set: the proxy sizes its prefetch).
+    A broker that answers such a fetch only when this runs out (Tansu) delays a record
+    by up to this much; a shorter wait costs the broker more empty fetches."""
     partitions: int | None = _bounded(
         None, 1, MAX_PARTITIONS, why="each partition listens on its own port"
     )

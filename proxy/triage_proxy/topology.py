@@ -6,8 +6,8 @@ Each part of the answer comes from where it is true:
 - the partitions this process serves: its own state (`serve`, `withdraw`), never the
   table, so they are right even when the table cannot be read;
 - the partition count: `kafka.partitions` when configured, else the broker's metadata
-  (asked on the Kafka thread, cached COUNT_TTL_S); when the broker does not answer, the
-  last count read (or this process's partitions), with `complete = false`;
+  (asked on a pipeline's query thread, cached COUNT_TTL_S); when the broker does not
+  answer, the last count read (or this process's partitions), with `complete = false`;
 - every other partition, with `ownership.enabled`: its lease item, which carries the
   holder's advertised endpoint (table/leases.py). One BatchGetItem reads them all; the
   answer is cached LEASES_TTL_S, so a burst of consumers costs one read. A table that
@@ -189,7 +189,7 @@ class Topology:
         self._reader = leases
         """The lease items (with ownership on; None: not readable here)."""
         self._count_source = partition_count
-        """Asks the broker (on the Kafka thread); None: only `kafka.partitions` is known."""
+        """Asks the broker (a pipeline's query thread); None: only `kafka.partitions` is known."""
         self._wall_ms = wall_clock_ms
         self._monotonic = monotonic
         self._served: dict[int, str] = {}

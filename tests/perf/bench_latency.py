@@ -14,8 +14,20 @@ added p99 <= 20 ms at 10k msg/s. Beside it: a control, a second plain consumer m
 first, the floor of that difference on this broker (Tansu answers a fetch that finds
 nothing new only when fetch.wait.max.ms runs out, and its produce stalls release messages
 to each consumer's fetch at different moments; no consumer can remove that), and the
-difference of the two distributions' percentiles. The plain consumers use the proxy's own
-fetch.wait.max.ms (100 ms; `--plain-fetch-wait-ms`), so both sides wait on the broker alike.
+difference of the two distributions' percentiles.
+
+The broker's wait (`--fetch-wait-ms`, default 10): the proxy (`kafka.fetch_wait_ms`) and
+both plain consumers (fetch.wait.max.ms) use the same one, so both sides wait on the
+broker alike. Tansu holds a fetch that finds nothing new for the whole wait, even when
+a record arrives meanwhile (a Kafka broker answers at once), so every consumer's
+latency carries up to that wait of phase noise: at the proxy's default 100 ms it is
+what the control measures, and it swamps the targets. A short wait bounds that noise;
+`--fetch-wait-ms 100` measures at the default. What the short wait costs the broker
+(more empty fetches) is measured first: Tansu's CPU over `--idle-seconds` with every
+consumer connected and nothing produced. Measured (2 cores, 3 consumers): idle, Tansu
+used 2-3% of a core at 100 ms, 6% at 20, 9-10% at 10, 10-18% at 5; at 1k msg/s about
+28% / 38% / 66% / 61-94%. At 5 ms the broker became the bottleneck and the 10k phase
+collapsed (phases of 46-194 s instead of 30), hence 10.
 
 Why prefetch 960 (1,024 credits, 100 ms of 10k msg/s): the plain consumer's librdkafka
 prefetches up to 100,000 messages, while a Triage stream has at most its credits in
@@ -36,7 +48,7 @@ the commit interval, not at one), the time from the last handler's return to the
 committed offset covering it (the commit is polled every 5 ms).
 
     .venv/bin/python -m tests.perf.bench_latency [--seconds 30] [--rates 1000,10000]
-        [--probes 10] [--prefetch 960] [--sync]
+        [--probes 10] [--prefetch 960] [--sync] [--fetch-wait-ms 10] [--idle-seconds 5]
 """
 
 from __future__ import annotations
@@ -72,8 +84,9 @@ LINGER_MS = 5
 """librdkafka's default: fewer, larger batches (Tansu's fetches slow down as batches pile up)."""
 SLOW_ACK_MS = 100.0
 """A produce acknowledged later than this was delayed by the broker, not by a consumer."""
-PROXY_FETCH_WAIT_MS = 100
-"""The proxy's fetch.wait.max.ms (kafka.py); the plain consumer uses the same by default."""
+FETCH_WAIT_MS = 10
+"""The broker's fetch wait for the proxy (kafka.fetch_wait_ms) and the plain consumers
+alike (see the docstring); the proxy's default is 100."""
 PREFETCH = 960
 """The Triage Consumer's prefetch: with concurrency 64, 1,024 credits (see the docstring)."""
 PROBE_GAP_S = (1.0, 2.0)
@@ -296,14 +309,20 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--prefetch", type=int, default=PREFETCH)
     parser.add_argument("--sync", action="store_true")
-    parser.add_argument("--plain-fetch-wait-ms", type=int, default=PROXY_FETCH_WAIT_MS)
+    parser.add_argument("--fetch-wait-ms", type=int, default=FETCH_WAIT_MS)
+    parser.add_argument("--idle-seconds", type=float, default=5.0)
     args = parser.parse_args()
     rates = [int(r) for r in args.rates.split(",")]
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"added latency on {os.cpu_count()} cores, load average {load}")
+    print(
+        f"broker fetch wait (proxy kafka.fetch_wait_ms and the plain consumers' "
+        f"fetch.wait.max.ms): {args.fetch_wait_ms} ms"
+    )
     script = str(ROOT / "tests" / "perf" / "latency_instance.py")
     phases: list[Phase] = []
-    with DevStack(topic="bench-latency") as stack:
+    overrides = {"kafka": {"fetch_wait_ms": args.fetch_wait_ms}}
+    with DevStack(topic="bench-latency", proxy_overrides=overrides) as stack:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TRIAGE_TOKEN": stack.token}
         bootstrap, target = stack.broker.bootstrap, stack.describe()["proxies"][0]["target"]
         triage = Reader(
@@ -314,7 +333,7 @@ def main() -> int:
         )
         plain_command = [
             *(sys.executable, script, "--bootstrap", bootstrap, "--topic", stack.topic),
-            *("--fetch-wait-ms", str(args.plain_fetch_wait_ms)),
+            *("--fetch-wait-ms", str(args.fetch_wait_ms)),
         ]
         plain, control = Reader(plain_command, env), Reader(plain_command, env)
         watcher = CommitWatcher(bootstrap, stack.group_id, stack.topic, 1)
@@ -336,6 +355,17 @@ def main() -> int:
                 "plain consumer": plain.proc.pid,
                 "this producer": os.getpid(),
             }
+            if args.idle_seconds > 0:
+                idle = Load({"Tansu (broker)": stack.broker.pid})
+                idle.begin()
+                time.sleep(args.idle_seconds)
+                idle.finish()
+                busy = idle.end["Tansu (broker)"][0] - idle.start["Tansu (broker)"][0]
+                print(
+                    f"idle, 3 consumers connected, nothing produced: Tansu used "
+                    f"{busy / 1e7 / (idle.wall[1] - idle.wall[0]):.1f}% of a core "
+                    f"over {idle.wall[1] - idle.wall[0]:.1f} s"
+                )
             for number, rate in enumerate(rates, 1):
                 cost = Load(pids)
                 cost.begin()

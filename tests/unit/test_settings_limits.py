@@ -233,6 +233,25 @@ def test_every_property_the_proxy_sets_is_reserved() -> None:
     assert set(own) <= set(RESERVED_CLIENT_PROPERTIES), set(own) - set(RESERVED_CLIENT_PROPERTIES)
 
 
+def test_fetch_wait_is_a_setting_of_its_own() -> None:
+    """kafka.fetch_wait_ms reaches librdkafka (default 100 ms); [kafka.client] is pointed
+    to it; a wait outside librdkafka's range is refused at load."""
+    assert (
+        ConfluentPartition(settings_from_dict(MINIMAL, {}).kafka, 0)._config()["fetch.wait.max.ms"]
+        == 100
+    )
+    raw = {k: dict(v) for k, v in MINIMAL.items()}
+    raw["kafka"]["fetch_wait_ms"] = 5
+    config = ConfluentPartition(settings_from_dict(raw, {}).kafka, 0)._config()
+    assert config["fetch.wait.max.ms"] == 5
+    with pytest.raises(ConfigError) as info:
+        settings_from_dict(client(**{"fetch.wait.max.ms": 5}), {})
+    assert "kafka.fetch_wait_ms" in str(info.value)
+    raw["kafka"]["fetch_wait_ms"] = 0
+    with pytest.raises(ConfigError, match=r"kafka\.fetch_wait_ms"):
+        settings_from_dict(raw, {})
+
+
 def test_extras_never_override_the_proxy_even_unvalidated() -> None:
     """A KafkaSettings built in code skips the loader; the merge order still protects."""
     kafka = KafkaSettings(
