@@ -466,10 +466,14 @@ class HandlerPool:
         if ticking and self._tick is None and self._loop is not None:
             self._arm_tick()
         ticking = self._tick is not None
+        waiting = self._awaiting_tick
         for stream in touched:
-            stream.after_settle(not stream.queued, due=due, timer=not ticking)
+            if stream.after_settle(not stream.queued, due=due, timer=not ticking):
+                waiting[stream] = None  # its results wait for company: a later tick sends them
         if not ticking or due:
             touched.clear()
+        if waiting and self._tick is None and self._loop is not None:
+            self._arm_tick()
         if not self.outstanding:
             self.drained.set()
 

@@ -1469,6 +1469,25 @@ def test_the_default_prefetch_grows_when_the_refill_outlasts_the_local_queue(
     assert run.consumer.credits == 2 * (1 + AUTO_PREFETCH_MAX)
 
 
+def test_the_default_prefetch_grows_before_the_first_rebalance_period_ends(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first slot that runs dry grows the prefetch at once, even before any rebalance
+    has seen that the proxy takes Grants (a run's first period is when the queue runs dry
+    first): with a period longer than the test, only that can send the Grant."""
+    monkeypatch.setattr("triage_client.consumer.REBALANCE_INTERVAL_S", 3600.0)
+    a = deployment.proxy()
+    a.grants = True
+    a.delay_s = 0.02
+    deployment.serve(0, a)
+    deployment.feed(0, (delivery(o) for o in range(200)))
+    run = Running(consumer(a, lambda m: time.sleep(0.002), concurrency=2, partitions=[0]))
+    deployment.wait_for(lambda: a.granted, "a Grant")
+    deployment.wait_for(lambda: len(deployment.acked(0)) == 200, "every delivery acked")
+    run.stop()
+    assert a.granted == [(0, 2 * (1 + AUTO_PREFETCH_MAX))]
+
+
 def test_an_explicit_prefetch_does_not_grow(deployment: Deployment) -> None:
     a = deployment.proxy()
     a.grants = True

@@ -1,0 +1,99 @@
+"""When a stream sends the settlements its sync handlers' results gave it (after_settle), and
+that the pool's tick keeps coming for results that wait for company."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+import pytest
+
+from triage_client.pool import HandlerPool
+from triage_client.stream import SETTLE_TICKS, PartitionStream, StreamContext
+
+
+def stream(credits: int, held: int, results: int, *, stopping: bool = False) -> PartitionStream:
+    """A stream with `credits`, `held` unsettled deliveries of which `results` are done."""
+    ctx = StreamContext(
+        consumer_id="test",
+        metadata=(),
+        pool=HandlerPool(lambda m: None, 8, (), 16),
+        stopping=asyncio.Event(),
+        max_backoff=1.0,
+        allowed=None,
+        consume=cast(Any, None),
+        credits=lambda s: credits,
+        refresh=lambda: None,
+    )
+    if stopping:
+        ctx.stopping.set()
+    s = PartitionStream(ctx, 0, "localhost:1")
+    s.credits, s._held, s._batch_limit = credits, held, credits
+    s.acks = list(range(results))
+    return s
+
+
+def ticks_until_sent(s: PartitionStream, *, queue_drained: bool = False) -> int:
+    for tick in range(1, 100):
+        waits = s.after_settle(queue_drained, due=True)
+        if s._flush_wanted.is_set():
+            assert not waits
+            return tick
+        assert waits, "a result neither sent nor waiting for a tick would be stranded"
+    pytest.fail("results never sent")
+
+
+def test_a_few_results_wait_for_company_over_several_ticks() -> None:
+    assert ticks_until_sent(stream(credits=40, held=30, results=2)) == SETTLE_TICKS
+
+
+def test_results_tying_up_a_quarter_of_the_credits_go_on_the_next_tick() -> None:
+    assert ticks_until_sent(stream(credits=40, held=30, results=10)) == 1
+
+
+def test_results_the_proxy_needs_credits_from_go_at_once() -> None:
+    s = stream(credits=16, held=9, results=1)  # the proxy may send 7 more: under half
+    assert s.after_settle(True) is False
+    assert s._flush_wanted.is_set()
+
+
+def test_a_full_batch_goes_at_once() -> None:
+    s = stream(credits=16, held=16, results=16)
+    assert s.after_settle(False) is False
+    assert s._flush_wanted.is_set()
+
+
+def test_nothing_waits_once_stop_began() -> None:
+    assert ticks_until_sent(stream(credits=40, held=30, results=1, stopping=True)) == 1
+
+
+def test_the_count_of_ticks_waited_starts_again_after_a_flush() -> None:
+    s = stream(credits=40, held=30, results=2)
+    assert ticks_until_sent(s) == SETTLE_TICKS
+    s._flush_wanted.clear()
+    s._ticks_waited = 0  # what _flush does when it sends
+    assert ticks_until_sent(s) == SETTLE_TICKS
+
+
+def test_the_pool_keeps_ticking_while_a_stream_waits_for_company() -> None:
+    """A result arrives while another handler runs on, and no other result follows: the tick
+    must come back until the stream sends it, or it would wait for that handler."""
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        s = stream(credits=40, held=1, results=0)
+        pool = s._ctx.pool
+        pool._loop = loop
+        s._loop = loop
+        pool.outstanding = s.outstanding = 2  # offset 7 finished; another runs on
+        pool._results.append((s, s.epoch, 7, None))
+        pool._collect()
+        deadline = loop.time() + 10
+        while not s._flush_wanted.is_set():
+            assert loop.time() < deadline, "the waiting result was never sent"
+            await asyncio.sleep(0.001)
+        assert s.acks == [7]
+        assert pool.outstanding == 1
+        await pool.close(clean=True)
+
+    asyncio.run(body())
