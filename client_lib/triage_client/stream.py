@@ -68,8 +68,15 @@ Consume: TypeAlias = (
 DEFAULT_MAX_BACKOFF_S = 5.0
 INITIAL_BACKOFF_S = 0.05
 SETTLE_BATCH = 256
-"""Settlements that are sent at once without waiting for the queue to drain (measured: one
-Settle per drained batch beats sending half-batches early, which costs CPU for no gain)."""
+"""Results a handler slot runs (async) or a handler thread hands back (sync) before the loop
+gets a turn: the pool's batch (consumer.py)."""
+ACK_BATCH = 1024
+"""Settlements that are sent at once without waiting for the queue to drain (or the
+stream's credits, when fewer). Measured: one Settle per drained batch beats sending
+half-batches early, which costs CPU for no gain; and 1,024 rather than 256 halves the
+Settle and Deliveries frames of a backlog (the proxy refills what a Settle frees in one
+frame), each a gRPC write and read with fixed costs on both sides (bench_throughput: about
+0.5 us per message less in the proxy and in the instances)."""
 CLOSE_TIMEOUT_S = 5.0
 """How long stop() waits for the proxy to end the stream after the half-close."""
 MAX_FRAME_BYTES = 64 * 1024 * 1024
@@ -324,7 +331,7 @@ class PartitionStream:
         self.credits = self._allowed = self._ctx.credits(self)
         self.grants = self._grant_due = self.ack_ranges = False
         self._lowered_from = self._peak = 0
-        self._batch_limit = min(SETTLE_BATCH, self.credits)
+        self._batch_limit = min(ACK_BATCH, self.credits)
         call = consume(metadata=self._ctx.metadata)
         self.call = call
         loop = asyncio.get_running_loop()
@@ -624,7 +631,7 @@ class PartitionStream:
         else:
             self._allowed = max(self._allowed, credits)
         self.credits = credits
-        self._batch_limit = min(SETTLE_BATCH, credits)
+        self._batch_limit = min(ACK_BATCH, credits)
         self._grant_due = True
         self._flush_wanted.set()
 
