@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import sys
+from array import array
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
+from itertools import accumulate, repeat
+from typing import TYPE_CHECKING
 
-__all__ = ["ConsumerStats", "Headers", "Message"]
+if TYPE_CHECKING:
+    from triage_client._proto import triage_pb2
+
+__all__ = ["ConsumerStats", "Headers", "Message", "unpack_messages"]
 
 Headers = list[tuple[str, bytes | None]]
 """Kafka headers in broker order, as confluent-kafka gives them (a list, so it can be passed
@@ -66,6 +74,79 @@ def _message_factory() -> Callable[
 
 
 make_message = _message_factory()
+
+_SETTERS = tuple(Message.__dict__[f.name].__set__ for f in fields(Message))
+_SWAP = sys.byteorder == "big"
+"""Packed columns are little-endian; `array` reads the machine's order."""
+
+
+def _ints(code: str, data: bytes) -> list[int]:
+    column = array(code)
+    column.frombytes(data)
+    if _SWAP:
+        column.byteswap()
+    return column.tolist()
+
+
+def _payloads(lengths_data: bytes, data: bytes, count: int) -> list[bytes | None]:
+    """A packed key or value column: `count` slices of `data` (-1: None)."""
+    lengths = _ints("i", lengths_data)
+    if len(lengths) != count:
+        raise ValueError(f"packed deliveries: {len(lengths)} lengths for {count} offsets")
+    if count and min(lengths) >= 0:
+        ends = list(accumulate(lengths))
+        if ends[-1] != len(data):
+            raise ValueError("packed deliveries: the lengths do not add up to the payload")
+        return list(map(data.__getitem__, map(slice, [0, *ends[:-1]], ends)))
+    out: list[bytes | None] = []
+    at = 0
+    for n in lengths:
+        if n < 0:
+            out.append(None)
+        else:
+            out.append(data[at : at + n])
+            at += n
+    if at != len(data):
+        raise ValueError("packed deliveries: the lengths do not add up to the payload")
+    return out
+
+
+def unpack_messages(
+    topic: str, partition: int, packed: triage_pb2.PackedDeliveries
+) -> list[Message]:
+    """The Messages of a `Deliveries.packed` (PROTOCOL.md, "Packed deliveries"): every column
+    read in one C-level pass, and each Message's slots filled column by column (`map` over
+    the slot setters) instead of a Python call per Message. ValueError when the columns
+    do not agree (a broken proxy)."""
+    offsets = _ints("q", packed.offsets)
+    count = len(offsets)
+    timestamps = _ints("q", packed.timestamps_ms)
+    if len(timestamps) != count:
+        raise ValueError(f"packed deliveries: {len(timestamps)} timestamps for {count} offsets")
+    attempts: Iterable[int] = repeat(1, count)
+    if packed.attempts:
+        listed = _ints("I", packed.attempts)
+        if len(listed) != count:
+            raise ValueError("packed deliveries: the attempts do not match the offsets")
+        attempts = listed
+    values = _payloads(packed.value_lengths, packed.values, count)
+    keys: Iterable[bytes | None] = repeat(None, count)
+    if packed.key_lengths:
+        keys = _payloads(packed.key_lengths, packed.keys, count)
+    messages = list(map(object.__new__, repeat(Message, count)))
+    set_topic, set_partition, set_offset, set_key, set_value, set_headers, set_ts, set_att = (
+        _SETTERS
+    )
+    run = deque[None](maxlen=0).extend  # drives each map without keeping its Nones
+    run(map(set_topic, messages, repeat(topic, count)))
+    run(map(set_partition, messages, repeat(partition, count)))
+    run(map(set_offset, messages, offsets))
+    run(map(set_key, messages, keys))
+    run(map(set_value, messages, values))
+    run(map(set_headers, messages, [[] for _ in range(count)]))
+    run(map(set_ts, messages, timestamps))
+    run(map(set_att, messages, attempts))
+    return messages
 
 
 @dataclass(frozen=True, slots=True)

@@ -195,7 +195,8 @@ def large(ctx: Context, outcome: Outcome) -> None:
 
 def byte_exact(ctx: Context, outcome: Outcome) -> None:
     """Null keys and values, empty ones, every byte value, binary and null headers,
-    duplicate header names: all reach the handler and the dead letter byte-exact."""
+    duplicate header names: all reach the handler and the dead letter byte-exact, also
+    records without any header (a proxy sends those packed to a client that asks)."""
     every = bytes(range(256))
     headers = (("bin", every), ("null", None), ("dup", b"1"), ("dup", b"2"), ("ünï", b"\x00"))
     messages = [
@@ -204,6 +205,10 @@ def byte_exact(ctx: Context, outcome: Outcome) -> None:
         Message(every, key=b"\x00\xff\xfe", headers=headers),
         Message(None, key=every, headers=(("only-null", None),)),
         Message(b"\xc3\x28 bad UTF-8 \x00 nul", "fail", key=None, headers=headers),
+        Message(every, key=None),
+        Message(None, key=b""),
+        Message(b"", key=every),
+        Message(b"\x00", key=None),
     ]
     produced = ctx.stack.produce(messages)
     ctx.spawn("bytes")

@@ -39,7 +39,9 @@ import bisect
 import enum
 import logging
 import operator
+import sys
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,8 +51,12 @@ from triage_proxy.clienttext import REASON_MAX_CHARS, for_log
 from triage_proxy.framing import (
     DEFAULT_FRAME_BYTES,
     FRAME_TARGET_BYTES,
+    PACKED_ITEM_BYTES,
+    PACKED_MAX_RECORD_BYTES,
+    PACKED_OVERHEAD_BYTES,
     attempt_size,
     delivery_base_size,
+    fill_packed,
     frame_header_size,
     frame_room,
     frame_size,
@@ -188,16 +194,23 @@ class Session:
         "held",
         "max_frame_bytes",
         "outbox",
+        "packed",
         "suspects",
     )
 
     def __init__(
-        self, consumer_id: str, credits: int, max_frame_bytes: int = DEFAULT_FRAME_BYTES
+        self,
+        consumer_id: str,
+        credits: int,
+        max_frame_bytes: int = DEFAULT_FRAME_BYTES,
+        packed: bool = False,
     ) -> None:
         self.consumer_id = consumer_id
         self.credits = credits
         self.max_frame_bytes = max_frame_bytes
         """Largest frame (serialized bytes) this instance receives; no frame exceeds it."""
+        self.packed = packed
+        """The instance reads Deliveries.packed (its Hello said so): see `Dispatcher._deliver`."""
         self.suspects = 0
         """Suspect records this instance holds (at most one at a time, see `_pump`)."""
         self.held: dict[int, Entry] = {}
@@ -216,7 +229,13 @@ class Session:
         while not outbox.empty():
             frame = outbox.get_nowait()
             if frame is not None and frame.HasField("deliveries"):
-                unsent.extend(d.offset for d in frame.deliveries.deliveries)
+                deliveries = frame.deliveries
+                unsent.extend(d.offset for d in deliveries.deliveries)
+                if deliveries.HasField("packed"):
+                    offsets = array("q", deliveries.packed.offsets)
+                    if sys.byteorder == "big":
+                        offsets.byteswap()
+                    unsent.extend(offsets)
         return unsent
 
 
@@ -493,11 +512,17 @@ class Dispatcher:
     # --- sessions ---------------------------------------------------------------------
 
     def open_session(
-        self, consumer_id: str, credits: int, max_frame_bytes: int = DEFAULT_FRAME_BYTES
+        self,
+        consumer_id: str,
+        credits: int,
+        max_frame_bytes: int = DEFAULT_FRAME_BYTES,
+        packed: bool = False,
     ) -> Session:
         """A new instance's session; no frame sent to it exceeds `max_frame_bytes` (nor
-        server.max_frame_bytes)."""
-        session = Session(consumer_id, credits, min(max_frame_bytes, self._server_frame_bytes))
+        server.max_frame_bytes); `packed`: it reads packed deliveries (Hello)."""
+        session = Session(
+            consumer_id, credits, min(max_frame_bytes, self._server_frame_bytes), packed
+        )
         self._sessions.append(session)
         self.counters.sessions_opened += 1
         logger.info("instance %s connected with %d credits", for_log(consumer_id), credits)
@@ -1034,12 +1059,21 @@ class Dispatcher:
     def _deliver(self, session: Session, batch: list[Entry]) -> None:
         """Send `batch` to `session` in frames: each filled up to FRAME_TARGET_BYTES (or the
         instance's limit when smaller), counted in serialized bytes (framing.py); a record
-        alone may take a frame up to the limit, and one over it goes to `_too_large`."""
+        alone may take a frame up to the limit, and one over it goes to `_too_large`. To an
+        instance that reads packed deliveries, records without headers and up to
+        PACKED_MAX_RECORD_BYTES go in the frame's packed columns (`fill_packed`), the rest
+        as repeated Delivery messages."""
         header = self._frame_header
         room = frame_room(session.max_frame_bytes, header)
         target = frame_room(min(session.max_frame_bytes, FRAME_TARGET_BYTES), header)
+        packing = session.packed
+        # A packing session reserves the packed sub-message's framing in every frame.
+        start = PACKED_OVERHEAD_BYTES if packing else 0
         frame: pb.ProxyFrame | None = None
         used = 0
+        packed: list[Record] = []
+        attempts: list[int] = []
+        retried = False  # a packed record of this frame is a redelivery: send attempts
         held = session.held
         redelivered = 0
         delivered = 0
@@ -1048,13 +1082,22 @@ class Dispatcher:
         leased: list[int] = []
         lease = leased.append
         held_state = EntryState.HELD
+        add = None
         for entry in batch:
-            # item_size(entry.wire + attempt_size(attempt)), inlined: an attempt below 128
-            # is a 2-byte field, and a Delivery is never empty (it has its attempt).
             attempt = entry.attempt + 1
-            d = entry.wire + (2 if attempt < 128 else attempt_size(attempt))
-            item = 1 + (d.bit_length() + 6) // 7 + d
+            record = entry.record
+            pack = packing and not record[5] and entry.size <= PACKED_MAX_RECORD_BYTES
+            if pack:
+                item = entry.size + PACKED_ITEM_BYTES
+            else:
+                # item_size(entry.wire + attempt_size(attempt)), inlined: an attempt below 128
+                # is a 2-byte field, and a Delivery is never empty (it has its attempt).
+                d = entry.wire + (2 if attempt < 128 else attempt_size(attempt))
+                item = 1 + (d.bit_length() + 6) // 7 + d
             if frame is not None and used + item > target:
+                if packed:
+                    fill_packed(frame.deliveries.packed, packed, attempts if retried else None)
+                    packed, attempts, retried = [], [], False
                 session.outbox.put_nowait(frame)
                 self.counters.frames_out += 1
                 frame = None
@@ -1062,7 +1105,7 @@ class Dispatcher:
                 if item > room:
                     self._too_large(session, entry)
                     continue
-                frame, used = pb.ProxyFrame(), 0
+                frame, used = pb.ProxyFrame(), start
                 deliveries = frame.deliveries
                 deliveries.topic = self._topic
                 deliveries.partition = self._partition
@@ -1076,11 +1119,18 @@ class Dispatcher:
             entry.holder = session
             if entry.suspect:
                 session.suspects += 1
-            _, _, offset, key, value, headers, timestamp = entry.record
+            _, _, offset, key, value, headers, timestamp = record
             held[offset] = entry
             entry.deadline = deadline
             entry.delivered_at = now
             lease(offset)
+            if pack:
+                packed.append(record)
+                attempts.append(attempt)
+                if attempt != 1:
+                    retried = True
+                continue
+            assert add is not None
             # One add() with every field (None leaves an optional unset): as fast as
             # setting them one by one on protobuf's upb backend, and fewer bytecodes.
             delivery = add(
@@ -1090,6 +1140,8 @@ class Dispatcher:
                 for name, data in headers:
                     delivery.headers.add(key=name, value=data)
         if frame is not None:
+            if packed:
+                fill_packed(frame.deliveries.packed, packed, attempts if retried else None)
             session.outbox.put_nowait(frame)
             self.counters.frames_out += 1
         if not leased:

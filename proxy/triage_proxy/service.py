@@ -29,7 +29,9 @@ Its `max_frame_bytes` (absent: 4 MiB) bounds every frame sent to it (framing.py)
 Welcome says the limit applied. The Welcome also says `grants`: a Grant frame changes the
 stream's credits from then on (bounded like Hello.credits; a Grant out of bounds ends the
 stream with INVALID_ARGUMENT), and `ack_ranges`: a Settle may ack offset ranges, each
-offset of a range checked (and Rejected) like a plain ack (frames.py bounds them).
+offset of a range checked (and Rejected) like a plain ack (frames.py bounds them). A Hello
+with `packed_deliveries` gets most deliveries as packed columns (framing.fill_packed); an
+older client's Hello has no such field and gets repeated Delivery messages only.
 """
 
 from __future__ import annotations
@@ -271,7 +273,9 @@ class TriageService(pb_grpc.TriageServicer):
                 )
             )
             logger.info("instance %s authenticated as app %r", for_log(consumer_id), app)
-            session = dispatcher.open_session(consumer_id, hello.credits, max_frame)
+            session = dispatcher.open_session(
+                consumer_id, hello.credits, max_frame, hello.packed_deliveries
+            )
             self._apps[session] = app
             self._dispatcher_of[session] = dispatcher
             reader = asyncio.create_task(self._read(session, dispatcher, request_iterator))

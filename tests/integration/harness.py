@@ -28,6 +28,7 @@ from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port
 from triage_client._proto import triage_pb2 as pb
 from triage_client._proto import triage_pb2_grpc as pb_grpc
+from triage_client.message import unpack_messages
 from triage_proxy.app import Proxy
 from triage_proxy.deadletter import DeadLetterWriter
 from triage_proxy.settings import DeadLetterSettings, Settings, settings_from_dict
@@ -155,9 +156,14 @@ class RawConsumer:
         credentials: grpc.ChannelCredentials | None = None,
         max_frame_bytes: int = 0,
         hello: bool = True,
+        packed: bool = False,
     ) -> None:
         self.target = target
         self.hello = hello
+        self.packed = packed
+        """Hello.packed_deliveries (a newer client); packed deliveries are read into
+        `deliveries` as Delivery messages, and counted in `packed_received`."""
+        self.packed_received = 0
         """False: open the stream and send nothing. A refusal test wants this: the proxy
         refuses from the metadata alone, and a Hello write racing that refusal can end the
         call INTERNAL ("Failed execute_batch") on the client's side instead of with the
@@ -194,6 +200,7 @@ class RawConsumer:
                         consumer_id=self.consumer_id,
                         credits=self.credits,
                         max_frame_bytes=self.max_frame_bytes,
+                        packed_deliveries=self.packed,
                     )
                 )
             )
@@ -218,7 +225,21 @@ class RawConsumer:
         if kind == "welcome":
             self.welcome = frame.welcome
         elif kind == "deliveries":
-            self.deliveries.extend(frame.deliveries.deliveries)
+            batch = frame.deliveries
+            if batch.HasField("packed"):
+                unpacked = unpack_messages(batch.topic, batch.partition, batch.packed)
+                self.packed_received += len(unpacked)
+                self.deliveries.extend(
+                    pb.Delivery(
+                        offset=m.offset,
+                        key=m.key,
+                        value=m.value,
+                        timestamp_ms=m.timestamp,
+                        attempt=m.attempt,
+                    )
+                    for m in unpacked
+                )
+            self.deliveries.extend(batch.deliveries)
         elif kind == "rejected":
             self.rejected.extend(frame.rejected.offsets)
         return frame

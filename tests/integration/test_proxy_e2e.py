@@ -173,6 +173,45 @@ def test_ack_ranges_settle_and_forged_or_duplicate_offsets_in_a_range_are_reject
     asyncio.run(scenario())
 
 
+def test_packed_and_repeated_deliveries_side_by_side_are_byte_exact(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    """A client that asks for packed deliveries and one that does not (an older client)
+    share one proxy: each gets its records byte-exact, the first mostly packed (records with
+    headers stay repeated), the second never packed; together they settle everything."""
+    records = [
+        (b"k%d" % i if i % 3 else None, None if i % 7 == 0 else b"v" * (i % 5), None)
+        for i in range(40)
+    ]
+    records += [(b"h%d" % i, b"with header", [("h", b"x")]) for i in range(4)]
+    produce(broker.bootstrap, topic, records)
+    settings = settings_for(broker, aws, topic)
+
+    async def scenario() -> None:
+        async with (
+            Proxy(settings, 0) as proxy,
+            RawConsumer(target(proxy), credits=22, packed=True) as new,
+            RawConsumer(target(proxy), credits=22) as old,
+        ):
+            got = [*await new.receive(22), *await old.receive(22)]
+            assert new.packed_received > 0
+            assert old.packed_received == 0
+            assert sorted(d.offset for d in got) == list(range(44))
+            for d in got:
+                key, value, headers = records[d.offset]
+                assert (d.key if d.HasField("key") else None) == key
+                assert (d.value if d.HasField("value") else None) == value
+                assert [(h.key, h.value) for h in d.headers] == (headers or [])
+                assert d.attempt == 1
+            new.settle(acks=[d.offset for d in new.deliveries])
+            old.settle(acks=[d.offset for d in old.deliveries])
+            assert await await_until(
+                lambda: committed(broker.bootstrap, settings.kafka.group_id, topic) == 44
+            )
+
+    asyncio.run(scenario())
+
+
 def test_a_settle_with_a_malformed_range_ends_the_stream_invalid_argument(
     broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
 ) -> None:

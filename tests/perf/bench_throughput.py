@@ -44,16 +44,18 @@ GOAL_SHARE = 0.8
 
 
 class CpuSampler:
-    """Samples the CPU seconds of the proxy and of the instance processes (children of this
-    one running instance.py) every INTERVAL_S, so the run's window (first handled -> all
-    committed) can be charged to each: which process the figure costs most."""
+    """Samples the CPU seconds of the proxy, of the instance processes (children of this
+    one running instance.py) and of the broker every INTERVAL_S, so the run's window (first
+    handled -> all committed) can be charged to each: which process the figure costs most,
+    and how much of the 2 cores the broker leaves."""
 
     INTERVAL_S = 0.05
 
-    def __init__(self, proxy_pid: int) -> None:
+    def __init__(self, proxy_pid: int, broker_pid: int) -> None:
         self._proxy = proxy_pid
-        self.samples: list[tuple[float, float, float]] = []
-        """(time.time(), proxy CPU s, all instances' CPU s)."""
+        self._broker = broker_pid
+        self.samples: list[tuple[float, float, float, float]] = []
+        """(time.time(), proxy CPU s, all instances' CPU s, broker CPU s)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -77,20 +79,22 @@ class CpuSampler:
         while not self._stop.wait(self.INTERVAL_S):
             pids = pids or self._instances()
             inst = sum(cpu_seconds(pid) for pid in pids)
-            self.samples.append((time.time(), cpu_seconds(self._proxy), inst))
+            proxy, broker = cpu_seconds(self._proxy), cpu_seconds(self._broker)
+            self.samples.append((time.time(), proxy, inst, broker))
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
 
-    def between(self, start: float, end: float) -> tuple[float, float]:
-        """(proxy, instances) CPU seconds from the last sample at or before `start` to the
-        first at or after `end` (so it may overstate by up to two intervals)."""
+    def between(self, start: float, end: float) -> tuple[float, float, float]:
+        """(proxy, instances, broker) CPU seconds from the last sample at or before `start`
+        to the first at or after `end` (so it may overstate by up to two intervals)."""
         before = [s for s in self.samples if s[0] <= start] or self.samples[:1]
         after = [s for s in self.samples if s[0] >= end] or self.samples[-1:]
         if not before or not after:
-            return 0.0, 0.0
-        return after[0][1] - before[-1][1], after[0][2] - before[-1][2]
+            return 0.0, 0.0, 0.0
+        a, b = after[0], before[-1]
+        return a[1] - b[1], a[2] - b[2], a[3] - b[3]
 
 
 def plain_read(bootstrap: str, topic: str, count: int) -> float:
@@ -121,7 +125,7 @@ def measure(args: argparse.Namespace, profile: Path | None, gil: bool = False) -
         bootstrap = stack.broker.bootstrap
         produce_values(bootstrap, stack.topic, (b"x" * 100 for _ in range(messages)))
         plain_s = plain_read(bootstrap, stack.topic, messages)
-        sampler = CpuSampler(stack.proxy_process(0).pid)
+        sampler = CpuSampler(stack.proxy_process(0).pid, stack.broker.pid)
         try:
             run = run_instances(
                 stack, args, timeout_s=300, poll_s=0.02, profile=profile, profile_gil=gil
@@ -134,7 +138,7 @@ def measure(args: argparse.Namespace, profile: Path | None, gil: bool = False) -
     last = max(r.last for r in results)
     e2e = committed_at - first
     rate = messages / e2e
-    proxy_cpu, instances_cpu = sampler.between(first, committed_at)
+    proxy_cpu, instances_cpu, broker_cpu = sampler.between(first, committed_at)
     print(
         table(
             [
@@ -151,6 +155,10 @@ def measure(args: argparse.Namespace, profile: Path | None, gil: bool = False) -
                     f"{proxy_cpu:.2f} s / {instances_cpu:.2f} s = "
                     f"{proxy_cpu / messages * 1e6:.1f} / {instances_cpu / messages * 1e6:.1f} "
                     "us per message",
+                ),
+                (
+                    "broker (Tansu) CPU in that window",
+                    f"{broker_cpu:.2f} s = {broker_cpu / messages * 1e6:.1f} us per message",
                 ),
                 (
                     "proxy frames: Deliveries out / Settle in",

@@ -73,16 +73,18 @@ class ProxyFrame(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., deliveries: _Optional[_Union[Deliveries, _Mapping]] = ..., rejected: _Optional[_Union[Rejected, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("consumer_id", "credits", "partition", "max_frame_bytes")
+    __slots__ = ("consumer_id", "credits", "partition", "max_frame_bytes", "packed_deliveries")
     CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_DELIVERIES_FIELD_NUMBER: _ClassVar[int]
     consumer_id: str
     credits: int
     partition: int
     max_frame_bytes: int
-    def __init__(self, consumer_id: _Optional[str] = ..., credits: _Optional[int] = ..., partition: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
+    packed_deliveries: bool
+    def __init__(self, consumer_id: _Optional[str] = ..., credits: _Optional[int] = ..., partition: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., packed_deliveries: _Optional[bool] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("topic", "partition", "ack_deadline_ms", "max_attempts", "grants", "max_frame_bytes", "ack_ranges")
@@ -127,14 +129,34 @@ class Delivery(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., headers: _Optional[_Iterable[_Union[Header, _Mapping]]] = ..., timestamp_ms: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class Deliveries(_message.Message):
-    __slots__ = ("topic", "partition", "deliveries")
+    __slots__ = ("topic", "partition", "deliveries", "packed")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     DELIVERIES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     topic: str
     partition: int
     deliveries: _containers.RepeatedCompositeFieldContainer[Delivery]
-    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., deliveries: _Optional[_Iterable[_Union[Delivery, _Mapping]]] = ...) -> None: ...
+    packed: PackedDeliveries
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., deliveries: _Optional[_Iterable[_Union[Delivery, _Mapping]]] = ..., packed: _Optional[_Union[PackedDeliveries, _Mapping]] = ...) -> None: ...
+
+class PackedDeliveries(_message.Message):
+    __slots__ = ("offsets", "timestamps_ms", "attempts", "value_lengths", "values", "key_lengths", "keys")
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMPS_MS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    KEY_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    offsets: bytes
+    timestamps_ms: bytes
+    attempts: bytes
+    value_lengths: bytes
+    values: bytes
+    key_lengths: bytes
+    keys: bytes
+    def __init__(self, offsets: _Optional[bytes] = ..., timestamps_ms: _Optional[bytes] = ..., attempts: _Optional[bytes] = ..., value_lengths: _Optional[bytes] = ..., values: _Optional[bytes] = ..., key_lengths: _Optional[bytes] = ..., keys: _Optional[bytes] = ...) -> None: ...
 
 class Nack(_message.Message):
     __slots__ = ("offset", "reason", "retry")
