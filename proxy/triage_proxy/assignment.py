@@ -50,7 +50,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -60,6 +59,7 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from triage_proxy.errors import BrokerUnavailable, ConfigError
+from triage_proxy.jobs import ThreadJobs
 from triage_proxy.kafka import PartitionLog
 from triage_proxy.settings import KafkaSettings
 from triage_proxy.structs import Record
@@ -152,8 +152,7 @@ class Assignment:
         self._consumer: Any = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]
-        self._jobs = queue.SimpleQueue()
+        self._jobs = ThreadJobs()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._commits: dict[tuple[int, int], list[concurrent.futures.Future[None]]] = {}
         """Commits sent and not answered yet, by (partition, offset): on_commit answers
@@ -243,8 +242,8 @@ class Assignment:
                 message = None
             if message is not None and message.error() is not None:
                 logger.warning("group membership: %s", message.error().str())
-            self._run_jobs()
-        self._run_jobs()
+            self._jobs.run()
+        self._jobs.run()
         try:
             consumer.close()  # leaves the group
         except KafkaException as exc:
@@ -254,32 +253,13 @@ class Assignment:
                 if not waiter.done():
                     waiter.set_exception(BrokerUnavailable("the group membership has stopped"))
         self._commits.clear()
-        while True:  # what came after the close: refused
-            try:
-                _, future = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            future.set_exception(BrokerUnavailable("the group membership has stopped"))
-
-    def _run_jobs(self) -> None:
-        while True:
-            try:
-                job, future = self._jobs.get_nowait()
-            except queue.Empty:
-                return
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(job())
-            except Exception as exc:  # noqa: BLE001 - handed to the caller, who raises it
-                future.set_exception(exc)
+        self._jobs.refuse("the group membership has stopped")  # what came after the close
 
     def _call(self, job: Callable[[], T]) -> T:
         """Run `job` on the membership thread (the consumer's only thread) and wait."""
         if self._thread is None or self._stopping.is_set():
             raise BrokerUnavailable("the group membership is not running")
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._jobs.put((job, future))
+        future = self._jobs.submit(job)
         try:
             return future.result(CALL_TIMEOUT_S)
         except concurrent.futures.TimeoutError:

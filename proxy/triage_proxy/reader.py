@@ -52,6 +52,7 @@ from typing import Any, TypeVar
 from confluent_kafka import OFFSET_INVALID, Consumer, KafkaException, TopicPartition
 
 from triage_proxy.errors import BrokerUnavailable, StateError
+from triage_proxy.jobs import ThreadJobs
 from triage_proxy.kafka import (
     BROKER_TIMEOUT_S,
     FETCH_WAIT_S,
@@ -113,8 +114,7 @@ class Reader:
         self._start_lock = threading.Lock()
         self._stopping = threading.Event()
         self._wake = threading.Event()
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]
-        self._jobs = queue.SimpleQueue()
+        self._jobs = ThreadJobs()
         self._buffers: dict[int, _Buffer] = {}
         """The open partitions (written on the reader thread only)."""
         self._resume: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -157,8 +157,7 @@ class Reader:
     def call(self, job: Callable[[], T]) -> T:
         """Run `job` on the reader thread (the Consumer's only thread) and wait for it."""
         self._start()
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._jobs.put((job, future))
+        future = self._jobs.submit(job)
         self._wake.set()
         try:
             return future.result(CALL_TIMEOUT_S)
@@ -209,7 +208,7 @@ class Reader:
     def _run(self) -> None:
         consumer = self._consumer
         while not self._stopping.is_set():
-            self._run_jobs()
+            self._jobs.run()
             self._resume_asked()
             if not self._buffers:
                 self._wake.wait(FETCH_WAIT_S)
@@ -227,7 +226,7 @@ class Reader:
                 continue
             if messages:
                 self._deliver(messages)
-        self._run_jobs()
+        self._jobs.run()
         try:
             consumer.close()
         except KafkaException as exc:
@@ -237,25 +236,7 @@ class Reader:
                 buffer.error = BrokerUnavailable("the Kafka reader has stopped")
                 buffer.cond.notify_all()
         self._buffers.clear()
-        while True:  # what came after the close: refused
-            try:
-                _, future = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            future.set_exception(BrokerUnavailable("the Kafka reader has stopped"))
-
-    def _run_jobs(self) -> None:
-        while True:
-            try:
-                job, future = self._jobs.get_nowait()
-            except queue.Empty:
-                return
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(job())
-            except Exception as exc:  # noqa: BLE001 - handed to the caller, who raises it
-                future.set_exception(exc)
+        self._jobs.refuse("the Kafka reader has stopped")  # what came after the close
 
     def _resume_asked(self) -> None:
         while True:
