@@ -60,7 +60,7 @@ from confluent_kafka.admin import AdminClient
 
 from triage_proxy.errors import BrokerUnavailable, ConfigError
 from triage_proxy.jobs import ThreadJobs
-from triage_proxy.kafka import PartitionLog
+from triage_proxy.kafka import PartitionLog, count_partitions
 from triage_proxy.settings import KafkaSettings
 from triage_proxy.structs import Record
 
@@ -312,14 +312,7 @@ class Assignment:
         topic = self._settings.topic
 
         def ask() -> int:
-            try:
-                meta = self._consumer.list_topics(topic, timeout=1.0)
-            except KafkaException as exc:
-                raise BrokerUnavailable(f"reading the metadata of {topic}") from exc
-            found = meta.topics.get(topic)
-            if found is None or found.error is not None or not found.partitions:
-                raise BrokerUnavailable(f"the broker reported no partitions of {topic}")
-            return len(found.partitions)
+            return count_partitions(self._consumer, topic, timeout=1.0)
 
         return await asyncio.to_thread(self._call, ask)
 

@@ -187,15 +187,7 @@ class ConfluentPartition:
         consumer = self._consumer
         if consumer is None:
             raise BrokerUnavailable("the partition is not open")
-        topic = self._tp.topic
-        try:
-            meta = consumer.list_topics(topic, timeout=WATERMARK_TIMEOUT_S)
-        except KafkaException as exc:
-            raise BrokerUnavailable(f"reading the metadata of {topic}") from exc
-        found = meta.topics.get(topic)
-        if found is None or found.error is not None or not found.partitions:
-            raise BrokerUnavailable(f"the broker reported no partitions of {topic}")
-        return len(found.partitions)
+        return count_partitions(consumer, self._tp.topic)
 
     def close(self) -> None:
         with self._lock:
@@ -247,6 +239,19 @@ def open_error(
         if missing is not None:
             return NotFoundError(f"cannot open {where}: {missing}")
     return BrokerUnavailable(f"opening {where}: {cause}")
+
+
+def count_partitions(consumer: Any, topic: str, timeout: float = WATERMARK_TIMEOUT_S) -> int:
+    """How many partitions `topic` has, from the broker's metadata as `consumer` reads it
+    (the pinned adapter, the reader and the group member all ask this way)."""
+    try:
+        meta = consumer.list_topics(topic, timeout=timeout)
+    except KafkaException as exc:
+        raise BrokerUnavailable(f"reading the metadata of {topic}") from exc
+    found = meta.topics.get(topic)
+    if found is None or found.error is not None or not found.partitions:
+        raise BrokerUnavailable(f"the broker reported no partitions of {topic}")
+    return len(found.partitions)
 
 
 def missing_reason(settings: KafkaSettings, tp: TopicPartition, consumer: Any) -> str | None:

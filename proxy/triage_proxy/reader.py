@@ -59,6 +59,7 @@ from triage_proxy.kafka import (
     PREFETCH_KBYTES,
     WATERMARK_TIMEOUT_S,
     consumer_config,
+    count_partitions,
     open_error,
 )
 from triage_proxy.settings import KafkaSettings
@@ -383,15 +384,7 @@ class Reader:
         return int(high)
 
     def partition_count(self) -> int:
-        topic = self._topic
-        try:
-            meta = self._consumer.list_topics(topic, timeout=WATERMARK_TIMEOUT_S)
-        except KafkaException as exc:
-            raise BrokerUnavailable(f"reading the metadata of {topic}") from exc
-        found = meta.topics.get(topic)
-        if found is None or found.error is not None or not found.partitions:
-            raise BrokerUnavailable(f"the broker reported no partitions of {topic}")
-        return len(found.partitions)
+        return count_partitions(self._consumer, self._topic)
 
 
 class ReaderPartition:
