@@ -58,16 +58,26 @@ def tool(name: str) -> str:
     return path
 
 
-def npm(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+def npm(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """Run npm in its own process group, killed whole on timeout (npm starts a shell that
+    starts node: killing npm alone left a hung `node --test` running). The timeout stays
+    under pytest-timeout's 300 s so this kill, not pytest's, ends a hang."""
+    proc = subprocess.Popen(
         [tool("npm"), *args],
         cwd=PACKAGE,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-        check=False,
+        start_new_session=True,
         env={**os.environ, "npm_config_fund": "false", "npm_config_audit": "false"},
     )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"npm {' '.join(args)} ran past {timeout} s:\n{out[-6000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +86,7 @@ def built() -> Path:
     and compiled (dist/)."""
     tool("node")
     if not (PACKAGE / "node_modules").is_dir():
-        out = npm("ci")
+        out = npm("ci", timeout=290)
         assert out.returncode == 0, out.stdout + out.stderr
     out = npm("run", "build")
     assert out.returncode == 0, out.stdout + out.stderr
