@@ -131,26 +131,7 @@ class ConfluentPartition:
                     messages.extend(consumer.consume(max_records - 1, 0))
         except KafkaException as exc:
             raise BrokerUnavailable("fetch failed") from exc
-        topic, partition = self._tp.topic, self._tp.partition
-        new = tuple.__new__
-        # One comprehension, no per-message append or branch beyond the error test; the
-        # (rare) errors are looked at only when some message was left out.
-        records = [
-            new(
-                Record,
-                (
-                    topic,
-                    partition,
-                    m.offset(),
-                    m.key(),
-                    m.value(),
-                    tuple(headers) if (headers := m.headers()) else (),
-                    m.timestamp()[1],
-                ),
-            )
-            for m in messages
-            if m.error() is None
-        ]
+        records = records_of(self._tp.topic, messages)
         if len(records) != len(messages):
             for m in messages:
                 err = m.error()
@@ -239,6 +220,29 @@ def open_error(
         if missing is not None:
             return NotFoundError(f"cannot open {where}: {missing}")
     return BrokerUnavailable(f"opening {where}: {cause}")
+
+
+def records_of(topic: str, messages: list[Any]) -> list[Record]:
+    """`messages` as Records, leaving out those that carry an error (the caller looks at
+    them only when the counts differ). One comprehension per batch, no per-message append
+    or branch beyond the error test: the fetch path of the pinned adapter and the reader."""
+    new = tuple.__new__
+    return [
+        new(
+            Record,
+            (
+                topic,
+                m.partition(),
+                m.offset(),
+                m.key(),
+                m.value(),
+                tuple(headers) if (headers := m.headers()) else (),
+                m.timestamp()[1],
+            ),
+        )
+        for m in messages
+        if m.error() is None
+    ]
 
 
 def count_partitions(consumer: Any, topic: str, timeout: float = WATERMARK_TIMEOUT_S) -> int:

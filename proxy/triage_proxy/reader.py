@@ -61,6 +61,7 @@ from triage_proxy.kafka import (
     consumer_config,
     count_partitions,
     open_error,
+    records_of,
 )
 from triage_proxy.settings import KafkaSettings
 from triage_proxy.structs import Record
@@ -258,25 +259,9 @@ class Reader:
     def _deliver(self, messages: list[Any]) -> None:
         """Sort `messages` into the buffers; pause the partitions now over a cap."""
         topic = self._topic
-        new = tuple.__new__
-        # One comprehension (as ConfluentPartition.fetch), then runs of one partition cut
-        # by groupby in C: a batch is a few long runs, one per fetch response.
-        records = [
-            new(
-                Record,
-                (
-                    topic,
-                    m.partition(),
-                    m.offset(),
-                    m.key(),
-                    m.value(),
-                    tuple(headers) if (headers := m.headers()) else (),
-                    m.timestamp()[1],
-                ),
-            )
-            for m in messages
-            if m.error() is None
-        ]
+        # Records of the batch (kafka.records_of), then runs of one partition cut by
+        # groupby in C: a batch is a few long runs, one per fetch response.
+        records = records_of(self._topic, messages)
         failed = (
             [m for m in messages if m.error() is not None] if len(records) != len(messages) else []
         )
