@@ -31,6 +31,33 @@ export function sleep(ms: number): Promise<void> {
   return new Promise((resolve) => setTimeout(resolve, ms));
 }
 
+/**
+ * How long a test waits for a Consumer's stop(): the longest drain a test scripts is the
+ * client's CLOSE_TIMEOUT_MS (5 s) after a half-close the fake leaves unanswered.
+ */
+export const STOP_LIMIT_MS = 10_000;
+
+/**
+ * `promise`, or a rejection naming `what` once `ms` passed. A hung await then fails its test
+ * with a clear message and lets withProxies() clean up; unbounded, the live gRPC handles kept
+ * node --test from exiting after the per-test timeout (a CI run hung that way).
+ */
+export function within<T>(promise: Promise<T>, ms: number, what: string): Promise<T> {
+  return new Promise<T>((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error(`${what} did not finish within ${ms / 1000} s`)), ms);
+    promise.then(
+      (value) => {
+        clearTimeout(timer);
+        resolve(value);
+      },
+      (error: unknown) => {
+        clearTimeout(timer);
+        reject(error);
+      },
+    );
+  });
+}
+
 export class FakeStream {
   readonly received: Received[] = [];
   readonly metadata: grpc.Metadata;

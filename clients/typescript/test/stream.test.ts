@@ -11,7 +11,17 @@ import * as grpc from "@grpc/grpc-js";
 import { Consumer, Retry, type ConsumerOptions, type Message } from "../src/index.js";
 import { MAX_MESSAGE_BYTES } from "../src/consumer.js";
 import { SETTLE_BATCH, STOP_CONNECT_GRACE_MS } from "../src/stream.js";
-import { FakeProxy, TOKEN, sleep, track, until, withProxies, type FakeStream } from "./fake.js";
+import {
+  FakeProxy,
+  STOP_LIMIT_MS,
+  TOKEN,
+  sleep,
+  track,
+  until,
+  within,
+  withProxies,
+  type FakeStream,
+} from "./fake.js";
 
 const quiet = { debug() {}, info() {}, warn() {}, error() {} };
 
@@ -333,6 +343,40 @@ test("stop() while a stream connects: Release, wait for the Welcome, release wha
     const releasedAt = s.frames("release").at(-1)!.at;
     assert.ok(s.halfClosedAt !== null && s.halfClosedAt >= releasedAt, "drained: half-closed after the Release");
     assert.equal(c.stats.dropped, 2);
+  });
+});
+
+test("stop() while a stream connects ends even if the wall clock steps back after the Welcome", async (t) => {
+  // After a Welcome that arrives during stop(), the half-close waits STOP_WELCOME_WAIT_MS.
+  // It once waited for Date.now() to pass a deadline, checked by one timer: a timer can fire
+  // a millisecond before Date.now() gets there (libuv counts from its cached loop time), as
+  // can a wall clock stepped back (NTP), and then no flush came again and stop() hung (the
+  // suite's intermittent hang). The step back here makes that deterministic.
+  await withProxies(1, async (proxy) => {
+    let stream: FakeStream | null = null;
+    proxy.onStream = (s) => {
+      stream = s;
+    };
+    const realNow = Date.now.bind(Date);
+    let stepped = false;
+    const logger = {
+      ...quiet,
+      info(message: string): void {
+        if (!stepped && message.includes(" connected to ")) {
+          stepped = true; // the Welcome was just handled
+          t.mock.method(Date, "now", () => realNow() - 1000);
+        }
+      },
+    };
+    const c = consumer(proxy, { logger });
+    await c.start();
+    await until(() => stream?.hello !== undefined && stream?.hello !== null, 2000, "Hello");
+    const stopping = c.stop();
+    await until(() => stream!.frames("release").length === 1, 2000, "the Release sent at stop()");
+    stream!.welcome();
+    await within(stopping, STOP_LIMIT_MS, "stop() after a Welcome and a clock step");
+    assert.ok(stepped, "the clock stepped back after the Welcome was handled");
+    assert.ok(stream!.halfClosedAt !== null, "drained: half-closed");
   });
 });
 
