@@ -171,7 +171,15 @@ export class PartitionStream {
   private held = 0; // delivered on this stream and not yet settled
   private overWarned = false;
   private halfClosed = false;
-  private halfCloseAfter = 0; // Date.now() before which flush() does not half-close
+  /**
+   * A Welcome arrived during stop(): flush() does not half-close until holdTimer has waited
+   * STOP_WELCOME_WAIT_MS. A flag cleared by that timer, not a Date.now() deadline: a timer
+   * may fire a millisecond before Date.now() reaches its due time (libuv measures from its
+   * cached loop time) and the wall clock may step back, and a flush that found the deadline
+   * not yet passed was the last one: nothing scheduled another, so stop() never resolved.
+   */
+  private halfCloseHeld = false;
+  private holdTimer: NodeJS.Timeout | null = null;
   private fatal: Error | null = null; // raised by a frame handler: ends the Consumer
   private flushTimer: NodeJS.Timeout | null = null;
   private flushSoon: NodeJS.Immediate | null = null;
@@ -369,7 +377,7 @@ export class PartitionStream {
     this.established = false;
     this.overWarned = false;
     this.halfClosed = false;
-    this.halfCloseAfter = 0;
+    this.halfCloseHeld = false;
     this.credits = ctx.credits(this);
     this.batchLimit = Math.min(SETTLE_BATCH, this.credits);
     const call = client.makeBidiStreamRequest(
@@ -406,7 +414,7 @@ export class PartitionStream {
   /** Forget what the dead stream held: the proxy redelivers all of it. */
   private endStream(): void {
     this.call = null;
-    for (const timer of [this.flushTimer, this.extendTimer, this.closeTimer]) {
+    for (const timer of [this.flushTimer, this.extendTimer, this.closeTimer, this.holdTimer]) {
       if (timer !== null) {
         clearTimeout(timer);
       }
@@ -414,7 +422,7 @@ export class PartitionStream {
     if (this.flushSoon !== null) {
       clearImmediate(this.flushSoon);
     }
-    this.flushTimer = this.extendTimer = this.closeTimer = null;
+    this.flushTimer = this.extendTimer = this.closeTimer = this.holdTimer = null;
     this.flushSoon = null;
     const released = this.ctx.pool.takeBack(this, true).length;
     this.outstanding = 0; // handlers still running belong to the dead epoch now
@@ -463,14 +471,18 @@ export class PartitionStream {
       this.partition = partition;
     }
     this.established = true;
-    if (ctx.stopping()) {
+    if (ctx.stopping() && this.holdTimer === null) {
       if (this.closeTimer !== null) {
         clearTimeout(this.closeTimer);
         this.closeTimer = null;
       }
       // Release what the proxy sent behind the Welcome, then half-close (flush()).
-      this.halfCloseAfter = Date.now() + STOP_WELCOME_WAIT_MS;
-      setTimeout(() => this.scheduleFlush(), STOP_WELCOME_WAIT_MS);
+      this.halfCloseHeld = true;
+      this.holdTimer = setTimeout(() => {
+        this.holdTimer = null;
+        this.halfCloseHeld = false;
+        this.flush();
+      }, STOP_WELCOME_WAIT_MS);
     }
     const deadline = welcome.ack_deadline_ms ?? 0;
     if (deadline > 0 && this.extendTimer === null) {
@@ -606,7 +618,7 @@ export class PartitionStream {
       this.ctx.stopping() &&
       this.outstanding === 0 &&
       this.established &&
-      Date.now() >= this.halfCloseAfter
+      !this.halfCloseHeld
     ) {
       this.halfClosed = true;
       call.end();

@@ -31,6 +31,40 @@ export function sleep(ms: number): Promise<void> {
   return new Promise((resolve) => setTimeout(resolve, ms));
 }
 
+/**
+ * How long a test waits for a Consumer's stop(): the longest drain a test scripts is the
+ * client's CLOSE_TIMEOUT_MS (5 s) after a half-close the fake leaves unanswered.
+ */
+export const STOP_LIMIT_MS = 10_000;
+/** How long withProxies() lets a test body run: under `npm test`'s 60 s per-test timeout. */
+export const BODY_LIMIT_MS = 45_000;
+
+/**
+ * `promise`, or a rejection naming `what` once `ms` passed. A hung await then fails its test
+ * with a clear message and lets withProxies() clean up; unbounded, the live gRPC handles kept
+ * node --test from exiting after the per-test timeout (a CI run hung that way).
+ */
+export function within<T>(promise: Promise<T>, ms: number, what: string): Promise<T> {
+  return new Promise<T>((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error(`${what} did not finish within ${ms / 1000} s`)), ms);
+    promise.then(
+      (value) => {
+        clearTimeout(timer);
+        resolve(value);
+      },
+      (error: unknown) => {
+        clearTimeout(timer);
+        reject(error);
+      },
+    );
+  });
+}
+
+/** `consumer.stop()`, failing the test if it does not resolve within `ms`. */
+export function stopped(consumer: { stop(): Promise<void> }, ms = STOP_LIMIT_MS): Promise<void> {
+  return within(consumer.stop(), ms, "stop()");
+}
+
 export class FakeStream {
   readonly received: Received[] = [];
   readonly metadata: grpc.Metadata;
@@ -211,14 +245,17 @@ export function track<T extends { stop(): Promise<void> }>(consumer: T): T {
   return consumer;
 }
 
-/** Start fake proxies, run `body`, always stop the consumers it tracked, then the proxies. */
+/**
+ * Start fake proxies, run `body` (bounded by BODY_LIMIT_MS), always stop the consumers it
+ * tracked (bounded by STOP_LIMIT_MS), then the proxies, which ends any call still open.
+ */
 export async function withProxies(
   count: number,
   body: (...proxies: FakeProxy[]) => Promise<void>,
 ): Promise<void> {
   const proxies = await Promise.all(Array.from({ length: count }, () => new FakeProxy().start()));
   try {
-    await body(...proxies);
+    await within(body(...proxies), BODY_LIMIT_MS, "the test body");
   } finally {
     const consumers = live.splice(0);
     for (const proxy of proxies) {
@@ -227,7 +264,7 @@ export async function withProxies(
         if (stream.halfClosedAt !== null) stream.end();
       }
     }
-    const limit = new Promise<void>((resolve) => setTimeout(resolve, 10_000).unref());
+    const limit = new Promise<void>((resolve) => setTimeout(resolve, STOP_LIMIT_MS).unref());
     await Promise.race([Promise.all(consumers.map((c) => c.stop())), limit]);
     await Promise.all(proxies.map((p) => p.stop()));
   }

@@ -11,7 +11,18 @@ import * as grpc from "@grpc/grpc-js";
 import { Consumer, Retry, type ConsumerOptions, type Message } from "../src/index.js";
 import { MAX_MESSAGE_BYTES } from "../src/consumer.js";
 import { SETTLE_BATCH, STOP_CONNECT_GRACE_MS } from "../src/stream.js";
-import { FakeProxy, TOKEN, sleep, track, until, withProxies, type FakeStream } from "./fake.js";
+import {
+  FakeProxy,
+  STOP_LIMIT_MS,
+  TOKEN,
+  sleep,
+  stopped,
+  track,
+  until,
+  within,
+  withProxies,
+  type FakeStream,
+} from "./fake.js";
 
 const quiet = { debug() {}, info() {}, warn() {}, error() {} };
 
@@ -54,7 +65,7 @@ test("Hello first: consumer id, credits, no partition against an old proxy; toke
     assert.equal(stream.hello!.partition, undefined, "old style: no partition");
     assert.deepEqual(stream.metadata.get("authorization"), [`Bearer ${TOKEN}`]);
     assert.deepEqual(proxy.topologyCalls[0]!.get("authorization"), [`Bearer ${TOKEN}`]);
-    await c.stop();
+    await stopped(c);
   });
 });
 
@@ -100,7 +111,7 @@ test("a Message is byte-exact: null vs empty key and value, headers in order wit
       ["b", Buffer.alloc(0)],
     ]);
     assert.equal(second.attempt, 3);
-    await c.stop();
+    await stopped(c);
     assert.deepEqual(Object.keys(c.stats.partitions), ["4"], "the Welcome named the partition");
   });
 });
@@ -122,7 +133,7 @@ test("settlements are batched: never one frame per result", async () => {
     assert.deepEqual(stream().settled(), range(0, count));
     assert.ok(frames.length <= 20, `${frames.length} Settle frames for ${count} results`);
     assert.ok(frames.every((f) => (f.value.acks ?? []).length <= SETTLE_BATCH));
-    await c.stop();
+    await stopped(c);
   });
 });
 
@@ -137,7 +148,7 @@ test("results of async handlers that finish together share a Settle frame", asyn
     await until(() => proxy.streams.length > 0 && proxy.streams[0]!.settled().length === 100);
     const frames = proxy.streams[0]!.frames("settle");
     assert.ok(frames.length <= 10, `${frames.length} Settle frames for 100 results`);
-    await c.stop();
+    await stopped(c);
   });
 });
 
@@ -158,7 +169,7 @@ test("a slow result waits at most a few ms for company", async () => {
     await until(() => proxy.streams[0]?.acks().includes(0) === true);
     const ackAt = proxy.streams[0]!.frames("settle")[0]!.at;
     assert.ok(ackAt - sentAt < 250, `offset 0's ack waited ${ackAt - sentAt} ms behind a slow handler`);
-    await c.stop();
+    await stopped(c);
   });
 });
 
@@ -189,7 +200,7 @@ test("nacks carry `Name: message`; Retry and retryOn classes ask for redelivery"
     assert.equal(nacks[4]!.reason.length, 4000);
     assert.ok(nacks[4]!.reason.startsWith("RangeError: xxx"));
     assert.equal(nacks[4]!.retry, false);
-    await c.stop();
+    await stopped(c);
     const stats = c.stats;
     assert.equal(stats.acked, 1);
     assert.equal(stats.nacked, 4);
@@ -221,7 +232,7 @@ test("Extend every third of the ack deadline lists running AND queued deliveries
     });
     const gaps = extends_.slice(1).map((e, i) => e.at - extends_[i]!.at);
     assert.ok(Math.max(...gaps) < 300, `Extend gaps ${gaps.join(", ")} ms stay under the deadline`);
-    await c.stop();
+    await stopped(c);
     assert.ok(c.stats.extended >= 6);
   });
 });
@@ -236,7 +247,7 @@ test("an ack deadline of 0 means no lease: no Extend", async () => {
     await c.start();
     await until(() => proxy.streams[0]?.settled().length === 1);
     assert.equal(proxy.streams[0]!.frames("extend").length, 0);
-    await c.stop();
+    await stopped(c);
   });
 });
 
@@ -269,7 +280,7 @@ test("stop(): Release the unstarted, settle the running, half-close, wait for th
     assert.equal(stream.halfClosedAt, null, "no half-close while handlers run");
     assert.equal(stopped, false);
     running.open();
-    await stopping;
+    await within(stopping, STOP_LIMIT_MS, "stop()");
     assert.deepEqual(started, [0, 1], "nothing started after stop()");
     assert.deepEqual(stream.acks(), [0, 1]);
     const kinds = stream.received.map((r) => Object.keys(r.frame)[0]);
@@ -304,7 +315,7 @@ test("stop() with nothing queued still sends a Release, before the last Settle",
     await until(() => stream.frames("release").length === 1, 2000, "Release");
     assert.deepEqual(stream.frames("release")[0]!.value.offsets ?? [], []);
     running.open();
-    await stopping;
+    await within(stopping, STOP_LIMIT_MS, "stop()");
     const kinds = stream.received.map((r) => Object.keys(r.frame)[0]);
     assert.deepEqual(kinds, ["hello", "release", "settle"]);
     assert.deepEqual(stream.acks(), [0, 1]);
@@ -328,11 +339,45 @@ test("stop() while a stream connects: Release, wait for the Welcome, release wha
     const s = stream!;
     s.welcome();
     s.deliver([0, 1]);
-    await stopping;
+    await within(stopping, STOP_LIMIT_MS, "stop()");
     assert.deepEqual(s.frames("release").flatMap((r) => r.value.offsets ?? []), [0, 1]);
     const releasedAt = s.frames("release").at(-1)!.at;
     assert.ok(s.halfClosedAt !== null && s.halfClosedAt >= releasedAt, "drained: half-closed after the Release");
     assert.equal(c.stats.dropped, 2);
+  });
+});
+
+test("stop() while a stream connects ends even if the wall clock steps back after the Welcome", async (t) => {
+  // After a Welcome that arrives during stop(), the half-close waits STOP_WELCOME_WAIT_MS.
+  // It once waited for Date.now() to pass a deadline, checked by one timer: a timer can fire
+  // a millisecond before Date.now() gets there (libuv counts from its cached loop time), as
+  // can a wall clock stepped back (NTP), and then no flush came again and stop() hung (the
+  // suite's intermittent hang). The step back here makes that deterministic.
+  await withProxies(1, async (proxy) => {
+    let stream: FakeStream | null = null;
+    proxy.onStream = (s) => {
+      stream = s;
+    };
+    const realNow = Date.now.bind(Date);
+    let stepped = false;
+    const logger = {
+      ...quiet,
+      info(message: string): void {
+        if (!stepped && message.includes(" connected to ")) {
+          stepped = true; // the Welcome was just handled
+          t.mock.method(Date, "now", () => realNow() - 1000);
+        }
+      },
+    };
+    const c = consumer(proxy, { logger });
+    await c.start();
+    await until(() => stream?.hello !== undefined && stream?.hello !== null, 2000, "Hello");
+    const stopping = c.stop();
+    await until(() => stream!.frames("release").length === 1, 2000, "the Release sent at stop()");
+    stream!.welcome();
+    await within(stopping, STOP_LIMIT_MS, "stop() after a Welcome and a clock step");
+    assert.ok(stepped, "the clock stepped back after the Welcome was handled");
+    assert.ok(stream!.halfClosedAt !== null, "drained: half-closed");
   });
 });
 
@@ -346,7 +391,7 @@ test("stop() cancels a stream whose Welcome never comes, after a grace", async (
     await c.start();
     await until(() => stream !== null, 2000, "a stream");
     const began = Date.now();
-    await c.stop();
+    await stopped(c);
     assert.ok(Date.now() - began >= STOP_CONNECT_GRACE_MS - 50);
     await until(() => stream!.cancelled, 2000, "cancelled");
   });
@@ -363,15 +408,15 @@ test("stop() waits for the proxy to end the stream after the half-close", async 
     await c.start();
     // Settled: the client has seen the Welcome (before it, stop() waits a little for one).
     await until(() => proxy.streams[0]?.acks().includes(0) === true);
-    let stopped = false;
+    let resolved = false;
     const stopping = c.stop().then(() => {
-      stopped = true;
+      resolved = true;
     });
     await until(() => proxy.streams[0]!.halfClosedAt !== null);
     await sleep(100);
-    assert.equal(stopped, false, "stop() resolves only when the proxy ended the stream");
+    assert.equal(resolved, false, "stop() resolves only when the proxy ended the stream");
     proxy.streams[0]!.end();
-    await stopping;
+    await within(stopping, STOP_LIMIT_MS, "stop()");
   });
 });
 
@@ -396,7 +441,7 @@ test("deliveries that arrive while stopping are released, not handled", async ()
     stream.deliver([7, 8]);
     await until(() => stream.frames("release").some((r) => (r.value.offsets ?? []).includes(7)), 2000, "Release 7, 8");
     running.open();
-    await stopping;
+    await within(stopping, STOP_LIMIT_MS, "stop()");
     assert.deepEqual(handled, [0]);
     // The first Release (at stop(), nothing queued then) lists nothing: an absent repeated field.
     assert.deepEqual(stream.frames("release").flatMap((r) => r.value.offsets ?? []), [7, 8]);
@@ -419,7 +464,7 @@ test("a handler that outlives its broken stream is not settled on the next strea
     slow.open();
     await sleep(100);
     assert.deepEqual(proxy.streams[1]!.settled(), [], "a stale result never reaches the new stream");
-    await c.stop();
+    await stopped(c);
     assert.equal(c.stats.dropped, 1);
     assert.equal(c.stats.reconnects, 1);
   });
@@ -434,6 +479,6 @@ test("the proxy's Rejected frame is counted", async () => {
     const c = consumer(proxy, {});
     await c.start();
     await until(() => c.stats.rejected === 2);
-    await c.stop();
+    await stopped(c);
   });
 });
