@@ -42,9 +42,10 @@ import operator
 import sys
 import time
 from array import array
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 from triage_client._proto import triage_pb2 as pb
 from triage_proxy.clienttext import REASON_MAX_CHARS, for_log
@@ -141,7 +142,8 @@ class Entry:
                 wire += 11 if timestamp < 0 else 1 + (timestamp.bit_length() + 6) // 7
             self.size = size
             self.wire = wire
-        """Serialized bytes of its Delivery without the attempt (framing.py)."""
+        """Serialized bytes of its Delivery without the attempt (framing.py); -1 until
+        needed when built by `_entries_of` (a packed delivery never needs it)."""
         self.attempt = 0
         self.holder: Session | None = None
         self.state = EntryState.READY
@@ -157,7 +159,58 @@ class Entry:
         """When its current delivery went out (monotonic seconds; for the settle latency)."""
 
 
+def _wire(entry: Entry) -> int:
+    """`entry.wire`, worked out on first use (`_entries_of` leaves it -1)."""
+    wire = entry.wire
+    if wire < 0:
+        wire = entry.wire = delivery_base_size(entry.record)
+    return wire
+
+
+_ENTRY_SLOTS = {name: getattr(Entry, name).__set__ for name in Entry.__slots__}
+_KEY = operator.itemgetter(3)
+_VALUE = operator.itemgetter(4)
+_HEADERS = operator.itemgetter(5)
+
+
+def _entries_of(batch: list[Record], now: float) -> list[Entry]:
+    """`[Entry(record, now) for record in batch]`, one C-level pass per slot instead of a
+    Python __init__ per record, for the common batch: no headers, no null value, keys all
+    null or all present (the rest are built one by one). `wire` stays -1 (`_wire`)."""
+    n = len(batch)
+    keys = list(map(_KEY, batch))
+    keyless = keys.count(None)
+    if any(map(_HEADERS, batch)) or keyless not in (0, n):
+        return [Entry(record, now) for record in batch]
+    try:
+        sizes = list(map(len, map(_VALUE, batch)))
+        if not keyless:
+            sizes = list(map(operator.add, sizes, map(len, keys)))
+    except TypeError:  # a null value (a tombstone)
+        return [Entry(record, now) for record in batch]
+    entries = list(map(object.__new__, repeat(Entry, n)))
+    values: dict[str, Iterable[object]] = {
+        "attempt": repeat(0, n),
+        "deadline": repeat(0.0, n),
+        "delivered_at": repeat(0.0, n),
+        "fetched_at": repeat(now, n),
+        "holder": repeat(None, n),
+        "last_cause": repeat("", n),
+        "record": batch,
+        "size": sizes,
+        "state": repeat(EntryState.READY, n),
+        "suspect": repeat(False, n),
+        "wire": repeat(-1, n),
+    }
+    for name, setter in _ENTRY_SLOTS.items():
+        _run(map(setter, entries, values[name]))
+    return entries
+
+
 _SIZE = operator.attrgetter("size")
+_DELIVERED_AT = operator.attrgetter("delivered_at")
+_run = deque[None](maxlen=0).extend
+"""Drives a `map` for its effect, keeping none of its results."""
 _OFFSET = operator.itemgetter(2)
 """Record.offset, as a C-level getter for whole batches."""
 
@@ -463,7 +516,7 @@ class Dispatcher:
         call, one dict update, one extend of the ready queue."""
         now = self._monotonic()
         self._tracker.track_span(first, last)
-        new = [Entry(record, now) for record in batch]
+        new = _entries_of(batch, now)
         self._entries.update(zip(range(first, last + 1), new, strict=True))
         sizes = list(map(_SIZE, new))
         self._bytes += sum(sizes)
@@ -642,9 +695,20 @@ class Dispatcher:
         pop = held.pop
         for span in ranges:
             first, last = span.first, span.last
+            offsets = range(first, last + 1)
+            got = list(map(pop, offsets, repeat(None, len(offsets))))
+            if not (session.suspects or ordered) and None not in got:
+                # The common range: all held, no suspect among them (the session holds
+                # none), no key to release. The same steps with a C-level pass each.
+                _run(map(entries.__delitem__, offsets))
+                freed += sum(map(_SIZE, got))
+                acked += len(got)
+                for at, n in Counter(map(_DELIVERED_AT, got)).items():
+                    observe(now - at, n)
+                settle_span(first, last)
+                continue
             start = first  # the run of held offsets settled in the tracker in one call
-            for offset in range(first, last + 1):
-                entry = pop(offset, None)
+            for offset, entry in zip(offsets, got, strict=True):
                 if entry is None:
                     rejected.append(offset)
                     if start < offset:
@@ -1016,7 +1080,7 @@ class Dispatcher:
 
     def _item(self, entry: Entry) -> int:
         """Serialized bytes `entry`'s next delivery adds to a frame (framing.item_size)."""
-        return item_size(entry.wire + attempt_size(entry.attempt + 1))
+        return item_size(_wire(entry) + attempt_size(entry.attempt + 1))
 
     def _fits(self, session: Session, item: int) -> bool:
         """Whether a delivery of `item` bytes fits a frame to `session` (`_deliver`'s rule)."""
@@ -1103,7 +1167,10 @@ class Dispatcher:
             else:
                 # item_size(entry.wire + attempt_size(attempt)), inlined: an attempt below 128
                 # is a 2-byte field, and a Delivery is never empty (it has its attempt).
-                d = entry.wire + (2 if attempt < 128 else attempt_size(attempt))
+                wire = entry.wire
+                if wire < 0:
+                    wire = _wire(entry)
+                d = wire + (2 if attempt < 128 else attempt_size(attempt))
                 item = 1 + (d.bit_length() + 6) // 7 + d
             if frame is not None and used + item > target:
                 if packed:
