@@ -42,11 +42,9 @@ import operator
 import sys
 import time
 from array import array
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
-from itertools import accumulate, repeat
 
 from triage_client._proto import triage_pb2 as pb
 from triage_proxy.clienttext import REASON_MAX_CHARS, for_log
@@ -143,8 +141,7 @@ class Entry:
                 wire += 11 if timestamp < 0 else 1 + (timestamp.bit_length() + 6) // 7
             self.size = size
             self.wire = wire
-        """Serialized bytes of its Delivery without the attempt (framing.py); -1 until
-        needed when built by `_entries_of` (a packed delivery never needs it)."""
+        """Serialized bytes of its Delivery without the attempt (framing.py)."""
         self.attempt = 0
         self.holder: Session | None = None
         self.state = EntryState.READY
@@ -160,80 +157,7 @@ class Entry:
         """When its current delivery went out (monotonic seconds; for the settle latency)."""
 
 
-def _wire(entry: Entry) -> int:
-    """`entry.wire`, worked out on first use (`_entries_of` leaves it -1)."""
-    wire = entry.wire
-    if wire < 0:
-        wire = entry.wire = delivery_base_size(entry.record)
-    return wire
-
-
-_ENTRY_SLOTS = {name: getattr(Entry, name).__set__ for name in Entry.__slots__}
-_KEY = operator.itemgetter(3)
-_VALUE = operator.itemgetter(4)
-_HEADERS = operator.itemgetter(5)
-
-
-def _entries_of(batch: list[Record], now: float) -> list[Entry]:
-    """`[Entry(record, now) for record in batch]`, one C-level pass per slot instead of a
-    Python __init__ per record, for the common batch: no headers, no null value, keys all
-    null or all present (the rest are built one by one). `wire` stays -1 (`_wire`)."""
-    n = len(batch)
-    keys = list(map(_KEY, batch))
-    keyless = keys.count(None)
-    if any(map(_HEADERS, batch)) or keyless not in (0, n):
-        return [Entry(record, now) for record in batch]
-    try:
-        sizes = list(map(len, map(_VALUE, batch)))
-        if not keyless:
-            sizes = list(map(operator.add, sizes, map(len, keys)))
-    except TypeError:  # a null value (a tombstone)
-        return [Entry(record, now) for record in batch]
-    entries = list(map(object.__new__, repeat(Entry, n)))
-    values: dict[str, Iterable[object]] = {
-        "attempt": repeat(0, n),
-        "deadline": repeat(0.0, n),
-        "delivered_at": repeat(0.0, n),
-        "fetched_at": repeat(now, n),
-        "holder": repeat(None, n),
-        "last_cause": repeat("", n),
-        "record": batch,
-        "size": sizes,
-        "state": repeat(EntryState.READY, n),
-        "suspect": repeat(False, n),
-        "wire": repeat(-1, n),
-    }
-    for name, setter in _ENTRY_SLOTS.items():
-        _run(map(setter, entries, values[name]))
-    return entries
-
-
-_RECORD = operator.attrgetter("record")
-_ATTEMPT = operator.attrgetter("attempt")
-_SUSPECT = operator.attrgetter("suspect")
-
-
-_PACKED_ITEM = partial(operator.add, PACKED_ITEM_BYTES)
-"""A record's packed item bytes from its size (C-level, for `map`)."""
-
-
-def _all_packable(batch: list[Entry]) -> bool:
-    """Whether every record of `batch` goes in the packed columns with attempt 1 and is no
-    suspect (`Dispatcher._deliver_packed`): a first delivery, no headers, at most
-    PACKED_MAX_RECORD_BYTES. C-level passes, no Python step per record."""
-    return (
-        bool(batch)
-        and not any(map(_ATTEMPT, batch))
-        and not any(map(_SUSPECT, batch))
-        and max(map(_SIZE, batch)) <= PACKED_MAX_RECORD_BYTES
-        and not any(map(_HEADERS, map(_RECORD, batch)))
-    )
-
-
 _SIZE = operator.attrgetter("size")
-_DELIVERED_AT = operator.attrgetter("delivered_at")
-_run = deque[None](maxlen=0).extend
-"""Drives a `map` for its effect, keeping none of its results."""
 _OFFSET = operator.itemgetter(2)
 """Record.offset, as a C-level getter for whole batches."""
 
@@ -539,7 +463,7 @@ class Dispatcher:
         call, one dict update, one extend of the ready queue."""
         now = self._monotonic()
         self._tracker.track_span(first, last)
-        new = _entries_of(batch, now)
+        new = [Entry(record, now) for record in batch]
         self._entries.update(zip(range(first, last + 1), new, strict=True))
         sizes = list(map(_SIZE, new))
         self._bytes += sum(sizes)
@@ -718,20 +642,9 @@ class Dispatcher:
         pop = held.pop
         for span in ranges:
             first, last = span.first, span.last
-            offsets = range(first, last + 1)
-            got = list(map(pop, offsets, repeat(None, len(offsets))))
-            if not (session.suspects or ordered) and None not in got:
-                # The common range: all held, no suspect among them (the session holds
-                # none), no key to release. The same steps with a C-level pass each.
-                _run(map(entries.__delitem__, offsets))
-                freed += sum(map(_SIZE, got))
-                acked += len(got)
-                for at, n in Counter(map(_DELIVERED_AT, got)).items():
-                    observe(now - at, n)
-                settle_span(first, last)
-                continue
             start = first  # the run of held offsets settled in the tracker in one call
-            for offset, entry in zip(offsets, got, strict=True):
+            for offset in range(first, last + 1):
+                entry = pop(offset, None)
                 if entry is None:
                     rejected.append(offset)
                     if start < offset:
@@ -1103,7 +1016,7 @@ class Dispatcher:
 
     def _item(self, entry: Entry) -> int:
         """Serialized bytes `entry`'s next delivery adds to a frame (framing.item_size)."""
-        return item_size(_wire(entry) + attempt_size(entry.attempt + 1))
+        return item_size(entry.wire + attempt_size(entry.attempt + 1))
 
     def _fits(self, session: Session, item: int) -> bool:
         """Whether a delivery of `item` bytes fits a frame to `session` (`_deliver`'s rule)."""
@@ -1154,48 +1067,6 @@ class Dispatcher:
                 continue
             self._deliver(open_[0], [entry])
 
-    def _deliver_packed(self, session: Session, batch: list[Entry], space: int) -> None:
-        """`_deliver` for the common batch to a session that reads packed deliveries (see
-        `_all_packable`): the same frames, split where the next record would take a frame's
-        packed items past `space` bytes (the target less the packed framing), and the same
-        state changes, one C-level pass per slot instead of a Python step per record."""
-        now = self._monotonic()
-        deadline = now + self._ack_deadline_s
-        ends = list(accumulate(map(_PACKED_ITEM, map(_SIZE, batch))))
-        held = session.held
-        leased: list[int] = []
-        at = 0
-        done = 0  # item bytes of the frames before `at`
-        topic, partition = self._topic, self._partition
-        while at < len(batch):
-            stop = max(at + 1, bisect.bisect_right(ends, done + space, at))
-            chunk = batch[at:stop]
-            records = list(map(_RECORD, chunk))
-            offsets = list(map(_OFFSET, records))
-            frame = pb.ProxyFrame()
-            deliveries = frame.deliveries
-            deliveries.topic = topic
-            deliveries.partition = partition
-            fill_packed(deliveries.packed, records, None)
-            held.update(zip(offsets, chunk, strict=True))
-            leased.extend(offsets)
-            session.outbox.put_nowait(frame)
-            done = ends[stop - 1]
-            at = stop
-            self.counters.frames_out += 1
-        n = len(batch)
-        for name, value in (
-            ("attempt", 1),
-            ("state", EntryState.HELD),
-            ("holder", session),
-            ("deadline", deadline),
-            ("delivered_at", now),
-        ):
-            _run(map(_ENTRY_SLOTS[name], batch, repeat(value, n)))
-        self._add_lease_batch(deadline, leased)
-        self.quiet.clear()
-        self.counters.delivered += n
-
     def _deliver(self, session: Session, batch: list[Entry]) -> None:
         """Send `batch` to `session` in frames: each filled up to FRAME_TARGET_BYTES (or the
         instance's limit when smaller), counted in serialized bytes (framing.py); a record
@@ -1204,11 +1075,8 @@ class Dispatcher:
         PACKED_MAX_RECORD_BYTES go in the frame's packed columns (`fill_packed`), the rest
         as repeated Delivery messages."""
         header = self._frame_header
-        target = frame_room(min(session.max_frame_bytes, FRAME_TARGET_BYTES), header)
-        if session.packed and _all_packable(batch):
-            self._deliver_packed(session, batch, target - PACKED_OVERHEAD_BYTES)
-            return
         room = frame_room(session.max_frame_bytes, header)
+        target = frame_room(min(session.max_frame_bytes, FRAME_TARGET_BYTES), header)
         packing = session.packed
         # A packing session reserves the packed sub-message's framing in every frame.
         start = PACKED_OVERHEAD_BYTES if packing else 0
@@ -1235,10 +1103,7 @@ class Dispatcher:
             else:
                 # item_size(entry.wire + attempt_size(attempt)), inlined: an attempt below 128
                 # is a 2-byte field, and a Delivery is never empty (it has its attempt).
-                wire = entry.wire
-                if wire < 0:
-                    wire = _wire(entry)
-                d = wire + (2 if attempt < 128 else attempt_size(attempt))
+                d = entry.wire + (2 if attempt < 128 else attempt_size(attempt))
                 item = 1 + (d.bit_length() + 6) // 7 + d
             if frame is not None and used + item > target:
                 if packed:

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from tests.unit.test_dispatcher import make, records
 from triage_client._proto import triage_pb2 as pb
-from triage_proxy.dispatcher import Entry, Session, _entries_of, _wire
+from triage_proxy.dispatcher import Entry, Session
 from triage_proxy.framing import (
     DEFAULT_FRAME_BYTES,
     MIN_FRAME_BYTES,
@@ -63,31 +63,6 @@ def test_delivery_size_is_exact(
     entry = Entry(record)  # its one-pass copy of both formulas for records without headers
     assert entry.wire == delivery_base_size(record)
     assert entry.size == record.size
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    rows=st.lists(st.tuples(BLOB, BLOB, st.booleans(), INT64), max_size=12),
-    keyed=st.sampled_from(["none", "all", "mixed"]),
-)
-def test_entries_built_in_bulk_equal_entries_built_one_by_one(
-    rows: list[tuple[bytes | None, bytes | None, bool, int]], keyed: str
-) -> None:
-    """`_entries_of` (the fetch path's bulk build) against `Entry(record)`: every slot the
-    same, `wire` once worked out (`_wire`)."""
-    batch = []
-    for offset, (key, value, header, timestamp) in enumerate(rows):
-        if keyed != "mixed":
-            key = None if keyed == "none" else key or b""
-        headers = (("h", b"x"),) if header else ()
-        batch.append(Record("t", 0, offset, key, value, headers, timestamp))
-    bulk = _entries_of(batch, 7.0)
-    assert len(bulk) == len(batch)
-    for entry, record in zip(bulk, batch, strict=True):
-        one = Entry(record, 7.0)
-        assert _wire(entry) == one.wire == delivery_base_size(record)
-        for name in Entry.__slots__:
-            assert getattr(entry, name) == getattr(one, name), name
 
 
 @settings(max_examples=200, deadline=None)

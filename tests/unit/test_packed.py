@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from tests.unit.test_dispatcher import make
 from triage_client._proto import triage_pb2 as pb
 from triage_client.message import Message, unpack_messages
-from triage_proxy import dispatcher as dispatcher_module
 from triage_proxy.framing import MIN_FRAME_BYTES, PACKED_MAX_RECORD_BYTES, fill_packed
 from triage_proxy.structs import Record
 
@@ -187,39 +186,3 @@ def test_the_smallest_frame_limit_takes_the_largest_packed_record() -> None:
     assert all(f.ByteSize() <= MIN_FRAME_BYTES for f in frames)
     assert all(f.deliveries.HasField("packed") for f in frames)
     assert sum(len(received(f)) for f in frames) == 8
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    sizes=st.lists(st.integers(0, PACKED_MAX_RECORD_BYTES), min_size=1, max_size=40),
-    keyed=st.booleans(),
-    limit_kib=st.integers(64, 200),
-)
-def test_a_packable_batch_goes_out_as_the_general_path_sends_it(
-    sizes: list[int], keyed: bool, limit_kib: int
-) -> None:
-    """`Dispatcher._deliver_packed` (first deliveries, no headers, no suspect) against
-    `_deliver`'s per-record loop: the same frames, held entries, leases and counters."""
-
-    def deliver(bulk: bool) -> tuple[object, ...]:
-        with pytest.MonkeyPatch.context() as patch:
-            if not bulk:
-                patch.setattr(dispatcher_module, "_all_packable", lambda batch: False)
-            d, _, dead = make(max_messages=1000, max_frame_bytes=64 << 20)
-            s = d.open_session("packed", 1000, limit_kib * 1024, packed=True)
-            d.add(
-                [
-                    Record("t", 0, o, b"k%d" % o if keyed else None, b"v" * n, (), 1000 + o)
-                    for o, n in enumerate(sizes)
-                ]
-            )
-        frames = [f.SerializeToString() for f in outbox(s)]
-        held = [
-            (o, e.attempt, e.state, e.holder is s, e.deadline, e.delivered_at, e.suspect)
-            for o, e in s.held.items()
-        ]
-        leases = [(at, sorted(offsets)) for at, offsets in d._lease_batches]
-        counters = (d.counters.delivered, d.counters.frames_out, d.counters.redelivered)
-        return frames, sorted(held), leases, counters, dead, d.quiet.is_set()
-
-    assert deliver(bulk=True) == deliver(bulk=False)
