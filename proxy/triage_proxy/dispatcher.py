@@ -321,6 +321,12 @@ class Dispatcher:
         self.quiet = asyncio.Event()
         """Set while nothing is delivered-and-unsettled or being dead-lettered (drain)."""
         self.quiet.set()
+        self.caught_up = asyncio.Event()
+        """Set each time every fetched record got settled (the tracker has none pending
+        any more); the committer clears it once it looked. Its cue to commit without
+        waiting for its tick (committer.py)."""
+        self._pending = False
+        """The tracker had records pending at the last `_update_window_events`."""
         self._dead_lettering = 0
         self._delivering = True
         self._ended = False
@@ -384,6 +390,11 @@ class Dispatcher:
             self.quiet.clear()
         else:
             self.quiet.set()
+        if self._tracker.pending:
+            self._pending = True
+        elif self._pending:
+            self._pending = False
+            self.caught_up.set()
 
     # --- records in -------------------------------------------------------------------
 

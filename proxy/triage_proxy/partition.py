@@ -298,6 +298,7 @@ class PartitionPipeline:
                 checkpoints=checkpoints,
                 attempts=dispatcher,
                 ahead=dispatcher,
+                caught_up=dispatcher.caught_up,
             )
             watermarks = LogEndWatcher(log, queries, tracker, fetch_closing)
             self.dispatcher, self.committer, self.fetcher = dispatcher, committer, fetcher

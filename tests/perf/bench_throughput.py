@@ -164,6 +164,7 @@ def measure(args: argparse.Namespace, profile: Path | None, gil: bool = False) -
                     "proxy frames: Deliveries out / Settle in",
                     f"{counters.get('frames_out', '?')} / {counters.get('settle_frames', '?')}",
                 ),
+                ("proxy commits", counters.get("commits", "?")),
             ]
         )
     )

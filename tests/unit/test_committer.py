@@ -20,6 +20,8 @@ from triage_proxy.committer import (
     CHECKPOINT_HELD_OFFSETS,
     CHECKPOINT_INTERVAL_S,
     CHECKPOINT_POLLS,
+    EARLY_COMMIT_OFFSETS,
+    EARLY_COMMITS_PER_INTERVAL,
     Committer,
 )
 from triage_proxy.errors import TableUnavailable
@@ -82,6 +84,7 @@ def make(
     encode_settled: bool = False,
     attempts: Counts | None = None,
     ahead: Ahead | None = None,
+    caught_up: asyncio.Event | None = None,
 ) -> Rig:
     loop = asyncio.get_running_loop()
     partition = FlakyPartition(loop.time)
@@ -100,6 +103,7 @@ def make(
         checkpoints=checkpoints,
         attempts=attempts,
         ahead=ahead,
+        caught_up=caught_up,
         monotonic=loop.time,
     )
     return Rig(partition, tracker, committer, closing, checkpoints)
@@ -133,6 +137,58 @@ def test_commits_the_committable_offset_each_interval_and_only_when_it_moved() -
         assert 0 < rig.partition.commit_times[-1] - settled_at <= INTERVAL_S + KAFKA_CALL_S
         await rig.stop()
         assert rig.partition.commits == [(3, None), (7, None)]  # final commit: nothing new
+
+    run(main())
+
+
+def test_a_partition_that_caught_up_commits_at_once_within_its_gap() -> None:
+    """Everything fetched settled and enough offsets wait: the commit goes before the
+    tick, and early commits keep EARLY_COMMITS_PER_INTERVAL a interval at most."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        caught_up = asyncio.Event()
+        burst = 3 * EARLY_COMMIT_OFFSETS
+        rig = make(tracked=burst, caught_up=caught_up)
+        rig.start()
+        await asyncio.sleep(INTERVAL_S / 10)
+        settle(rig.tracker, *range(burst - 1))  # one left pending: not caught up
+        await asyncio.sleep(INTERVAL_S / 10)
+        assert rig.partition.commits == []
+        rig.tracker.settle(burst - 1)
+        caught_up.set()  # as the dispatcher does once nothing is pending
+        settled_at = loop.time()
+        await until(lambda: rig.partition.commits)
+        assert rig.partition.commits == [(burst, None)]
+        assert rig.partition.commit_times[0] - settled_at <= 2 * KAFKA_CALL_S
+        assert rig.committer.early_commits == 1
+
+        # A second burst right after: it waits out the gap, not the interval.
+        caught_up.clear()
+        for offset in range(burst, 2 * burst):
+            rig.tracker.track(offset)
+        settle(rig.tracker, *range(burst, 2 * burst))
+        caught_up.set()
+        await until(lambda: len(rig.partition.commits) == 2)
+        assert rig.partition.commits[-1] == (2 * burst, None)
+        gap = gaps(rig.partition.commit_times)[0]
+        assert INTERVAL_S / EARLY_COMMITS_PER_INTERVAL <= gap + KAFKA_CALL_S < INTERVAL_S / 2
+        await rig.stop()
+
+    run(main())
+
+
+def test_a_caught_up_trickle_below_the_early_threshold_commits_on_the_interval() -> None:
+    async def main() -> None:
+        caught_up = asyncio.Event()
+        rig = make(tracked=EARLY_COMMIT_OFFSETS - 1, caught_up=caught_up)
+        rig.start()
+        settle(rig.tracker, *range(EARLY_COMMIT_OFFSETS - 1))
+        caught_up.set()
+        await until(lambda: rig.partition.commits)
+        assert rig.partition.commit_times == [pytest.approx(INTERVAL_S + KAFKA_CALL_S)]
+        assert rig.committer.early_commits == 0
+        await rig.stop()
 
     run(main())
 

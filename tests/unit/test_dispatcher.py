@@ -116,6 +116,28 @@ def test_out_of_order_acks_commit_only_the_contiguous_prefix() -> None:
     assert d.quiet.is_set()
 
 
+def test_caught_up_is_set_each_time_everything_fetched_got_settled() -> None:
+    """The committer's cue (committer.py): set on the step to nothing pending, not by a
+    settlement that leaves a record pending, not again while nothing changed."""
+    d, tracker, dead = make()
+    assert not d.caught_up.is_set()  # nothing fetched yet: nothing to commit early
+    s = d.open_session("a", 10)
+    d.add(records(0, 4))
+    d.settle(s, [0, 1, 2], [])
+    assert not d.caught_up.is_set()  # 3 is pending
+    d.settle(s, [], [], [pb.OffsetRange(first=3, last=3)])
+    assert d.caught_up.is_set()
+    assert tracker.pending == 0
+    d.caught_up.clear()  # the committer looked
+    d.tick()
+    assert not d.caught_up.is_set()  # no new catch-up since
+    d.add(records(4, 6))
+    d.settle(s, [4], [nack(5, retry=False)])
+    assert not d.caught_up.is_set()  # 5 is being dead-lettered: still pending
+    d.dead_letter_written(dead[-1])
+    assert d.caught_up.is_set()
+
+
 def test_settlement_for_unheld_offset_is_rejected_and_counted() -> None:
     d, tracker, _ = make()
     a, b = d.open_session("a", 1), d.open_session("b", 1)
