@@ -17,6 +17,9 @@ class CommitWatcher:
     def __init__(self, bootstrap: str, group: str, topic: str, partitions: int) -> None:
         self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
         self._tps = [TopicPartition(topic, p) for p in range(partitions)]
+        self.reached: dict[int, float] = {}
+        """Partition -> time.time() of the poll that first saw its expected offset
+        (`wait_for`): which partition's commit finished last, and when."""
 
     def offsets(self) -> list[int]:
         return [tp.offset for tp in self._consumer.committed(self._tps, 10)]
@@ -25,8 +28,13 @@ class CommitWatcher:
         """Block until the committed offsets equal `expected`; return time.time() then."""
         deadline = time.monotonic() + timeout_s
         while True:
-            if self.offsets() == expected:
-                return time.time()
+            offsets = self.offsets()
+            now = time.time()
+            for p, (offset, end) in enumerate(zip(offsets, expected, strict=True)):
+                if offset == end:
+                    self.reached.setdefault(p, now)
+            if offsets == expected:
+                return now
             if time.monotonic() > deadline:
                 raise TimeoutError(f"committed {self.offsets()}, expected {expected}")
             time.sleep(poll_s)

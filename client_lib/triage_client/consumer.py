@@ -23,7 +23,9 @@ partition that filled its credits (a backlog) an even share of the budget beside
 backlogs plus what the others leave, and shrinks an idle one to a small prefetch; raises come
 only out of credits no stream may hold, so total unsettled deliveries stay within
 `concurrency + prefetch` (a stream keeps at least 1, so more partitions than that exceed it
-by design). The same rebalance caps how many handler slots each backlogged partition may run
+by design; the default prefetch grows with the number of backlogged partitions, up to 4
+single-stream caps, none of them given more than one: credits.py). The same rebalance caps
+how many handler slots each backlogged partition may run
 (an even share of `concurrency`), and the shared pool gives a free slot to the stream with
 the fewest running handlers under its cap (see pool.py), so a partition with a backlog of
 slow messages never starves another, and a partition alone with work gets every slot.
@@ -49,7 +51,14 @@ from typing import Any
 import grpc
 
 from triage_client._proto import triage_pb2
-from triage_client.credits import REBALANCE_INTERVAL_S, credit_share, grown, split
+from triage_client.credits import (
+    REBALANCE_INTERVAL_S,
+    STREAM_CAPS_MAX,
+    credit_share,
+    grown,
+    grown_cap,
+    split,
+)
 from triage_client.errors import (
     EndpointError,
     PartitionError,
@@ -146,7 +155,9 @@ class Consumer:
         prefetch: deliveries queued locally beyond the running ones, so handlers never wait
             for a round trip (default: concurrency, raised to AUTO_PREFETCH_MAX x concurrency
             once handler slots run out of queued work while the proxy has a backlog, against
-            a proxy that honours Grant); credits = concurrency + prefetch, split
+            a proxy that honours Grant; with several partitions backlogged at once, that
+            much more for each, up to 4, while no partition's stream gets more than one
+            stream's share: see credits.py); credits = concurrency + prefetch, split
             over the partitions' streams.
         partitions: consume only these partitions (default: every partition of the topic,
             including ones added later); one the topic lacks raises PartitionError at start.
@@ -195,6 +206,8 @@ class Consumer:
         self._max_credits = max(
             self._credits, min(_GROWN_CREDITS_MAX, concurrency * (1 + AUTO_PREFETCH_MAX))
         )
+        """Most credits one stream is given; the default prefetch grows to this once per
+        stream with a backlog, up to STREAM_CAPS_MAX of them (credits.grown_cap)."""
         self._granting = False  # a stream's proxy has honoured Grant frames: credits move
         self._consumer_id = consumer_id or f"{socket.gethostname()}-{os.getpid()}"
         self._credentials: grpc.ChannelCredentials | None = None
@@ -568,7 +581,8 @@ class Consumer:
             if any(load.adjustable for load in loads):
                 self._granting = True
             if self._auto_prefetch and self._granting:
-                budget = grown(self._credits, self._max_credits, loads, idled)
+                cap = grown_cap(self._max_credits, _GROWN_CREDITS_MAX, loads)
+                budget = grown(self._credits, cap, loads, idled)
                 if budget != self._credits:
                     logger.info(
                         "consumer %s: handler slots ran out of queued work while the proxy "
@@ -578,7 +592,7 @@ class Consumer:
                         budget - self._concurrency,
                     )
                     self._credits = budget
-            decision = split(self._concurrency, self._credits, loads)
+            decision = split(self._concurrency, self._credits, loads, self._max_credits)
             raised = False
             with self._pool.lock:
                 for stream, slots in zip(current, decision.slots, strict=True):
@@ -600,7 +614,8 @@ class Consumer:
         streams = self._streams.values()
         if (
             self._auto_prefetch
-            and self._credits < self._max_credits
+            and self._credits
+            < min(_GROWN_CREDITS_MAX, self._max_credits * min(STREAM_CAPS_MAX, len(streams)))
             and not self._rebalance_now.is_set()
             and (self._granting or any(s.grants and s.call is not None for s in streams))
             and any(s.backlogged() for s in streams)

@@ -35,6 +35,17 @@ trip longer than the work, part of the credits is always on its way back, so a s
 stream never holds all of them.) It never shrinks while the Consumer runs (a larger local
 queue costs memory, not speed).
 
+The cap (`grown_cap`) is one stream's cap (`stream_cap`: what a lone stream grows to) for
+each stream that shows a backlog in that period, up to STREAM_CAPS_MAX of them, and no
+stream is given more than `stream_cap` (`split`): per partition, the credits in force and so
+the deliveries that may be redelivered when an instance dies stay what one stream may hold;
+only their sum grows. Why: a stream is refilled one Deliveries frame per Settle, each frame
+a gRPC write and read with fixed costs on both sides, and a budget split 4 ways settles and
+refills each partition a quarter as much at a time (bench_fleet_throughput, 4 partitions
+under one Consumer: ~2.3x the frames of one partition and ~1.5x the instances' CPU per
+message at a single stream's cap). Kafka's own client keeps its prefetch per partition too
+(librdkafka's queued.min.messages).
+
 Every stream keeps at least 1 credit (the protocol's minimum), so more streams than the
 budget exceed it by design, as in the static split.
 """
@@ -47,10 +58,12 @@ from dataclasses import dataclass
 __all__ = [
     "IDLE_CREDITS",
     "REBALANCE_INTERVAL_S",
+    "STREAM_CAPS_MAX",
     "Split",
     "StreamLoad",
     "credit_share",
     "grown",
+    "grown_cap",
     "hungry",
     "split",
 ]
@@ -59,6 +72,10 @@ REBALANCE_INTERVAL_S = 0.1
 """How often a Consumer with several streams re-splits its credits and slots."""
 IDLE_CREDITS = 2
 """Credits an idle stream keeps: a small prefetch, so its first deliveries need no Grant."""
+STREAM_CAPS_MAX = 4
+"""Most single-stream caps the default prefetch grows to, when that many streams show a
+backlog at once (`grown_cap`): a bound on the instance's memory however many partitions it
+consumes."""
 
 
 def credit_share(budget: int, streams: int, index: int) -> int:
@@ -99,28 +116,46 @@ def hungry(load: StreamLoad) -> bool:
     return load.credits > 0 and load.peak >= load.credits
 
 
+def backlogged(load: StreamLoad) -> bool:
+    """The stream held more than half its credits at once: its proxy had a backlog for it
+    (a trickle never holds that many)."""
+    return 2 * load.peak > load.credits
+
+
+def grown_cap(stream_cap: int, limit: int, loads: Sequence[StreamLoad]) -> int:
+    """Most the default prefetch may grow to after a period: `stream_cap` per stream that
+    showed a backlog (at least one, at most STREAM_CAPS_MAX), never past `limit` (the
+    protocol's largest Grant)."""
+    streams = min(STREAM_CAPS_MAX, max(1, sum(1 for load in loads if backlogged(load))))
+    return max(stream_cap, min(limit, stream_cap * streams))
+
+
 def grown(budget: int, cap: int, loads: Sequence[StreamLoad], idled: int) -> int:
     """The Consumer's credit budget after a period (see the module doc): `cap` when slots
     idled while a stream held more than half its credits; else unchanged."""
-    if idled <= 0 or budget >= cap or not any(2 * load.peak > load.credits for load in loads):
+    if idled <= 0 or budget >= cap or not any(backlogged(load) for load in loads):
         return budget
     return cap
 
 
-def split(concurrency: int, budget: int, loads: Sequence[StreamLoad]) -> Split:
-    """Credits and slot caps for every stream (see the module doc)."""
+def split(
+    concurrency: int, budget: int, loads: Sequence[StreamLoad], stream_cap: int | None = None
+) -> Split:
+    """Credits and slot caps for every stream (see the module doc); none is given more than
+    `stream_cap` (None: the budget)."""
     count = len(loads)
     starving = [hungry(load) for load in loads]
     slots = _slots(concurrency, starving)
+    most = budget if stream_cap is None else min(budget, stream_cap)
     if count <= 1:
-        # Nobody to share with: a lone adjustable stream has the whole budget.
-        return Split(tuple(budget if s.adjustable else s.credits for s in loads), slots)
+        # Nobody to share with: a lone adjustable stream has the whole budget (to its cap).
+        return Split(tuple(most if s.adjustable else s.credits for s in loads), slots)
     adjustable = [i for i, load in enumerate(loads) if load.adjustable]
     fixed = sum(load.credits for load in loads if not load.adjustable)
     available = max(0, budget - fixed)
     floor = max(1, min(IDLE_CREDITS, available // max(1, len(adjustable))))
     wants = {
-        i: budget if starving[i] else min(budget, max(floor, loads[i].peak + 1)) for i in adjustable
+        i: most if starving[i] else min(most, max(floor, loads[i].peak + 1)) for i in adjustable
     }
     targets = _water_fill(available, floor, wants)
     # Raises come out of what no stream may hold now; lowerings take effect at once.

@@ -229,14 +229,19 @@ class HandlerPool:
             if ready[0].busy >= ready[0].slots:
                 return None
         elif count:
-            start = self._turn % count
-            index = -1
-            fewest = 1 << 62
-            for step in range(count):
-                i = (start + step) % count
-                candidate = ready[i]
-                if candidate.busy < fewest and candidate.busy < candidate.slots:
-                    index, fewest = i, candidate.busy
+            index = self._turn % count
+            if ready[index].busy:  # else: none runs fewer, and it is first in turn
+                start = index
+                index = -1
+                fewest = 1 << 62
+                for step in range(count):
+                    i = (start + step) % count
+                    candidate = ready[i]
+                    busy = candidate.busy
+                    if busy < fewest and busy < candidate.slots:
+                        index, fewest = i, busy
+                        if not busy:
+                            break  # none runs fewer, and the first in turn wins a tie
             if index < 0:
                 return None
             self._turn = index + 1

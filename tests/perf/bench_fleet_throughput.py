@@ -13,10 +13,12 @@ the partitions with Topology.
 
 Beside the rates it prints, per measurement, the CPU each role spent per 1,000 messages
 (proxy, instances, broker: cpumeter.py; load moves the rates far more than these) and the
-proxy's Deliveries / Settle frame counts. `--profile DIR` samples the fleet process and
-the instances with py-spy (and the single partition's processes) and prints their top
-frames; `--fleet-only` skips the single-partition measurement; `--rounds N` repeats the
-pair N times, alternating which goes first, and judges the median ratio.
+proxy's Deliveries / Settle frame counts, and per partition when its last message was
+handled and when its commit reached the end (seconds after the first handled: the tail,
+which partition finished last and how long its commit trailed). `--profile DIR` samples
+the fleet process and the instances with py-spy (and the single partition's processes) and
+prints their top frames; `--fleet-only` skips the single-partition measurement; `--rounds N`
+repeats the pair N times, alternating which goes first, and judges the median ratio.
 
     .venv/bin/python -m tests.perf.bench_fleet_throughput [--messages N] [--partitions 4]
         [--profile DIR [--profile-gil]] [--fleet-only] [--rounds N]
@@ -137,6 +139,11 @@ def measure_fleet(args: argparse.Namespace) -> float:
             proxy.wait(60)
     first = min(r.first for r in results if r.first)
     rate = float(args.messages) / (committed_at - first)
+    tail = []
+    for p in range(args.partitions):
+        last = max((r.partitions.get(str(p), [0, 0.0])[1] for r in results), default=0.0)
+        reached = watcher.reached.get(p, committed_at)
+        tail.append(f"p{p} {last - first:.2f}/{reached - first:.2f}")
     print(
         table(
             [
@@ -146,6 +153,7 @@ def measure_fleet(args: argparse.Namespace) -> float:
                 ("fleet process messages/s", f"{rate:,.0f}"),
                 ("first -> last handled", f"{max(r.last for r in results) - first:.2f} s"),
                 ("per instance handled", ", ".join(str(r.handled) for r in results)),
+                ("per partition: last handled / committed, s", ", ".join(tail)),
                 ("proxy frames: Deliveries out / Settle in", frames),
             ]
         )

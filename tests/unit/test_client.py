@@ -1488,6 +1488,35 @@ def test_the_default_prefetch_grows_before_the_first_rebalance_period_ends(
     assert a.granted == [(0, 2 * (1 + AUTO_PREFETCH_MAX))]
 
 
+def test_the_default_prefetch_grows_a_stream_cap_per_backlogged_partition(
+    deployment: Deployment,
+) -> None:
+    """Two partitions with a backlog and work shorter than the round trip: the prefetch
+    grows to one stream's cap for each (credits.grown_cap), and no stream is granted more
+    than one stream's cap, so per partition nothing more is in flight than with one."""
+    a = deployment.proxy()
+    a.grants = True
+    a.delay_s = 0.02
+    serve_all(deployment, a, a)
+    for p in (0, 1):
+        deployment.feed(p, (delivery(o) for o in range(200)))
+
+    async def handler(message: Message) -> None:
+        await asyncio.sleep(0.002)
+
+    run = Running(consumer(a, handler, concurrency=2, partitions=[0, 1]))
+    one_cap = 2 * (1 + AUTO_PREFETCH_MAX)
+    deployment.wait_for(
+        lambda: len(deployment.acked(0)) == len(deployment.acked(1)) == 200,
+        "every delivery acked",
+    )
+    run.stop()
+    assert run.consumer.credits == 2 * one_cap
+    assert max(c for _, c in a.granted) == one_cap
+    assert {p for p, c in a.granted if c == one_cap} == {0, 1}, "each backlog got a cap"
+    assert deployment.max_unsettled <= 2 * one_cap
+
+
 def test_an_explicit_prefetch_does_not_grow(deployment: Deployment) -> None:
     a = deployment.proxy()
     a.grants = True

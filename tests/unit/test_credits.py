@@ -7,10 +7,12 @@ from hypothesis import strategies as st
 
 from triage_client.credits import (
     IDLE_CREDITS,
+    STREAM_CAPS_MAX,
     Split,
     StreamLoad,
     credit_share,
     grown,
+    grown_cap,
     hungry,
     split,
 )
@@ -181,3 +183,47 @@ def test_the_grown_budget_never_shrinks_nor_passes_its_cap(
     cap = budget + extra
     loads = [load(budget, peak) for peak in peaks]
     assert grown(budget, cap, loads, idled) in (budget, cap)
+
+
+def test_the_prefetch_cap_is_one_stream_cap_per_backlogged_stream_up_to_four() -> None:
+    idle, backlog = load(320, 0), load(320, 320)
+    assert grown_cap(1280, 100_000, [idle] * 4) == 1280, "no backlog: one stream's cap"
+    assert grown_cap(1280, 100_000, [backlog, idle, idle]) == 1280
+    assert grown_cap(1280, 100_000, [backlog, backlog, backlog, idle]) == 3 * 1280
+    assert grown_cap(1280, 100_000, [backlog] * 6) == STREAM_CAPS_MAX * 1280
+    assert grown_cap(1280, 3000, [backlog] * 4) == 3000, "never past the largest Grant"
+    assert grown_cap(1280, 1000, [backlog] * 4) == 1280, "nor below one stream's cap"
+    # Measured by what was held, not credits: half of them at once is a backlog on its way.
+    assert grown_cap(40, 100_000, [load(16, 9), load(16, 8)]) == 40
+
+
+def test_no_stream_is_given_more_than_one_streams_cap() -> None:
+    # Four backlogs under a budget of four caps: a cap each, not more.
+    assert split(256, 5120, [load(1280, 1280)] * 4, stream_cap=1280).credits == (1280,) * 4
+    # Alone with a backlog: its cap, the rest stays free for the others' next backlog.
+    alone = split(256, 5120, [load(1280, 1280)] + [load(2, 0)] * 3, stream_cap=1280)
+    assert alone.credits == (1280, 2, 2, 2)
+    assert split(256, 5120, [load(3, 0)], stream_cap=1280).credits == (1280,)
+    # Without a cap (an explicit prefetch), a lone backlog takes what the others leave.
+    assert split(256, 5120, [load(1280, 1280)] + [load(2, 0)] * 3).credits == (5114, 2, 2, 2)
+
+
+@settings(max_examples=300)
+@given(
+    cap=st.integers(1, 64),
+    budget=st.integers(1, 256),
+    streams=loads,
+)
+def test_a_split_never_gives_a_stream_more_than_the_cap_nor_raises_past_the_budget(
+    cap: int, budget: int, streams: list[StreamLoad]
+) -> None:
+    decision = split(8, budget, streams, stream_cap=cap)
+    for old, new in zip(streams, decision.credits, strict=True):
+        if old.adjustable and new > old.credits:
+            assert new <= max(1, cap), "a raise stops at the stream cap"
+    if len(streams) > 1:
+        committed_before = sum(s.committed for s in streams)
+        committed_after = sum(
+            max(new, s.committed) for s, new in zip(streams, decision.credits, strict=True)
+        )
+        assert committed_after <= max(budget, committed_before)
