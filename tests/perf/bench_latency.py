@@ -47,13 +47,27 @@ Commit lag: the proxy runs with the default commit.interval_s; after each phase 
 the commit interval, not at one), the time from the last handler's return to the
 committed offset covering it (the commit is polled every 5 ms).
 
+Where Triage's latency goes (after the figures above, per phase): the proxy runs under
+tests/perf/traced_proxy.py (the real `triage proxy`, with per-batch timestamps of where
+each record is; nothing on the wire changes) and the Triage consumer stamps when it
+unpacks each frame, so each message's produce -> handler start splits into
+produce -> the proxy's Kafka read returned it (the broker's part: what a plain consumer
+also waits, with its own phase of the fetch wait) and that read -> handler start (what
+Triage itself adds), itself split into its stages: the fetch thread's hand-off to the
+event loop, the wait for credits, the outbox, the gRPC hop and the client's
+queue. Beside them, the proxy's event-loop lag (how late a 10 ms timer ran).
+`--no-trace` runs the plain `triage proxy` (for comparing with a checkout without the
+wrapper).
+
     .venv/bin/python -m tests.perf.bench_latency [--seconds 30] [--rates 1000,10000]
         [--probes 10] [--prefetch 960] [--sync] [--fetch-wait-ms 10] [--idle-seconds 5]
+        [--no-trace] [--save FILE.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -61,8 +75,10 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +87,9 @@ from confluent_kafka import Producer
 from tests.commit_watcher import CommitWatcher
 from tests.perf.common import ROOT, table
 from triage_cli.devstack import DevStack
+from triage_cli.embedded import HOST, wait_for_port
+from triage_cli.supervisor import proxy_command
+from triage_proxy.settings import load_settings
 
 TARGETS = {1000: (2.0, 10.0), 10_000: (None, 20.0)}
 """rate -> (added p50, added p99) targets in ms (None: no target)."""
@@ -89,6 +108,8 @@ FETCH_WAIT_MS = 10
 alike (see the docstring); the proxy's default is 100."""
 PREFETCH = 960
 """The Triage Consumer's prefetch: with concurrency 64, 1,024 credits (see the docstring)."""
+PROXY_START_S = 30.0
+PROXY_STOP_S = 30.0
 PROBE_GAP_S = (1.0, 2.0)
 """Probes are this far apart, uniformly at random: every phase of the 1 s commit interval."""
 
@@ -311,6 +332,8 @@ def main() -> int:
     parser.add_argument("--sync", action="store_true")
     parser.add_argument("--fetch-wait-ms", type=int, default=FETCH_WAIT_MS)
     parser.add_argument("--idle-seconds", type=float, default=5.0)
+    parser.add_argument("--no-trace", action="store_true")
+    parser.add_argument("--save", help="write what the consumers and the proxy recorded here")
     args = parser.parse_args()
     rates = [int(r) for r in args.rates.split(",")]
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -322,9 +345,13 @@ def main() -> int:
     script = str(ROOT / "tests" / "perf" / "latency_instance.py")
     phases: list[Phase] = []
     overrides = {"kafka": {"fetch_wait_ms": args.fetch_wait_ms}}
-    with DevStack(topic="bench-latency", proxy_overrides=overrides) as stack:
+    trace_dir = tempfile.mkdtemp(prefix="bench-latency-")
+    trace_path = os.path.join(trace_dir, "proxy-trace.json")
+    with DevStack(topic="bench-latency", proxy_overrides=overrides, start_proxies=False) as stack:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TRIAGE_TOKEN": stack.token}
-        bootstrap, target = stack.broker.bootstrap, stack.describe()["proxies"][0]["target"]
+        proxy = start_proxy(stack, env, None if args.no_trace else trace_path)
+        port = load_settings(stack.config_path).server.port
+        bootstrap, target = stack.broker.bootstrap, f"{HOST}:{port}"
         triage = Reader(
             [sys.executable, script, "--target", target, "--concurrency", str(args.concurrency)]
             + (["--sync"] if args.sync else [])
@@ -350,7 +377,7 @@ def main() -> int:
             wait_committed(watcher, producer.end, 60)
             pids = {
                 "Tansu (broker)": stack.broker.pid,
-                "Triage proxy": stack.proxy_process(0).pid,
+                "Triage proxy": proxy.pid,
                 "Triage consumer": triage.proc.pid,
                 "plain consumer": plain.proc.pid,
                 "this producer": os.getpid(),
@@ -387,8 +414,62 @@ def main() -> int:
             baseline = plain.stop()
             second = control.stop()
             watcher.close()
+            stop_proxy(proxy)
     docs = (through, baseline, second)
-    return report(args, phases, probes, docs, producer.acked, producer.failed)
+    trace = read_trace(trace_path)
+    if args.save:
+        with open(args.save, "w") as out:
+            walls = [p.load.wall if p.load else (0.0, 0.0) for p in phases]
+            saved = [(p.number, p.rate, p.count, w) for p, w in zip(phases, walls, strict=True)]
+            json.dump({"docs": docs, "trace": trace, "phases": saved}, out)
+    ok = report(args, phases, probes, docs, producer.acked, producer.failed)
+    if trace:
+        decompose(phases, through, baseline, trace)
+    return ok
+
+
+def start_proxy(stack: DevStack, env: dict[str, str], trace: str | None) -> subprocess.Popen[bytes]:
+    """The stack's proxy for partition 0, under the tracing wrapper unless `trace` is None
+    (then exactly `triage proxy`, as DevStack starts it)."""
+    command = proxy_command(stack.config_path, 0)
+    if trace is not None:
+        command = [sys.executable, "-m", "tests.perf.traced_proxy", *command[3:]]
+        env = {**env, "TRIAGE_BENCH_TRACE": trace}
+    log = open(stack.state_dir / "proxy-0.log", "ab")  # noqa: SIM115
+    with log:
+        proc = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, cwd=ROOT
+        )
+    try:
+        wait_for_port(HOST, load_settings(stack.config_path).server.port, PROXY_START_S, proc)
+    except BaseException:
+        stop_proxy(proc)
+        raise
+    return proc
+
+
+def stop_proxy(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM by PID (it drains, commits and writes its trace), SIGKILL if it hangs."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(PROXY_STOP_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def read_trace(path: str) -> dict[str, list[int]]:
+    try:
+        with open(path) as f:
+            trace: dict[str, list[int]] = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+            os.rmdir(os.path.dirname(path))
+    return trace
 
 
 def report(
@@ -400,7 +481,7 @@ def report(
     failed: int,
 ) -> int:
     def by_message(doc: dict[str, object]) -> dict[tuple[int, int], int]:
-        return {(p, i): ns for p, i, ns in doc.get("latencies", [])}  # type: ignore[attr-defined]
+        return {(row[0], row[1]): row[2] for row in doc.get("latencies", [])}  # type: ignore[attr-defined]
 
     through = docs[0]
     t, b, c = (by_message(doc) for doc in docs)
@@ -473,6 +554,86 @@ def report(
         print(f"produce failures reported by librdkafka: {failed}")
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
+
+
+STAGE_ROWS = (
+    ("fetched", "added", "  fetch thread -> event loop (Dispatcher.add)"),
+    ("added", "queued", "  event loop -> a session's outbox (waiting for credits)"),
+    ("queued", "sent", "  outbox -> the gRPC stream handler took the frame"),
+    ("sent", "received", "  gRPC -> the client unpacked the frame"),
+    ("received", "start", "  client unpacked -> handler start (its queue, its loop)"),
+)
+"""Consecutive stamps of one message's way through Triage (traced_proxy.py), and what
+the time between them is."""
+
+
+def stamps(flat: list[int]) -> dict[int, int]:
+    """offset -> ns of the first stamp covering it, from [ns, first, last, ...]."""
+    out: dict[int, int] = {}
+    for k in range(0, len(flat) - 2, 3):
+        ns, first, last = flat[k], flat[k + 1], flat[k + 2]
+        for offset in range(first, last + 1):
+            out.setdefault(offset, ns)
+    return out
+
+
+def decompose(
+    phases: list[Phase],
+    through: dict[str, object],
+    baseline: dict[str, object],
+    trace: dict[str, list[int]],
+) -> None:
+    """Print where each phase's Triage latency went (see the module docstring)."""
+    at = {name: stamps(trace.get(name, [])) for name in ("fetched", "added", "queued", "sent")}
+    at["received"] = stamps(through.get("received", []))  # type: ignore[arg-type]
+    rows_t: list[list[int]] = through.get("latencies", [])  # type: ignore[assignment]
+    plain = {(r[0], r[1]): r[2] for r in baseline.get("latencies", [])}  # type: ignore[attr-defined]
+    lag_flat = trace.get("lag", [])
+    lag_times, lag_values = lag_flat[0::2], lag_flat[1::2]
+    print("\nwhere Triage's latency goes (proxy under tests/perf/traced_proxy.py)")
+    for phase in phases:
+        mine = [r for r in rows_t if r[0] == phase.number]
+        at["start"] = {r[3]: r[4] for r in mine}
+        produced = {r[3]: r[4] - r[2] for r in mine}
+        keys = {r[3]: (r[0], r[1]) for r in mine}
+        fetched = at["fetched"]
+        broker = [(fetched[o] - produced[o]) / 1e6 for o in produced if o in fetched]
+        own = [(at["start"][o] - fetched[o]) / 1e6 for o in produced if o in fetched]
+        noise = [
+            (fetched[o] - produced[o] - plain[keys[o]]) / 1e6
+            for o in produced
+            if o in fetched and keys[o] in plain
+        ]
+        rows: list[tuple[str, str]] = [
+            ("p50 / p99 / max", ""),
+            ("produce -> the proxy's Kafka read returned it (broker)", fmt(percentiles(broker))),
+            (
+                "  beside it: produce -> plain consumer's handler start",
+                fmt(percentiles([plain[k] / 1e6 for k in keys.values() if k in plain])),
+            ),
+            ("  per message: proxy's read - plain's handler start", fmt(percentiles(noise))),
+            ("the proxy's Kafka read -> handler start (Triage itself)", fmt(percentiles(own))),
+        ]
+        for a, b, label in STAGE_ROWS:
+            first, then = at[a], at[b]
+            part = [(then[o] - first[o]) / 1e6 for o in produced if o in first and o in then]
+            rows.append((label, fmt(percentiles(part))))
+        if phase.load is not None:
+            start, end = (int(w * 1e9) for w in phase.load.wall)
+            lo, hi = bisect_right(lag_times, start), bisect_right(lag_times, end)
+            lags = [v / 1e6 for v in lag_values[lo:hi]]
+            rows.append(("proxy event loop: lateness of a 10 ms timer", fmt(percentiles(lags))))
+        p50_target, p99_target = TARGETS.get(phase.rate, (None, None))
+        print(f"\n{phase.rate:,} msg/s: {len(own)} of {len(mine)} messages traced")
+        print(table(rows))
+        p_own = percentiles(own)
+        for name, index, limit in (("p50", 0, p50_target), ("p99", 1, p99_target)):
+            if limit is not None:
+                verdict = "within" if p_own[index] <= limit else "OVER"
+                print(
+                    f"  Triage itself {name} {p_own[index]:.2f} ms: {verdict} the added-{name} "
+                    f"target of {limit:.0f} ms"
+                )
 
 
 if __name__ == "__main__":
