@@ -56,12 +56,15 @@ also waits, with its own phase of the fetch wait) and that read -> handler start
 Triage itself adds), itself split into its stages: the fetch thread's hand-off to the
 event loop, the wait for credits, the outbox, the gRPC hop and the client's
 queue. Beside them, the proxy's event-loop lag (how late a 10 ms timer ran).
+`--client PROP=VALUE` sets a librdkafka property on every consumer alike (the proxy's,
+through [kafka.client], and both plain ones), `--linger-ms` the producer's linger: what
+the broker-side settings cost and buy is measured with them.
 `--no-trace` runs the plain `triage proxy` (for comparing with a checkout without the
 wrapper).
 
     .venv/bin/python -m tests.perf.bench_latency [--seconds 30] [--rates 1000,10000]
         [--probes 10] [--prefetch 960] [--sync] [--fetch-wait-ms 10] [--idle-seconds 5]
-        [--no-trace] [--save FILE.json]
+        [--no-trace] [--save FILE.json] [--client PROP=VALUE ...] [--linger-ms 5]
 """
 
 from __future__ import annotations
@@ -153,11 +156,11 @@ class Reader:
 
 
 class SteadyProducer:
-    def __init__(self, bootstrap: str, topic: str) -> None:
+    def __init__(self, bootstrap: str, topic: str, linger_ms: int = LINGER_MS) -> None:
         self._producer = Producer(
             {
                 "bootstrap.servers": bootstrap,
-                "linger.ms": LINGER_MS,
+                "linger.ms": linger_ms,
                 # Tansu was seen to leave a produce request unanswered until librdkafka's
                 # 60 s socket timeout (then it drops the connection): every message behind
                 # it waited a minute, for both consumers alike. Time out and retry in 1 s.
@@ -333,6 +336,13 @@ def main() -> int:
     parser.add_argument("--fetch-wait-ms", type=int, default=FETCH_WAIT_MS)
     parser.add_argument("--idle-seconds", type=float, default=5.0)
     parser.add_argument("--no-trace", action="store_true")
+    parser.add_argument(
+        "--client",
+        action="append",
+        default=[],
+        help="PROP=VALUE: a librdkafka property of the proxy's consumer and both plain ones",
+    )
+    parser.add_argument("--linger-ms", type=int, default=LINGER_MS)
     parser.add_argument("--save", help="write what the consumers and the proxy recorded here")
     args = parser.parse_args()
     rates = [int(r) for r in args.rates.split(",")]
@@ -344,7 +354,14 @@ def main() -> int:
     )
     script = str(ROOT / "tests" / "perf" / "latency_instance.py")
     phases: list[Phase] = []
-    overrides = {"kafka": {"fetch_wait_ms": args.fetch_wait_ms}}
+    client = dict(pair.split("=", 1) for pair in args.client)
+    overrides: dict[str, dict[str, Any]] = {
+        "kafka": {"fetch_wait_ms": args.fetch_wait_ms, "client": client}
+    }
+    if client:
+        print(f"librdkafka properties of every consumer (the proxy's and the plain ones): {client}")
+    if args.linger_ms != LINGER_MS:
+        print(f"producer linger.ms: {args.linger_ms}")
     trace_dir = tempfile.mkdtemp(prefix="bench-latency-")
     trace_path = os.path.join(trace_dir, "proxy-trace.json")
     with DevStack(topic="bench-latency", proxy_overrides=overrides, start_proxies=False) as stack:
@@ -361,10 +378,11 @@ def main() -> int:
         plain_command = [
             *(sys.executable, script, "--bootstrap", bootstrap, "--topic", stack.topic),
             *("--fetch-wait-ms", str(args.fetch_wait_ms)),
+            *(a for pair in args.client for a in ("--client", pair)),
         ]
         plain, control = Reader(plain_command, env), Reader(plain_command, env)
         watcher = CommitWatcher(bootstrap, stack.group_id, stack.topic, 1)
-        producer = SteadyProducer(bootstrap, stack.topic)
+        producer = SteadyProducer(bootstrap, stack.topic, args.linger_ms)
         try:
             deadline, i = time.monotonic() + WARM_TIMEOUT_S, 0
             while not all(r.check_warm() for r in (triage, plain, control)):

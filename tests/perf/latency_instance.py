@@ -113,6 +113,7 @@ def plain(args: argparse.Namespace, recorder: Recorder) -> None:
             "bootstrap.servers": args.bootstrap,
             "group.id": f"latency-plain-{time.time_ns()}",
             "fetch.wait.max.ms": args.fetch_wait_ms,
+            **dict(pair.split("=", 1) for pair in args.client),
         }
     )
     consumer.assign([TopicPartition(args.topic, 0, OFFSET_END)])
@@ -135,6 +136,7 @@ def main() -> None:
     parser.add_argument("--bootstrap")
     parser.add_argument("--topic")
     parser.add_argument("--fetch-wait-ms", type=int, default=100)
+    parser.add_argument("--client", action="append", default=[], help="PROP=VALUE for librdkafka")
     args = parser.parse_args()
     recorder = Recorder()
     if args.target:
