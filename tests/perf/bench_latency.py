@@ -595,6 +595,27 @@ def stamps(flat: list[int]) -> dict[int, int]:
     return out
 
 
+STALL_MS = 5.0
+"""A 10 ms timer of the proxy's loop this late or later is counted as a stall."""
+
+
+def stall_row(lags: list[float], ran: list[int], waited: list[int]) -> tuple[str, str]:
+    """Where the intervals ending in a stall went: the loop's thread on a CPU (the proxy's
+    own work), runnable but waiting for a CPU (the machine), or neither (idle in epoll,
+    waiting for the GIL or I/O)."""
+    stalls = [k for k, lag in enumerate(lags) if lag >= STALL_MS]
+    total = sum(10.0 + lags[k] for k in stalls)
+    on_cpu = sum(ran[k] for k in stalls) / 1e6
+    queued = sum(waited[k] for k in stalls) / 1e6
+    split = (
+        f"{100 * on_cpu / total:.0f}% running, {100 * queued / total:.0f}% waiting for a CPU, "
+        f"{100 * (total - on_cpu - queued) / total:.0f}% neither"
+        if total
+        else "none"
+    )
+    return (f"  its stalls (>= {STALL_MS:.0f} ms late): {len(stalls)}, their time", split)
+
+
 def decompose(
     phases: list[Phase],
     through: dict[str, object],
@@ -641,6 +662,9 @@ def decompose(
             lo, hi = bisect_right(lag_times, start), bisect_right(lag_times, end)
             lags = [v / 1e6 for v in lag_values[lo:hi]]
             rows.append(("proxy event loop: lateness of a 10 ms timer", fmt(percentiles(lags))))
+            sched = trace.get("lag_sched", [])
+            if len(sched) == len(lag_flat):
+                rows.append(stall_row(lags, sched[0::2][lo:hi], sched[1::2][lo:hi]))
         p50_target, p99_target = TARGETS.get(phase.rate, (None, None))
         print(f"\n{phase.rate:,} msg/s: {len(own)} of {len(mine)} messages traced")
         print(table(rows))

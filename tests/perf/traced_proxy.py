@@ -14,7 +14,10 @@ one clock for every process on the host) per batch, not per record:
 
 Each stamp is (ns, first offset, last offset); the bench's topic has no gaps, so every
 offset in between had that stamp. Also `lag`: how late the event loop ran a callback
-scheduled every LAG_PERIOD_S (a stall of the loop shows as a large lag). On exit the
+scheduled every LAG_PERIOD_S (a stall of the loop shows as a large lag), and `lag_sched`:
+for each of those intervals, how long the loop's thread ran on a CPU and how long it was
+runnable but waiting for one (/proc/thread-self/schedstat), so a stall can be told apart:
+the proxy's own work, the machine's CPUs, or neither (blocked: the GIL, I/O). On exit the
 trace is written as JSON to $TRIAGE_BENCH_TRACE.
 
     TRIAGE_BENCH_TRACE=trace.json python -m tests.perf.traced_proxy proxy --config ...
@@ -36,7 +39,7 @@ LAG_PERIOD_S = 0.01
 """How often the loop-lag probe runs (100 wake-ups a second: a small cost)."""
 
 STAGES = ("fetched", "added", "queued", "sent")
-_trace: dict[str, array[int]] = {name: array("q") for name in (*STAGES, "lag")}
+_trace: dict[str, array[int]] = {name: array("q") for name in (*STAGES, "lag", "lag_sched")}
 _now = time.monotonic_ns
 
 
@@ -108,12 +111,29 @@ def _start_lag() -> None:
     lag = _trace["lag"]
     period_ns = int(LAG_PERIOD_S * 1e9)
 
+    sched = _trace["lag_sched"]
+    last = _schedstat()
+
     def probe(due: int) -> None:
+        nonlocal last
         now = _now()
         lag.extend((now, now - due))
+        ran, waited = _schedstat()
+        sched.extend((ran - last[0], waited - last[1]))
+        last = (ran, waited)
         loop.call_later(LAG_PERIOD_S, probe, now + period_ns)
 
     loop.call_later(LAG_PERIOD_S, probe, _now() + period_ns)
+
+
+def _schedstat() -> tuple[int, int]:
+    """The loop thread's (ns on a CPU, ns runnable but waiting for one) so far."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            ran, waited, _ = f.read().split()
+        return int(ran), int(waited)
+    except (OSError, ValueError):
+        return 0, 0
 
 
 def _dump() -> None:
