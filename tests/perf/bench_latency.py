@@ -55,7 +55,10 @@ produce -> the proxy's Kafka read returned it (the broker's part: what a plain c
 also waits, with its own phase of the fetch wait) and that read -> handler start (what
 Triage itself adds), itself split into its stages: the fetch thread's hand-off to the
 event loop, the wait for credits, the outbox, the gRPC hop and the client's
-queue. Beside them, the proxy's event-loop lag (how late a 10 ms timer ran).
+queue. Beside them, the proxy's event-loop lag (how late a 10 ms timer ran), where its
+stalls went (the loop thread's schedstat), and how long the window was full: then the
+fetcher pauses and records wait in librdkafka's queue, which this split counts in the
+broker's part although it is Triage's backpressure.
 `--client PROP=VALUE` sets a librdkafka property on every consumer alike (the proxy's,
 through [kafka.client], and both plain ones), `--linger-ms` the producer's linger: what
 the broker-side settings cost and buy is measured with them.
@@ -616,6 +619,21 @@ def stall_row(lags: list[float], ran: list[int], waited: list[int]) -> tuple[str
     return (f"  its stalls (>= {STALL_MS:.0f} ms late): {len(stalls)}, their time", split)
 
 
+def paused_ms(flat: list[int], start: int, end: int) -> float:
+    """How long, within [start, end] ns, the proxy's fetcher was paused ([ns, 1|0, ...])."""
+    total, since = 0, None
+    for k in range(0, len(flat) - 1, 2):
+        ns, paused = flat[k], flat[k + 1]
+        if paused and since is None:
+            since = ns
+        elif not paused and since is not None:
+            total += max(0, min(ns, end) - max(since, start))
+            since = None
+    if since is not None:
+        total += max(0, end - max(since, start))
+    return total / 1e6
+
+
 def decompose(
     phases: list[Phase],
     through: dict[str, object],
@@ -665,6 +683,14 @@ def decompose(
             sched = trace.get("lag_sched", [])
             if len(sched) == len(lag_flat):
                 rows.append(stall_row(lags, sched[0::2][lo:hi], sched[1::2][lo:hi]))
+            if "paused" in trace:
+                full = paused_ms(trace["paused"], start, end)
+                rows.append(
+                    (
+                        "window full, fetching paused (records wait in librdkafka)",
+                        f"{full:.0f} ms of {(end - start) / 1e6:.0f} ms",
+                    )
+                )
         p50_target, p99_target = TARGETS.get(phase.rate, (None, None))
         print(f"\n{phase.rate:,} msg/s: {len(own)} of {len(mine)} messages traced")
         print(table(rows))

@@ -17,7 +17,10 @@ offset in between had that stamp. Also `lag`: how late the event loop ran a call
 scheduled every LAG_PERIOD_S (a stall of the loop shows as a large lag), and `lag_sched`:
 for each of those intervals, how long the loop's thread ran on a CPU and how long it was
 runnable but waiting for one (/proc/thread-self/schedstat), so a stall can be told apart:
-the proxy's own work, the machine's CPUs, or neither (blocked: the GIL, I/O). On exit the
+the proxy's own work, the machine's CPUs, or neither (blocked: the GIL, I/O); and `paused`
+[ns, 1 or 0, ...]: when the fetcher stopped and resumed taking records because the window
+was full (records then wait in librdkafka's queue: Triage's backpressure, which the
+benchmark would otherwise count as the broker's part). On exit the
 trace is written as JSON to $TRIAGE_BENCH_TRACE.
 
     TRIAGE_BENCH_TRACE=trace.json python -m tests.perf.traced_proxy proxy --config ...
@@ -33,13 +36,15 @@ import time
 from array import array
 from typing import Any
 
-from triage_proxy import dispatcher, kafka
+from triage_proxy import dispatcher, fetcher, kafka
 
 LAG_PERIOD_S = 0.01
 """How often the loop-lag probe runs (100 wake-ups a second: a small cost)."""
 
 STAGES = ("fetched", "added", "queued", "sent")
-_trace: dict[str, array[int]] = {name: array("q") for name in (*STAGES, "lag", "lag_sched")}
+_trace: dict[str, array[int]] = {
+    name: array("q") for name in (*STAGES, "lag", "lag_sched", "paused")
+}
 _now = time.monotonic_ns
 
 
@@ -94,6 +99,15 @@ def _install() -> None:
         session_init(self, *args, **kwargs)
         self.outbox = TracedOutbox()
 
+    set_paused = fetcher.Fetcher._set_paused
+    paused_at = _trace["paused"]
+
+    def traced_set_paused(self: Any, paused: bool) -> None:
+        if paused != self.paused:
+            paused_at.extend((_now(), int(paused)))
+        set_paused(self, paused)
+
+    fetcher.Fetcher._set_paused = traced_set_paused  # type: ignore[method-assign]
     kafka.ConfluentPartition.fetch = traced_fetch  # type: ignore[method-assign]
     dispatcher.Dispatcher.add = traced_add  # type: ignore[method-assign]
     dispatcher.Dispatcher._deliver = traced_deliver  # type: ignore[method-assign]
