@@ -603,20 +603,18 @@ STALL_MS = 5.0
 
 
 def stall_row(lags: list[float], ran: list[int], waited: list[int]) -> tuple[str, str]:
-    """Where the intervals ending in a stall went: the loop's thread on a CPU (the proxy's
-    own work), runnable but waiting for a CPU (the machine), or neither (idle in epoll,
-    waiting for the GIL or I/O)."""
+    """The stalls' lateness beside what the loop's thread did in those intervals: waited
+    for a CPU (the machine's doing) or ran (the proxy's own work). Lateness the wait does
+    not cover was work, or blocking (the GIL, I/O)."""
     stalls = [k for k, lag in enumerate(lags) if lag >= STALL_MS]
-    total = sum(10.0 + lags[k] for k in stalls)
-    on_cpu = sum(ran[k] for k in stalls) / 1e6
+    late = sum(lags[k] for k in stalls)
     queued = sum(waited[k] for k in stalls) / 1e6
-    split = (
-        f"{100 * on_cpu / total:.0f}% running, {100 * queued / total:.0f}% waiting for a CPU, "
-        f"{100 * (total - on_cpu - queued) / total:.0f}% neither"
-        if total
-        else "none"
+    on_cpu = sum(ran[k] for k in stalls) / 1e6
+    return (
+        f"  its stalls (>= {STALL_MS:.0f} ms late): count, lateness in all",
+        f"{len(stalls)}, {late:.0f} ms; in them its thread waited {queued:.0f} ms for a CPU "
+        f"and ran {on_cpu:.0f} ms",
     )
-    return (f"  its stalls (>= {STALL_MS:.0f} ms late): {len(stalls)}, their time", split)
 
 
 def paused_ms(flat: list[int], start: int, end: int) -> float:
