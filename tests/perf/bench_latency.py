@@ -29,6 +29,21 @@ used 2-3% of a core at 100 ms, 6% at 20, 9-10% at 10, 10-18% at 5; at 1k msg/s a
 28% / 38% / 66% / 61-94%. At 5 ms the broker became the bottleneck and the 10k phase
 collapsed (phases of 46-194 s instead of 30), hence 10.
 
+What else was tried on both sides alike (1k msg/s, 30 s, 2 rounds each, load 5.5-8.7 on
+2 cores; Tansu's CPU / produce-ack p99 / control p99): the defaults 17-20 s / 1.1-1.7 s /
+307-397 ms; socket.nagle.disable on every consumer 18-20 s / 0.36-1.5 s / 55-278 ms (no
+consistent change); fetch wait 5 ms 15 s / 1.0-1.9 s / 641-942 ms (worse); the producer's
+linger.ms 20 instead of 5: 6.7-7.6 s / 50-129 ms / 11-27 ms. Tansu's CPU goes with the
+produced batches, not the messages (and grows with the log), and a Tansu starved of CPU
+answers produces and fetches hundreds of ms late, at different moments for each consumer:
+that, not the fetch wait, is most of the control's tail on the loaded machine.
+`--linger-ms 20` is fair to both sides (one producer, the same records) and adds about
+its own 15 ms to the absolute figures, not to the difference. fetch.queue.backoff.ms and
+queued.min.messages act only when a consumer's local queue is over its cap (10,000
+messages in the proxy, 100,000 in the plain consumers), which the runs never reached (the
+proxy's window, 10,000, was never full either: `fetching paused` below); fetch.min.bytes
+above its default 1 could only make Tansu hold data back for more (not measured).
+
 Why prefetch 960 (1,024 credits, 100 ms of 10k msg/s): the plain consumer's librdkafka
 prefetches up to 100,000 messages, while a Triage stream has at most its credits in
 flight, so a stream whose rate x credit round trip exceeds them falls behind and the
