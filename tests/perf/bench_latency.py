@@ -29,6 +29,21 @@ used 2-3% of a core at 100 ms, 6% at 20, 9-10% at 10, 10-18% at 5; at 1k msg/s a
 28% / 38% / 66% / 61-94%. At 5 ms the broker became the bottleneck and the 10k phase
 collapsed (phases of 46-194 s instead of 30), hence 10.
 
+What else was tried on both sides alike (1k msg/s, 30 s, 2 rounds each, load 5.5-8.7 on
+2 cores; Tansu's CPU / produce-ack p99 / control p99): the defaults 17-20 s / 1.1-1.7 s /
+307-397 ms; socket.nagle.disable on every consumer 18-20 s / 0.36-1.5 s / 55-278 ms (no
+consistent change); fetch wait 5 ms 15 s / 1.0-1.9 s / 641-942 ms (worse); the producer's
+linger.ms 20 instead of 5: 6.7-7.6 s / 50-129 ms / 11-27 ms. Tansu's CPU goes with the
+produced batches, not the messages (and grows with the log), and a Tansu starved of CPU
+answers produces and fetches hundreds of ms late, at different moments for each consumer:
+that, not the fetch wait, is most of the control's tail on the loaded machine.
+`--linger-ms 20` is fair to both sides (one producer, the same records) and adds about
+its own 15 ms to the absolute figures, not to the difference. fetch.queue.backoff.ms and
+queued.min.messages act only when a consumer's local queue is over its cap (10,000
+messages in the proxy, 100,000 in the plain consumers), which the runs never reached (the
+proxy's window, 10,000, was never full either: `fetching paused` below); fetch.min.bytes
+above its default 1 could only make Tansu hold data back for more (not measured).
+
 Why prefetch 960 (1,024 credits, 100 ms of 10k msg/s): the plain consumer's librdkafka
 prefetches up to 100,000 messages, while a Triage stream has at most its credits in
 flight, so a stream whose rate x credit round trip exceeds them falls behind and the
@@ -47,13 +62,33 @@ Commit lag: the proxy runs with the default commit.interval_s; after each phase 
 the commit interval, not at one), the time from the last handler's return to the
 committed offset covering it (the commit is polled every 5 ms).
 
+Where Triage's latency goes (after the figures above, per phase): the proxy runs under
+tests/perf/traced_proxy.py (the real `triage proxy`, with per-batch timestamps of where
+each record is; nothing on the wire changes) and the Triage consumer stamps when it
+unpacks each frame, so each message's produce -> handler start splits into
+produce -> the proxy's Kafka read returned it (the broker's part: what a plain consumer
+also waits, with its own phase of the fetch wait) and that read -> handler start (what
+Triage itself adds), itself split into its stages: the fetch thread's hand-off to the
+event loop, the wait for credits, the outbox, the gRPC hop and the client's
+queue. Beside them, the proxy's event-loop lag (how late a 10 ms timer ran), where its
+stalls went (the loop thread's schedstat), and how long the window was full: then the
+fetcher pauses and records wait in librdkafka's queue, which this split counts in the
+broker's part although it is Triage's backpressure.
+`--client PROP=VALUE` sets a librdkafka property on every consumer alike (the proxy's,
+through [kafka.client], and both plain ones), `--linger-ms` the producer's linger: what
+the broker-side settings cost and buy is measured with them.
+`--no-trace` runs the plain `triage proxy` (for comparing with a checkout without the
+wrapper).
+
     .venv/bin/python -m tests.perf.bench_latency [--seconds 30] [--rates 1000,10000]
         [--probes 10] [--prefetch 960] [--sync] [--fetch-wait-ms 10] [--idle-seconds 5]
+        [--no-trace] [--save FILE.json] [--client PROP=VALUE ...] [--linger-ms 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -61,8 +96,10 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +108,9 @@ from confluent_kafka import Producer
 from tests.commit_watcher import CommitWatcher
 from tests.perf.common import ROOT, table
 from triage_cli.devstack import DevStack
+from triage_cli.embedded import HOST, wait_for_port
+from triage_cli.supervisor import proxy_command
+from triage_proxy.settings import load_settings
 
 TARGETS = {1000: (2.0, 10.0), 10_000: (None, 20.0)}
 """rate -> (added p50, added p99) targets in ms (None: no target)."""
@@ -89,6 +129,8 @@ FETCH_WAIT_MS = 10
 alike (see the docstring); the proxy's default is 100."""
 PREFETCH = 960
 """The Triage Consumer's prefetch: with concurrency 64, 1,024 credits (see the docstring)."""
+PROXY_START_S = 30.0
+PROXY_STOP_S = 30.0
 PROBE_GAP_S = (1.0, 2.0)
 """Probes are this far apart, uniformly at random: every phase of the 1 s commit interval."""
 
@@ -132,11 +174,11 @@ class Reader:
 
 
 class SteadyProducer:
-    def __init__(self, bootstrap: str, topic: str) -> None:
+    def __init__(self, bootstrap: str, topic: str, linger_ms: int = LINGER_MS) -> None:
         self._producer = Producer(
             {
                 "bootstrap.servers": bootstrap,
-                "linger.ms": LINGER_MS,
+                "linger.ms": linger_ms,
                 # Tansu was seen to leave a produce request unanswered until librdkafka's
                 # 60 s socket timeout (then it drops the connection): every message behind
                 # it waited a minute, for both consumers alike. Time out and retry in 1 s.
@@ -311,6 +353,15 @@ def main() -> int:
     parser.add_argument("--sync", action="store_true")
     parser.add_argument("--fetch-wait-ms", type=int, default=FETCH_WAIT_MS)
     parser.add_argument("--idle-seconds", type=float, default=5.0)
+    parser.add_argument("--no-trace", action="store_true")
+    parser.add_argument(
+        "--client",
+        action="append",
+        default=[],
+        help="PROP=VALUE: a librdkafka property of the proxy's consumer and both plain ones",
+    )
+    parser.add_argument("--linger-ms", type=int, default=LINGER_MS)
+    parser.add_argument("--save", help="write what the consumers and the proxy recorded here")
     args = parser.parse_args()
     rates = [int(r) for r in args.rates.split(",")]
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -321,10 +372,21 @@ def main() -> int:
     )
     script = str(ROOT / "tests" / "perf" / "latency_instance.py")
     phases: list[Phase] = []
-    overrides = {"kafka": {"fetch_wait_ms": args.fetch_wait_ms}}
-    with DevStack(topic="bench-latency", proxy_overrides=overrides) as stack:
+    client = dict(pair.split("=", 1) for pair in args.client)
+    overrides: dict[str, dict[str, Any]] = {
+        "kafka": {"fetch_wait_ms": args.fetch_wait_ms, "client": client}
+    }
+    if client:
+        print(f"librdkafka properties of every consumer (the proxy's and the plain ones): {client}")
+    if args.linger_ms != LINGER_MS:
+        print(f"producer linger.ms: {args.linger_ms}")
+    trace_dir = tempfile.mkdtemp(prefix="bench-latency-")
+    trace_path = os.path.join(trace_dir, "proxy-trace.json")
+    with DevStack(topic="bench-latency", proxy_overrides=overrides, start_proxies=False) as stack:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TRIAGE_TOKEN": stack.token}
-        bootstrap, target = stack.broker.bootstrap, stack.describe()["proxies"][0]["target"]
+        proxy = start_proxy(stack, env, None if args.no_trace else trace_path)
+        port = load_settings(stack.config_path).server.port
+        bootstrap, target = stack.broker.bootstrap, f"{HOST}:{port}"
         triage = Reader(
             [sys.executable, script, "--target", target, "--concurrency", str(args.concurrency)]
             + (["--sync"] if args.sync else [])
@@ -334,10 +396,11 @@ def main() -> int:
         plain_command = [
             *(sys.executable, script, "--bootstrap", bootstrap, "--topic", stack.topic),
             *("--fetch-wait-ms", str(args.fetch_wait_ms)),
+            *(a for pair in args.client for a in ("--client", pair)),
         ]
         plain, control = Reader(plain_command, env), Reader(plain_command, env)
         watcher = CommitWatcher(bootstrap, stack.group_id, stack.topic, 1)
-        producer = SteadyProducer(bootstrap, stack.topic)
+        producer = SteadyProducer(bootstrap, stack.topic, args.linger_ms)
         try:
             deadline, i = time.monotonic() + WARM_TIMEOUT_S, 0
             while not all(r.check_warm() for r in (triage, plain, control)):
@@ -350,7 +413,7 @@ def main() -> int:
             wait_committed(watcher, producer.end, 60)
             pids = {
                 "Tansu (broker)": stack.broker.pid,
-                "Triage proxy": stack.proxy_process(0).pid,
+                "Triage proxy": proxy.pid,
                 "Triage consumer": triage.proc.pid,
                 "plain consumer": plain.proc.pid,
                 "this producer": os.getpid(),
@@ -387,8 +450,62 @@ def main() -> int:
             baseline = plain.stop()
             second = control.stop()
             watcher.close()
+            stop_proxy(proxy)
     docs = (through, baseline, second)
-    return report(args, phases, probes, docs, producer.acked, producer.failed)
+    trace = read_trace(trace_path)
+    if args.save:
+        with open(args.save, "w") as out:
+            walls = [p.load.wall if p.load else (0.0, 0.0) for p in phases]
+            saved = [(p.number, p.rate, p.count, w) for p, w in zip(phases, walls, strict=True)]
+            json.dump({"docs": docs, "trace": trace, "phases": saved}, out)
+    ok = report(args, phases, probes, docs, producer.acked, producer.failed)
+    if trace:
+        decompose(phases, through, baseline, trace)
+    return ok
+
+
+def start_proxy(stack: DevStack, env: dict[str, str], trace: str | None) -> subprocess.Popen[bytes]:
+    """The stack's proxy for partition 0, under the tracing wrapper unless `trace` is None
+    (then exactly `triage proxy`, as DevStack starts it)."""
+    command = proxy_command(stack.config_path, 0)
+    if trace is not None:
+        command = [sys.executable, "-m", "tests.perf.traced_proxy", *command[3:]]
+        env = {**env, "TRIAGE_BENCH_TRACE": trace}
+    log = open(stack.state_dir / "proxy-0.log", "ab")  # noqa: SIM115
+    with log:
+        proc = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, cwd=ROOT
+        )
+    try:
+        wait_for_port(HOST, load_settings(stack.config_path).server.port, PROXY_START_S, proc)
+    except BaseException:
+        stop_proxy(proc)
+        raise
+    return proc
+
+
+def stop_proxy(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM by PID (it drains, commits and writes its trace), SIGKILL if it hangs."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(PROXY_STOP_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def read_trace(path: str) -> dict[str, list[int]]:
+    try:
+        with open(path) as f:
+            trace: dict[str, list[int]] = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+            os.rmdir(os.path.dirname(path))
+    return trace
 
 
 def report(
@@ -400,7 +517,7 @@ def report(
     failed: int,
 ) -> int:
     def by_message(doc: dict[str, object]) -> dict[tuple[int, int], int]:
-        return {(p, i): ns for p, i, ns in doc.get("latencies", [])}  # type: ignore[attr-defined]
+        return {(row[0], row[1]): row[2] for row in doc.get("latencies", [])}  # type: ignore[attr-defined]
 
     through = docs[0]
     t, b, c = (by_message(doc) for doc in docs)
@@ -473,6 +590,131 @@ def report(
         print(f"produce failures reported by librdkafka: {failed}")
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
+
+
+STAGE_ROWS = (
+    ("fetched", "added", "  fetch thread -> event loop (Dispatcher.add)"),
+    ("added", "queued", "  event loop -> a session's outbox (waiting for credits)"),
+    ("queued", "sent", "  outbox -> the gRPC stream handler took the frame"),
+    ("sent", "received", "  gRPC -> the client unpacked the frame"),
+    ("received", "start", "  client unpacked -> handler start (its queue, its loop)"),
+)
+"""Consecutive stamps of one message's way through Triage (traced_proxy.py), and what
+the time between them is."""
+
+
+def stamps(flat: list[int]) -> dict[int, int]:
+    """offset -> ns of the first stamp covering it, from [ns, first, last, ...]."""
+    out: dict[int, int] = {}
+    for k in range(0, len(flat) - 2, 3):
+        ns, first, last = flat[k], flat[k + 1], flat[k + 2]
+        for offset in range(first, last + 1):
+            out.setdefault(offset, ns)
+    return out
+
+
+STALL_MS = 5.0
+"""A 10 ms timer of the proxy's loop this late or later is counted as a stall."""
+
+
+def stall_row(lags: list[float], ran: list[int], waited: list[int]) -> tuple[str, str]:
+    """The stalls' lateness beside what the loop's thread did in those intervals: waited
+    for a CPU (the machine's doing) or ran (the proxy's own work). Lateness the wait does
+    not cover was work, or blocking (the GIL, I/O)."""
+    stalls = [k for k, lag in enumerate(lags) if lag >= STALL_MS]
+    late = sum(lags[k] for k in stalls)
+    queued = sum(waited[k] for k in stalls) / 1e6
+    on_cpu = sum(ran[k] for k in stalls) / 1e6
+    return (
+        f"  its stalls (>= {STALL_MS:.0f} ms late): count, lateness in all",
+        f"{len(stalls)}, {late:.0f} ms; in them its thread waited {queued:.0f} ms for a CPU "
+        f"and ran {on_cpu:.0f} ms",
+    )
+
+
+def paused_ms(flat: list[int], start: int, end: int) -> float:
+    """How long, within [start, end] ns, the proxy's fetcher was paused ([ns, 1|0, ...])."""
+    total, since = 0, None
+    for k in range(0, len(flat) - 1, 2):
+        ns, paused = flat[k], flat[k + 1]
+        if paused and since is None:
+            since = ns
+        elif not paused and since is not None:
+            total += max(0, min(ns, end) - max(since, start))
+            since = None
+    if since is not None:
+        total += max(0, end - max(since, start))
+    return total / 1e6
+
+
+def decompose(
+    phases: list[Phase],
+    through: dict[str, object],
+    baseline: dict[str, object],
+    trace: dict[str, list[int]],
+) -> None:
+    """Print where each phase's Triage latency went (see the module docstring)."""
+    at = {name: stamps(trace.get(name, [])) for name in ("fetched", "added", "queued", "sent")}
+    at["received"] = stamps(through.get("received", []))  # type: ignore[arg-type]
+    rows_t: list[list[int]] = through.get("latencies", [])  # type: ignore[assignment]
+    plain = {(r[0], r[1]): r[2] for r in baseline.get("latencies", [])}  # type: ignore[attr-defined]
+    lag_flat = trace.get("lag", [])
+    lag_times, lag_values = lag_flat[0::2], lag_flat[1::2]
+    print("\nwhere Triage's latency goes (proxy under tests/perf/traced_proxy.py)")
+    for phase in phases:
+        mine = [r for r in rows_t if r[0] == phase.number]
+        at["start"] = {r[3]: r[4] for r in mine}
+        produced = {r[3]: r[4] - r[2] for r in mine}
+        keys = {r[3]: (r[0], r[1]) for r in mine}
+        fetched = at["fetched"]
+        broker = [(fetched[o] - produced[o]) / 1e6 for o in produced if o in fetched]
+        own = [(at["start"][o] - fetched[o]) / 1e6 for o in produced if o in fetched]
+        noise = [
+            (fetched[o] - produced[o] - plain[keys[o]]) / 1e6
+            for o in produced
+            if o in fetched and keys[o] in plain
+        ]
+        rows: list[tuple[str, str]] = [
+            ("p50 / p99 / max", ""),
+            ("produce -> the proxy's Kafka read returned it (broker)", fmt(percentiles(broker))),
+            (
+                "  beside it: produce -> plain consumer's handler start",
+                fmt(percentiles([plain[k] / 1e6 for k in keys.values() if k in plain])),
+            ),
+            ("  per message: proxy's read - plain's handler start", fmt(percentiles(noise))),
+            ("the proxy's Kafka read -> handler start (Triage itself)", fmt(percentiles(own))),
+        ]
+        for a, b, label in STAGE_ROWS:
+            first, then = at[a], at[b]
+            part = [(then[o] - first[o]) / 1e6 for o in produced if o in first and o in then]
+            rows.append((label, fmt(percentiles(part))))
+        if phase.load is not None:
+            start, end = (int(w * 1e9) for w in phase.load.wall)
+            lo, hi = bisect_right(lag_times, start), bisect_right(lag_times, end)
+            lags = [v / 1e6 for v in lag_values[lo:hi]]
+            rows.append(("proxy event loop: lateness of a 10 ms timer", fmt(percentiles(lags))))
+            sched = trace.get("lag_sched", [])
+            if len(sched) == len(lag_flat):
+                rows.append(stall_row(lags, sched[0::2][lo:hi], sched[1::2][lo:hi]))
+            if "paused" in trace:
+                full = paused_ms(trace["paused"], start, end)
+                rows.append(
+                    (
+                        "window full, fetching paused (records wait in librdkafka)",
+                        f"{full:.0f} ms of {(end - start) / 1e6:.0f} ms",
+                    )
+                )
+        p50_target, p99_target = TARGETS.get(phase.rate, (None, None))
+        print(f"\n{phase.rate:,} msg/s: {len(own)} of {len(mine)} messages traced")
+        print(table(rows))
+        p_own = percentiles(own)
+        for name, index, limit in (("p50", 0, p50_target), ("p99", 1, p99_target)):
+            if limit is not None:
+                verdict = "within" if p_own[index] <= limit else "OVER"
+                print(
+                    f"  Triage itself {name} {p_own[index]:.2f} ms: {verdict} the added-{name} "
+                    f"target of {limit:.0f} ms"
+                )
 
 
 if __name__ == "__main__":

@@ -6,9 +6,13 @@ producer handed the message to produce() (CLOCK_MONOTONIC is one clock for every
 on the host, and never steps). At handler start the latency is now - produced. The
 first message of phase 0 (warm-up) prints `warm`, so the benchmark knows this consumer
 is connected and reading before it measures. On SIGTERM it stops (Triage: gracefully)
-and prints one JSON line: `latencies` [[phase, index, ns], ...], `returned`
+and prints one JSON line: `latencies` [[phase, index, ns, offset, start], ...] (`start`:
+time.monotonic_ns() at handler start), `returned`
 {phase: time.monotonic_ns() when the last handler of that phase returned} and `probes`
-{index: time.monotonic_ns() when the handler of that probe (phase 99) returned}.
+{index: time.monotonic_ns() when the handler of that probe (phase 99) returned}; through
+Triage also `received` [ns, first offset, last offset, ...]: when the client began unpacking
+each frame of packed deliveries (for the benchmark's decomposition; a wrapper of
+`triage_client.stream.unpack_messages`, nothing on the wire changes).
 """
 
 from __future__ import annotations
@@ -29,15 +33,16 @@ PROBE = 99
 
 class Recorder:
     def __init__(self) -> None:
-        self.latencies: list[tuple[int, int, int]] = []
+        self.latencies: list[tuple[int, int, int, int, int]] = []
+        self.received: list[int] = []
         self.returned: dict[int, int] = {}
         self.probes: dict[int, int] = {}
         self._warm = False
 
-    def start(self, value: bytes) -> tuple[int, int]:
+    def start(self, value: bytes, offset: int) -> tuple[int, int]:
         now = time.monotonic_ns()
         phase, index, produced = (int(x) for x in value.split(b":"))
-        self.latencies.append((phase, index, now - produced))
+        self.latencies.append((phase, index, now - produced, offset, now))
         return phase, index
 
     def end(self, phase: int, index: int) -> None:
@@ -49,21 +54,45 @@ class Recorder:
             print("warm", flush=True)
 
     def dump(self) -> None:
-        doc = {"latencies": self.latencies, "returned": self.returned, "probes": self.probes}
+        doc = {
+            "latencies": self.latencies,
+            "returned": self.returned,
+            "probes": self.probes,
+            "received": self.received,
+        }
         print(json.dumps(doc), flush=True)
 
 
+def trace_receipt(recorder: Recorder) -> None:
+    """Stamp when the client unpacks each frame of deliveries (before the pool queues
+    them for a handler): a wrapper of the stream module's unpack_messages."""
+    from triage_client import stream
+
+    unpack = stream.unpack_messages
+    received = recorder.received
+
+    def traced(topic: str, partition: int, packed: Any) -> Any:
+        now = time.monotonic_ns()
+        messages = unpack(topic, partition, packed)
+        if messages:
+            received.extend((now, messages[0].offset, messages[-1].offset))
+        return messages
+
+    stream.unpack_messages = traced  # type: ignore[attr-defined]
+
+
 def through_triage(args: argparse.Namespace, recorder: Recorder) -> None:
+    trace_receipt(recorder)
     handler: Any
     if args.sync:
 
         def handler(message: Message) -> None:
-            recorder.end(*recorder.start(message.value or b""))
+            recorder.end(*recorder.start(message.value or b"", message.offset))
 
     else:
 
         async def handler(message: Message) -> None:
-            recorder.end(*recorder.start(message.value or b""))
+            recorder.end(*recorder.start(message.value or b"", message.offset))
 
     consumer = Consumer(
         args.target,
@@ -84,6 +113,7 @@ def plain(args: argparse.Namespace, recorder: Recorder) -> None:
             "bootstrap.servers": args.bootstrap,
             "group.id": f"latency-plain-{time.time_ns()}",
             "fetch.wait.max.ms": args.fetch_wait_ms,
+            **dict(pair.split("=", 1) for pair in args.client),
         }
     )
     consumer.assign([TopicPartition(args.topic, 0, OFFSET_END)])
@@ -93,7 +123,7 @@ def plain(args: argparse.Namespace, recorder: Recorder) -> None:
         message = consumer.poll(0.1)
         if message is None or message.error():
             continue
-        recorder.end(*recorder.start(message.value() or b""))
+        recorder.end(*recorder.start(message.value() or b"", message.offset()))
     consumer.close()
 
 
@@ -106,6 +136,7 @@ def main() -> None:
     parser.add_argument("--bootstrap")
     parser.add_argument("--topic")
     parser.add_argument("--fetch-wait-ms", type=int, default=100)
+    parser.add_argument("--client", action="append", default=[], help="PROP=VALUE for librdkafka")
     args = parser.parse_args()
     recorder = Recorder()
     if args.target:
