@@ -235,6 +235,12 @@ class SteadyProducer:
         self.flush()
         return total
 
+    def close(self) -> None:
+        """Let librdkafka go before the broker does (else it retries its connection to the
+        stopped broker, and prints every retry, until the process exits)."""
+        self._producer.flush(0)
+        del self._producer
+
     def flush(self) -> None:
         # Generous: Tansu has been seen to drop the producer's connection under load, and
         # librdkafka then retries what was in flight.
@@ -450,6 +456,7 @@ def main() -> int:
                 probes.append(wait_committed(watcher, producer.end, 60))
             time.sleep(0.5)  # the plain consumer has read everything by now
         finally:
+            producer.close()
             through = triage.stop()
             baseline = plain.stop()
             second = control.stop()
