@@ -317,7 +317,8 @@ class HandlerPool:
         pick = self._pick
         handler = cast(_AsyncHandler, self._handler)
         retry_on = self._retry_on
-        streak = 0
+        streak = 0  # deliveries since this worker last waited for work: an idle counts after one
+        unyielded = 0  # deliveries since this worker last gave the loop a turn
         while not self._closing:
             picked = pick() if ready else None
             if picked is None:
@@ -372,9 +373,12 @@ class HandlerPool:
             if not self.outstanding:
                 self.drained.set()
             streak += 1
-            if streak >= self._batch_limit:
-                # Handlers that never suspend would starve the reader and writer.
-                streak = 0
+            unyielded += 1
+            if unyielded >= self._batch_limit:
+                # Handlers that never suspend would starve the reader and writer. (A counter
+                # of its own: resetting `streak` here hid the idle that follows a queue of
+                # exactly a multiple of the batch, so the default prefetch never grew.)
+                unyielded = 0
                 await asyncio.sleep(0)
 
     # -- sync handlers: a thread pool, results handed back in batches -----------------------

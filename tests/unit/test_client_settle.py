@@ -4,10 +4,12 @@ that the pool's tick keeps coming for results that wait for company."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any, cast
 
 import pytest
 
+from triage_client import Message
 from triage_client.pool import HandlerPool
 from triage_client.stream import SETTLE_TICKS, PartitionStream, StreamContext
 
@@ -94,6 +96,37 @@ def test_the_pool_keeps_ticking_while_a_stream_waits_for_company() -> None:
             await asyncio.sleep(0.001)
         assert s.acks == [7]
         assert pool.outstanding == 1
+        await pool.close(clean=True)
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("batches", [1, 2, 3])
+def test_a_slot_that_runs_dry_after_whole_batches_counts_as_idle(batches: int) -> None:
+    """Async handlers that never suspend yield to the loop every `batch_limit` deliveries. A
+    queue of exactly a multiple of that must still count as a slot running dry, or the
+    default prefetch never grows (bench_throughput: 512 credits over a batch of 256, so the
+    window stayed at 512 and every Settle waited a round trip for its refill)."""
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        handled: list[int] = []
+
+        async def handler(message: Message) -> None:
+            handled.append(message.offset)
+
+        pool = HandlerPool(handler, 1, (), 4)
+        s = stream(credits=64, held=0, results=0)
+        s._ctx = replace(s._ctx, pool=pool)
+        s._loop = loop
+        pool.start(loop)
+        count = 4 * batches
+        pool.submit(s, [Message("t", 0, i, None, b"", [], 0, 1) for i in range(count)])
+        deadline = loop.time() + 10
+        while len(handled) < count or not pool._idle_workers:
+            assert loop.time() < deadline, f"handled {len(handled)} of {count}"
+            await asyncio.sleep(0.001)
+        assert pool.take_idled() == 1
         await pool.close(clean=True)
 
     asyncio.run(body())
