@@ -142,15 +142,7 @@ class ConfluentPartition:
         return records
 
     def commit(self, offset: int, metadata: str | None = None) -> None:
-        tp = TopicPartition(self._tp.topic, self._tp.partition, offset)
-        if metadata is not None:  # confluent-kafka refuses metadata=None
-            tp = TopicPartition(self._tp.topic, self._tp.partition, offset, metadata=metadata)
-        try:
-            result = self._consumer.commit(offsets=[tp], asynchronous=False)
-        except KafkaException as exc:
-            raise BrokerUnavailable(f"commit of offset {offset} failed") from exc
-        if result and result[0].error:
-            raise BrokerUnavailable(f"commit of offset {offset} failed: {result[0].error}")
+        commit_offset(self._consumer, self._tp.topic, self._tp.partition, offset, metadata)
 
     def log_end(self) -> int:
         consumer = self._consumer
@@ -243,6 +235,22 @@ def records_of(topic: str, messages: list[Any]) -> list[Record]:
         for m in messages
         if m.error() is None
     ]
+
+
+def commit_offset(
+    consumer: Any, topic: str, partition: int, offset: int, metadata: str | None
+) -> None:
+    """Commit `offset` (and its metadata) synchronously with `consumer`; a refused or failed
+    commit is BrokerUnavailable (the pinned adapter and the reader both commit this way)."""
+    tp = TopicPartition(topic, partition, offset)
+    if metadata is not None:  # confluent-kafka refuses metadata=None
+        tp = TopicPartition(topic, partition, offset, metadata=metadata)
+    try:
+        result = consumer.commit(offsets=[tp], asynchronous=False)
+    except KafkaException as exc:
+        raise BrokerUnavailable(f"commit of offset {offset} failed") from exc
+    if result and result[0].error:
+        raise BrokerUnavailable(f"commit of offset {offset} failed: {result[0].error}")
 
 
 def count_partitions(consumer: Any, topic: str, timeout: float = WATERMARK_TIMEOUT_S) -> int:

@@ -58,6 +58,7 @@ from triage_proxy.kafka import (
     FETCH_WAIT_S,
     PREFETCH_KBYTES,
     WATERMARK_TIMEOUT_S,
+    commit_offset,
     consumer_config,
     count_partitions,
     open_error,
@@ -347,15 +348,7 @@ class Reader:
         )
 
     def commit(self, partition: int, offset: int, metadata: str | None) -> None:
-        tp = TopicPartition(self._topic, partition, offset)
-        if metadata is not None:  # confluent-kafka refuses metadata=None
-            tp = TopicPartition(self._topic, partition, offset, metadata=metadata)
-        try:
-            result = self._consumer.commit(offsets=[tp], asynchronous=False)
-        except KafkaException as exc:
-            raise BrokerUnavailable(f"commit of offset {offset} failed") from exc
-        if result and result[0].error:
-            raise BrokerUnavailable(f"commit of offset {offset} failed: {result[0].error}")
+        commit_offset(self._consumer, self._topic, partition, offset, metadata)
 
     def log_end(self, partition: int) -> int:
         if partition not in self._buffers:
