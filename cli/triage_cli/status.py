@@ -218,21 +218,11 @@ class Sources:
 
     def partitions(self) -> int:
         """`kafka.partitions`, else the topic's partition count from the broker."""
-        from confluent_kafka import KafkaException
-
-        from triage_proxy.errors import BrokerUnavailable
+        from triage_proxy.kafka import count_partitions
 
         if self.settings.kafka.partitions is not None:
             return self.settings.kafka.partitions
-        topic = self.settings.kafka.topic
-        try:
-            meta = self._consumer.list_topics(topic, timeout=BROKER_TIMEOUT_S)
-        except KafkaException as exc:
-            raise BrokerUnavailable(f"reading the metadata of {topic}: {exc}") from exc
-        found = meta.topics.get(topic)
-        if found is None or found.error is not None or not found.partitions:
-            raise BrokerUnavailable(f"the broker does not know topic {topic!r}")
-        return len(found.partitions)
+        return count_partitions(self._consumer, self.settings.kafka.topic, BROKER_TIMEOUT_S)
 
     def broker(self, partitions: int) -> BrokerView:
         from confluent_kafka import KafkaException, TopicPartition

@@ -255,11 +255,11 @@ def commit_offset(
 
 def count_partitions(consumer: Any, topic: str, timeout: float = WATERMARK_TIMEOUT_S) -> int:
     """How many partitions `topic` has, from the broker's metadata as `consumer` reads it
-    (the pinned adapter, the reader and the group member all ask this way)."""
+    (the pinned adapter, the reader, the group member and `triage status` all ask this way)."""
     try:
         meta = consumer.list_topics(topic, timeout=timeout)
     except KafkaException as exc:
-        raise BrokerUnavailable(f"reading the metadata of {topic}") from exc
+        raise BrokerUnavailable(f"reading the metadata of {topic}: {exc}") from exc
     found = meta.topics.get(topic)
     if found is None or found.error is not None or not found.partitions:
         raise BrokerUnavailable(f"the broker reported no partitions of {topic}")
