@@ -11,8 +11,13 @@ its own raw read, and adds issue 15's target: at least 150,000 messages/s in at 
 4 of 5 runs (80% of the runs). `--profile DIR` samples the proxy and the instances with
 py-spy during the (first) run and prints the top frames.
 
+The handler is a true no-op that only counts (instance.py --lean). `--bookkeeping`
+uses the other benchmarks' handler instead (a tuple and four prefix tests per message),
+and `--bookkeeping-too` runs each measurement with both, alternating, and prints the
+ratio: what the handler's own work costs the end-to-end figure.
+
     .venv/bin/python -m tests.perf.bench_throughput [--messages N] [--runs 5]
-        [--profile DIR [--profile-gil]]
+        [--profile DIR [--profile-gil]] [--bookkeeping | --bookkeeping-too]
 """
 
 from __future__ import annotations
@@ -118,7 +123,9 @@ class Measured:
     """The raw confluent-kafka read of the same partition, same run."""
 
 
-def measure(args: argparse.Namespace, profile: Path | None, gil: bool = False) -> Measured:
+def measure(
+    args: argparse.Namespace, profile: Path | None, gil: bool = False, *, lean: bool = True
+) -> Measured:
     messages = args.messages
     overrides = {"commit": {"interval_s": 0.1}}
     with DevStack(topic="bench-throughput", proxy_overrides=overrides) as stack:
@@ -128,7 +135,13 @@ def measure(args: argparse.Namespace, profile: Path | None, gil: bool = False) -
         sampler = CpuSampler(stack.proxy_process(0).pid, stack.broker.pid)
         try:
             run = run_instances(
-                stack, args, timeout_s=300, poll_s=0.02, profile=profile, profile_gil=gil
+                stack,
+                args,
+                timeout_s=300,
+                poll_s=0.02,
+                profile=profile,
+                profile_gil=gil,
+                lean=lean,
             )
         finally:
             sampler.stop()
@@ -143,6 +156,7 @@ def measure(args: argparse.Namespace, profile: Path | None, gil: bool = False) -
         table(
             [
                 ("messages", f"{messages} x 100 bytes"),
+                ("handler", "no-op" if lean else "no-op with the benchmarks' bookkeeping"),
                 ("instances x concurrency", f"{args.instances} x {args.concurrency}"),
                 ("Triage end to end (first handled -> all committed)", f"{e2e:.2f} s"),
                 ("Triage messages/s", f"{rate:,.0f} (target >= {TARGET_PER_S:,})"),
@@ -177,14 +191,32 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--profile", type=Path, default=None)
     parser.add_argument("--profile-gil", action="store_true", help="py-spy --gil")
+    handlers = parser.add_mutually_exclusive_group()
+    handlers.add_argument("--bookkeeping", action="store_true", help="the bookkeeping handler")
+    handlers.add_argument(
+        "--bookkeeping-too", action="store_true", help="also each run with it, side by side"
+    )
     args = parser.parse_args()
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"no-op throughput on {os.cpu_count()} cores, load average {load}")
-    runs = []
+    runs: list[Measured] = []
+    booked: list[Measured] = []
     for n in range(args.runs):
         if args.runs > 1:
             print(f"run {n + 1} of {args.runs}")
-        runs.append(measure(args, args.profile if n == 0 else None, args.profile_gil))
+        profile = args.profile if n == 0 else None
+        runs.append(measure(args, profile, args.profile_gil, lean=not args.bookkeeping))
+        if args.bookkeeping_too:
+            kept = measure(args, None, lean=False)
+            booked.append(kept)
+            print(f"no-op / bookkeeping handler: {runs[-1].rate / kept.rate:.2f}x")
+    if booked:
+        ratios = sorted(r.rate / b.rate for r, b in zip(runs, booked, strict=True))
+        print(
+            "bookkeeping handler msg/s: "
+            + ", ".join(f"{b.rate:,.0f}" for b in booked)
+            + f"; no-op / bookkeeping median {ratios[len(ratios) // 2]:.2f}x"
+        )
     ok = all(r.rate >= TARGET_PER_S for r in runs)
     print(("PASS" if ok else "FAIL") + f" >= {TARGET_PER_S:,} msg/s in every run")
     if args.runs > 1:

@@ -72,6 +72,10 @@ class InstanceResult:
     """time.time() when the first handler started (0: none ran)."""
 
 
+INSTANCE = [sys.executable, str(ROOT / "tests" / "perf" / "instance.py")]
+"""The Python client's bench instance; with "--lean" its handler only counts."""
+
+
 class Instances:
     """Consumer instance processes (tests/perf/instance.py), stopped by PID."""
 
@@ -86,7 +90,7 @@ class Instances:
         """`command` runs one instance (default: tests/perf/instance.py, the Python client);
         it takes --target, --concurrency and --id and prints one JSON line on SIGTERM."""
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TRIAGE_TOKEN": token}
-        command = command or [sys.executable, str(ROOT / "tests" / "perf" / "instance.py")]
+        command = command or INSTANCE
         self._procs = [
             subprocess.Popen(
                 [
@@ -151,20 +155,23 @@ def run_instances(
     poll_s: float | None = None,
     profile: Path | None = None,
     profile_gil: bool = False,
+    lean: bool = False,
 ) -> InstancesRun:
     """Start `args.instances` x `args.concurrency` instances, wait until all `args.messages`
     (spread round-robin over the partitions) are committed, then stop them.
 
     One partition: the instances run on its proxy, as before. Several: each instance is ONE
     Consumer given the stack's endpoint, consuming every partition with one pool.
-    With `profile`, py-spy samples the proxies and the instances until all is committed."""
+    With `profile`, py-spy samples the proxies and the instances until all is committed.
+    `lean`: no-op handlers that only count (their results have no `finishes`)."""
     partitions = stack.partitions
     watcher = CommitWatcher(stack.broker.bootstrap, stack.group_id, stack.topic, partitions)
     expected = [len(range(p, args.messages, partitions)) for p in range(partitions)]
     info = stack.describe()
     targets = [p["target"] for p in info["proxies"]] if partitions == 1 else [info["endpoint"]]
     launched = time.time()
-    instances = Instances(targets, stack.token, args.instances, args.concurrency)
+    command = [*INSTANCE, "--lean"] if lean else None
+    instances = Instances(targets, stack.token, args.instances, args.concurrency, command)
     polling = {} if poll_s is None else {"poll_s": poll_s}
     profiler = None
     if profile is not None:
