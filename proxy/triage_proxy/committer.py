@@ -33,12 +33,14 @@ task, one write at a time.
 
 A partition that caught up does not wait for the tick either: once everything fetched
 is settled (the dispatcher's `caught_up`) and at least EARLY_COMMIT_OFFSETS offsets
-wait to be committed, the commit goes at once, at most EARLY_COMMITS_PER_INTERVAL times
-an interval. The end of a burst is then committed within a commit round trip instead of
-up to an interval later (bench_throughput: the commit lag after the last ack was 123-228
-ms at its 0.1 s interval, a tenth of the run); a partition with a backlog never catches
-up, so it commits on the interval as before, and a trickle commits early at most once
-per EARLY_COMMIT_OFFSETS offsets.
+wait to be committed, or any wait after a commit that moved that many (the tail of the
+burst: policies.early_commit_worth), the commit goes at once, at most
+EARLY_COMMITS_PER_INTERVAL times an interval. The end of a burst is then committed
+within a commit round trip instead of up to an interval later (bench_throughput: the
+commit lag after the last ack was 123-228 ms at its 0.1 s interval, a tenth of the run);
+a partition with a backlog never catches up, so it commits on the interval as before,
+and a trickle commits early at most once per EARLY_COMMIT_OFFSETS offsets (and once
+more right after a burst, for its tail).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from typing import Protocol
 
 from triage_proxy.errors import BrokerUnavailable, TableUnavailable
 from triage_proxy.kafka import KafkaThread, PartitionLog
-from triage_proxy.policies import checkpoint_due, held_burst
+from triage_proxy.policies import checkpoint_due, early_commit_worth, held_burst
 from triage_proxy.settled import encode_attempts, encode_settled
 from triage_proxy.table.checkpoints import Checkpoint, CheckpointStore
 from triage_proxy.tracker import CommitTracker
@@ -149,6 +151,9 @@ class Committer:
         """When the latest commit call started (monotonic): early commits keep their gap."""
         self.committed = start_offset
         """The last offset Kafka acknowledged as committed."""
+        self._advanced = 0
+        """How far the latest commit moved the offset: a large move makes its remainder
+        worth an early commit (the tail of a burst)."""
         self.metadata: str | None = None
         """The settled-above encoding committed with it (None: plain commit)."""
         self._settled: list[int] = []
@@ -221,7 +226,11 @@ class Committer:
         if cue is None or not cue.is_set():
             return None
         tracker = self._tracker
-        if tracker.pending or tracker.committable - self.committed < EARLY_COMMIT_OFFSETS:
+        if tracker.pending or not early_commit_worth(
+            waiting=tracker.committable - self.committed,
+            previous_advance=self._advanced,
+            least=EARLY_COMMIT_OFFSETS,
+        ):
             cue.clear()  # seen; the next catch-up sets it again
             return None
         gap = self._interval_s / EARLY_COMMITS_PER_INTERVAL
@@ -296,6 +305,7 @@ class Committer:
             logger.info("recovered: committed offset %d", offset)
             self.degraded = False
         self._held = offset == self.committed
+        self._advanced = offset - self.committed
         self.committed, self.metadata, self._settled = offset, metadata, self._encoded
         self.commits += 1
         if self._checkpoints is not None:

@@ -193,6 +193,49 @@ def test_a_caught_up_trickle_below_the_early_threshold_commits_on_the_interval()
     run(main())
 
 
+def test_the_tail_of_a_burst_commits_early_however_short() -> None:
+    """A commit that moved the offset by a burst makes the remainder worth an early commit
+    (it used to wait for the tick when fewer than EARLY_COMMIT_OFFSETS were left); after
+    that short commit a trickle is back on the interval."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        caught_up = asyncio.Event()
+        burst, tail = 2 * EARLY_COMMIT_OFFSETS, 7
+        rig = make(tracked=burst, caught_up=caught_up)
+        rig.start()
+        settle(rig.tracker, *range(burst))
+        caught_up.set()
+        await until(lambda: rig.partition.commits)
+        assert rig.partition.commits == [(burst, None)]
+        assert rig.committer.early_commits == 1
+
+        for offset in range(burst, burst + tail + 1):
+            rig.tracker.track(offset)  # fetched after the commit
+        settle(rig.tracker, *range(burst, burst + tail))
+        await asyncio.sleep(0)
+        assert not rig.partition.commits[1:]  # one is pending: not caught up
+        rig.tracker.settle(burst + tail)
+        tail += 1
+        caught_up.set()
+        settled_at = loop.time()
+        await until(lambda: len(rig.partition.commits) == 2)
+        assert rig.partition.commits[-1] == (burst + tail, None)
+        gap = INTERVAL_S / EARLY_COMMITS_PER_INTERVAL
+        assert rig.partition.commit_times[-1] - settled_at <= gap + 2 * KAFKA_CALL_S
+        assert rig.committer.early_commits == 2
+
+        rig.tracker.track(burst + tail)  # a trickle after the tail: the interval again
+        rig.tracker.settle(burst + tail)
+        caught_up.set()
+        await until(lambda: len(rig.partition.commits) == 3)
+        assert gaps(rig.partition.commit_times)[-1] >= INTERVAL_S - KAFKA_CALL_S
+        assert rig.committer.early_commits == 2
+        await rig.stop()
+
+    run(main())
+
+
 def test_final_commit_takes_what_settled_since_the_last_tick() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()

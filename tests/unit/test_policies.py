@@ -15,6 +15,7 @@ from triage_proxy.policies import (
     after_failure,
     backoff,
     checkpoint_due,
+    early_commit_worth,
     held_burst,
     redelivery_delay,
     retry_delay,
@@ -329,3 +330,20 @@ def test_a_moving_offset_waits_for_the_tick_however_much_settled() -> None:
 def test_no_burst_write_after_a_failed_write() -> None:
     # Not recording: the latest write failed (a frozen table waits out the interval).
     assert not held_burst(held=True, newly_settled=10_000, recording=False, held_offsets=48)
+
+
+@given(
+    waiting=st.integers(0, 5000),
+    previous=st.integers(0, 5000),
+    least=st.integers(1, 2048),
+)
+def test_early_commit_worth_a_burst_or_the_tail_of_one(
+    waiting: int, previous: int, least: int
+) -> None:
+    worth = early_commit_worth(waiting=waiting, previous_advance=previous, least=least)
+    if waiting >= least:
+        assert worth  # a burst waits
+    elif waiting == 0:
+        assert not worth  # nothing to commit
+    else:
+        assert worth == (previous >= least)  # a tail after a burst, not a trickle
