@@ -5,8 +5,10 @@ auto-commit off); `MemoryPartition` is its in-memory twin for unit tests. Both a
 synchronous and are called from dedicated threads (`KafkaThread`), so the event loop
 never blocks on the broker: one thread fetches (only it ever consumes), and the commit
 and the broker queries (log end, partition count) run each on a thread of their own
-(partition.py). librdkafka's handle is thread-safe; a commit or a query on the fetch's
-thread held up every fetch behind it (2-3% of records delayed up to 100 ms). (The seed
+(partition.py), on a second handle: a commit or a query on the fetch's thread held up
+every fetch behind it (2-3% of records delayed up to 100 ms), and on the fetch's handle
+from another thread it waited for confluent-kafka's one-call-at-a-time gate, which an
+idle fetch holds back to back (see `ConfluentPartition._side`). (The seed
 once saw a synchronous commit beside a blocking consume hang, together with
 pause()/resume(), which this adapter does not use; the fault suite and the integration
 tests run the commit beside the consume.) confluent-kafka exceptions become
@@ -88,32 +90,43 @@ class ConfluentPartition:
         self._settings = settings
         self._tp = TopicPartition(settings.topic, partition)
         self._consumer: Any = None
-        self._lock = threading.Lock()  # librdkafka is thread-safe; this keeps close() clean
+        """Fetches, and nothing else (only the fetch's thread calls it)."""
+        self._side: Any = None
+        """Commits and answers the broker queries: confluent-kafka (2.16) lets one call at a
+        time into a handle and a waiting call retries every millisecond, so a commit on the
+        fetch's handle waited out idle consumes back to back (50-330 ms measured at the
+        end of bench_throughput, against 1-20 ms on a handle of its own)."""
+        self._lock = threading.Lock()  # this keeps close() clean
 
     def _config(self) -> dict[str, Any]:
         return consumer_config(self._settings)
 
     def open(self) -> tuple[int, str | None]:
         metadata: str | None = None
+        side: Any = None
         consumer: Any = None
         try:
-            consumer = Consumer(self._config())
-            committed = consumer.committed([self._tp], timeout=BROKER_TIMEOUT_S)[0]
+            # The side handle first: reading the committed offset looks up the group
+            # coordinator, which its commits need (the first commit does not pay for it).
+            side = Consumer(self._config())
+            committed = side.committed([self._tp], timeout=BROKER_TIMEOUT_S)[0]
             if committed.error:
                 raise BrokerUnavailable(f"reading committed offset: {committed.error}")
             if committed.offset == OFFSET_INVALID or committed.offset < 0:
-                low, _high = consumer.get_watermark_offsets(self._tp, timeout=BROKER_TIMEOUT_S)
+                low, _high = side.get_watermark_offsets(self._tp, timeout=BROKER_TIMEOUT_S)
                 start = max(low, 0)
             else:
                 start = committed.offset
                 metadata = committed.metadata
+            consumer = Consumer(self._config())
             consumer.assign([TopicPartition(self._tp.topic, self._tp.partition, start)])
         except KafkaException as exc:
-            error = self._open_error(exc, consumer)
-            if consumer is not None:
-                consumer.close()
+            error = self._open_error(exc, side)
+            for handle in (consumer, side):
+                if handle is not None:
+                    handle.close()
             raise error from exc
-        self._consumer = consumer
+        self._consumer, self._side = consumer, side
         logger.info("assigned %s[%d] at offset %d", self._tp.topic, self._tp.partition, start)
         return start, metadata
 
@@ -141,32 +154,41 @@ class ConfluentPartition:
                     logger.warning("fetch: %s", err.str())
         return records
 
+    def _side_handle(self) -> Any:
+        side = self._side
+        if side is None:
+            raise BrokerUnavailable("the partition is not open")
+        return side
+
     def commit(self, offset: int, metadata: str | None = None) -> None:
-        commit_offset(self._consumer, self._tp.topic, self._tp.partition, offset, metadata)
+        side = self._side_handle()
+        try:
+            commit_offset(side, self._tp.topic, self._tp.partition, offset, metadata)
+        finally:
+            side.poll(0)  # its error and log callbacks: nothing else serves them
 
     def log_end(self) -> int:
-        consumer = self._consumer
-        if consumer is None:
-            raise BrokerUnavailable("the partition is not open")
+        side = self._side_handle()
         try:
-            _low, high = consumer.get_watermark_offsets(
+            _low, high = side.get_watermark_offsets(
                 self._tp, timeout=WATERMARK_TIMEOUT_S, cached=False
             )
         except KafkaException as exc:
             raise BrokerUnavailable("reading the log end offset") from exc
+        finally:
+            side.poll(0)
         return int(high)
 
     def partition_count(self) -> int:
-        consumer = self._consumer
-        if consumer is None:
-            raise BrokerUnavailable("the partition is not open")
-        return count_partitions(consumer, self._tp.topic)
+        return count_partitions(self._side_handle(), self._tp.topic)
 
     def close(self) -> None:
         with self._lock:
-            consumer, self._consumer = self._consumer, None
-        if consumer is not None:
-            consumer.close()
+            handles = (self._consumer, self._side)
+            self._consumer = self._side = None
+        for handle in handles:
+            if handle is not None:
+                handle.close()
 
 
 def consumer_config(settings: KafkaSettings) -> dict[str, Any]:
