@@ -8,7 +8,7 @@ and the broker queries (log end, partition count) run each on a thread of their 
 (partition.py), on a second handle: a commit or a query on the fetch's thread held up
 every fetch behind it (2-3% of records delayed up to 100 ms), and on the fetch's handle
 from another thread it waited for confluent-kafka's one-call-at-a-time gate, which an
-idle fetch holds back to back (see `ConfluentPartition._side`). (The seed
+idle fetch holds back to back (see `SideHandle`). (The seed
 once saw a synchronous commit beside a blocking consume hang, together with
 pause()/resume(), which this adapter does not use; the fault suite and the integration
 tests run the commit beside the consume.) confluent-kafka exceptions become
@@ -83,6 +83,57 @@ class PartitionLog(Protocol):
     def close(self) -> None: ...
 
 
+class SideHandle:
+    """A Consumer handle that commits and answers the broker queries, beside the one that
+    fetches. Why: confluent-kafka (2.16) lets one call at a time into a handle, and a
+    waiting call retries every millisecond; an idle fetch holds its handle for its whole
+    wait, back to back, so a commit on the fetching handle waited out idle fetches (50-330
+    ms measured at the end of bench_throughput, against 1-20 ms on a handle of its own).
+    It never assigns or consumes; calls from several threads take turns at its gate, each
+    short (one broker round trip)."""
+
+    def __init__(self, settings: KafkaSettings) -> None:
+        self._topic = settings.topic
+        self.consumer: Any = Consumer(consumer_config(settings))
+        """For the reads that open a partition (committed offset, low watermark)."""
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _handle(self) -> Any:
+        if self._closed:
+            raise BrokerUnavailable("the Kafka client is closed")
+        return self.consumer
+
+    def commit(self, partition: int, offset: int, metadata: str | None) -> None:
+        consumer = self._handle()
+        try:
+            commit_offset(consumer, self._topic, partition, offset, metadata)
+        finally:
+            consumer.poll(0)  # its error and log callbacks: nothing else serves them
+
+    def log_end(self, partition: int) -> int:
+        consumer = self._handle()
+        try:
+            _low, high = consumer.get_watermark_offsets(
+                TopicPartition(self._topic, partition), timeout=WATERMARK_TIMEOUT_S, cached=False
+            )
+        except KafkaException as exc:
+            raise BrokerUnavailable("reading the log end offset") from exc
+        finally:
+            consumer.poll(0)
+        return int(high)
+
+    def partition_count(self) -> int:
+        return count_partitions(self._handle(), self._topic)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.consumer.close()
+
+
 class ConfluentPartition:
     """One assigned partition of a confluent-kafka Consumer."""
 
@@ -91,11 +142,8 @@ class ConfluentPartition:
         self._tp = TopicPartition(settings.topic, partition)
         self._consumer: Any = None
         """Fetches, and nothing else (only the fetch's thread calls it)."""
-        self._side: Any = None
-        """Commits and answers the broker queries: confluent-kafka (2.16) lets one call at a
-        time into a handle and a waiting call retries every millisecond, so a commit on the
-        fetch's handle waited out idle consumes back to back (50-330 ms measured at the
-        end of bench_throughput, against 1-20 ms on a handle of its own)."""
+        self._side: SideHandle | None = None
+        """Commits and answers the broker queries (see SideHandle)."""
         self._lock = threading.Lock()  # this keeps close() clean
 
     def _config(self) -> dict[str, Any]:
@@ -103,17 +151,18 @@ class ConfluentPartition:
 
     def open(self) -> tuple[int, str | None]:
         metadata: str | None = None
-        side: Any = None
+        side: SideHandle | None = None
         consumer: Any = None
         try:
             # The side handle first: reading the committed offset looks up the group
             # coordinator, which its commits need (the first commit does not pay for it).
-            side = Consumer(self._config())
-            committed = side.committed([self._tp], timeout=BROKER_TIMEOUT_S)[0]
+            side = SideHandle(self._settings)
+            committed = side.consumer.committed([self._tp], timeout=BROKER_TIMEOUT_S)[0]
             if committed.error:
                 raise BrokerUnavailable(f"reading committed offset: {committed.error}")
             if committed.offset == OFFSET_INVALID or committed.offset < 0:
-                low, _high = side.get_watermark_offsets(self._tp, timeout=BROKER_TIMEOUT_S)
+                watermarks = side.consumer.get_watermark_offsets
+                low, _high = watermarks(self._tp, timeout=BROKER_TIMEOUT_S)
                 start = max(low, 0)
             else:
                 start = committed.offset
@@ -121,10 +170,11 @@ class ConfluentPartition:
             consumer = Consumer(self._config())
             consumer.assign([TopicPartition(self._tp.topic, self._tp.partition, start)])
         except KafkaException as exc:
-            error = self._open_error(exc, side)
-            for handle in (consumer, side):
-                if handle is not None:
-                    handle.close()
+            error = self._open_error(exc, None if side is None else side.consumer)
+            if consumer is not None:
+                consumer.close()
+            if side is not None:
+                side.close()
             raise error from exc
         self._consumer, self._side = consumer, side
         logger.info("assigned %s[%d] at offset %d", self._tp.topic, self._tp.partition, start)
@@ -154,41 +204,29 @@ class ConfluentPartition:
                     logger.warning("fetch: %s", err.str())
         return records
 
-    def _side_handle(self) -> Any:
+    def _side_handle(self) -> SideHandle:
         side = self._side
         if side is None:
             raise BrokerUnavailable("the partition is not open")
         return side
 
     def commit(self, offset: int, metadata: str | None = None) -> None:
-        side = self._side_handle()
-        try:
-            commit_offset(side, self._tp.topic, self._tp.partition, offset, metadata)
-        finally:
-            side.poll(0)  # its error and log callbacks: nothing else serves them
+        self._side_handle().commit(self._tp.partition, offset, metadata)
 
     def log_end(self) -> int:
-        side = self._side_handle()
-        try:
-            _low, high = side.get_watermark_offsets(
-                self._tp, timeout=WATERMARK_TIMEOUT_S, cached=False
-            )
-        except KafkaException as exc:
-            raise BrokerUnavailable("reading the log end offset") from exc
-        finally:
-            side.poll(0)
-        return int(high)
+        return self._side_handle().log_end(self._tp.partition)
 
     def partition_count(self) -> int:
-        return count_partitions(self._side_handle(), self._tp.topic)
+        return self._side_handle().partition_count()
 
     def close(self) -> None:
         with self._lock:
-            handles = (self._consumer, self._side)
+            consumer, side = self._consumer, self._side
             self._consumer = self._side = None
-        for handle in handles:
-            if handle is not None:
-                handle.close()
+        if consumer is not None:
+            consumer.close()
+        if side is not None:
+            side.close()
 
 
 def consumer_config(settings: KafkaSettings) -> dict[str, Any]:

@@ -11,8 +11,10 @@ them, and one thread serves it.
 its partition at the committed offset, `incremental_unassign` when it closes; the group
 membership is assignment.py's, never this client's) and the one thread that uses it: a
 confluent-kafka Consumer is used from one thread only (kafka.py). That thread alternates
-consume() with the calls queued for it (open, commit, log end, metadata, close), so a
-call waits at most one idle consume (FETCH_WAIT_S). consume() fills one buffer per
+consume() with the calls queued for it (open, close), so a call waits at most one idle
+consume (FETCH_WAIT_S). Commits and the broker queries (log end, metadata) go to a
+second handle on the pipelines' own threads instead (kafka.SideHandle): they wait for
+no consume and hold up no fetch. consume() fills one buffer per
 partition; each pipeline's `ReaderPartition.fetch` (a `PartitionLog`, on the pipeline's
 own KafkaThread) takes from its own buffer only, waiting up to FETCH_WAIT_S when empty.
 
@@ -57,10 +59,8 @@ from triage_proxy.kafka import (
     BROKER_TIMEOUT_S,
     FETCH_WAIT_S,
     PREFETCH_KBYTES,
-    WATERMARK_TIMEOUT_S,
-    commit_offset,
+    SideHandle,
     consumer_config,
-    count_partitions,
     open_error,
     records_of,
 )
@@ -113,6 +113,10 @@ class Reader:
         self._topic = settings.topic
         self._max_bytes = max_bytes
         self._consumer: Any = None
+        self._side: SideHandle | None = None
+        """Commits and answers the broker queries, on the pipelines' threads (SideHandle):
+        queued for the reader thread, a commit waited for an idle consume and held up
+        every partition's fetch for its round trip."""
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._stopping = threading.Event()
@@ -141,6 +145,7 @@ class Reader:
             tp = TopicPartition(self._topic, 0)
             try:
                 self._consumer = Consumer(consumer_config(self._settings))
+                self._side = SideHandle(self._settings)
             except KafkaException as exc:
                 raise open_error(self._settings, tp, exc, None) from exc
             self._thread = threading.Thread(target=self._run, name="kafka-reader", daemon=True)
@@ -154,6 +159,8 @@ class Reader:
         self._wake.set()
         if thread is not None:
             thread.join()
+        if self._side is not None:
+            self._side.close()
 
     # --- calls, from the pipelines' threads -----------------------------------------------
 
@@ -347,22 +354,17 @@ class Reader:
             "unassigned %s[%d] (%d fetched records dropped)", self._topic, partition, dropped
         )
 
-    def commit(self, partition: int, offset: int, metadata: str | None) -> None:
-        commit_offset(self._consumer, self._topic, partition, offset, metadata)
+    def side(self) -> SideHandle:
+        """The handle for commits and queries (any thread; once started)."""
+        side = self._side
+        if side is None:
+            raise BrokerUnavailable("the Kafka reader has not started")
+        return side
 
     def log_end(self, partition: int) -> int:
         if partition not in self._buffers:
             raise BrokerUnavailable(f"partition {partition} is not open")
-        try:
-            _low, high = self._consumer.get_watermark_offsets(
-                TopicPartition(self._topic, partition), timeout=WATERMARK_TIMEOUT_S, cached=False
-            )
-        except KafkaException as exc:
-            raise BrokerUnavailable("reading the log end offset") from exc
-        return int(high)
-
-    def partition_count(self) -> int:
-        return count_partitions(self._consumer, self._topic)
+        return self.side().log_end(partition)
 
 
 class ReaderPartition:
@@ -383,15 +385,13 @@ class ReaderPartition:
         return self._reader.take(self._partition, max_records)
 
     def commit(self, offset: int, metadata: str | None = None) -> None:
-        reader, partition = self._reader, self._partition
-        reader.call(lambda: reader.commit(partition, offset, metadata))
+        self._reader.side().commit(self._partition, offset, metadata)
 
     def log_end(self) -> int:
-        reader, partition = self._reader, self._partition
-        return reader.call(lambda: reader.log_end(partition))
+        return self._reader.log_end(self._partition)
 
     def partition_count(self) -> int:
-        return self._reader.call(self._reader.partition_count)
+        return self._reader.side().partition_count()
 
     def close(self) -> None:
         if not self._open:

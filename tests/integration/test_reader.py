@@ -8,10 +8,18 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+
 from tests.integration.harness import create_topic, make_settings, produce
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
+from triage_proxy import reader as reader_module
+from triage_proxy.kafka import FETCH_WAIT_S
 from triage_proxy.reader import Reader, ReaderPartition
 from triage_proxy.structs import Record
+
+IDLE_CONSUME_S = 10.0
+"""How long the reader's idle consume waits: far longer than a commit on a busy machine."""
 
 
 def _messages(
@@ -93,3 +101,35 @@ def test_a_closed_partition_drops_its_buffer_and_reopens_at_its_commit(
         other.close()
     finally:
         reader.close()
+
+
+def test_commits_and_queries_do_not_wait_for_an_idle_consume(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, unique_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Queued for the reader thread, a commit waited for its idle consume (and held up
+    every partition's fetch for its round trip); on the side handle it waits for none."""
+    create_topic(broker.bootstrap, unique_name)
+    n = produce(broker.bootstrap, unique_name, _messages(0, 10))
+    settings = make_settings(broker.bootstrap, aws.endpoint_url, unique_name, unique_name)
+    reader = Reader(settings.kafka)
+    try:
+        log = reader.partition(0)
+        assert log.open() == (0, None)
+        assert len(_take(log, n, 100)) == n
+        # The reader thread reads the constant at each consume: from its next idle
+        # consume on it waits this long for a record that never comes.
+        monkeypatch.setattr(reader_module, "FETCH_WAIT_S", IDLE_CONSUME_S)
+        time.sleep(0.5)  # into that consume; were it not yet, the test is weaker, not wrong
+        started = time.monotonic()
+        log.commit(n)
+        assert 0 < log.log_end() <= n  # Tansu's high watermark may trail (logend.py)
+        assert log.partition_count() == 1
+        assert time.monotonic() - started < IDLE_CONSUME_S / 2, "a call waited for the consume"
+        monkeypatch.setattr(reader_module, "FETCH_WAIT_S", FETCH_WAIT_S)
+    finally:
+        reader.close()
+    check = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": settings.kafka.group_id})
+    try:
+        assert check.committed([TopicPartition(unique_name, 0)], timeout=10)[0].offset == n
+    finally:
+        check.close()
