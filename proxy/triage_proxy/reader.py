@@ -144,10 +144,15 @@ class Reader:
                 return
             tp = TopicPartition(self._topic, 0)
             try:
-                self._consumer = Consumer(consumer_config(self._settings))
-                self._side = SideHandle(self._settings)
+                side = SideHandle(self._settings)
             except KafkaException as exc:
                 raise open_error(self._settings, tp, exc, None) from exc
+            try:
+                self._consumer = Consumer(consumer_config(self._settings))
+            except KafkaException as exc:
+                side.close()
+                raise open_error(self._settings, tp, exc, None) from exc
+            self._side = side
             self._thread = threading.Thread(target=self._run, name="kafka-reader", daemon=True)
             self._thread.start()
 
