@@ -25,9 +25,19 @@ function b64(value: Buffer | null): string | null {
   return value === null ? null : value.toString("base64");
 }
 
-/** One JSON line on stdout (a pipe on Linux: written synchronously, so flushed at once). */
+/** One JSON line on stdout. A line over the pipe's capacity (a 1 MB record's event) may
+ * still be queued when the client stops: `exit` flushes before it leaves. */
 function emit(record: object): void {
   process.stdout.write(`${JSON.stringify(record)}\n`);
+}
+
+/** process.exit(code) once every line written so far left stdout: exiting at once cut a
+ * queued line short (the kit then saw a half event, under load). */
+async function exit(code: number): Promise<never> {
+  await new Promise<void>((resolve) => {
+    process.stdout.write("", () => resolve());
+  });
+  process.exit(code);
 }
 
 function action(message: Message): string {
@@ -118,10 +128,10 @@ async function main(): Promise<void> {
     await consumer.run();
   } catch (error) {
     process.stderr.write(`conformance client: ${(error as Error).name}: ${(error as Error).message}\n`);
-    process.exit(1);
+    await exit(1);
   }
   process.stderr.write(`conformance client: stopped, ${JSON.stringify(consumer.stats)}\n`);
-  process.exit(0);
+  await exit(0);
 }
 
 void main();
