@@ -31,8 +31,9 @@ from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_client.message import unpack_messages
 from triage_proxy.app import Proxy
 from triage_proxy.deadletter import DeadLetterWriter
+from triage_proxy.kafka import PartitionLog
 from triage_proxy.settings import DeadLetterSettings, Settings, settings_from_dict
-from triage_proxy.structs import DeadLetter
+from triage_proxy.structs import DeadLetter, Record
 from triage_proxy.table.deadletters import DynamoDBStore
 from triage_proxy.table.items import dead_letter_from_item
 from triage_proxy.table.provisioning import create_table
@@ -81,6 +82,16 @@ def committed(bootstrap: str, group: str, topic: str, partition: int = 0) -> int
         return int(consumer.committed([TopicPartition(topic, partition)], 10)[0].offset)
     finally:
         consumer.close()
+
+
+def take(log: PartitionLog, n: int, step: int, timeout_s: float = 60.0) -> list[Record]:
+    """Fetch from `log`, `step` at a time, until `n` records arrived (a bounded wait)."""
+    out: list[Record] = []
+    deadline = time.monotonic() + timeout_s
+    while len(out) < n:
+        assert time.monotonic() < deadline, f"only {len(out)} of {n} records arrived"
+        out.extend(log.fetch(step))
+    return out
 
 
 def make_settings(

@@ -12,9 +12,8 @@ import threading
 import time
 
 import pytest
-from confluent_kafka import Consumer, TopicPartition
 
-from tests.integration.harness import create_topic, make_settings, produce
+from tests.integration.harness import committed, create_topic, make_settings, produce, take
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy import kafka
 from triage_proxy.kafka import ConfluentPartition
@@ -32,11 +31,7 @@ def test_commit_and_queries_do_not_wait_for_an_idle_fetch(
     settings = make_settings(broker.bootstrap, aws.endpoint_url, unique_name, unique_name)
     log = ConfluentPartition(settings.kafka, 0)
     assert log.open() == (0, None)
-    records: list[Record] = []
-    deadline = time.monotonic() + 60
-    while len(records) < n:
-        assert time.monotonic() < deadline, f"only {len(records)} of {n} records arrived"
-        records.extend(log.fetch(100))
+    assert len(take(log, n, 100)) == n
 
     monkeypatch.setattr(kafka, "FETCH_WAIT_S", IDLE_FETCH_S)
     fetching = threading.Event()
@@ -65,10 +60,4 @@ def test_commit_and_queries_do_not_wait_for_an_idle_fetch(
     assert not fetcher.is_alive()
     assert idle == []
     log.close()
-
-    reader = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": settings.kafka.group_id})
-    try:
-        committed = reader.committed([TopicPartition(unique_name, 0)], timeout=10)
-    finally:
-        reader.close()
-    assert committed[0].offset == n
+    assert committed(broker.bootstrap, settings.kafka.group_id, unique_name) == n

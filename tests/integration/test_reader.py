@@ -9,14 +9,12 @@ import threading
 import time
 
 import pytest
-from confluent_kafka import Consumer, TopicPartition
 
-from tests.integration.harness import create_topic, make_settings, produce
+from tests.integration.harness import committed, create_topic, make_settings, produce, take
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy import reader as reader_module
 from triage_proxy.kafka import FETCH_WAIT_S
-from triage_proxy.reader import Reader, ReaderPartition
-from triage_proxy.structs import Record
+from triage_proxy.reader import Reader
 
 IDLE_CONSUME_S = 10.0
 """How long the reader's idle consume waits: far longer than a commit on a busy machine."""
@@ -26,15 +24,6 @@ def _messages(
     partition: int, n: int, pad: int = 0
 ) -> list[tuple[bytes, bytes, list[tuple[str, bytes]]]]:
     return [(f"k{i}".encode(), f"p{partition}-v{i}".encode() + b"." * pad, []) for i in range(n)]
-
-
-def _take(log: ReaderPartition, n: int, step: int, timeout_s: float = 60.0) -> list[Record]:
-    out: list[Record] = []
-    deadline = time.monotonic() + timeout_s
-    while len(out) < n:
-        assert time.monotonic() < deadline, f"only {len(out)} of {n} records arrived"
-        out.extend(log.fetch(step))
-    return out
 
 
 def test_partitions_read_through_one_consumer_pause_alone(
@@ -53,12 +42,12 @@ def test_partitions_read_through_one_consumer_pause_alone(
         assert [log.open() for log in logs] == [(0, None), (0, None)]
         # Partition 1 is not read at all while partition 0 is read to its end: its full
         # buffer pauses it alone, and partition 0 pauses and resumes many times.
-        got = _take(logs[0], n, 30)
+        got = take(logs[0], n, 30)
         assert [r.offset for r in got] == list(range(n))
         assert [r.value.split(b".")[0] for r in got] == [f"p0-v{i}".encode() for i in range(n)]
         assert {r.partition for r in got} == {0}
         assert reader.pauses >= 3, "the small buffers never filled up"
-        rest = _take(logs[1], n, 70)
+        rest = take(logs[1], n, 70)
         assert [r.offset for r in rest] == list(range(n))
         assert [r.value.split(b".")[0] for r in rest] == [f"p1-v{i}".encode() for i in range(n)]
         assert 0 < logs[0].log_end() <= n  # Tansu's high watermark may trail (logend.py)
@@ -81,13 +70,13 @@ def test_a_closed_partition_drops_its_buffer_and_reopens_at_its_commit(
         other = reader.partition(1)
         assert log.open() == (0, None)
         assert other.open() == (0, None)
-        first = _take(log, 5, 5)
+        first = take(log, 5, 5)
         assert [r.offset for r in first] == [0, 1, 2, 3, 4]
         log.commit(5)
         log.close()  # what it had buffered beyond 4 is dropped
         again = reader.partition(0)
         assert again.open()[0] == 5
-        assert [r.offset for r in _take(again, 25, 100)] == list(range(5, 30))
+        assert [r.offset for r in take(again, 25, 100)] == list(range(5, 30))
         # The other partition, open all along, still reads what arrives now.
         produced = threading.Thread(
             target=produce,
@@ -95,7 +84,7 @@ def test_a_closed_partition_drops_its_buffer_and_reopens_at_its_commit(
             kwargs={"partition": 1},
         )
         produced.start()
-        assert [r.value for r in _take(other, 3, 10)] == [b"p1-v0", b"p1-v1", b"p1-v2"]
+        assert [r.value for r in take(other, 3, 10)] == [b"p1-v0", b"p1-v1", b"p1-v2"]
         produced.join()
         again.close()
         other.close()
@@ -115,7 +104,7 @@ def test_commits_and_queries_do_not_wait_for_an_idle_consume(
     try:
         log = reader.partition(0)
         assert log.open() == (0, None)
-        assert len(_take(log, n, 100)) == n
+        assert len(take(log, n, 100)) == n
         # The reader thread reads the constant at each consume: from its next idle
         # consume on it waits this long for a record that never comes.
         monkeypatch.setattr(reader_module, "FETCH_WAIT_S", IDLE_CONSUME_S)
@@ -128,8 +117,4 @@ def test_commits_and_queries_do_not_wait_for_an_idle_consume(
         monkeypatch.setattr(reader_module, "FETCH_WAIT_S", FETCH_WAIT_S)
     finally:
         reader.close()
-    check = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": settings.kafka.group_id})
-    try:
-        assert check.committed([TopicPartition(unique_name, 0)], timeout=10)[0].offset == n
-    finally:
-        check.close()
+    assert committed(broker.bootstrap, settings.kafka.group_id, unique_name) == n
