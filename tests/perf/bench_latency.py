@@ -37,6 +37,12 @@ linger.ms 20 instead of 5: 6.7-7.6 s / 50-129 ms / 11-27 ms. Tansu's CPU goes wi
 produced batches, not the messages (and grows with the log), and a Tansu starved of CPU
 answers produces and fetches hundreds of ms late, at different moments for each consumer:
 that, not the fetch wait, is most of the control's tail on the loaded machine.
+Each phase runs on a fresh stack (broker, proxy, consumers): Tansu's in-memory log costs
+it more CPU per record the longer the log is, so a 10k phase after the 1k one (1,500 more
+produced batches in the log) cost Tansu 58.8-62.0 us per record against 22.4-27.3 on a
+fresh log, starved the machine, and doubled the control (11.9-14.7 ms vs 4.4-6.3 ms p99).
+A Kafka broker finds a fetch's offset through its index, whatever the log's length, so
+the phases do not inherit each other's log; `--shared-log` runs them on one broker.
 Hence the producer's linger of 20 ms by default (`--linger-ms`): fair to both sides (one
 producer, the same records), it adds about its own 15 ms to the absolute figures, not to
 the difference. fetch.queue.backoff.ms and
@@ -84,6 +90,7 @@ wrapper).
     .venv/bin/python -m tests.perf.bench_latency [--seconds 30] [--rates 1000,10000]
         [--probes 10] [--prefetch 960] [--sync] [--fetch-wait-ms 10] [--idle-seconds 5]
         [--no-trace] [--save FILE.json] [--client PROP=VALUE ...] [--linger-ms 20]
+        [--shared-log]
 """
 
 from __future__ import annotations
@@ -354,6 +361,18 @@ class Phase:
     load: Load | None = None
 
 
+@dataclass
+class Run:
+    """What one stack's phases recorded (see `run_stack`)."""
+
+    phases: list[Phase]
+    probes: list[int]
+    docs: tuple[dict[str, object], dict[str, object], dict[str, object]]
+    acked: dict[int, list[float]]
+    failed: int
+    trace: dict[str, list[int]]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=30.0)
@@ -372,6 +391,11 @@ def main() -> int:
         help="PROP=VALUE: a librdkafka property of the proxy's consumer and both plain ones",
     )
     parser.add_argument("--linger-ms", type=int, default=LINGER_MS)
+    parser.add_argument(
+        "--shared-log",
+        action="store_true",
+        help="run every rate on one broker, each phase after the others' records",
+    )
     parser.add_argument("--save", help="write what the consumers and the proxy recorded here")
     args = parser.parse_args()
     rates = [int(r) for r in args.rates.split(",")]
@@ -381,17 +405,53 @@ def main() -> int:
         f"broker fetch wait (proxy kafka.fetch_wait_ms and the plain consumers' "
         f"fetch.wait.max.ms): {args.fetch_wait_ms} ms"
     )
+    client = dict(pair.split("=", 1) for pair in args.client)
+    if client:
+        print(f"librdkafka properties of every consumer (the proxy's and the plain ones): {client}")
+    print(f"producer linger.ms: {args.linger_ms}")
+    numbered = list(enumerate(rates, 1))
+    groups = [numbered] if args.shared_log else [[one] for one in numbered]
+    print(
+        "one broker for every phase (--shared-log)"
+        if args.shared_log
+        else "each phase on a fresh broker (Tansu's CPU per record grows with its log)"
+    )
+    runs = [
+        run_stack(args, group, idle=k == 0, probes=args.probes if k == len(groups) - 1 else 0)
+        for k, group in enumerate(groups)
+    ]
+    if args.save:
+        with open(args.save, "w") as out:
+            json.dump([save_doc(run) for run in runs], out)
+    ok = True
+    for run in runs:
+        ok = report(args, run) and ok
+        if run.trace:
+            decompose(run.phases, run.docs[0], run.docs[1], run.trace)
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+def save_doc(run: Run) -> dict[str, object]:
+    walls = [p.load.wall if p.load else (0.0, 0.0) for p in run.phases]
+    saved = [(p.number, p.rate, p.count, w) for p, w in zip(run.phases, walls, strict=True)]
+    return {"docs": run.docs, "trace": run.trace, "phases": saved}
+
+
+def run_stack(
+    args: argparse.Namespace, numbered: list[tuple[int, int]], idle: bool, probes: int
+) -> Run:
+    """One broker, proxy and three consumers; the phases `numbered` ((number, rate)) one
+    after another, then `probes` commit-lag probes."""
     script = str(ROOT / "tests" / "perf" / "latency_instance.py")
     phases: list[Phase] = []
     client = dict(pair.split("=", 1) for pair in args.client)
     overrides: dict[str, dict[str, Any]] = {
         "kafka": {"fetch_wait_ms": args.fetch_wait_ms, "client": client}
     }
-    if client:
-        print(f"librdkafka properties of every consumer (the proxy's and the plain ones): {client}")
-    print(f"producer linger.ms: {args.linger_ms}")
     trace_dir = tempfile.mkdtemp(prefix="bench-latency-")
     trace_path = os.path.join(trace_dir, "proxy-trace.json")
+    probed: list[int] = []
     with DevStack(topic="bench-latency", proxy_overrides=overrides, start_proxies=False) as stack:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TRIAGE_TOKEN": stack.token}
         proxy = start_proxy(stack, env, None if args.no_trace else trace_path)
@@ -428,18 +488,18 @@ def main() -> int:
                 "plain consumer": plain.proc.pid,
                 "this producer": os.getpid(),
             }
-            if args.idle_seconds > 0:
-                idle = Load({"Tansu (broker)": stack.broker.pid})
-                idle.begin()
+            if idle and args.idle_seconds > 0:
+                meter = Load({"Tansu (broker)": stack.broker.pid})
+                meter.begin()
                 time.sleep(args.idle_seconds)
-                idle.finish()
-                busy = idle.end["Tansu (broker)"][0] - idle.start["Tansu (broker)"][0]
+                meter.finish()
+                busy = meter.end["Tansu (broker)"][0] - meter.start["Tansu (broker)"][0]
                 print(
                     f"idle, 3 consumers connected, nothing produced: Tansu used "
-                    f"{busy / 1e7 / (idle.wall[1] - idle.wall[0]):.1f}% of a core "
-                    f"over {idle.wall[1] - idle.wall[0]:.1f} s"
+                    f"{busy / 1e7 / (meter.wall[1] - meter.wall[0]):.1f}% of a core "
+                    f"over {meter.wall[1] - meter.wall[0]:.1f} s"
                 )
-            for number, rate in enumerate(rates, 1):
+            for number, rate in numbered:
                 cost = Load(pids)
                 cost.begin()
                 count = producer.steady(number, rate, args.seconds)
@@ -447,13 +507,12 @@ def main() -> int:
                 phase.committed_at_ns = wait_committed(watcher, producer.end, 300)
                 cost.finish()
                 phases.append(phase)
-            probes = []
             gaps = random.Random(15)
-            for k in range(args.probes):
+            for k in range(probes):
                 time.sleep(gaps.uniform(*PROBE_GAP_S))
                 producer.send(PROBE, k)
                 producer.flush()
-                probes.append(wait_committed(watcher, producer.end, 60))
+                probed.append(wait_committed(watcher, producer.end, 60))
             time.sleep(0.5)  # the plain consumer has read everything by now
         finally:
             producer.close()
@@ -462,17 +521,9 @@ def main() -> int:
             second = control.stop()
             watcher.close()
             stop_proxy(proxy)
-    docs = (through, baseline, second)
     trace = read_trace(trace_path)
-    if args.save:
-        with open(args.save, "w") as out:
-            walls = [p.load.wall if p.load else (0.0, 0.0) for p in phases]
-            saved = [(p.number, p.rate, p.count, w) for p, w in zip(phases, walls, strict=True)]
-            json.dump({"docs": docs, "trace": trace, "phases": saved}, out)
-    ok = report(args, phases, probes, docs, producer.acked, producer.failed)
-    if trace:
-        decompose(phases, through, baseline, trace)
-    return ok
+    docs = (through, baseline, second)
+    return Run(phases, probed, docs, producer.acked, producer.failed, trace)
 
 
 def start_proxy(stack: DevStack, env: dict[str, str], trace: str | None) -> subprocess.Popen[bytes]:
@@ -519,17 +570,14 @@ def read_trace(path: str) -> dict[str, list[int]]:
     return trace
 
 
-def report(
-    args: argparse.Namespace,
-    phases: list[Phase],
-    probes: list[int],
-    docs: tuple[dict[str, object], dict[str, object], dict[str, object]],
-    acked: dict[int, list[float]],
-    failed: int,
-) -> int:
+def report(args: argparse.Namespace, run: Run) -> bool:
+    """Print each phase's figures and verdicts, and the commit-lag probes; True if every
+    target was met."""
+
     def by_message(doc: dict[str, object]) -> dict[tuple[int, int], int]:
         return {(row[0], row[1]): row[2] for row in doc.get("latencies", [])}  # type: ignore[attr-defined]
 
+    phases, probes, docs, acked = run.phases, run.probes, run.docs, run.acked
     through = docs[0]
     t, b, c = (by_message(doc) for doc in docs)
     returned_t: dict[str, int] = through.get("returned", {})  # type: ignore[assignment]
@@ -597,10 +645,9 @@ def report(
         )
         if lags:
             print(f"  mean {sum(lags) / len(lags):.0f} ms, max {max(lags):.0f} ms")
-    if failed:
-        print(f"produce failures reported by librdkafka: {failed}")
-    print("PASS" if ok else "FAIL")
-    return 0 if ok else 1
+    if run.failed:
+        print(f"produce failures reported by librdkafka: {run.failed}")
+    return ok
 
 
 STAGE_ROWS = (
