@@ -221,6 +221,8 @@ def run_arrangement(
             cpu0 = {
                 "proxy": cpu_seconds(stack.proxy_process(0).pid),
                 "instances": sum(cpu_seconds(p.pid) for p in procs),
+                "broker": cpu_seconds(stack.broker.pid),
+                "aws": cpu_seconds(stack.aws.pid),
             }
             t0 = time.monotonic()
             for proc in procs:
@@ -232,6 +234,8 @@ def run_arrangement(
             cpu = {
                 "proxy": cpu_seconds(stack.proxy_process(0).pid) - cpu0["proxy"],
                 "instances": sum(cpu_seconds(p.pid) for p in procs) - cpu0["instances"],
+                "broker": cpu_seconds(stack.broker.pid) - cpu0["broker"],
+                "aws": cpu_seconds(stack.aws.pid) - cpu0["aws"],
             }
         finally:
             if profiler is not None:
@@ -312,6 +316,10 @@ def report(run: Run, kinds: list[tuple[str, int]]) -> bool:
                     f"{run.cpu['instances']:.2f} / {run.cpu['proxy']:.2f} s "
                     f"({run.cpu['instances'] / len(kinds) * 1e6:.0f} / "
                     f"{run.cpu['proxy'] / len(kinds) * 1e6:.0f} us per message)",
+                ),
+                (
+                    "  beside them: broker (Tansu) / AWS endpoint (moto)",
+                    f"{run.cpu['broker']:.2f} / {run.cpu['aws']:.2f} s",
                 ),
                 ("deliveries / distinct offsets", f"{len(run.records)} / {len(first)}"),
                 ("lost", lost),
