@@ -7,7 +7,9 @@ Each part of the answer comes from where it is true:
   table, so they are right even when the table cannot be read;
 - the partition count: `kafka.partitions` when configured, else the broker's metadata
   (asked on a pipeline's query thread, cached COUNT_TTL_S); when the broker does not
-  answer, the last count read (or this process's partitions), with `complete = false`;
+  answer (or no partition is open yet, at start), the last count read (or this process's
+  partitions), with `complete = false`, and the count is asked again after
+  COUNT_RETRY_S;
 - every other partition, with `ownership.enabled`: its lease item, which carries the
   holder's advertised endpoint (table/leases.py). One BatchGetItem reads them all; the
   answer is cached LEASES_TTL_S, so a burst of consumers costs one read. A table that
@@ -43,16 +45,24 @@ from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from triage_proxy.errors import BrokerUnavailable, TableUnavailable
+from triage_proxy.logthrottle import LogThrottle
 from triage_proxy.ownership import wall_ms
 from triage_proxy.settings import Settings
 from triage_proxy.table.leases import Lease, LeaseReader
 
 logger = logging.getLogger(__name__)
+_count_failures = LogThrottle(logger)
+"""A failed count read is retried every COUNT_RETRY_S while clients ask: one line per
+cause per interval."""
 
 LEASES_TTL_S = 1.0
 """How long one read of the lease items answers Topology calls."""
 COUNT_TTL_S = 5.0
 """How long one read of the topic's partition count from the broker is used."""
+COUNT_RETRY_S = 0.5
+"""How long a failed read of the partition count answers before it is tried again. Short:
+a proxy asked before its first partition opens fails the read, and holding that for
+COUNT_TTL_S made its answer incomplete for up to 5 s after it started serving."""
 TABLE_UNREADABLE = "the lease table could not be read: only this proxy's partitions are known"
 """The problem an answer gives when the lease items could not be read (no details: the
 table's address and AWS's words stay in this proxy's log)."""
@@ -197,7 +207,8 @@ class Topology:
         self._lock = asyncio.Lock()
         self._count: int | None = None
         self._count_problem = ""
-        self._count_at = -float("inf")
+        self._count_due = -float("inf")
+        """When the partition count is next read (monotonic)."""
         self._leases: dict[int, Lease] | None = None
         self._leases_at = -float("inf")
         self._table_failing = False
@@ -223,7 +234,7 @@ class Topology:
         ownership = settings.ownership.enabled
         async with self._lock:
             now = self._monotonic()
-            if now - self._count_at >= COUNT_TTL_S:
+            if now >= self._count_due:
                 await self._read_count()
             count = self._count or 0
             if ownership and now - self._leases_at >= LEASES_TTL_S:
@@ -254,27 +265,33 @@ class Topology:
         )
 
     async def _read_count(self) -> None:
+        read = False
         try:
-            await self._ask_count()
+            read = await self._ask_count()
         finally:
             # From when the answer came: a slow failure must not make every caller
             # queued behind it try again.
-            self._count_at = self._monotonic()
+            self._count_due = self._monotonic() + (COUNT_TTL_S if read else COUNT_RETRY_S)
 
-    async def _ask_count(self) -> None:
+    async def _ask_count(self) -> bool:
+        """Reads the count; False if the broker did not answer (try again sooner)."""
         configured = self._settings.kafka.partitions
         if configured is not None:
             self._count, self._count_problem = configured, ""
-            return
+            return True
         if self._count_source is None:
             self._count_problem = "" if self._count else "the topic's partition count is unknown"
-            return
+            return True
         try:
             self._count, self._count_problem = await self._count_source(), ""
         except BrokerUnavailable as exc:
-            logger.warning("topology: the partition count could not be read: %s", exc)
+            _count_failures.warning(
+                str(exc), "topology: the partition count could not be read: %s", exc
+            )
             known = "the last count read" if self._count else "this proxy's partitions only"
             self._count_problem = f"the broker did not report the partition count ({known})"
+            return False
+        return True
 
     async def _read_leases(self, count: int) -> None:
         try:

@@ -153,8 +153,9 @@ def test_the_standby_endpoint_shows_up_within_two_leases_of_the_holders_kill_9(
             expected = [(0, holder, SERVING), (1, other, SERVING)]
             for asked in (holder, other):
                 # A proxy's port opens before its partition does, and an answer asked in
-                # between is incomplete ("no partition is open yet") for COUNT_TTL_S: wait
-                # for both to serve (the claim under test is the failover's time).
+                # between is incomplete ("no partition is open yet", asked again after
+                # COUNT_RETRY_S): wait for both to serve (the claim under test is the
+                # failover's time).
                 deadline = time.monotonic() + 30
                 while True:
                     reply = await topology(asked)

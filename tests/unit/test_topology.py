@@ -30,6 +30,7 @@ from triage_proxy.table.checkpoints import MemoryCheckpoints
 from triage_proxy.table.deadletters import MemoryStore
 from triage_proxy.table.leases import Lease, MemoryLeaseReader, MemoryLeases, lease_from_item
 from triage_proxy.topology import (
+    COUNT_RETRY_S,
     COUNT_TTL_S,
     LEASES_TTL_S,
     Route,
@@ -346,6 +347,31 @@ def test_the_partition_count_comes_from_the_config_else_the_broker_else_the_last
         answer = await fresh.answer()
         assert answer.partition_count == 1  # never read: at least what this proxy serves
         assert answer.routes == (Route(0, SERVING, "me:7700", "me"),)
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_count_read_is_tried_again_soon_and_a_good_one_lasts() -> None:
+    # At start a proxy's port opens before its partition does, so the first count read
+    # fails ("no partition is open yet"); holding that for COUNT_TTL_S left the answer
+    # incomplete for up to 5 s after the proxy served.
+    count = CountSource(3)
+    topology, clock = topology_of(make_settings(), leases_of("b:7701", "c:7702"), count)
+
+    async def scenario() -> None:
+        count.failing = True
+        assert not (await topology.answer()).complete
+        clock.now += COUNT_RETRY_S / 2
+        await topology.answer()
+        assert count.calls == 1  # a burst still costs one attempt
+        count.failing = False
+        clock.now += COUNT_RETRY_S / 2
+        answer = await topology.answer()
+        assert count.calls == 2
+        assert (answer.partition_count, answer.complete) == (3, True)
+        clock.now += COUNT_TTL_S - 0.01
+        await topology.answer()
+        assert count.calls == 2  # a count read lasts COUNT_TTL_S
 
     asyncio.run(scenario())
 
