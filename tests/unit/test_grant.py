@@ -10,8 +10,8 @@ from typing import Any
 
 import grpc
 
+from tests.unit.wire import consume_call, serving
 from triage_client._proto import triage_pb2 as pb
-from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_proxy.app import Proxy
 from triage_proxy.kafka import MemoryPartition
 from triage_proxy.settings import Settings, settings_from_dict
@@ -89,22 +89,13 @@ class Stream:
 
 def scenario(body: Any, records: int = 50) -> None:
     async def run() -> None:
-        proxy = proxy_with(records)
-        await proxy.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{proxy.port}")
-        try:
-            stub = pb_grpc.TriageStub(channel)  # type: ignore[no-untyped-call]
-            call = stub.Consume(metadata=[("authorization", f"Bearer {TOKEN}")])
+        async with serving(proxy_with(records)) as proxy, consume_call(proxy, TOKEN) as call:
             stream = Stream(call)
             try:
                 await body(stream)
             finally:
                 call.cancel()
                 await asyncio.gather(stream.reader, return_exceptions=True)
-        finally:
-            await channel.close()
-            proxy.stop()
-            await proxy.wait_stopped()
 
     asyncio.run(run())
 

@@ -11,11 +11,9 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import grpc
-
+from tests.unit.wire import consume_call, hello, serving, take
 from tests.waiting import eventually
 from triage_client._proto import triage_pb2 as pb
-from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_proxy.app import Proxy
 from triage_proxy.kafka import MemoryPartition
 from triage_proxy.settings import settings_from_dict
@@ -63,30 +61,22 @@ def test_fetching_goes_on_while_a_commit_and_a_log_end_query_are_held() -> None:
     proxy = Proxy(settings, 0, log=log, store=MemoryStore(), checkpoints=MemoryCheckpoints())
 
     async def scenario() -> None:
-        await proxy.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{proxy.port}")
-        try:
-            stub = pb_grpc.TriageStub(channel)  # type: ignore[no-untyped-call]
-            call = stub.Consume(metadata=[("authorization", f"Bearer {TOKEN}")])
-            await call.write(pb.ConsumerFrame(hello=pb.Hello(consumer_id="i1", credits=10)))
-            assert (await asyncio.wait_for(call.read(), READ_TIMEOUT_S)).HasField("welcome")
-            first = await asyncio.wait_for(call.read(), READ_TIMEOUT_S)
-            assert [d.offset for d in first.deliveries.deliveries] == [0]
-            # The log-end watcher asks at once and is held; the ack makes a commit due.
-            await call.write(pb.ConsumerFrame(settle=pb.Settle(acks=[0])))
-            await eventually(log.commit_waiting.is_set, within=READ_TIMEOUT_S)
-            assert log.log_end_waiting.is_set()
-            log.append(b"second")
-            second = await asyncio.wait_for(call.read(), READ_TIMEOUT_S)
-            assert [d.value for d in second.deliveries.deliveries] == [b"second"]
-            assert log.commits == []  # the commit is still held
-            log.gate.set()
-            await eventually(lambda: any(o == 1 for o, _ in log.commits), within=READ_TIMEOUT_S)
-        finally:
-            log.gate.set()
-            await channel.close()
-            proxy.stop()
-            await proxy.wait_stopped()
+        async with serving(proxy), consume_call(proxy, TOKEN) as call:
+            try:
+                await hello(call)
+                assert await take(call, 1) == [0]
+                # The log-end watcher asks at once and is held; the ack makes a commit due.
+                await call.write(pb.ConsumerFrame(settle=pb.Settle(acks=[0])))
+                await eventually(log.commit_waiting.is_set, within=READ_TIMEOUT_S)
+                assert log.log_end_waiting.is_set()
+                log.append(b"second")
+                second = await asyncio.wait_for(call.read(), READ_TIMEOUT_S)
+                assert [d.value for d in second.deliveries.deliveries] == [b"second"]
+                assert log.commits == []  # the commit is still held
+                log.gate.set()
+                await eventually(lambda: any(o == 1 for o, _ in log.commits), within=READ_TIMEOUT_S)
+            finally:
+                log.gate.set()  # else the proxy's stop waits for the held commit
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
     assert log.closed

@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import grpc
 import pytest
 
+from tests.unit.wire import consume_call, hello, serving, take
 from tests.waiting import eventually
 from triage_client._proto import triage_pb2 as pb
-from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_proxy.app import Proxy, ProxyState
 from triage_proxy.kafka import MemoryPartition
 from triage_proxy.settings import Settings, settings_from_dict
@@ -141,41 +142,34 @@ def test_shutdown_runs_in_the_documented_order(events: Events) -> None:
     )
 
     async def scenario() -> None:
-        await proxy.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{proxy.port}")
-        try:
-            stub = pb_grpc.TriageStub(channel)  # type: ignore[no-untyped-call]
-            call = stub.Consume(metadata=[("authorization", f"Bearer {TOKEN}")])
-            await call.write(pb.ConsumerFrame(hello=pb.Hello(consumer_id="i1", credits=10)))
-            assert (await call.read()).HasField("welcome")
-            got: list[int] = []
-            while len(got) < 3:
-                got.extend(d.offset for d in (await call.read()).deliveries.deliveries)
-            assert got == [0, 1, 2]
-            store.gate.clear()  # the dead letter's write is held until the test lets it go
-            nack = pb.Nack(offset=1, reason="bad", retry=False)
-            await call.write(pb.ConsumerFrame(settle=pb.Settle(acks=[0], nacks=[nack])))
-            await eventually(lambda: len(store.calls) == 1)
+        async with serving(proxy), consume_call(proxy, TOKEN) as call:
+            try:
+                await stop_in_order(call)
+            finally:
+                store.gate.set()
 
-            proxy.stop()
-            await eventually(lambda: "stop fetching" in events.seen)
-            log.append(b"late")  # fetching has stopped: this one is never delivered
-            await asyncio.sleep(0.05)
-            assert proxy.state is ProxyState.STOPPING
-            assert "drained" not in events.seen  # offset 2 is held, the dead letter unwritten
-            events.add("instance acks 2")
-            await call.write(pb.ConsumerFrame(settle=pb.Settle(acks=[2])))
-            await asyncio.sleep(0.05)
-            assert "drained" not in events.seen  # still waiting for the dead letter
-            store.gate.set()
-            assert await call.read() == grpc.aio.EOF  # the proxy ended the stream
-            assert await call.code() == grpc.StatusCode.OK
-            await proxy.wait_stopped()
-        finally:
-            store.gate.set()
-            await channel.close()
-            proxy.stop()
-            await proxy.wait_stopped()
+    async def stop_in_order(call: Any) -> None:
+        await hello(call)
+        assert await take(call, 3) == [0, 1, 2]
+        store.gate.clear()  # the dead letter's write is held until the test lets it go
+        nack = pb.Nack(offset=1, reason="bad", retry=False)
+        await call.write(pb.ConsumerFrame(settle=pb.Settle(acks=[0], nacks=[nack])))
+        await eventually(lambda: len(store.calls) == 1)
+
+        proxy.stop()
+        await eventually(lambda: "stop fetching" in events.seen)
+        log.append(b"late")  # fetching has stopped: this one is never delivered
+        await asyncio.sleep(0.05)
+        assert proxy.state is ProxyState.STOPPING
+        assert "drained" not in events.seen  # offset 2 is held, the dead letter unwritten
+        events.add("instance acks 2")
+        await call.write(pb.ConsumerFrame(settle=pb.Settle(acks=[2])))
+        await asyncio.sleep(0.05)
+        assert "drained" not in events.seen  # still waiting for the dead letter
+        store.gate.set()
+        assert await call.read() == grpc.aio.EOF  # the proxy ended the stream
+        assert await call.code() == grpc.StatusCode.OK
+        await proxy.wait_stopped()
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
 

@@ -12,14 +12,13 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 from typer.testing import CliRunner
 
 from tests.samples import GROUP
+from tests.unit.wire import consume_call, hello, take
 from tests.waiting import eventually
 from triage_client._proto import triage_pb2 as pb
-from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_proxy.app import Proxy, ProxyState
 from triage_proxy.clienttext import for_log
 from triage_proxy.deadletter import NO_BUCKET_FIX, DeadLetterWriter, overflow_warning
@@ -191,14 +190,9 @@ def test_the_dispatcher_stops_counting_an_unwritable_dead_letter_as_in_flight() 
 
 async def consume(proxy: Proxy, count: int, nack: set[int]) -> list[int]:
     """Open a stream, take `count` deliveries, ack them but nack `nack`; the offsets seen."""
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
-        stub = pb_grpc.TriageStub(channel)  # type: ignore[no-untyped-call]
-        call = stub.Consume(metadata=[("authorization", f"Bearer {TOKEN}")])
-        await call.write(pb.ConsumerFrame(hello=pb.Hello(consumer_id="i1", credits=10)))
-        assert (await call.read()).HasField("welcome")
-        got: list[int] = []
-        while len(got) < count:
-            got.extend(d.offset for d in (await call.read()).deliveries.deliveries)
+    async with consume_call(proxy, TOKEN) as call:
+        await hello(call)
+        got = await take(call, count)
         acks = [o for o in got if o not in nack]
         nacks = [pb.Nack(offset=o, reason="ValueError: bad") for o in got if o in nack]
         await call.write(pb.ConsumerFrame(settle=pb.Settle(acks=acks, nacks=nacks)))
