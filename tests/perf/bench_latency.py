@@ -37,12 +37,6 @@ linger.ms 20 instead of 5: 6.7-7.6 s / 50-129 ms / 11-27 ms. Tansu's CPU goes wi
 produced batches, not the messages (and grows with the log), and a Tansu starved of CPU
 answers produces and fetches hundreds of ms late, at different moments for each consumer:
 that, not the fetch wait, is most of the control's tail on the loaded machine.
-Each phase runs on a fresh stack (broker, proxy, consumers): Tansu's in-memory log costs
-it more CPU per record the longer the log is, so a 10k phase after the 1k one (1,500 more
-produced batches in the log) cost Tansu 58.8-62.0 us per record against 22.4-27.3 on a
-fresh log, starved the machine, and doubled the control (11.9-14.7 ms vs 4.4-6.3 ms p99).
-A Kafka broker finds a fetch's offset through its index, whatever the log's length, so
-the phases do not inherit each other's log; `--shared-log` runs them on one broker.
 Hence the producer's linger of 20 ms by default (`--linger-ms`): fair to both sides (one
 producer, the same records), it adds about its own 15 ms to the absolute figures, not to
 the difference. fetch.queue.backoff.ms and
@@ -50,6 +44,13 @@ queued.min.messages act only when a consumer's local queue is over its cap (10,0
 messages in the proxy, 100,000 in the plain consumers), which the runs never reached (the
 proxy's window, 10,000, was never full either: `fetching paused` below); fetch.min.bytes
 above its default 1 could only make Tansu hold data back for more (not measured).
+
+Each phase runs on a fresh stack (broker, proxy, consumers): Tansu's in-memory log costs
+it more CPU per record the longer the log is: in four runs with the 10k phase on a used
+log (after the 1k phase, or after another 10k phase) it cost Tansu 44.6-62.0 us per record
+against 20.9-30.3 on a fresh log, and the control's p99 was 7.4-14.7 ms against 4.4-7.1.
+A Kafka broker finds a fetch's offset through its index, whatever the log's length, so
+the phases do not inherit each other's log; `--shared-log` runs them on one broker.
 
 Why prefetch 960 (1,024 credits, 100 ms of 10k msg/s): the plain consumer's librdkafka
 prefetches up to 100,000 messages, while a Triage stream has at most its credits in
