@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections import deque
 from collections.abc import Callable
 from contextlib import suppress
@@ -92,6 +93,11 @@ Hello.max_frame_bytes so the proxy never sends a larger one."""
 MAX_REDIRECTS = 3
 """Owner endpoints followed at once in a row; past that, redirects wait out the backoff too,
 so two proxies that each name the other cannot spin a stream."""
+LOWERED_GRACE_S = 1.0
+"""How long after a lowering Grant the credits before it still bound what the proxy may
+have sent: a Grant is not acknowledged, and Deliveries decided under the old credits can
+arrive a round trip after it, which a busy machine stretches past a rebalance period (the
+"more than the credits" warning then named a proxy that had done nothing wrong)."""
 
 
 def backoff_delay(
@@ -182,6 +188,7 @@ class PartitionStream:
         self.ack_ranges = False
         """This stream's proxy understands Settle.ack_ranges (its Welcome said so)."""
         self._lowered_from = 0  # credits before a lowering in this rebalance period
+        self._lowered_at = -float("inf")  # time.monotonic() of the last lowering
         self._allowed = 0  # most the stream may hold: credits, or higher ones just lowered
         self._peak = 0  # most held at once since the last rebalance
         self._grant_due = False  # the writer sends a Grant with `credits`
@@ -611,9 +618,10 @@ class PartitionStream:
             adjustable=connected and self.grants and not self._ctx.stopping.is_set(),
         )
         self._peak = held
-        if not self._lowered_from:
-            # No lowering for a whole period: what was on its way under the old credits has
-            # arrived, so from now on the proxy sends only while the stream holds fewer.
+        if not self._lowered_from and time.monotonic() - self._lowered_at >= LOWERED_GRACE_S:
+            # No lowering for a whole period and LOWERED_GRACE_S: what was on its way under
+            # the old credits has arrived, so from now on the proxy sends only while the
+            # stream holds fewer.
             self._allowed = self.credits
         self._lowered_from = 0
         return load
@@ -637,6 +645,7 @@ class PartitionStream:
             return
         if credits < self.credits:
             self._lowered_from = max(self._lowered_from, self.credits)
+            self._lowered_at = time.monotonic()
         else:
             self._allowed = max(self._allowed, credits)
         self.credits = credits

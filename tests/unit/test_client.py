@@ -1222,6 +1222,37 @@ def test_credits_follow_demand_when_the_proxy_grants(deployment: Deployment, gra
         assert a.max_unsettled == 6
 
 
+def test_deliveries_decided_before_a_lowering_arrive_without_a_warning(
+    deployment: Deployment, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Grant is not acknowledged: Deliveries a proxy decided under the credits before a
+    lowering arrive a round trip later, which a busy machine stretches past a rebalance
+    period or two (here b writes each frame 0.35 s after deciding it). They are within what
+    the stream was allowed, so no "more than the credits" warning names the proxy."""
+    a, b = deployment.proxy(), deployment.proxy()
+    a.grants = b.grants = True
+    b.delay_s = 0.35
+    serve_all(deployment, a, b)
+
+    async def handler(message: Message) -> None:
+        if message.partition == 0:
+            await asyncio.sleep(0.02)  # a backlog that draws the credits to partition 0
+
+    deployment.feed(0, (delivery(o) for o in range(400)))
+    deployment.feed(1, (delivery(o) for o in range(8)))
+    # b decides its first frame at the Welcome, under the Hello's credits, and writes it
+    # 0.35 s later: by then the Consumer, which has seen nothing of partition 1, has
+    # lowered it to its prefetch and started two or three rebalance periods since.
+    run = Running(consumer(a, handler, concurrency=4, prefetch=12))
+    deployment.wait_for(lambda: len(deployment.acked(1)) == 8, "partition 1's eight")
+    run.stop()
+    (hello,) = [h for h in b.hellos if h.partition == 1]
+    assert b.max_unsettled == hello.credits > IDLE_CREDITS, "the first frame filled the Hello's"
+    assert (1, IDLE_CREDITS) in b.granted, "partition 1 was lowered to its prefetch"
+    warned = [r.getMessage() for r in caplog.records if "more than the" in r.getMessage()]
+    assert warned == []
+
+
 def test_a_moved_partition_is_followed_to_the_owner_its_old_proxy_names(
     deployment: Deployment,
 ) -> None:
