@@ -94,10 +94,11 @@ MAX_REDIRECTS = 3
 """Owner endpoints followed at once in a row; past that, redirects wait out the backoff too,
 so two proxies that each name the other cannot spin a stream."""
 LOWERED_GRACE_S = 1.0
-"""How long after a lowering Grant the credits before it still bound what the proxy may
-have sent: a Grant is not acknowledged, and Deliveries decided under the old credits can
-arrive a round trip after it, which a busy machine stretches past a rebalance period (the
-"more than the credits" warning then named a proxy that had done nothing wrong)."""
+"""How long after a lowering Grant the stream still allows its old credits before it warns
+that the proxy sent more: a Grant is not acknowledged, and Deliveries decided under the
+old credits arrive a round trip after it, which a busy machine stretches past a rebalance
+period (with one period, the warning named proxies that had done nothing wrong). Only the
+warning waits this long; the budget counts the old credits for one period (credits.py)."""
 
 
 def backoff_delay(
@@ -618,10 +619,9 @@ class PartitionStream:
             adjustable=connected and self.grants and not self._ctx.stopping.is_set(),
         )
         self._peak = held
-        if not self._lowered_from and time.monotonic() - self._lowered_at >= LOWERED_GRACE_S:
-            # No lowering for a whole period and LOWERED_GRACE_S: what was on its way under
-            # the old credits has arrived, so from now on the proxy sends only while the
-            # stream holds fewer.
+        if time.monotonic() - self._lowered_at >= LOWERED_GRACE_S:
+            # No lowering for LOWERED_GRACE_S: what was on its way under the old credits has
+            # arrived, so from now on the proxy sends only while the stream holds fewer.
             self._allowed = self.credits
         self._lowered_from = 0
         return load
