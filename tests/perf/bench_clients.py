@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from tests.commit_watcher import CommitWatcher
 from tests.perf.bench_hol import longest_stall
 from tests.perf.common import ROOT, InstanceResult, Instances, produce_values, table
+from tests.perf.cpumeter import cpu_seconds
 from triage_cli.demo import Kind, Workload, count_dead_letters
 from triage_cli.devstack import DevStack
 
@@ -73,6 +74,10 @@ class Turn:
     results: list[InstanceResult]
     dead_letters: int
     """Dead letters written during this turn (its stack's table)."""
+    proxy_cpu: float = 0.0
+    """CPU seconds the proxy used from the instances' launch to all committed: what the
+    client's protocol choices (packed deliveries, ack ranges, frame sizes) cost the proxy,
+    steadier than messages/s on a shared machine."""
 
     @property
     def first(self) -> float:
@@ -127,16 +132,19 @@ def one_turn(
         target = stack.describe()["proxies"][0]["target"]
         try:
             end = produce_values(stack.broker.bootstrap, stack.topic, iter(values))
+            proxy_pid = stack.proxy_process(0).pid
+            cpu_before = cpu_seconds(proxy_pid)
             launched = time.time()
             instances = Instances([target], stack.token, args.instances, concurrency, command)
             try:
                 committed_at = watcher.wait_for([end], timeout_s=300, poll_s=poll_s)
+                proxy_cpu = cpu_seconds(proxy_pid) - cpu_before
             finally:
                 results = instances.stop()
             dead = count_dead_letters(stack.aws.endpoint_url, stack.table)
         finally:
             watcher.close()
-    return Turn(client, len(values), launched, committed_at, results, dead)
+    return Turn(client, len(values), launched, committed_at, results, dead, proxy_cpu)
 
 
 def ratio(turns: Iterable[Turn], figure: str, fmt: str) -> str:
@@ -152,6 +160,8 @@ def noop(args: argparse.Namespace, clients: dict[str, list[str]]) -> tuple[bool,
     for t in turns:
         rows.append((f"{t.client}: first handled -> all committed", f"{t.seconds:.2f} s"))
         rows.append((f"{t.client}: messages/s", f"{t.rate:,.0f}"))
+        per_message = f"{t.proxy_cpu / t.count * 1e6:.1f} us/message"
+        rows.append((f"{t.client}: proxy CPU, launch -> committed", per_message))
         handled = ", ".join(str(r.handled) for r in t.results)
         rows.append((f"{t.client}: per instance handled", handled))
     rows.append(("messages/s, TypeScript / Python", ratio(turns, "rate", ".2f")))
