@@ -42,6 +42,8 @@ export interface Hello {
   credits: number;
   partition?: number;
   max_frame_bytes?: number;
+  /** This client reads Deliveries.packed (PROTOCOL.md, "Packed deliveries"). */
+  packed_deliveries?: boolean;
 }
 
 export interface Nack {
@@ -50,9 +52,16 @@ export interface Nack {
   retry: boolean;
 }
 
+export interface OffsetRange {
+  first: number;
+  last: number;
+}
+
 export interface Settle {
   acks: number[];
   nacks: Nack[];
+  /** Only to a proxy whose Welcome said ack_ranges. */
+  ack_ranges?: OffsetRange[];
 }
 
 export interface OffsetList {
@@ -72,6 +81,8 @@ export interface Welcome {
   ack_deadline_ms?: number;
   max_attempts?: number;
   max_frame_bytes?: number;
+  /** This proxy understands Settle.ack_ranges. */
+  ack_ranges?: boolean;
 }
 
 export interface Header {
@@ -88,10 +99,22 @@ export interface Delivery {
   attempt?: number;
 }
 
+/** Deliveries as columns (PROTOCOL.md, "Packed deliveries"); an absent column is empty. */
+export interface PackedDeliveries {
+  offsets?: Buffer;
+  timestamps_ms?: Buffer;
+  attempts?: Buffer;
+  value_lengths?: Buffer;
+  values?: Buffer;
+  key_lengths?: Buffer;
+  keys?: Buffer;
+}
+
 export interface Deliveries {
   topic?: string;
   partition?: number;
   deliveries?: Delivery[];
+  packed?: PackedDeliveries;
 }
 
 export interface Rejected {

@@ -41,7 +41,13 @@ import {
 
 import { PartitionError, errorForStatus, statusName } from "./errors";
 import type { Logger } from "./log";
-import { emptyStats, type Headers, type Message, type PartitionStats } from "./message";
+import {
+  emptyStats,
+  type Headers,
+  type Message,
+  type PartitionStats,
+  unpackMessages,
+} from "./message";
 import type { HandlerPool } from "./pool";
 import {
   CONSUME,
@@ -49,7 +55,9 @@ import {
   type Deliveries,
   type Hello,
   type Nack,
+  type OffsetRange,
   type ProxyFrame,
+  type Settle,
   type Welcome,
 } from "./proto";
 import { ownerEndpoint } from "./topology";
@@ -91,6 +99,41 @@ export function backoffDelay(
 ): number {
   const ceiling = Math.min(cap, initial * 2 ** Math.min(failures, 32));
   return ceiling / 2 + (ceiling / 2) * rand();
+}
+
+/**
+ * A Settle for a proxy that understands ack ranges (its Welcome said `ack_ranges`): runs of
+ * consecutive offsets (most acks are: handlers finish in about delivery order) become
+ * `ack_ranges`, the rest stay plain acks. A duplicate ack stays a separate plain ack, so the
+ * proxy rejects it as before. The same rule as the Python client's `settle_frame`.
+ */
+export function settleFrame(acks: readonly number[], nacks: Nack[]): Settle {
+  if (acks.length === 0) {
+    return { acks: [], nacks };
+  }
+  const ordered = [...acks].sort((a, b) => a - b);
+  const singles: number[] = [];
+  const ranges: OffsetRange[] = [];
+  let first = ordered[0]!;
+  let prev = first;
+  const close = (): void => {
+    if (prev > first) {
+      ranges.push({ first, last: prev });
+    } else {
+      singles.push(first);
+    }
+  };
+  for (let i = 1; i < ordered.length; i++) {
+    const offset = ordered[i]!;
+    if (offset === prev + 1) {
+      prev = offset;
+      continue;
+    }
+    close();
+    first = prev = offset;
+  }
+  close();
+  return { acks: singles, nacks, ack_ranges: ranges };
 }
 
 /** What every stream of one Consumer shares. */
@@ -140,6 +183,8 @@ export class PartitionStream {
   credits = 0;
   /** A Welcome or a delivery arrived on the current stream. */
   established = false;
+  /** The current stream's proxy understands Settle.ack_ranges (its Welcome said so). */
+  ackRanges = false;
   /** Deliveries of the current epoch queued or running. */
   outstanding = 0;
   /** Deliveries waiting for a handler slot, from `head` on (the pool takes from the front). */
@@ -375,6 +420,7 @@ export class PartitionStream {
     const ctx = this.ctx;
     this.opened += 1;
     this.established = false;
+    this.ackRanges = false;
     this.overWarned = false;
     this.halfClosed = false;
     this.halfCloseHeld = false;
@@ -403,6 +449,7 @@ export class PartitionStream {
         consumer_id: ctx.consumerId,
         credits: this.credits,
         max_frame_bytes: ctx.maxFrameBytes,
+        packed_deliveries: true,
       };
       if (this.named && this.partition !== null) {
         hello.partition = this.partition;
@@ -471,6 +518,7 @@ export class PartitionStream {
       this.partition = partition;
     }
     this.established = true;
+    this.ackRanges = welcome.ack_ranges === true;
     if (ctx.stopping() && this.holdTimer === null) {
       if (this.closeTimer !== null) {
         clearTimeout(this.closeTimer);
@@ -509,9 +557,14 @@ export class PartitionStream {
     const topic = batch.topic ?? "";
     const partition = batch.partition ?? 0;
     const deliveries = batch.deliveries ?? [];
-    const count = deliveries.length;
+    const plain = deliveries.length;
+    const packed = batch.packed == null ? [] : unpackMessages(topic, partition, batch.packed);
+    const count = plain + packed.length;
     const messages: Message[] = new Array(count);
-    for (let i = 0; i < count; i++) {
+    for (let i = 0; i < packed.length; i++) {
+      messages[plain + i] = packed[i]!;
+    }
+    for (let i = 0; i < plain; i++) {
       const d = deliveries[i]!;
       const hs = d.headers;
       let headers: Headers;
@@ -610,7 +663,7 @@ export class PartitionStream {
         this.flushTimer = null;
       }
       this.held -= acks.length + nacks.length;
-      call.write({ settle: { acks, nacks } });
+      call.write({ settle: this.ackRanges ? settleFrame(acks, nacks) : { acks, nacks } });
       this.acked += acks.length;
       this.nacked += nacks.length;
     }

@@ -6,9 +6,10 @@ import * as path from "node:path";
 import { test } from "node:test";
 
 import { Consumer, MAX_REASON_CHARS, Retry } from "../src/index.js";
+import { unpackMessages } from "../src/message.js";
 import { nackReason } from "../src/pool.js";
-import { PROTO_PATH } from "../src/proto.js";
-import { DEFAULT_MAX_BACKOFF_MS, INITIAL_BACKOFF_MS, backoffDelay } from "../src/stream.js";
+import { CONSUME, PROTO_PATH, type ProxyFrame } from "../src/proto.js";
+import { DEFAULT_MAX_BACKOFF_MS, INITIAL_BACKOFF_MS, backoffDelay, settleFrame } from "../src/stream.js";
 import { creditShare, layoutFromReply } from "../src/topology.js";
 
 const PACKAGE = path.resolve(__dirname, "..", "..");
@@ -124,4 +125,88 @@ test("the package's proto is the repo's proto, verbatim", () => {
   const ours = fs.readFileSync(PROTO_PATH, "utf8");
   assert.equal(ours, fs.readFileSync(copy.source, "utf8"));
   assert.match(ours, /max_frame_bytes\s*=\s*4;/, "Hello.max_frame_bytes: the client sends its limit");
+});
+
+/** Little-endian fixed-width columns, as the proxy packs them. */
+function int64s(values: number[]): Buffer {
+  const out = Buffer.alloc(8 * values.length);
+  values.forEach((v, i) => out.writeBigInt64LE(BigInt(v), 8 * i));
+  return out;
+}
+function int32s(values: number[]): Buffer {
+  const out = Buffer.alloc(4 * values.length);
+  values.forEach((v, i) => out.writeInt32LE(v, 4 * i));
+  return out;
+}
+
+test("packed deliveries decode through the real proto: nulls, empties, big offsets, attempts", () => {
+  const big = 2 ** 40 + 7; // past 32 bits: both halves of the int64 count
+  const packed = {
+    offsets: int64s([big, big + 1, big + 2]),
+    timestamps_ms: int64s([1_700_000_000_000, 1_700_000_000_001, 1_700_000_000_002]),
+    attempts: Buffer.from([1, 0, 0, 0, 3, 0, 0, 0, 1, 0, 0, 0]),
+    value_lengths: int32s([2, -1, 0]),
+    values: Buffer.from("hi"),
+    key_lengths: int32s([-1, 1, 0]),
+    keys: Buffer.from("k"),
+  };
+  const wire = CONSUME.responseSerialize({ deliveries: { topic: "orders", partition: 2, packed } });
+  const frame = CONSUME.responseDeserialize(wire) as ProxyFrame;
+  const messages = unpackMessages("orders", 2, frame.deliveries!.packed!);
+  assert.deepEqual(
+    messages.map((m) => [m.offset, m.key, m.value, m.timestampMs, m.attempt, m.headers]),
+    [
+      [big, null, Buffer.from("hi"), 1_700_000_000_000, 1, []],
+      [big + 1, Buffer.from("k"), null, 1_700_000_000_001, 3, []],
+      [big + 2, Buffer.alloc(0), Buffer.alloc(0), 1_700_000_000_002, 1, []],
+    ],
+  );
+  assert.ok(messages.every((m) => m.topic === "orders" && m.partition === 2));
+});
+
+test("packed deliveries without attempts or keys: attempt 1, every key null", () => {
+  const packed = {
+    offsets: int64s([5, 6]),
+    timestamps_ms: int64s([0, 0]),
+    value_lengths: int32s([1, 1]),
+    values: Buffer.from("ab"),
+  };
+  const wire = CONSUME.responseSerialize({ deliveries: { topic: "t", partition: 0, packed } });
+  const frame = CONSUME.responseDeserialize(wire) as ProxyFrame;
+  const messages = unpackMessages("t", 0, frame.deliveries!.packed!);
+  assert.deepEqual(
+    messages.map((m) => [m.offset, m.key, m.value?.toString(), m.attempt]),
+    [
+      [5, null, "a", 1],
+      [6, null, "b", 1],
+    ],
+  );
+});
+
+test("packed deliveries whose columns disagree are refused (a broken proxy)", () => {
+  const good = {
+    offsets: int64s([1, 2]),
+    timestamps_ms: int64s([0, 0]),
+    value_lengths: int32s([1, 1]),
+    values: Buffer.from("ab"),
+  };
+  assert.throws(() => unpackMessages("t", 0, { ...good, values: Buffer.from("abc") }), /do not add up/);
+  assert.throws(() => unpackMessages("t", 0, { ...good, timestamps_ms: int64s([0]) }), /timestamps/);
+  assert.throws(() => unpackMessages("t", 0, { ...good, attempts: Buffer.alloc(4) }), /attempts/);
+  assert.throws(() => unpackMessages("t", 0, { ...good, value_lengths: int32s([2]) }), /lengths/);
+  assert.equal(unpackMessages("t", 0, good).length, 2);
+});
+
+test("a Settle for an ack-range proxy: runs become ranges, the rest and duplicates plain acks", () => {
+  const nacks = [{ offset: 7, reason: "Error: bad", retry: false }];
+  assert.deepEqual(settleFrame([5, 3, 4, 10, 12, 11, 20, 20, 30], nacks), {
+    acks: [20, 20, 30],
+    nacks,
+    ack_ranges: [
+      { first: 3, last: 5 },
+      { first: 10, last: 12 },
+    ],
+  });
+  assert.deepEqual(settleFrame([], nacks), { acks: [], nacks });
+  assert.deepEqual(settleFrame([9], []), { acks: [9], nacks: [], ack_ranges: [] });
 });
