@@ -6,9 +6,9 @@ import * as path from "node:path";
 import { test } from "node:test";
 
 import { Consumer, MAX_REASON_CHARS, Retry } from "../src/index.js";
-import { unpackMessages } from "../src/message.js";
+import { type Message, unpackMessages } from "../src/message.js";
 import { nackReason } from "../src/pool.js";
-import { CONSUME, PROTO_PATH, type ProxyFrame } from "../src/proto.js";
+import { CONSUME, PROTO_PATH, type PackedDeliveries, type ProxyFrame } from "../src/proto.js";
 import { DEFAULT_MAX_BACKOFF_MS, INITIAL_BACKOFF_MS, backoffDelay, settleFrame } from "../src/stream.js";
 import { creditShare, layoutFromReply } from "../src/topology.js";
 
@@ -139,6 +139,21 @@ function int32s(values: number[]): Buffer {
   return out;
 }
 
+/** `packed` encoded in a Deliveries frame, decoded as the client decodes frames, unpacked. */
+function throughProto(topic: string, partition: number, packed: PackedDeliveries): Message[] {
+  const wire = CONSUME.responseSerialize({ deliveries: { topic, partition, packed } });
+  const frame = CONSUME.responseDeserialize(wire) as ProxyFrame;
+  return unpackMessages(topic, partition, frame.deliveries!.packed!);
+}
+
+/** Two deliveries, values "a" and "b", no keys, no attempts column. */
+const TWO: PackedDeliveries = {
+  offsets: int64s([5, 6]),
+  timestamps_ms: int64s([0, 0]),
+  value_lengths: int32s([1, 1]),
+  values: Buffer.from("ab"),
+};
+
 test("packed deliveries decode through the real proto: nulls, empties, big offsets, attempts", () => {
   const big = 2 ** 40 + 7; // past 32 bits: both halves of the int64 count
   const packed = {
@@ -150,9 +165,7 @@ test("packed deliveries decode through the real proto: nulls, empties, big offse
     key_lengths: int32s([-1, 1, 0]),
     keys: Buffer.from("k"),
   };
-  const wire = CONSUME.responseSerialize({ deliveries: { topic: "orders", partition: 2, packed } });
-  const frame = CONSUME.responseDeserialize(wire) as ProxyFrame;
-  const messages = unpackMessages("orders", 2, frame.deliveries!.packed!);
+  const messages = throughProto("orders", 2, packed);
   assert.deepEqual(
     messages.map((m) => [m.offset, m.key, m.value, m.timestampMs, m.attempt, m.headers]),
     [
@@ -165,15 +178,7 @@ test("packed deliveries decode through the real proto: nulls, empties, big offse
 });
 
 test("packed deliveries without attempts or keys: attempt 1, every key null", () => {
-  const packed = {
-    offsets: int64s([5, 6]),
-    timestamps_ms: int64s([0, 0]),
-    value_lengths: int32s([1, 1]),
-    values: Buffer.from("ab"),
-  };
-  const wire = CONSUME.responseSerialize({ deliveries: { topic: "t", partition: 0, packed } });
-  const frame = CONSUME.responseDeserialize(wire) as ProxyFrame;
-  const messages = unpackMessages("t", 0, frame.deliveries!.packed!);
+  const messages = throughProto("t", 0, TWO);
   assert.deepEqual(
     messages.map((m) => [m.offset, m.key, m.value?.toString(), m.attempt]),
     [
@@ -184,12 +189,7 @@ test("packed deliveries without attempts or keys: attempt 1, every key null", ()
 });
 
 test("packed deliveries whose columns disagree are refused (a broken proxy)", () => {
-  const good = {
-    offsets: int64s([1, 2]),
-    timestamps_ms: int64s([0, 0]),
-    value_lengths: int32s([1, 1]),
-    values: Buffer.from("ab"),
-  };
+  const good = TWO;
   assert.throws(() => unpackMessages("t", 0, { ...good, values: Buffer.from("abc") }), /do not add up/);
   assert.throws(() => unpackMessages("t", 0, { ...good, timestamps_ms: int64s([0]) }), /timestamps/);
   assert.throws(() => unpackMessages("t", 0, { ...good, attempts: Buffer.alloc(4) }), /attempts/);
