@@ -557,14 +557,11 @@ export class PartitionStream {
     const topic = batch.topic ?? "";
     const partition = batch.partition ?? 0;
     const deliveries = batch.deliveries ?? [];
-    const plain = deliveries.length;
-    const packed = batch.packed == null ? [] : unpackMessages(topic, partition, batch.packed);
-    const count = plain + packed.length;
-    const messages: Message[] = new Array(count);
-    for (let i = 0; i < packed.length; i++) {
-      messages[plain + i] = packed[i]!;
-    }
-    for (let i = 0; i < plain; i++) {
+    // The packed ones first, then the repeated ones appended, as the Python client does:
+    // a frame from a current proxy is all packed, and its array is used as it is.
+    const messages: Message[] =
+      batch.packed == null ? [] : unpackMessages(topic, partition, batch.packed);
+    for (let i = 0; i < deliveries.length; i++) {
       const d = deliveries[i]!;
       const hs = d.headers;
       let headers: Headers;
@@ -577,7 +574,7 @@ export class PartitionStream {
           headers[j] = [h.key ?? "", h.value ?? null];
         }
       }
-      messages[i] = {
+      messages.push({
         topic,
         partition,
         offset: d.offset ?? 0,
@@ -586,8 +583,9 @@ export class PartitionStream {
         headers,
         timestampMs: d.timestamp_ms ?? 0,
         attempt: d.attempt ?? 0,
-      };
+      });
     }
+    const count = messages.length;
     this.established = true;
     this.delivered += count;
     this.held += count;
