@@ -30,7 +30,7 @@ import pytest
 from hypothesis import settings as hypothesis_settings
 
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
-from triage_proxy.settings import DEFAULT_HTTP_PORT, DEFAULT_PORT
+from triage_proxy.config.settings import DEFAULT_HTTP_PORT, DEFAULT_PORT
 
 # Properties check behaviour, not speed: on CI's 2 shared cores one example of a stateful
 # test can take longer than hypothesis' default 200 ms deadline for no fault of the code.

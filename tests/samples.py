@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from triage_proxy.store.deadletter_store import MEMORY_GROUP
+from triage_proxy.store.items import item_from_dead_letter
 from triage_proxy.structs import DeadLetter, Headers, Record
-from triage_proxy.table.deadletters import MEMORY_GROUP
-from triage_proxy.table.items import item_from_dead_letter
 
 T0 = 1_714_564_800_000  # 2024-05-01T12:00:00Z
 GROUP = MEMORY_GROUP

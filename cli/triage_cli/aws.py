@@ -43,10 +43,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 
 from triage_cli.awsstack import LOG_RETENTION_DAYS, SERVICE_NAME, render
-from triage_proxy.ecstask import ECS_ADDRESS_KINDS, ECS_TASK_DNS
-from triage_proxy.errors import ConfigError, DeployError, TriageError
-from triage_proxy.preflight import check_tls
-from triage_proxy.settings import (
+from triage_proxy.config.ecs import ECS_ADDRESS_KINDS, ECS_TASK_DNS
+from triage_proxy.config.preflight import check_tls
+from triage_proxy.config.settings import (
     DeadLetterSettings,
     Settings,
     load_settings,
@@ -54,8 +53,9 @@ from triage_proxy.settings import (
     secret_reference,
     settings_from_dict,
 )
-from triage_proxy.table.aws import ANY_CODE, TABLE_MISSING, aws_errors, dynamodb_client, s3_client
-from triage_proxy.table.provisioning import (
+from triage_proxy.errors import ConfigError, DeployError, TriageError
+from triage_proxy.store.aws import ANY_CODE, TABLE_MISSING, aws_errors, dynamodb_client, s3_client
+from triage_proxy.store.provisioning import (
     create_bucket,
     create_table,
     enable_point_in_time_recovery,

@@ -57,7 +57,7 @@ from triage_cli.supervisor import (
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from triage_proxy.settings import Settings
+    from triage_proxy.config.settings import Settings
 
 DEFAULT_CONFIG = Path("triage.toml")
 READY_TIMEOUT_S = 60.0
@@ -190,9 +190,9 @@ def deploy_local(
     config: Path, state_dir: Path | None, timeout: float | None, proxies: int | None = 0
 ) -> None:
     """`proxies`: fleet processes (0: default_proxies); None: pinned, one per partition."""
+    from triage_proxy.config.settings import load_settings
     from triage_proxy.errors import ConfigError
-    from triage_proxy.settings import load_settings
-    from triage_proxy.table.provisioning import create_bucket, create_table
+    from triage_proxy.store.provisioning import create_bucket, create_table
 
     config = config.resolve()
     settings = load_settings(config)
@@ -481,8 +481,8 @@ def _print_deployment(
 
 
 def destroy_local(config: Path, state_dir: Path | None) -> None:
+    from triage_proxy.config.settings import load_settings
     from triage_proxy.errors import ConfigError
-    from triage_proxy.settings import load_settings
 
     config = config.resolve()
     project = ProjectDir.for_config(config, state_dir)

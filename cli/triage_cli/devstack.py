@@ -62,7 +62,7 @@ class DevStack:
         *,
         keep_state: bool = False,
     ) -> None:
-        from triage_proxy.settings import topic_problem
+        from triage_proxy.config.settings import topic_problem
 
         problem = topic_problem(topic)
         if problem is not None:
@@ -141,8 +141,8 @@ class DevStack:
             future.result(timeout=30)
 
     def _create_table(self) -> None:
-        from triage_proxy.settings import DeadLetterSettings
-        from triage_proxy.table.provisioning import create_bucket, create_table
+        from triage_proxy.config.settings import DeadLetterSettings
+        from triage_proxy.store.provisioning import create_bucket, create_table
 
         settings = DeadLetterSettings(
             table=self.table, endpoint_url=self.aws.endpoint_url, overflow_bucket=BUCKET
@@ -152,7 +152,7 @@ class DevStack:
 
     def start_proxy(self, partition: int) -> subprocess.Popen[bytes]:
         """Start (or restart) the proxy process for `partition` and wait until it listens."""
-        from triage_proxy.settings import load_settings
+        from triage_proxy.config.settings import load_settings
 
         port = load_settings(self.config_path).server.port + partition
         log = open(self.state_dir / f"proxy-{partition}.log", "ab")  # noqa: SIM115
@@ -220,7 +220,7 @@ class DevStack:
         """What a person or a script needs: the stack's addresses, the token, and
         `endpoint`, the one address a `Consumer` is given (any proxy answers Topology:
         here partition 0's, as the config advertises it)."""
-        from triage_proxy.settings import load_settings
+        from triage_proxy.config.settings import load_settings
 
         endpoint = None
         if self.proxy_ports:

@@ -3,7 +3,7 @@
 Why a CLI next to the Spark job: most incidents are a handful of dead letters that a
 person wants to read, fix the cause of, and replay, using the same config file the
 proxy runs from (the one `triage dev` writes works as is). The selection, rendering
-and replay protocol live in the `triage_proxy.table` package (`query.py`, `replay.py`),
+and replay protocol live in the `triage_proxy.store` package (`query.py`, `replay.py`),
 shared with the Spark job, so the two never disagree about which items a filter selects
 or whether an item was replayed; rendering for people is `render.py`.
 
@@ -17,7 +17,7 @@ Every command acts on one deployment's dead letters: those of the config's
 `kafka.group_id`, or of `--group G` (another app reading the same topic into the same
 table has its own, which these commands never touch). `migrate` moves the dead letters
 written before deployment keys (no group) of the config's topic to that deployment
-(`triage_proxy.table.migrate`).
+(`triage_proxy.store.migrate`).
 
 Filters: --topic, --partition, --status (list only; replay and discard act on
 pending items), --reason SUBSTRING (case-insensitive), --since/--until (ISO-8601 or an
@@ -47,8 +47,8 @@ from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
 from triage_cli.signals import stop_on_signals as _stop_on_signals
 
 if TYPE_CHECKING:
-    from triage_proxy.settings import Settings
-    from triage_proxy.table.query import DeadLetterTable, Filters
+    from triage_proxy.config.settings import Settings
+    from triage_proxy.store.query import DeadLetterTable, Filters
 
 dlq_app = typer.Typer(
     name="dlq",
@@ -97,8 +97,8 @@ GroupOption = Annotated[
 def _open(config: Path, group: str | None = None) -> tuple[Settings, DeadLetterTable]:
     """Settings from the config file and the deployment's view of the table (`group`, or
     the config's group id), checked to exist and answer."""
-    from triage_proxy.settings import load_settings
-    from triage_proxy.table.query import DeadLetterTable
+    from triage_proxy.config.settings import load_settings
+    from triage_proxy.store.query import DeadLetterTable
 
     settings = load_settings(config)
     table = DeadLetterTable(settings.dead_letters, group=group or settings.kafka.group_id)
@@ -122,7 +122,7 @@ def _filters(
 ) -> Filters:
     import time
 
-    from triage_proxy.table.query import Filters, parse_time
+    from triage_proxy.store.query import Filters, parse_time
 
     if offset is not None and (topic is None or partition is None):
         raise CommandFailed(ExitCode.BAD_INPUT, "--offset needs --topic and --partition")
@@ -215,7 +215,7 @@ def _print_table(items: list[dict[str, Any]], title: str) -> None:
 
 
 def _sorted(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from triage_proxy.table.items import item_key
+    from triage_proxy.store.items import item_key
 
     return sorted(items, key=item_key)
 
@@ -242,7 +242,7 @@ def list_(
 ) -> None:
     """List dead letters (a table, or one JSON object per line with --json)."""
     from triage_cli.render import item_summary
-    from triage_proxy.table.query import LIST_ATTRIBUTES
+    from triage_proxy.store.query import LIST_ATTRIBUTES
 
     with exit_on_errors():
         filters = _filters(
@@ -284,7 +284,7 @@ def _warn_legacy(
     """On stderr: the topic's dead letters from before deployment keys, which no command
     shows until `triage dlq migrate` moves them (a Query per partition, Limit 1)."""
     from triage_proxy.errors import TriageError
-    from triage_proxy.table.migrate import legacy_partitions, legacy_warning
+    from triage_proxy.store.migrate import legacy_partitions, legacy_warning
 
     topic = topic or settings.kafka.topic
     if partition is not None:
@@ -414,7 +414,7 @@ def _select(
     """Pending items the arguments select (one `get` for --offset, a scan otherwise)."""
     import dataclasses
 
-    from triage_proxy.table.items import STATUS_PENDING
+    from triage_proxy.store.items import STATUS_PENDING
 
     _require_filter(filters, everything, what)
     if filters.offset is not None:
@@ -489,8 +489,8 @@ def replay(
     the Spark job (triage_replay) does the same at scale; --dry-run still lists
     without Spark.
     """
-    from triage_proxy.table.replay import new_replay_id
-    from triage_proxy.table.replay import replay as replay_items
+    from triage_proxy.store.replay import new_replay_id
+    from triage_proxy.store.replay import replay as replay_items
 
     with exit_on_errors():
         filters = _filters(
@@ -547,7 +547,7 @@ def _spark_replay(
     import dataclasses
     import importlib.util
 
-    from triage_proxy.settings import load_settings
+    from triage_proxy.config.settings import load_settings
     from triage_replay import ReplayOptions, run_replay
 
     if importlib.util.find_spec("pyspark") is None:  # an extra: triage[spark]
@@ -608,7 +608,7 @@ def _producer(settings: Settings, to_topic: str | None, items: list[dict[str, An
     """A confluent-kafka producer, after checking the broker answers and the targets exist."""
     from confluent_kafka import KafkaException, Producer
 
-    from triage_proxy.table.items import item_key
+    from triage_proxy.store.items import item_key
 
     conf: dict[str, Any] = {
         **settings.kafka.librdkafka_config(),
@@ -660,7 +660,7 @@ def discard(
     group: GroupOption = None,
 ) -> None:
     """Mark pending dead letters discarded (never replayed; expire with TTL if it is on)."""
-    from triage_proxy.table.items import item_key
+    from triage_proxy.store.items import item_key
 
     with exit_on_errors():
         filters = _filters(
@@ -718,7 +718,7 @@ def migrate(
     already replayed or discarded, are left and reported (exit 1). Stop the proxies of
     the old version first; run with --dry-run to see the plan.
     """
-    from triage_proxy.table.migrate import Migration, Move
+    from triage_proxy.store.migrate import Migration, Move
 
     labels = {
         Move.MOVED: "moved",

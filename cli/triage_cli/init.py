@@ -33,7 +33,7 @@ import typer
 from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
 
 if TYPE_CHECKING:
-    from triage_proxy.settings import Settings
+    from triage_proxy.config.settings import Settings
 
 DEFAULT_CONFIG = Path("triage.toml")
 DEFAULT_APP_NAME = "consumer"
@@ -112,7 +112,7 @@ class _Asker:
 
     def reference(self, flag: str, given: str | None, prompt: str) -> str | None:
         """A secret by reference; an inline secret is refused (re-asked when prompting)."""
-        from triage_proxy.settings import secret_reference
+        from triage_proxy.config.settings import secret_reference
 
         while True:
             answer = self.optional(given, prompt)
@@ -150,8 +150,8 @@ def discover_partitions(kafka: dict[str, Any], timeout_s: float = DISCOVERY_TIME
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
 
+    from triage_proxy.config.settings import KafkaSettings
     from triage_proxy.errors import ConfigError, UnavailableError
-    from triage_proxy.settings import KafkaSettings
 
     settings = KafkaSettings(**kafka)
     try:
@@ -187,7 +187,7 @@ def render_config(raw: dict[str, Any]) -> str:
     """The TOML text of `raw`, validated first with the proxy's own loader."""
     import tomli_w
 
-    from triage_proxy.settings import settings_from_dict
+    from triage_proxy.config.settings import settings_from_dict
 
     settings_from_dict(raw, {})  # every token is inline, so no environment is needed
     header = (
@@ -307,7 +307,7 @@ def init(
     ] = False,
 ) -> None:
     """Write a validated triage.toml (mode 0600) with a fresh token; never overwrites."""
-    from triage_proxy.settings import (
+    from triage_proxy.config.settings import (
         DEFAULT_HTTP_PORT,
         DEFAULT_PORT,
         DEFAULT_REGION,
@@ -459,9 +459,9 @@ def check(
 ) -> None:
     """Validate a config and what it points at (TLS files, addresses, secret references,
     librdkafka properties) as the proxy will at start; on error name the key and exit 2."""
-    from triage_proxy.deadletter import overflow_warning
-    from triage_proxy.preflight import file_warnings, preflight
-    from triage_proxy.settings import load_settings
+    from triage_proxy.config.preflight import file_warnings, preflight
+    from triage_proxy.config.settings import load_settings
+    from triage_proxy.deadletters.writer import overflow_warning
 
     with exit_on_errors():
         settings = load_settings(config)
@@ -511,7 +511,7 @@ def _check_connect(settings: Settings) -> None:
     import dataclasses
 
     from triage_proxy.errors import ConfigError
-    from triage_proxy.table.query import DeadLetterTable
+    from triage_proxy.store.query import DeadLetterTable
 
     kafka = {f.name: getattr(settings.kafka, f.name) for f in dataclasses.fields(settings.kafka)}
     try:

@@ -96,10 +96,10 @@ def proxy(
 
     from triage_cli.signals import on_stop_signals
     from triage_proxy.app import Proxy
-    from triage_proxy.ecstask import resolve_advertised_host
-    from triage_proxy.heap import freeze_when_ready, set_collection_policy
-    from triage_proxy.preflight import file_warnings, preflight
-    from triage_proxy.settings import load_settings
+    from triage_proxy.config.ecs import resolve_advertised_host
+    from triage_proxy.config.preflight import file_warnings, preflight
+    from triage_proxy.config.settings import load_settings
+    from triage_proxy.gctuning import freeze_when_ready, set_collection_policy
 
     _setup_logging(verbose)
     with exit_on_errors():
@@ -135,7 +135,7 @@ def proxy(
                 await runner.serve()
             frozen.cancel()
 
-        set_collection_policy()  # heap.py: the process's GC policy (this process only)
+        set_collection_policy()  # gctuning.py: the process's GC policy (this process only)
 
         asyncio.run(main())  # a TLS file that is missing or not PEM: ConfigError, exit 2
 

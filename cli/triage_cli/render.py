@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from triage_proxy.table.items import (
+from triage_proxy.store.items import (
     CLAIM_ATTR,
     EXPIRES_AT_ATTR,
     PAYLOAD_BYTES_ATTR,

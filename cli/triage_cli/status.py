@@ -56,7 +56,7 @@ from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from triage_proxy.settings import Settings
+    from triage_proxy.config.settings import Settings
 
 PROXY_TIMEOUT_S = 2.0
 """How long one proxy's /status may take before it counts as down."""
@@ -190,8 +190,8 @@ class Sources:
     ) -> None:
         from confluent_kafka import Consumer
 
-        from triage_proxy.kafkalog import KafkaLog
-        from triage_proxy.table.query import DeadLetterTable
+        from triage_proxy.kafka.logs import KafkaLog
+        from triage_proxy.store.query import DeadLetterTable
 
         self.settings = settings
         self._host = host
@@ -218,7 +218,7 @@ class Sources:
 
     def partitions(self) -> int:
         """`kafka.partitions`, else the topic's partition count from the broker."""
-        from triage_proxy.kafka import count_partitions
+        from triage_proxy.kafka.client import count_partitions
 
         if self.settings.kafka.partitions is not None:
             return self.settings.kafka.partitions
@@ -283,7 +283,7 @@ class Sources:
     def dead_letters(self, partitions: int) -> tuple[dict[int, int | None], str | None]:
         """Pending dead letters per partition (a Query each, status only)."""
         from triage_proxy.errors import TriageError
-        from triage_proxy.table.query import Filters
+        from triage_proxy.store.query import Filters
 
         topic = self.settings.kafka.topic
         counts: dict[int, int | None] = {}
@@ -301,7 +301,7 @@ class Sources:
         """Partitions with dead letters from before deployment keys (a Query each, Limit
         1); none when the table cannot be read (dead_letters already says why)."""
         from triage_proxy.errors import TriageError
-        from triage_proxy.table.migrate import legacy_partitions
+        from triage_proxy.store.migrate import legacy_partitions
 
         try:
             return legacy_partitions(self._table, self.settings.kafka.topic, range(partitions))
@@ -464,7 +464,7 @@ def render_table(report: Report) -> Table:
     if report.dead_letters_error:
         notes.append(f"dead letters: {report.dead_letters_error}")
     if report.legacy_partitions:
-        from triage_proxy.table.migrate import legacy_warning
+        from triage_proxy.store.migrate import legacy_warning
 
         notes.append(
             "warning: " + legacy_warning(report.topic, report.legacy_partitions, report.config)
@@ -541,7 +541,7 @@ def status(
     """Per partition: committed offset, log end, lag, in-flight, instances, dead letters."""
     from rich.console import Console
 
-    from triage_proxy.settings import load_settings
+    from triage_proxy.config.settings import load_settings
 
     with exit_on_errors():
         if watch and json_:
@@ -567,7 +567,7 @@ def status(
         if json_:
             print(json.dumps(report.to_json(), indent=2))
             if report.legacy_partitions:
-                from triage_proxy.table.migrate import legacy_warning
+                from triage_proxy.store.migrate import legacy_warning
 
                 typer.echo(
                     "warning: "

@@ -39,7 +39,7 @@ from triage_cli.exitcodes import ExitCode
 from triage_cli.signals import on_stop_signals
 
 if TYPE_CHECKING:
-    from triage_proxy.settings import Settings
+    from triage_proxy.config.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -458,7 +458,7 @@ def run_supervisor(
 ) -> int:
     """Body of `triage supervise`: SIGTERM/SIGINT stop it gracefully, SIGHUP is ignored
     (it outlives the terminal that deployed it)."""
-    from triage_proxy.settings import load_settings
+    from triage_proxy.config.settings import load_settings
 
     settings = load_settings(config)
     supervisor = Supervisor(config, project, settings, partitions, proxies=proxies)

@@ -83,8 +83,8 @@ class Stack:
     def start(self) -> None:
         from confluent_kafka import Consumer
 
-        from triage_proxy.settings import load_settings
-        from triage_proxy.table.query import DeadLetterTable
+        from triage_proxy.config.settings import load_settings
+        from triage_proxy.store.query import DeadLetterTable
 
         self._dev.start()
         self._watcher = Consumer(
@@ -195,7 +195,7 @@ class Stack:
 
     def dead_letters(self) -> dict[tuple[int, int], DeadLetter]:
         """Every dead letter of TOPIC, byte-exact (S3 payloads loaded), by (partition, offset)."""
-        from triage_proxy.table.query import Filters
+        from triage_proxy.store.query import Filters
 
         out = {}
         for item in self._table.scan(Filters(topic=TOPIC)):

@@ -1,1 +1,1 @@
-"""Triage proxy: one process per Kafka partition, fanning messages out over gRPC."""
+"""Triage proxy: fetches a topic's partitions and fans their records out to consumers."""

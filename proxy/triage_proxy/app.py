@@ -55,8 +55,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from triage_proxy.deadletter import overflow_warning
-from triage_proxy.dispatcher import Dispatcher
+from triage_proxy.config.settings import AuthSettings, Settings
+from triage_proxy.deadletters.writer import overflow_warning
 from triage_proxy.errors import (
     BrokerUnavailable,
     ConfigError,
@@ -64,34 +64,39 @@ from triage_proxy.errors import (
     StateError,
     TriageError,
 )
-from triage_proxy.http_endpoint import HttpEndpoint
-from triage_proxy.kafka import ConfluentPartition, PartitionLog
-from triage_proxy.ownership import new_owner_id
-from triage_proxy.partition import PartitionParts, PartitionPipeline, PipelineState, snapshot_of
-from triage_proxy.reader import Reader
-from triage_proxy.service import TriageService, create_server, server_credentials
-from triage_proxy.settings import AuthSettings, Settings
-from triage_proxy.snapshot import ProcessSnapshot, ProxySnapshot
-from triage_proxy.table.checkpoints import CheckpointStore, DynamoDBCheckpoints
-from triage_proxy.table.deadletters import DeadLetterStore, DynamoDBStore
-from triage_proxy.table.leases import (
+from triage_proxy.kafka.client import ConfluentPartition, PartitionLog
+from triage_proxy.kafka.reader import Reader
+from triage_proxy.observe.endpoint import HttpEndpoint
+from triage_proxy.observe.snapshot import ProcessSnapshot, ProxySnapshot
+from triage_proxy.pipeline.dispatcher import Dispatcher
+from triage_proxy.pipeline.ownership import new_owner_id
+from triage_proxy.pipeline.partition import (
+    PartitionParts,
+    PartitionPipeline,
+    PipelineState,
+    snapshot_of,
+)
+from triage_proxy.server.service import TriageService, create_server, server_credentials
+from triage_proxy.server.topology import Topology
+from triage_proxy.store.checkpoints import CheckpointStore, DynamoDBCheckpoints
+from triage_proxy.store.deadletter_store import DeadLetterStore, DynamoDBStore
+from triage_proxy.store.leases import (
     DynamoDBLeaseReader,
     DynamoDBLeases,
     LeaseReader,
     LeaseStore,
     MemoryLeaseReader,
 )
-from triage_proxy.table.query import DeadLetterTable
-from triage_proxy.topology import Topology
+from triage_proxy.store.query import DeadLetterTable
 from triage_proxy.waiting import wait_any
 
 if TYPE_CHECKING:
-    from triage_proxy.assignment import Membership
-    from triage_proxy.committer import Committer
-    from triage_proxy.deadletter import DeadLetterWriter
-    from triage_proxy.fetcher import Fetcher
-    from triage_proxy.logend import LogEndWatcher
-    from triage_proxy.ownership import Ownership
+    from triage_proxy.deadletters.writer import DeadLetterWriter
+    from triage_proxy.kafka.assignment import Membership
+    from triage_proxy.pipeline.committer import Committer
+    from triage_proxy.pipeline.fetcher import Fetcher
+    from triage_proxy.pipeline.logend import LogEndWatcher
+    from triage_proxy.pipeline.ownership import Ownership
 
 logger = logging.getLogger(__name__)
 
@@ -469,7 +474,7 @@ class Proxy:
     async def _join(self, stack: contextlib.AsyncExitStack) -> Membership:
         """Fleet mode: join the deployment's consumer group (exit 3 when its coordinator
         cannot be reached)."""
-        from triage_proxy.assignment import Assignment
+        from triage_proxy.kafka.assignment import Assignment
 
         membership = self.membership
         if membership is None:
@@ -480,7 +485,7 @@ class Proxy:
 
     async def _check_pins(self) -> None:
         """ConfigError (exit 2) for a pinned partition the topic does not have."""
-        from triage_proxy.assignment import topic_partitions
+        from triage_proxy.kafka.assignment import topic_partitions
 
         assert self.pins is not None
         count = await asyncio.to_thread(topic_partitions, self.settings.kafka)
@@ -517,7 +522,7 @@ class Proxy:
     async def _warn_legacy(self, partition: int) -> None:
         """One WARNING when the partition still has dead letters from before deployment
         keys: this version neither shows nor replays them until `triage dlq migrate`."""
-        from triage_proxy.table.migrate import legacy_partitions, legacy_warning
+        from triage_proxy.store.migrate import legacy_partitions, legacy_warning
 
         view = self._legacy_view
         assert view is not None
@@ -598,7 +603,7 @@ class Proxy:
         else:
             log = ConfluentPartition(self.settings.kafka, partition)
         if self.membership is not None:
-            from triage_proxy.assignment import MemberCommits
+            from triage_proxy.kafka.assignment import MemberCommits
 
             return MemberCommits(log, self.membership, partition)  # commits as a member
         return log

@@ -3,7 +3,7 @@ and how a log line shows it.
 
 Why one home: a client is authenticated, not trusted, and its text lands in two places.
 In a dead-letter item it is data: kept byte-exact but bounded, so that metadata alone can
-never push an item over DynamoDB's item limit (table/items.py). In a log line it is
+never push an item over DynamoDB's item limit (store/items.py). In a log line it is
 escaped and cut, so that it cannot forge lines (a newline), drive the terminal of whoever
 reads the log (ANSI escapes) or flood it.
 

@@ -15,14 +15,14 @@
     |   +-- TableUnavailable         the table did not answer a lease or checkpoint call
     |   +-- OwnershipLost            the partition lease lapsed or was taken: stop delivering,
     |                                exit, restart as a standby (ownership.py)
-    +-- NotFoundError                the table or item asked for does not exist (table/query.py
+    +-- NotFoundError                the table or item asked for does not exist (store/query.py
     |                                has the specific ones: TableNotFound, DeadLetterNotFound)
     +-- StateError                   a lifecycle method called in the wrong state (a bug)
     +-- DeployError                  `triage deploy/destroy` could not finish: the cloud
                                      refused a call or a stack failed; read why, fix, rerun
 
 confluent-kafka and botocore exceptions are translated into these at the adapter edge
-(`kafka.py`; `table/aws.py`'s `aws_errors` for botocore) with `raise ... from`;
+(`kafka/client.py`; `store/aws.py`'s `aws_errors` for botocore) with `raise ... from`;
 `grpc_status` maps them to the gRPC status a client sees, and `grpc_trailers` to the
 trailing metadata that goes with it, in one place (the service ends calls through them).
 """
@@ -98,7 +98,7 @@ class DeadLetterUnavailable(UnavailableError):
 
 
 class TableUnavailable(UnavailableError):
-    """The table did not answer a lease or checkpoint call (table/leases.py, checkpoints.py)."""
+    """The table did not answer a lease or checkpoint call (store/leases.py, checkpoints.py)."""
 
 
 class OwnershipLost(UnavailableError):

@@ -13,7 +13,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from triage_proxy.table.query import Filters
+    from triage_proxy.store.query import Filters
     from triage_replay.job import ReplayFailed, Summary, run_replay
     from triage_replay.options import Fault, ReplayOptions
 
@@ -21,7 +21,7 @@ __all__ = ["Fault", "Filters", "ReplayFailed", "ReplayOptions", "Summary", "run_
 
 _HOMES = {
     "Fault": "triage_replay.options",
-    "Filters": "triage_proxy.table.query",
+    "Filters": "triage_proxy.store.query",
     "ReplayFailed": "triage_replay.job",
     "ReplayOptions": "triage_replay.options",
     "Summary": "triage_replay.job",

@@ -18,7 +18,7 @@ Spark task or a failed one). The two ways to order it:
   broker's ack and its mark leaves items `pending` that are already in Kafka, and the
   rerun (or Spark's retry of the task) silently produces them again.
 - claim, produce, mark (two conditional writes per item; chosen, and the protocol of
-  `triage_proxy.table.replay`, which both tools use). Each selected item is first claimed
+  `triage_proxy.store.replay`, which both tools use). Each selected item is first claimed
   (pending and unclaimed -> `replay_claim = <run id>`, `replay_claim_until = now +
   lease`). Only claimed items are produced. After the delivery reports, a delivered item
   becomes `replayed` (condition: the claim is still ours) with `replay_id`,
@@ -72,12 +72,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from triage_proxy.config.settings import DEFAULT_REGION, DeadLetterSettings, load_settings
 from triage_proxy.errors import ConfigError, TriageError, UnavailableError
 from triage_proxy.exitcodes import ExitCode, exit_code_for
-from triage_proxy.settings import DEFAULT_REGION, DeadLetterSettings, load_settings
-from triage_proxy.table.items import STATUSES
-from triage_proxy.table.query import DeadLetterTable, Filters, parse_time
-from triage_proxy.table.replay import new_replay_id
+from triage_proxy.store.items import STATUSES
+from triage_proxy.store.query import DeadLetterTable, Filters, parse_time
+from triage_proxy.store.replay import new_replay_id
 from triage_replay.options import DEFAULT_CHUNK, MAX_SEGMENTS, Fault, ReplayOptions
 from triage_replay.segment import (
     EXPORT_COLUMNS,

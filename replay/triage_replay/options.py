@@ -15,11 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from triage_proxy.config.settings import DeadLetterSettings, Settings
 from triage_proxy.errors import ConfigError
-from triage_proxy.settings import DeadLetterSettings, Settings
-from triage_proxy.table.items import check_group
-from triage_proxy.table.query import Filters
-from triage_proxy.table.replay import DEFAULT_CLAIM_LEASE_S
+from triage_proxy.store.items import check_group
+from triage_proxy.store.query import Filters
+from triage_proxy.store.replay import DEFAULT_CLAIM_LEASE_S
 
 DEFAULT_CHUNK = 500
 """Selected items claimed, produced and marked together (bounds what a crash leaves in doubt)."""

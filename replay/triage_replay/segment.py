@@ -6,7 +6,7 @@ proxy's own `DeadLetterSettings`; no clients, no Spark types) and builds its bot
 client (one per Python worker, reused across tasks) and Kafka producer there, with
 the proxy's client builders, so the same code runs in local mode and on any cluster
 where the `triage` package is installed. Selection, claims, marks, S3 payloads,
-provenance headers and the replay routine itself are `triage_proxy.table`'s (`query.py`,
+provenance headers and the replay routine itself are `triage_proxy.store`'s (`query.py`,
 `replay.py`), shared with `triage dlq`, so the two tools never disagree about what a
 filter selects, whether an item was replayed, or what a failed delivery means. `job.py`
 is the driver side; this module runs the segment:
@@ -40,11 +40,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from triage_proxy.settings import DeadLetterSettings
+from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.store.aws import dynamodb_client
+from triage_proxy.store.query import TABLE_ATTEMPTS, DeadLetterTable
+from triage_proxy.store.replay import Outcome, Producer, Replayer, ReplayResult
 from triage_proxy.structs import DeadLetter
-from triage_proxy.table.aws import dynamodb_client
-from triage_proxy.table.query import TABLE_ATTEMPTS, DeadLetterTable
-from triage_proxy.table.replay import Outcome, Producer, Replayer, ReplayResult
 from triage_replay.options import Fault, ReplayOptions
 
 if TYPE_CHECKING:

@@ -99,7 +99,7 @@ def mark_acks_sent(invocations: list[Invocation], credits: int) -> None:
 def scan_dead_letters(stack: DevStack) -> list[Any]:
     import boto3
 
-    from triage_proxy.table.items import dead_letter_from_item
+    from triage_proxy.store.items import dead_letter_from_item
 
     client = boto3.client(
         "dynamodb",

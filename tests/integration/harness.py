@@ -30,13 +30,13 @@ from triage_client._proto import triage_pb2 as pb
 from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_client.message import unpack_messages
 from triage_proxy.app import Proxy
-from triage_proxy.deadletter import DeadLetterWriter
-from triage_proxy.kafka import PartitionLog
-from triage_proxy.settings import DeadLetterSettings, Settings, settings_from_dict
+from triage_proxy.config.settings import DeadLetterSettings, Settings, settings_from_dict
+from triage_proxy.deadletters.writer import DeadLetterWriter
+from triage_proxy.kafka.client import PartitionLog
+from triage_proxy.store.deadletter_store import DynamoDBStore
+from triage_proxy.store.items import dead_letter_from_item
+from triage_proxy.store.provisioning import create_table
 from triage_proxy.structs import DeadLetter, Record
-from triage_proxy.table.deadletters import DynamoDBStore
-from triage_proxy.table.items import dead_letter_from_item
-from triage_proxy.table.provisioning import create_table
 
 TOKEN = "test-token-0123456789"
 LEASE_S = 5.0

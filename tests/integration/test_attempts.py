@@ -34,9 +34,9 @@ from tests.integration.harness import (
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
 from triage_proxy.app import Proxy
-from triage_proxy.dispatcher import Dispatcher
-from triage_proxy.settled import decode_attempts
-from triage_proxy.table.checkpoints import DynamoDBCheckpoints
+from triage_proxy.pipeline.dispatcher import Dispatcher
+from triage_proxy.pipeline.settled import decode_attempts
+from triage_proxy.store.checkpoints import DynamoDBCheckpoints
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,7 @@ from tests.integration.harness import (
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port
 from triage_client import Consumer, Message
 from triage_proxy.app import Proxy
-from triage_proxy.settings import Settings
+from triage_proxy.config.settings import Settings
 
 pytestmark = pytest.mark.integration
 

@@ -22,18 +22,18 @@ from tests import samples, waiting
 from tests.samples import GROUP, T0
 from triage_cli.embedded import EmbeddedAWS, free_port
 from triage_proxy.clienttext import MAX_CONSUMER_ID_CHARS, REASON_MAX_CHARS
-from triage_proxy.deadletter import DeadLetterWriter
+from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.deadletters.writer import DeadLetterWriter
 from triage_proxy.errors import ConfigError, DeadLetterUnavailable
-from triage_proxy.settings import DeadLetterSettings
+from triage_proxy.store.deadletter_store import DynamoDBStore
+from triage_proxy.store.items import MAX_ITEM_BYTES, dead_letter_from_item, item_size
+from triage_proxy.store.provisioning import create_bucket, create_table
+from triage_proxy.store.query import DeadLetterTable
 from triage_proxy.structs import DeadLetter
-from triage_proxy.table.deadletters import DynamoDBStore
-from triage_proxy.table.items import MAX_ITEM_BYTES, dead_letter_from_item, item_size
-from triage_proxy.table.provisioning import create_bucket, create_table
-from triage_proxy.table.query import DeadLetterTable
 
 pytestmark = pytest.mark.integration
 
-LOGGER = "triage_proxy.deadletter"
+LOGGER = "triage_proxy.deadletters.writer"
 FAST = {"connect_timeout_s": 0.5, "read_timeout_s": 0.5, "max_attempts": 1}
 """Store options that make a dead or frozen endpoint fail within about a second."""
 

@@ -42,9 +42,9 @@ from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for
 from triage_client import Consumer, Message
 from triage_client._proto import triage_pb2 as pb
 from triage_client._proto import triage_pb2_grpc as pb_grpc
-from triage_proxy.ecstask import METADATA_ENV
+from triage_proxy.config.ecs import METADATA_ENV
+from triage_proxy.config.settings import load_settings, settings_from_dict
 from triage_proxy.errors import ConfigError, DeployError
-from triage_proxy.settings import load_settings, settings_from_dict
 
 pytestmark = pytest.mark.integration
 

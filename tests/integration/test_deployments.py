@@ -37,15 +37,15 @@ from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_cli.exitcodes import ExitCode
 from triage_cli.main import app
 from triage_proxy.app import Proxy
-from triage_proxy.settings import DeadLetterSettings, Settings
+from triage_proxy.config.settings import DeadLetterSettings, Settings
+from triage_proxy.store.checkpoints import DynamoDBCheckpoints
+from triage_proxy.store.items import LEASE_OFFSET, item_from_dead_letter, pointer_item
+from triage_proxy.store.leases import DynamoDBLeases, Lease
+from triage_proxy.store.migrate import Migration, Move
+from triage_proxy.store.payload import encode_payload
+from triage_proxy.store.provisioning import create_bucket
+from triage_proxy.store.query import DeadLetterTable, Filters
 from triage_proxy.structs import DeadLetter
-from triage_proxy.table.checkpoints import DynamoDBCheckpoints
-from triage_proxy.table.items import LEASE_OFFSET, item_from_dead_letter, pointer_item
-from triage_proxy.table.leases import DynamoDBLeases, Lease
-from triage_proxy.table.migrate import Migration, Move
-from triage_proxy.table.payload import encode_payload
-from triage_proxy.table.provisioning import create_bucket
-from triage_proxy.table.query import DeadLetterTable, Filters
 
 pytestmark = pytest.mark.integration
 

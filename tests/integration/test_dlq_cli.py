@@ -21,12 +21,12 @@ from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port
 from triage_cli.exitcodes import ExitCode
 from triage_cli.main import app
-from triage_proxy.settings import DeadLetterSettings, load_settings
+from triage_proxy.config.settings import DeadLetterSettings, load_settings
+from triage_proxy.store.items import MAX_ITEM_BYTES
+from triage_proxy.store.provisioning import create_bucket, create_table
+from triage_proxy.store.query import DeadLetterTable, Filters
+from triage_proxy.store.replay import REPLAY_OF_HEADER
 from triage_proxy.structs import DeadLetter
-from triage_proxy.table.items import MAX_ITEM_BYTES
-from triage_proxy.table.provisioning import create_bucket, create_table
-from triage_proxy.table.query import DeadLetterTable, Filters
-from triage_proxy.table.replay import REPLAY_OF_HEADER
 
 pytestmark = pytest.mark.integration
 

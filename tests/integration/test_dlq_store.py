@@ -21,17 +21,16 @@ from tests import samples
 from tests.integration.harness import create_topic, write_dead_letters
 from tests.samples import GROUP, T0
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
-from triage_proxy.deadletter import DeadLetterWriter
-from triage_proxy.notifier import notifier_from_settings
-from triage_proxy.settings import DeadLetterSettings
-from triage_proxy.structs import DeadLetter
-from triage_proxy.table.aws import s3_client
-from triage_proxy.table.checkpoints import DynamoDBCheckpoints
-from triage_proxy.table.deadletters import DynamoDBStore
-from triage_proxy.table.items import MAX_ITEM_BYTES, item_size
-from triage_proxy.table.provisioning import create_bucket, create_table
-from triage_proxy.table.query import DeadLetterTable, Filters, load_dead_letter
-from triage_proxy.table.replay import (
+from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.deadletters.notifier import notifier_from_settings
+from triage_proxy.deadletters.writer import DeadLetterWriter
+from triage_proxy.store.aws import s3_client
+from triage_proxy.store.checkpoints import DynamoDBCheckpoints
+from triage_proxy.store.deadletter_store import DynamoDBStore
+from triage_proxy.store.items import MAX_ITEM_BYTES, item_size
+from triage_proxy.store.provisioning import create_bucket, create_table
+from triage_proxy.store.query import DeadLetterTable, Filters, load_dead_letter
+from triage_proxy.store.replay import (
     REPLAY_ID_HEADER,
     REPLAY_OF_HEADER,
     REPLAY_REASON_HEADER,
@@ -39,6 +38,7 @@ from triage_proxy.table.replay import (
     new_replay_id,
     replay,
 )
+from triage_proxy.structs import DeadLetter
 
 pytestmark = pytest.mark.integration
 

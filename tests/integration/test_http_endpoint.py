@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.integration.harness import RawConsumer, await_until, produce, settings_for, target
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.app import Proxy, ProxyState
-from triage_proxy.kafka import ConfluentPartition
+from triage_proxy.kafka.client import ConfluentPartition
 
 pytestmark = pytest.mark.integration
 

@@ -23,7 +23,7 @@ from tests.integration.harness import RawConsumer, create_topic, produce, wait_u
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, free_port_block
 from triage_cli.main import app
 from triage_cli.supervisor import ProjectDir
-from triage_proxy.settings import load_settings
+from triage_proxy.config.settings import load_settings
 
 pytestmark = pytest.mark.integration
 
@@ -208,7 +208,7 @@ def test_config_check_connect(
     out = run_triage("config", "check", "--config", str(config), "--connect")
     assert out.returncode == 4  # the table does not exist yet
     assert "does not exist" in out.stderr or "not found" in out.stderr.lower()
-    from triage_proxy.table.provisioning import create_table
+    from triage_proxy.store.provisioning import create_table
 
     create_table(load_settings(config).dead_letters)
     out = run_triage("config", "check", "--config", str(config), "--connect")

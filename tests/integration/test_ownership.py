@@ -34,9 +34,9 @@ from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
 from triage_proxy.app import Proxy, ProxyState
 from triage_proxy.errors import OwnershipLost
-from triage_proxy.table.items import lease_source
-from triage_proxy.table.leases import DynamoDBLeases, Lease
-from triage_proxy.table.query import DeadLetterTable, Filters
+from triage_proxy.store.items import lease_source
+from triage_proxy.store.leases import DynamoDBLeases, Lease
+from triage_proxy.store.query import DeadLetterTable, Filters
 
 pytestmark = pytest.mark.integration
 

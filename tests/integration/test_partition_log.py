@@ -15,8 +15,8 @@ import pytest
 
 from tests.integration.harness import committed, create_topic, make_settings, produce, take
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
-from triage_proxy import kafka
-from triage_proxy.kafka import ConfluentPartition
+from triage_proxy.kafka import client as kafka
+from triage_proxy.kafka.client import ConfluentPartition
 from triage_proxy.structs import Record
 
 IDLE_FETCH_S = 10.0

@@ -12,9 +12,9 @@ import pytest
 
 from tests.integration.harness import committed, create_topic, make_settings, produce, take
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
-from triage_proxy import reader as reader_module
-from triage_proxy.kafka import FETCH_WAIT_S
-from triage_proxy.reader import Reader
+from triage_proxy.kafka import reader as reader_module
+from triage_proxy.kafka.client import FETCH_WAIT_S
+from triage_proxy.kafka.reader import Reader
 
 IDLE_CONSUME_S = 10.0
 """How long the reader's idle consume waits: far longer than a commit on a busy machine."""

@@ -31,12 +31,12 @@ from confluent_kafka import KafkaError, Producer
 
 from tests.integration.harness import create_topic
 from tests.samples import GROUP
-from triage_proxy.settings import DeadLetterSettings
+from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.store.deadletter_store import DynamoDBStore
+from triage_proxy.store.provisioning import create_table
+from triage_proxy.store.query import DeadLetterTable, Filters
+from triage_proxy.store.replay import REPLAY_OF_HEADER, new_replay_id, replay
 from triage_proxy.structs import DeadLetter, Record
-from triage_proxy.table.deadletters import DynamoDBStore
-from triage_proxy.table.provisioning import create_table
-from triage_proxy.table.query import DeadLetterTable, Filters
-from triage_proxy.table.replay import REPLAY_OF_HEADER, new_replay_id, replay
 from triage_replay.options import ReplayOptions
 from triage_replay.segment import SegmentJob, SegmentReplayer
 

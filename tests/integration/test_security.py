@@ -30,11 +30,11 @@ from tests.integration.harness import (
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
 from triage_cli.main import quiet_noisy_loggers
 from triage_client import Consumer, Message
-from triage_proxy import service
 from triage_proxy.app import Proxy
-from triage_proxy.logthrottle import LogThrottle
-from triage_proxy.settings import DeadLetterSettings
-from triage_proxy.table.provisioning import create_table
+from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.observe.logthrottle import LogThrottle
+from triage_proxy.server import service
+from triage_proxy.store.provisioning import create_table
 
 pytestmark = pytest.mark.integration
 

@@ -33,13 +33,13 @@ from tests.samples import GROUP
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_cli.exitcodes import ExitCode
+from triage_proxy.config.settings import DeadLetterSettings, load_settings
 from triage_proxy.errors import ConfigError
-from triage_proxy.settings import DeadLetterSettings, load_settings
+from triage_proxy.store.deadletter_store import DynamoDBStore
+from triage_proxy.store.items import item_from_dead_letter
+from triage_proxy.store.provisioning import create_bucket, create_table
+from triage_proxy.store.query import TableNotFound
 from triage_proxy.structs import DeadLetter
-from triage_proxy.table.deadletters import DynamoDBStore
-from triage_proxy.table.items import item_from_dead_letter
-from triage_proxy.table.provisioning import create_bucket, create_table
-from triage_proxy.table.query import TableNotFound
 from triage_replay import Fault, Filters, ReplayFailed, ReplayOptions, Summary, run_replay
 from triage_replay.job import build_parser, local_session, options_from_args, stop_session
 

@@ -18,8 +18,8 @@ from tests.integration.harness import TOKEN, RawConsumer, create_topic, produce
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, free_port_block
 from triage_cli.exitcodes import ExitCode
-from triage_proxy.settings import DeadLetterSettings
-from triage_proxy.table.provisioning import create_table
+from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.store.provisioning import create_table
 
 pytestmark = pytest.mark.integration
 

@@ -29,7 +29,7 @@ from triage_client._proto import triage_pb2 as pb
 from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_proxy.app import Proxy
 from triage_proxy.errors import OWNER_ENDPOINT_METADATA
-from triage_proxy.table.leases import DynamoDBLeaseReader, DynamoDBLeases, Lease
+from triage_proxy.store.leases import DynamoDBLeaseReader, DynamoDBLeases, Lease
 
 pytestmark = pytest.mark.integration
 

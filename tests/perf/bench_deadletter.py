@@ -31,11 +31,11 @@ import boto3
 
 from tests.samples import GROUP
 from triage_cli.embedded import EmbeddedAWS
-from triage_proxy.deadletter import DEFAULT_MAX_IN_FLIGHT, DeadLetterWriter
-from triage_proxy.settings import DeadLetterSettings
+from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.deadletters.writer import DEFAULT_MAX_IN_FLIGHT, DeadLetterWriter
+from triage_proxy.store.deadletter_store import DynamoDBStore
+from triage_proxy.store.provisioning import create_table
 from triage_proxy.structs import DeadLetter, Record
-from triage_proxy.table.deadletters import DynamoDBStore
-from triage_proxy.table.provisioning import create_table
 
 N = 2000
 TARGET_RATIO = 5.0

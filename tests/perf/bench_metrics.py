@@ -16,11 +16,11 @@ import sys
 import time
 from collections.abc import Callable
 
-from triage_proxy.dispatcher import Dispatcher
-from triage_proxy.settings import settings_from_dict
-from triage_proxy.snapshot import LatencyHistogram
+from triage_proxy.config.settings import settings_from_dict
+from triage_proxy.observe.snapshot import LatencyHistogram
+from triage_proxy.pipeline.dispatcher import Dispatcher
+from triage_proxy.pipeline.tracker import CommitTracker
 from triage_proxy.structs import Record
-from triage_proxy.tracker import CommitTracker
 
 MAX_OBSERVE_NS = 400
 BATCH = 1000

@@ -74,12 +74,12 @@ from pyspark import SparkContext
 from tests.integration.harness import create_topic
 from tests.samples import GROUP
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
-from triage_proxy.settings import DeadLetterSettings
+from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.store.aws import dynamodb_client
+from triage_proxy.store.items import item_from_dead_letter, item_key
+from triage_proxy.store.provisioning import create_table
+from triage_proxy.store.query import DeadLetterTable, Filters
 from triage_proxy.structs import DeadLetter, Record
-from triage_proxy.table.aws import dynamodb_client
-from triage_proxy.table.items import item_from_dead_letter, item_key
-from triage_proxy.table.provisioning import create_table
-from triage_proxy.table.query import DeadLetterTable, Filters
 from triage_replay import ReplayOptions, Summary, run_replay
 from triage_replay.job import local_session, stop_session
 from triage_replay.segment import SCAN_PAGE

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from triage_proxy.tracker import CommitTracker
+from triage_proxy.pipeline.tracker import CommitTracker
 
 MIN_SETTLES_PER_S = 1_000_000
 MAX_COST_RATIO = 1.5

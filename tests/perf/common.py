@@ -198,7 +198,7 @@ def status(stack: DevStack, partition: int = 0) -> dict[str, Any]:
     """The proxy's /status document (window, fetch_paused, counters)."""
     import urllib.request
 
-    from triage_proxy.settings import load_settings
+    from triage_proxy.config.settings import load_settings
 
     http_port = load_settings(stack.config_path).server.http_port
     if http_port is None:

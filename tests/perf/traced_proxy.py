@@ -36,7 +36,8 @@ import time
 from array import array
 from typing import Any
 
-from triage_proxy import dispatcher, fetcher, kafka
+from triage_proxy.kafka import client as kafka
+from triage_proxy.pipeline import dispatcher, fetcher
 
 LAG_PERIOD_S = 0.01
 """How often the loop-lag probe runs (100 wake-ups a second: a small cost)."""

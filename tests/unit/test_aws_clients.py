@@ -1,4 +1,4 @@
-"""The AWS clients of one process share one boto3 Session (table/aws.py).
+"""The AWS clients of one process share one boto3 Session (store/aws.py).
 
 Why: each Session keeps its own copy of botocore's service models, about 10 MB per
 client; a fleet process made two clients per partition, and 16 idle partitions cost
@@ -8,8 +8,8 @@ loaded models; each is still separate (its own timeouts) and its caller's to clo
 
 from __future__ import annotations
 
-from triage_proxy.settings import DeadLetterSettings
-from triage_proxy.table.aws import aws_client, dynamodb_client, s3_client
+from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.store.aws import aws_client, dynamodb_client, s3_client
 
 LOCAL = DeadLetterSettings(table="t", endpoint_url="http://127.0.0.1:1")
 

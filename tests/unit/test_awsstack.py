@@ -20,8 +20,8 @@ from triage_cli.awsstack import (
     render,
     template,
 )
+from triage_proxy.config.settings import settings_from_dict
 from triage_proxy.errors import ConfigError
-from triage_proxy.settings import settings_from_dict
 
 
 def lint_errors(text: str) -> list[str]:

@@ -32,10 +32,10 @@ from tests.unit.test_dispatcher import make, records
 from triage_cli.main import app
 from triage_client._proto import triage_pb2 as pb
 from triage_proxy.errors import FrameError
-from triage_proxy.frames import checked_frames
-from triage_proxy.http_endpoint import BROKER_GONE, not_ready_because
-from triage_proxy.logthrottle import LogThrottle, throttle_decision
-from triage_proxy.snapshot import ProxySnapshot
+from triage_proxy.observe.endpoint import BROKER_GONE, not_ready_because
+from triage_proxy.observe.logthrottle import LogThrottle, throttle_decision
+from triage_proxy.observe.snapshot import ProxySnapshot
+from triage_proxy.server.grammar import checked_frames
 
 TOKEN = "unit-test-token-0123456789"
 

@@ -30,7 +30,7 @@ from triage_proxy.errors import (
     TriageError,
 )
 from triage_proxy.exitcodes import ExitCode, exit_code_for
-from triage_proxy.table.query import TableNotFound
+from triage_proxy.store.query import TableNotFound
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -21,15 +21,15 @@ from triage_proxy.clienttext import (
     consumer_id_problem,
     for_log,
 )
-from triage_proxy.deadletter import DeadLetterWriter
-from triage_proxy.dispatcher import Dispatcher
+from triage_proxy.config.settings import DeadLetterSettings, Settings, settings_from_dict
+from triage_proxy.deadletters.writer import DeadLetterWriter
 from triage_proxy.errors import FrameError, grpc_status
-from triage_proxy.service import _hello
-from triage_proxy.settings import DeadLetterSettings, Settings, settings_from_dict
+from triage_proxy.pipeline.dispatcher import Dispatcher
+from triage_proxy.pipeline.tracker import CommitTracker
+from triage_proxy.server.service import _hello
+from triage_proxy.store.deadletter_store import MemoryStore
+from triage_proxy.store.items import MAX_ITEM_BYTES, PAYLOAD_S3_ATTR, item_size
 from triage_proxy.structs import DeadLetter, Record
-from triage_proxy.table.deadletters import MemoryStore
-from triage_proxy.table.items import MAX_ITEM_BYTES, PAYLOAD_S3_ATTR, item_size
-from triage_proxy.tracker import CommitTracker
 
 FORGED = "boom\n2030-01-01 00:00:00 CRITICAL triage_proxy: forged line \x1b[31mred\x1b[0m\x00"
 WIDE = "\U0001f600"
@@ -124,7 +124,7 @@ def make_settings() -> Settings:
 
 
 def test_dispatcher_log_lines_show_a_consumer_id_escaped(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="triage_proxy.dispatcher")
+    caplog.set_level(logging.INFO, logger="triage_proxy.pipeline.dispatcher")
     dispatcher = Dispatcher(make_settings(), 0, CommitTracker(0), lambda dl: None)
     session = dispatcher.open_session("evil\nforged line \x1b[2J", 1)
     dispatcher.settle(session, [99], [])  # rejected: it holds nothing

@@ -16,7 +16,8 @@ import pytest
 
 from tests.unit.twins import KAFKA_CALL_S, FlakyPartition, InlineKafkaThread, TimedCheckpoints
 from tests.unit.virtual_time import gaps, run, until
-from triage_proxy.committer import (
+from triage_proxy.errors import TableUnavailable
+from triage_proxy.pipeline.committer import (
     CHECKPOINT_HELD_OFFSETS,
     CHECKPOINT_INTERVAL_S,
     CHECKPOINT_POLLS,
@@ -24,9 +25,8 @@ from triage_proxy.committer import (
     EARLY_COMMITS_PER_INTERVAL,
     Committer,
 )
-from triage_proxy.errors import TableUnavailable
-from triage_proxy.settled import decode_attempts, decode_settled, encode_settled
-from triage_proxy.tracker import CommitTracker
+from triage_proxy.pipeline.settled import decode_attempts, decode_settled, encode_settled
+from triage_proxy.pipeline.tracker import CommitTracker
 
 INTERVAL_S = 1.0
 
@@ -262,7 +262,7 @@ def test_final_commit_takes_what_settled_since_the_last_tick() -> None:
 def test_a_failed_commit_is_retried_each_interval_until_the_broker_is_back(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="triage_proxy.committer")
+    caplog.set_level(logging.DEBUG, logger="triage_proxy.pipeline.committer")
 
     async def main() -> None:
         rig = make()

@@ -15,20 +15,20 @@ from hypothesis import strategies as st
 
 from tests import samples, waiting
 from tests.samples import GROUP, T0
-from triage_proxy.deadletter import DeadLetterWriter, WriterState, backoff_delay
+from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.deadletters.writer import DeadLetterWriter, WriterState, backoff_delay
 from triage_proxy.errors import ConfigError, DeadLetterTooLarge, DeadLetterUnavailable, StateError
-from triage_proxy.settings import DeadLetterSettings
-from triage_proxy.structs import DeadLetter, Headers, Record
-from triage_proxy.table.deadletters import MemoryStore
-from triage_proxy.table.items import (
+from triage_proxy.store.deadletter_store import MemoryStore
+from triage_proxy.store.items import (
     MAX_ITEM_BYTES,
     dead_letter_from_item,
     format_iso_ms,
     item_from_dead_letter,
     item_size,
 )
+from triage_proxy.structs import DeadLetter, Headers, Record
 
-LOGGER = "triage_proxy.deadletter"
+LOGGER = "triage_proxy.deadletters.writer"
 
 
 def make_dl(offset: int, **fields: Any) -> DeadLetter:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from triage_client._proto import triage_pb2 as pb
-from triage_proxy.dispatcher import Dispatcher, Session
-from triage_proxy.settings import Settings, settings_from_dict
+from triage_proxy.config.settings import Settings, settings_from_dict
+from triage_proxy.pipeline.dispatcher import Dispatcher, Session
+from triage_proxy.pipeline.tracker import CommitTracker
 from triage_proxy.structs import DeadLetter, Record
-from triage_proxy.tracker import CommitTracker
 
 BASE = {
     "kafka": {"bootstrap_servers": "b", "topic": "t", "group_id": "g"},

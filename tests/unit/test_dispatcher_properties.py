@@ -7,10 +7,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from triage_client._proto import triage_pb2 as pb
-from triage_proxy.dispatcher import Dispatcher, Session
-from triage_proxy.settings import settings_from_dict
+from triage_proxy.config.settings import settings_from_dict
+from triage_proxy.pipeline.dispatcher import Dispatcher, Session
+from triage_proxy.pipeline.tracker import CommitTracker
 from triage_proxy.structs import DeadLetter, Record
-from triage_proxy.tracker import CommitTracker
 
 KEYS = [b"a", b"b", b"c", None]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from triage_proxy.ecstask import (
+from triage_proxy.config.ecs import (
     ECS_TASK_DNS,
     ECS_TASK_IP,
     LOOKUP_ATTEMPTS,
@@ -19,8 +19,8 @@ from triage_proxy.ecstask import (
     resolve_advertised_host,
     task_address,
 )
+from triage_proxy.config.settings import ServerSettings
 from triage_proxy.errors import ConfigError
-from triage_proxy.settings import ServerSettings
 
 CONTAINER = {
     "DockerId": "cd189a933e5849daa93386466019ab50-2495160603",

@@ -14,11 +14,11 @@ import pytest
 
 from tests.unit.twins import KAFKA_CALL_S, FlakyPartition, InlineKafkaThread
 from tests.unit.virtual_time import gaps, run, until
-from triage_proxy.dispatcher import Dispatcher
-from triage_proxy.fetcher import Fetcher
-from triage_proxy.settings import settings_from_dict
+from triage_proxy.config.settings import settings_from_dict
+from triage_proxy.pipeline.dispatcher import Dispatcher
+from triage_proxy.pipeline.fetcher import Fetcher
+from triage_proxy.pipeline.tracker import CommitTracker
 from triage_proxy.structs import DeadLetter
-from triage_proxy.tracker import CommitTracker
 
 BACKOFFS_S = [0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0]
 """The fetcher's waits after consecutive failed fetches: doubling from 0.1 s, capped at 5 s."""
@@ -109,7 +109,7 @@ def test_a_full_window_pauses_fetching_until_there_is_room_for_a_batch() -> None
 def test_broker_errors_back_off_doubling_to_the_cap_and_recover(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="triage_proxy.fetcher")
+    caplog.set_level(logging.DEBUG, logger="triage_proxy.pipeline.fetcher")
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

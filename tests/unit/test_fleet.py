@@ -8,9 +8,9 @@ from prometheus_client.core import Metric
 
 from triage_cli.deploy import default_proxies
 from triage_cli.status import ProxyView, partition_views, served_by_notes
-from triage_proxy.assignment import serving_target
-from triage_proxy.metrics import metric_families
-from triage_proxy.snapshot import ProcessSnapshot, ProxySnapshot, as_process
+from triage_proxy.kafka.assignment import serving_target
+from triage_proxy.observe.metrics import metric_families
+from triage_proxy.observe.snapshot import ProcessSnapshot, ProxySnapshot, as_process
 
 ASSIGNED = frozenset({0, 2, 4})
 

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from tests.unit.test_dispatcher import make, records
 from triage_client._proto import triage_pb2 as pb
-from triage_proxy.dispatcher import Entry, Session
-from triage_proxy.framing import (
+from triage_proxy.pipeline.dispatcher import Entry, Session
+from triage_proxy.server.encoding import (
     DEFAULT_FRAME_BYTES,
     MIN_FRAME_BYTES,
     attempt_size,

@@ -13,11 +13,11 @@ import grpc
 from tests.unit.wire import consume_call, serving
 from triage_client._proto import triage_pb2 as pb
 from triage_proxy.app import Proxy
-from triage_proxy.kafka import MemoryPartition
-from triage_proxy.settings import Settings, settings_from_dict
-from triage_proxy.table.checkpoints import MemoryCheckpoints
-from triage_proxy.table.deadletters import MemoryStore
-from triage_proxy.table.leases import MemoryLeases
+from triage_proxy.config.settings import Settings, settings_from_dict
+from triage_proxy.kafka.client import MemoryPartition
+from triage_proxy.store.checkpoints import MemoryCheckpoints
+from triage_proxy.store.deadletter_store import MemoryStore
+from triage_proxy.store.leases import MemoryLeases
 
 TOKEN = "grant-unit-token-0123456"
 QUIET_S = 0.3

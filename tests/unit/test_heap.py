@@ -1,11 +1,11 @@
-"""The proxy process's GC policy (heap.py): what each call leaves behind."""
+"""The proxy process's GC policy (gctuning.py): what each call leaves behind."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 
-from triage_proxy.heap import YOUNG_THRESHOLD, freeze_when_ready, set_collection_policy
+from triage_proxy.gctuning import YOUNG_THRESHOLD, freeze_when_ready, set_collection_policy
 
 
 def test_collection_policy_raises_only_the_young_threshold() -> None:

@@ -15,10 +15,10 @@ from tests.unit.wire import consume_call, hello, serving, take
 from tests.waiting import eventually
 from triage_client._proto import triage_pb2 as pb
 from triage_proxy.app import Proxy
-from triage_proxy.kafka import MemoryPartition
-from triage_proxy.settings import settings_from_dict
-from triage_proxy.table.checkpoints import MemoryCheckpoints
-from triage_proxy.table.deadletters import MemoryStore
+from triage_proxy.config.settings import settings_from_dict
+from triage_proxy.kafka.client import MemoryPartition
+from triage_proxy.store.checkpoints import MemoryCheckpoints
+from triage_proxy.store.deadletter_store import MemoryStore
 
 TOKEN = "kafka-threads-token-0123"
 READ_TIMEOUT_S = 20.0

@@ -13,14 +13,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from triage_proxy.app import Proxy
+from triage_proxy.config.settings import Settings, settings_from_dict
 from triage_proxy.errors import BrokerUnavailable, ConfigError
-from triage_proxy.http_endpoint import HttpEndpoint
-from triage_proxy.kafka import KafkaThread, MemoryPartition
-from triage_proxy.logend import LogEndWatcher
-from triage_proxy.metrics import metric_families
-from triage_proxy.settings import Settings, settings_from_dict
-from triage_proxy.snapshot import Instance, LatencyHistogram, ProxySnapshot
-from triage_proxy.tracker import CommitTracker
+from triage_proxy.kafka.client import KafkaThread, MemoryPartition
+from triage_proxy.observe.endpoint import HttpEndpoint
+from triage_proxy.observe.metrics import metric_families
+from triage_proxy.observe.snapshot import Instance, LatencyHistogram, ProxySnapshot
+from triage_proxy.pipeline.logend import LogEndWatcher
+from triage_proxy.pipeline.tracker import CommitTracker
 
 
 def make_settings() -> Settings:

@@ -14,9 +14,8 @@ from hypothesis import strategies as st
 
 from tests import samples
 from tests.samples import T0
-from triage_proxy.deadletter import DeadLetterWriter
-from triage_proxy.errors import ConfigError, StateError
-from triage_proxy.notifier import (
+from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.deadletters.notifier import (
     MAX_TRACKED_REASONS,
     Aggregator,
     DeadLetterNotifier,
@@ -27,9 +26,10 @@ from triage_proxy.notifier import (
     next_send_at,
     notifier_from_settings,
 )
-from triage_proxy.settings import DeadLetterSettings
+from triage_proxy.deadletters.writer import DeadLetterWriter
+from triage_proxy.errors import ConfigError, StateError
+from triage_proxy.store.deadletter_store import MemoryStore
 from triage_proxy.structs import DeadLetter
-from triage_proxy.table.deadletters import MemoryStore
 
 
 def make_dl(offset: int, **fields: Any) -> DeadLetter:

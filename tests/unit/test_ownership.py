@@ -7,10 +7,10 @@ import time
 
 import pytest
 
+from triage_proxy.config.settings import OwnershipSettings
 from triage_proxy.errors import OwnershipLost, StateError
-from triage_proxy.ownership import Ownership, OwnershipState, wall_ms
-from triage_proxy.settings import OwnershipSettings
-from triage_proxy.table.leases import Lease, MemoryLeases
+from triage_proxy.pipeline.ownership import Ownership, OwnershipState, wall_ms
+from triage_proxy.store.leases import Lease, MemoryLeases
 
 LEASE = OwnershipSettings(lease_s=0.5, renew_interval_s=0.1)
 

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from triage_proxy.policies import (
+from triage_proxy.config.settings import MAX_DURATION_S, UINT32_MAX, RetrySettings
+from triage_proxy.pipeline.policies import (
     SPAN_DOUBLINGS,
     Outcome,
     after_failure,
@@ -20,7 +21,6 @@ from triage_proxy.policies import (
     redelivery_delay,
     retry_delay,
 )
-from triage_proxy.settings import MAX_DURATION_S, UINT32_MAX, RetrySettings
 
 
 def reference_delay(attempt: int, s: RetrySettings) -> float:

@@ -10,15 +10,15 @@ from collections.abc import Callable
 
 import pytest
 
-from triage_proxy import partition
 from triage_proxy.app import Proxy
-from triage_proxy.kafka import MemoryPartition
-from triage_proxy.settings import Settings, settings_from_dict
-from triage_proxy.settled import encode_attempts, encode_settled
-from triage_proxy.table.checkpoints import MemoryCheckpoints
-from triage_proxy.table.deadletters import MemoryStore
-from triage_proxy.table.items import dead_letter_from_item
-from triage_proxy.table.leases import MemoryLeases
+from triage_proxy.config.settings import Settings, settings_from_dict
+from triage_proxy.kafka.client import MemoryPartition
+from triage_proxy.pipeline import partition
+from triage_proxy.pipeline.settled import encode_attempts, encode_settled
+from triage_proxy.store.checkpoints import MemoryCheckpoints
+from triage_proxy.store.deadletter_store import MemoryStore
+from triage_proxy.store.items import dead_letter_from_item
+from triage_proxy.store.leases import MemoryLeases
 
 TOKEN = "restore-test-token-0123"
 
@@ -103,7 +103,7 @@ async def until(predicate: Callable[[], bool], within: float = 10.0) -> None:
 def test_a_restarted_proxy_continues_the_counts(caplog: pytest.LogCaptureFixture) -> None:
     # Offset 0 had failed four times of five, offset 1 all five: 1 is dead-lettered at
     # once, 0 waits its gap (4/7 of 7 s) and then has one attempt left.
-    caplog.set_level(logging.INFO, logger="triage_proxy.partition")
+    caplog.set_level(logging.INFO, logger="triage_proxy.pipeline.partition")
     log = MemoryPartition("orders", 0)
     for value in (b"pill", b"spent", b"fine"):
         log.append(value)

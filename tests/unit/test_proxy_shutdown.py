@@ -20,12 +20,12 @@ from tests.unit.wire import consume_call, hello, serving, take
 from tests.waiting import eventually
 from triage_client._proto import triage_pb2 as pb
 from triage_proxy.app import Proxy, ProxyState
-from triage_proxy.kafka import MemoryPartition
-from triage_proxy.settings import Settings, settings_from_dict
+from triage_proxy.config.settings import Settings, settings_from_dict
+from triage_proxy.kafka.client import MemoryPartition
+from triage_proxy.store.checkpoints import MemoryCheckpoints
+from triage_proxy.store.deadletter_store import MemoryStore
+from triage_proxy.store.leases import MemoryLeases
 from triage_proxy.structs import DeadLetter, Record
-from triage_proxy.table.checkpoints import MemoryCheckpoints
-from triage_proxy.table.deadletters import MemoryStore
-from triage_proxy.table.leases import MemoryLeases
 
 TOKEN = "shutdown-order-token-0123"
 

@@ -8,12 +8,12 @@ import time
 import pytest
 
 from tests.unit.test_dispatcher import BASE, Clock, drain, records
-from triage_proxy.dispatcher import Dispatcher
+from triage_proxy.config.settings import RateLimitSettings, settings_from_dict
 from triage_proxy.errors import ConfigError
-from triage_proxy.policies import RateLimit, TokenBucket, rate_limit
-from triage_proxy.settings import RateLimitSettings, settings_from_dict
+from triage_proxy.pipeline.dispatcher import Dispatcher
+from triage_proxy.pipeline.policies import RateLimit, TokenBucket, rate_limit
+from triage_proxy.pipeline.tracker import CommitTracker
 from triage_proxy.structs import Record
-from triage_proxy.tracker import CommitTracker
 
 
 def test_bucket_starts_full_then_refills_at_its_rate() -> None:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tests.samples import item
 from triage_cli.render import hex_dump, item_summary, render_bytes, safe_text, short_text
-from triage_proxy.table.items import item_key
+from triage_proxy.store.items import item_key
 
 
 def test_render_text_json_and_binary() -> None:

@@ -11,11 +11,11 @@ from typing import Any, cast
 import pytest
 
 from triage_client._proto import triage_pb2 as pb
-from triage_proxy.dispatcher import Dispatcher
+from triage_proxy.config.settings import Settings, settings_from_dict
 from triage_proxy.errors import FrameError, PartitionNotServed
-from triage_proxy.service import TriageService
-from triage_proxy.settings import Settings, settings_from_dict
-from triage_proxy.topology import Topology
+from triage_proxy.pipeline.dispatcher import Dispatcher
+from triage_proxy.server.service import TriageService
+from triage_proxy.server.topology import Topology
 
 
 def make_settings() -> Settings:

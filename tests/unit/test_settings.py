@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from triage_proxy.config.settings import DEFAULT_WINDOW_MESSAGES, load_settings, settings_from_dict
 from triage_proxy.errors import ConfigError
-from triage_proxy.settings import DEFAULT_WINDOW_MESSAGES, load_settings, settings_from_dict
 
 MINIMAL = {
     "kafka": {"bootstrap_servers": "b:9092", "topic": "orders", "group_id": "g"},

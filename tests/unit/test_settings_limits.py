@@ -17,10 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from triage_client._proto import triage_pb2 as pb
-from triage_proxy.dispatcher import FRAME_OVERHEAD_BYTES
-from triage_proxy.errors import ConfigError
-from triage_proxy.kafka import ConfluentPartition
-from triage_proxy.settings import (
+from triage_proxy.config.settings import (
     MIN_FRAME_BYTES,
     RESERVED_CLIENT_PROPERTIES,
     UINT32_MAX,
@@ -31,6 +28,9 @@ from triage_proxy.settings import (
     numeric_settings,
     settings_from_dict,
 )
+from triage_proxy.errors import ConfigError
+from triage_proxy.kafka.client import ConfluentPartition
+from triage_proxy.pipeline.dispatcher import FRAME_OVERHEAD_BYTES
 
 MINIMAL: dict[str, dict[str, Any]] = {
     "kafka": {"bootstrap_servers": "b:9092", "topic": "orders", "group_id": "g"},
@@ -227,7 +227,7 @@ def test_every_reserved_property_is_refused(name: str) -> None:
 
 
 def test_every_property_the_proxy_sets_is_reserved() -> None:
-    """One list: whatever kafka.py sets on its consumer, [kafka.client] cannot override."""
+    """One list: whatever kafka/client.py sets on its consumer, [kafka.client] cannot override."""
     settings = settings_from_dict(MINIMAL, {})
     own = ConfluentPartition(settings.kafka, 0)._config()
     assert set(own) <= set(RESERVED_CLIENT_PROPERTIES), set(own) - set(RESERVED_CLIENT_PROPERTIES)

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from triage_proxy.errors import TriageError
-from triage_proxy.settled import (
+from triage_proxy.pipeline.settled import (
     DEFAULT_LIMIT,
     MAX_OFFSET,
     MAX_OFFSETS,

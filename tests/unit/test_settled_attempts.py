@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from triage_proxy.settled import (
+from triage_proxy.pipeline.settled import (
     MAX_ATTEMPT_COUNT,
     MAX_ATTEMPT_ENTRIES,
     MAX_OFFSET,
@@ -20,7 +20,7 @@ from triage_proxy.settled import (
     encode_attempts,
     encode_settled,
 )
-from triage_proxy.table.checkpoints import Checkpoint, MemoryCheckpoints
+from triage_proxy.store.checkpoints import Checkpoint, MemoryCheckpoints
 
 
 def varint(value: int) -> bytes:

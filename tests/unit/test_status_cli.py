@@ -17,7 +17,7 @@ from triage_cli.status import (
     partition_row,
     render_table,
 )
-from triage_proxy.settings import Settings, settings_from_dict
+from triage_proxy.config.settings import Settings, settings_from_dict
 
 RUNNING: dict[str, Any] = {
     "state": "running",
@@ -143,8 +143,8 @@ def test_a_proxy_that_does_not_answer_is_down_not_a_crash() -> None:
 
 
 def test_an_unwritable_dead_letter_is_named_with_its_offset_and_the_fix() -> None:
-    from triage_proxy.deadletter import NO_BUCKET_FIX
-    from triage_proxy.snapshot import ProxySnapshot, UnwritableDeadLetter
+    from triage_proxy.deadletters.writer import NO_BUCKET_FIX
+    from triage_proxy.observe.snapshot import ProxySnapshot, UnwritableDeadLetter
 
     held = UnwritableDeadLetter(7, 450_160, 400_000, NO_BUCKET_FIX)
     snap = ProxySnapshot(

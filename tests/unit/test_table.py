@@ -11,19 +11,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.samples import GROUP, T0, item, make_dl
-from triage_proxy.deadletter import DeadLetterWriter
-from triage_proxy.settings import DeadLetterSettings
-from triage_proxy.structs import DeadLetter, Headers, Record
-from triage_proxy.table.deadletters import MemoryStore, writable
-from triage_proxy.table.items import (
+from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.deadletters.writer import DeadLetterWriter
+from triage_proxy.store.deadletter_store import MemoryStore, writable
+from triage_proxy.store.items import (
     MAX_ITEM_BYTES,
     fits_with_overflow,
     item_size,
     pointer_item,
 )
-from triage_proxy.table.payload import decode_payload, encode_payload, payload_size
-from triage_proxy.table.query import Filters, load_dead_letter, matches, parse_time
-from triage_proxy.table.replay import (
+from triage_proxy.store.payload import decode_payload, encode_payload, payload_size
+from triage_proxy.store.query import Filters, load_dead_letter, matches, parse_time
+from triage_proxy.store.replay import (
     NOT_SENT_ERRORS,
     REPLAY_ID_HEADER,
     REPLAY_OF_HEADER,
@@ -34,6 +33,7 @@ from triage_proxy.table.replay import (
     certainly_not_sent,
     replay_headers,
 )
+from triage_proxy.structs import DeadLetter, Headers, Record
 
 # --- selection ------------------------------------------------------------------------
 
@@ -248,7 +248,7 @@ def test_a_timeout_without_a_response_is_translated_not_crashed() -> None:
     from botocore.exceptions import ReadTimeoutError
 
     from triage_proxy.errors import DeadLetterUnavailable
-    from triage_proxy.table.query import DeadLetterTable
+    from triage_proxy.store.query import DeadLetterTable
 
     class TimingOut:
         def scan(self, **kwargs: Any) -> Any:

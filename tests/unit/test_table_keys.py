@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from tests.samples import GROUP, item, make_dl
 from triage_proxy.errors import ConfigError
-from triage_proxy.table.deadletters import MemoryStore
-from triage_proxy.table.items import (
+from triage_proxy.store.deadletter_store import MemoryStore
+from triage_proxy.store.items import (
     KIND_CHECKPOINT,
     KIND_DEAD_LETTER,
     KIND_LEASE,
@@ -26,9 +26,9 @@ from triage_proxy.table.items import (
     legacy_lease_source,
     parse_source,
 )
-from triage_proxy.table.migrate import Move, migrated_item, plan_move
-from triage_proxy.table.payload import payload_object_key
-from triage_proxy.table.query import Filters, matches
+from triage_proxy.store.migrate import Move, migrated_item, plan_move
+from triage_proxy.store.payload import payload_object_key
+from triage_proxy.store.query import Filters, matches
 
 TOPICS = st.from_regex(r"[a-zA-Z0-9._-]{1,249}", fullmatch=True)
 """Every legal Kafka topic name."""

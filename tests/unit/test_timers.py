@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from triage_proxy.timers import Timers
+from triage_proxy.pipeline.timers import Timers
 
 
 def heap_size(timers: Timers[Any]) -> int:

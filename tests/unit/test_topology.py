@@ -15,6 +15,7 @@ import pytest
 from triage_client._proto import triage_pb2 as pb
 from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_proxy.app import Proxy
+from triage_proxy.config.settings import OwnershipSettings, Settings, settings_from_dict
 from triage_proxy.errors import (
     OWNER_ENDPOINT_METADATA,
     BrokerUnavailable,
@@ -23,13 +24,9 @@ from triage_proxy.errors import (
     grpc_status,
     grpc_trailers,
 )
-from triage_proxy.kafka import MemoryPartition
-from triage_proxy.ownership import Ownership, wall_ms
-from triage_proxy.settings import OwnershipSettings, Settings, settings_from_dict
-from triage_proxy.table.checkpoints import MemoryCheckpoints
-from triage_proxy.table.deadletters import MemoryStore
-from triage_proxy.table.leases import Lease, MemoryLeaseReader, MemoryLeases, lease_from_item
-from triage_proxy.topology import (
+from triage_proxy.kafka.client import MemoryPartition
+from triage_proxy.pipeline.ownership import Ownership, wall_ms
+from triage_proxy.server.topology import (
     COUNT_RETRY_S,
     COUNT_TTL_S,
     LEASES_TTL_S,
@@ -38,6 +35,9 @@ from triage_proxy.topology import (
     Topology,
     plan_routes,
 )
+from triage_proxy.store.checkpoints import MemoryCheckpoints
+from triage_proxy.store.deadletter_store import MemoryStore
+from triage_proxy.store.leases import Lease, MemoryLeaseReader, MemoryLeases, lease_from_item
 
 TOKEN = "topology-unit-token-0123"
 NOW_MS = 1_000_000_000

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from triage_proxy.tracker import _PAGE_SIZE as PAGE
-from triage_proxy.tracker import CommitTracker
+from triage_proxy.pipeline.tracker import _PAGE_SIZE as PAGE
+from triage_proxy.pipeline.tracker import CommitTracker
 
 # PAGE is the tracker's internal page size: cases straddle page boundaries on purpose.
 

@@ -21,17 +21,17 @@ from tests.waiting import eventually
 from triage_client._proto import triage_pb2 as pb
 from triage_proxy.app import Proxy, ProxyState
 from triage_proxy.clienttext import for_log
-from triage_proxy.deadletter import NO_BUCKET_FIX, DeadLetterWriter, overflow_warning
-from triage_proxy.dispatcher import Dispatcher
-from triage_proxy.kafka import MemoryPartition
-from triage_proxy.metrics import metric_families
-from triage_proxy.settings import DeadLetterSettings, Settings, settings_from_dict
-from triage_proxy.snapshot import UnwritableDeadLetter
+from triage_proxy.config.settings import DeadLetterSettings, Settings, settings_from_dict
+from triage_proxy.deadletters.writer import NO_BUCKET_FIX, DeadLetterWriter, overflow_warning
+from triage_proxy.kafka.client import MemoryPartition
+from triage_proxy.observe.metrics import metric_families
+from triage_proxy.observe.snapshot import UnwritableDeadLetter
+from triage_proxy.pipeline.dispatcher import Dispatcher
+from triage_proxy.pipeline.tracker import CommitTracker
+from triage_proxy.store.checkpoints import MemoryCheckpoints
+from triage_proxy.store.deadletter_store import MemoryStore
+from triage_proxy.store.items import MAX_ITEM_BYTES, item_size
 from triage_proxy.structs import DeadLetter, Record
-from triage_proxy.table.checkpoints import MemoryCheckpoints
-from triage_proxy.table.deadletters import MemoryStore
-from triage_proxy.table.items import MAX_ITEM_BYTES, item_size
-from triage_proxy.tracker import CommitTracker
 
 TOKEN = "unwritable-token-0123456"
 BIG = b"x" * (MAX_ITEM_BYTES + 50_000)
@@ -54,7 +54,7 @@ def run(coro: Coroutine[Any, Any, None], timeout: float = 30.0) -> None:
 def test_the_writer_reports_an_unwritable_dead_letter_once_with_its_offset_and_fix(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="triage_proxy.deadletter")
+    caplog.set_level(logging.INFO, logger="triage_proxy.deadletters.writer")
     reported: list[DeadLetter] = []
     written: list[DeadLetter] = []
     settings = DeadLetterSettings(table="d", flush_interval_ms=1)
@@ -92,7 +92,7 @@ def test_the_writer_reports_an_unwritable_dead_letter_once_with_its_offset_and_f
 def test_the_unwritable_dead_letter_log_shows_the_reason_escaped(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="triage_proxy.deadletter")
+    caplog.set_level(logging.INFO, logger="triage_proxy.deadletters.writer")
     dl = DeadLetter(
         Record("orders", 0, 3, None, BIG, (), 0), FORGED, 1, "worker\x1b]0;title\x07", 0
     )

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from triage_proxy.errors import BrokerUnavailable
-from triage_proxy.kafka import KafkaThread, MemoryPartition
+from triage_proxy.kafka.client import KafkaThread, MemoryPartition
+from triage_proxy.store.checkpoints import MemoryCheckpoints
 from triage_proxy.structs import Record
-from triage_proxy.table.checkpoints import MemoryCheckpoints
 
 T = TypeVar("T")
 

@@ -1,0 +1,1 @@
+"""Dead letters on their way out: the durable writer and the aggregated notifier."""

@@ -1,0 +1,264 @@
+"""What one proxy reports about itself, as values: `ProxySnapshot` (one partition's
+pipeline at one moment, built by `PartitionPipeline.snapshot()`), `ProcessSnapshot` (the
+process and a `ProxySnapshot` per partition it runs, `Proxy.status()`), `Instance`, and
+the `LatencyHistogram` the dispatcher fills and the snapshot carries.
+
+Why a module of its own: the Prometheus rendering (metrics.py) and the HTTP endpoint
+(observe/endpoint.py) read a proxy only through these values, so neither imports the
+application (app.py imports both). The settle latency is the one per-message measure: a
+`LatencyHistogram` is plain bucket counts bumped on the event-loop thread (no lock;
+~0.2 us per settled delivery, within the noise of a ~1 us settle, measured by
+`tests/perf/bench_metrics.py`), exported as a Prometheus histogram by metrics.py
+(prometheus-client's own takes a lock per observation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+SETTLE_BUCKETS_S = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+)
+"""Upper bounds of the settle-latency buckets: handlers take from ~1 ms to minutes."""
+UNWRITABLE_SHOWN = 10
+"""Most unwritable dead letters a snapshot names (the oldest; all are counted)."""
+
+
+class LatencyHistogram:
+    """Cumulative-on-export histogram that costs a bisect and two adds per observation.
+
+    Not thread-safe on purpose: only the event-loop thread observes, and a scrape (on the
+    same loop) reads a consistent copy.
+    """
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: Sequence[float] = SETTLE_BUCKETS_S) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        """Per-bucket (not cumulative) counts; the last one is +Inf."""
+        self.total = 0.0
+        """Sum of every observation (seconds)."""
+
+    def observe(self, seconds: float, n: int = 1) -> None:
+        """`n` observations of `seconds` (a batch delivered together and settled together)."""
+        self.counts[bisect_left(self.bounds, seconds)] += n
+        self.total += seconds * n
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """Prometheus buckets: (le, observations <= le), ending with +Inf."""
+        out: list[tuple[str, int]] = []
+        running = 0
+        for bound, n in zip((*map(repr, self.bounds), "+Inf"), self.counts, strict=True):
+            running += n
+            out.append((bound, running))
+        return out
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One connected consumer instance as status shows it."""
+
+    consumer_id: str
+    """The id the instance gave in its Hello."""
+    credits: int
+    """How many deliveries it can hold at once."""
+    held: int
+    """Deliveries it holds unsettled now."""
+
+
+@dataclass(frozen=True)
+class UnwritableDeadLetter:
+    """A dead letter that can never be written as it is (deadletters/writer.py's policy): held
+    unwritten, so the commit waits at its offset until the fix is made and the proxy
+    restarted (the message is then redelivered)."""
+
+    offset: int
+    """Its offset: the partition's commit cannot pass it."""
+    size: int
+    """Bytes its DynamoDB item needs."""
+    limit: int
+    """DynamoDB's item limit it exceeds."""
+    fix: str
+    """What makes it writable, e.g. "set dead_letters.overflow_bucket ..."."""
+
+
+@dataclass(frozen=True)
+class ProxySnapshot:
+    """One partition's pipeline at one moment (`Proxy.snapshot()`); metrics and /status
+    render it (inside its process's `ProcessSnapshot`)."""
+
+    topic: str
+    """The proxied topic."""
+    partition: int
+    """The partition of this pipeline."""
+    state: str
+    """`ProxyState` value (starting, standby, running, stopping, ...)."""
+    ready: bool
+    """Running and delivering (what /readyz answers)."""
+    grpc_port: int
+    """The gRPC port bound (0 before it listens)."""
+    advertised_endpoint: str = ""
+    """host:port consumers are given for this partition (`server.advertised_*`; the lease
+    item and Topology carry it); "" before it listens."""
+    alive: bool = False
+    """Started and not yet stopped (what /healthz answers; not part of /status)."""
+    committed_offset: int | None = None
+    """The offset Kafka last acknowledged as committed (None before Kafka is open)."""
+    log_end_offset: int | None = None
+    """The partition's log end: the broker's high watermark, at least what was fetched."""
+    log_end_age_s: float | None = None
+    """How old the high watermark reading is (it is polled, see logend.py)."""
+    in_flight: int = 0
+    """Delivered and unsettled, plus dead letters not yet durable (not unwritable ones)."""
+    in_window: int = 0
+    """Fetched and unsettled records (the window)."""
+    window_bytes: int = 0
+    """Payload bytes of the window."""
+    window_max_messages: int = 0
+    """`window.max_messages`."""
+    window_max_bytes: int = 0
+    """`window.max_bytes`."""
+    queued: int = 0
+    """Records waiting for an instance with credit."""
+    instances: tuple[Instance, ...] = ()
+    """Connected consumer instances."""
+    oldest_unsettled_age_s: float | None = None
+    """Time since the oldest unsettled record entered the window (None: window empty)."""
+    dead_letters_pending: int = 0
+    """Dead letters handed to the writer and not yet durable (unwritable ones included)."""
+    fetch_paused: bool = False
+    """The window is full, so fetching waits."""
+    dead_letters_unwritable: int = 0
+    """Dead letters held because they can never be written (the commit waits at the first)."""
+    unwritable_dead_letters: tuple[UnwritableDeadLetter, ...] = ()
+    """The oldest of them (at most UNWRITABLE_SHOWN), each with its offset and the fix."""
+    degraded: tuple[str, ...] = ()
+    """Parts that are failing and retrying: "fetch", "commit", "dead_letters", "log_end";
+    and "dead_letters_unwritable" while a dead letter is held that retrying cannot write."""
+    counters: dict[str, int] = field(default_factory=dict)
+    """Running totals (`dispatcher.Counters` fields and `commits`)."""
+    settle_latency: LatencyHistogram | None = None
+    """Delivery -> settle latency so far (None before Kafka is open)."""
+
+    @property
+    def lag(self) -> int | None:
+        """Messages not yet committed: log end - committed offset."""
+        if self.committed_offset is None or self.log_end_offset is None:
+            return None
+        return max(0, self.log_end_offset - self.committed_offset)
+
+    def to_json(self) -> dict[str, Any]:
+        """The /status document (also what `triage status` reads)."""
+        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        doc.pop("settle_latency")
+        doc.pop("alive")
+        doc["instances"] = [dataclasses.asdict(i) for i in self.instances]
+        doc["unwritable_dead_letters"] = [
+            dataclasses.asdict(u) for u in self.unwritable_dead_letters
+        ]
+        doc["degraded"] = list(self.degraded)
+        doc["connected_instances"] = len(self.instances)
+        doc["lag"] = self.lag
+        for key in ("log_end_age_s", "oldest_unsettled_age_s"):
+            if doc[key] is not None:
+                doc[key] = round(doc[key], 3)
+        if self.settle_latency is not None and self.settle_latency.count:
+            h = self.settle_latency
+            doc["settle_latency_mean_s"] = round(h.total / h.count, 6)
+        return doc
+
+
+@dataclass(frozen=True)
+class ProcessSnapshot:
+    """One proxy process at one moment (`Proxy.status()`): the process, and one
+    `ProxySnapshot` per partition it runs a pipeline for. /status and metrics render it."""
+
+    topic: str
+    """The proxied topic."""
+    state: str
+    """`ProxyState` value of the process."""
+    ready: bool
+    """Every partition it should serve is delivering (what /readyz answers)."""
+    alive: bool
+    """Started and not yet stopped (what /healthz answers)."""
+    grpc_port: int = 0
+    """The gRPC port bound (0 before it listens)."""
+    advertised_endpoint: str = ""
+    """host:port consumers are given for every partition this process serves."""
+    owner: str = ""
+    """The process's id: its lease owner id, and the owner Topology names."""
+    pid: int = 0
+    """Its operating-system process id."""
+    mode: str = "pinned"
+    """"pinned" (`--partition`) or "fleet" (assigned by the consumer group)."""
+    assigned: tuple[int, ...] = ()
+    """Pinned: the pins; fleet: what the group coordinator assigned it last."""
+    partitions: tuple[ProxySnapshot, ...] = ()
+    """One per pipeline it runs now (standby, starting, running or stopping)."""
+
+    @property
+    def served(self) -> list[int]:
+        """Partitions it delivers now."""
+        return [p.partition for p in self.partitions if p.ready]
+
+    def to_json(self) -> dict[str, Any]:
+        """The /status document: the process, `partitions` (one document each), and, when
+        it runs exactly one pipeline, that pipeline's fields at the top level too (what a
+        one-partition proxy answered before a process served several)."""
+        doc: dict[str, Any] = {}
+        if len(self.partitions) == 1:
+            doc.update(self.partitions[0].to_json())
+        doc.update(
+            topic=self.topic,
+            state=self.state,
+            ready=self.ready,
+            grpc_port=self.grpc_port,
+            advertised_endpoint=self.advertised_endpoint,
+            owner=self.owner,
+            pid=self.pid,
+            mode=self.mode,
+            assigned=list(self.assigned),
+            served=self.served,
+            partitions=[p.to_json() for p in self.partitions],
+        )
+        return doc
+
+
+def as_process(snap: ProcessSnapshot | ProxySnapshot) -> ProcessSnapshot:
+    """A one-partition view as the process that serves it (what the HTTP endpoint and
+    metrics take: a process, however many partitions it serves)."""
+    if isinstance(snap, ProcessSnapshot):
+        return snap
+    return ProcessSnapshot(
+        topic=snap.topic,
+        state=snap.state,
+        ready=snap.ready,
+        alive=snap.alive,
+        grpc_port=snap.grpc_port,
+        advertised_endpoint=snap.advertised_endpoint,
+        assigned=(snap.partition,),
+        partitions=(snap,),
+    )

@@ -1,0 +1,1 @@
+"""One partition's pipeline: fetcher -> dispatcher -> tracker -> committer, with its lease."""

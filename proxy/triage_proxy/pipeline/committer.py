@@ -1,0 +1,383 @@
+"""The committer: commits the tracker's committable offset on an interval.
+
+It commits when the committable offset advanced or, with `commit.encode_settled`,
+when the set of offsets settled above it changed: that set rides along encoded in
+the commit's metadata (and in a checkpoint item, see store/checkpoints.py) so a
+restarted proxy does not redeliver it. When the encoding does not fit the broker's
+metadata limit it commits the plain offset (at-least-once) and counts the overflow.
+The set includes what a previous run settled beyond this run's fetch so far
+(`SettledAhead`): a restarted proxy's first commits must not shrink it to the part
+the fetch has reached. A failed commit is retried on the next tick (the offset stays
+uncommitted, so nothing is lost), and there is one final commit on shutdown.
+
+The checkpoint item also carries the failed-delivery counts of the window (`attempts`,
+from the dispatcher), so a crash-type pill's attempts survive a restart. When they
+change the item is rewritten even if the committed offset did not move (a pill at the
+head of the window holds the commit still), within the same once-a-second limit.
+
+The limit gives way while the committed offset is held (a pill, a suspect waiting out
+its redelivery backoff or a slow message at the head of the window): on a broker that
+drops commit metadata the item is then all that records what settles above it, so once
+CHECKPOINT_HELD_OFFSETS offsets settled there are not in it, it is written with the
+next commit (policies.checkpoint_due), or at the next tick if nothing changed (the head
+jumped onto a pill over offsets that had settled above it, and stopped). A burst does
+not wait for the tick: between ticks the committer looks CHECKPOINT_POLLS times an
+interval whether that many settled while the offset stood still (a count from the
+tracker, O(1): `policies.held_burst`) and then writes the item at once with what a
+commit would carry, without waiting for Kafka's commit (held, the item's committed
+offset is Kafka's already; the commit follows at the tick). A kill -9 then redelivers
+about what settled in one poll and one write, not in a whole commit interval (the fault
+suite: a restarted proxy's instances settled 557 offsets in the 40 ms before the next
+kill, at its 0.2 s interval). The write stays off the delivery path: the committer's own
+task, one write at a time.
+
+A partition that caught up does not wait for the tick either: once everything fetched
+is settled (the dispatcher's `caught_up`) and at least EARLY_COMMIT_OFFSETS offsets
+wait to be committed, or any wait after a commit that moved that many (the tail of the
+burst: policies.early_commit_worth), the commit goes at once, at most
+EARLY_COMMITS_PER_INTERVAL times an interval. The end of a burst is then committed
+within a commit round trip instead of up to an interval later (bench_throughput: the
+commit lag after the last ack was 123-228 ms at its 0.1 s interval, a tenth of the run);
+a partition with a backlog never catches up, so it commits on the interval as before,
+and a trickle commits early at most once per EARLY_COMMIT_OFFSETS offsets (and once
+more right after a burst, for its tail).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from triage_proxy.errors import BrokerUnavailable, TableUnavailable
+from triage_proxy.kafka.client import KafkaThread, PartitionLog
+from triage_proxy.pipeline.policies import checkpoint_due, early_commit_worth, held_burst
+from triage_proxy.pipeline.settled import encode_attempts, encode_settled
+from triage_proxy.pipeline.tracker import CommitTracker
+from triage_proxy.store.checkpoints import Checkpoint, CheckpointStore
+from triage_proxy.waiting import wait_any
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_INTERVAL_S = 1.0
+"""Least time between checkpoint-item writes. A checkpoint that trails Kafka's commit is
+still used (see app.py), so writing it on every fast commit would only cost DynamoDB
+writes and proxy CPU (measured ~10% of no-op throughput at 10 commits/s)."""
+CHECKPOINT_HELD_OFFSETS = 48
+"""Offsets newly settled above a held committed offset that are worth a checkpoint write
+before CHECKPOINT_INTERVAL_S is up (policies.checkpoint_due, held_burst). A write costs
+the proxy about what a few hundred deliveries do, but every redelivery also runs a
+handler again; a trickle (ten offsets a second) still waits out the interval. Half the
+fault suite's in-flight window (3 instances x 32 credits): what a kill may redeliver is
+this, what settles during one poll and one write, and what is in flight."""
+CHECKPOINT_POLLS = 8
+"""How often per commit interval the committer counts what settled above a held offset
+(only while offsets are pending; an idle partition is not woken): every 25 ms at the
+fault suite's 0.2 s, every 125 ms at the default 1 s. It is also the least time between
+two such writes, so a burst costs at most this many times the commits of the interval
+(the interval stays the operator's trade of cost against redeliveries)."""
+EARLY_COMMIT_OFFSETS = 1024
+"""Least offsets waiting for a commit that make a caught-up partition commit before the
+tick: a trickle that catches up after every message commits early at most once per this
+many offsets, and otherwise on the interval (bench_throughput: about 20 commits for its
+200,000 messages at a 0.1 s interval, early ones included)."""
+EARLY_COMMITS_PER_INTERVAL = 4
+"""Most commits an interval may take from the start of the previous one, early ones
+included: the operator's interval still bounds the commits a second (to 4x it)."""
+TICK_SLACK_S = 1e-6
+"""What is left of the interval after the polls counts as none (polls add float error:
+waiting out 1e-13 s more would get nowhere on a clock at 1e4 s)."""
+
+
+class FailureCounts(Protocol):
+    """Where the failed-delivery counts come from (the dispatcher)."""
+
+    @property
+    def failures_version(self) -> int:
+        """Moves whenever a count changed."""
+        ...
+
+    def failures(self) -> dict[int, int]:
+        """Failed deliveries by offset of the unsettled records that failed."""
+        ...
+
+
+class SettledAhead(Protocol):
+    """Where a previous run's settled offsets not fetched yet come from (the dispatcher)."""
+
+    def settled_ahead(self) -> list[int]:
+        """Sorted, all at or above the tracker's next offset."""
+        ...
+
+
+class Committer:
+    """Owns the partition's committed offset as Kafka knows it."""
+
+    def __init__(
+        self,
+        log: PartitionLog,
+        thread: KafkaThread,
+        tracker: CommitTracker,
+        start_offset: int,
+        interval_s: float,
+        closing: asyncio.Event,
+        *,
+        checkpoints: CheckpointStore | None = None,
+        attempts: FailureCounts | None = None,
+        ahead: SettledAhead | None = None,
+        caught_up: asyncio.Event | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`caught_up`: set when everything fetched got settled (the dispatcher's; cleared
+        here once looked at), the cue for an early commit; without it, commits go on the
+        interval only."""
+        self._log = log
+        self._thread = thread
+        self._tracker = tracker
+        self._interval_s = interval_s
+        self._closing = closing
+        self._checkpoints = checkpoints
+        self._attempts = attempts
+        """Their counts ride in the checkpoint item (only with `checkpoints`)."""
+        self._ahead = ahead
+        """A previous run's settled offsets beyond the fetch: they stay in the encoding."""
+        self._caught_up = caught_up
+        self._monotonic = monotonic
+        """The clock of the interval and the checkpoint interval (a test passes its own)."""
+        self._attempted_at = -float("inf")
+        """When the latest commit call started (monotonic): early commits keep their gap."""
+        self.committed = start_offset
+        """The last offset Kafka acknowledged as committed."""
+        self._advanced = 0
+        """How far the latest commit moved the offset: a large move makes its remainder
+        worth an early commit (the tail of a burst)."""
+        self.metadata: str | None = None
+        """The settled-above encoding committed with it (None: plain commit)."""
+        self._settled: list[int] = []
+        """The offsets `metadata` holds."""
+        self._encoded: list[int] = []
+        """The offsets the latest `_encoding` holds (none when it did not fit)."""
+        self._held = False
+        """The latest tick left the offset where it was: its commit changed only the set
+        above it, or nothing changed at all (a commit that moved the offset onto a pill
+        leaves what settled above it to the next tick)."""
+        self.degraded = False
+        self.commits = 0
+        self.metadata_overflows = 0
+        """Commits made without the encoding because it did not fit."""
+        self._checkpoint_degraded = False
+        self._checkpoint_at = -CHECKPOINT_INTERVAL_S
+        self._checkpoint_due = False
+        """A Kafka commit or a failed-delivery count is not in the checkpoint item yet."""
+        self._written: Checkpoint | None = None
+        """What this run last wrote to the checkpoint item."""
+        self._written_settled: list[int] = []
+        """The settled-above offsets `_written` holds."""
+        self._attempts_seen = 0
+        """`failures_version` when the counts were last taken for a checkpoint."""
+        self._settled_mark = 0
+        """`_settled_count()` at the latest encoding: what settled since is in no record."""
+        self.burst_writes = 0
+        """Checkpoint writes made before the tick: a burst settled above a held offset."""
+        self.early_commits = 0
+        """Commits made before the tick because the partition caught up."""
+
+    async def run(self) -> None:
+        poll_s = self._interval_s
+        if self._checkpoints is not None:
+            poll_s /= CHECKPOINT_POLLS
+        while True:
+            due = self._monotonic() + self._interval_s
+            while (left := due - self._monotonic()) > TICK_SLACK_S:
+                polling = poll_s < left and self._tracker.pending > 0
+                timeout = poll_s if polling else left
+                events: tuple[asyncio.Event, ...] = (self._closing,)
+                early = self._early_in()
+                if early is not None:
+                    if early <= 0:
+                        assert self._caught_up is not None
+                        self._caught_up.clear()
+                        self.early_commits += 1
+                        break  # caught up: commit now
+                    timeout = min(timeout, early)  # the cue stays set: not waited on
+                elif self._caught_up is not None:
+                    events = (self._closing, self._caught_up)
+                await wait_any(*events, timeout=timeout)
+                if self._closing.is_set():
+                    logger.debug("committer stopped")
+                    return
+                if polling and self._held_burst():
+                    # The item alone, at once: its committed offset is Kafka's already, and
+                    # Kafka's commit (the first one of a run can take 100+ ms: the group
+                    # coordinator is looked up) follows at the tick.
+                    self._checkpoint_due = True
+                    await self._flush_checkpoint(burst=True)
+                    self.burst_writes += 1
+            await self.commit()
+            await self._flush_checkpoint()
+
+    def _early_in(self) -> float | None:
+        """Seconds until an early commit may go (<= 0: now), None while none is due: the
+        partition has not caught up, or too few offsets wait (then the tick commits them)."""
+        cue = self._caught_up
+        if cue is None or not cue.is_set():
+            return None
+        tracker = self._tracker
+        if tracker.pending or not early_commit_worth(
+            waiting=tracker.committable - self.committed,
+            previous_advance=self._advanced,
+            least=EARLY_COMMIT_OFFSETS,
+        ):
+            cue.clear()  # seen; the next catch-up sets it again
+            return None
+        gap = self._interval_s / EARLY_COMMITS_PER_INTERVAL
+        return self._attempted_at + gap - self._monotonic()
+
+    def _settled_count(self) -> int:
+        """Offsets the tracker settled so far, give or take a constant (O(1)): every fetched
+        offset is tracked, so whatever is not pending any more settled."""
+        return self._tracker.next_offset - self._tracker.pending
+
+    def _held_burst(self) -> bool:
+        """Whether a checkpoint write is due before the tick (held_burst)."""
+        return held_burst(
+            held=self._tracker.committable == self.committed,
+            newly_settled=self._settled_count() - self._settled_mark,
+            recording=not self._checkpoint_degraded,
+            held_offsets=CHECKPOINT_HELD_OFFSETS,
+        )
+
+    def _item_settled(self) -> tuple[str, list[int]]:
+        """The settled-above text (and offsets) for the checkpoint item now: while the
+        offset is held and more settled since the latest encoding, what a commit now would
+        carry (its committed offset is Kafka's already, so it holds as is); else what the
+        latest commit carried."""
+        if (
+            self._tracker.committable == self.committed
+            and self._settled_count() != self._settled_mark
+        ):
+            text = self._encoding(self.committed, count_overflow=False)
+            if text is not None:
+                return text, self._encoded
+        return self.metadata or "", self._settled
+
+    def _encoding(self, offset: int, *, count_overflow: bool = True) -> str | None:
+        if self._checkpoints is None:
+            return None
+        self._settled_mark = self._settled_count()
+        settled = self._tracker.settled_above()
+        if self._ahead is not None and (ahead := self._ahead.settled_ahead()):
+            # Above every tracked offset; the first may be the committable offset itself.
+            settled += ahead[1:] if ahead[0] <= offset else ahead
+        self._encoded = []
+        if not settled:
+            return ""
+        text = encode_settled(offset, settled)
+        if text is None:
+            self.metadata_overflows += count_overflow
+        else:
+            self._encoded = settled
+        return text
+
+    async def commit(self) -> bool:
+        """Commit if anything changed; False if the broker refused."""
+        offset = self._tracker.committable
+        metadata = self._encoding(offset)
+        if offset < self.committed or (offset == self.committed and metadata == self.metadata):
+            # Nothing settled for a tick: the offset is held, though the commit before this
+            # tick moved it (the head jumped onto a pill over what settled above it).
+            self._held = True
+            if self._closing.is_set():  # the last chance for changed counts
+                await self._flush_checkpoint(force=True)
+            return True
+        self._attempted_at = self._monotonic()
+        try:
+            await self._thread.run(self._log.commit, offset, metadata)
+        except BrokerUnavailable as exc:
+            if not self.degraded:
+                logger.warning("degraded: commit of %d failed (%s); will retry", offset, exc)
+                self.degraded = True
+            return False
+        if self.degraded:
+            logger.info("recovered: committed offset %d", offset)
+            self.degraded = False
+        self._held = offset == self.committed
+        self._advanced = offset - self.committed
+        self.committed, self.metadata, self._settled = offset, metadata, self._encoded
+        self.commits += 1
+        if self._checkpoints is not None:
+            self._checkpoint_due = True
+            await self._flush_checkpoint(force=self._closing.is_set())
+        return True
+
+    async def _flush_checkpoint(self, *, force: bool = False, burst: bool = False) -> None:
+        """Write the checkpoint if something is due and `checkpoint_due` says so (or
+        `force`). Only after this run's first commit (until then the item still holds the
+        previous run's settled-above set), or in a `burst` above the held offset (what it
+        writes then holds that set: the part fetched settled in the tracker, the rest
+        `settled_ahead`)."""
+        if self._checkpoints is None or not (self.commits or burst):
+            return
+        attempts = self._attempts
+        if attempts is not None and attempts.failures_version != self._attempts_seen:
+            self._checkpoint_due = True
+        now = self._monotonic()
+        if not self._checkpoint_due:
+            return
+        written = self._written
+        # After a failed write, only the interval: a frozen table is not asked 5x a second.
+        held = (self._held or burst) and written is not None and not self._checkpoint_degraded
+        text, settled = self._item_settled()
+        # Settled above the committed offset, not in the item (which has what it had then).
+        saved = self._written_settled
+        unsaved = len(settled) - (len(saved) - bisect.bisect_right(saved, self.committed))
+        if not force and not checkpoint_due(
+            now - self._checkpoint_at,
+            held=held,
+            unsaved=unsaved,
+            interval_s=CHECKPOINT_INTERVAL_S,
+            held_offsets=CHECKPOINT_HELD_OFFSETS,
+        ):
+            return
+        self._checkpoint_due = False
+        counts = ""
+        if attempts is not None:
+            self._attempts_seen = attempts.failures_version
+            counts = encode_attempts(self.committed, attempts.failures())
+        checkpoint = Checkpoint(self.committed, text, counts)
+        if checkpoint == written:
+            return
+        self._checkpoint_at = now
+        if await self._write_checkpoint(checkpoint):
+            self._written_settled = settled
+            logger.debug(
+                "checkpoint written: committed %d, %d offsets settled above it%s",
+                checkpoint.committed,
+                len(settled),
+                " (held)" if held and unsaved >= CHECKPOINT_HELD_OFFSETS else "",
+            )
+
+    async def _write_checkpoint(self, checkpoint: Checkpoint) -> bool:
+        """Best effort: a missing or stale checkpoint only means more redeliveries (and a
+        crash-type pill's attempts counted again from where it last was written). False
+        if the table refused it."""
+        assert self._checkpoints is not None
+        try:
+            await asyncio.to_thread(
+                self._checkpoints.put,
+                checkpoint.committed,
+                checkpoint.settled,
+                checkpoint.attempts,
+            )
+        except TableUnavailable as exc:
+            self._checkpoint_due = True  # again after the interval
+            if not self._checkpoint_degraded:
+                logger.warning("commit checkpoint not written (%s); will retry", exc)
+                self._checkpoint_degraded = True
+            return False
+        self._written = checkpoint
+        self._checkpoint_degraded = False
+        return True

@@ -1,0 +1,271 @@
+"""Delivery policies, free of I/O and clocks: backoff, when to give up, rate limits.
+
+Why: the dispatcher decides what happens to a failed delivery (nacked with retry,
+lease expired, instance vanished), when it goes out again, and how fast it may hand
+records out. Keeping the
+arithmetic here lets it be tested exhaustively (and with a fake clock: every rate-limit
+call takes `now`), and keeps the dispatcher to bookkeeping. The token buckets hold
+state (tokens, last refill), but never read a clock or do I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+from triage_proxy.config.settings import RateLimitSettings, RetrySettings
+
+__all__ = [
+    "Outcome",
+    "RateLimit",
+    "TokenBucket",
+    "after_failure",
+    "backoff",
+    "checkpoint_due",
+    "held_burst",
+    "rate_limit",
+    "redelivery_delay",
+    "retry_delay",
+]
+
+
+class Outcome(enum.Enum):
+    """What to do with a message whose latest delivery failed."""
+
+    REDELIVER = "redeliver"
+    """Hand it out again (after the retry delay when it was nacked with retry)."""
+    DEAD_LETTER = "dead_letter"
+    """Write it to the dead-letter table; it will not be delivered again."""
+
+
+def backoff(failures: int, *, initial: float, cap: float, multiplier: float = 2.0) -> float:
+    """Seconds to wait after the ``failures``-th consecutive failure (>= 1): the one backoff
+    formula of the proxy (redelivery, dead-letter writes, fetch and lease retries).
+
+    ``initial * multiplier ** (failures - 1)``, capped at ``cap`` (up to float rounding).
+    The exponent is bounded before exponentiating, so any ``failures`` is safe. Nonsense
+    (NaN, inf, zero, a multiplier below 1) raises ValueError.
+    """
+    if failures < 1:
+        raise ValueError(f"failures must be >= 1, got {failures}")
+    if not (0 < initial < math.inf and 0 < cap < math.inf):
+        raise ValueError(f"backoffs must be finite and > 0, got {initial} and {cap}")
+    if not 1 <= multiplier < math.inf:
+        raise ValueError(f"multiplier must be finite and >= 1, got {multiplier}")
+    if initial >= cap:
+        return cap
+    if multiplier == 1:
+        return initial
+    # Growth steps after which the cap surely applies. Both logs are finite, so this is a
+    # finite float; the +1 absorbs log rounding (the min() below handles the rest).
+    capped_from = math.ceil((math.log(cap) - math.log(initial)) / math.log(multiplier)) + 1
+    steps = failures - 1
+    if steps >= capped_from:
+        return cap
+    try:
+        grown = initial * multiplier**steps
+    except OverflowError:
+        # Only when cap / initial is itself beyond float range; the logs still work.
+        grown = math.exp(math.log(initial) + steps * math.log(multiplier))
+    return min(cap, grown)
+
+
+def retry_delay(attempt: int, settings: RetrySettings) -> float:
+    """Seconds to wait before redelivering a message whose ``attempt``-th delivery was nacked.
+
+    `backoff` from ``initial_backoff_s`` by ``multiplier``, capped at ``max_backoff_s``.
+    Settings are validated by `Settings`; nonsense (NaN, inf, zero) raises ValueError.
+    """
+    if attempt < 1:
+        raise ValueError(f"attempt must be >= 1, got {attempt}")
+    return backoff(
+        attempt,
+        initial=settings.initial_backoff_s,
+        cap=settings.max_backoff_s,
+        multiplier=settings.multiplier,
+    )
+
+
+SPAN_DOUBLINGS = 64
+"""Most non-zero gaps in a `redelivery_delay` schedule. With more attempts than that the
+earlier gaps would be below span / 2**64 (under a nanosecond for any allowed span):
+they are zero, and the last SPAN_DOUBLINGS gaps carry the whole span."""
+
+
+def redelivery_delay(failures: int, max_attempts: int, span_s: float) -> float:
+    """Seconds to wait before redelivering a message whose ``failures``-th delivery failed
+    because its instance vanished or its lease lapsed (a retry nack waits `retry_delay`).
+
+    Why: a fleet in a crash loop (or a network blip) fails every delivery it holds, and
+    redelivering at once would exhaust a healthy message's attempts in milliseconds. So
+    the gaps between such failures add up to ``span_s`` before the last attempt fails:
+    the first redelivery is immediate (a killed instance's healthy messages come back at
+    once), then the gaps double (`backoff`), the first non-zero one chosen so that they
+    sum to ``span_s`` (max_attempts 5: 0, g, 2g, 4g with 7g = span). With max_attempts 2
+    the single gap is the span. A crash-type pill therefore reaches the limit after about
+    ``span_s`` plus its deliveries' time. ``span_s`` 0 turns the gaps off.
+
+    ``failures`` is below ``max_attempts`` (after the last failure nothing is redelivered).
+    """
+    if max_attempts < 1:
+        raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+    if not 1 <= failures < max_attempts:
+        raise ValueError(f"failures must be in 1..{max_attempts - 1}, got {failures}")
+    if not 0 <= span_s < math.inf:
+        raise ValueError(f"span must be finite and >= 0, got {span_s}")
+    if span_s == 0:
+        return 0.0
+    if max_attempts == 2:
+        return span_s
+    # Gaps after failures 2 .. max_attempts - 1 (the first one is 0): `gaps` of them, the
+    # last `doublings` non-zero and doubling from `first`.
+    gaps = max_attempts - 2
+    doublings = min(gaps, SPAN_DOUBLINGS)
+    step = failures - 1 - (gaps - doublings)  # 1 for the first non-zero gap
+    if step < 1:
+        return 0.0
+    # Rounded up by one ulp, so that the gaps never sum to less than the span (2**64 - 1,
+    # say, is 2**64 in floats).
+    first = math.nextafter(span_s / (2.0**doublings - 1), math.inf)
+    return backoff(step, initial=first, cap=span_s, multiplier=2.0)
+
+
+def checkpoint_due(
+    since_write_s: float, *, held: bool, unsaved: int, interval_s: float, held_offsets: int
+) -> bool:
+    """Whether a changed checkpoint item (committer.py) is written now: once `interval_s`
+    passed since the last write, or sooner while the committed offset is `held` (the
+    latest commit tick did not move it) and at least `held_offsets` offsets settled above
+    it are not in the item (`unsaved`).
+
+    Why: a kill -9 redelivers what settled above the committed offset and is not in the
+    item (on a broker that drops commit metadata the item is all there is). While the
+    offset moves, that is about the in-flight spread however often the item is written,
+    so the interval only saves writes. While it is held (a crash-type pill, or a suspect
+    waiting out `redelivery_delay` at the head of the window), it grows with everything
+    that settles: at full speed a one-second interval cost a kill thousands of duplicates.
+    A head that jumps onto such a pill over offsets settled above it is held from the next
+    tick on, so those are written then.
+    """
+    return since_write_s >= interval_s or (held and unsaved >= held_offsets)
+
+
+def held_burst(*, held: bool, newly_settled: int, recording: bool, held_offsets: int) -> bool:
+    """Whether the committer writes the checkpoint item before its tick: the committed
+    offset is `held` (the head has not moved past Kafka's committed offset), at least
+    `held_offsets` offsets settled since the latest record of the set above it (a commit
+    or a write), and the item is `recording` (its latest write did not fail).
+
+    Why: held, only the item records what settles above the offset (on a broker that
+    drops commit metadata), and `checkpoint_due` lets it be written as soon as
+    `held_offsets` are missing from it; waiting for the tick (and its Kafka commit) left
+    a whole interval's worth of settles to redeliver on a kill (hundreds in a burst).
+    Moving, the Kafka commit records the head and the tick holds. A failed write waits
+    out its interval (a frozen table is not asked 40 times a second).
+    """
+    return held and recording and newly_settled >= held_offsets
+
+
+def early_commit_worth(*, waiting: int, previous_advance: int, least: int) -> bool:
+    """Whether a caught-up partition commits its `waiting` offsets before the tick: at
+    least `least` of them, or any at all when the previous commit itself moved the offset
+    by `least` or more (the tail of a burst).
+
+    Why: a burst's last commit rarely lands on a multiple of `least`; without the tail
+    rule its remainder waited out a whole interval (bench_throughput: 640 offsets held
+    100 ms at its 0.1 s interval, a default-1 s partition would hold them a second). A
+    trickle keeps the threshold: its commits move the offset little, so after one tail
+    commit it is back on the interval.
+    """
+    return waiting >= least or (waiting > 0 and previous_advance >= least)
+
+
+def after_failure(attempt: int, max_attempts: int) -> Outcome:
+    """Fate of a message delivered ``attempt`` times whose last delivery failed."""
+    if attempt < 1:
+        raise ValueError(f"attempt must be >= 1, got {attempt}")
+    if max_attempts < 1:
+        raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+    return Outcome.DEAD_LETTER if attempt >= max_attempts else Outcome.REDELIVER
+
+
+_SLACK = 1e-9
+"""Relative float slack: after waiting exactly `wait_s`, the take succeeds."""
+
+
+class TokenBucket:
+    """`rate` tokens a second, holding at most `burst` (default: one second's worth).
+
+    A cost larger than the burst is still admitted, when the bucket is full; the bucket
+    then goes into debt, so the average rate holds (one huge message is never stuck).
+    """
+
+    __slots__ = ("burst", "rate", "stamp", "tokens")
+
+    def __init__(self, rate: float, now: float, burst: float | None = None) -> None:
+        if not 0 < rate < math.inf:
+            raise ValueError(f"rate must be finite and > 0, got {rate}")
+        self.rate = rate
+        self.burst = rate if burst is None else burst
+        if not 0 < self.burst < math.inf:
+            raise ValueError(f"burst must be finite and > 0, got {self.burst}")
+        self.tokens = self.burst
+        """Starts full: a fresh proxy may send one burst at once."""
+        self.stamp = now
+
+    def _refill(self, now: float) -> None:
+        if now > self.stamp:
+            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+
+    def _need(self, cost: float) -> float:
+        return min(cost, self.burst) * (1 - _SLACK)
+
+    def allows(self, cost: float, now: float) -> bool:
+        """Whether `cost` may go at `now` (takes nothing)."""
+        self._refill(now)
+        return self.tokens >= self._need(cost)
+
+    def take(self, cost: float) -> None:
+        """Spend `cost` (after `allows` said yes); may leave the bucket in debt."""
+        self.tokens -= cost
+
+    def wait_s(self, cost: float, now: float) -> float:
+        """Seconds from `now` until `cost` may go (0: now)."""
+        self._refill(now)
+        return max(0.0, (min(cost, self.burst) - self.tokens) / self.rate)
+
+
+class RateLimit:
+    """The `[rate_limit]` caps of one proxy: a record goes only when every bucket (messages
+    per second, payload bytes per second) allows it, and then it is paid from all of them."""
+
+    __slots__ = ("_buckets",)
+
+    def __init__(self, messages_per_s: float | None, bytes_per_s: float | None, now: float):
+        self._buckets: list[tuple[TokenBucket, bool]] = []
+        """(bucket, counts bytes) pairs; a message bucket costs 1 per record."""
+        if messages_per_s is not None:
+            self._buckets.append((TokenBucket(messages_per_s, now), False))
+        if bytes_per_s is not None:
+            self._buckets.append((TokenBucket(bytes_per_s, now), True))
+
+    def admit(self, size: int, now: float) -> bool:
+        """Take one record of `size` bytes if every cap allows it now."""
+        buckets = self._buckets
+        if not all(b.allows(size if by_size else 1, now) for b, by_size in buckets):
+            return False
+        for bucket, by_size in buckets:
+            bucket.take(size if by_size else 1)
+        return True
+
+    def wait_s(self, size: int, now: float) -> float:
+        """Seconds from `now` until a record of `size` bytes may go."""
+        return max((b.wait_s(size if s else 1, now) for b, s in self._buckets), default=0.0)
+
+
+def rate_limit(settings: RateLimitSettings, now: float) -> RateLimit | None:
+    """The caps `settings` asks for, or None when there are none (no cost at all)."""
+    if settings.messages_per_s is None and settings.bytes_per_s is None:
+        return None
+    return RateLimit(settings.messages_per_s, settings.bytes_per_s, now)
