@@ -1,0 +1,126 @@
+"""A push target's adaptive concurrency limit: how many requests may be in flight to it.
+
+A pure policy fed samples, in the manner of Netflix's concurrency-limits: the caller owns
+the clock and the in-flight count and reports each finished request with
+`on_sample(now, rtt, inflight, dropped)`; the limiter returns the new limit. Nothing here
+does I/O or reads a clock, so tests feed it sequences.
+
+Two rules, one for each signal an endpoint gives:
+
+- **Overload (AIMD).** A dropped request (429, 503, or a timeout) multiplies the limit by
+  `backoff_ratio`, at most once per round trip: the requests already in flight when the
+  limit was cut were sent under the old limit, and their drops say nothing new. Without
+  that, one burst of 503s would cut the limit once per request and collapse it.
+- **Latency (gradient).** The limit follows the ratio of the long-run round trip (a slow
+  average, what the endpoint does when it is not queueing) to the recent one (a fast
+  average). Below `tolerance` x the long-run round trip nothing changes; above it the
+  limit shrinks toward the concurrency that keeps the recent round trip near the
+  long-run one. While the endpoint keeps up, the limit grows by one per round trip
+  (additive increase), only when the requests in flight actually use the limit, so an
+  idle target does not inflate its limit.
+
+The limit is a float internally (fractional growth of 1/limit per sample makes "one per
+round trip"), and `limit` rounds it down, never below `min_limit` nor above `max_limit`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["AdaptiveLimit", "LimitSettings"]
+
+DEFAULT_BACKOFF_RATIO = 0.9
+"""The multiplicative decrease on an overload response (TCP Reno uses 0.5; endpoints that
+shed load with 503 recover faster than a congested link, so a gentler cut keeps more
+throughput while it converges)."""
+DEFAULT_TOLERANCE = 2.0
+"""How much longer than the long-run round trip a recent one may be before the limit
+shrinks: an endpoint's latency varies that much without queueing."""
+LONG_WINDOW = 200
+"""Samples the long-run round trip averages over (an exponential average's span)."""
+SHORT_WINDOW = 10
+"""Samples the recent round trip averages over."""
+
+
+@dataclass(frozen=True, slots=True)
+class LimitSettings:
+    """The bounds and tuning of one target's limit."""
+
+    min_limit: int
+    """Never fewer requests in flight than this (at least 1)."""
+    max_limit: int
+    """Never more requests in flight than this."""
+    initial: int
+    """The limit before any sample."""
+    backoff_ratio: float = DEFAULT_BACKOFF_RATIO
+    """Multiplier applied on an overload response, once per round trip."""
+    tolerance: float = DEFAULT_TOLERANCE
+    """Recent / long-run round trip ratio up to which latency is not a signal."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_limit <= self.max_limit:
+            raise ValueError(
+                f"need 1 <= min_limit <= max_limit, got {self.min_limit} and {self.max_limit}"
+            )
+        if not self.min_limit <= self.initial <= self.max_limit:
+            raise ValueError(f"initial {self.initial} is outside [min_limit, max_limit]")
+        if not 0 < self.backoff_ratio < 1:
+            raise ValueError(f"backoff_ratio must be in (0, 1), got {self.backoff_ratio}")
+        if not 1 <= self.tolerance < math.inf:
+            raise ValueError(f"tolerance must be finite and >= 1, got {self.tolerance}")
+
+
+class AdaptiveLimit:
+    """One target's concurrency limit, moved by samples (see the module docstring)."""
+
+    __slots__ = ("_cut_at", "_limit", "_long_rtt", "_short_rtt", "settings")
+
+    def __init__(self, settings: LimitSettings) -> None:
+        self.settings = settings
+        self._limit = float(settings.initial)
+        self._long_rtt = 0.0
+        self._short_rtt = 0.0
+        self._cut_at = -math.inf
+
+    @property
+    def limit(self) -> int:
+        """Requests that may be in flight now."""
+        return int(self._limit)
+
+    @property
+    def rtt(self) -> float:
+        """The recent round trip in seconds (0 before any sample)."""
+        return self._short_rtt
+
+    def on_sample(self, now: float, rtt: float, inflight: int, dropped: bool) -> int:
+        """Account one finished request and return the new limit.
+
+        `now`: when it finished (any monotonic clock, seconds); `rtt`: how long it took;
+        `inflight`: requests in flight when it was sent (including itself); `dropped`:
+        the endpoint refused it as overloaded (429/503) or it timed out.
+        """
+        s = self.settings
+        if dropped:
+            # Requests sent before the last cut were judged by it already.
+            if now - rtt >= self._cut_at:
+                self._limit = max(float(s.min_limit), self._limit * s.backoff_ratio)
+                self._cut_at = now
+            return self.limit
+        if rtt <= 0 or not math.isfinite(rtt):
+            return self.limit
+        if self._long_rtt == 0.0:
+            self._long_rtt = self._short_rtt = rtt
+        else:
+            self._long_rtt += (rtt - self._long_rtt) / LONG_WINDOW
+            self._short_rtt += (rtt - self._short_rtt) / SHORT_WINDOW
+        limit = self._limit
+        gradient = min(1.0, s.tolerance * self._long_rtt / self._short_rtt)
+        if gradient < 1.0:
+            # Queueing at the endpoint: shrink toward what keeps the round trip level,
+            # smoothed over a round trip's samples so one slow request moves it little.
+            limit -= (limit - max(float(s.min_limit), limit * gradient)) / max(limit, 1.0)
+        elif inflight * 2 >= limit:
+            limit += 1.0 / limit
+        self._limit = min(float(s.max_limit), max(float(s.min_limit), limit))
+        return self.limit

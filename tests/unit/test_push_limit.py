@@ -1,0 +1,120 @@
+"""The adaptive limit fed sample sequences: no clock, no I/O (push/limit.py)."""
+
+from __future__ import annotations
+
+import heapq
+
+import pytest
+
+from triage_proxy.push.limit import AdaptiveLimit, LimitSettings
+
+
+def settings(**kw: float) -> LimitSettings:
+    base: dict[str, float] = {"min_limit": 1, "max_limit": 256, "initial": 8}
+    base.update(kw)
+    return LimitSettings(**base)  # type: ignore[arg-type]
+
+
+def simulate(
+    limiter: AdaptiveLimit,
+    seconds: float,
+    *,
+    capacity: int,
+    service_s: float,
+    start: float = 0.0,
+    slow_from: float = float("inf"),
+    slow_until: float = float("inf"),
+) -> tuple[int, list[tuple[float, int]]]:
+    """A receiver that serves at most `capacity` requests at once, each `service_s` long
+    (10x that inside [slow_from, slow_until)), answering 503 at once beyond capacity; a
+    sender that keeps `limiter.limit` requests in flight. Returns (served, limit trace)."""
+    now = start
+    events: list[tuple[float, int, float, bool, int]] = []  # (done, seq, sent, dropped, inflight)
+    inflight = serving = served = seq = 0
+    trace: list[tuple[float, int]] = []
+    while now < start + seconds:
+        while inflight < limiter.limit:
+            inflight += 1
+            seq += 1
+            if serving < capacity:
+                serving += 1
+                took = service_s * (10 if slow_from <= now < slow_until else 1)
+                heapq.heappush(events, (now + took, seq, now, False, inflight))
+            else:
+                heapq.heappush(events, (now + 0.0005, seq, now, True, inflight))
+        done, _, sent, dropped, was_inflight = heapq.heappop(events)
+        now = done
+        inflight -= 1
+        if not dropped:
+            serving -= 1
+            served += 1
+        limiter.on_sample(now, now - sent, was_inflight, dropped)
+        trace.append((now, limiter.limit))
+    return served, trace
+
+
+def test_bounds_are_validated() -> None:
+    with pytest.raises(ValueError, match="min_limit <= max_limit"):
+        LimitSettings(min_limit=8, max_limit=4, initial=4)
+    with pytest.raises(ValueError, match="outside"):
+        LimitSettings(min_limit=1, max_limit=4, initial=5)
+    with pytest.raises(ValueError, match="backoff_ratio"):
+        settings(backoff_ratio=1.0)
+    with pytest.raises(ValueError, match="tolerance"):
+        settings(tolerance=0.5)
+
+
+def test_a_drop_cuts_once_per_round_trip() -> None:
+    limiter = AdaptiveLimit(settings(initial=100))
+    # A burst of drops of requests all sent before the first cut: one cut only.
+    assert limiter.on_sample(10.0, 0.05, 100, dropped=True) == 90
+    for i in range(50):
+        assert limiter.on_sample(10.0 + i * 0.001, 0.06, 100, dropped=True) == 90
+    # A request sent after the cut and dropped: a second cut.
+    assert limiter.on_sample(10.2, 0.05, 90, dropped=True) == 81
+
+
+def test_growth_is_one_per_round_trip_and_only_when_used() -> None:
+    limiter = AdaptiveLimit(settings(initial=10))
+    for _ in range(10):  # ten samples ~ one round trip at limit 10
+        limiter.on_sample(1.0, 0.02, 10, dropped=False)
+    assert limiter.limit == 10 or limiter.limit == 11
+    for _ in range(100):
+        limiter.on_sample(2.0, 0.02, 10, dropped=False)
+    assert 13 <= limiter.limit <= 20
+    idle = AdaptiveLimit(settings(initial=10))
+    for _ in range(1000):
+        idle.on_sample(1.0, 0.02, 2, dropped=False)  # the target is not using its limit
+    assert idle.limit == 10
+
+
+def test_limits_are_never_left() -> None:
+    limiter = AdaptiveLimit(settings(min_limit=4, max_limit=12, initial=8))
+    for i in range(100):
+        limiter.on_sample(float(i), 0.01, 1, dropped=True)
+    assert limiter.limit == 4
+    for _ in range(10_000):
+        limiter.on_sample(200.0, 0.01, 12, dropped=False)
+    assert limiter.limit == 12
+
+
+def test_it_settles_near_the_capacity_of_a_shedding_endpoint() -> None:
+    """The issue's receiver: 16 at once (503 beyond), 20 ms each: capacity 800/s."""
+    limiter = AdaptiveLimit(settings(min_limit=1, max_limit=256, initial=4))
+    served, trace = simulate(limiter, 10.0, capacity=16, service_s=0.02)
+    assert served >= 0.85 * 800 * 10
+    late = [limit for t, limit in trace if t >= 5.0]
+    assert min(late) >= 12
+    assert max(late) <= 24
+
+
+def test_it_falls_when_the_endpoint_slows_and_recovers_after() -> None:
+    limiter = AdaptiveLimit(settings(min_limit=1, max_limit=256, initial=4))
+    _, warm = simulate(limiter, 10.0, capacity=16, service_s=0.02)
+    before = warm[-1][1]
+    _, slow = simulate(
+        limiter, 10.0, capacity=16, service_s=0.02, start=10.0, slow_from=10.0, slow_until=20.0
+    )
+    assert min(limit for _, limit in slow) < before
+    _, after = simulate(limiter, 15.0, capacity=16, service_s=0.02, start=20.0)
+    assert [limit for t, limit in after if t >= 34.0 and not 12 <= limit <= 24] == []
