@@ -3,16 +3,16 @@ JSON batch format (`application/cloudevents-batch+json`).
 
 What a receiver gets, and how it recovers every byte of the record:
 
-    attribute        binary mode (header)        batch (JSON member)   meaning
-    id               ce-id                       id                    "<topic>/<partition>/<off>"
-    source           ce-source                   source                the target's `source`
-    type             ce-type                     type                  the target's `type`
-    time             ce-time                     time                  record timestamp (RFC 3339)
-    partitionkey     ce-partitionkey             partitionkey          the key as text, when UTF-8
-    triagekey        ce-triagekey                triagekey             base64 of the key bytes
-    triageheaders    ce-triageheaders            triageheaders         base64 of a JSON list
-    triagetombstone  ce-triagetombstone          triagetombstone       "true" for a null value
-    (data)           the body, byte-exact        data_base64           the record value
+    attribute        binary mode          batch (JSON)     meaning
+    id               ce-id                id               "<topic>/<partition>/<offset>"
+    source           ce-source            source           the target's `source`
+    type             ce-type              type             the target's `type`
+    time             ce-time              time             record timestamp (RFC 3339)
+    partitionkey     ce-partitionkey      partitionkey     the key as text, when UTF-8
+    triagekey        ce-triagekey         triagekey        base64 of the key bytes
+    triageheaders    ce-triageheaders     triageheaders    base64 of a JSON list
+    triagetombstone  ce-triagetombstone   triagetombstone  "true" for a null value
+    (data)           the body             data_base64      the record value, byte-exact
 
 - The key: absent (no `triagekey`) means a null key; `triagekey` is the exact bytes,
   including an empty key ("") and keys that are not UTF-8. `partitionkey` (the Kafka
