@@ -30,7 +30,7 @@ from typer.testing import CliRunner
 
 from tests.unit.test_dispatcher import make, records
 from triage_cli.main import app
-from triage_client._proto import triage_pb2 as pb
+from triage_protocol import triage_pb2 as pb
 from triage_proxy.errors import FrameError
 from triage_proxy.frames import checked_frames
 from triage_proxy.http_endpoint import BROKER_GONE, not_ready_because

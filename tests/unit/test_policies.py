@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from triage_protocol.constants import UINT32_MAX
 from triage_proxy.policies import (
     SPAN_DOUBLINGS,
     Outcome,
@@ -20,7 +21,7 @@ from triage_proxy.policies import (
     redelivery_delay,
     retry_delay,
 )
-from triage_proxy.settings import MAX_DURATION_S, UINT32_MAX, RetrySettings
+from triage_proxy.settings import MAX_DURATION_S, RetrySettings
 
 
 def reference_delay(attempt: int, s: RetrySettings) -> float:

@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from triage_client._proto import triage_pb2 as pb
+from triage_protocol import triage_pb2 as pb
+from triage_protocol.constants import UINT32_MAX
 from triage_proxy.dispatcher import FRAME_OVERHEAD_BYTES
 from triage_proxy.errors import ConfigError
 from triage_proxy.kafka import ConfluentPartition
 from triage_proxy.settings import (
     MIN_FRAME_BYTES,
     RESERVED_CLIENT_PROPERTIES,
-    UINT32_MAX,
     Bounds,
     KafkaSettings,
     Settings,
