@@ -117,6 +117,8 @@ def settle_frame(acks: list[int], nacks: list[triage_pb2.Nack]) -> triage_pb2.Se
     acks are: handlers finish in about delivery order) become `ack_ranges`, the rest stay
     plain acks. A duplicate ack stays a separate plain ack, so the proxy rejects it as
     before."""
+    if not acks:
+        return triage_pb2.Settle(nacks=nacks)
     ordered = sorted(acks)
     singles: list[int] = []
     ranges: list[triage_pb2.OffsetRange] = []
