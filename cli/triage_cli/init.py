@@ -427,7 +427,7 @@ def _print_next(config: Path, raw: dict[str, Any], token_name: str, backup: Path
         "Next:\n"
         f"  triage config check --config {config} --connect\n"
         f"  triage deploy --target local --config {config}   # or --target aws\n\n"
-        f"A consumer (pip install ./client_lib; export TRIAGE_TOKEN from [auth.tokens]):\n"
+        f"A consumer (pip install ./proto ./client_lib; export TRIAGE_TOKEN from [auth.tokens]):\n"
         "  import os\n"
         "  from triage_client import Consumer\n"
         "  async def handle(message):  # return = ack, raise = nack\n"

@@ -50,7 +50,6 @@ from typing import Any
 
 import grpc
 
-from triage_client._proto import triage_pb2
 from triage_client.credits import (
     REBALANCE_INTERVAL_S,
     STREAM_CAPS_MAX,
@@ -69,11 +68,10 @@ from triage_client.errors import (
 )
 from triage_client.loop import SHARED
 from triage_client.message import ConsumerStats
-from triage_client.pool import MAX_REASON_CHARS, Handler, HandlerPool
+from triage_client.pool import Handler, HandlerPool
 from triage_client.stream import (
     DEFAULT_MAX_BACKOFF_S,
     INITIAL_BACKOFF_S,
-    MAX_FRAME_BYTES,
     SETTLE_BATCH,
     Consume,
     PartitionStream,
@@ -81,6 +79,15 @@ from triage_client.stream import (
     backoff_delay,
 )
 from triage_client.topology import Layout, fetch_layout
+from triage_protocol import triage_pb2
+from triage_protocol.constants import (
+    AUTHORIZATION_METADATA,
+    BEARER_PREFIX,
+    CLIENT_MAX_FRAME_BYTES,
+    MAX_CREDITS,
+    MAX_REASON_CHARS,
+    UINT32_MAX,
+)
 
 __all__ = ["AUTO_PREFETCH_MAX", "MAX_REASON_CHARS", "Consumer", "Handler", "backoff_delay"]
 
@@ -98,12 +105,9 @@ REFRESH_SOON_MAX_S = 1.0
 """Longest wait between topology reads while a wanted partition has no serving proxy."""
 REFRESH_MIN_GAP_S = 0.1
 """Shortest gap between two topology reads, however many streams ask."""
-MAX_MESSAGE_BYTES = MAX_FRAME_BYTES
 
 _SERVICE = triage_pb2.DESCRIPTOR.services_by_name["Triage"]
 _CONSUME = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['Consume'].name}"
-_MAX_CREDITS = 2**32 - 1  # Hello.credits is a uint32
-_GROWN_CREDITS_MAX = 100_000  # the most a Grant may give (PROTOCOL.md, limits)
 
 
 class _State(enum.Enum):
@@ -179,7 +183,7 @@ class Consumer:
         prefetch = concurrency if prefetch is None else prefetch
         if prefetch < 0:
             raise ValueError(f"prefetch must not be negative, got {prefetch}")
-        if concurrency + prefetch > _MAX_CREDITS:
+        if concurrency + prefetch > UINT32_MAX:
             raise ValueError("concurrency + prefetch does not fit the protocol's uint32 credits")
         if max_backoff <= 0:
             raise ValueError(f"max_backoff must be positive, got {max_backoff}")
@@ -200,11 +204,11 @@ class Consumer:
                     raise ValueError(f"partitions are numbers from 0, got {p!r}")
         self._target = target
         self._partitions = wanted
-        self._metadata = (("authorization", f"Bearer {token}"),)
+        self._metadata = ((AUTHORIZATION_METADATA, BEARER_PREFIX + token),)
         self._concurrency = concurrency
         self._credits = concurrency + prefetch
         self._max_credits = max(
-            self._credits, min(_GROWN_CREDITS_MAX, concurrency * (1 + AUTO_PREFETCH_MAX))
+            self._credits, min(MAX_CREDITS, concurrency * (1 + AUTO_PREFETCH_MAX))
         )
         """Most credits one stream is given; the default prefetch grows to this once per
         stream with a backlog, up to STREAM_CAPS_MAX of them (credits.grown_cap)."""
@@ -429,8 +433,8 @@ class Consumer:
         channel = self._channels.get(endpoint)
         if channel is None:
             options = [
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", CLIENT_MAX_FRAME_BYTES),
+                ("grpc.max_send_message_length", CLIENT_MAX_FRAME_BYTES),
                 # gRPC's own reconnect backoff defaults to 1 s growing to 120 s; keep it in
                 # step with ours so a restarted proxy is found again within max_backoff.
                 ("grpc.initial_reconnect_backoff_ms", int(INITIAL_BACKOFF_S * 1000)),
@@ -581,7 +585,7 @@ class Consumer:
             if any(load.adjustable for load in loads):
                 self._granting = True
             if self._auto_prefetch and self._granting:
-                cap = grown_cap(self._max_credits, _GROWN_CREDITS_MAX, loads)
+                cap = grown_cap(self._max_credits, MAX_CREDITS, loads)
                 budget = grown(self._credits, cap, loads, idled)
                 if budget != self._credits:
                     logger.info(
@@ -615,7 +619,7 @@ class Consumer:
         if (
             self._auto_prefetch
             and self._credits
-            < min(_GROWN_CREDITS_MAX, self._max_credits * min(STREAM_CAPS_MAX, len(streams)))
+            < min(MAX_CREDITS, self._max_credits * min(STREAM_CAPS_MAX, len(streams)))
             and not self._rebalance_now.is_set()
             and (self._granting or any(s.grants and s.call is not None for s in streams))
             and any(s.backlogged() for s in streams)

@@ -11,7 +11,7 @@ from itertools import accumulate, repeat
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from triage_client._proto import triage_pb2
+    from triage_protocol import triage_pb2
 
 __all__ = ["ConsumerStats", "Headers", "Message", "unpack_messages"]
 

@@ -33,8 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any, cast
 
-from triage_client._proto import triage_pb2
 from triage_client.message import Message
+from triage_protocol import triage_pb2
+from triage_protocol.constants import MAX_REASON_CHARS
 
 if TYPE_CHECKING:
     from triage_client.stream import PartitionStream
@@ -48,9 +49,6 @@ Handler = Callable[[Message], Any] | Callable[[Message], Awaitable[Any]]
 `retry_on` lists, to ask for redelivery)."""
 _AsyncHandler = Callable[[Message], Awaitable[Any]]
 
-MAX_REASON_CHARS = 4000
-"""The proxy keeps the first 4,000 characters of a nack reason (PROTOCOL.md, limits): a
-longer one is cut here to 3,997 and "...", so the dead letter shows where it was cut."""
 SETTLE_DELAY_S = 0.002
 """Longest a settlement waits for company before it is sent (the streams' flush timer, and
 the tick on which sync handlers' results are collected while they keep coming)."""
@@ -65,6 +63,7 @@ def nack_reason(exc: BaseException) -> str:
     except Exception:  # noqa: BLE001 - a broken __str__ must not lose the nack
         text = f"{type(exc).__name__}: <unprintable>"
     if len(text) > MAX_REASON_CHARS:
+        # cut to 3 characters short and "...", so the dead letter shows where it was cut
         text = text[: MAX_REASON_CHARS - 3] + "..."
     # protobuf strings must be valid UTF-8; lone surrogates would make the frame unsendable
     return text.encode("utf-8", "replace").decode("utf-8")

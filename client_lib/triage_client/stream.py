@@ -49,12 +49,13 @@ from typing import TypeAlias
 
 import grpc
 
-from triage_client._proto import triage_pb2
 from triage_client.credits import StreamLoad
 from triage_client.errors import PartitionError, error_for_status
 from triage_client.message import ConsumerStats, Message, make_message, unpack_messages
 from triage_client.pool import SETTLE_DELAY_S, HandlerPool
 from triage_client.topology import owner_endpoint
+from triage_protocol import triage_pb2
+from triage_protocol.constants import CLIENT_MAX_FRAME_BYTES
 
 __all__ = ["PartitionStream", "StreamContext", "backoff_delay", "settle_frame"]
 
@@ -87,9 +88,6 @@ a Settle on every 2 ms tick carried ~2 results, and each gRPC write holds the GI
 loop thread on the GIL while handler threads waited to wake."""
 CLOSE_TIMEOUT_S = 5.0
 """How long stop() waits for the proxy to end the stream after the half-close."""
-MAX_FRAME_BYTES = 64 * 1024 * 1024
-"""Largest frame this client receives (its channel's gRPC receive limit), sent as
-Hello.max_frame_bytes so the proxy never sends a larger one."""
 MAX_REDIRECTS = 3
 """Owner endpoints followed at once in a row; past that, redirects wait out the backoff too,
 so two proxies that each name the other cannot spin a stream."""
@@ -119,6 +117,8 @@ def settle_frame(acks: list[int], nacks: list[triage_pb2.Nack]) -> triage_pb2.Se
     acks are: handlers finish in about delivery order) become `ack_ranges`, the rest stay
     plain acks. A duplicate ack stays a separate plain ack, so the proxy rejects it as
     before."""
+    if not acks:
+        return triage_pb2.Settle(nacks=nacks)
     ordered = sorted(acks)
     singles: list[int] = []
     ranges: list[triage_pb2.OffsetRange] = []
@@ -458,7 +458,7 @@ class PartitionStream:
         hello = triage_pb2.Hello(
             consumer_id=ctx.consumer_id,
             credits=self.credits,
-            max_frame_bytes=MAX_FRAME_BYTES,
+            max_frame_bytes=CLIENT_MAX_FRAME_BYTES,
             packed_deliveries=True,
         )
         if self.named and self.partition is not None:

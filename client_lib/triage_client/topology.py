@@ -11,14 +11,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from triage_client._proto import triage_pb2
+from triage_protocol import triage_pb2
+from triage_protocol.constants import OWNER_ENDPOINT_METADATA
 
 __all__ = ["TOPOLOGY", "Layout", "layout_from_reply", "owner_endpoint"]
 
 _SERVICE = triage_pb2.DESCRIPTOR.services_by_name["Triage"]
 TOPOLOGY = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['Topology'].name}"
-OWNER_ENDPOINT_KEY = "triage-owner-endpoint"
-"""Trailing metadata of a FAILED_PRECONDITION Hello: the endpoint serving that partition now."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +50,7 @@ def layout_from_reply(reply: triage_pb2.TopologyReply) -> Layout:
 def owner_endpoint(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
     """The `triage-owner-endpoint` a proxy named when it refused a Hello, if it named one."""
     for key, value in metadata or ():
-        if key == OWNER_ENDPOINT_KEY:
+        if key == OWNER_ENDPOINT_METADATA:
             text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
             return text or None
     return None

@@ -10,7 +10,7 @@ reads the log (ANSI escapes) or flood it.
     Hello.consumer_id   at most MAX_CONSUMER_ID_CHARS characters, all printable; checked
                         at Hello (service.py), which refuses the stream otherwise
                         (FrameError: INVALID_ARGUMENT)
-    Nack.reason         cut to REASON_MAX_CHARS characters (dispatcher.py) before it
+    Nack.reason         cut to MAX_REASON_CHARS characters (dispatcher.py) before it
                         becomes a dead letter's reason
     in a log line       `for_log`: non-printable characters and backslashes escaped the
                         way `repr` does, cut to LOG_MAX_CHARS characters
@@ -21,18 +21,14 @@ format characters (bidirectional overrides, zero-width ...), no separators but t
 
 from __future__ import annotations
 
+from triage_protocol.constants import MAX_CONSUMER_ID_CHARS
+
 __all__ = [
     "LOG_MAX_CHARS",
-    "MAX_CONSUMER_ID_CHARS",
-    "REASON_MAX_CHARS",
     "consumer_id_problem",
     "for_log",
 ]
 
-MAX_CONSUMER_ID_CHARS = 2048
-"""Longest `Hello.consumer_id` accepted (characters; at most 8 KiB of UTF-8)."""
-REASON_MAX_CHARS = 4000
-"""A nack reason is cut to this many characters (at most 16 KB of UTF-8)."""
 LOG_MAX_CHARS = 256
 """Most characters of one client-sent value a log line shows; the rest is counted."""
 

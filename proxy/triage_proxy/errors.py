@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import grpc
 
+from triage_protocol.constants import OWNER_ENDPOINT_METADATA
+
 
 class TriageError(Exception):
     """Root of every error Triage raises on purpose."""
@@ -129,11 +131,6 @@ def grpc_status(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, UnavailableError):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
-
-
-OWNER_ENDPOINT_METADATA = "triage-owner-endpoint"
-"""Trailing metadata key of a FAILED_PRECONDITION Hello refusal: where the partition is
-served now (see Hello.partition in the proto)."""
 
 
 def grpc_trailers(exc: BaseException) -> tuple[tuple[str, str], ...]:

@@ -26,9 +26,9 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from tests.samples import GROUP
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port
-from triage_client._proto import triage_pb2 as pb
-from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_client.message import unpack_messages
+from triage_protocol import triage_pb2 as pb
+from triage_protocol import triage_pb2_grpc as pb_grpc
 from triage_proxy.app import Proxy
 from triage_proxy.config.settings import DeadLetterSettings, Settings, settings_from_dict
 from triage_proxy.deadletters.writer import DeadLetterWriter

@@ -27,8 +27,8 @@ from tests.integration.harness import (
     target,
 )
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
+from triage_protocol.constants import MAX_CONSUMER_ID_CHARS
 from triage_proxy.app import Proxy
-from triage_proxy.clienttext import MAX_CONSUMER_ID_CHARS
 from triage_proxy.store.items import MAX_ITEM_BYTES
 
 pytestmark = pytest.mark.integration

@@ -21,7 +21,7 @@ import pytest
 from tests import samples, waiting
 from tests.samples import GROUP, T0
 from triage_cli.embedded import EmbeddedAWS, free_port
-from triage_proxy.clienttext import MAX_CONSUMER_ID_CHARS, REASON_MAX_CHARS
+from triage_protocol.constants import MAX_CONSUMER_ID_CHARS, MAX_REASON_CHARS
 from triage_proxy.config.settings import DeadLetterSettings
 from triage_proxy.deadletters.writer import DeadLetterWriter
 from triage_proxy.errors import ConfigError, DeadLetterUnavailable
@@ -202,7 +202,7 @@ def test_the_largest_client_metadata_is_written_inline_or_with_its_payload_in_s3
     create_bucket(settings)
     wide = "\U0001f600"
     consumer_id = wide * MAX_CONSUMER_ID_CHARS
-    reason = f"delivery attempts exhausted ({2**32 - 1}): " + wide * REASON_MAX_CHARS
+    reason = f"delivery attempts exhausted ({2**32 - 1}): " + wide * MAX_REASON_CHARS
     inline = make_dl(1, value=b"v", reason=reason, consumer_id=consumer_id)
     room = MAX_ITEM_BYTES - item_size(inline, GROUP) + 1
     full = make_dl(2, value=b"v" * room, reason=reason, consumer_id=consumer_id)

@@ -40,8 +40,8 @@ from triage_cli.aws import deploy_aws, destroy_aws, fleet_hosts, stack_name
 from triage_cli.awsstack import SERVICE_NAME
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
 from triage_client import Consumer, Message
-from triage_client._proto import triage_pb2 as pb
-from triage_client._proto import triage_pb2_grpc as pb_grpc
+from triage_protocol import triage_pb2 as pb
+from triage_protocol import triage_pb2_grpc as pb_grpc
 from triage_proxy.config.ecs import METADATA_ENV
 from triage_proxy.config.settings import load_settings, settings_from_dict
 from triage_proxy.errors import ConfigError, DeployError

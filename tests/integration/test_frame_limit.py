@@ -19,9 +19,9 @@ from tests.integration.harness import (
     target,
 )
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
-from triage_client._proto import triage_pb2 as pb
+from triage_protocol import triage_pb2 as pb
+from triage_protocol.constants import DEFAULT_FRAME_BYTES, MIN_FRAME_BYTES
 from triage_proxy.app import Proxy
-from triage_proxy.server.encoding import DEFAULT_FRAME_BYTES, MIN_FRAME_BYTES
 
 pytestmark = pytest.mark.integration
 

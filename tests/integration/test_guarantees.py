@@ -61,7 +61,7 @@ def test_extend_keeps_a_slow_delivery(broker: EmbeddedBroker, aws: EmbeddedAWS, 
     produce(broker.bootstrap, topic, plain(1))
 
     async def scenario() -> None:
-        from triage_client._proto import triage_pb2 as pb
+        from triage_protocol import triage_pb2 as pb
 
         async with Proxy(settings, 0) as proxy, RawConsumer(target(proxy), credits=1) as c:
             await c.receive(1)
@@ -90,7 +90,7 @@ def test_retry_waits_out_backoff_then_dead_letters_at_the_limit(
     produce(broker.bootstrap, topic, plain(2))
 
     async def scenario() -> None:
-        from triage_client._proto import triage_pb2 as pb
+        from triage_protocol import triage_pb2 as pb
 
         async with Proxy(settings, 0) as proxy, RawConsumer(target(proxy)) as c:
             await c.receive(2)

@@ -9,10 +9,11 @@ import random
 import pytest
 
 from tests.unit.test_dispatcher import drain, make, records
-from triage_client._proto import triage_pb2 as pb
 from triage_client.stream import settle_frame
+from triage_protocol import triage_pb2 as pb
+from triage_protocol.constants import MAX_CREDITS
 from triage_proxy.pipeline.tracker import CommitTracker
-from triage_proxy.server.grammar import MAX_CREDITS, ack_ranges_problem
+from triage_proxy.server.grammar import ack_ranges_problem
 
 
 def expand(settle: pb.Settle) -> list[int]:

@@ -30,7 +30,7 @@ from typer.testing import CliRunner
 
 from tests.unit.test_dispatcher import make, records
 from triage_cli.main import app
-from triage_client._proto import triage_pb2 as pb
+from triage_protocol import triage_pb2 as pb
 from triage_proxy.errors import FrameError
 from triage_proxy.observe.endpoint import BROKER_GONE, not_ready_because
 from triage_proxy.observe.logthrottle import LogThrottle, throttle_decision

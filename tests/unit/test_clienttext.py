@@ -13,11 +13,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.samples import GROUP
-from triage_client._proto import triage_pb2 as pb
+from triage_protocol import triage_pb2 as pb
+from triage_protocol.constants import MAX_CONSUMER_ID_CHARS, MAX_REASON_CHARS
 from triage_proxy.clienttext import (
     LOG_MAX_CHARS,
-    MAX_CONSUMER_ID_CHARS,
-    REASON_MAX_CHARS,
     consumer_id_problem,
     for_log,
 )
@@ -146,7 +145,7 @@ def record(offset: int, value: bytes) -> Record:
 def largest_metadata(offset: int, value: bytes) -> DeadLetter:
     """A dead letter whose consumer id and reason are as long as allowed, in 4-byte chars;
     the reason as the dispatcher builds it for a retried nack that exhausted its attempts."""
-    reason = f"delivery attempts exhausted ({2**32 - 1}): " + WIDE * REASON_MAX_CHARS
+    reason = f"delivery attempts exhausted ({2**32 - 1}): " + WIDE * MAX_REASON_CHARS
     return DeadLetter(record(offset, value), reason, 2**32 - 1, WIDE * MAX_CONSUMER_ID_CHARS, 0)
 
 

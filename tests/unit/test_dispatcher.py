@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from triage_client._proto import triage_pb2 as pb
+from triage_protocol import triage_pb2 as pb
 from triage_proxy.config.settings import Settings, settings_from_dict
 from triage_proxy.pipeline.dispatcher import Dispatcher, Session
 from triage_proxy.pipeline.tracker import CommitTracker

@@ -6,7 +6,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from triage_client._proto import triage_pb2 as pb
+from triage_protocol import triage_pb2 as pb
 from triage_proxy.config.settings import settings_from_dict
 from triage_proxy.pipeline.dispatcher import Dispatcher, Session
 from triage_proxy.pipeline.tracker import CommitTracker

@@ -7,11 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.test_dispatcher import make, records
-from triage_client._proto import triage_pb2 as pb
+from triage_protocol import triage_pb2 as pb
+from triage_protocol.constants import DEFAULT_FRAME_BYTES, MIN_FRAME_BYTES
 from triage_proxy.pipeline.dispatcher import Entry, Session
 from triage_proxy.server.encoding import (
-    DEFAULT_FRAME_BYTES,
-    MIN_FRAME_BYTES,
     attempt_size,
     delivery_base_size,
     frame_header_size,

@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 
 from tests.unit.wire import consume_call, serving
-from triage_client._proto import triage_pb2 as pb
+from triage_protocol import triage_pb2 as pb
 from triage_proxy.app import Proxy
 from triage_proxy.config.settings import Settings, settings_from_dict
 from triage_proxy.kafka.client import MemoryPartition

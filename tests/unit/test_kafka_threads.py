@@ -13,7 +13,7 @@ import threading
 
 from tests.unit.wire import consume_call, hello, serving, take
 from tests.waiting import eventually
-from triage_client._proto import triage_pb2 as pb
+from triage_protocol import triage_pb2 as pb
 from triage_proxy.app import Proxy
 from triage_proxy.config.settings import settings_from_dict
 from triage_proxy.kafka.client import MemoryPartition

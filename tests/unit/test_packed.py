@@ -11,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.test_dispatcher import make
-from triage_client._proto import triage_pb2 as pb
 from triage_client.message import Message, unpack_messages
-from triage_proxy.server.encoding import MIN_FRAME_BYTES, PACKED_MAX_RECORD_BYTES, fill_packed
+from triage_protocol import triage_pb2 as pb
+from triage_protocol.constants import MIN_FRAME_BYTES
+from triage_proxy.server.encoding import PACKED_MAX_RECORD_BYTES, fill_packed
 from triage_proxy.structs import Record
 
 BLOB = st.none() | st.binary(max_size=200)

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from triage_proxy.config.settings import MAX_DURATION_S, UINT32_MAX, RetrySettings
+from triage_protocol.constants import UINT32_MAX
+from triage_proxy.config.settings import MAX_DURATION_S, RetrySettings
 from triage_proxy.pipeline.policies import (
     SPAN_DOUBLINGS,
     Outcome,

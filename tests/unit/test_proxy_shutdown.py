@@ -18,7 +18,7 @@ import pytest
 
 from tests.unit.wire import consume_call, hello, serving, take
 from tests.waiting import eventually
-from triage_client._proto import triage_pb2 as pb
+from triage_protocol import triage_pb2 as pb
 from triage_proxy.app import Proxy, ProxyState
 from triage_proxy.config.settings import Settings, settings_from_dict
 from triage_proxy.kafka.client import MemoryPartition

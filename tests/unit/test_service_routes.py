@@ -10,7 +10,7 @@ from typing import Any, cast
 
 import pytest
 
-from triage_client._proto import triage_pb2 as pb
+from triage_protocol import triage_pb2 as pb
 from triage_proxy.config.settings import Settings, settings_from_dict
 from triage_proxy.errors import FrameError, PartitionNotServed
 from triage_proxy.pipeline.dispatcher import Dispatcher

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from triage_client._proto import triage_pb2 as pb
+from triage_protocol import triage_pb2 as pb
+from triage_protocol.constants import UINT32_MAX
 from triage_proxy.config.settings import (
     MIN_FRAME_BYTES,
     RESERVED_CLIENT_PROPERTIES,
-    UINT32_MAX,
     Bounds,
     KafkaSettings,
     Settings,

@@ -12,12 +12,12 @@ from typing import Any
 import grpc
 import pytest
 
-from triage_client._proto import triage_pb2 as pb
-from triage_client._proto import triage_pb2_grpc as pb_grpc
+from triage_protocol import triage_pb2 as pb
+from triage_protocol import triage_pb2_grpc as pb_grpc
+from triage_protocol.constants import OWNER_ENDPOINT_METADATA
 from triage_proxy.app import Proxy
 from triage_proxy.config.settings import OwnershipSettings, Settings, settings_from_dict
 from triage_proxy.errors import (
-    OWNER_ENDPOINT_METADATA,
     BrokerUnavailable,
     ConfigError,
     PartitionNotServed,

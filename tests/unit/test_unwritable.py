@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from tests.samples import GROUP
 from tests.unit.wire import consume_call, hello, take
 from tests.waiting import eventually
-from triage_client._proto import triage_pb2 as pb
+from triage_protocol import triage_pb2 as pb
 from triage_proxy.app import Proxy, ProxyState
 from triage_proxy.clienttext import for_log
 from triage_proxy.config.settings import DeadLetterSettings, Settings, settings_from_dict

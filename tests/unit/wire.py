@@ -15,8 +15,8 @@ from typing import Any
 
 import grpc
 
-from triage_client._proto import triage_pb2 as pb
-from triage_client._proto import triage_pb2_grpc as pb_grpc
+from triage_protocol import triage_pb2 as pb
+from triage_protocol import triage_pb2_grpc as pb_grpc
 from triage_proxy.app import Proxy
 
 READ_TIMEOUT_S = 30.0

@@ -46,6 +46,7 @@ import {
   speaksGrpc,
   statusName,
 } from "./errors";
+import { AUTHORIZATION_METADATA, BEARER_PREFIX, CLIENT_MAX_FRAME_BYTES, UINT32_MAX } from "./generated/constants";
 import { DEFAULT_LOGGER, type Logger } from "./log";
 import { emptyStats, type ConsumerStats, type PartitionStats } from "./message";
 import { HandlerPool, type ErrorClass, type Handler } from "./pool";
@@ -67,12 +68,6 @@ export const TOPOLOGY_TIMEOUT_MS = 5000;
 export const REFRESH_SOON_MAX_MS = 1000;
 /** Shortest gap between two topology reads, however many streams ask. */
 export const REFRESH_MIN_GAP_MS = 100;
-/**
- * The largest message this client receives (gRPC's default is 4 MiB; a proxy fills a
- * Deliveries frame up to its own limit): sent as Hello.max_frame_bytes.
- */
-export const MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
-const MAX_CREDITS = 2 ** 32 - 1; // Hello.credits is a uint32
 
 export interface ConsumerOptions {
   /** Any proxy of the deployment, `host:port` (an older proxy without Topology: its only partition). */
@@ -235,7 +230,7 @@ export class Consumer {
     if (!Number.isInteger(prefetch) || prefetch < 0) {
       throw new RangeError(`prefetch must be an integer of at least 0, got ${String(prefetch)}`);
     }
-    if (concurrency + prefetch > MAX_CREDITS) {
+    if (concurrency + prefetch > UINT32_MAX) {
       throw new RangeError("concurrency + prefetch does not fit the protocol's uint32 credits");
     }
     const maxBackoffMs = options.maxBackoffMs ?? DEFAULT_MAX_BACKOFF_MS;
@@ -269,7 +264,7 @@ export class Consumer {
     }
     const metadata = new Metadata();
     try {
-      metadata.set("authorization", `Bearer ${token}`);
+      metadata.set(AUTHORIZATION_METADATA, BEARER_PREFIX + token);
     } catch {
       throw new TypeError("token must be printable ASCII (it travels in a gRPC header)");
     }
@@ -305,7 +300,7 @@ export class Consumer {
       client: (target) => this.client(target),
       credits: (stream) => this.creditsFor(stream),
       refresh: () => this.refreshWanted.set(),
-      maxFrameBytes: MAX_MESSAGE_BYTES,
+      maxFrameBytes: CLIENT_MAX_FRAME_BYTES,
       logger: this.logger,
     };
     // The outcome is reported through start(), run() and `done`; never as an unhandled rejection.
@@ -471,8 +466,8 @@ export class Consumer {
     let client = this.clients.get(target);
     if (client === undefined) {
       client = new Client(target, this.channelCredentials, {
-        "grpc.max_receive_message_length": MAX_MESSAGE_BYTES,
-        "grpc.max_send_message_length": MAX_MESSAGE_BYTES,
+        "grpc.max_receive_message_length": CLIENT_MAX_FRAME_BYTES,
+        "grpc.max_send_message_length": CLIENT_MAX_FRAME_BYTES,
         // gRPC's own reconnect backoff defaults to 1 s growing to 120 s; keep it in step
         // with ours so a restarted proxy is found again within maxBackoffMs.
         "grpc.initial_reconnect_backoff_ms": INITIAL_BACKOFF_MS,

@@ -14,6 +14,7 @@
  */
 
 import { Retry } from "./errors";
+import { MAX_REASON_CHARS } from "./generated/constants";
 import type { Message } from "./message";
 import type { Nack } from "./proto";
 import type { PartitionStream } from "./stream";
@@ -25,7 +26,7 @@ export type Handler = (message: Message) => unknown;
 export type ErrorClass = abstract new (...args: never[]) => unknown;
 
 /** The proxy keeps the first 4,000 characters of a nack reason; longer ones are cut here. */
-export const MAX_REASON_CHARS = 4000;
+export { MAX_REASON_CHARS };
 
 /** The nack reason for what a handler threw: `Name: message`, bounded and valid UTF-8. */
 export function nackReason(error: unknown): string {

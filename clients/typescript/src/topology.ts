@@ -8,10 +8,8 @@
 
 import { Metadata, type Client, type ServiceError } from "@grpc/grpc-js";
 
+import { OWNER_ENDPOINT_METADATA } from "./generated/constants";
 import { ROUTE_SERVING, TOPOLOGY, type TopologyReply } from "./proto";
-
-/** Trailing metadata of a FAILED_PRECONDITION Hello: the endpoint serving that partition now. */
-export const OWNER_ENDPOINT_KEY = "triage-owner-endpoint";
 
 /** One Topology answer. */
 export interface Layout {
@@ -46,7 +44,7 @@ export function layoutFromReply(reply: TopologyReply): Layout {
 
 /** The `triage-owner-endpoint` a proxy named when it refused a Hello, if it named one. */
 export function ownerEndpoint(metadata: Metadata | undefined): string | null {
-  for (const value of metadata?.get(OWNER_ENDPOINT_KEY) ?? []) {
+  for (const value of metadata?.get(OWNER_ENDPOINT_METADATA) ?? []) {
     const text = typeof value === "string" ? value : value.toString("utf8");
     if (text) {
       return text;

@@ -108,7 +108,7 @@ export class FakeStream {
   nacks(): { offset: number; reason: string; retry: boolean }[] {
     return this.frames("settle").flatMap((s) =>
       (s.value.nacks ?? []).map((n) => ({
-        offset: n.offset,
+        offset: n.offset ?? 0,
         reason: n.reason ?? "",
         retry: n.retry ?? false,
       })),

@@ -9,7 +9,7 @@ import { test } from "node:test";
 import * as grpc from "@grpc/grpc-js";
 
 import { Consumer, Retry, type ConsumerOptions, type Message } from "../src/index.js";
-import { MAX_MESSAGE_BYTES } from "../src/consumer.js";
+import { CLIENT_MAX_FRAME_BYTES } from "../src/generated/constants.js";
 import { SETTLE_BATCH, STOP_CONNECT_GRACE_MS } from "../src/stream.js";
 import {
   FakeProxy,
@@ -61,7 +61,7 @@ test("Hello first: consumer id, credits, no partition against an old proxy; toke
     const hello = stream.hello!;
     assert.equal(hello.consumer_id, "unit");
     assert.equal(hello.credits, 5);
-    assert.equal(hello.max_frame_bytes, MAX_MESSAGE_BYTES);
+    assert.equal(hello.max_frame_bytes, CLIENT_MAX_FRAME_BYTES);
     assert.equal(stream.hello!.partition, undefined, "old style: no partition");
     assert.deepEqual(stream.metadata.get("authorization"), [`Bearer ${TOKEN}`]);
     assert.deepEqual(proxy.topologyCalls[0]!.get("authorization"), [`Bearer ${TOKEN}`]);

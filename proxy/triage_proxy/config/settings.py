@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from triage_protocol.constants import UINT32_MAX
 from triage_proxy.errors import ConfigError
 
 _T = TypeVar("_T")
@@ -92,8 +93,6 @@ LB_SCHEMES = ("internal", "internet-facing")
 
 # Bounds of the numeric settings (see `Bounds`): the upper ones are what the field a
 # setting feeds can hold, or where a larger value can only be a typo.
-UINT32_MAX = 2**32 - 1
-"""Largest protobuf uint32 (Welcome.max_attempts, Welcome.ack_deadline_ms)."""
 INT32_MAX = 2**31 - 1
 """Largest C int: gRPC's message size options are ints."""
 MAX_PORT = 65535

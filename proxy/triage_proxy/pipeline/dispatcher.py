@@ -46,8 +46,9 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from triage_client._proto import triage_pb2 as pb
-from triage_proxy.clienttext import REASON_MAX_CHARS, for_log
+from triage_protocol import triage_pb2 as pb
+from triage_protocol.constants import DEFAULT_FRAME_BYTES, MAX_REASON_CHARS
+from triage_proxy.clienttext import for_log
 from triage_proxy.config.settings import Settings
 from triage_proxy.observe.snapshot import LatencyHistogram
 from triage_proxy.pipeline.policies import (
@@ -60,7 +61,6 @@ from triage_proxy.pipeline.policies import (
 from triage_proxy.pipeline.timers import Timers
 from triage_proxy.pipeline.tracker import CommitTracker
 from triage_proxy.server.encoding import (
-    DEFAULT_FRAME_BYTES,
     FRAME_TARGET_BYTES,
     PACKED_ITEM_BYTES,
     PACKED_MAX_RECORD_BYTES,
@@ -680,7 +680,7 @@ class Dispatcher:
             if entry.suspect:  # it was handled, so it is no crash-type pill
                 entry.suspect = False
                 session.suspects -= 1
-            reason = nack.reason[:REASON_MAX_CHARS] or "nacked without a reason"
+            reason = nack.reason[:MAX_REASON_CHARS] or "nacked without a reason"
             if not nack.retry:
                 self._to_dead_letter(entry, reason, session.consumer_id)
             elif self._failed(entry, reason, session.consumer_id):

@@ -43,7 +43,7 @@ import json
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from triage_proxy.clienttext import REASON_MAX_CHARS
+from triage_protocol.constants import MAX_REASON_CHARS
 
 __all__ = [
     "DEFAULT_NACK_STATUSES",
@@ -98,9 +98,9 @@ ACKED = Outcome(Verdict.ACK)
 
 
 def http_reason(status: int, body: bytes) -> str:
-    """`HTTP <status>: <body>`, the body's first REASON_MAX_CHARS characters as text."""
-    text = body[: REASON_MAX_CHARS * 4].decode("utf-8", errors="replace")
-    return f"HTTP {status}: {text[:REASON_MAX_CHARS]}"
+    """`HTTP <status>: <body>`, the body's first MAX_REASON_CHARS characters as text."""
+    text = body[: MAX_REASON_CHARS * 4].decode("utf-8", errors="replace")
+    return f"HTTP {status}: {text[:MAX_REASON_CHARS]}"
 
 
 def retry_after_s(value: str | None, now_wall: float) -> float | None:
@@ -174,7 +174,7 @@ def batch_failures(body: bytes, ids: Collection[str]) -> dict[str, Outcome] | No
         reason = item.get("reason", "")
         if not isinstance(reason, str) or action not in ("retry", "deadletter"):
             return None
-        reason = reason[:REASON_MAX_CHARS] or f"batch item failure ({action})"
+        reason = reason[:MAX_REASON_CHARS] or f"batch item failure ({action})"
         verdict = Verdict.NACK if action == "deadletter" else Verdict.RETRY
         out[ident] = Outcome(verdict, reason)
     return out

@@ -30,13 +30,12 @@ import sys
 from array import array
 from operator import itemgetter
 
-from triage_client._proto import triage_pb2 as pb
+from triage_protocol import triage_pb2 as pb
+from triage_protocol.constants import DEFAULT_FRAME_BYTES, MIN_FRAME_BYTES
 from triage_proxy.structs import Record
 
 __all__ = [
-    "DEFAULT_FRAME_BYTES",
     "FRAME_TARGET_BYTES",
-    "MIN_FRAME_BYTES",
     "PACKED_ITEM_BYTES",
     "PACKED_MAX_RECORD_BYTES",
     "PACKED_OVERHEAD_BYTES",
@@ -52,12 +51,6 @@ __all__ = [
     "varint_size",
 ]
 
-DEFAULT_FRAME_BYTES = 4 * 1024 * 1024
-"""The limit of a stream whose Hello has no max_frame_bytes (or 0): most gRPC stacks'
-default receive limit."""
-MIN_FRAME_BYTES = 64 * 1024
-"""Smallest Hello.max_frame_bytes accepted: below it ordinary records (and Rejected frames)
-would not fit, so a smaller value is a mistake, refused with INVALID_ARGUMENT."""
 FRAME_TARGET_BYTES = 4 * 1024 * 1024
 """Frames are filled up to this many bytes (or the stream's limit when smaller); one
 record alone may take a frame up to the limit. Larger frames gain nothing and hold a

@@ -25,11 +25,9 @@ from collections.abc import AsyncIterator
 
 from google.protobuf.message import DecodeError
 
-from triage_client._proto import triage_pb2 as pb
+from triage_protocol import triage_pb2 as pb
+from triage_protocol.constants import MAX_CREDITS
 from triage_proxy.errors import FrameError
-
-MAX_CREDITS = 100_000
-"""Most unsettled deliveries one stream may hold (Hello.credits and Grant.credits)."""
 
 
 async def checked_frames(

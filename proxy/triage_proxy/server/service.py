@@ -46,8 +46,9 @@ from typing import Any, NoReturn, TypeAlias
 
 import grpc
 
-from triage_client._proto import triage_pb2 as pb
-from triage_client._proto import triage_pb2_grpc as pb_grpc
+from triage_protocol import triage_pb2 as pb
+from triage_protocol import triage_pb2_grpc as pb_grpc
+from triage_protocol.constants import HELLO_TIMEOUT_S, MAX_CREDITS
 from triage_proxy.clienttext import consumer_id_problem, for_log
 from triage_proxy.config.preflight import bind_error, check_tls
 from triage_proxy.config.settings import Settings, TlsSettings
@@ -64,12 +65,11 @@ from triage_proxy.errors import (
 from triage_proxy.observe.logthrottle import LogThrottle
 from triage_proxy.pipeline.dispatcher import Dispatcher, Session
 from triage_proxy.server.encoding import frame_limit, frame_limit_problem
-from triage_proxy.server.grammar import MAX_CREDITS, checked_frames
+from triage_proxy.server.grammar import checked_frames
 from triage_proxy.server.topology import RouteState, Topology, TopologyAnswer
 
 logger = logging.getLogger(__name__)
 
-HELLO_TIMEOUT_S = 10.0
 REJECTED_REASON = "offset not held by this instance"
 
 
