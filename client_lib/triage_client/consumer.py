@@ -575,7 +575,7 @@ class Consumer:
             with suppress(TimeoutError):
                 await asyncio.wait_for(self._rebalance_now.wait(), REBALANCE_INTERVAL_S)
             self._rebalance_now.clear()
-            idled = self._pool.take_idled()
+            idled = self._pool.ledger.take_idled()
             if self._stopping.is_set() or (
                 len(streams) < 2 and not self._granting and not self._auto_prefetch
             ):
@@ -597,11 +597,9 @@ class Consumer:
                     )
                     self._credits = budget
             decision = split(self._concurrency, self._credits, loads, self._max_credits)
-            raised = False
-            with self._pool.lock:
-                for stream, slots in zip(current, decision.slots, strict=True):
-                    raised = raised or slots > stream.slots
-                    stream.slots = slots
+            raised = self._pool.ledger.set_slots(
+                [stream.account for stream in current], decision.slots
+            )
             for stream, load, credits in zip(current, loads, decision.credits, strict=True):
                 if load.adjustable:
                     stream.set_credits(credits)

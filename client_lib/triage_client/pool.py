@@ -1,8 +1,9 @@
 """The handler pool: `concurrency` slots shared by every partition stream of one Consumer.
 
-Each stream keeps its own local queue of deliveries waiting for a slot. When a slot frees,
-the pool takes the next delivery from the stream with the fewest handlers running right now
-(ties go round-robin), skipping a stream that runs as many as its cap (`PartitionStream.slots`,
+Each stream keeps its own local queue of deliveries waiting for a slot, in the pool's ledger
+(ledger.py: the counts the pool and the streams share, changed only by its methods). When a
+slot frees, the pool takes the next delivery from the stream with the fewest handlers running
+right now (ties go round-robin), skipping a stream that runs as many as its cap (`Account.slots`,
 set by the Consumer's rebalance, see credits.py: while several partitions have a backlog each
 may run at most an even share of the slots). So a partition with a backlog of slow messages
 cannot take the slots another partition's backlog needs, not even in the moments that
@@ -26,19 +27,16 @@ import asyncio
 import inspect
 import logging
 import math
-import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
+from triage_client.ledger import RELEASE, Account, Ledger, Result
 from triage_client.message import Message
 from triage_protocol import triage_pb2
 from triage_protocol.constants import MAX_REASON_CHARS
-
-if TYPE_CHECKING:
-    from triage_client.stream import PartitionStream
 
 __all__ = ["MAX_REASON_CHARS", "SETTLE_DELAY_S", "Handler", "HandlerPool", "nack_reason"]
 
@@ -52,8 +50,6 @@ _AsyncHandler = Callable[[Message], Awaitable[Any]]
 SETTLE_DELAY_S = 0.002
 """Longest a settlement waits for company before it is sent (the streams' flush timer, and
 the tick on which sync handlers' results are collected while they keep coming)."""
-RELEASE = triage_pb2.Nack()
-"""Result of a delivery a handler thread let go unstarted because of stop()."""
 
 
 def nack_reason(exc: BaseException) -> str:
@@ -90,8 +86,8 @@ class HandlerPool:
     """`concurrency` handler slots fed by every stream's local queue (see the module doc).
 
     Touched on the loop thread only, except where noted: in sync mode the handler threads
-    pick deliveries and hand back results under `lock`, which guards the ready list, each
-    stream's queue, `busy` count and `running` set.
+    pick deliveries and hand back results under the ledger's lock, which also guards the
+    pool's own fields they share (jobs, results, the tick).
     """
 
     def __init__(
@@ -108,15 +104,12 @@ class HandlerPool:
         self._batch_limit = batch_limit
         self.stop_requested = False
         """Set by Consumer.stop() from any thread: handler threads stop starting deliveries."""
-        self.outstanding = 0
-        """Deliveries queued or running, of any stream and epoch."""
+        self.ledger = Ledger()
+        """What each stream has queued, running and finished (ledger.py)."""
         self.drained = asyncio.Event()
         """Set whenever `outstanding` drops to 0."""
-        self.lock = threading.Lock()
+        self._lock = self.ledger.lock
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._ready: list[PartitionStream] = []  # streams with queued deliveries
-        self._queued = 0  # deliveries in their queues
-        self._turn = 0  # where the next tie-break starts, for round-robin among equals
         self._closing = False  # workers exit when they see it
         # async handlers
         self._workers: list[asyncio.Task[None]] = []
@@ -126,14 +119,13 @@ class HandlerPool:
         # sync handlers: threads append results here and wake the loop once per batch
         self._executor: ThreadPoolExecutor | None = None
         self._jobs = 0  # drain jobs submitted and not finished: at most `concurrency`
-        self._results: list[tuple[PartitionStream, int, int, triage_pb2.Nack | None]] = []
+        self._results: list[Result] = []
         self._collect_scheduled = False
         self._tick: asyncio.TimerHandle | None = None  # the next collection tick (lock)
-        self._idled = 0  # slots that found nothing queued after a delivery (lock in sync mode)
         self.on_idle: Callable[[], None] | None = None
         """Called on the loop once results show a slot found nothing queued (the Consumer's
         prefetch rule)."""
-        self._awaiting_tick: dict[PartitionStream, None] = {}  # streams it is to flush
+        self._awaiting_tick: dict[Account, None] = {}  # streams it is to flush
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -148,7 +140,7 @@ class HandlerPool:
     async def close(self, clean: bool) -> None:
         """Idle workers exit when woken; after a failure, running ones are cancelled too."""
         self._closing = True
-        with self.lock:
+        with self._lock:
             tick, self._tick = self._tick, None
         if tick is not None:
             tick.cancel()
@@ -168,130 +160,49 @@ class HandlerPool:
 
     # -- the loop side ---------------------------------------------------------------------
 
-    def submit(self, stream: PartitionStream, messages: list[Message]) -> None:
+    @property
+    def outstanding(self) -> int:
+        """Deliveries queued or running, of any stream and epoch."""
+        return self.ledger.outstanding
+
+    def submit(self, account: Account, messages: list[Message]) -> None:
         """Queue a stream's new deliveries for the slots (on the loop)."""
-        count = len(messages)
-        if not count:
+        if not messages:
             return
-        self.outstanding += count
-        stream.outstanding += count
         if self._executor is None:
-            # Leases cover queued deliveries too: they are in this instance's hands and will
-            # start as soon as a slot frees, however long the running ones take.
-            stream.running.update(message.offset for message in messages)
-            if not stream.queued:
-                self._ready.append(stream)
-            stream.queued.extend(messages)
-            self._queued += count
+            self.ledger.queue(account, messages)
             if not self._wakes_pending:
                 self._wake_worker()
             return
-        with self.lock:
-            stream.running.update(message.offset for message in messages)
-            if not stream.queued:
-                self._ready.append(stream)
-            stream.queued.extend(messages)
-            self._queued += count
-            idle = min(self._concurrency - self._jobs, self._queued)
+        ledger = self.ledger
+        with self._lock:
+            ledger.queue(account, messages)
+            idle = min(self._concurrency - self._jobs, ledger.queued)
             self._jobs += idle
         for _ in range(idle):
             self._executor.submit(self._drain)
 
-    def take_back(self, stream: PartitionStream, *, next_epoch: bool = False) -> list[Message]:
-        """Remove a stream's queued, unstarted deliveries: at stop(), or, with `next_epoch`,
-        because its stream ended (then, in one step, results of handlers still running on
-        it are marked stale and the next stream gets a fresh lease set)."""
-        with self.lock:
-            if next_epoch:
-                stream.epoch += 1
-                stream.running = set()
-            taken = list(stream.queued)
-            if taken:
-                self._queued -= len(taken)
-                stream.queued.clear()
-                self._ready.remove(stream)
-                stream.running.difference_update(message.offset for message in taken)
-        self.outstanding -= len(taken)
-        stream.outstanding -= len(taken)
-        if not self.outstanding:
+    def take_back(self, account: Account, *, next_epoch: bool = False) -> list[Message]:
+        """Remove a stream's queued, unstarted deliveries (`Ledger.take_back`)."""
+        taken = self.ledger.take_back(account, next_epoch=next_epoch)
+        if not self.ledger.outstanding:
             self.drained.set()
         return taken
 
-    def _pick(self) -> tuple[PartitionStream, Message] | None:
-        """The next delivery for a free slot: from the stream with the fewest running
-        handlers among those under their cap, ties round-robin; None when every stream with
-        queued deliveries is at its cap (or none has any). Under `lock` in sync mode."""
-        ready = self._ready
-        count = len(ready)
-        if count == 1:
-            index = 0
-            if ready[0].busy >= ready[0].slots:
-                return None
-        elif count:
-            index = self._turn % count
-            if ready[index].busy:  # else: none runs fewer, and it is first in turn
-                start = index
-                index = -1
-                fewest = 1 << 62
-                for step in range(count):
-                    i = (start + step) % count
-                    candidate = ready[i]
-                    busy = candidate.busy
-                    if busy < fewest and busy < candidate.slots:
-                        index, fewest = i, busy
-                        if not busy:
-                            break  # none runs fewer, and the first in turn wins a tie
-            if index < 0:
-                return None
-            self._turn = index + 1
-        else:
-            return None
-        stream = ready[index]
-        queued = stream.queued
-        message = queued.popleft()
-        self._queued -= 1
-        if not queued:
-            del ready[index]
-        stream.busy += 1
-        return stream, message
-
-    def take_idled(self) -> int:
-        """How many times a slot found nothing queued after finishing a delivery, since the
-        last call (on the loop): the Consumer's prefetch rule reads it (credits.grown)."""
-        with self.lock:
-            idled, self._idled = self._idled, 0
-        return idled
-
     def kick(self) -> None:
         """Caps were raised (on the loop): put idle slots to work on what they allow now."""
-        if not self._queued:
+        queued = self.ledger.queued
+        if not queued:
             return
         if self._executor is None:
-            for _ in range(min(self._queued, len(self._idle_workers))):
+            for _ in range(min(queued, len(self._idle_workers))):
                 self._wake_worker()
             return
-        with self.lock:
-            idle = min(self._concurrency - self._jobs, self._queued)
+        with self._lock:
+            idle = min(self._concurrency - self._jobs, self.ledger.queued)
             self._jobs += idle
         for _ in range(idle):
             self._executor.submit(self._drain)
-
-    @staticmethod
-    def _finished(
-        stream: PartitionStream, epoch: int, offset: int, nack: triage_pb2.Nack | None
-    ) -> None:
-        """Hand one result of a handler thread to its stream (on the loop)."""
-        if epoch != stream.epoch:
-            stream.dropped += 1  # its stream broke: the proxy redelivers it
-            return
-        stream.outstanding -= 1
-        if nack is None:
-            stream.acks.append(offset)
-        elif nack is RELEASE:
-            stream.dropped += 1
-            stream.releases.append(offset)
-        else:
-            stream.nacks.append(nack)
 
     # -- async handlers: worker tasks on the loop ------------------------------------------
 
@@ -306,14 +217,16 @@ class HandlerPool:
 
     def _check_deck(self) -> None:
         self._deck_check_scheduled = False
-        if self._ready and not self._wakes_pending:
+        if self.ledger.ready and not self._wakes_pending:
             self._wake_worker()
 
     async def _worker(self) -> None:
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
-        ready = self._ready
-        pick = self._pick
+        ledger = self.ledger
+        ready = ledger.ready
+        pick = ledger.pick
+        finished = ledger.finished
         handler = cast(_AsyncHandler, self._handler)
         retry_on = self._retry_on
         streak = 0  # deliveries since this worker last waited for work: an idle counts after one
@@ -322,7 +235,7 @@ class HandlerPool:
             picked = pick() if ready else None
             if picked is None:
                 if streak:
-                    self._idled += 1
+                    ledger.idle()
                     if self.on_idle is not None:
                         self.on_idle()
                 fut: asyncio.Future[None] = loop.create_future()
@@ -333,15 +246,15 @@ class HandlerPool:
                 self._wakes_pending -= 1
                 streak = 0
                 continue
-            stream, message = picked
+            account, message = picked
             if ready and not self._deck_check_scheduled:
                 # If this handler suspends, the rest of the queue needs another worker; checking
                 # on the next loop turn costs nothing when handlers finish without suspending.
                 self._deck_check_scheduled = True
                 loop.call_soon(self._check_deck)
-            epoch = stream.epoch
+            epoch = account.epoch
             offset = message.offset
-            running = stream.running  # this stream's: see PartitionStream.running
+            running = account.running  # this epoch's: see Account.running
             nack = None
             try:
                 await handler(message)
@@ -353,23 +266,11 @@ class HandlerPool:
                 nack = _nack(offset, exc, retry_on)
             except BaseException as exc:
                 if not isinstance(exc, retry_on):
-                    running.discard(offset)  # no settlement: let the lease lapse
-                    stream.busy -= 1
+                    ledger.vacate(account, running, offset)  # no settlement: the lease lapses
                     raise
                 nack = _nack(offset, exc, retry_on)
-            running.discard(offset)
-            stream.busy -= 1
-            self.outstanding -= 1
-            if epoch != stream.epoch:
-                stream.dropped += 1  # its stream broke: the proxy redelivers it
-            else:
-                stream.outstanding -= 1
-                if nack is None:
-                    stream.acks.append(offset)
-                else:
-                    stream.nacks.append(nack)
-            stream.after_settle(not stream.queued)
-            if not self.outstanding:
+            account.stream.after_settle(finished(account, epoch, running, offset, nack))
+            if not ledger.outstanding:
                 self.drained.set()
             streak += 1
             unyielded += 1
@@ -386,29 +287,29 @@ class HandlerPool:
         """A handler thread's job: run queued deliveries, each picked when the previous one
         is done (so the choice is made when a slot frees), until none is left. Reporting a
         result and picking the next take one lock acquisition."""
-        lock = self.lock
+        lock = self._lock
+        ledger = self.ledger
         with lock:
-            picked = self._pick()
+            picked = ledger.pick()
             if picked is None:
                 self._jobs -= 1
                 return
-            stream, message = picked
-            epoch, running = stream.epoch, stream.running
+            account, message = picked
+            epoch, running = account.epoch, account.running
         while True:
             offset = message.offset
-            nack = self._run_sync(message, stream, running)
+            nack = self._run_sync(message, account, running)
             with lock:
-                running.discard(offset)
-                stream.busy -= 1
+                ledger.vacate(account, running, offset)
                 results = self._results
-                results.append((stream, epoch, offset, nack))
-                picked = self._pick()
+                results.append((account, epoch, offset, nack))
+                picked = ledger.pick()
                 if picked is None:
                     self._jobs -= 1
-                    self._idled += 1
+                    ledger.idle()
                 else:
-                    stream, message = picked
-                    epoch, running = stream.epoch, stream.running
+                    account, message = picked
+                    epoch, running = account.epoch, account.running
                 # While the loop's collection tick runs, a result waits for it, unless this
                 # slot found nothing left to run (its refill is due) or the batch is full.
                 wake = not self._collect_scheduled and (
@@ -424,7 +325,7 @@ class HandlerPool:
                 return
 
     def _run_sync(
-        self, message: Message, stream: PartitionStream, running: set[int]
+        self, message: Message, account: Account, running: set[int]
     ) -> triage_pb2.Nack | None:
         """Runs in a handler thread: the handler's verdict on one delivery (None: ack)."""
         if self.stop_requested:
@@ -438,11 +339,10 @@ class HandlerPool:
         except BaseException as exc:
             if isinstance(exc, self._retry_on):
                 return _nack(message.offset, exc, self._retry_on)
-            with self.lock:
-                running.discard(message.offset)  # no settlement: let the lease lapse
-                stream.busy -= 1
+            with self._lock:
+                self.ledger.vacate(account, running, message.offset)  # the lease lapses
                 # this job ends here: another one takes over what is still queued
-                replace = self._queued > 0 and self._executor is not None
+                replace = self.ledger.queued > 0 and self._executor is not None
                 if not replace:
                     self._jobs -= 1
             if replace and self._executor is not None:
@@ -455,7 +355,7 @@ class HandlerPool:
         by the tick (`due`: the results waited up to a tick, so they are sent now). While
         results keep coming and deliveries are outstanding the tick runs, so a stream need
         not arm a flush timer of its own: the next tick sends what it left."""
-        with self.lock:
+        with self._lock:
             results, self._results = self._results, []
             self._collect_scheduled = False
         touched = self._awaiting_tick
@@ -463,26 +363,23 @@ class HandlerPool:
             self._awaiting_tick = {}
         elif not results:
             return
-        finished = self._finished
-        for stream, epoch, offset, nack in results:
-            finished(stream, epoch, offset, nack)
-            touched[stream] = None
-        self.outstanding -= len(results)
-        if self._idled and self.on_idle is not None:
+        ledger = self.ledger
+        ledger.collect(results, touched)
+        if ledger.idled and self.on_idle is not None:
             self.on_idle()
-        ticking = bool(results) and self.outstanding > 0 and not self._closing
+        ticking = bool(results) and ledger.outstanding > 0 and not self._closing
         if ticking and self._tick is None and self._loop is not None:
             self._arm_tick()
         ticking = self._tick is not None
         waiting = self._awaiting_tick
-        for stream in touched:
-            if stream.after_settle(not stream.queued, due=due, timer=not ticking):
-                waiting[stream] = None  # its results wait for company: a later tick sends them
+        for account in touched:
+            if account.stream.after_settle(not account.queued, due=due, timer=not ticking):
+                waiting[account] = None  # its results wait for company: a later tick sends them
         if not ticking or due:
             touched.clear()
         if waiting and self._tick is None and self._loop is not None:
             self._arm_tick()
-        if not self.outstanding:
+        if not ledger.outstanding:
             self.drained.set()
 
     def _arm_tick(self) -> None:
@@ -492,10 +389,10 @@ class HandlerPool:
         assert loop is not None
         when = (math.floor(loop.time() / SETTLE_DELAY_S) + 1) * SETTLE_DELAY_S
         handle = loop.call_at(when, self._on_tick)
-        with self.lock:
+        with self._lock:
             self._tick = handle
 
     def _on_tick(self) -> None:
-        with self.lock:
+        with self._lock:
             self._tick = None
         self._collect(due=True)

@@ -41,7 +41,6 @@ import asyncio
 import logging
 import random
 import time
-from collections import deque
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ import grpc
 
 from triage_client.credits import StreamLoad
 from triage_client.errors import PartitionError, error_for_status
-from triage_client.message import ConsumerStats, Message, make_message, unpack_messages
+from triage_client.message import ConsumerStats, make_message, unpack_messages
 from triage_client.pool import SETTLE_DELAY_S, HandlerPool
 from triage_client.topology import owner_endpoint
 from triage_protocol import triage_pb2
@@ -178,14 +177,15 @@ class PartitionStream:
         self._wake = asyncio.Event()  # a new endpoint, or stop(): cut a backoff short
         self._loop: asyncio.AbstractEventLoop | None = None
 
-        # Touched only on the loop thread, except where noted.
-        self.epoch = 0  # read by handler threads under the pool's lock
+        self.account = context.pool.ledger.open(self)
+        """This stream's deliveries in hand: queued, running, results to send (ledger.py)."""
+        self._ledger = context.pool.ledger
+
+        # Touched only on the loop thread.
         self.credits = 0
         """Most unsettled deliveries the proxy may send now (the Hello's or the last Grant's)."""
         self.grants = False
         """This stream's proxy honours Grant frames (its Welcome said so)."""
-        self.slots = 1 << 30
-        """Most handlers of this stream the pool runs at once (pool's lock; see credits.py)."""
         self.ack_ranges = False
         """This stream's proxy understands Settle.ack_ranges (its Welcome said so)."""
         self._lowered_from = 0  # credits before a lowering in this rebalance period
@@ -198,21 +198,6 @@ class PartitionStream:
         self.established = False
         self._held = 0  # delivered on this stream and not yet settled
         self._over_warned = False
-        self.outstanding = 0
-        """Deliveries of the current epoch queued or running."""
-        self.queued: deque[Message] = deque()
-        """Deliveries waiting for a handler slot (the pool's, under its lock)."""
-        self.busy = 0
-        """Handlers running in the pool's slots for this stream, any epoch (pool's lock)."""
-        self.running: set[int] = set()
-        """Offsets this stream holds, running or queued: the next Extend lists them. Handler
-        threads change it under the pool's lock. A new stream gets a new set, and a handler
-        removes its offset from the set it started in, so one that outlives its stream never
-        touches the next stream's leases (even when that stream redelivers its offset)."""
-        self.acks: list[int] = []
-        self.nacks: list[triage_pb2.Nack] = []
-        self.releases: list[int] = []
-        """Deliveries given back unstarted at stop(): sent as Release, no attempt used."""
         self._release_due = False
         """stop() began on an established stream: the next flush sends a Release, even empty."""
         self._flush_wanted = asyncio.Event()
@@ -241,7 +226,7 @@ class PartitionStream:
             acked=self.acked,
             nacked=self.nacked,
             rejected=self.rejected,
-            dropped=self.dropped,
+            dropped=self.dropped + self.account.dropped,
             reconnects=max(0, self.opened - 1),
             extended=self.extended,
         )
@@ -262,9 +247,9 @@ class PartitionStream:
 
     def begin_stop(self) -> tuple[int, int]:
         """Release the queued deliveries and let the writer drain; (in flight, released)."""
-        taken = self._ctx.pool.take_back(self)
+        taken = self._ctx.pool.take_back(self.account)
         if taken:
-            self.releases.extend(message.offset for message in taken)
+            self._ledger.release(self.account, (message.offset for message in taken))
             self.dropped += len(taken)
         # Sent even when empty: the Release ends the stream's credits, else the proxy refills
         # what the last Settle frees and holds that at the half-close (an attempt each).
@@ -273,7 +258,7 @@ class PartitionStream:
             self.call.cancel()  # nothing to settle yet: do not wait for a slow connect
         self._flush_wanted.set()
         self._wake.set()
-        return self.outstanding, len(taken)
+        return self.account.outstanding, len(taken)
 
     # -- connections -----------------------------------------------------------------------
 
@@ -374,12 +359,8 @@ class PartitionStream:
     def _end_stream(self) -> None:
         """Forget what the dead stream held: the proxy redelivers all of it."""
         self.call = None
-        released = len(self._ctx.pool.take_back(self, next_epoch=True))
-        self.outstanding = 0  # handlers still running belong to the dead epoch now
-        unsent = len(self.acks) + len(self.nacks)
-        self.acks = []
-        self.nacks = []
-        self.releases = []
+        released = len(self._ctx.pool.take_back(self.account, next_epoch=True))
+        unsent = self._ledger.forget(self.account)
         self._release_due = False
         self._extend_due = False
         self.dropped += released + unsent
@@ -469,8 +450,9 @@ class PartitionStream:
                 await self._flush_wanted.wait()
                 self._flush_wanted.clear()
                 await self._flush(call)
-                if ctx.stopping.is_set() and not self.outstanding:
-                    while self.acks or self.nacks or self.releases:
+                account = self.account
+                if ctx.stopping.is_set() and not account.outstanding:
+                    while account.acks or account.nacks or account.releases:
                         await self._flush(call)
                     await call.done_writing()
                     logger.debug(
@@ -501,7 +483,7 @@ class PartitionStream:
             return
         while True:
             await asyncio.sleep(interval)
-            if self.running:
+            if self.account.running:
                 self._extend_due = True
                 self._flush_wanted.set()
 
@@ -515,21 +497,20 @@ class PartitionStream:
             # finished is out of the set before its result can be settled, so the proxy never
             # sees an offset extended after it was settled.
             self._extend_due = False
-            with self._ctx.pool.lock:
-                offsets = sorted(self.running)
+            offsets = self._ledger.leases(self.account)
             if offsets:
                 extend = triage_pb2.Extend(offsets=offsets)
                 await call.write(triage_pb2.ConsumerFrame(extend=extend))
                 self.extended += len(offsets)
-        if self.releases or self._release_due:
+        account = self.account
+        if account.releases or self._release_due:
             self._release_due = False
-            releases, self.releases = self.releases, []
+            releases = self._ledger.take_releases(account)
             self._held -= len(releases)
             await call.write(triage_pb2.ConsumerFrame(release=triage_pb2.Release(offsets=releases)))
-        acks, nacks = self.acks, self.nacks
-        if not acks and not nacks:
+        if not account.acks and not account.nacks:
             return
-        self.acks, self.nacks = [], []
+        acks, nacks = self._ledger.take_settlements(account)
         self._ticks_waited = 0
         if self._flush_timer is not None:
             self._flush_timer.cancel()
@@ -602,10 +583,10 @@ class PartitionStream:
             )
         if self._ctx.stopping.is_set():
             self.dropped += count  # released: the proxy redelivers them
-            self.releases.extend(message.offset for message in messages)
+            self._ledger.release(self.account, (message.offset for message in messages))
             self._flush_wanted.set()
             return
-        self._ctx.pool.submit(self, messages)
+        self._ctx.pool.submit(self.account, messages)
 
     def load(self) -> StreamLoad:
         """What this stream showed since the last call (one rebalance period), for the
@@ -665,9 +646,10 @@ class PartitionStream:
         way or it has none: a drained queue then waits for company instead of costing a
         Settle frame per few results (each a gRPC write, a proxy wake-up and a loop turn on
         both sides)."""
-        pending = len(self.acks) + len(self.nacks)
+        account = self.account
+        pending = len(account.acks) + len(account.nacks)
         if not pending:
-            if self._ctx.stopping.is_set() and not self.outstanding:
+            if self._ctx.stopping.is_set() and not account.outstanding:
                 self._flush_wanted.set()  # let the writer half-close
             return False
         if pending >= self._batch_limit or (

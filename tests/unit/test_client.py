@@ -1159,30 +1159,22 @@ def test_a_slow_backlog_cannot_hold_the_slots_another_backlog_needs(
     assert deployment.max_unsettled <= 16, "never more than concurrency + prefetch in all"
 
 
-class Queued:
-    """What the pool's choice reads of a stream: its queue, running handlers and cap."""
-
-    def __init__(self, name: str, queued: int, busy: int, slots: int) -> None:
-        self.queued = deque(make_message("t", 0, o, None, None, [], 0, 1) for o in range(queued))
-        self.busy, self.slots, self.name = busy, slots, name
-
-
 def test_the_pool_skips_a_stream_at_its_slot_cap_even_with_a_free_slot() -> None:
-    pool = HandlerPool(lambda m: None, 4, (), 16)
-    slow, fast = Queued("slow", 5, 2, 2), Queued("fast", 0, 0, 2)
-    pool._ready[:] = [cast(Any, slow)]
-    pool._queued = 5
-    assert pool._pick() is None, "the fast partition's half stays free for its next delivery"
-    fast.queued.append(make_message("t", 1, 0, None, None, [], 0, 1))
-    pool._ready.append(cast(Any, fast))
-    pool._queued += 1
-    picked = pool._pick()
+    ledger = HandlerPool(lambda m: None, 4, (), 16).ledger
+    slow, fast = ledger.open(cast(Any, "slow")), ledger.open(cast(Any, "fast"))
+    ledger.set_slots([slow, fast], [2, 2])
+    ledger.queue(slow, [make_message("t", 0, o, None, None, [], 0, 1) for o in range(5)])
+    assert ledger.pick() is not None
+    assert ledger.pick() is not None
+    assert ledger.pick() is None, "the fast partition's half stays free for its next delivery"
+    ledger.queue(fast, [make_message("t", 1, 0, None, None, [], 0, 1)])
+    picked = ledger.pick()
     assert picked is not None
-    assert cast(Any, picked[0]).name == "fast"
-    slow.slots = 4  # the next rebalance lifted the cap (the fast partition went idle)
-    picked = pool._pick()
+    assert picked[0].stream == "fast"
+    ledger.set_slots([slow, fast], [4, 2])  # the next rebalance lifted the cap (fast went idle)
+    picked = ledger.pick()
     assert picked is not None
-    assert cast(Any, picked[0]).name == "slow"
+    assert picked[0].stream == "slow"
     assert slow.busy == 3
 
 

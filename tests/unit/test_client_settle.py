@@ -4,7 +4,6 @@ that the pool's tick keeps coming for results that wait for company."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 from typing import Any, cast
 
 import pytest
@@ -14,12 +13,19 @@ from triage_client.pool import HandlerPool
 from triage_client.stream import SETTLE_TICKS, PartitionStream, StreamContext
 
 
-def stream(credits: int, held: int, results: int, *, stopping: bool = False) -> PartitionStream:
+def stream(
+    credits: int,
+    held: int,
+    results: int,
+    *,
+    stopping: bool = False,
+    pool: HandlerPool | None = None,
+) -> PartitionStream:
     """A stream with `credits`, `held` unsettled deliveries of which `results` are done."""
     ctx = StreamContext(
         consumer_id="test",
         metadata=(),
-        pool=HandlerPool(lambda m: None, 8, (), 16),
+        pool=HandlerPool(lambda m: None, 8, (), 16) if pool is None else pool,
         stopping=asyncio.Event(),
         max_backoff=1.0,
         allowed=None,
@@ -31,8 +37,21 @@ def stream(credits: int, held: int, results: int, *, stopping: bool = False) -> 
         ctx.stopping.set()
     s = PartitionStream(ctx, 0, "localhost:1")
     s.credits, s._held, s._batch_limit = credits, held, credits
-    s.acks = list(range(results))
+    finish(s, list(range(results)))
     return s
+
+
+def finish(s: PartitionStream, offsets: list[int], *, running: int = 0) -> None:
+    """Handlers of `s` acked `offsets` (on the loop) while `running` more run on."""
+    ledger = s._ctx.pool.ledger
+    count = len(offsets) + running
+    ledger.queue(s.account, [Message("t", 0, 1000 + i, None, b"", [], 0, 1) for i in range(count)])
+    for offset in offsets:
+        picked = ledger.pick()
+        assert picked is not None
+        ledger.finished(s.account, s.account.epoch, s.account.running, offset, None)
+    for _ in range(running):
+        assert ledger.pick() is not None
 
 
 def ticks_until_sent(s: PartitionStream, *, queue_drained: bool = False) -> int:
@@ -87,14 +106,15 @@ def test_the_pool_keeps_ticking_while_a_stream_waits_for_company() -> None:
         pool = s._ctx.pool
         pool._loop = loop
         s._loop = loop
-        pool.outstanding = s.outstanding = 2  # offset 7 finished; another runs on
-        pool._results.append((s, s.epoch, 7, None))
+        finish(s, [], running=2)
+        pool.ledger.vacate(s.account, s.account.running, 1000)  # offset 7 finished
+        pool._results.append((s.account, s.account.epoch, 7, None))  # another runs on
         pool._collect()
         deadline = loop.time() + 10
         while not s._flush_wanted.is_set():
             assert loop.time() < deadline, "the waiting result was never sent"
             await asyncio.sleep(0.001)
-        assert s.acks == [7]
+        assert s.account.acks == [7]
         assert pool.outstanding == 1
         await pool.close(clean=True)
 
@@ -116,17 +136,16 @@ def test_a_slot_that_runs_dry_after_whole_batches_counts_as_idle(batches: int) -
             handled.append(message.offset)
 
         pool = HandlerPool(handler, 1, (), 4)
-        s = stream(credits=64, held=0, results=0)
-        s._ctx = replace(s._ctx, pool=pool)
+        s = stream(credits=64, held=0, results=0, pool=pool)
         s._loop = loop
         pool.start(loop)
         count = 4 * batches
-        pool.submit(s, [Message("t", 0, i, None, b"", [], 0, 1) for i in range(count)])
+        pool.submit(s.account, [Message("t", 0, i, None, b"", [], 0, 1) for i in range(count)])
         deadline = loop.time() + 10
         while len(handled) < count or not pool._idle_workers:
             assert loop.time() < deadline, f"handled {len(handled)} of {count}"
             await asyncio.sleep(0.001)
-        assert pool.take_idled() == 1
+        assert pool.ledger.take_idled() == 1
         await pool.close(clean=True)
 
     asyncio.run(body())

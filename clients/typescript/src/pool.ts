@@ -1,8 +1,9 @@
 /**
  * The handler pool: `concurrency` slots shared by every partition stream of one Consumer.
  *
- * Each stream keeps its own local queue of deliveries waiting for a slot. When a slot frees,
- * the pool takes the next delivery from the stream with the fewest handlers running right
+ * Each stream keeps its own local queue of deliveries waiting for a slot, in the pool's ledger
+ * (ledger.ts: the counts the pool and the streams share, changed only by its methods). When a
+ * slot frees, the pool takes the next delivery from the stream with the fewest handlers running right
  * now (ties go round-robin), so a partition with a backlog of slow messages holds at most
  * its fair share of the slots while another partition has work: it never starves the others.
  *
@@ -15,9 +16,9 @@
 
 import { Retry } from "./errors";
 import { MAX_REASON_CHARS } from "./generated/constants";
+import { type Account, Ledger } from "./ledger";
 import type { Message } from "./message";
 import type { Nack } from "./proto";
-import type { PartitionStream } from "./stream";
 
 /** Returning (or resolving) acks the message; throwing (or rejecting) nacks it. */
 export type Handler = (message: Message) => unknown;
@@ -83,11 +84,9 @@ function isThenable(value: unknown): value is PromiseLike<unknown> {
 
 /** `concurrency` handler slots fed by every stream's local queue (see the module doc). */
 export class HandlerPool {
-  /** Deliveries queued or running, of any stream and epoch. */
-  outstanding = 0;
+  /** What each stream has queued, running and finished (ledger.ts). */
+  readonly ledger = new Ledger();
   private running = 0;
-  private readonly ready: PartitionStream[] = []; // streams with queued deliveries
-  private turn = 0; // where the next tie-break starts, for round-robin among equals
   private pumping = false; // pump() is on the stack: a handler settling inside it must not recurse
   private drainedWaiters: (() => void)[] = [];
 
@@ -97,61 +96,31 @@ export class HandlerPool {
     private readonly retryOn: readonly ErrorClass[],
   ) {}
 
+  /** Deliveries queued or running, of any stream and epoch. */
+  get outstanding(): number {
+    return this.ledger.outstanding;
+  }
+
   /** Resolves once nothing is queued or running (at once if nothing is). */
   drained(): Promise<void> {
-    if (this.outstanding === 0) {
+    if (this.ledger.outstanding === 0) {
       return Promise.resolve();
     }
     return new Promise((resolve) => this.drainedWaiters.push(resolve));
   }
 
   /** Queue a stream's new deliveries for the slots. */
-  submit(stream: PartitionStream, messages: Message[]): void {
-    const count = messages.length;
-    if (count === 0) {
+  submit(account: Account, messages: Message[]): void {
+    if (messages.length === 0) {
       return;
     }
-    this.outstanding += count;
-    stream.outstanding += count;
-    if (stream.queued === 0) {
-      this.ready.push(stream);
-    }
-    // Leases cover queued deliveries too: they are in this instance's hands and will start
-    // as soon as a slot frees, however long the running ones take.
-    const leases = stream.leases;
-    const queue = stream.queue;
-    for (let i = 0; i < count; i++) {
-      const message = messages[i]!;
-      leases.add(message.offset);
-      queue.push(message);
-    }
+    this.ledger.queue(account, messages);
     this.pump();
   }
 
-  /**
-   * Remove a stream's queued, unstarted deliveries: at stop(), or, with `nextEpoch`, because
-   * its stream ended (then, in one step, results of handlers still running on it are marked
-   * stale and the next stream gets a fresh lease set).
-   */
-  takeBack(stream: PartitionStream, nextEpoch = false): Message[] {
-    if (nextEpoch) {
-      stream.epoch += 1;
-      stream.leases = new Set();
-    }
-    const taken = stream.queue.slice(stream.head);
-    if (taken.length > 0) {
-      stream.queue = [];
-      stream.head = 0;
-      const index = this.ready.indexOf(stream);
-      if (index >= 0) {
-        this.ready.splice(index, 1);
-      }
-      for (const message of taken) {
-        stream.leases.delete(message.offset);
-      }
-    }
-    this.outstanding -= taken.length;
-    stream.outstanding -= taken.length;
+  /** Remove a stream's queued, unstarted deliveries (`Ledger.takeBack`). */
+  takeBack(account: Account, nextEpoch = false): Message[] {
+    const taken = this.ledger.takeBack(account, nextEpoch);
     this.checkDrained();
     return taken;
   }
@@ -162,63 +131,36 @@ export class HandlerPool {
       return;
     }
     this.pumping = true;
+    const ledger = this.ledger;
     try {
-      while (this.running < this.concurrency && this.ready.length > 0) {
-        const stream = this.pick();
-        this.start(stream, stream.take());
-        if (stream.queued === 0) {
-          const index = this.ready.indexOf(stream);
-          if (index >= 0) {
-            this.ready.splice(index, 1);
-          }
-        }
+      while (this.running < this.concurrency && ledger.ready) {
+        const account = ledger.pick();
+        this.start(account, ledger.take(account));
       }
     } finally {
       this.pumping = false;
     }
   }
 
-  /** The stream whose queue gives the next delivery: fewest running handlers, ties round-robin. */
-  private pick(): PartitionStream {
-    const ready = this.ready;
-    const count = ready.length;
-    if (count === 1) {
-      return ready[0]!;
-    }
-    const start = this.turn % count;
-    let index = start;
-    let fewest = ready[start]!.busy;
-    for (let step = 1; step < count; step++) {
-      const i = (start + step) % count;
-      if (ready[i]!.busy < fewest) {
-        index = i;
-        fewest = ready[i]!.busy;
-      }
-    }
-    this.turn = index + 1;
-    return ready[index]!;
-  }
-
-  private start(stream: PartitionStream, message: Message): void {
+  private start(account: Account, message: Message): void {
     this.running += 1;
-    stream.busy += 1;
-    const epoch = stream.epoch;
-    const leases = stream.leases; // this stream's: see PartitionStream.leases
+    const epoch = account.epoch;
+    const leases = account.leases; // this epoch's: see Account.leases
     const offset = message.offset;
     let result: unknown;
     try {
       result = this.handler(message);
     } catch (error) {
-      this.finish(stream, epoch, leases, offset, this.nack(offset, error));
+      this.finish(account, epoch, leases, offset, this.nack(offset, error));
       return;
     }
     if (isThenable(result)) {
       result.then(
-        () => this.finish(stream, epoch, leases, offset, null),
-        (error: unknown) => this.finish(stream, epoch, leases, offset, this.nack(offset, error)),
+        () => this.finish(account, epoch, leases, offset, null),
+        (error: unknown) => this.finish(account, epoch, leases, offset, this.nack(offset, error)),
       );
     } else {
-      this.finish(stream, epoch, leases, offset, null);
+      this.finish(account, epoch, leases, offset, null);
     }
   }
 
@@ -230,33 +172,20 @@ export class HandlerPool {
   }
 
   private finish(
-    stream: PartitionStream,
+    account: Account,
     epoch: number,
-    leases: Set<number>,
+    leases: ReadonlySet<number>,
     offset: number,
     nack: Nack | null,
   ): void {
     this.running -= 1;
-    this.outstanding -= 1;
-    stream.busy -= 1;
-    leases.delete(offset);
-    if (epoch !== stream.epoch) {
-      stream.dropped += 1; // its stream broke: the proxy redelivers it
-    } else {
-      stream.outstanding -= 1;
-      if (nack === null) {
-        stream.acks.push(offset);
-      } else {
-        stream.nacks.push(nack);
-      }
-    }
-    stream.afterSettle(stream.queued === 0);
+    account.stream.afterSettle(this.ledger.finished(account, epoch, leases, offset, nack));
     this.checkDrained();
     this.pump();
   }
 
   private checkDrained(): void {
-    if (this.outstanding === 0 && this.drainedWaiters.length > 0) {
+    if (this.ledger.outstanding === 0 && this.drainedWaiters.length > 0) {
       const waiters = this.drainedWaiters;
       this.drainedWaiters = [];
       for (const resolve of waiters) {

@@ -40,6 +40,7 @@ import {
 } from "@grpc/grpc-js";
 
 import { PartitionError, errorForStatus, statusName } from "./errors";
+import type { Account } from "./ledger";
 import type { Logger } from "./log";
 import {
   emptyStats,
@@ -177,31 +178,14 @@ export class PartitionStream {
   /** Where the next connection goes; null while nobody serves the partition. */
   endpoint: string | null;
 
-  /** Bumped when a stream ends: results of handlers started before are stale. */
-  epoch = 0;
+  /** This stream's deliveries in hand: queued, running, results to send (ledger.ts). */
+  readonly account: Account;
   /** The credits the current stream's Hello announced. */
   credits = 0;
   /** A Welcome or a delivery arrived on the current stream. */
   established = false;
   /** The current stream's proxy understands Settle.ack_ranges (its Welcome said so). */
   ackRanges = false;
-  /** Deliveries of the current epoch queued or running. */
-  outstanding = 0;
-  /** Deliveries waiting for a handler slot, from `head` on (the pool takes from the front). */
-  queue: Message[] = [];
-  head = 0;
-  /** Handlers running in the pool's slots for this stream, any epoch. */
-  busy = 0;
-  /**
-   * Offsets this stream holds, running or queued: the next Extend lists them. A new stream
-   * gets a new set, and a handler removes its offset from the set it started in, so one that
-   * outlives its stream never touches the next stream's leases.
-   */
-  leases = new Set<number>();
-  acks: number[] = [];
-  nacks: Nack[] = [];
-  /** Deliveries given back unstarted at stop(): sent as Release, no attempt used. */
-  releases: number[] = [];
   /**
    * stop() began on an established stream: the next flush sends a Release even if it lists
    * nothing, because the Release is what sets the stream's credits to 0. Without it the
@@ -209,7 +193,7 @@ export class PartitionStream {
    * after the half-close: held at the stream's end, each counts as a failed attempt.
    */
   private releaseDue = false;
-  dropped = 0;
+  private dropped = 0;
 
   private call: Call | null = null;
   private batchLimit = 1;
@@ -248,30 +232,12 @@ export class PartitionStream {
     this.named = partition !== null;
     this.partition = partition;
     this.endpoint = endpoint;
+    this.account = ctx.pool.ledger.open(this);
   }
 
   /** How logs name this stream's partition. */
   get label(): string {
     return this.partition === null ? "the proxy's only partition" : `partition ${this.partition}`;
-  }
-
-  /** Deliveries waiting in the local queue. */
-  get queued(): number {
-    return this.queue.length - this.head;
-  }
-
-  /** The next queued delivery (the pool calls this only when `queued` > 0). */
-  take(): Message {
-    const message = this.queue[this.head]!;
-    this.head += 1;
-    if (this.head === this.queue.length) {
-      this.queue = [];
-      this.head = 0;
-    } else if (this.head >= 1024 && this.head * 2 >= this.queue.length) {
-      this.queue = this.queue.slice(this.head);
-      this.head = 0;
-    }
-    return message;
   }
 
   stats(): PartitionStats {
@@ -281,7 +247,7 @@ export class PartitionStream {
       acked: this.acked,
       nacked: this.nacked,
       rejected: this.rejected,
-      dropped: this.dropped,
+      dropped: this.dropped + this.account.dropped,
       reconnects: Math.max(0, this.opened - 1),
       extended: this.extended,
     };
@@ -304,10 +270,8 @@ export class PartitionStream {
 
   /** Release the queued deliveries and let the stream drain; [in flight, released]. */
   beginStop(): [number, number] {
-    const taken = this.ctx.pool.takeBack(this);
-    for (const message of taken) {
-      this.releases.push(message.offset);
-    }
+    const taken = this.ctx.pool.takeBack(this.account);
+    this.ctx.pool.ledger.release(this.account, taken);
     this.dropped += taken.length;
     this.releaseDue = this.call !== null;
     const call = this.call;
@@ -322,7 +286,7 @@ export class PartitionStream {
     }
     this.scheduleFlush();
     this.rouse();
-    return [this.outstanding, taken.length];
+    return [this.account.outstanding, taken.length];
   }
 
   // -- connections --------------------------------------------------------------------------
@@ -471,12 +435,9 @@ export class PartitionStream {
     }
     this.flushTimer = this.extendTimer = this.closeTimer = this.holdTimer = null;
     this.flushSoon = null;
-    const released = this.ctx.pool.takeBack(this, true).length;
-    this.outstanding = 0; // handlers still running belong to the dead epoch now
-    const unsent = this.acks.length + this.nacks.length;
-    this.acks = [];
-    this.nacks = [];
-    this.releases = []; // counted as dropped when they were released
+    const released = this.ctx.pool.takeBack(this.account, true).length;
+    // unsent releases were counted as dropped when they were released
+    const unsent = this.ctx.pool.ledger.forget(this.account);
     this.releaseDue = false;
     this.dropped += released + unsent;
     this.held = 0;
@@ -545,10 +506,11 @@ export class PartitionStream {
   /** The lease ticker: one Extend listing every offset this stream holds right now. */
   private extend(): void {
     const call = this.call;
-    if (call === null || this.halfClosed || this.leases.size === 0) {
+    const leases = this.account.leases;
+    if (call === null || this.halfClosed || leases.size === 0) {
       return;
     }
-    const offsets = [...this.leases].sort((a, b) => a - b);
+    const offsets = [...leases].sort((a, b) => a - b);
     call.write({ extend: { offsets } });
     this.extended += offsets.length;
   }
@@ -597,22 +559,21 @@ export class PartitionStream {
     }
     if (this.ctx.stopping()) {
       this.dropped += count; // released: the proxy redelivers them
-      for (const message of messages) {
-        this.releases.push(message.offset);
-      }
+      this.ctx.pool.ledger.release(this.account, messages);
       this.scheduleFlush();
       return;
     }
-    this.ctx.pool.submit(this, messages);
+    this.ctx.pool.submit(this.account, messages);
   }
 
   // -- settlements ----------------------------------------------------------------------------
 
   /** A handler of this stream finished: send now if the batch is full, soon otherwise. */
   afterSettle(queueDrained: boolean): void {
-    const pending = this.acks.length + this.nacks.length;
+    const account = this.account;
+    const pending = account.acks.length + account.nacks.length;
     if (pending === 0) {
-      if (this.ctx.stopping() && this.outstanding === 0) {
+      if (this.ctx.stopping() && account.outstanding === 0) {
         this.scheduleFlush(); // let the stream half-close
       }
       return;
@@ -644,18 +605,16 @@ export class PartitionStream {
     if (call === null || this.halfClosed) {
       return;
     }
-    if (this.releases.length > 0 || this.releaseDue) {
-      const offsets = this.releases;
-      this.releases = [];
+    const account = this.account;
+    const ledger = this.ctx.pool.ledger;
+    if (account.releases.length > 0 || this.releaseDue) {
+      const offsets = ledger.takeReleases(account);
       this.releaseDue = false;
       this.held -= offsets.length;
       call.write({ release: { offsets } });
     }
-    const acks = this.acks;
-    const nacks = this.nacks;
-    if (acks.length > 0 || nacks.length > 0) {
-      this.acks = [];
-      this.nacks = [];
+    if (account.acks.length > 0 || account.nacks.length > 0) {
+      const [acks, nacks] = ledger.takeSettlements(account);
       if (this.flushTimer !== null) {
         clearTimeout(this.flushTimer);
         this.flushTimer = null;
@@ -667,7 +626,7 @@ export class PartitionStream {
     }
     if (
       this.ctx.stopping() &&
-      this.outstanding === 0 &&
+      account.outstanding === 0 &&
       this.established &&
       !this.halfCloseHeld
     ) {
