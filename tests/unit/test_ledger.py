@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any, cast
 
 from triage_client import Message
-from triage_client._proto import triage_pb2
 from triage_client.ledger import RELEASE, UNCAPPED, Account, Ledger
+from triage_protocol import triage_pb2
 
 
 def messages(*offsets: int) -> list[Message]:
