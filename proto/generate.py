@@ -84,7 +84,10 @@ def outputs() -> dict[Path, str]:
     sources = sorted(str(p.relative_to(PROTO_ROOT)) for p in PROTO_ROOT.rglob("*.proto"))
     python, descriptors = _protoc(sources)
     files = {PYTHON_OUT / name: text for name, text in python.items()}
-    files[TS_OUT / "messages.ts"] = _typescript_messages(descriptors, sources)
+    # The clients speak triage.v1 only; push's handler.proto is served by consumers of the
+    # original Triage, not by these clients.
+    client_sources = [s for s in sources if s.startswith("triage/v1/")]
+    files[TS_OUT / "messages.ts"] = _typescript_messages(descriptors, client_sources)
     files[TS_OUT / "constants.ts"] = _typescript_constants(CONSTANTS)
     return files
 
@@ -119,7 +122,10 @@ def _protoc(sources: list[str]) -> tuple[dict[str, str], bytes]:
             # protoc writes absolute imports (`from triage.v1 import x_pb2`); relative ones
             # keep the modules inside triage_protocol.
             text = re.sub(
-                r"^from triage\.v1 import ", "from . import ", path.read_text(), flags=re.M
+                r"^from triage(\.v1|\.push)? import ",
+                "from . import ",
+                path.read_text(),
+                flags=re.M,
             )
             python[path.name] = PYTHON_HEADER + text
         return python, descriptor_set.read_bytes()
@@ -131,6 +137,8 @@ def _typescript_messages(serialized: bytes, sources: list[str]) -> str:
         TS_HEADER.format(source=", ".join(f"proto/{s}" for s in sources)),
     ]
     for file in files:
+        if file.name not in sources:
+            continue
         comments = {
             tuple(loc.path): loc.leading_comments
             for loc in file.source_code_info.location
