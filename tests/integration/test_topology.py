@@ -28,7 +28,7 @@ from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, wait_for_port
 from triage_client._proto import triage_pb2 as pb
 from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_proxy.app import Proxy
-from triage_proxy.errors import OWNER_ENDPOINT_METADATA
+from triage_proxy.server.status import OWNER_ENDPOINT_METADATA
 from triage_proxy.store.leases import DynamoDBLeaseReader, DynamoDBLeases, Lease
 
 pytestmark = pytest.mark.integration

@@ -16,16 +16,10 @@ from triage_client._proto import triage_pb2 as pb
 from triage_client._proto import triage_pb2_grpc as pb_grpc
 from triage_proxy.app import Proxy
 from triage_proxy.config.settings import OwnershipSettings, Settings, settings_from_dict
-from triage_proxy.errors import (
-    OWNER_ENDPOINT_METADATA,
-    BrokerUnavailable,
-    ConfigError,
-    PartitionNotServed,
-    grpc_status,
-    grpc_trailers,
-)
+from triage_proxy.errors import BrokerUnavailable, ConfigError, PartitionNotServed
 from triage_proxy.kafka.client import MemoryPartition
 from triage_proxy.pipeline.ownership import Ownership, wall_ms
+from triage_proxy.server.status import OWNER_ENDPOINT_METADATA, grpc_status, grpc_trailers
 from triage_proxy.server.topology import (
     COUNT_RETRY_S,
     COUNT_TTL_S,
