@@ -304,13 +304,16 @@ LEGACY_METADATA_TIMEOUT_S = 3.0
 def _partition_count(settings: Settings, topic: str) -> int:
     """The topic's partition count from the broker; 1 (partition 0 only) when it does not
     answer in LEGACY_METADATA_TIMEOUT_S (dlq works without a broker)."""
-    from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
+
+    from triage_proxy.errors import BrokerUnavailable
+    from triage_proxy.kafka.errors import kafka_errors
 
     config = {**settings.kafka.librdkafka_config(), "logger": _quiet_kafka_logger()}
     try:
-        meta = AdminClient(config).list_topics(topic, timeout=LEGACY_METADATA_TIMEOUT_S)
-    except KafkaException:
+        with kafka_errors(f"reading the metadata of {topic}"):
+            meta = AdminClient(config).list_topics(topic, timeout=LEGACY_METADATA_TIMEOUT_S)
+    except BrokerUnavailable:
         return 1
     found = meta.topics.get(topic)
     if found is None or found.error is not None or not found.partitions:
@@ -606,8 +609,9 @@ def _report_replay(result: Any, selected: int, json_: bool, replay_id: str | Non
 
 def _producer(settings: Settings, to_topic: str | None, items: list[dict[str, Any]]) -> Any:
     """A confluent-kafka producer, after checking the broker answers and the targets exist."""
-    from confluent_kafka import KafkaException, Producer
+    from confluent_kafka import Producer
 
+    from triage_proxy.kafka.errors import kafka_errors
     from triage_proxy.store.items import item_key
 
     conf: dict[str, Any] = {
@@ -620,13 +624,9 @@ def _producer(settings: Settings, to_topic: str | None, items: list[dict[str, An
         "logger": _quiet_kafka_logger(),
     }
     producer = Producer(conf)
-    try:
+    unreachable = f"cannot reach Kafka at {settings.kafka.bootstrap_servers}"
+    with kafka_errors(unreachable, lambda why: CommandFailed(ExitCode.UNAVAILABLE, why)):
         metadata = producer.list_topics(timeout=10)
-    except KafkaException as exc:
-        raise CommandFailed(
-            ExitCode.UNAVAILABLE,
-            f"cannot reach Kafka at {settings.kafka.bootstrap_servers}: {exc}",
-        ) from None
     wanted = {to_topic} if to_topic else {item_key(i)[0] for i in items}
     missing = sorted(t for t in wanted if t not in metadata.topics)
     if missing:

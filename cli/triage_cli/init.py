@@ -147,11 +147,11 @@ def discover_partitions(kafka: dict[str, Any], timeout_s: float = DISCOVERY_TIME
     the broker answers but has no such topic. Lists all topics instead of asking for one,
     so a broker with auto-creation does not create the topic as a side effect.
     """
-    from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
 
     from triage_proxy.config.settings import KafkaSettings
     from triage_proxy.errors import ConfigError, UnavailableError
+    from triage_proxy.kafka.errors import kafka_errors
 
     settings = KafkaSettings(**kafka)
     try:
@@ -160,13 +160,9 @@ def discover_partitions(kafka: dict[str, Any], timeout_s: float = DISCOVERY_TIME
         raise UnavailableError(f"cannot connect to the broker: {exc}") from None
     config["log_level"] = 0  # the failure is reported once, below, not as librdkafka noise
     config["socket.timeout.ms"] = int(timeout_s * 1000)
-    try:
+    answer = f"broker {settings.bootstrap_servers} did not answer in {timeout_s:g}s"
+    with kafka_errors(answer, UnavailableError):
         metadata = AdminClient(config).list_topics(timeout=timeout_s)
-    except KafkaException as exc:
-        raise UnavailableError(
-            f"broker {settings.bootstrap_servers} did not answer in {timeout_s:g}s: "
-            f"{exc.args[0].str() if exc.args else exc}"
-        ) from None
     topic = metadata.topics.get(settings.topic)
     if topic is None or topic.error is not None:
         raise ConfigError("kafka.topic", f"topic {settings.topic!r} does not exist on the broker")

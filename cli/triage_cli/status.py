@@ -225,23 +225,27 @@ class Sources:
         return count_partitions(self._consumer, self.settings.kafka.topic, BROKER_TIMEOUT_S)
 
     def broker(self, partitions: int) -> BrokerView:
-        from confluent_kafka import KafkaException, TopicPartition
+        from confluent_kafka import TopicPartition
+
+        from triage_proxy.errors import BrokerUnavailable
+        from triage_proxy.kafka.errors import kafka_errors
 
         topic = self.settings.kafka.topic
         tps = [TopicPartition(topic, p) for p in range(partitions)]
+        low: dict[int, int] = {}
+        high: dict[int, int] = {}
         try:
-            committed = {
-                tp.partition: tp.offset if tp.offset >= 0 else None
-                for tp in self._consumer.committed(tps, timeout=BROKER_TIMEOUT_S)
-            }
-            low: dict[int, int] = {}
-            high: dict[int, int] = {}
-            for tp in tps:
-                low[tp.partition], high[tp.partition] = self._consumer.get_watermark_offsets(
-                    tp, timeout=BROKER_TIMEOUT_S, cached=False
-                )
-        except KafkaException as exc:
-            return BrokerView(error=f"broker unreachable: {exc.args[0] if exc.args else exc}")
+            with kafka_errors("broker unreachable"):
+                committed = {
+                    tp.partition: tp.offset if tp.offset >= 0 else None
+                    for tp in self._consumer.committed(tps, timeout=BROKER_TIMEOUT_S)
+                }
+                for tp in tps:
+                    low[tp.partition], high[tp.partition] = self._consumer.get_watermark_offsets(
+                        tp, timeout=BROKER_TIMEOUT_S, cached=False
+                    )
+        except BrokerUnavailable as exc:
+            return BrokerView(error=str(exc))
         return BrokerView(committed=committed, low=low, high=high)
 
     def proxy_url(self, partition: int) -> str | None:

@@ -22,8 +22,8 @@
                                      refused a call or a stack failed; read why, fix, rerun
 
 confluent-kafka and botocore exceptions are translated into these at the adapter edge
-with `raise ... from` (`kafka/client.py` for librdkafka, `store/aws.py`'s `aws_errors` for
-botocore). `server/status.py` maps them to the gRPC status a client sees
+with `raise ... from`: `kafka/errors.py`'s `kafka_errors` for librdkafka, `store/aws.py`'s
+`aws_errors` for botocore. `server/status.py` maps them to the gRPC status a client sees
 (the service ends calls through it). This module imports neither grpc nor a client
 library: the CLI and the Spark executors share it.
 """

@@ -177,8 +177,9 @@ def check_librdkafka(settings: Settings) -> None:
     and closed at once; it sends nothing that matters before it is closed)."""
     if not settings.kafka.client:
         return
-    from confluent_kafka import Consumer, KafkaError, KafkaException
+    from confluent_kafka import Consumer
 
+    from triage_proxy.kafka.errors import client_config_errors
     from triage_proxy.kafka.logs import KafkaLog
 
     config: dict[str, Any] = {
@@ -192,14 +193,8 @@ def check_librdkafka(settings: Settings) -> None:
             **KafkaLog(settings.kafka.topic, quiet=True).config(),
         }
     )
-    try:
+    with client_config_errors(settings.kafka.client):
         Consumer(config).close()
-    except KafkaException as exc:
-        err = exc.args[0] if exc.args else None
-        cause = err.str() if isinstance(err, KafkaError) else str(exc)
-        name = cause.split('"')[1] if cause.count('"') >= 2 else ""
-        key = client_key(name) if name in settings.kafka.client else "kafka.client"
-        raise ConfigError(key, f"librdkafka refuses it: {cause}") from None
 
 
 # --- advice ------------------------------------------------------------------------------
