@@ -98,9 +98,10 @@ def _open(config: Path, group: str | None = None) -> tuple[Settings, DeadLetterT
     """Settings from the config file and the deployment's view of the table (`group`, or
     the config's group id), checked to exist and answer."""
     from triage_proxy.config.settings import load_settings
+    from triage_proxy.store.aws import read_secret
     from triage_proxy.store.query import DeadLetterTable
 
-    settings = load_settings(config)
+    settings = load_settings(config, fetch_secret=read_secret)
     table = DeadLetterTable(settings.dead_letters, group=group or settings.kafka.group_id)
     try:
         table.check()
@@ -551,13 +552,14 @@ def _spark_replay(
     import importlib.util
 
     from triage_proxy.config.settings import load_settings
+    from triage_proxy.store.aws import read_secret
     from triage_replay import ReplayOptions, run_replay
 
     if importlib.util.find_spec("pyspark") is None:  # an extra: triage[spark]
         raise CommandFailed(
             ExitCode.BAD_INPUT, "--spark needs pyspark: pip install 'triage[spark]'"
         )
-    settings = load_settings(config)
+    settings = load_settings(config, fetch_secret=read_secret)
     options = ReplayOptions.from_settings(
         settings,
         filters=filters,

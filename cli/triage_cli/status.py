@@ -546,13 +546,14 @@ def status(
     from rich.console import Console
 
     from triage_proxy.config.settings import load_settings
+    from triage_proxy.store.aws import read_secret
 
     with exit_on_errors():
         if watch and json_:
             raise CommandFailed(ExitCode.BAD_INPUT, "--watch and --json do not go together")
         if target not in ("local", "aws"):
             raise CommandFailed(ExitCode.BAD_INPUT, "--target must be local or aws")
-        settings = load_settings(config)
+        settings = load_settings(config, fetch_secret=read_secret)
         hosts = None
         if target == "aws":
             from triage_cli.aws import fleet_hosts

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from triage_proxy.config.settings import KafkaSettings
+from triage_proxy.config.settings import KafkaSettings, settings_from_dict
 from triage_proxy.errors import BrokerUnavailable, ConfigError, UnavailableError
 from triage_proxy.kafka.errors import (
     client_config_errors,
@@ -25,6 +25,7 @@ from triage_proxy.kafka.errors import (
     kafka_warnings,
     opening_errors,
 )
+from triage_proxy.store.aws import read_secret
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,3 +124,111 @@ def test_a_refused_client_property_names_its_key() -> None:
     opening = r"opening t\[2\]: no broker"
     with pytest.raises(BrokerUnavailable, match=opening), opening_errors(settings, 2):
         raise KafkaException(KafkaError(KafkaError._TRANSPORT, "no broker"))
+
+
+# --- AWS: store/aws.py builds every client; config/ never reaches past it ----------------
+
+AWS_EDGE = "proxy/triage_proxy/store/aws.py"
+
+
+def test_only_the_aws_edge_builds_boto3_clients() -> None:
+    """No `import boto3` and no `.client(...)` / `Session(...)` call outside store/aws.py."""
+    found = []
+    for name, tree in python_files():
+        if name == AWS_EDGE:
+            continue
+        for node in ast.walk(tree):
+            imported = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            if any(m == "boto3" or m.startswith("boto3.") for m in imported):
+                found.append(f"{name}:{node.lineno} imports boto3")
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("client", "Session")
+            ):
+                found.append(f"{name}:{node.lineno} calls .{node.func.attr}()")
+    assert found == []
+
+
+def test_config_imports_neither_the_store_nor_boto3() -> None:
+    """Settings are data: config/ sits below store/ (function-local imports count too)."""
+    found = [
+        f"{name}:{node.lineno}"
+        for name, tree in python_files()
+        if name.startswith("proxy/triage_proxy/config/")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom | ast.Import)
+        for module in (
+            [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        )
+        if module.startswith(("triage_proxy.store", "boto3", "botocore"))
+    ]
+    assert found == []
+    assert {"boto3", "botocore"} & loaded_after_import("triage_proxy.config.settings") == set()
+
+
+def test_every_loader_call_is_given_the_secrets_fetcher() -> None:
+    """A config may reference "secret:NAME" anywhere it is loaded: a caller that forgot
+    the fetcher would fail only for the users who do."""
+    missing = [
+        f"{name}:{node.lineno}"
+        for name, tree in python_files()
+        if not name.startswith("proxy/triage_proxy/config/")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", getattr(node.func, "attr", "")) in LOADERS
+        and "fetch_secret" not in {k.arg for k in node.keywords}
+    ]
+    assert missing == []
+
+
+LOADERS = {"load_settings", "settings_from_dict"}
+
+
+def test_secret_references_resolve_through_the_injected_fetcher() -> None:
+    asked: list[tuple[str, str]] = []
+
+    def fetch(key: str, name: str) -> str:
+        asked.append((key, name))
+        return f"value-of-{name}"
+
+    raw = {
+        "kafka": {
+            "bootstrap_servers": "b:9092",
+            "topic": "t",
+            "group_id": "g",
+            "security_protocol": "SASL_SSL",
+            "sasl_mechanism": "PLAIN",
+            "sasl_username": "u",
+            "sasl_password": "secret:kafka/pw",
+        },
+        "auth": {"tokens": {"app": "secret:tokens/app", "ops": "env:OPS_TOKEN"}},
+        "dead_letters": {"table": "dl"},
+    }
+    settings = settings_from_dict(raw, {"OPS_TOKEN": "o" * 32}, fetch_secret=fetch)
+    assert settings.auth.active() == {"app": "value-of-tokens/app", "ops": "o" * 32}
+    assert asked == [("auth.tokens.app", "tokens/app")]  # Kafka's only when a client is built
+    assert settings.kafka.librdkafka_config()["sasl.password"] == "value-of-kafka/pw"
+    assert asked[-1] == ("kafka.sasl_password", "kafka/pw")
+    with pytest.raises(ConfigError, match="no Secrets Manager") as info:
+        settings_from_dict(raw, {"OPS_TOKEN": "o" * 32})
+    assert info.value.key == "auth.tokens.app"
+
+
+def test_a_missing_secret_is_a_config_error_naming_its_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """read_secret goes through the AWS edge: a refused call names the config key."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+    with pytest.raises(ConfigError, match="reading secret 'prod/pw' failed") as info:
+        read_secret("kafka.sasl_password", "prod/pw")
+    assert info.value.key == "kafka.sasl_password"

@@ -29,14 +29,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from triage_proxy.config.settings import (
-    Settings,
-    TlsSettings,
-    client_key,
-    is_secret_property,
-    resolve_secret,
-    secret_reference,
-)
+from triage_proxy.config.secrets import secret_reference
+from triage_proxy.config.settings import Settings, TlsSettings, client_key, is_secret_property
 from triage_proxy.errors import ConfigError
 
 
@@ -166,7 +160,7 @@ def check_secrets(settings: Settings, *, network: bool) -> None:
     for key, reference in references:
         kind, _ = secret_reference(reference) or ("", "")
         if kind == "env" or (kind == "secret" and network):
-            resolve_secret(key, reference)
+            settings.kafka.secrets(key, reference)
 
 
 # --- librdkafka --------------------------------------------------------------------------
