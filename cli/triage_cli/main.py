@@ -166,11 +166,15 @@ def dev(
 ) -> None:
     """Start a broker, a DynamoDB endpoint and one proxy per partition on this machine."""
     from triage_cli.devstack import DevStack
+    from triage_cli.embedded import missing_local_extra
 
     _setup_logging(verbose)
     if not verbose:
         logging.getLogger().setLevel(logging.WARNING)
     with exit_on_errors():
+        missing = missing_local_extra("triage dev")
+        if missing is not None:
+            raise CommandFailed(ExitCode.BAD_INPUT, missing)
         stack = DevStack(
             topic=topic, partitions=partitions, state_dir=state_dir, keep_state=keep_state
         )
