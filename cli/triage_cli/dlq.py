@@ -609,6 +609,18 @@ def _report_replay(result: Any, selected: int, json_: bool, replay_id: str | Non
     )
 
 
+def producer_config(settings: Settings) -> dict[str, Any]:
+    """The replay producer every tool shares (`kafka.producer`), on this config's broker;
+    a broker that does not answer fails the command in 10 s, quietly."""
+    from triage_proxy.kafka.producer import replay_producer_config
+
+    return {
+        **replay_producer_config(settings.kafka.librdkafka_config()),
+        "socket.connection.setup.timeout.ms": 10_000,
+        "logger": _quiet_kafka_logger(),
+    }
+
+
 def _producer(settings: Settings, to_topic: str | None, items: list[dict[str, Any]]) -> Any:
     """A confluent-kafka producer, after checking the broker answers and the targets exist."""
     from confluent_kafka import Producer
@@ -616,16 +628,7 @@ def _producer(settings: Settings, to_topic: str | None, items: list[dict[str, An
     from triage_proxy.kafka.errors import kafka_errors
     from triage_proxy.store.items import item_key
 
-    conf: dict[str, Any] = {
-        **settings.kafka.librdkafka_config(),
-        "acks": "all",
-        "linger.ms": 5,
-        "enable.idempotence": True,
-        "message.timeout.ms": 60_000,
-        "socket.connection.setup.timeout.ms": 10_000,
-        "logger": _quiet_kafka_logger(),
-    }
-    producer = Producer(conf)
+    producer = Producer(producer_config(settings))
     unreachable = f"cannot reach Kafka at {settings.kafka.bootstrap_servers}"
     with kafka_errors(unreachable, lambda why: CommandFailed(ExitCode.UNAVAILABLE, why)):
         metadata = producer.list_topics(timeout=10)
