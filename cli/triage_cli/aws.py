@@ -45,16 +45,23 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn
 from triage_cli.awsstack import LOG_RETENTION_DAYS, SERVICE_NAME, render
 from triage_proxy.config.ecs import ECS_ADDRESS_KINDS, ECS_TASK_DNS
 from triage_proxy.config.preflight import check_tls
+from triage_proxy.config.secrets import secret_reference
 from triage_proxy.config.settings import (
     DeadLetterSettings,
     Settings,
     load_settings,
-    resolve_secret,
-    secret_reference,
     settings_from_dict,
 )
 from triage_proxy.errors import ConfigError, DeployError, TriageError
-from triage_proxy.store.aws import ANY_CODE, TABLE_MISSING, aws_errors, dynamodb_client, s3_client
+from triage_proxy.store.aws import (
+    ANY_CODE,
+    TABLE_MISSING,
+    aws_client,
+    aws_errors,
+    dynamodb_client,
+    read_secret,
+    s3_client,
+)
 from triage_proxy.store.provisioning import (
     create_bucket,
     create_table,
@@ -66,6 +73,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+DEPLOY_TIMEOUT_S = 60.0
+"""Connect and read timeout of deploy's AWS calls (botocore's default)."""
+DEPLOY_ATTEMPTS = 5
+"""Attempts per deploy AWS call (botocore's default)."""
 STACK_TIMEOUT_S = 3600.0
 """Longest a create/update/delete may take before deploy gives up waiting (not the stack)."""
 POLL_INTERVAL_S = 2.0
@@ -98,11 +109,17 @@ class _Deployment:
     dead_letters: DeadLetterSettings
     """`dead_letters` without endpoint_url, so clients follow AWS_ENDPOINT_URL instead."""
 
-    def client(self, service: str) -> Any:
-        """A boto3 client: standard credentials, AWS_ENDPOINT_URL, the deployment's region."""
-        import boto3
-
-        return boto3.session.Session().client(service, region_name=self.region)  # type: ignore[call-overload]
+    def aws_client(self, service: str) -> Any:
+        """A boto3 client from the AWS edge: standard credentials, AWS_ENDPOINT_URL, the
+        deployment's region, and botocore's own timeouts and attempts (a stack call may
+        take long)."""
+        return aws_client(
+            service,
+            self.dead_letters,
+            connect_timeout_s=DEPLOY_TIMEOUT_S,
+            read_timeout_s=DEPLOY_TIMEOUT_S,
+            max_attempts=DEPLOY_ATTEMPTS,
+        )
 
     @property
     def token_prefix(self) -> str:
@@ -145,7 +162,7 @@ def stack_name(settings: Settings) -> str:
 
 
 def _load(config: Path) -> _Deployment:
-    settings = load_settings(config)
+    settings = load_settings(config, fetch_secret=read_secret)
     raw = tomllib.loads(config.read_text())
     name = stack_name(settings)
     if not re.fullmatch(r"[A-Za-z][A-Za-z0-9-]{0,127}", name):
@@ -325,7 +342,7 @@ def _create_bucket(dep: _Deployment) -> None:
 def _store_secrets(dep: _Deployment) -> _Secrets:
     """Put each active token, an env: Kafka password and the [tls] files in Secrets
     Manager. Values go only into SecretString; nothing here prints them."""
-    client = dep.client("secretsmanager")
+    client = dep.aws_client("secretsmanager")
     refs: dict[str, str] = {}
     arns: list[str] = []
     for name, value in sorted(dep.settings.auth.active().items()):
@@ -343,7 +360,7 @@ def _store_secrets(dep: _Deployment) -> _Secrets:
             arns.append(str(found["ARN"]))
             kafka_ref = password
         else:
-            value = resolve_secret("kafka.sasl_password", password)
+            value = dep.settings.kafka.secrets("kafka.sasl_password", password)
             arns.append(_put_secret(client, dep, dep.kafka_secret_name, value))
             kafka_ref = f"secret:{dep.kafka_secret_name}"
     tls = dep.settings.tls
@@ -425,7 +442,7 @@ def _container_config(
             f"{PARAMETER_LIMIT}-byte parameter limit; drop long kafka.client extras",
         )
     try:
-        settings_from_dict(tomllib.loads(text), env={})
+        settings_from_dict(tomllib.loads(text), env={}, fetch_secret=read_secret)
     except TriageError as exc:
         raise DeployError(f"the containers' config would not load: {exc}") from exc
     return text
@@ -435,7 +452,7 @@ def _network(dep: _Deployment) -> tuple[str, str, list[str]]:
     """(VPC id, its CIDR, subnets): aws.vpc_id / aws.subnet_ids, else the default VPC and
     its default subnets. The CIDR bounds who may reach the tasks' HTTP endpoint."""
     aws = dep.settings.aws
-    ec2 = dep.client("ec2")
+    ec2 = dep.aws_client("ec2")
     if aws.vpc_id is None:
         vpcs = _aws_call(
             "finding the default VPC",
@@ -483,7 +500,7 @@ def fleet_hosts(config: Path) -> list[str]:
     """The private IPv4 address of each running task of the deployment's service, where
     `triage status --target aws` asks `/status` (sorted; empty when none runs)."""
     dep = _load(config)
-    ecs = dep.client("ecs")
+    ecs = dep.aws_client("ecs")
     what = f"listing the tasks of {dep.stack}/{SERVICE_NAME}"
     pages = ecs.get_paginator("list_tasks").paginate(
         cluster=dep.stack, serviceName=SERVICE_NAME, desiredStatus="RUNNING"
@@ -533,7 +550,7 @@ def _stack_status(cfn: Any, stack: str) -> str | None:
 def _apply_stack(
     dep: _Deployment, body: str, parameters: Mapping[str, str], console: Console
 ) -> dict[str, str]:
-    cfn = dep.client("cloudformation")
+    cfn = dep.aws_client("cloudformation")
     params = [{"ParameterKey": k, "ParameterValue": v} for k, v in parameters.items()]
     tags = [
         {"Key": "triage:topic", "Value": dep.settings.kafka.topic},
@@ -645,7 +662,7 @@ def destroy_aws(config: Path, *, delete_data: bool, console: Console) -> None:
     """Delete the stack of `config` and wait; with `delete_data` also the dead-letter
     table, the overflow bucket (emptied first) and the secrets deploy created."""
     dep = _load(config)
-    cfn = dep.client("cloudformation")
+    cfn = dep.aws_client("cloudformation")
     if _stack_status(cfn, dep.stack) is None:
         console.print(f"no stack {dep.stack} in {dep.region}; nothing to delete")
     else:
@@ -712,7 +729,7 @@ def _empty_and_delete(client: S3Client, bucket: str) -> None:
 
 def _delete_secrets(dep: _Deployment) -> None:
     """Delete the secrets deploy created (never a "secret:NAME" the operator owns)."""
-    client = dep.client("secretsmanager")
+    client = dep.aws_client("secretsmanager")
     pages = client.get_paginator("list_secrets").paginate(
         Filters=[{"Key": "name", "Values": [f"{dep.stack}/"]}]
     )

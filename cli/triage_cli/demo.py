@@ -256,15 +256,10 @@ def wait_for_commits(
 
 
 def count_dead_letters(endpoint_url: str, table: str) -> int:
-    import boto3
+    from triage_proxy.config.settings import DeadLetterSettings
+    from triage_proxy.store.aws import dynamodb_client
 
-    client = boto3.client(
-        "dynamodb",
-        endpoint_url=endpoint_url,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    )
+    client = dynamodb_client(DeadLetterSettings(table=table, endpoint_url=endpoint_url))
     total = 0
     paginator = client.get_paginator("scan")
     pages = paginator.paginate(

@@ -192,10 +192,11 @@ def deploy_local(
     """`proxies`: fleet processes (0: default_proxies); None: pinned, one per partition."""
     from triage_proxy.config.settings import load_settings
     from triage_proxy.errors import ConfigError
+    from triage_proxy.store.aws import read_secret
     from triage_proxy.store.provisioning import create_bucket, create_table
 
     config = config.resolve()
-    settings = load_settings(config)
+    settings = load_settings(config, fetch_secret=read_secret)
     if settings.server.port == 0:
         raise ConfigError("server.port", "deploy needs a fixed base port (consumers dial it)")
     partitions = settings.kafka.partitions or _ask_partitions(settings)
@@ -483,6 +484,7 @@ def _print_deployment(
 def destroy_local(config: Path, state_dir: Path | None) -> None:
     from triage_proxy.config.settings import load_settings
     from triage_proxy.errors import ConfigError
+    from triage_proxy.store.aws import read_secret
 
     config = config.resolve()
     project = ProjectDir.for_config(config, state_dir)
@@ -491,7 +493,7 @@ def destroy_local(config: Path, state_dir: Path | None) -> None:
         typer.echo(f"nothing deployed from {config} (no state in {project.root})")
         return
     try:
-        drain_s = load_settings(config).shutdown.drain_timeout_s
+        drain_s = load_settings(config, fetch_secret=read_secret).shutdown.drain_timeout_s
     except ConfigError:
         drain_s = FALLBACK_DRAIN_S  # a broken config must not keep processes alive
     stopped = _stop_local(project, str(config), drain_s)

@@ -153,8 +153,9 @@ class DevStack:
     def start_proxy(self, partition: int) -> subprocess.Popen[bytes]:
         """Start (or restart) the proxy process for `partition` and wait until it listens."""
         from triage_proxy.config.settings import load_settings
+        from triage_proxy.store.aws import read_secret
 
-        port = load_settings(self.config_path).server.port + partition
+        port = load_settings(self.config_path, fetch_secret=read_secret).server.port + partition
         log = open(self.state_dir / f"proxy-{partition}.log", "ab")  # noqa: SIM115
         with log:
             proc = subprocess.Popen(
@@ -221,10 +222,11 @@ class DevStack:
         `endpoint`, the one address a `Consumer` is given (any proxy answers Topology:
         here partition 0's, as the config advertises it)."""
         from triage_proxy.config.settings import load_settings
+        from triage_proxy.store.aws import read_secret
 
         endpoint = None
         if self.proxy_ports:
-            server = load_settings(self.config_path).server
+            server = load_settings(self.config_path, fetch_secret=read_secret).server
             endpoint = server.advertised_endpoint(0, self.proxy_ports[0])
         return {
             "bootstrap": self.broker.bootstrap,

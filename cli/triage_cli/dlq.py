@@ -98,9 +98,10 @@ def _open(config: Path, group: str | None = None) -> tuple[Settings, DeadLetterT
     """Settings from the config file and the deployment's view of the table (`group`, or
     the config's group id), checked to exist and answer."""
     from triage_proxy.config.settings import load_settings
+    from triage_proxy.store.aws import read_secret
     from triage_proxy.store.query import DeadLetterTable
 
-    settings = load_settings(config)
+    settings = load_settings(config, fetch_secret=read_secret)
     table = DeadLetterTable(settings.dead_letters, group=group or settings.kafka.group_id)
     try:
         table.check()
@@ -304,13 +305,16 @@ LEGACY_METADATA_TIMEOUT_S = 3.0
 def _partition_count(settings: Settings, topic: str) -> int:
     """The topic's partition count from the broker; 1 (partition 0 only) when it does not
     answer in LEGACY_METADATA_TIMEOUT_S (dlq works without a broker)."""
-    from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
+
+    from triage_proxy.errors import BrokerUnavailable
+    from triage_proxy.kafka.errors import kafka_errors
 
     config = {**settings.kafka.librdkafka_config(), "logger": _quiet_kafka_logger()}
     try:
-        meta = AdminClient(config).list_topics(topic, timeout=LEGACY_METADATA_TIMEOUT_S)
-    except KafkaException:
+        with kafka_errors(f"reading the metadata of {topic}"):
+            meta = AdminClient(config).list_topics(topic, timeout=LEGACY_METADATA_TIMEOUT_S)
+    except BrokerUnavailable:
         return 1
     found = meta.topics.get(topic)
     if found is None or found.error is not None or not found.partitions:
@@ -548,13 +552,14 @@ def _spark_replay(
     import importlib.util
 
     from triage_proxy.config.settings import load_settings
+    from triage_proxy.store.aws import read_secret
     from triage_replay import ReplayOptions, run_replay
 
     if importlib.util.find_spec("pyspark") is None:  # an extra: triage[spark]
         raise CommandFailed(
             ExitCode.BAD_INPUT, "--spark needs pyspark: pip install 'triage[spark]'"
         )
-    settings = load_settings(config)
+    settings = load_settings(config, fetch_secret=read_secret)
     options = ReplayOptions.from_settings(
         settings,
         filters=filters,
@@ -604,29 +609,29 @@ def _report_replay(result: Any, selected: int, json_: bool, replay_id: str | Non
     )
 
 
-def _producer(settings: Settings, to_topic: str | None, items: list[dict[str, Any]]) -> Any:
-    """A confluent-kafka producer, after checking the broker answers and the targets exist."""
-    from confluent_kafka import KafkaException, Producer
+def producer_config(settings: Settings) -> dict[str, Any]:
+    """The replay producer every tool shares (`kafka.producer`), on this config's broker;
+    a broker that does not answer fails the command in 10 s, quietly."""
+    from triage_proxy.kafka.producer import replay_producer_config
 
-    from triage_proxy.store.items import item_key
-
-    conf: dict[str, Any] = {
-        **settings.kafka.librdkafka_config(),
-        "acks": "all",
-        "linger.ms": 5,
-        "enable.idempotence": True,
-        "message.timeout.ms": 60_000,
+    return {
+        **replay_producer_config(settings.kafka.librdkafka_config()),
         "socket.connection.setup.timeout.ms": 10_000,
         "logger": _quiet_kafka_logger(),
     }
-    producer = Producer(conf)
-    try:
+
+
+def _producer(settings: Settings, to_topic: str | None, items: list[dict[str, Any]]) -> Any:
+    """A confluent-kafka producer, after checking the broker answers and the targets exist."""
+    from confluent_kafka import Producer
+
+    from triage_proxy.kafka.errors import kafka_errors
+    from triage_proxy.store.items import item_key
+
+    producer = Producer(producer_config(settings))
+    unreachable = f"cannot reach Kafka at {settings.kafka.bootstrap_servers}"
+    with kafka_errors(unreachable, lambda why: CommandFailed(ExitCode.UNAVAILABLE, why)):
         metadata = producer.list_topics(timeout=10)
-    except KafkaException as exc:
-        raise CommandFailed(
-            ExitCode.UNAVAILABLE,
-            f"cannot reach Kafka at {settings.kafka.bootstrap_servers}: {exc}",
-        ) from None
     wanted = {to_topic} if to_topic else {item_key(i)[0] for i in items}
     missing = sorted(t for t in wanted if t not in metadata.topics)
     if missing:

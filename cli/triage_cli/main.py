@@ -100,6 +100,7 @@ def proxy(
     from triage_proxy.config.preflight import file_warnings, preflight
     from triage_proxy.config.settings import load_settings
     from triage_proxy.gctuning import freeze_when_ready, set_collection_policy
+    from triage_proxy.store.aws import read_secret
 
     _setup_logging(verbose)
     with exit_on_errors():
@@ -107,7 +108,7 @@ def proxy(
         if pins is not None and pins[0] < 0:
             raise CommandFailed(ExitCode.BAD_INPUT, "--partition must be >= 0")
         offset = slot if slot is not None else (pins[0] if pins else 0)
-        settings = load_settings(config)
+        settings = load_settings(config, fetch_secret=read_secret)
         if port is not None:
             server = dataclasses.replace(settings.server, port=port - offset if port else 0)
             settings = dataclasses.replace(settings, server=server)
@@ -126,7 +127,10 @@ def proxy(
 
         async def main() -> None:
             runner = Proxy(
-                settings, pins, slot=slot, auth_source=lambda: load_settings(config).auth
+                settings,
+                pins,
+                slot=slot,
+                auth_source=lambda: load_settings(config, fetch_secret=read_secret).auth,
             )
             loop = asyncio.get_running_loop()
             loop.add_signal_handler(signal.SIGHUP, runner.reload_auth)
@@ -162,11 +166,15 @@ def dev(
 ) -> None:
     """Start a broker, a DynamoDB endpoint and one proxy per partition on this machine."""
     from triage_cli.devstack import DevStack
+    from triage_cli.embedded import missing_local_extra
 
     _setup_logging(verbose)
     if not verbose:
         logging.getLogger().setLevel(logging.WARNING)
     with exit_on_errors():
+        missing = missing_local_extra("triage dev")
+        if missing is not None:
+            raise CommandFailed(ExitCode.BAD_INPUT, missing)
         stack = DevStack(
             topic=topic, partitions=partitions, state_dir=state_dir, keep_state=keep_state
         )

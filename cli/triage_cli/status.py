@@ -225,23 +225,27 @@ class Sources:
         return count_partitions(self._consumer, self.settings.kafka.topic, BROKER_TIMEOUT_S)
 
     def broker(self, partitions: int) -> BrokerView:
-        from confluent_kafka import KafkaException, TopicPartition
+        from confluent_kafka import TopicPartition
+
+        from triage_proxy.errors import BrokerUnavailable
+        from triage_proxy.kafka.errors import kafka_errors
 
         topic = self.settings.kafka.topic
         tps = [TopicPartition(topic, p) for p in range(partitions)]
+        low: dict[int, int] = {}
+        high: dict[int, int] = {}
         try:
-            committed = {
-                tp.partition: tp.offset if tp.offset >= 0 else None
-                for tp in self._consumer.committed(tps, timeout=BROKER_TIMEOUT_S)
-            }
-            low: dict[int, int] = {}
-            high: dict[int, int] = {}
-            for tp in tps:
-                low[tp.partition], high[tp.partition] = self._consumer.get_watermark_offsets(
-                    tp, timeout=BROKER_TIMEOUT_S, cached=False
-                )
-        except KafkaException as exc:
-            return BrokerView(error=f"broker unreachable: {exc.args[0] if exc.args else exc}")
+            with kafka_errors("broker unreachable"):
+                committed = {
+                    tp.partition: tp.offset if tp.offset >= 0 else None
+                    for tp in self._consumer.committed(tps, timeout=BROKER_TIMEOUT_S)
+                }
+                for tp in tps:
+                    low[tp.partition], high[tp.partition] = self._consumer.get_watermark_offsets(
+                        tp, timeout=BROKER_TIMEOUT_S, cached=False
+                    )
+        except BrokerUnavailable as exc:
+            return BrokerView(error=str(exc))
         return BrokerView(committed=committed, low=low, high=high)
 
     def proxy_url(self, partition: int) -> str | None:
@@ -542,13 +546,14 @@ def status(
     from rich.console import Console
 
     from triage_proxy.config.settings import load_settings
+    from triage_proxy.store.aws import read_secret
 
     with exit_on_errors():
         if watch and json_:
             raise CommandFailed(ExitCode.BAD_INPUT, "--watch and --json do not go together")
         if target not in ("local", "aws"):
             raise CommandFailed(ExitCode.BAD_INPUT, "--target must be local or aws")
-        settings = load_settings(config)
+        settings = load_settings(config, fetch_secret=read_secret)
         hosts = None
         if target == "aws":
             from triage_cli.aws import fleet_hosts

@@ -459,8 +459,9 @@ def run_supervisor(
     """Body of `triage supervise`: SIGTERM/SIGINT stop it gracefully, SIGHUP is ignored
     (it outlives the terminal that deployed it)."""
     from triage_proxy.config.settings import load_settings
+    from triage_proxy.store.aws import read_secret
 
-    settings = load_settings(config)
+    settings = load_settings(config, fetch_secret=read_secret)
     supervisor = Supervisor(config, project, settings, partitions, proxies=proxies)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     with on_stop_signals(supervisor.stop):

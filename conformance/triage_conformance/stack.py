@@ -84,13 +84,14 @@ class Stack:
         from confluent_kafka import Consumer
 
         from triage_proxy.config.settings import load_settings
+        from triage_proxy.store.aws import read_secret
         from triage_proxy.store.query import DeadLetterTable
 
         self._dev.start()
         self._watcher = Consumer(
             {"bootstrap.servers": self._dev.broker.bootstrap, "group.id": self._dev.group_id}
         )
-        settings = load_settings(self._dev.config_path)
+        settings = load_settings(self._dev.config_path, fetch_secret=read_secret)
         self._table = DeadLetterTable(settings.dead_letters, group=settings.kafka.group_id)
 
     def stop(self) -> None:

@@ -22,16 +22,13 @@
                                      refused a call or a stack failed; read why, fix, rerun
 
 confluent-kafka and botocore exceptions are translated into these at the adapter edge
-(`kafka/client.py`; `store/aws.py`'s `aws_errors` for botocore) with `raise ... from`;
-`grpc_status` maps them to the gRPC status a client sees, and `grpc_trailers` to the
-trailing metadata that goes with it, in one place (the service ends calls through them).
+with `raise ... from`: `kafka/errors.py`'s `kafka_errors` for librdkafka, `store/aws.py`'s
+`aws_errors` for botocore. `server/status.py` maps them to the gRPC status a client sees
+(the service ends calls through it). This module imports neither grpc nor a client
+library: the CLI and the Spark executors share it.
 """
 
 from __future__ import annotations
-
-import grpc
-
-from triage_protocol.constants import OWNER_ENDPOINT_METADATA
 
 
 class TriageError(Exception):
@@ -118,23 +115,3 @@ class StateError(TriageError):
 class DeployError(TriageError):
     """A deployment step failed (an AWS call refused, a stack rolled back); rerunning the
     command after fixing the cause continues where it stopped."""
-
-
-def grpc_status(exc: BaseException) -> grpc.StatusCode:
-    """Map an error to the gRPC status a client sees; the one place that does."""
-    if isinstance(exc, AuthError):
-        return grpc.StatusCode.UNAUTHENTICATED
-    if isinstance(exc, FrameError):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, PartitionNotServed):
-        return grpc.StatusCode.FAILED_PRECONDITION
-    if isinstance(exc, UnavailableError):
-        return grpc.StatusCode.UNAVAILABLE
-    return grpc.StatusCode.INTERNAL
-
-
-def grpc_trailers(exc: BaseException) -> tuple[tuple[str, str], ...]:
-    """The trailing metadata that goes with `grpc_status(exc)`; empty for most errors."""
-    if isinstance(exc, PartitionNotServed) and exc.owner_endpoint:
-        return ((OWNER_ENDPOINT_METADATA, exc.owner_endpoint),)
-    return ()

@@ -75,6 +75,7 @@ from typing import TYPE_CHECKING
 from triage_proxy.config.settings import DEFAULT_REGION, DeadLetterSettings, load_settings
 from triage_proxy.errors import ConfigError, TriageError, UnavailableError
 from triage_proxy.exitcodes import ExitCode, exit_code_for
+from triage_proxy.store.aws import read_secret
 from triage_proxy.store.items import STATUSES
 from triage_proxy.store.query import DeadLetterTable, Filters, parse_time
 from triage_proxy.store.replay import new_replay_id
@@ -424,7 +425,9 @@ def options_from_args(args: argparse.Namespace) -> ReplayOptions:
             fields["bootstrap"] = args.bootstrap
         if args.group:
             fields["group"] = args.group
-        options = ReplayOptions.from_settings(load_settings(args.config), **fields)
+        options = ReplayOptions.from_settings(
+            load_settings(args.config, fetch_secret=read_secret), **fields
+        )
         return replace(options, kafka_config={**options.kafka_config, **extra})
     if not args.table:
         raise ValueError("give --config FILE or --table")

@@ -17,6 +17,7 @@ from typing import Any
 
 from triage_proxy.config.settings import DeadLetterSettings, Settings
 from triage_proxy.errors import ConfigError
+from triage_proxy.kafka.producer import REPLAY_DELIVERY_TIMEOUT_S
 from triage_proxy.store.items import check_group
 from triage_proxy.store.query import Filters
 from triage_proxy.store.replay import DEFAULT_CLAIM_LEASE_S
@@ -27,7 +28,7 @@ DEFAULT_WRITE_CONCURRENCY = 8
 """Conditional UpdateItem calls in flight per task."""
 MAX_WRITE_CONCURRENCY = 10
 """botocore's connection pool per client: more calls in flight would only queue."""
-DEFAULT_DELIVERY_TIMEOUT_S = 60.0
+DEFAULT_DELIVERY_TIMEOUT_S = REPLAY_DELIVERY_TIMEOUT_S
 """How long a produced message may take to be acknowledged (librdkafka message.timeout.ms)."""
 MAX_SEGMENTS = 1_000_000
 """DynamoDB's limit on TotalSegments."""

@@ -41,6 +41,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.kafka.producer import replay_producer_config
 from triage_proxy.store.aws import dynamodb_client
 from triage_proxy.store.query import TABLE_ATTEMPTS, DeadLetterTable
 from triage_proxy.store.replay import Outcome, Producer, Replayer, ReplayResult
@@ -289,16 +290,10 @@ class SegmentReplayer:
         return producer if fault is None else _FaultyProducer(producer, fault)
 
     def _producer_config(self) -> dict[str, Any]:
-        job = self._job
-        assert job.options.bootstrap is not None
-        return {
-            "bootstrap.servers": job.options.bootstrap,
-            "enable.idempotence": True,  # librdkafka's own retries never duplicate
-            "linger.ms": 5,
-            "message.timeout.ms": int(job.options.delivery_timeout_s * 1000),
-            "partitioner": "murmur2_random",  # the Java client's choice, for --to-topic
-            **dict(job.options.kafka_config),
-        }
+        options = self._job.options
+        assert options.bootstrap is not None
+        connection = {**options.kafka_config, "bootstrap.servers": options.bootstrap}
+        return replay_producer_config(connection, delivery_timeout_s=options.delivery_timeout_s)
 
     def _replay_chunk(self, replayer: Replayer, chunk: Sequence[Mapping[str, Any]]) -> None:
         """The shared routine on one chunk; its outcomes are counted even when it raises."""

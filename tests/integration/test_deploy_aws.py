@@ -45,6 +45,7 @@ from triage_protocol import triage_pb2_grpc as pb_grpc
 from triage_proxy.config.ecs import METADATA_ENV
 from triage_proxy.config.settings import load_settings, settings_from_dict
 from triage_proxy.errors import ConfigError, DeployError
+from triage_proxy.store.aws import read_secret
 
 pytestmark = pytest.mark.integration
 
@@ -235,7 +236,7 @@ def test_deploy_creates_data_secrets_and_stack_then_destroy_keeps_data(
         assert secret not in container
         assert secret not in out.getvalue()
         assert secret not in caplog.text
-    loaded = settings_from_dict(tomllib.loads(container), env={})
+    loaded = settings_from_dict(tomllib.loads(container), env={}, fetch_secret=read_secret)
     assert loaded.auth.active() == TOKENS
     assert loaded.server.host == "0.0.0.0"
     assert loaded.server.http_host == "0.0.0.0"  # `triage status --target aws`, VPC only

@@ -10,10 +10,14 @@ its real producer, and must leave identical item states (status, claim, replay c
 - a produce reports an error librdkafka does not name as "not sent": the claim is kept
   (the copy is in fact in Kafka), and a rerun leaves it alone;
 - the process dies between a confirmed delivery and the mark (in a child process): the
-  marked chunk stays replayed, the delivered chunk stays claimed, the rest untouched.
+  marked chunk stays replayed, the delivered chunk stays claimed, the rest untouched;
 
-The CLI side is `table.replay.replay` (what `triage dlq replay` runs); the Spark side is
-`SegmentReplayer` run in this process (no Spark needed to run one segment).
+and with `--to-topic`, a key lands on the same partition from either path (the Java
+client's, `kafka.producer.replay_producer_config`).
+
+The CLI side is `store.replay.replay` with `triage dlq replay`'s producer configuration
+(`triage_cli.dlq.producer_config`); the Spark side is `SegmentReplayer` run in this
+process (no Spark needed to run one segment), which configures its own producer.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from confluent_kafka import KafkaError, Producer
 
 from tests.integration.harness import create_topic
 from tests.samples import GROUP
-from triage_proxy.config.settings import DeadLetterSettings
-from triage_proxy.store.deadletter_store import DynamoDBStore
+from triage_cli.dlq import producer_config
+from triage_proxy.config.settings import DeadLetterSettings, settings_from_dict
+from triage_proxy.store.deadletter_store import MAX_BATCH, DynamoDBStore
 from triage_proxy.store.provisioning import create_table
 from triage_proxy.store.query import DeadLetterTable, Filters
 from triage_proxy.store.replay import REPLAY_OF_HEADER, new_replay_id, replay
@@ -177,20 +182,30 @@ def fault(name: str) -> Callable[[Any], Any]:
 
 
 def cli_producer_config(bootstrap: str) -> dict[str, Any]:
-    """What `triage dlq replay` configures (triage_cli.dlq._producer), broker aside."""
-    return {
-        "bootstrap.servers": bootstrap,
-        "acks": "all",
-        "linger.ms": 5,
-        "enable.idempotence": True,
-        "message.timeout.ms": 60_000,
+    """What `triage dlq replay` configures, for a config naming `bootstrap`."""
+    raw = {
+        "kafka": {"bootstrap_servers": bootstrap, "topic": "t", "group_id": GROUP},
+        "auth": {"token": "parity-test-token-0123"},
+        "dead_letters": {"table": "unused"},
     }
+    return producer_config(settings_from_dict(raw, {}, fetch_secret=no_secrets))
+
+
+def no_secrets(key: str, name: str) -> str:
+    raise AssertionError(f"{key} references secret {name}: not in these tests")
 
 
 def run_path(
-    path: str, settings: DeadLetterSettings, bootstrap: str, topic: str, wrap: Callable[[Any], Any]
+    path: str,
+    settings: DeadLetterSettings,
+    bootstrap: str,
+    topic: str,
+    wrap: Callable[[Any], Any],
+    to_topic: str | None = None,
+    chunk: int = CHUNK,
 ) -> Counts:
-    """Replay every dead letter of `topic` the way `path` does, through `wrap`'s producer."""
+    """Replay every dead letter of `topic` the way `path` does, through `wrap`'s producer
+    (to `to_topic` when given)."""
     make_producer: MakeProducer = lambda config: wrap(Producer(config))  # noqa: E731
     if path == "cli":
         with DeadLetterTable(settings, group=GROUP) as table:
@@ -203,11 +218,17 @@ def run_path(
                 make_producer(cli_producer_config(bootstrap)),
                 items,
                 replay_id=new_replay_id(),
-                chunk=CHUNK,
+                to_topic=to_topic,
+                chunk=chunk,
             )
         return (len(result.replayed), len(result.skipped), len(result.failed), len(result.in_doubt))
     options = ReplayOptions(
-        settings, bootstrap=bootstrap, filters=Filters(topic=topic), chunk_size=CHUNK, group=GROUP
+        settings,
+        bootstrap=bootstrap,
+        filters=Filters(topic=topic),
+        chunk_size=chunk,
+        group=GROUP,
+        to_topic=to_topic,
     )
     job = SegmentJob(options, total_segments=1, replay_id=new_replay_id())
     counts = SegmentReplayer(job, 0, make_producer=make_producer).run()
@@ -242,8 +263,10 @@ def settings(aws: EmbeddedAWS, unique_name: str) -> DeadLetterSettings:
     return made
 
 
-def dead_letters(settings: DeadLetterSettings, bootstrap: str, topic: str) -> None:
-    """A fresh one-partition topic and ITEMS pending dead letters from it."""
+def dead_letters(
+    settings: DeadLetterSettings, bootstrap: str, topic: str, items: int = ITEMS
+) -> None:
+    """A fresh one-partition topic and `items` pending dead letters from it (key k<offset>)."""
     create_topic(bootstrap, topic)
     dls = [
         DeadLetter(
@@ -253,10 +276,11 @@ def dead_letters(settings: DeadLetterSettings, bootstrap: str, topic: str) -> No
             "w",
             5000,
         )
-        for o in range(ITEMS)
+        for o in range(items)
     ]
     with DynamoDBStore(settings, group=GROUP) as store:
-        assert store.put_batch(dls) == []
+        for start in range(0, items, MAX_BATCH):
+            assert store.put_batch(dls[start : start + MAX_BATCH]) == []
 
 
 def states(settings: DeadLetterSettings, topic: str) -> dict[int, State]:
@@ -339,3 +363,64 @@ def test_crash_between_produce_and_mark(
         o: REPLAYED if o < CHUNK else CLAIMED if o < 2 * CHUNK else PENDING for o in range(ITEMS)
     }
     assert found["cli"] == found["spark"] == expected
+
+
+# --- partitioning ---------------------------------------------------------------------
+
+KEYS = 1000
+TARGET_PARTITIONS = 6
+
+
+def java_partition(key: bytes, partitions: int) -> int:
+    """The partition the Java client's default partitioner picks for `key`: murmur2 (Kafka's
+    `Utils.murmur2`), made positive, modulo the partition count."""
+    m, length = 0x5BD1E995, len(key)
+    h = (0x9747B28C ^ length) & 0xFFFFFFFF
+    whole = length - length % 4
+    for i in range(0, whole, 4):
+        k = int.from_bytes(key[i : i + 4], "little") * m & 0xFFFFFFFF
+        k = (k ^ (k >> 24)) * m & 0xFFFFFFFF
+        h = (h * m & 0xFFFFFFFF) ^ k
+    tail = key[whole:]
+    if len(tail) == 3:
+        h ^= tail[2] << 16
+    if len(tail) >= 2:
+        h ^= tail[1] << 8
+    if tail:
+        h = (h ^ tail[0]) * m & 0xFFFFFFFF
+    h = (h ^ (h >> 13)) * m & 0xFFFFFFFF
+    h ^= h >> 15
+    return (h & 0x7FFFFFFF) % partitions
+
+
+def test_java_partition_matches_kafkas_own_vectors() -> None:
+    """Kafka's UtilsTest.testMurmur2 values, so the check below checks against Java."""
+    expected = {b"21": -973932308, b"foobar": -790332482, b"a-little-bit-long-string": -985981536}
+    for key, signed in expected.items():
+        assert java_partition(key, 2**31 - 1) == (signed & 0x7FFFFFFF) % (2**31 - 1)
+
+
+def test_a_key_lands_on_one_partition_from_either_tool(
+    settings: DeadLetterSettings, broker: EmbeddedBroker, unique_name: str
+) -> None:
+    """1,000 dead letters replayed --to-topic by each path (a topic of several partitions
+    each): every key lands on the same partition from both, the Java client's."""
+    target: dict[str, dict[int, int]] = {}
+    for path in PATHS:
+        source, to_topic = f"{unique_name}-{path}", f"{unique_name}-{path}-to"
+        dead_letters(settings, broker.bootstrap, source, items=KEYS)
+        create_topic(broker.bootstrap, to_topic, partitions=TARGET_PARTITIONS)
+        counts = run_path(
+            path, settings, broker.bootstrap, source, Passthrough, to_topic=to_topic, chunk=500
+        )
+        assert counts == (KEYS, 0, 0, 0), path
+        with DeadLetterTable(settings, group=GROUP) as table:
+            target[path] = {
+                int(item["offset"]["N"]): int(item["replayed_to"]["S"].split("/")[1])
+                for item in table.scan(Filters(topic=source), consistent=True)
+            }
+    assert len(target["cli"]) == KEYS
+    assert target["cli"] == target["spark"]
+    java = {o: java_partition(b"k%d" % o, TARGET_PARTITIONS) for o in range(KEYS)}
+    assert target["cli"] == java
+    assert set(java.values()) == set(range(TARGET_PARTITIONS))

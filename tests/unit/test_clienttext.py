@@ -22,10 +22,11 @@ from triage_proxy.clienttext import (
 )
 from triage_proxy.config.settings import DeadLetterSettings, Settings, settings_from_dict
 from triage_proxy.deadletters.writer import DeadLetterWriter
-from triage_proxy.errors import FrameError, grpc_status
+from triage_proxy.errors import FrameError
 from triage_proxy.pipeline.dispatcher import Dispatcher
 from triage_proxy.pipeline.tracker import CommitTracker
 from triage_proxy.server.service import _hello
+from triage_proxy.server.status import grpc_status
 from triage_proxy.store.deadletter_store import MemoryStore
 from triage_proxy.store.items import MAX_ITEM_BYTES, PAYLOAD_S3_ATTR, item_size
 from triage_proxy.structs import DeadLetter, Record

@@ -10,8 +10,9 @@ import trustme
 
 from triage_client import Consumer
 from triage_proxy.config.settings import TlsSettings, settings_from_dict
-from triage_proxy.errors import AuthError, ConfigError, FrameError, ShuttingDown, grpc_status
+from triage_proxy.errors import AuthError, ConfigError, FrameError, ShuttingDown
 from triage_proxy.server.service import TokenInterceptor, server_credentials
+from triage_proxy.server.status import grpc_status
 
 BASE = {
     "kafka": {"bootstrap_servers": "b", "topic": "t", "group_id": "g"},

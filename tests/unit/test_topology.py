@@ -17,15 +17,10 @@ from triage_protocol import triage_pb2_grpc as pb_grpc
 from triage_protocol.constants import OWNER_ENDPOINT_METADATA
 from triage_proxy.app import Proxy
 from triage_proxy.config.settings import OwnershipSettings, Settings, settings_from_dict
-from triage_proxy.errors import (
-    BrokerUnavailable,
-    ConfigError,
-    PartitionNotServed,
-    grpc_status,
-    grpc_trailers,
-)
+from triage_proxy.errors import BrokerUnavailable, ConfigError, PartitionNotServed
 from triage_proxy.kafka.client import MemoryPartition
 from triage_proxy.pipeline.ownership import Ownership, wall_ms
+from triage_proxy.server.status import grpc_status, grpc_trailers
 from triage_proxy.server.topology import (
     COUNT_RETRY_S,
     COUNT_TTL_S,

@@ -29,14 +29,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from triage_proxy.config.settings import (
-    Settings,
-    TlsSettings,
-    client_key,
-    is_secret_property,
-    resolve_secret,
-    secret_reference,
-)
+from triage_proxy.config.secrets import secret_reference
+from triage_proxy.config.settings import Settings, TlsSettings, client_key, is_secret_property
 from triage_proxy.errors import ConfigError
 
 
@@ -166,7 +160,7 @@ def check_secrets(settings: Settings, *, network: bool) -> None:
     for key, reference in references:
         kind, _ = secret_reference(reference) or ("", "")
         if kind == "env" or (kind == "secret" and network):
-            resolve_secret(key, reference)
+            settings.kafka.secrets(key, reference)
 
 
 # --- librdkafka --------------------------------------------------------------------------
@@ -177,8 +171,9 @@ def check_librdkafka(settings: Settings) -> None:
     and closed at once; it sends nothing that matters before it is closed)."""
     if not settings.kafka.client:
         return
-    from confluent_kafka import Consumer, KafkaError, KafkaException
+    from confluent_kafka import Consumer
 
+    from triage_proxy.kafka.errors import client_config_errors
     from triage_proxy.kafka.logs import KafkaLog
 
     config: dict[str, Any] = {
@@ -192,14 +187,8 @@ def check_librdkafka(settings: Settings) -> None:
             **KafkaLog(settings.kafka.topic, quiet=True).config(),
         }
     )
-    try:
+    with client_config_errors(settings.kafka.client):
         Consumer(config).close()
-    except KafkaException as exc:
-        err = exc.args[0] if exc.args else None
-        cause = err.str() if isinstance(err, KafkaError) else str(exc)
-        name = cause.split('"')[1] if cause.count('"') >= 2 else ""
-        key = client_key(name) if name in settings.kafka.client else "kafka.client"
-        raise ConfigError(key, f"librdkafka refuses it: {cause}") from None
 
 
 # --- advice ------------------------------------------------------------------------------

@@ -48,12 +48,13 @@ import socket
 import tomllib
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from triage_protocol.constants import UINT32_MAX
+from triage_proxy.config.secrets import SecretFetcher, SecretResolver, Secrets, secret_reference
 from triage_proxy.errors import ConfigError
 
 _T = TypeVar("_T")
@@ -220,6 +221,10 @@ def _duration(
     return _bounded(default, lo, MAX_DURATION_S, why=why)
 
 
+_NOT_A_KEY = types.MappingProxyType({"config_key": False})
+"""Field metadata of what the loader binds rather than reads from the file."""
+
+
 @dataclass(frozen=True)
 class KafkaSettings:
     bootstrap_servers: str
@@ -256,10 +261,13 @@ class KafkaSettings:
     client: Mapping[str, str | int | bool] = field(default_factory=dict)
     """Extra librdkafka properties, passed through; never one of RESERVED_CLIENT_PROPERTIES,
     and secrets (`is_secret_property`) only as references."""
+    secrets: Secrets = field(default=Secrets(), repr=False, compare=False, metadata=_NOT_A_KEY)
+    """How this process resolves the references above (bound by the loader; not a config
+    key): the environment, and Secrets Manager when the loader was given access."""
 
     def librdkafka_config(self, resolve: SecretResolver | None = None) -> dict[str, Any]:
         """Connection properties for a confluent-kafka client, secrets resolved now."""
-        resolve = resolve or resolve_secret
+        resolve = resolve or self.secrets
         # The extras first: what follows wins, even for a KafkaSettings the loader never saw.
         config: dict[str, Any] = {
             name: resolve(client_key(name), str(value)) if is_secret_property(name) else value
@@ -698,10 +706,6 @@ def url_problem(url: str) -> str | None:
     return None
 
 
-SecretResolver = Callable[[str, str], str]
-"""(config key, reference) -> secret value; raises ConfigError naming the key."""
-
-
 def client_key(name: str) -> str:
     """The config key of a `[kafka.client]` property, as TOML spells it."""
     return f'kafka.client."{name}"'
@@ -727,33 +731,6 @@ def _check_client(client: Mapping[str, str | int | bool]) -> None:
             )
 
 
-def secret_reference(value: str) -> tuple[str, str] | None:
-    """("env" | "secret", name) when `value` references a secret, else None."""
-    kind, _, name = value.partition(":")
-    return (kind, name) if kind in ("env", "secret") and name else None
-
-
-def resolve_secret(key: str, reference: str, env: Mapping[str, str] | None = None) -> str:
-    """Resolve "env:VAR" from the environment or "secret:NAME" from AWS Secrets Manager
-    (standard credential chain and AWS_ENDPOINT_URL); anything else is returned as is."""
-    kind, name = secret_reference(reference) or ("", "")
-    if kind == "env":
-        value = (os.environ if env is None else env).get(name)
-        if not value:
-            raise ConfigError(key, f"environment variable {name} is not set")
-        return value
-    if kind == "secret":
-        import boto3
-
-        from triage_proxy.store.aws import aws_errors
-
-        with aws_errors(f"reading secret {name!r}", lambda why: ConfigError(key, why)):
-            client = boto3.client("secretsmanager")
-            found = client.get_secret_value(SecretId=name)
-        return str(found["SecretString"])
-    return reference
-
-
 _SECTIONS: dict[str, type[Any]] = {
     "kafka": KafkaSettings,
     "server": ServerSettings,
@@ -771,19 +748,34 @@ _SECTIONS: dict[str, type[Any]] = {
 }
 
 
-def load_settings(path: str | Path, env: Mapping[str, str] | None = None) -> Settings:
-    """Read and validate a TOML config; every problem names the offending key."""
+def load_settings(
+    path: str | Path,
+    env: Mapping[str, str] | None = None,
+    *,
+    fetch_secret: SecretFetcher | None = None,
+) -> Settings:
+    """Read and validate a TOML config; every problem names the offending key.
+    `fetch_secret` reads "secret:NAME" references (`store.aws.read_secret`; without it
+    such a reference is a ConfigError when resolved)."""
     try:
         raw = tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ConfigError("<file>", f"{path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("<file>", f"{path} is not valid TOML: {exc}") from None
-    return settings_from_dict(raw, os.environ if env is None else env)
+    return settings_from_dict(raw, os.environ if env is None else env, fetch_secret=fetch_secret)
 
 
-def settings_from_dict(raw: Mapping[str, Any], env: Mapping[str, str]) -> Settings:
-    """Build Settings from parsed TOML, resolving `auth.token_env` through `env`."""
+def settings_from_dict(
+    raw: Mapping[str, Any],
+    env: Mapping[str, str],
+    *,
+    fetch_secret: SecretFetcher | None = None,
+) -> Settings:
+    """Build Settings from parsed TOML, resolving `auth.token_env` through `env` and the
+    tokens' references through `env` and `fetch_secret`. Kafka's references resolve when
+    a client is built: from the process environment then, and through `fetch_secret`."""
+    secrets = Secrets(env, fetch_secret)
     for name in raw:
         if name not in _SECTIONS:
             raise ConfigError(name, f"unknown section (known: {', '.join(_SECTIONS)})")
@@ -793,17 +785,20 @@ def settings_from_dict(raw: Mapping[str, Any], env: Mapping[str, str]) -> Settin
         if not isinstance(table, dict):
             raise ConfigError(name, "must be a table")
         if name == "auth":
-            table = _resolve_token(table, env)
+            table = _resolve_token(table, env, secrets)
         if name in raw or name in ("kafka", "auth", "dead_letters"):
             sections[name] = _build(name, cls, table)
+    sections["kafka"] = dataclasses.replace(sections["kafka"], secrets=Secrets(None, fetch_secret))
     return Settings(**sections)
 
 
-def _resolve_token(table: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+def _resolve_token(
+    table: dict[str, Any], env: Mapping[str, str], secrets: Secrets
+) -> dict[str, Any]:
     table = dict(table)
     var = table.pop("token_env", None)
     if var is None:
-        return _resolve_named_tokens(table, env)
+        return _resolve_named_tokens(table, secrets)
     if "token" in table:
         raise ConfigError("auth.token_env", "give either token or token_env, not both")
     if not isinstance(var, str):
@@ -811,24 +806,22 @@ def _resolve_token(table: dict[str, Any], env: Mapping[str, str]) -> dict[str, A
     if not env.get(var):
         raise ConfigError("auth.token_env", f"environment variable {var} is not set")
     table["token"] = env[var]
-    return _resolve_named_tokens(table, env)
+    return _resolve_named_tokens(table, secrets)
 
 
-def _resolve_named_tokens(table: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+def _resolve_named_tokens(table: dict[str, Any], secrets: Secrets) -> dict[str, Any]:
     tokens = table.get("tokens")
     if tokens is None:
         return table
     if not isinstance(tokens, dict) or not all(isinstance(v, str) for v in tokens.values()):
         raise ConfigError("auth.tokens", "must be a table of name = token strings")
-    resolved = {
-        name: resolve_secret(f"auth.tokens.{name}", value, env) for name, value in tokens.items()
-    }
+    resolved = {name: secrets(f"auth.tokens.{name}", value) for name, value in tokens.items()}
     return {**table, "tokens": resolved}
 
 
 def _build(section: str, cls: type[Any], table: Mapping[str, Any]) -> Any:
     hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls)}
+    known = {f.name: f for f in dataclasses.fields(cls) if f.metadata.get("config_key", True)}
     for key in table:
         if key not in known:
             raise ConfigError(f"{section}.{key}", f"unknown key (known: {', '.join(known)})")

@@ -55,12 +55,13 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from triage_proxy.config.settings import KafkaSettings
 from triage_proxy.errors import BrokerUnavailable, ConfigError
 from triage_proxy.kafka.client import PartitionLog, count_partitions
+from triage_proxy.kafka.errors import describe, kafka_errors, kafka_warnings
 from triage_proxy.kafka.jobs import ThreadJobs
 from triage_proxy.structs import Record
 
@@ -200,7 +201,7 @@ class Assignment:
             raise StateError("membership already started")
         self._loop = asyncio.get_running_loop()
         await asyncio.to_thread(check_group, self._settings)
-        try:
+        with kafka_errors(f"joining group {self._settings.group_id!r}"):
             consumer = Consumer(self._config())
             consumer.subscribe(
                 [self._settings.topic],
@@ -208,8 +209,6 @@ class Assignment:
                 on_revoke=self._on_revoke,
                 on_lost=self._on_lost,
             )
-        except KafkaException as exc:
-            raise BrokerUnavailable(f"joining group {self._settings.group_id!r}: {exc}") from exc
         self._consumer = consumer
         self._thread = threading.Thread(target=self._poll, name="membership", daemon=True)
         self._thread.start()
@@ -235,19 +234,15 @@ class Assignment:
     def _poll(self) -> None:
         consumer = self._consumer
         while not self._stopping.is_set():
-            try:
+            message = None
+            with kafka_warnings("group membership", log=logger):
                 message = consumer.poll(POLL_S)
-            except KafkaException as exc:
-                logger.warning("group membership: %s", exc)
-                message = None
             if message is not None and message.error() is not None:
-                logger.warning("group membership: %s", message.error().str())
+                logger.warning("group membership: %s", describe(message.error()))
             self._jobs.run()
         self._jobs.run()
-        try:
+        with kafka_warnings("leaving the group", log=logger):
             consumer.close()  # leaves the group
-        except KafkaException as exc:
-            logger.warning("leaving the group: %s", exc)
         for waiters in self._commits.values():
             for waiter in waiters:
                 if not waiter.done():
@@ -335,10 +330,8 @@ class Assignment:
             for key, waiters in list(self._commits.items()):  # forget the ones given up on
                 if all(w.done() for w in waiters):
                     del self._commits[key]
-            try:
+            with kafka_errors(f"commit of offset {offset} failed"):
                 self._consumer.commit(offsets=[tp], asynchronous=True)
-            except KafkaException as exc:
-                raise BrokerUnavailable(f"commit of offset {offset} failed: {exc}") from exc
             self._commits.setdefault((partition, offset), []).append(answer)
 
         self._call(send)
@@ -359,16 +352,15 @@ class Assignment:
                 if waiter.done():
                     continue
                 if error is not None:
-                    reason = error.str() if hasattr(error, "str") else str(error)
                     waiter.set_exception(
-                        BrokerUnavailable(f"commit of offset {tp.offset} failed: {reason}")
+                        BrokerUnavailable(f"commit of offset {tp.offset} failed: {describe(error)}")
                     )
                 else:
                     waiter.set_result(None)
 
 
 def _on_error(err: Any) -> None:
-    logger.warning("kafka (group membership): %s", err.str())
+    logger.warning("kafka (group membership): %s", describe(err))
 
 
 def check_group(settings: KafkaSettings) -> None:
@@ -376,15 +368,13 @@ def check_group(settings: KafkaSettings) -> None:
     the topic exists (what a fleet process checks before it joins)."""
     admin = AdminClient(settings.librdkafka_config())
     group = settings.group_id
+    what = f"cannot reach the group coordinator of group {group!r} ({settings.bootstrap_servers})"
     try:
-        futures = admin.describe_consumer_groups([group], request_timeout=COORDINATOR_TIMEOUT_S)
-        futures[group].result(COORDINATOR_TIMEOUT_S + 1)
-    except (KafkaException, concurrent.futures.TimeoutError) as exc:
-        reason = exc.args[0].str() if exc.args and hasattr(exc.args[0], "str") else str(exc)
-        raise BrokerUnavailable(
-            f"cannot reach the group coordinator of group {group!r} "
-            f"({settings.bootstrap_servers}): {reason}"
-        ) from exc
+        with kafka_errors(what):
+            futures = admin.describe_consumer_groups([group], request_timeout=COORDINATOR_TIMEOUT_S)
+            futures[group].result(COORDINATOR_TIMEOUT_S + 1)
+    except concurrent.futures.TimeoutError as exc:
+        raise BrokerUnavailable(f"{what}: no answer in {COORDINATOR_TIMEOUT_S + 1:g}s") from exc
     topic_partitions(settings, admin)
 
 
@@ -395,12 +385,8 @@ def topic_partitions(settings: KafkaSettings, admin: Any = None) -> int:
         return settings.partitions
     admin = admin or AdminClient(settings.librdkafka_config())
     topic = settings.topic
-    try:
+    with kafka_errors(f"reading the metadata of {topic} ({settings.bootstrap_servers})"):
         meta = admin.list_topics(topic, timeout=COORDINATOR_TIMEOUT_S)
-    except KafkaException as exc:
-        raise BrokerUnavailable(
-            f"reading the metadata of {topic} ({settings.bootstrap_servers}): {exc}"
-        ) from exc
     found = meta.topics.get(topic)
     if found is None or found.error is not None or not found.partitions:
         raise ConfigError("kafka.topic", f"the broker has no topic {topic!r}")

@@ -12,9 +12,10 @@ idle fetch holds back to back (see `SideHandle`). (The seed
 once saw a synchronous commit beside a blocking consume hang, together with
 pause()/resume(), which this adapter does not use; the fault suite and the integration
 tests run the commit beside the consume.) confluent-kafka exceptions become
-`BrokerUnavailable` here. A process that may serve several partitions reads them
-through one Consumer instead (reader.py: it pauses full partitions, and calls its
-Consumer from its one thread only; it shares this module's settings and errors).
+`BrokerUnavailable` through `kafka/errors.py`. A process that may serve several
+partitions reads them through one Consumer instead (reader.py: it pauses full
+partitions, and calls its Consumer from its one thread only; it shares this module's
+settings).
 
 Pausing: when the window is full the fetcher simply stops taking records. librdkafka's
 own prefetch queue is capped (`queued.min.messages`, `queued.max.messages.kbytes`), so
@@ -33,11 +34,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
-from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_INVALID, Consumer, TopicPartition
 
-from triage_proxy.config.settings import KafkaSettings, client_key
-from triage_proxy.errors import BrokerUnavailable, ConfigError, NotFoundError, TriageError
-from triage_proxy.kafka.logs import GONE_CODES, KafkaLog
+from triage_proxy.config.settings import KafkaSettings
+from triage_proxy.errors import BrokerUnavailable
+from triage_proxy.kafka.errors import kafka_errors, opening_errors
+from triage_proxy.kafka.logs import KafkaLog
 from triage_proxy.structs import Record
 
 logger = logging.getLogger(__name__)
@@ -114,11 +116,12 @@ class SideHandle:
     def log_end(self, partition: int) -> int:
         consumer = self._handle()
         try:
-            _low, high = consumer.get_watermark_offsets(
-                TopicPartition(self._topic, partition), timeout=WATERMARK_TIMEOUT_S, cached=False
-            )
-        except KafkaException as exc:
-            raise BrokerUnavailable("reading the log end offset") from exc
+            with kafka_errors("reading the log end offset"):
+                _low, high = consumer.get_watermark_offsets(
+                    TopicPartition(self._topic, partition),
+                    timeout=WATERMARK_TIMEOUT_S,
+                    cached=False,
+                )
         finally:
             consumer.poll(0)
         return int(high)
@@ -150,50 +153,46 @@ class ConfluentPartition:
         return consumer_config(self._settings)
 
     def open(self) -> tuple[int, str | None]:
-        metadata: str | None = None
-        side: SideHandle | None = None
         consumer: Any = None
-        try:
-            # The side handle first: reading the committed offset looks up the group
-            # coordinator, which its commits need (the first commit does not pay for it).
+        partition = self._tp.partition
+        # The side handle first: reading the committed offset looks up the group
+        # coordinator, which its commits need (the first commit does not pay for it).
+        with opening_errors(self._settings, partition):
             side = SideHandle(self._settings)
+        try:
+            start, metadata = self._position(side)
+            with opening_errors(self._settings, partition, side.consumer):
+                consumer = Consumer(self._config())
+                consumer.assign([TopicPartition(self._tp.topic, partition, start)])
+        except BaseException:
+            if consumer is not None:
+                consumer.close()
+            side.close()
+            raise
+        self._consumer, self._side = consumer, side
+        logger.info("assigned %s[%d] at offset %d", self._tp.topic, partition, start)
+        return start, metadata
+
+    def _position(self, side: SideHandle) -> tuple[int, str | None]:
+        """Where to start: the committed offset and its metadata, else the log start."""
+        with opening_errors(self._settings, self._tp.partition, side.consumer):
             committed = side.consumer.committed([self._tp], timeout=BROKER_TIMEOUT_S)[0]
             if committed.error:
                 raise BrokerUnavailable(f"reading committed offset: {committed.error}")
-            if committed.offset == OFFSET_INVALID or committed.offset < 0:
-                watermarks = side.consumer.get_watermark_offsets
-                low, _high = watermarks(self._tp, timeout=BROKER_TIMEOUT_S)
-                start = max(low, 0)
-            else:
-                start = committed.offset
-                metadata = committed.metadata
-            consumer = Consumer(self._config())
-            consumer.assign([TopicPartition(self._tp.topic, self._tp.partition, start)])
-        except KafkaException as exc:
-            error = self._open_error(exc, None if side is None else side.consumer)
-            if consumer is not None:
-                consumer.close()
-            if side is not None:
-                side.close()
-            raise error from exc
-        self._consumer, self._side = consumer, side
-        logger.info("assigned %s[%d] at offset %d", self._tp.topic, self._tp.partition, start)
-        return start, metadata
-
-    def _open_error(self, exc: KafkaException, consumer: Any) -> TriageError:
-        return open_error(self._settings, self._tp, exc, consumer)
+            if committed.offset != OFFSET_INVALID and committed.offset >= 0:
+                return committed.offset, committed.metadata
+            low, _high = side.consumer.get_watermark_offsets(self._tp, timeout=BROKER_TIMEOUT_S)
+            return max(low, 0), None
 
     def fetch(self, max_records: int) -> list[Record]:
         consumer = self._consumer
-        try:
+        with kafka_errors("fetch failed"):
             messages = consumer.consume(max_records, 0)
             if not messages:
                 # Idle partition: wait for one message, then take whatever else is queued.
                 messages = consumer.consume(1, FETCH_WAIT_S)
                 if messages and max_records > 1:
                     messages.extend(consumer.consume(max_records - 1, 0))
-        except KafkaException as exc:
-            raise BrokerUnavailable("fetch failed") from exc
         records = records_of(self._tp.topic, messages)
         if len(records) != len(messages):
             for m in messages:
@@ -254,26 +253,6 @@ def consumer_config(settings: KafkaSettings) -> dict[str, Any]:
     return {**settings.librdkafka_config(), **own}
 
 
-def open_error(
-    settings: KafkaSettings, tp: TopicPartition, exc: KafkaException, consumer: Any
-) -> TriageError:
-    """What made `open` fail, keeping librdkafka's cause: a property librdkafka
-    refuses is a ConfigError naming it; a topic or partition the broker does not have
-    is NotFoundError; anything else BrokerUnavailable (the broker may come back)."""
-    err = exc.args[0] if exc.args else None
-    cause = err.str() if isinstance(err, KafkaError) else str(exc)
-    where = f"{tp.topic}[{tp.partition}]"
-    if isinstance(err, KafkaError) and err.code() == KafkaError._INVALID_ARG:
-        name = cause.split('"')[1] if cause.count('"') >= 2 else ""
-        key = client_key(name) if name in settings.client else "kafka.client"
-        return ConfigError(key, f"librdkafka refuses it: {cause}")
-    if consumer is not None and isinstance(err, KafkaError) and err.code() in GONE_CODES:
-        missing = missing_reason(settings, tp, consumer)
-        if missing is not None:
-            return NotFoundError(f"cannot open {where}: {missing}")
-    return BrokerUnavailable(f"opening {where}: {cause}")
-
-
 def records_of(topic: str, messages: list[Any]) -> list[Record]:
     """`messages` as Records, leaving out those that carry an error (the caller looks at
     them only when the counts differ). One comprehension per batch, no per-message append
@@ -305,10 +284,8 @@ def commit_offset(
     tp = TopicPartition(topic, partition, offset)
     if metadata is not None:  # confluent-kafka refuses metadata=None
         tp = TopicPartition(topic, partition, offset, metadata=metadata)
-    try:
+    with kafka_errors(f"commit of offset {offset} failed"):
         result = consumer.commit(offsets=[tp], asynchronous=False)
-    except KafkaException as exc:
-        raise BrokerUnavailable(f"commit of offset {offset} failed") from exc
     if result and result[0].error:
         raise BrokerUnavailable(f"commit of offset {offset} failed: {result[0].error}")
 
@@ -316,30 +293,12 @@ def commit_offset(
 def count_partitions(consumer: Any, topic: str, timeout: float = WATERMARK_TIMEOUT_S) -> int:
     """How many partitions `topic` has, from the broker's metadata as `consumer` reads it
     (the pinned adapter, the reader, the group member and `triage status` all ask this way)."""
-    try:
+    with kafka_errors(f"reading the metadata of {topic}"):
         meta = consumer.list_topics(topic, timeout=timeout)
-    except KafkaException as exc:
-        raise BrokerUnavailable(f"reading the metadata of {topic}: {exc}") from exc
     found = meta.topics.get(topic)
     if found is None or found.error is not None or not found.partitions:
         raise BrokerUnavailable(f"the broker reported no partitions of {topic}")
     return len(found.partitions)
-
-
-def missing_reason(settings: KafkaSettings, tp: TopicPartition, consumer: Any) -> str | None:
-    """Why the broker's metadata has no such partition, or None if it does (or the
-    metadata cannot be read)."""
-    topic, partition = tp.topic, tp.partition
-    try:
-        meta = consumer.list_topics(topic, timeout=WATERMARK_TIMEOUT_S)
-    except KafkaException:
-        return None
-    found = meta.topics.get(topic)
-    if found is None or found.error is not None or not found.partitions:
-        return f"topic {topic!r} does not exist on {settings.bootstrap_servers}"
-    if partition not in found.partitions:
-        return f"topic {topic!r} has {len(found.partitions)} partition(s), not {partition}"
-    return None
 
 
 class KafkaThread:

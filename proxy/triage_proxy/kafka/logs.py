@@ -22,21 +22,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from confluent_kafka import KafkaError
-
+from triage_proxy.kafka.errors import describe, is_gone
 from triage_proxy.observe.logthrottle import LogThrottle
 
 logger = logging.getLogger(__name__)
 librdkafka_logger = logging.getLogger(f"{__name__}.librdkafka")
-
-GONE_CODES = frozenset(
-    {
-        KafkaError.UNKNOWN_TOPIC_OR_PART,
-        KafkaError._UNKNOWN_TOPIC,
-        KafkaError._UNKNOWN_PARTITION,
-    }
-)
-"""Error codes that mean the topic or partition does not exist (any more)."""
 
 
 class KafkaLog:
@@ -52,21 +42,21 @@ class KafkaLog:
         """The librdkafka properties that route a client's reports here."""
         return {"error_cb": self.on_error, "logger": self}
 
-    def on_error(self, err: KafkaError) -> None:
-        """librdkafka's `error_cb`: one line per error code per interval."""
+    def on_error(self, err: Any) -> None:
+        """librdkafka's `error_cb` (a KafkaError): one line per error code per interval."""
         code = err.code()
-        if code in GONE_CODES:
+        if is_gone(err):
             where = f"topic {self._topic!r}" if self._topic else "a topic"
             self._errors.log(
                 logging.ERROR,
                 code,
                 "kafka: %s is gone from the broker (deleted?): %s",
                 where,
-                err.str(),
+                describe(err),
             )
             return
         level = logging.DEBUG if self._quiet else logging.WARNING
-        self._errors.log(level, code, "kafka: %s", err.str())
+        self._errors.log(level, code, "kafka: %s", describe(err))
 
     def log(self, level: int, msg: str, *args: object) -> None:
         """What confluent-kafka calls for each librdkafka log line (`logger` property):

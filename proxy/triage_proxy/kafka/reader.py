@@ -51,7 +51,7 @@ from itertools import groupby
 from operator import itemgetter
 from typing import Any, TypeVar
 
-from confluent_kafka import OFFSET_INVALID, Consumer, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_INVALID, Consumer, TopicPartition
 
 from triage_proxy.config.settings import KafkaSettings
 from triage_proxy.errors import BrokerUnavailable, StateError
@@ -61,9 +61,9 @@ from triage_proxy.kafka.client import (
     PREFETCH_KBYTES,
     SideHandle,
     consumer_config,
-    open_error,
     records_of,
 )
+from triage_proxy.kafka.errors import kafka_errors, kafka_warnings, opening_errors
 from triage_proxy.kafka.jobs import ThreadJobs
 from triage_proxy.structs import Record
 
@@ -142,16 +142,14 @@ class Reader:
                 raise BrokerUnavailable("the Kafka reader has stopped")
             if self._thread is not None:
                 return
-            tp = TopicPartition(self._topic, 0)
-            try:
+            with opening_errors(self._settings, 0):
                 side = SideHandle(self._settings)
-            except KafkaException as exc:
-                raise open_error(self._settings, tp, exc, None) from exc
             try:
-                self._consumer = Consumer(consumer_config(self._settings))
-            except KafkaException as exc:
+                with opening_errors(self._settings, 0):
+                    self._consumer = Consumer(consumer_config(self._settings))
+            except BaseException:
                 side.close()
-                raise open_error(self._settings, tp, exc, None) from exc
+                raise
             self._side = side
             self._thread = threading.Thread(target=self._run, name="kafka-reader", daemon=True)
             self._thread.start()
@@ -230,22 +228,21 @@ class Reader:
                 self._wake.clear()
                 continue
             try:
-                messages = consumer.consume(CONSUME_BATCH, 0)
-                if not messages:
-                    messages = consumer.consume(1, FETCH_WAIT_S)
-                    if messages:
-                        messages.extend(consumer.consume(CONSUME_BATCH - 1, 0))
-            except KafkaException as exc:
-                self._fail_all(BrokerUnavailable(f"fetch failed: {exc}"))
+                with kafka_errors("fetch failed"):
+                    messages = consumer.consume(CONSUME_BATCH, 0)
+                    if not messages:
+                        messages = consumer.consume(1, FETCH_WAIT_S)
+                        if messages:
+                            messages.extend(consumer.consume(CONSUME_BATCH - 1, 0))
+            except BrokerUnavailable as exc:
+                self._fail_all(exc)
                 self._stopping.wait(FAILED_CONSUME_WAIT_S)
                 continue
             if messages:
                 self._deliver(messages)
         self._jobs.run()
-        try:
+        with kafka_warnings("closing the Kafka reader", log=logger):
             consumer.close()
-        except KafkaException as exc:
-            logger.warning("closing the Kafka reader: %s", exc)
         for buffer in self._buffers.values():
             with buffer.cond:
                 buffer.error = BrokerUnavailable("the Kafka reader has stopped")
@@ -264,10 +261,8 @@ class Reader:
                 continue
             with buffer.cond:
                 buffer.paused = buffer.resume_asked = False
-            try:
+            with kafka_warnings("resuming partition %d", partition, log=logger):
                 self._consumer.resume([TopicPartition(self._topic, partition)])
-            except KafkaException as exc:
-                logger.warning("resuming partition %d: %s", partition, exc)
 
     def _deliver(self, messages: list[Any]) -> None:
         """Sort `messages` into the buffers; pause the partitions now over a cap."""
@@ -299,10 +294,8 @@ class Reader:
                 buffer.cond.notify()
             if pause:
                 self.pauses += 1
-                try:
+                with kafka_warnings("pausing partition %d", partition, log=logger):
                     self._consumer.pause([TopicPartition(topic, partition)])
-                except KafkaException as exc:
-                    logger.warning("pausing partition %d: %s", partition, exc)
         for m in failed:
             err = m.error()
             if err.fatal():
@@ -324,7 +317,7 @@ class Reader:
         consumer = self._consumer
         tp = TopicPartition(self._topic, partition)
         metadata: str | None = None
-        try:
+        with opening_errors(self._settings, partition, consumer):
             committed = consumer.committed([tp], timeout=BROKER_TIMEOUT_S)[0]
             if committed.error:
                 raise BrokerUnavailable(f"reading committed offset: {committed.error}")
@@ -335,8 +328,6 @@ class Reader:
                 start = committed.offset
                 metadata = committed.metadata
             consumer.incremental_assign([TopicPartition(self._topic, partition, start)])
-        except KafkaException as exc:
-            raise open_error(self._settings, tp, exc, consumer) from exc
         self._buffers[partition] = _Buffer()
         logger.info("assigned %s[%d] at offset %d", self._topic, partition, start)
         return start, metadata
@@ -351,10 +342,8 @@ class Reader:
             buffer.count = buffer.nbytes = 0
             buffer.error = BrokerUnavailable(f"partition {partition} is closed")
             buffer.cond.notify_all()
-        try:
+        with kafka_warnings("unassigning partition %d", partition, log=logger):
             self._consumer.incremental_unassign([TopicPartition(self._topic, partition)])
-        except KafkaException as exc:
-            logger.warning("unassigning partition %d: %s", partition, exc)
         logger.info(
             "unassigned %s[%d] (%d fetched records dropped)", self._topic, partition, dropped
         )

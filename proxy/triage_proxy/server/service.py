@@ -59,13 +59,12 @@ from triage_proxy.errors import (
     PartitionNotServed,
     ShuttingDown,
     TriageError,
-    grpc_status,
-    grpc_trailers,
 )
 from triage_proxy.observe.logthrottle import LogThrottle
 from triage_proxy.pipeline.dispatcher import Dispatcher, Session
 from triage_proxy.server.encoding import frame_limit, frame_limit_problem
 from triage_proxy.server.grammar import checked_frames
+from triage_proxy.server.status import grpc_status, grpc_trailers
 from triage_proxy.server.topology import RouteState, Topology, TopologyAnswer
 
 logger = logging.getLogger(__name__)
@@ -88,8 +87,8 @@ _Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 
 
 async def _refuse(context: grpc.aio.ServicerContext[Any, Any], exc: TriageError) -> NoReturn:
-    """End the call with the status `errors.grpc_status` maps `exc` to, its message and
-    the trailing metadata `errors.grpc_trailers` gives it."""
+    """End the call with the status `status.grpc_status` maps `exc` to, its message and
+    the trailing metadata `status.grpc_trailers` gives it."""
     await context.abort(grpc_status(exc), str(exc), trailing_metadata=grpc_trailers(exc))
 
 

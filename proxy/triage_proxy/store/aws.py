@@ -1,12 +1,13 @@
 """The AWS edge: boto3 clients built one way, and the one place botocore's errors are caught.
 
 Why: every part of Triage that talks to AWS (the stores, the tools, provisioning, the
-notifier, `triage deploy`) needs the same endpoint, region, timeout and local-credentials
-logic, and none of them should know botocore's exception types. `aws_errors` is the only
-code that catches them (as httpx's `map_httpcore_exceptions` does for httpcore): it
-re-raises each as the Triage error its caller names (what the caller does next), or,
-for the AWS error codes the caller expects as an answer (a failed condition, a missing
-object), hands the code back in an `AwsAnswer` instead of raising.
+notifier, `triage deploy`, the config's "secret:NAME" references) needs the same endpoint,
+region, timeout and local-credentials logic, and none of them should know botocore's
+exception types. `aws_errors` is the only code that catches them (as httpx's
+`map_httpcore_exceptions` does for httpcore): it re-raises each as the Triage error its
+caller names (what the caller does next), or, for the AWS error codes the caller expects
+as an answer (a failed condition, a missing object), hands the code back in an
+`AwsAnswer` instead of raising.
 
     with aws_errors(f"PutItem on {table!r}", DeadLetterUnavailable,
                     expect={CONDITION_FAILED}) as answer:
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.errors import ConfigError
 
 if TYPE_CHECKING:
     from mypy_boto3_dynamodb.client import DynamoDBClient
@@ -200,6 +202,24 @@ def aws_client(
     return _client(service, options)
 
 
+def read_secret(key: str, name: str) -> str:
+    """The value of Secrets Manager secret `name`, which config key `key` references
+    ("secret:NAME"); a failure is ConfigError naming `key`. The region and endpoint come
+    from the standard chain (AWS_REGION, AWS_ENDPOINT_URL), not from `[dead_letters]`:
+    the secret lives where the process runs. The loader's callers hand this to
+    `load_settings(fetch_secret=...)`."""
+    options = _options(
+        None, None, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S, DEFAULT_BOTO_ATTEMPTS
+    )
+    with aws_errors(f"reading secret {name!r}", lambda why: ConfigError(key, why)):
+        client = _client("secretsmanager", options)
+        try:
+            found = client.get_secret_value(SecretId=name)
+        finally:
+            client.close()
+    return str(found["SecretString"])
+
+
 def _client_options(
     settings: DeadLetterSettings,
     connect_timeout_s: float,
@@ -207,21 +227,33 @@ def _client_options(
     max_attempts: int,
 ) -> dict[str, Any]:
     """Keyword arguments of boto3's client() shared by every AWS client of Triage."""
+    return _options(
+        settings.region, settings.endpoint_url, connect_timeout_s, read_timeout_s, max_attempts
+    )
+
+
+def _options(
+    region: str | None,
+    endpoint_url: str | None,
+    connect_timeout_s: float,
+    read_timeout_s: float,
+    max_attempts: int,
+) -> dict[str, Any]:
     from botocore.config import Config
 
     config = Config(
         connect_timeout=connect_timeout_s,
         read_timeout=read_timeout_s,
         retries={"mode": "standard", "total_max_attempts": max_attempts},
-        s3={"addressing_style": "path"} if settings.endpoint_url is not None else None,
+        s3={"addressing_style": "path"} if endpoint_url is not None else None,
     )
     access_key: str | None = None
     secret_key: str | None = None
-    if settings.endpoint_url is not None and _is_loopback(settings.endpoint_url):
+    if endpoint_url is not None and _is_loopback(endpoint_url):
         access_key, secret_key = LOCAL_CREDENTIALS
     return {
-        "region_name": settings.region,
-        "endpoint_url": settings.endpoint_url,
+        "region_name": region,
+        "endpoint_url": endpoint_url,
         "config": config,
         "aws_access_key_id": access_key,
         "aws_secret_access_key": secret_key,

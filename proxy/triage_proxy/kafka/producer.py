@@ -1,0 +1,43 @@
+"""The one producer configuration of a replay, whichever tool replays.
+
+Why one: `triage dlq replay` and the Spark job each built their own producer, and the two
+partitioned a key differently (librdkafka's default `consistent_random` against
+`murmur2_random`), so a dead letter replayed to another topic landed on a partition that
+depended on the tool. Both now build theirs here. `murmur2_random` is the Java client's
+partitioner: a key lands where a Java (or Kafka Streams, or Connect) producer puts it,
+which is what users of a Kafka tool expect. A replay back to its source topic names the
+source partition itself (store/replay.py), so the partitioner decides only `--to-topic`.
+
+No confluent-kafka import here: the Spark executors import this module, and load the
+client only when a segment produces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+REPLAY_PARTITIONER = "murmur2_random"
+"""The Java client's partitioner (murmur2 of the key; a random partition without one)."""
+REPLAY_DELIVERY_TIMEOUT_S = 60.0
+"""How long librdkafka keeps trying to deliver one replayed message (message.timeout.ms);
+a message it gives up on is in doubt (store/replay.py)."""
+LINGER_MS = 5
+"""A replay sends chunks of messages: a short linger batches them."""
+
+
+def replay_producer_config(
+    connection: Mapping[str, Any], *, delivery_timeout_s: float = REPLAY_DELIVERY_TIMEOUT_S
+) -> dict[str, Any]:
+    """The librdkafka properties of a replay's producer: `connection` (bootstrap servers,
+    security, secrets resolved, `[kafka.client]` extras), then replay's own, which win:
+    idempotence (librdkafka's own retries never duplicate), acks from every replica, and
+    the partitioner every replay shares."""
+    return {
+        **connection,
+        "acks": "all",
+        "enable.idempotence": True,
+        "linger.ms": LINGER_MS,
+        "message.timeout.ms": int(delivery_timeout_s * 1000),
+        "partitioner": REPLAY_PARTITIONER,
+    }
