@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from triage_protocol.constants import UINT32_MAX
+from triage_proxy.config.push import PushTargetSettings, push_targets
 from triage_proxy.config.secrets import SecretFetcher, SecretResolver, Secrets, secret_reference
 from triage_proxy.errors import ConfigError
 
@@ -552,6 +553,8 @@ class Settings:
     ownership: OwnershipSettings = field(default_factory=OwnershipSettings)
     rate_limit: RateLimitSettings = field(default_factory=RateLimitSettings)
     aws: AwsSettings = field(default_factory=AwsSettings)
+    push: tuple[PushTargetSettings, ...] = ()
+    """`[[push]]`: endpoints the proxy delivers to itself (config/push.py)."""
 
     def __post_init__(self) -> None:
         for key, (kind, bounds) in numeric_settings().items():
@@ -621,6 +624,8 @@ def numeric_settings() -> dict[str, tuple[type, Bounds]]:
     found: dict[str, tuple[type, Bounds]] = {}
     for section in dataclasses.fields(Settings):
         cls = typing.get_type_hints(Settings)[section.name]
+        if not dataclasses.is_dataclass(cls):
+            continue  # `push`, a list of tables, checks its own numbers (config/push.py)
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             kind = _numeric_kind(hints[f.name])
@@ -777,8 +782,9 @@ def settings_from_dict(
     a client is built: from the process environment then, and through `fetch_secret`."""
     secrets = Secrets(env, fetch_secret)
     for name in raw:
-        if name not in _SECTIONS:
-            raise ConfigError(name, f"unknown section (known: {', '.join(_SECTIONS)})")
+        if name not in _SECTIONS and name != "push":
+            known = ", ".join((*_SECTIONS, "push"))
+            raise ConfigError(name, f"unknown section (known: {known})")
     sections: dict[str, Any] = {}
     for name, cls in _SECTIONS.items():
         table = raw.get(name, {})
@@ -789,6 +795,7 @@ def settings_from_dict(
         if name in raw or name in ("kafka", "auth", "dead_letters"):
             sections[name] = _build(name, cls, table)
     sections["kafka"] = dataclasses.replace(sections["kafka"], secrets=Secrets(None, fetch_secret))
+    sections["push"] = push_targets(raw.get("push"), Secrets(None, fetch_secret))
     return Settings(**sections)
 
 

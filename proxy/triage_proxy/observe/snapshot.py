@@ -38,6 +38,25 @@ SETTLE_BUCKETS_S = (
     300.0,
 )
 """Upper bounds of the settle-latency buckets: handlers take from ~1 ms to minutes."""
+PUSH_BUCKETS_S = (
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+    30.0,
+)
+"""Upper bounds of a push target's round-trip buckets: a loopback no-op answers in well
+under a millisecond, a real endpoint in tens of milliseconds."""
 UNWRITABLE_SHOWN = 10
 """Most unwritable dead letters a snapshot names (the oldest; all are counted)."""
 
@@ -66,6 +85,27 @@ class LatencyHistogram:
     @property
     def count(self) -> int:
         return sum(self.counts)
+
+    def copy(self) -> LatencyHistogram:
+        """A copy that later observations do not change (for a snapshot)."""
+        twin = LatencyHistogram(self.bounds)
+        twin.counts = list(self.counts)
+        twin.total = self.total
+        return twin
+
+    def quantile(self, q: float) -> float | None:
+        """The upper bound of the bucket holding the `q` quantile (None when empty; the
+        last finite bound when it falls in +Inf): a bound, not an estimate."""
+        total = self.count
+        if not total:
+            return None
+        rank = q * total
+        running = 0
+        for bound, n in zip(self.bounds, self.counts, strict=False):
+            running += n
+            if running >= rank:
+                return bound
+        return self.bounds[-1]
 
     def cumulative(self) -> list[tuple[str, int]]:
         """Prometheus buckets: (le, observations <= le), ending with +Inf."""
@@ -192,6 +232,47 @@ class ProxySnapshot:
 
 
 @dataclass(frozen=True)
+class PushTargetSnapshot:
+    """One push target of a process at one moment."""
+
+    name: str
+    """The target's name (config)."""
+    limit: int
+    """Its concurrency limit now (requests in flight at most)."""
+    in_flight: int
+    """Requests in flight now."""
+    partitions: tuple[int, ...]
+    """The partitions it delivers from in this process."""
+    state: str
+    """"ok", or why it waits (an outage, a refusal, an overload's Retry-After)."""
+    latency: LatencyHistogram
+    """Round trips of requests that got an answer."""
+    responses: dict[str, int]
+    """Requests by answer class (2xx, 4xx, 5xx, timeout, refused, reset, ...)."""
+    records: dict[str, int]
+    """Records by verdict (ack, nack, retry, overload, refused, outage)."""
+    errors: int
+    """Requests that failed without an answer."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The target's entry in /status."""
+        quantiles = {
+            f"latency_p{round(q * 100)}_s": self.latency.quantile(q) for q in (0.5, 0.9, 0.99)
+        }
+        return {
+            "name": self.name,
+            "limit": self.limit,
+            "in_flight": self.in_flight,
+            "partitions": list(self.partitions),
+            "state": self.state,
+            **quantiles,
+            "responses": dict(self.responses),
+            "records": dict(self.records),
+            "errors": self.errors,
+        }
+
+
+@dataclass(frozen=True)
 class ProcessSnapshot:
     """One proxy process at one moment (`Proxy.status()`): the process, and one
     `ProxySnapshot` per partition it runs a pipeline for. /status and metrics render it."""
@@ -218,6 +299,8 @@ class ProcessSnapshot:
     """Pinned: the pins; fleet: what the group coordinator assigned it last."""
     partitions: tuple[ProxySnapshot, ...] = ()
     """One per pipeline it runs now (standby, starting, running or stopping)."""
+    push: tuple[PushTargetSnapshot, ...] = ()
+    """One per push target this process delivers to."""
 
     @property
     def served(self) -> list[int]:
@@ -243,6 +326,7 @@ class ProcessSnapshot:
             assigned=list(self.assigned),
             served=self.served,
             partitions=[p.to_json() for p in self.partitions],
+            push=[target.to_json() for target in self.push],
         )
         return doc
 

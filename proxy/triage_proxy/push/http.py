@@ -1,0 +1,173 @@
+"""An HTTP push target: records POSTed as CloudEvents, one per request (binary mode) or a
+batch per request (`application/cloudevents-batch+json`).
+
+The answer is read through responses.py's table. What a receiver can do to the proxy is
+bounded: a request ends at the target's timeout; at most `max_response_bytes` of a body
+are read (the connection is dropped after that, whatever its length); redirects are not
+followed; a malformed answer is a failed request, never a traceback. Each target has its
+own connection pool, so a receiver that hangs holds only its own target's slots.
+
+Authentication and integrity, both optional: `Authorization: Bearer <token>` from a
+secret reference, and `triage-signature` (signing.py) over the timestamp and the body.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from triage_proxy.push.cloudevents import (
+    BATCH_CONTENT_TYPE,
+    EventShape,
+    batch_body,
+    batch_event,
+    binary_headers,
+    event_id,
+)
+from triage_proxy.push.responses import (
+    Outcome,
+    Verdict,
+    batch_failures,
+    classify,
+)
+from triage_proxy.push.signing import SIGNATURE_HEADER, sign
+from triage_proxy.push.target import Call, PushTarget, TargetShape
+from triage_proxy.structs import Record
+
+__all__ = ["HttpEndpoint", "HttpTarget"]
+
+logger = logging.getLogger(__name__)
+
+USER_AGENT = "triage-push/1"
+
+
+@dataclass(frozen=True)
+class HttpEndpoint:
+    """Where and how an HTTP target's requests go."""
+
+    url: str
+    """The http(s) URL every request is POSTed to."""
+    event: EventShape
+    """The CloudEvents attributes every record shares."""
+    nack_statuses: frozenset[int]
+    """Statuses that dead-letter a record at once."""
+    max_response_bytes: int
+    """Most bytes of a response body read."""
+    authorization: str | None = None
+    """The Authorization header value, when the target has a token."""
+    signing_secret: bytes | None = None
+    """The HMAC key of `triage-signature`, when the target signs."""
+    ssl_context: ssl.SSLContext | None = None
+    """TLS settings for an https URL (CA bundle, client certificate); None: the default."""
+
+
+class HttpTarget(PushTarget):
+    """One HTTP push target in this process."""
+
+    def __init__(
+        self,
+        shape: TargetShape,
+        endpoint: HttpEndpoint,
+        *,
+        monotonic: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__(shape, monotonic=monotonic)
+        self.endpoint = endpoint
+        self._wall = wall
+        self._timeout = aiohttp.ClientTimeout(total=shape.timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        self._batched = shape.batch > 1
+
+    async def start(self) -> None:
+        """Open the connection pool (one per target: a hung receiver holds only its own)."""
+        connector = aiohttp.TCPConnector(
+            limit=self.shape.limit.max_limit,
+            ssl=self.endpoint.ssl_context if self.endpoint.ssl_context is not None else True,
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            headers={"User-Agent": USER_AGENT},
+            auto_decompress=False,
+        )
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        if self._session is not None:
+            await self._session.close()
+
+    async def call(self, records: list[Record]) -> Call:
+        assert self._session is not None, "start() first"
+        endpoint = self.endpoint
+        if self._batched:
+            body = batch_body([batch_event(r, endpoint.event) for r in records])
+            headers = {"content-type": BATCH_CONTENT_TYPE}
+        else:
+            record = records[0]
+            body = record.value or b""
+            headers = binary_headers(record, endpoint.event)
+        if endpoint.authorization is not None:
+            headers["authorization"] = endpoint.authorization
+        if endpoint.signing_secret is not None:
+            headers[SIGNATURE_HEADER] = sign(endpoint.signing_secret, body, int(self._wall()))
+        n = len(records)
+        try:
+            async with self._session.post(
+                endpoint.url,
+                data=body,
+                headers=headers,
+                timeout=self._timeout,
+                allow_redirects=False,
+            ) as response:
+                answer, whole = await _read_capped(response.content, endpoint.max_response_bytes)
+                status = response.status
+                said = {
+                    "triage-action": response.headers.get("triage-action", ""),
+                    "retry-after": response.headers.get("retry-after", ""),
+                }
+        except TimeoutError:
+            reason = f"no answer within {self.shape.timeout_s:g} s"
+            return Call([Outcome(Verdict.RETRY, reason)] * n, dropped=True, kind="timeout")
+        except aiohttp.ClientConnectorError as exc:
+            reason = f"cannot connect to {endpoint.url}: {exc.os_error or exc}"
+            return Call([Outcome(Verdict.OUTAGE, reason)] * n, dropped=False, kind="refused")
+        except (aiohttp.ClientError, OSError) as exc:
+            reason = f"request failed: {type(exc).__name__}: {exc}"[:500]
+            return Call([Outcome(Verdict.RETRY, reason)] * n, dropped=False, kind="reset")
+        kind = f"{status // 100}xx"
+        outcome = classify(
+            status,
+            said,
+            answer,
+            nack_statuses=endpoint.nack_statuses,
+            now_wall=self._wall(),
+        )
+        dropped = outcome.verdict is Verdict.OVERLOAD
+        if not self._batched or outcome.verdict is not Verdict.ACK:
+            return Call([outcome] * n, dropped=dropped, kind=kind)
+        ids = [event_id(r) for r in records]
+        failures = batch_failures(answer, set(ids)) if whole else None
+        if failures is None:
+            reason = (
+                f"HTTP {status}: the batch response is not a batchItemFailures document "
+                f"(or over {endpoint.max_response_bytes} bytes)"
+            )
+            return Call([Outcome(Verdict.RETRY, reason)] * n, dropped=False, kind=kind)
+        return Call([failures.get(i, outcome) for i in ids], dropped=False, kind=kind)
+
+
+async def _read_capped(content: aiohttp.StreamReader, cap: int) -> tuple[bytes, bool]:
+    """At most `cap` bytes of the body, and whether that was all of it (no more is read:
+    leaving the response unread drops the connection)."""
+    body = bytearray()
+    while len(body) <= cap:
+        chunk = await content.read(cap + 1 - len(body))
+        if not chunk:
+            return bytes(body), True
+        body += chunk
+    return bytes(body[:cap]), False

@@ -1,0 +1,369 @@
+"""A push target: to each partition's dispatcher, one more consumer instance, whose
+credits follow the target's adaptive concurrency limit.
+
+    dispatcher --send(entries)--> Lane (the session's outlet, one per partition)
+        Lane worker: waits for a request slot -> takes a batch -> starts a request task
+    request task: endpoint call -> outcomes -> settle / nack / give back -> limiter sample
+
+What a target owns:
+
+- the limit (`AdaptiveLimit`) and the count of requests in flight, shared by its lanes: no
+  more than `limit` requests are in flight to the endpoint from this process;
+- one `Lane` per partition it serves: the session in that partition's dispatcher, the
+  queue of deliveries not yet sent, and the worker task that sends them;
+- the pause: after an outage (connection refused), a refusal (a 404, a 401) or an
+  overload with Retry-After, no request starts until the pause ends; what the lanes hold
+  goes back to the dispatcher without using an attempt, and their credits drop to 0, so
+  no lease runs out while the endpoint cannot be reached.
+
+Credits: each lane gets an even share of `limit x batch` (at least one batch), so the
+records the dispatcher hands over are the ones the requests can carry soon; a record
+queued in a lane is leased, and a lease that lapsed while queued would cost an attempt.
+The lease of what a request carries is renewed when the request starts.
+
+Shutdown (the pipeline's drain, then `end_sessions`): a lane's `end` stops its worker
+from starting requests; requests in flight finish until `stop()` cancels them; whatever
+a lane still holds is then given back without an attempt (`close_session` after the
+dispatcher's streams ended).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from triage_proxy.observe.snapshot import PUSH_BUCKETS_S, LatencyHistogram, PushTargetSnapshot
+from triage_proxy.pipeline.dispatch import Dispatcher, Entry, Session
+from triage_proxy.pipeline.policies import backoff
+from triage_proxy.push.limit import AdaptiveLimit, LimitSettings
+from triage_proxy.push.responses import Outcome, Verdict
+from triage_proxy.structs import Record
+from triage_proxy.waiting import wait_any
+
+__all__ = ["Call", "Lane", "PushTarget", "TargetShape"]
+
+logger = logging.getLogger(__name__)
+
+PAUSE_INITIAL_S = 0.5
+"""The first pause after an outage or a refusal; it doubles per failure in a row."""
+PAUSE_MAX_S = 30.0
+"""The longest pause: an endpoint back up is found within this."""
+LANE_FRAME_BYTES = 2**31 - 1
+"""A lane takes any record: the request's size is the target's concern (batch bytes)."""
+
+
+class PushNack(NamedTuple):
+    """A nack the way the dispatcher takes one (the window's `Nack`)."""
+
+    offset: int
+    reason: str
+    retry: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TargetShape:
+    """What every target has, whatever it speaks."""
+
+    name: str
+    """The target's name (config), in logs, status and metrics."""
+    limit: LimitSettings
+    """Its concurrency bounds."""
+    batch: int
+    """Records per request at most (1: one record per request)."""
+    max_batch_bytes: int
+    """Bytes per request at most (a single larger record still goes, alone)."""
+    timeout_s: float
+    """A request's deadline; its lease is renewed when it starts."""
+
+
+class Call(NamedTuple):
+    """One request's result: an outcome per record (in the order sent), whether the
+    endpoint dropped it as overloaded (a limiter signal), and the response class."""
+
+    outcomes: list[Outcome]
+    dropped: bool
+    kind: str
+
+
+class Lane:
+    """One partition of one target: the dispatcher session's outlet and its worker."""
+
+    def __init__(self, target: PushTarget, dispatcher: Dispatcher) -> None:
+        self.target = target
+        self.dispatcher = dispatcher
+        self.queue: deque[Entry] = deque()
+        self.ended = False
+        self.wake = asyncio.Event()
+        self.inflight: set[asyncio.Task[None]] = set()
+        self.session: Session = dispatcher.open_session(
+            f"push:{target.shape.name}", target.credits_per_lane(), self
+        )
+
+    # --- the Outlet the dispatcher sends to ----------------------------------------------
+
+    @property
+    def max_frame_bytes(self) -> int:
+        return LANE_FRAME_BYTES
+
+    def send(self, entries: list[Entry]) -> tuple[int, Sequence[Entry]]:
+        self.queue.extend(entries)
+        self.wake.set()
+        return 1, ()
+
+    def fits(self, entry: Entry) -> bool:
+        return True
+
+    def frame_needed(self, entry: Entry) -> int:
+        return entry.size
+
+    def take_unsent(self) -> list[int]:
+        offsets = [e.record.offset for e in self.queue]
+        self.queue.clear()
+        return offsets
+
+    def end(self) -> None:
+        self.ended = True
+        self.wake.set()
+
+    # --- the worker ----------------------------------------------------------------------
+
+    def take(self) -> list[Entry]:
+        """The next request's records (at most `batch` and `max_batch_bytes`)."""
+        shape = self.target.shape
+        if shape.batch == 1:
+            return [self.queue.popleft()]
+        taken: list[Entry] = []
+        size = 0
+        while self.queue and len(taken) < shape.batch:
+            entry = self.queue[0]
+            if taken and size + entry.size > shape.max_batch_bytes:
+                break
+            taken.append(self.queue.popleft())
+            size += entry.size
+        return taken
+
+    async def run(self) -> None:
+        """Send what the dispatcher hands over until the lane ends; then close the session
+        (owned by the target's task set)."""
+        target = self.target
+        try:
+            while True:
+                while not self.queue and not self.ended:
+                    self.wake.clear()
+                    await self.wake.wait()
+                if self.ended:
+                    break
+                if not await target.acquire(self):
+                    continue
+                if not self.queue:  # given back during the wait (a pause)
+                    target.release_slot()
+                    continue
+                entries = self.take()
+                offsets = [e.record.offset for e in entries]
+                self.dispatcher.extend(self.session, offsets)
+                task = asyncio.create_task(target.deliver(self, entries))
+                self.inflight.add(task)
+                task.add_done_callback(self.inflight.discard)
+            if self.inflight:
+                await asyncio.wait(set(self.inflight))
+        finally:
+            for task in list(self.inflight):
+                task.cancel()
+            if self.inflight:
+                await asyncio.wait(set(self.inflight))
+            self.dispatcher.close_session(self.session)
+
+    def give_back(self, offsets: list[int]) -> None:
+        """Return deliveries to the dispatcher without using an attempt."""
+        if offsets and not self.session.closed:
+            self.dispatcher.give_back(self.session, offsets)
+
+
+class PushTarget:
+    """One `[[push]]` target in this process; subclasses say how a call is made."""
+
+    def __init__(
+        self, shape: TargetShape, *, monotonic: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.shape = shape
+        self.limiter = AdaptiveLimit(shape.limit)
+        self._monotonic = monotonic
+        self._lanes: dict[int, Lane] = {}
+        self._workers: set[asyncio.Task[None]] = set()
+        self._inflight = 0
+        self._slot_freed = asyncio.Event()
+        self._paused_until = 0.0
+        self._failures = 0
+        self._credits = 0
+        self.state = "ok"
+        """What the target is doing, for status: ok, or why it waits."""
+        self.latency = LatencyHistogram(PUSH_BUCKETS_S)
+        """Request round trips that got an answer."""
+        self.responses: dict[str, int] = {}
+        """Requests by answer class: 2xx, 4xx, 5xx, timeout, refused, reset, ..."""
+        self.records: dict[str, int] = {}
+        """Records by verdict: ack, nack, retry, overload, refused, outage."""
+        self.errors = 0
+        """Requests that failed without an HTTP answer (timeouts, resets, refusals)."""
+
+    # --- partitions ----------------------------------------------------------------------
+
+    def attach(self, partition: int, dispatcher: Dispatcher) -> None:
+        """Serve `partition` too: a session in its dispatcher, and a worker."""
+        if partition in self._lanes:
+            return
+        lane = Lane(self, dispatcher)
+        self._lanes[partition] = lane
+        task = asyncio.create_task(lane.run(), name=f"push {self.shape.name} p{partition}")
+        self._workers.add(task)
+        task.add_done_callback(self._workers.discard)
+        self._regrant()
+
+    def detach(self, partition: int) -> None:
+        """Stop serving `partition` (its pipeline stops): the lane ends after its requests."""
+        lane = self._lanes.pop(partition, None)
+        if lane is not None:
+            lane.end()
+            self._regrant()
+
+    def credits_per_lane(self) -> int:
+        """An even share of what `limit` requests carry, at least one batch."""
+        if self._paused_until > self._monotonic():
+            return 0
+        lanes = max(len(self._lanes), 1)
+        return max(self.shape.batch, math.ceil(self.limiter.limit * self.shape.batch / lanes))
+
+    def _regrant(self) -> None:
+        credits = self.credits_per_lane()
+        if credits == self._credits:
+            return
+        self._credits = credits
+        for lane in self._lanes.values():
+            lane.dispatcher.grant(lane.session, credits)
+
+    # --- request slots -------------------------------------------------------------------
+
+    async def acquire(self, lane: Lane) -> bool:
+        """Wait for a request slot (and the end of a pause); False if the lane ended."""
+        while not lane.ended:
+            wait = self._paused_until - self._monotonic()
+            if wait <= 0:
+                if self._credits == 0:
+                    self._regrant()  # the pause is over
+                if self._inflight < self.limiter.limit:
+                    self._inflight += 1
+                    return True
+            self._slot_freed.clear()
+            lane.wake.clear()
+            await wait_any(self._slot_freed, lane.wake, timeout=wait if wait > 0 else None)
+        return False
+
+    def release_slot(self) -> None:
+        self._inflight -= 1
+        self._slot_freed.set()
+
+    # --- delivering ----------------------------------------------------------------------
+
+    async def call(self, records: list[Record]) -> Call:
+        """Send `records` in one request; an outcome per record."""
+        raise NotImplementedError
+
+    async def deliver(self, lane: Lane, entries: list[Entry]) -> None:
+        """One request: call, then settle what it says (owned by the lane's set)."""
+        records = [e.record for e in entries]
+        inflight = self._inflight
+        started = self._monotonic()
+        try:
+            result = await self.call(records)
+        except asyncio.CancelledError:
+            lane.give_back([r.offset for r in records])
+            self.release_slot()
+            raise
+        now = self._monotonic()
+        self.responses[result.kind] = self.responses.get(result.kind, 0) + 1
+        if result.kind.endswith("xx"):
+            self.latency.observe(now - started)
+        else:
+            self.errors += 1
+        self.limiter.on_sample(now, now - started, inflight, result.dropped)
+        self.release_slot()
+        self._apply(lane, records, result.outcomes)
+        self._regrant()
+
+    def _apply(self, lane: Lane, records: list[Record], outcomes: list[Outcome]) -> None:
+        acks: list[int] = []
+        nacks: list[PushNack] = []
+        back: list[int] = []
+        pause: Outcome | None = None
+        for record, outcome in zip(records, outcomes, strict=True):
+            verdict = outcome.verdict
+            self.records[verdict.value] = self.records.get(verdict.value, 0) + 1
+            if verdict is Verdict.ACK:
+                acks.append(record.offset)
+            elif verdict is Verdict.NACK:
+                nacks.append(PushNack(record.offset, outcome.reason, False))
+            elif verdict is Verdict.RETRY:
+                nacks.append(PushNack(record.offset, outcome.reason, True))
+            else:
+                back.append(record.offset)
+                pause = outcome
+        if acks or nacks:
+            self._failures = 0 if not back else self._failures
+            if self.state != "ok" and not back:
+                logger.info("push target %s: delivering again", self.shape.name)
+                self.state = "ok"
+            if not lane.session.closed:
+                lane.dispatcher.settle(lane.session, acks, nacks)
+        if back:
+            lane.give_back(back)
+        if pause is not None:
+            self._pause(pause)
+
+    def _pause(self, outcome: Outcome) -> None:
+        """Stop starting requests for a while; what the lanes hold goes back."""
+        if outcome.verdict is Verdict.OVERLOAD and outcome.retry_after_s is None:
+            return  # the limit fell; an overload without Retry-After needs no pause
+        now = self._monotonic()
+        if self._paused_until > now:
+            return
+        self._failures += 1
+        delay = outcome.retry_after_s
+        if delay is None:
+            delay = backoff(self._failures, initial=PAUSE_INITIAL_S, cap=PAUSE_MAX_S)
+        self._paused_until = now + delay
+        self.state = f"{outcome.verdict.value}: {outcome.reason} (waiting {delay:.1f} s)"
+        logger.warning("push target %s paused: %s", self.shape.name, self.state)
+        for lane in self._lanes.values():
+            lane.give_back(lane.take_unsent())
+        self._regrant()
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """End every lane and wait for the workers (their requests are cancelled)."""
+        for partition in list(self._lanes):
+            self.detach(partition)
+        for task in list(self._workers):
+            task.cancel()
+        if self._workers:
+            await asyncio.wait(set(self._workers))
+
+    def snapshot(self) -> PushTargetSnapshot:
+        """What status and metrics show of this target now."""
+        return PushTargetSnapshot(
+            name=self.shape.name,
+            limit=self.limiter.limit,
+            in_flight=self._inflight,
+            partitions=tuple(sorted(self._lanes)),
+            state=self.state,
+            latency=self.latency.copy(),
+            responses=dict(self.responses),
+            records=dict(self.records),
+            errors=self.errors,
+        )
