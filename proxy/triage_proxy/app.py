@@ -68,7 +68,7 @@ from triage_proxy.kafka.client import ConfluentPartition, PartitionLog
 from triage_proxy.kafka.reader import Reader
 from triage_proxy.observe.endpoint import HttpEndpoint
 from triage_proxy.observe.snapshot import ProcessSnapshot, ProxySnapshot
-from triage_proxy.pipeline.dispatcher import Dispatcher
+from triage_proxy.pipeline.dispatch import Dispatcher
 from triage_proxy.pipeline.ownership import new_owner_id
 from triage_proxy.pipeline.partition import (
     PartitionParts,

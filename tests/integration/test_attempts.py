@@ -34,7 +34,7 @@ from tests.integration.harness import (
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
 from triage_proxy.app import Proxy
-from triage_proxy.pipeline.dispatcher import Dispatcher
+from triage_proxy.pipeline.dispatch import Dispatcher
 from triage_proxy.pipeline.settled import decode_attempts
 from triage_proxy.store.checkpoints import DynamoDBCheckpoints
 
