@@ -12,6 +12,7 @@ from triage_proxy.pipeline.dispatch import Entry, Session
 from triage_proxy.server.encoding import (
     DEFAULT_FRAME_BYTES,
     MIN_FRAME_BYTES,
+    PLAIN_ITEM_MAX_OVERHEAD_BYTES,
     attempt_size,
     delivery_base_size,
     frame_header_size,
@@ -92,6 +93,23 @@ def test_the_outbox_sizes_a_delivery_exactly(
         entry.attempt = attempt
         frames, refused = Outbox("t", 0, limit, packed=False).send([entry])
         assert (frames, len(refused)) == (sent, 1 - sent)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    offset=INT64,
+    key=BLOB,
+    value=BLOB,
+    timestamp=INT64,
+    attempt=st.integers(min_value=1, max_value=2**32 - 1),
+)
+def test_a_plain_delivery_adds_at_most_its_bytes_and_the_overhead_bound(
+    offset: int, key: bytes | None, value: bytes | None, timestamp: int, attempt: int
+) -> None:
+    """The bound that lets the outbox skip sizing a batch that fits one frame anyway."""
+    record = Record("t", 0, offset, key, value, (), timestamp)
+    item = item_size(delivery_base_size(record) + attempt_size(attempt))
+    assert item <= record.size + PLAIN_ITEM_MAX_OVERHEAD_BYTES
 
 
 @settings(max_examples=200, deadline=None)

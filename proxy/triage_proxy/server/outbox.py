@@ -11,8 +11,9 @@ Frames are filled up to FRAME_TARGET_BYTES (or the instance's limit when smaller
 counted in serialized bytes (encoding.py); a record alone may take a frame up to the
 limit. To an instance that reads packed deliveries, records without headers and up to
 PACKED_MAX_RECORD_BYTES go in the frame's packed columns (`fill_packed`), the rest as
-repeated Delivery messages. A batch that fits one frame and packs whole (the common
-case for a current client) is encoded with C-level passes only.
+repeated Delivery messages. A batch without headers that fits one frame even at the
+largest size each delivery could take is encoded without sizing each one: with C-level
+passes only when it packs whole (the common case for a current client).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from triage_proxy.server.encoding import (
     PACKED_ITEM_BYTES,
     PACKED_MAX_RECORD_BYTES,
     PACKED_OVERHEAD_BYTES,
+    PLAIN_ITEM_MAX_OVERHEAD_BYTES,
     attempt_size,
     delivery_base_size,
     fill_packed,
@@ -88,21 +90,35 @@ class Outbox(asyncio.Queue["pb.ProxyFrame | None"]):
 
     def send(self, entries: list[Entry]) -> tuple[int, Sequence[Entry]]:
         """Queue `entries` in frames; returns (frames queued, entries no frame carries)."""
-        if self._packed:
-            records = list(map(_RECORD, entries))
-            if (
-                not any(map(_HEADERS, records))
-                and max(map(SIZE, entries)) <= PACKED_MAX_RECORD_BYTES
-                and PACKED_OVERHEAD_BYTES
-                + sum(map(SIZE, entries))
-                + PACKED_ITEM_BYTES * len(entries)
-                <= self._target
-            ):
+        records = list(map(_RECORD, entries))
+        if not any(map(_HEADERS, records)):
+            size = sum(map(SIZE, entries))
+            if self._packed:
+                if (
+                    max(map(SIZE, entries)) <= PACKED_MAX_RECORD_BYTES
+                    and PACKED_OVERHEAD_BYTES + size + PACKED_ITEM_BYTES * len(entries)
+                    <= self._target
+                ):
+                    frame = self._frame()
+                    attempts = list(map(_ATTEMPT, entries))
+                    retried = max(attempts) > 1
+                    fill_packed(frame.deliveries.packed, records, attempts if retried else None)
+                    self.put_nowait(frame)
+                    return 1, _NONE
+            elif size + PLAIN_ITEM_MAX_OVERHEAD_BYTES * len(entries) <= self._target:
+                # One frame even at the largest size each delivery may take: no sizing.
                 frame = self._frame()
-                attempts = list(map(_ATTEMPT, entries))
-                fill_packed(
-                    frame.deliveries.packed, records, attempts if max(attempts) > 1 else None
-                )
+                add = frame.deliveries.deliveries.add
+                for entry, (_, _, offset, key, value, _, timestamp) in zip(
+                    entries, records, strict=True
+                ):
+                    add(
+                        offset=offset,
+                        key=key,
+                        value=value,
+                        timestamp_ms=timestamp,
+                        attempt=entry.attempt,
+                    )
                 self.put_nowait(frame)
                 return 1, _NONE
         return self._send(entries)
