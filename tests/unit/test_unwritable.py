@@ -197,7 +197,9 @@ async def consume(proxy: Proxy, count: int, nack: set[int]) -> list[int]:
         acks = [o for o in got if o not in nack]
         nacks = [pb.Nack(offset=o, reason="ValueError: bad") for o in got if o in nack]
         await call.write(pb.ConsumerFrame(settle=pb.Settle(acks=acks, nacks=nacks)))
-        dispatcher = proxy.dispatcher
+        pipeline = proxy.pipeline()
+        assert pipeline is not None
+        dispatcher = pipeline.dispatcher
         assert dispatcher is not None
         await eventually(lambda: dispatcher.counters.acked + dispatcher.counters.nacked >= count)
         await call.done_writing()
