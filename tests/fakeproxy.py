@@ -41,10 +41,12 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message as ProtoMessage
 
 from triage_protocol import triage_pb2, triage_pb2_grpc
+from triage_protocol.constants import OWNER_ENDPOINT_METADATA
 
 TOKEN = "s3cret-token"
 WAIT_S = 5.0
-OWNER_ENDPOINT_KEY = "triage-owner-endpoint"
+CANCEL_NOTICE_S = 0.02
+"""How long after the client's frames end a cancel may still be reported (see Consume)."""
 
 Metadata = tuple[tuple[str, str | bytes], ...]
 Listener = Callable[[dict[str, Any]], None]
@@ -413,12 +415,21 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
             self.refused.append(partition)
             owner = self.deployment.owners.get(partition)
             self._cond.notify_all()
-        trailing = ((OWNER_ENDPOINT_KEY, owner.target),) if owner is not None else ()
+        trailing = ((OWNER_ENDPOINT_METADATA, owner.target),) if owner is not None else ()
         await context.abort(
             grpc.StatusCode.FAILED_PRECONDITION,
             f"partition {partition} is not served here",
             trailing_metadata=trailing,
         )
+
+    def _cancelled(self, stream: FakeStream) -> None:
+        with self._cond:
+            if stream.cancelled:
+                return
+            stream.cancelled = True
+            self._cond.notify_all()
+        if self.listeners:
+            self._emit({"event": "cancelled", "stream": stream.number})
 
     def _record(self, stream: FakeStream, frame: triage_pb2.ConsumerFrame) -> None:
         at = now_ms()
@@ -452,9 +463,7 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
         except asyncio.CancelledError:
             # The client cancelled the call (or the server is stopping): record it, then let
             # grpc finish the cancellation.
-            stream.cancelled = True
-            if self.listeners:
-                self._emit({"event": "cancelled", "stream": stream.number})
+            self._cancelled(stream)
             raise
         finally:
             stream.finished = True
@@ -545,6 +554,13 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
                     self._cond.notify_all()
                 wake.set()
             at = now_ms()
+            # A cancel ends the frames too, and grpc cancels this handler only a moment later:
+            # wait that moment, so that a cancel is not taken for a half-close.
+            await asyncio.sleep(CANCEL_NOTICE_S)
+            if context.cancelled():
+                self._cancelled(stream)
+                wake.set()
+                return
             with self._cond:
                 stream.half_closed_at = at
                 self.events.append((number, "half-close"))
