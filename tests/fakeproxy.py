@@ -119,6 +119,8 @@ class FakeStream:
     """What the test asked to send, in order (scripted streams; served ones too)."""
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when there is something for the stream's handler to do."""
+    announced: bool = False
+    """Its "stream" event was emitted (control interface)."""
 
     @property
     def hello(self) -> triage_pb2.Hello | None:
@@ -429,7 +431,16 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
             stream.cancelled = True
             self._cond.notify_all()
         if self.listeners:
+            self._announce(stream)
             self._emit({"event": "cancelled", "stream": stream.number})
+
+    def _announce(self, stream: FakeStream, first: dict[str, Any] | None = None) -> None:
+        """Emit the stream's event, once: with its first frame when it has one, so a test
+        never sees a stream that already sent its Hello without it."""
+        if not stream.announced:
+            stream.announced = True
+            event = {"event": "stream", "stream": stream.number}
+            self._emit({**event, "metadata": metadata_json(stream.metadata), **(first or {})})
 
     def _record(self, stream: FakeStream, frame: triage_pb2.ConsumerFrame) -> None:
         at = now_ms()
@@ -437,9 +448,11 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
             stream.received.append((at, frame))
             self._cond.notify_all()
         if self.listeners:
-            self._emit(
-                {"event": "frame", "stream": stream.number, "at": at, "frame": frame_json(frame)}
-            )
+            received = {"at": at, "frame": frame_json(frame)}
+            if stream.announced:
+                self._emit({"event": "frame", "stream": stream.number, **received})
+            else:
+                self._announce(stream, received)
 
     async def Consume(
         self,
@@ -454,10 +467,6 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
             self.streams.append(stream)
             generation = self._generation
             self._cond.notify_all()
-        if self.listeners:
-            self._emit(
-                {"event": "stream", "stream": stream.number, "metadata": metadata_json(metadata)}
-            )
         try:
             await self._consume(stream, generation, request_iterator, context)
         except asyncio.CancelledError:
@@ -467,6 +476,8 @@ class FakeProxy(triage_pb2_grpc.TriageServicer):
             raise
         finally:
             stream.finished = True
+            if self.listeners:
+                self._announce(stream)  # a call that ended before its first frame
 
     async def _consume(
         self,
@@ -711,8 +722,10 @@ Replies: {"reply": id, "ok": true, ...} or {"reply": id, "error": "..."}.
 
 Events on stdout as they happen (times are wall-clock ms):
   {"event": "topology", "proxy": i, "metadata": {key: [value, ...]}}
-  {"event": "stream", "proxy": i, "stream": n, "metadata": {...}}   a Consume call began
-  {"event": "frame", "proxy": i, "stream": n, "at": ms, "frame": ConsumerFrame}
+  {"event": "stream", "proxy": i, "stream": n, "metadata": {...}, "at": ms,
+   "frame": ConsumerFrame}   a Consume call with its first frame (the Hello), or without
+                             "at" and "frame" if it ended before sending one
+  {"event": "frame", "proxy": i, "stream": n, "at": ms, "frame": ConsumerFrame}   the others
   {"event": "half-close", "proxy": i, "stream": n, "at": ms}
   {"event": "cancelled", "proxy": i, "stream": n}
 ConsumerFrames are as @grpc/proto-loader gives them (see frame_json). Stdin's end, SIGTERM

@@ -109,8 +109,8 @@ def test_a_scripted_stream_gets_what_the_test_writes_and_reports_what_it_sent(
     frames.put(pb.ConsumerFrame(hello=pb.Hello(consumer_id="c", credits=4, partition=0)))
     with grpc.insecure_channel(control.ready["endpoints"][1]) as channel:
         call = pb_grpc.TriageStub(channel).Consume(iter(frames.get, None), metadata=AUTH)
-        assert control.seen(2) == ["stream", "frame"]
-        hello = control.events[1]
+        assert control.seen(1) == ["stream"]
+        hello = control.events[0]
         assert (hello["proxy"], hello["stream"]) == (1, 1)
         assert hello["frame"] == {
             "hello": {"consumer_id": "c", "credits": 4, "partition": 0},
@@ -133,8 +133,8 @@ def test_a_scripted_stream_gets_what_the_test_writes_and_reports_what_it_sent(
         frames.put(None)  # half-close: the fake ends the stream with OK
         assert list(call) == []
         assert call.code() is grpc.StatusCode.OK
-    assert control.seen(4)[2:] == ["frame", "half-close"]
-    settle = control.events[2]
+    assert control.seen(3)[1:] == ["frame", "half-close"]
+    settle = control.events[1]
     assert settle["frame"] == {"settle": {"acks": [7], "nacks": [{"offset": 8}]}, "frame": "settle"}
     report = control.send({"proxy": 1, "cmd": "report"})
     assert (report["acks"], report["nacks"]) == ([[1, 7]], [[1, 8, "", False]])
@@ -159,7 +159,7 @@ def test_topology_answers_and_a_failed_stream_carry_what_the_test_set(control: C
         frames: queue.Queue[pb.ConsumerFrame | None] = queue.Queue()
         frames.put(pb.ConsumerFrame(hello=pb.Hello(credits=1)))
         call = stub.Consume(iter(frames.get, None), metadata=AUTH)
-        assert control.seen(5)[3:] == ["stream", "frame"]
+        assert control.seen(4)[3:] == ["stream"]
         control.send(
             {
                 "cmd": "fail",

@@ -233,16 +233,19 @@ export class FakeProxy {
       return;
     }
     if (event.event === "stream") {
-      this.streams.push(new FakeStream(this, event.stream!, metadata()));
+      // The fake reports a call with its Hello, so no test sees one without the other.
+      const stream = new FakeStream(this, event.stream!, metadata());
+      this.streams.push(stream);
+      if (event.frame !== undefined) {
+        stream.received.push({ at: event.at!, frame: event.frame });
+        // Like the proxy: answer once the Hello arrived.
+        this.onStream(stream);
+      }
       return;
     }
     const stream = this.streams[event.stream! - 1]!;
     if (event.event === "frame") {
       stream.received.push({ at: event.at!, frame: event.frame! });
-      if (stream.received.length === 1) {
-        // Like the proxy: answer once the Hello arrived.
-        this.onStream(stream);
-      }
     } else if (event.event === "half-close") {
       stream.halfClosedAt = event.at!;
     } else {
