@@ -51,7 +51,7 @@ from triage_protocol import triage_pb2 as pb
 from triage_protocol import triage_pb2_grpc as pb_grpc
 from triage_protocol.constants import HELLO_TIMEOUT_S, MAX_CREDITS
 from triage_proxy.clienttext import consumer_id_problem, for_log
-from triage_proxy.config.preflight import bind_error, check_tls
+from triage_proxy.config.checks import bind_error, check_tls
 from triage_proxy.config.settings import Settings, TlsSettings
 from triage_proxy.errors import (
     AuthError,
