@@ -43,8 +43,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 
 from triage_cli.awsstack import LOG_RETENTION_DAYS, SERVICE_NAME, render
+from triage_proxy.config.checks import check_tls
 from triage_proxy.config.ecs import ECS_ADDRESS_KINDS, ECS_TASK_DNS
-from triage_proxy.config.preflight import check_tls
 from triage_proxy.config.secrets import secret_reference
 from triage_proxy.config.settings import (
     DeadLetterSettings,

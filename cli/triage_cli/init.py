@@ -458,9 +458,10 @@ def check(
 ) -> None:
     """Validate a config and what it points at (TLS files, addresses, secret references,
     librdkafka properties) as the proxy will at start; on error name the key and exit 2."""
-    from triage_proxy.config.preflight import file_warnings, preflight
+    from triage_proxy.config.checks import file_warnings
     from triage_proxy.config.settings import load_settings
     from triage_proxy.deadletters.writer import overflow_warning
+    from triage_proxy.preflight import preflight
     from triage_proxy.store.aws import read_secret
 
     with exit_on_errors():

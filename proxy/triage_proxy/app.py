@@ -31,10 +31,11 @@ A process that may serve several partitions reads them all through one Kafka Con
 (reader.py, closed once every pipeline has closed); a one-partition process's pipeline
 opens its own.
 
-A pipeline that fails (its lease lost, Kafka unreachable at start) stops the process in
-pinned mode, which then exits with its error (a supervisor restarts it as a standby).
-In fleet mode a lost lease ends only that pipeline; it waits as a standby again while
-the partition is still assigned here.
+What differs between the two modes lives beside this module: pinned.py (check the pins,
+start every pipeline, listen once every lease is held; a lost lease stops the process)
+and fleet.py (listen at once, join the group, follow its assignment; a lost lease ends
+only that pipeline). A pipeline that fails otherwise (Kafka unreachable at start) stops
+the process in either mode, which then exits with its error.
 
 The ports: the process listens on `server.port + slot` (gRPC) and `server.http_port +
 slot` (HTTP); the slot is the pinned partition for one pin (the layout of one process
@@ -64,11 +65,13 @@ from triage_proxy.errors import (
     StateError,
     TriageError,
 )
+from triage_proxy.fleet import FleetMembership
 from triage_proxy.kafka.client import ConfluentPartition, PartitionLog
 from triage_proxy.kafka.reader import Reader
 from triage_proxy.observe.endpoint import HttpEndpoint
 from triage_proxy.observe.snapshot import ProcessSnapshot, ProxySnapshot
-from triage_proxy.pipeline.dispatcher import Dispatcher
+from triage_proxy.pinned import PinnedPartitions
+from triage_proxy.pipeline.dispatch import Dispatcher
 from triage_proxy.pipeline.ownership import new_owner_id
 from triage_proxy.pipeline.partition import (
     PartitionParts,
@@ -91,12 +94,7 @@ from triage_proxy.store.query import DeadLetterTable
 from triage_proxy.waiting import wait_any
 
 if TYPE_CHECKING:
-    from triage_proxy.deadletters.writer import DeadLetterWriter
     from triage_proxy.kafka.assignment import Membership
-    from triage_proxy.pipeline.committer import Committer
-    from triage_proxy.pipeline.fetcher import Fetcher
-    from triage_proxy.pipeline.logend import LogEndWatcher
-    from triage_proxy.pipeline.ownership import Ownership
 
 logger = logging.getLogger(__name__)
 
@@ -136,14 +134,14 @@ class Proxy:
         auth_source: Callable[[], AuthSettings] | None = None,
     ) -> None:
         self.settings = settings
-        if isinstance(partitions, int):
-            partitions = (partitions,)
-        self.pins: tuple[int, ...] | None = (
-            None if partitions is None else tuple(sorted(set(partitions)))
-        )
+        self.owner = new_owner_id()
+        """This process's id: its lease owner id, and the owner Topology names."""
+        self._pinned = None if partitions is None else PinnedPartitions(settings, partitions)
+        self._fleet = None
+        if self._pinned is None:
+            self._fleet = FleetMembership(settings, self.owner, membership)
+        self.pins = None if self._pinned is None else self._pinned.pins
         """The pinned partitions; None: fleet mode (the group assigns them)."""
-        if self.pins is not None and not self.pins:
-            raise ConfigError("--partition", "give at least one, or none to join the fleet")
         self.slot = slot if slot is not None else (self.pins[0] if self.pins else 0)
         """Offset of this process's ports from server.port and server.http_port."""
         self._log = log
@@ -156,10 +154,6 @@ class Proxy:
         self._lease_reader = lease_reader
         """Every partition's lease, for Topology; with `leases` injected and this not,
         only that store is read (a twin's world)."""
-        self.membership = membership
-        """Fleet mode: the group membership (made at start when not injected)."""
-        self.owner = new_owner_id()
-        """This process's id: its lease owner id, and the owner Topology names."""
         self.endpoint = ""
         """host:port consumers are given for every partition served here (once it listens)."""
         self.topology: Topology | None = None
@@ -187,8 +181,6 @@ class Proxy:
         """The one Kafka Consumer of every pipeline, when the process may serve more than
         one partition (reader.py); None: each pipeline opens its own (one pin)."""
 
-    # --- one pinned partition (what a one-partition proxy offered) -----------------------
-
     @property
     def partition(self) -> int:
         """The (first) pinned partition."""
@@ -196,38 +188,17 @@ class Proxy:
             raise StateError("a fleet proxy has no single partition")
         return self.pins[0]
 
-    def _only(self) -> PartitionPipeline | None:
-        return self.pipelines.get(self.pins[0]) if self.pins else None
-
     @property
-    def dispatcher(self) -> Dispatcher | None:
-        p = self._only()
-        return p.dispatcher if p is not None else None
+    def membership(self) -> Membership | None:
+        """Fleet mode: the group membership (made at start when not injected)."""
+        return None if self._fleet is None else self._fleet.membership
 
-    @property
-    def committer(self) -> Committer | None:
-        p = self._only()
-        return p.committer if p is not None else None
-
-    @property
-    def fetcher(self) -> Fetcher | None:
-        p = self._only()
-        return p.fetcher if p is not None else None
-
-    @property
-    def writer(self) -> DeadLetterWriter | None:
-        p = self._only()
-        return p.writer if p is not None else None
-
-    @property
-    def watermarks(self) -> LogEndWatcher | None:
-        p = self._only()
-        return p.watermarks if p is not None else None
-
-    @property
-    def ownership(self) -> Ownership | None:
-        p = self._only()
-        return p.ownership if p is not None else None
+    def pipeline(self, partition: int | None = None) -> PartitionPipeline | None:
+        """The pipeline serving `partition` now (default: the first pin), None when none
+        runs (not started yet, standby to stopping included)."""
+        if partition is None:
+            partition = self.partition
+        return self.pipelines.get(partition)
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -293,11 +264,10 @@ class Proxy:
 
     def _wanted(self) -> frozenset[int]:
         """The partitions this process should serve now."""
-        if self.pins is not None:
-            return frozenset(self.pins)
-        if self.membership is None:
-            return frozenset()
-        return self.membership.target()
+        if self._pinned is not None:
+            return self._pinned.wanted()
+        assert self._fleet is not None
+        return self._fleet.wanted()
 
     def snapshot(self, partition: int | None = None, *, now: float | None = None) -> ProxySnapshot:
         """One partition's view (default: the first pin), as a one-partition proxy showed
@@ -397,35 +367,36 @@ class Proxy:
                 stack.push_async_callback(asyncio.to_thread, self._reader.close)
             self._service = service = TriageService(settings, {}, topology)
             self.topology = topology
-            server = None
-            membership = None
-            if self.pins is None:
-                # A fleet process listens at once: it answers Topology, and tells a Hello
-                # for a partition it does not serve where that partition is served.
-                server = await self._listen(stack, service, credentials)
-                membership = await self._join(stack)
+            servers: list[grpc.aio.Server] = []
+            if self._fleet is not None:
+                servers.append(await self._listen(stack, service, credentials))
+                await self._fleet.join(stack)
             elif self._log is None and self._parts is None:
-                await self._check_pins()
+                assert self._pinned is not None
+                await self._pinned.check()
             async with asyncio.TaskGroup() as tasks:
                 if self._auth_source is not None:
                     tasks.create_task(self._reload_tokens(service, self._auth_source))
-                if membership is None:
-                    assert self.pins is not None
-                    pinned = [self._launch(tasks, p, store) for p in self.pins]
-                    # A pinned process listens only once it holds every lease it serves: a
-                    # standby is watched through HTTP, and consumers never reach it.
-                    await self._all_leased(pinned)
-                    if not self._closing.is_set():
+
+                def launch(partition: int) -> PartitionPipeline:
+                    return self._launch(tasks, partition, store)
+
+                if self._pinned is not None:
+
+                    async def listen() -> str | None:
                         try:
-                            server = await self._listen(stack, service, credentials)
+                            servers.append(await self._listen(stack, service, credentials))
                         except (OSError, RuntimeError, ConfigError) as exc:  # port taken
                             # (create_server says so with a ConfigError): undo the start
                             self._fail(exc)
-                        else:
-                            for pipeline in pinned:
-                                pipeline.advertise(self.endpoint)
+                            return None
+                        return self.endpoint
+
+                    await self._pinned.start(launch, listen, self._closing)
                 else:
-                    tasks.create_task(self._follow(tasks, membership, store), name="membership")
+                    assert self._fleet is not None
+                    follow = self._fleet.follow(self.pipelines, launch, self._closing)
+                    tasks.create_task(follow, name="membership")
                 tasks.create_task(self._watch_ready(), name="ready")
                 await self._closing.wait()
                 self._state = ProxyState.STOPPING
@@ -435,7 +406,7 @@ class Proxy:
                 for pipeline in pipelines:
                     pipeline.stop(finish=False)
                 await asyncio.gather(*(p.drained.wait() for p in pipelines))
-                if server is not None:
+                for server in servers:
                     await server.stop(SERVER_GRACE_S)
                 await service.stop()
                 logger.debug("streams ended; gRPC server stopped")
@@ -456,47 +427,6 @@ class Proxy:
         await server.start()
         return server
 
-    async def _all_leased(self, pipelines: Sequence[PartitionPipeline]) -> None:
-        waiters = [asyncio.ensure_future(p.leased.wait()) for p in pipelines]
-        closing = asyncio.ensure_future(self._closing.wait())
-        try:
-            pending = set(waiters)
-            while pending and not closing.done():
-                _, pending = await asyncio.wait(
-                    {*pending, closing}, return_when=asyncio.FIRST_COMPLETED
-                )
-                pending.discard(closing)
-        finally:
-            for w in [*waiters, closing]:
-                w.cancel()
-            await asyncio.gather(*waiters, closing, return_exceptions=True)
-
-    async def _join(self, stack: contextlib.AsyncExitStack) -> Membership:
-        """Fleet mode: join the deployment's consumer group (exit 3 when its coordinator
-        cannot be reached)."""
-        from triage_proxy.kafka.assignment import Assignment
-
-        membership = self.membership
-        if membership is None:
-            membership = self.membership = Assignment(self.settings.kafka, self.owner)
-        await membership.start()
-        stack.push_async_callback(membership.stop)
-        return membership
-
-    async def _check_pins(self) -> None:
-        """ConfigError (exit 2) for a pinned partition the topic does not have."""
-        from triage_proxy.kafka.assignment import topic_partitions
-
-        assert self.pins is not None
-        count = await asyncio.to_thread(topic_partitions, self.settings.kafka)
-        outside = [p for p in self.pins if p >= count]
-        if outside:
-            raise ConfigError(
-                "--partition",
-                f"{', '.join(map(str, outside))} outside topic {self.settings.kafka.topic!r}, "
-                f"which has {count} partition(s): 0..{count - 1}",
-            )
-
     def _launch(
         self, tasks: asyncio.TaskGroup, partition: int, store: DeadLetterStore
     ) -> PartitionPipeline:
@@ -510,7 +440,7 @@ class Proxy:
             # Pinned: not listening yet; the endpoint is known before the port is bound
             # only when the port is configured.
             endpoint=self.endpoint or self.settings.server.advertised_endpoint(self.slot) or "",
-            listening=self.pins is None,
+            listening=self._pinned is None,
         )
         self.pipelines[partition] = pipeline
         tasks.create_task(self._run_pipeline(pipeline), name=f"partition-{partition}")
@@ -541,9 +471,9 @@ class Proxy:
         try:
             await pipeline.serve()
         except OwnershipLost as exc:
-            if self.pins is None:
-                logger.warning("partition %d: %s", pipeline.partition, exc)
-            else:
+            mode = self._pinned or self._fleet
+            assert mode is not None
+            if mode.lost(pipeline, exc):
                 self._fail(exc)
         except TriageError as exc:
             self._fail(exc)
@@ -553,8 +483,8 @@ class Proxy:
         finally:
             if self.pipelines.get(pipeline.partition) is pipeline:
                 del self.pipelines[pipeline.partition]
-            if self.membership is not None:
-                self.membership.changed.set()  # still assigned here? then wait as a standby
+            if self._fleet is not None:
+                self._fleet.pipeline_ended()
 
     def _fail(self, exc: BaseException) -> None:
         self._errors.append(exc)
@@ -592,7 +522,7 @@ class Proxy:
                 fn()
 
         return PartitionParts(
-            log, checkpoints, leases, close, commits_apart=self.membership is not None
+            log, checkpoints, leases, close, commits_apart=self._fleet is not None
         )
 
     def _new_log(self, partition: int) -> PartitionLog:
@@ -602,17 +532,15 @@ class Proxy:
             log = reader.partition(partition)  # the process's one Consumer (reader.py)
         else:
             log = ConfluentPartition(self.settings.kafka, partition)
-        if self.membership is not None:
-            from triage_proxy.kafka.assignment import MemberCommits
-
-            return MemberCommits(log, self.membership, partition)  # commits as a member
+        if self._fleet is not None:
+            return self._fleet.log_for(log, partition)  # commits as the group's member
         return log
 
     async def _partition_count(self) -> int:
         """The topic's partition count for Topology: from the group membership, else from
         any open pipeline."""
-        if self.membership is not None:
-            return await self.membership.partition_count()
+        if self._fleet is not None:
+            return await self._fleet.partition_count()
         for pipeline in list(self.pipelines.values()):
             with contextlib.suppress(BrokerUnavailable):
                 return await pipeline.partition_count()
@@ -635,30 +563,13 @@ class Proxy:
             await wait_any(self._closing, timeout=0.02)
 
     def _started(self) -> bool:
-        if self.membership is not None and not self.membership.joined:
+        if self._fleet is not None and not self._fleet.joined:
             return False
         wanted = self._wanted()
         return all(
             (p := self.pipelines.get(n)) is not None and p.state is PipelineState.RUNNING
             for n in wanted
         )
-
-    async def _follow(
-        self, tasks: asyncio.TaskGroup, membership: Membership, store: DeadLetterStore
-    ) -> None:
-        """Fleet mode: start a pipeline for each partition the group gives this process,
-        drain the ones it takes away (see assignment.py for when), until stop()."""
-        while not self._closing.is_set():
-            wanted = membership.target()
-            for partition, pipeline in list(self.pipelines.items()):
-                if partition not in wanted and not pipeline.stopping:
-                    logger.info("partition %d is no longer assigned here: draining it", partition)
-                    pipeline.stop()
-            for partition in sorted(wanted - set(self.pipelines)):
-                logger.info("partition %d assigned here: taking its lease", partition)
-                self._launch(tasks, partition, store)
-            await wait_any(membership.changed, self._closing, timeout=membership.next_decision_in())
-            membership.changed.clear()
 
     async def _reload_tokens(
         self, service: TriageService, source: Callable[[], AuthSettings]

@@ -34,7 +34,7 @@ from tests.integration.harness import (
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
 from triage_proxy.app import Proxy
-from triage_proxy.pipeline.dispatcher import Dispatcher
+from triage_proxy.pipeline.dispatch import Dispatcher
 from triage_proxy.pipeline.settled import decode_attempts
 from triage_proxy.store.checkpoints import DynamoDBCheckpoints
 
@@ -85,9 +85,10 @@ def test_a_flapping_fleet_dead_letters_no_healthy_message(
 
     async def scenario() -> None:
         async with Proxy(settings, 0) as proxy:
-            dispatcher = proxy.dispatcher
+            pipeline = proxy.pipeline()
+            assert pipeline is not None
+            dispatcher = pipeline.dispatcher
             assert dispatcher is not None
-            assert proxy.committer is not None
             assert await await_until(lambda: dispatcher.in_window == MESSAGES, timeout=WAIT_S)
 
             started = time.monotonic()
@@ -111,7 +112,7 @@ def test_a_flapping_fleet_dead_letters_no_healthy_message(
                     healthy.settle(acks=[d.offset for d in got])
                     acked.update(d.offset for d in got)
                 assert await await_until(
-                    lambda: proxy.committer.committed == MESSAGES,  # type: ignore[union-attr]
+                    lambda: proxy.snapshot().committed_offset == MESSAGES,
                     timeout=WAIT_S,
                 )
             assert acked == set(range(MESSAGES))

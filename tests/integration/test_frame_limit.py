@@ -43,9 +43,7 @@ async def receive_frames(consumer: RawConsumer, count: int) -> list[pb.ProxyFram
 
 async def fetched(proxy: Proxy, count: int) -> None:
     """Wait until the proxy holds `count` records, so one pump fills whole frames."""
-    assert await await_until(
-        lambda: proxy.dispatcher is not None and proxy.dispatcher.in_window >= count, 30
-    )
+    assert await await_until(lambda: proxy.snapshot().in_window >= count, 30)
 
 
 @pytest.mark.parametrize("max_frame_bytes", [DEFAULT_FRAME_BYTES, 0], ids=["4MiB", "old-hello"])

@@ -49,9 +49,8 @@ def test_expired_lease_is_redelivered_with_the_next_attempt(
             (again,) = await c.receive(1, timeout=5)  # no ack, no extend: it expires
             assert (again.offset, again.attempt) == (0, 2)
             c.settle(acks=[0])
-            assert await await_until(lambda: proxy.committer.committed == 1)  # type: ignore[union-attr]
-            assert proxy.dispatcher is not None
-            assert proxy.dispatcher.counters.expired == 1
+            assert await await_until(lambda: proxy.snapshot().committed_offset == 1)
+            assert proxy.snapshot().counters["expired"] == 1
 
     asyncio.run(scenario())
 
@@ -69,10 +68,10 @@ def test_extend_keeps_a_slow_delivery(broker: EmbeddedBroker, aws: EmbeddedAWS, 
                 await asyncio.sleep(0.25)
                 c._outgoing.put_nowait(pb.ConsumerFrame(extend=pb.Extend(offsets=[0])))
             c.settle(acks=[0])
-            assert await await_until(lambda: proxy.committer.committed == 1)  # type: ignore[union-attr]
-            assert proxy.dispatcher is not None
-            assert proxy.dispatcher.counters.expired == 0
-            assert proxy.dispatcher.counters.redelivered == 0
+            assert await await_until(lambda: proxy.snapshot().committed_offset == 1)
+            counters = proxy.snapshot().counters
+            assert counters["expired"] == 0
+            assert counters["redelivered"] == 0
 
     asyncio.run(scenario())
 
@@ -108,7 +107,7 @@ def test_retry_waits_out_backoff_then_dead_letters_at_the_limit(
             assert [a for a, _ in seen] == [2, 3]
             assert seen[0][1] >= 0.25  # first backoff 0.3 s
             assert seen[1][1] - seen[0][1] >= 0.5  # second backoff 0.6 s
-            assert await await_until(lambda: proxy.committer.committed == 2)  # type: ignore[union-attr]
+            assert await await_until(lambda: proxy.snapshot().committed_offset == 2)
         (dl,) = dead_letters(settings)
         assert (dl.record.offset, dl.attempts) == (0, 3)
         assert dl.reason == "delivery attempts exhausted (3): busy"
@@ -133,7 +132,7 @@ def test_crash_type_poison_pill_is_dead_lettered_with_attempts_at_the_limit(
                     (d,) = await consumer.receive(1)
                     assert d.attempt == attempt
                 # The instance "crashed": it vanished without settling.
-            assert await await_until(lambda: proxy.committer.committed == 1)  # type: ignore[union-attr]
+            assert await await_until(lambda: proxy.snapshot().committed_offset == 1)
         (dl,) = dead_letters(settings)
         assert dl.attempts == 3
         assert dl.reason.startswith("delivery attempts exhausted (3): instance raw-")
@@ -159,7 +158,7 @@ def test_ordering_by_key_in_flight_one_at_a_time_in_offset_order(
             got = await c.receive(2)
             assert sorted(d.offset for d in got) == [3, 5]
             c.settle(acks=[3, 4, 5])
-            assert await await_until(lambda: proxy.committer.committed == 6)  # type: ignore[union-attr]
+            assert await await_until(lambda: proxy.snapshot().committed_offset == 6)
 
     asyncio.run(scenario())
 
@@ -257,12 +256,13 @@ def test_broker_and_dynamodb_outages_do_not_crash_the_proxy_or_lose_data(
                     c.settle(acks=[d.offset for d in got[1:]], nacks=[(0, "bad")])
                     await asyncio.sleep(3)
                     assert proxy.state.value == "running"
-                    assert proxy.committer is not None
-                    assert proxy.committer.committed == 0
+                    assert proxy.snapshot().committed_offset == 0
                 finally:
                     broker.signal(signal.SIGCONT)
                     aws.signal(signal.SIGCONT)
-                assert await await_until(lambda: proxy.committer.committed == 30, timeout=60)  # type: ignore[union-attr]
+                assert await await_until(
+                    lambda: proxy.snapshot().committed_offset == 30, timeout=60
+                )
             assert [d.record.offset for d in dead_letters(settings)] == [0]
             assert committed(broker.bootstrap, settings.kafka.group_id, unique_name) == 30
 

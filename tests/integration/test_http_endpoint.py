@@ -46,6 +46,14 @@ async def scrape(port: int | None) -> dict[str, float]:
     return samples
 
 
+def high_watermark(proxy: Proxy) -> int | None:
+    """The partition's high watermark as the pipeline last read it (None: not yet)."""
+    pipeline = proxy.pipeline()
+    if pipeline is None or pipeline.watermarks is None:
+        return None
+    return pipeline.watermarks.high
+
+
 async def status_of(port: int | None) -> dict[str, Any]:
     async with (
         aiohttp.ClientSession() as http,
@@ -76,15 +84,11 @@ def test_metrics_scrape_shows_the_counters_moving(
             consumer.settle(acks=[0, 1, 2], nacks=[(3, "bad input")])
             assert await await_until(
                 lambda: (
-                    proxy.dispatcher is not None
-                    and proxy.dispatcher.counters.dead_lettered == 1
-                    and proxy.committer is not None
-                    and proxy.committer.committed == 4
+                    proxy.snapshot().counters.get("dead_lettered") == 1
+                    and proxy.snapshot().committed_offset == 4
                 )
             )
-            assert await await_until(
-                lambda: proxy.watermarks is not None and proxy.watermarks.high == 6
-            )
+            assert await await_until(lambda: high_watermark(proxy) == 6)
             second = await scrape(proxy.http_port)
             assert second["triage_acked_total"] == 3
             assert second["triage_nacked_total"] == 1
@@ -103,9 +107,7 @@ def test_metrics_scrape_shows_the_counters_moving(
             assert second["triage_oldest_unsettled_age_seconds"] > 0
 
             consumer.settle(acks=[4, 5])
-            assert await await_until(
-                lambda: proxy.committer is not None and proxy.committer.committed == 6
-            )
+            assert await await_until(lambda: proxy.snapshot().committed_offset == 6)
             third = await scrape(proxy.http_port)
             assert third["triage_acked_total"] == 5
             assert third["triage_lag"] == 0
@@ -125,9 +127,7 @@ def test_status_names_the_instances_and_the_oldest_unsettled_age(
         async with Proxy(settings, 0) as proxy, RawConsumer(target(proxy)) as consumer:
             await consumer.receive(3)
             consumer.settle(acks=[1])
-            assert await await_until(
-                lambda: proxy.watermarks is not None and proxy.watermarks.high == 3
-            )
+            assert await await_until(lambda: high_watermark(proxy) == 3)
             await asyncio.sleep(0.3)
             doc = await status_of(proxy.http_port)
             assert doc["topic"] == topic

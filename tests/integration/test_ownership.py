@@ -231,7 +231,9 @@ def test_holder_cut_off_from_dynamodb_stops_delivering_and_exits_before_expiry(
             proxy = Proxy(settings, 0)
             await proxy.start()
             try:
-                ownership = proxy.ownership
+                pipeline = proxy.pipeline()
+                assert pipeline is not None
+                ownership = pipeline.ownership
                 assert ownership is not None
                 assert ownership.holding
                 async with RawConsumer(target(proxy), credits=5) as c:

@@ -69,8 +69,7 @@ def test_wrong_or_missing_token_gets_unauthenticated_and_no_data(
                         await consumer.read()
                     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
                     assert consumer.deliveries == []
-            assert proxy.dispatcher is not None
-            assert proxy.dispatcher.counters.delivered == 0
+            assert proxy.snapshot().counters["delivered"] == 0
 
     asyncio.run(scenario())
 
@@ -125,8 +124,7 @@ def test_forged_and_duplicate_settlements_are_rejected_and_counted(
                 while len(a.rejected) < 3:
                     await a.read()
             assert sorted(a.rejected) == sorted([theirs.offset, 12345, mine.offset])
-            assert proxy.dispatcher is not None
-            assert proxy.dispatcher.counters.rejected == 3
+            assert proxy.snapshot().counters["rejected"] == 3
             b.settle(acks=[theirs.offset])
             assert await await_until(
                 lambda: committed(broker.bootstrap, settings.kafka.group_id, topic) == 2
@@ -162,9 +160,9 @@ def test_ack_ranges_settle_and_forged_or_duplicate_offsets_in_a_range_are_reject
                 while len(a.rejected) < len(expected):
                     await a.read()
             assert sorted(a.rejected) == sorted(expected)
-            assert proxy.dispatcher is not None
-            assert proxy.dispatcher.counters.rejected == len(expected)
-            assert proxy.dispatcher.counters.acked == 6
+            counters = proxy.snapshot().counters
+            assert counters["rejected"] == len(expected)
+            assert counters["acked"] == 6
             b.settle(acks=others)  # the old way, beside it
             assert await await_until(
                 lambda: committed(broker.bootstrap, settings.kafka.group_id, topic) == 10
@@ -247,7 +245,7 @@ def test_restarted_proxy_resumes_from_the_committed_offset(
         async with Proxy(settings, 0) as proxy, RawConsumer(target(proxy)) as consumer:
             got = await consumer.receive(20)
             consumer.settle(acks=[d.offset for d in got if d.offset < 12])
-            assert await await_until(lambda: proxy.committer and proxy.committer.committed == 12)
+            assert await await_until(lambda: proxy.snapshot().committed_offset == 12)
             # The proxy stops while the instance is connected: it ends the stream, which
             # uses no attempt (an instance vanishing would: that count outlives a restart).
             proxy.stop()
@@ -271,17 +269,15 @@ def test_full_window_pauses_fetching_and_stays_bounded(
     async def scenario() -> None:
         async with Proxy(settings, 0) as proxy, RawConsumer(target(proxy), credits=20) as c:
             await c.receive(20)
-            assert proxy.dispatcher is not None
-            assert proxy.fetcher is not None
-            assert await await_until(lambda: proxy.fetcher and proxy.fetcher.paused)
+            assert await await_until(lambda: proxy.snapshot().fetch_paused)
             await asyncio.sleep(0.5)
-            assert proxy.dispatcher.in_window == 50
-            assert proxy.dispatcher.counters.fetched == 50
+            assert proxy.snapshot().in_window == 50
+            assert proxy.snapshot().counters["fetched"] == 50
             assert len(c.deliveries) == 20  # credits respected while the window is full
             c.settle(acks=[d.offset for d in c.deliveries])
             await c.receive(20)
-            assert await await_until(lambda: proxy.dispatcher.counters.fetched == 70)
-            assert proxy.dispatcher.in_window <= 50
+            assert await await_until(lambda: proxy.snapshot().counters["fetched"] == 70)
+            assert proxy.snapshot().in_window <= 50
 
     asyncio.run(scenario())
 
@@ -303,8 +299,7 @@ def test_nack_is_in_dynamodb_before_the_commit_passes_it(
                     consumer.settle(acks=[1, 2, 3], nacks=[(0, "ValueError: bad")])
                     await asyncio.sleep(1.5)
                     assert committed(broker.bootstrap, group, topic) <= 0
-                    assert proxy.dispatcher is not None
-                    assert proxy.dispatcher.in_window == 1
+                    assert proxy.snapshot().in_window == 1
                 finally:
                     os.kill(aws.pid, signal.SIGCONT)
                 assert await await_until(

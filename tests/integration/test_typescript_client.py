@@ -69,7 +69,14 @@ def npm(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        env={**os.environ, "npm_config_fund": "false", "npm_config_audit": "false"},
+        env={
+            **os.environ,
+            "npm_config_fund": "false",
+            "npm_config_audit": "false",
+            # `npm test` drives the repo's fake proxy (tests/fakeproxy.py): this interpreter
+            # has its dependencies.
+            "TRIAGE_PYTHON": sys.executable,
+        },
     )
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -150,7 +157,7 @@ def test_the_typescript_and_python_clients_share_the_work(built: Path, tmp_path:
 
 
 def test_the_typescript_unit_suite_passes(built: Path) -> None:
-    """`npm test`: builds, then `node --test` against the fake proxy."""
+    """`npm test`: builds, then `node --test` against the shared fake proxy."""
     out = npm("test")
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     assert re.search(r"\bfail 0\b", out.stdout), out.stdout[-3000:]

@@ -18,8 +18,10 @@ from collections.abc import Callable
 
 from triage_proxy.config.settings import settings_from_dict
 from triage_proxy.observe.snapshot import LatencyHistogram
-from triage_proxy.pipeline.dispatcher import Dispatcher
+from triage_proxy.pipeline.dispatch import Dispatcher
 from triage_proxy.pipeline.tracker import CommitTracker
+from triage_proxy.server.encoding import DEFAULT_FRAME_BYTES
+from triage_proxy.server.outbox import Outbox
 from triage_proxy.structs import Record
 
 MAX_OBSERVE_NS = 400
@@ -29,7 +31,7 @@ ROUNDS = 5
 
 
 class NoHistogram(LatencyHistogram):
-    def observe(self, seconds: float) -> None:
+    def observe(self, seconds: float, n: int = 1) -> None:
         pass
 
 
@@ -70,8 +72,9 @@ def settle_run(histogram: type[LatencyHistogram]) -> Callable[[], int]:
     def run() -> int:
         tracker = CommitTracker(0)
         dispatcher = Dispatcher(settings, 0, tracker, lambda dl: None)
-        dispatcher.settle_latency = histogram()
-        session = dispatcher.open_session("bench", BATCH)
+        dispatcher._window.settle_latency = histogram()  # the window observes each settle
+        outbox = Outbox("t", 0, DEFAULT_FRAME_BYTES, packed=False)
+        session = dispatcher.open_session("bench", BATCH, outbox)
         settle_ns = 0
         offset = 0
         for _ in range(BATCHES):
@@ -83,8 +86,8 @@ def settle_run(histogram: type[LatencyHistogram]) -> Callable[[], int]:
             dispatcher.settle(session, acks, ())
             settle_ns += time.perf_counter_ns() - start
             offset += BATCH
-            while not session.outbox.empty():
-                session.outbox.get_nowait()
+            while not outbox.empty():
+                outbox.get_nowait()
         return settle_ns
 
     return run

@@ -4,12 +4,12 @@ Why a wrapper and not a proxy feature: the latency benchmark needs to split Tria
 added latency into the broker's part (produce -> the proxy's Kafka read returned it) and
 the proxy's own (that read -> the consumer's handler start), and nothing on the wire or
 in the proxy should change for it. This runs the real `triage proxy` command in this
-process after wrapping three methods, each stamping time.monotonic_ns() (CLOCK_MONOTONIC,
+process after wrapping four methods, each stamping time.monotonic_ns() (CLOCK_MONOTONIC,
 one clock for every process on the host) per batch, not per record:
 
     fetched  ConfluentPartition.fetch returned the records (on the Kafka fetch thread)
     added    Dispatcher.add began taking them (on the event loop: the thread hand-off)
-    queued   Dispatcher._deliver put them in a session's outbox (credits were free)
+    queued   Scheduler._deliver handed them to a session's outbox (credits were free)
     sent     the gRPC stream handler took their frame from the outbox to write it
 
 Each stamp is (ns, first offset, last offset); the bench's topic has no gaps, so every
@@ -37,7 +37,9 @@ from array import array
 from typing import Any
 
 from triage_proxy.kafka import client as kafka
-from triage_proxy.pipeline import dispatcher, fetcher
+from triage_proxy.pipeline import fetcher
+from triage_proxy.pipeline.dispatch import dispatcher, scheduler
+from triage_proxy.server import outbox
 
 LAG_PERIOD_S = 0.01
 """How often the loop-lag probe runs (100 wake-ups a second: a small cost)."""
@@ -72,33 +74,28 @@ def _install() -> None:
                 _start_lag()
         add(self, records)
 
-    deliver = dispatcher.Dispatcher._deliver
+    deliver = scheduler.Scheduler._deliver
 
     def traced_deliver(self: Any, session: Any, batch: list[Any]) -> None:
         if batch:
             _stamp(queued, batch[0].record[2], batch[-1].record[2])
         deliver(self, session, batch)
 
-    class TracedOutbox(asyncio.Queue):  # type: ignore[type-arg]
-        async def get(self) -> Any:
-            frame = await super().get()
-            if frame is not None and frame.HasField("deliveries"):
-                offsets = [d.offset for d in frame.deliveries.deliveries]
-                packed = frame.deliveries.packed.offsets
-                if packed:
-                    column = array("q", packed)
-                    if sys.byteorder == "big":
-                        column.byteswap()
-                    offsets.extend(column)
-                if offsets:
-                    _stamp(sent, min(offsets), max(offsets))
-            return frame
+    get = outbox.Outbox.get
 
-    session_init = dispatcher.Session.__init__
-
-    def traced_session(self: Any, *args: Any, **kwargs: Any) -> None:
-        session_init(self, *args, **kwargs)
-        self.outbox = TracedOutbox()
+    async def traced_get(self: Any) -> Any:
+        frame = await get(self)
+        if frame is not None and frame.HasField("deliveries"):
+            offsets = [d.offset for d in frame.deliveries.deliveries]
+            packed = frame.deliveries.packed.offsets
+            if packed:
+                column = array("q", packed)
+                if sys.byteorder == "big":
+                    column.byteswap()
+                offsets.extend(column)
+            if offsets:
+                _stamp(sent, min(offsets), max(offsets))
+        return frame
 
     set_paused = fetcher.Fetcher._set_paused
     paused_at = _trace["paused"]
@@ -111,8 +108,8 @@ def _install() -> None:
     fetcher.Fetcher._set_paused = traced_set_paused  # type: ignore[method-assign]
     kafka.ConfluentPartition.fetch = traced_fetch  # type: ignore[method-assign]
     dispatcher.Dispatcher.add = traced_add  # type: ignore[method-assign]
-    dispatcher.Dispatcher._deliver = traced_deliver  # type: ignore[method-assign]
-    dispatcher.Session.__init__ = traced_session  # type: ignore[method-assign]
+    scheduler.Scheduler._deliver = traced_deliver  # type: ignore[method-assign]
+    outbox.Outbox.get = traced_get  # type: ignore[method-assign]
 
 
 _lag_started = False

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from tests.unit.test_dispatcher import drain, make, records
+from tests.unit.test_dispatcher import connect, drain, make, records
 from triage_client.stream import settle_frame
 from triage_protocol import triage_pb2 as pb
 from triage_protocol.constants import MAX_CREDITS
@@ -84,8 +84,8 @@ def test_settle_span_matches_settling_each_offset(seed: int) -> None:
 
 def test_a_range_settles_what_the_stream_holds_and_rejects_the_rest() -> None:
     d, tracker, _ = make()
-    a = d.open_session("a", 5)
-    b = d.open_session("b", 5)
+    a = connect(d, "a", 5)
+    b = connect(d, "b", 5)
     d.add(records(0, 10))
     mine = sorted(x.offset for x in drain(a))
     theirs = sorted(x.offset for x in drain(b))

@@ -28,7 +28,7 @@ import trustme
 from google.protobuf.message import DecodeError
 from typer.testing import CliRunner
 
-from tests.unit.test_dispatcher import make, records
+from tests.unit.test_dispatcher import connect, make, records
 from triage_cli.main import app
 from triage_protocol import triage_pb2 as pb
 from triage_proxy.errors import FrameError
@@ -402,7 +402,7 @@ def test_frames_that_break_the_grammar_are_frame_errors(
 def test_duplicate_offsets_in_one_extend_count_once() -> None:
     dispatcher, _tracker, _dead = make()
     dispatcher.add(records(0, 3))
-    session = dispatcher.open_session("c", 10)
+    session = connect(dispatcher, "c", 10)
     dispatcher.extend(session, [0] * 100_000 + [1, 1, 2])
     assert dispatcher.counters.extended == 3
 

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.samples import GROUP
+from tests.unit.test_dispatcher import connect
 from triage_protocol import triage_pb2 as pb
 from triage_protocol.constants import MAX_CONSUMER_ID_CHARS, MAX_REASON_CHARS
 from triage_proxy.clienttext import (
@@ -23,7 +24,7 @@ from triage_proxy.clienttext import (
 from triage_proxy.config.settings import DeadLetterSettings, Settings, settings_from_dict
 from triage_proxy.deadletters.writer import DeadLetterWriter
 from triage_proxy.errors import FrameError
-from triage_proxy.pipeline.dispatcher import Dispatcher
+from triage_proxy.pipeline.dispatch import Dispatcher
 from triage_proxy.pipeline.tracker import CommitTracker
 from triage_proxy.server.service import _hello
 from triage_proxy.server.status import grpc_status
@@ -124,9 +125,9 @@ def make_settings() -> Settings:
 
 
 def test_dispatcher_log_lines_show_a_consumer_id_escaped(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="triage_proxy.pipeline.dispatcher")
+    caplog.set_level(logging.INFO, logger="triage_proxy.pipeline.dispatch")
     dispatcher = Dispatcher(make_settings(), 0, CommitTracker(0), lambda dl: None)
-    session = dispatcher.open_session("evil\nforged line \x1b[2J", 1)
+    session = connect(dispatcher, "evil\nforged line \x1b[2J", 1)
     dispatcher.settle(session, [99], [])  # rejected: it holds nothing
     dispatcher.close_session(session)
     messages = [r.getMessage() for r in caplog.records]

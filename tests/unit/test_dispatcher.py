@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 
 from triage_protocol import triage_pb2 as pb
 from triage_proxy.config.settings import Settings, settings_from_dict
-from triage_proxy.pipeline.dispatcher import Dispatcher, Session
+from triage_proxy.pipeline.dispatch import Dispatcher, Session
 from triage_proxy.pipeline.tracker import CommitTracker
+from triage_proxy.server.encoding import DEFAULT_FRAME_BYTES, frame_limit
+from triage_proxy.server.outbox import Outbox
 from triage_proxy.structs import DeadLetter, Record
 
 BASE = {
@@ -63,7 +67,36 @@ def make(
         already_settled=already_settled,
         prior_failures=prior_failures,
     )
+    _server_limits[dispatcher] = max_frame_bytes
     return dispatcher, tracker, dead
+
+
+_server_limits: weakref.WeakKeyDictionary[Dispatcher, int] = weakref.WeakKeyDictionary()
+"""server.max_frame_bytes of the dispatchers `make` built (the service caps a stream's
+frame limit with it, see `connect`)."""
+
+
+def connect(
+    d: Dispatcher,
+    consumer_id: str,
+    credits: int,
+    max_frame_bytes: int = 0,
+    packed: bool = False,
+) -> Session:
+    """A session as the service opens one for a Hello with these fields: its outbox is
+    the server's (`session.outlet` is an Outbox of ProxyFrames)."""
+    limit = frame_limit(max_frame_bytes, _server_limits.get(d, DEFAULT_FRAME_BYTES))
+    return d.open_session(consumer_id, credits, Outbox("t", d.partition, limit, packed))
+
+
+def frames_of(session: Session) -> list[pb.ProxyFrame | None]:
+    """Everything queued for `session` (None: its stream ends)."""
+    outbox = session.outlet
+    assert isinstance(outbox, Outbox)
+    out: list[pb.ProxyFrame | None] = []
+    while not outbox.empty():
+        out.append(outbox.get_nowait())
+    return out
 
 
 def records(start: int, stop: int, value: bytes = b"v") -> list[Record]:
@@ -72,8 +105,7 @@ def records(start: int, stop: int, value: bytes = b"v") -> list[Record]:
 
 def drain(session: Session) -> list[pb.Delivery]:
     out: list[pb.Delivery] = []
-    while not session.outbox.empty():
-        frame = session.outbox.get_nowait()
+    for frame in frames_of(session):
         assert frame is not None
         out.extend(frame.deliveries.deliveries)
     return out
@@ -85,7 +117,7 @@ def nack(offset: int, reason: str = "boom", retry: bool = False) -> pb.Nack:
 
 def test_never_exceeds_credits() -> None:
     d, _, _ = make()
-    s = d.open_session("a", 3)
+    s = connect(d, "a", 3)
     d.add(records(0, 10))
     got = drain(s)
     assert [x.offset for x in got] == [0, 1, 2]
@@ -96,7 +128,7 @@ def test_never_exceeds_credits() -> None:
 
 def test_even_share_between_instances() -> None:
     d, _, _ = make()
-    a, b = d.open_session("a", 10), d.open_session("b", 10)
+    a, b = connect(d, "a", 10), connect(d, "b", 10)
     d.add(records(0, 6))
     assert len(drain(a)) == 3
     assert len(drain(b)) == 3
@@ -104,7 +136,7 @@ def test_even_share_between_instances() -> None:
 
 def test_out_of_order_acks_commit_only_the_contiguous_prefix() -> None:
     d, tracker, _ = make()
-    s = d.open_session("a", 10)
+    s = connect(d, "a", 10)
     d.add(records(0, 5))
     d.settle(s, [1, 3, 4], [])
     assert tracker.committable == 0
@@ -121,7 +153,7 @@ def test_caught_up_is_set_each_time_everything_fetched_got_settled() -> None:
     settlement that leaves a record pending, not again while nothing changed."""
     d, tracker, dead = make()
     assert not d.caught_up.is_set()  # nothing fetched yet: nothing to commit early
-    s = d.open_session("a", 10)
+    s = connect(d, "a", 10)
     d.add(records(0, 4))
     d.settle(s, [0, 1, 2], [])
     assert not d.caught_up.is_set()  # 3 is pending
@@ -140,7 +172,7 @@ def test_caught_up_is_set_each_time_everything_fetched_got_settled() -> None:
 
 def test_settlement_for_unheld_offset_is_rejected_and_counted() -> None:
     d, tracker, _ = make()
-    a, b = d.open_session("a", 1), d.open_session("b", 1)
+    a, b = connect(d, "a", 1), connect(d, "b", 1)
     d.add(records(0, 2))
     held_by_a = drain(a)[0].offset
     held_by_b = drain(b)[0].offset
@@ -154,7 +186,7 @@ def test_settlement_for_unheld_offset_is_rejected_and_counted() -> None:
 
 def test_nack_settles_only_after_dead_letter_is_written() -> None:
     d, tracker, dead = make()
-    s = d.open_session("a", 10)
+    s = connect(d, "a", 10)
     d.add(records(0, 2, value=b"\x00\xff"))
     d.settle(s, [1], [nack(0, "ValueError: bad")])
     assert [(x.record.offset, x.reason, x.attempts, x.consumer_id) for x in dead] == [
@@ -170,11 +202,11 @@ def test_nack_settles_only_after_dead_letter_is_written() -> None:
 
 def test_disconnect_redelivers_with_next_attempt_one_suspect_at_a_time() -> None:
     d, tracker, dead = make()
-    a = d.open_session("a", 2)
+    a = connect(d, "a", 2)
     d.add(records(0, 2))
     assert [x.attempt for x in drain(a)] == [1, 1]
     d.close_session(a)
-    b = d.open_session("b", 5)
+    b = connect(d, "b", 5)
     assert [(x.offset, x.attempt) for x in drain(b)] == [(0, 2)]
     d.settle(b, [0], [])
     assert [(x.offset, x.attempt) for x in drain(b)] == [(1, 2)]
@@ -187,7 +219,7 @@ def test_crash_type_poison_pill_is_dead_lettered_after_max_attempts() -> None:
     d, tracker, dead = make(max_attempts=3, span_s=0)  # no gaps (see the backoff tests)
     d.add(records(0, 1))
     for attempt in range(1, 4):
-        s = d.open_session(f"i{attempt}", 1)
+        s = connect(d, f"i{attempt}", 1)
         assert [x.attempt for x in drain(s)] == [attempt]
         d.close_session(s)
     assert len(dead) == 1
@@ -202,7 +234,7 @@ def test_crash_type_poison_pill_is_dead_lettered_after_max_attempts() -> None:
 def test_retry_nack_waits_out_its_backoff_without_blocking_others() -> None:
     clock = Clock()
     d, _, dead = make(max_attempts=3, clock=clock)
-    s = d.open_session("a", 1)
+    s = connect(d, "a", 1)
     d.add(records(0, 2))
     assert [x.offset for x in drain(s)] == [0]
     d.settle(s, [], [nack(0, "Retry: later", retry=True)])
@@ -229,7 +261,7 @@ def test_retry_nack_waits_out_its_backoff_without_blocking_others() -> None:
 
 def test_full_window_clears_room_until_settled() -> None:
     d, _, _ = make(max_messages=4)
-    s = d.open_session("a", 10)
+    s = connect(d, "a", 10)
     d.add(records(0, 4))
     assert d.room_for == 0
     assert not d.room.is_set()
@@ -240,7 +272,7 @@ def test_full_window_clears_room_until_settled() -> None:
 
 def test_oversized_record_is_dead_lettered_not_delivered() -> None:
     d, _, dead = make(max_frame_bytes=128 * 1024)
-    s = d.open_session("a", 10)
+    s = connect(d, "a", 10)
     d.add(records(0, 1, value=b"x" * (200 * 1024)))
     assert drain(s) == []
     assert "exceeds server.max_frame_bytes" in dead[0].reason
@@ -248,18 +280,18 @@ def test_oversized_record_is_dead_lettered_not_delivered() -> None:
 
 def test_large_batches_split_into_frames_within_budget() -> None:
     d, _, _ = make(max_frame_bytes=64 << 20)
-    s = d.open_session("a", 100)
+    s = connect(d, "a", 100)
     d.add(records(0, 10, value=b"x" * (1 << 20)))
     frames = []
-    while not s.outbox.empty():
-        frames.append(s.outbox.get_nowait())
+    while not s.outlet.empty():
+        frames.append(s.outlet.get_nowait())
     assert len(frames) >= 3
     assert sum(len(f.deliveries.deliveries) for f in frames if f) == 10
 
 
 def test_headers_and_nulls_travel_byte_exact() -> None:
     d, _, _ = make()
-    s = d.open_session("a", 1)
+    s = connect(d, "a", 1)
     rec = Record("t", 0, 0, None, None, (("h", b"\x00"), ("h", None)), 42)
     d.add([rec])
     got = drain(s)[0]
@@ -275,7 +307,7 @@ def test_headers_and_nulls_travel_byte_exact() -> None:
 @pytest.mark.parametrize("gap", [1, 7, 10**9])
 def test_gaps_in_offsets_commit_past_them(gap: int) -> None:
     d, tracker, _ = make()
-    s = d.open_session("a", 10)
+    s = connect(d, "a", 10)
     d.add([*records(0, 1), records(0, 1)[0]._replace(offset=gap + 1)])
     d.settle(s, [0, gap + 1], [])
     assert tracker.committable == gap + 2
@@ -283,7 +315,7 @@ def test_gaps_in_offsets_commit_past_them(gap: int) -> None:
 
 def test_stop_delivering_keeps_held_work_settleable() -> None:
     d, tracker, _ = make()
-    s = d.open_session("a", 2)
+    s = connect(d, "a", 2)
     d.add(records(0, 5))
     assert len(drain(s)) == 2
     d.stop_delivering()
@@ -296,28 +328,28 @@ def test_stop_delivering_keeps_held_work_settleable() -> None:
 
 def test_released_deliveries_come_back_without_using_an_attempt() -> None:
     d, _, dead = make(max_attempts=1)
-    a = d.open_session("a", 3)
+    a = connect(d, "a", 3)
     d.add(records(0, 3))
     assert [x.attempt for x in drain(a)] == [1, 1, 1]
     d.settle(a, [0], [])
     assert d.release(a, [2, 1, 7]) == [7]
     d.close_session(a)
-    b = d.open_session("b", 3)
+    b = connect(d, "b", 3)
     assert [(x.offset, x.attempt) for x in drain(b)] == [(1, 1), (2, 1)]
     assert not dead
 
 
 def test_ending_a_session_now_gives_back_only_what_never_left_its_outbox() -> None:
     d, _, dead = make(max_attempts=1)
-    a = d.open_session("a", 4)
+    a = connect(d, "a", 4)
     d.add(records(0, 2))
     assert [x.offset for x in drain(a)] == [0, 1]  # these reached the wire
     d.add(records(2, 4))  # these wait in a's outbox
     d.end_session_now(a)  # its token was revoked
-    assert a.outbox.get_nowait() is None
-    assert a.outbox.empty()
+    assert a.outlet.get_nowait() is None
+    assert a.outlet.empty()
     d.close_session(a)  # the stream ends: what it received used its attempt
-    b = d.open_session("b", 4)
+    b = connect(d, "b", 4)
     assert [(x.offset, x.attempt) for x in drain(b)] == [(2, 1), (3, 1)]
     assert [dl.record.offset for dl in dead] == [0, 1]
 
@@ -325,8 +357,8 @@ def test_ending_a_session_now_gives_back_only_what_never_left_its_outbox() -> No
 def test_expired_lease_redelivers_and_a_late_ack_is_rejected() -> None:
     clock = Clock()
     d, tracker, _ = make(clock=clock)
-    a = d.open_session("a", 1)
-    b = d.open_session("b", 1)
+    a = connect(d, "a", 1)
+    b = connect(d, "b", 1)
     d.add(records(0, 1))
     assert [x.attempt for x in drain(a)] == [1]
     a.credits = 0  # a is stuck; it takes nothing more
@@ -348,7 +380,7 @@ def test_expired_lease_redelivers_and_a_late_ack_is_rejected() -> None:
 def test_extend_keeps_a_long_delivery_from_expiring() -> None:
     clock = Clock()
     d, _, _ = make(clock=clock)
-    a = d.open_session("a", 1)
+    a = connect(d, "a", 1)
     d.add(records(0, 1))
     drain(a)
     for _ in range(5):
@@ -365,7 +397,7 @@ def test_extend_keeps_a_long_delivery_from_expiring() -> None:
 def test_expiry_counts_as_an_attempt_until_dead_lettered() -> None:
     clock = Clock()
     d, _, dead = make(max_attempts=2, clock=clock, span_s=0)  # no gaps
-    a = d.open_session("a", 1)
+    a = connect(d, "a", 1)
     d.add(records(0, 1))
     for _ in range(2):
         drain(a)
@@ -381,7 +413,7 @@ def key_records(keys: list[bytes | None]) -> list[Record]:
 
 def test_ordering_by_key_never_has_a_key_in_flight_twice() -> None:
     d, tracker, dead = make(ordering="key")
-    a = d.open_session("a", 10)
+    a = connect(d, "a", 10)
     d.add(key_records([b"x", b"y", b"x", None, None, b"x", b"y"]))
     assert [x.offset for x in drain(a)] == [0, 1, 3, 4]
     d.settle(a, [1], [])
@@ -398,7 +430,7 @@ def test_ordering_by_key_never_has_a_key_in_flight_twice() -> None:
 def test_ordering_by_key_holds_the_key_through_retries_and_disconnects() -> None:
     clock = Clock()
     d, _, _ = make(ordering="key", clock=clock, span_s=0)  # no gap after the disconnect
-    a = d.open_session("a", 10)
+    a = connect(d, "a", 10)
     d.add(key_records([b"k", b"k"]))
     assert [x.offset for x in drain(a)] == [0]
     d.settle(a, [], [nack(0, "later", retry=True)])
@@ -406,13 +438,13 @@ def test_ordering_by_key_holds_the_key_through_retries_and_disconnects() -> None
     d.tick()
     assert [(x.offset, x.attempt) for x in drain(a)] == [(0, 2)]
     d.close_session(a)
-    b = d.open_session("b", 10)
+    b = connect(d, "b", 10)
     assert [(x.offset, x.attempt) for x in drain(b)] == [(0, 3)]
 
 
 def test_offsets_settled_by_a_previous_run_are_not_delivered() -> None:
     d, tracker, _ = make(already_settled=(1, 3))
-    a = d.open_session("a", 10)
+    a = connect(d, "a", 10)
     d.add(records(0, 5))
     assert [x.offset for x in drain(a)] == [0, 2, 4]
     d.settle(a, [0, 2, 4], [])
@@ -436,7 +468,7 @@ def test_a_previous_runs_settled_offsets_stay_known_until_fetched() -> None:
 def test_lease_bookkeeping_stays_bounded_and_still_expires_after_compaction() -> None:
     clock = Clock()
     d, _, _ = make(max_messages=10, clock=clock)
-    a = d.open_session("a", 5)
+    a = connect(d, "a", 5)
     d.add(records(0, 1))  # held, never settled: must still expire
     drain(a)
     for start in range(1, 20_001, 4):
@@ -444,7 +476,7 @@ def test_lease_bookkeeping_stays_bounded_and_still_expires_after_compaction() ->
         got = [x.offset for x in drain(a)]
         d.settle(a, got, [])
         clock.now += 0.0001
-    assert d._lease_refs <= 4 * 1024 + 5
+    assert d._leases.references <= 4 * 1024 + 5
     clock.now += 10.1
     d.tick()
     assert d.counters.expired == 1
@@ -455,7 +487,7 @@ def test_compaction_drops_batches_below_the_commit_and_keeps_the_held_ones() -> 
     a held delivery above it keeps its lease and still expires."""
     clock = Clock()
     d, tracker, _ = make(max_messages=10, clock=clock)
-    a = d.open_session("a", 5)
+    a = connect(d, "a", 5)
     for start in range(0, 20_000, 4):
         d.add(records(start, start + 4))
         got = [x.offset for x in drain(a)]
@@ -465,8 +497,8 @@ def test_compaction_drops_batches_below_the_commit_and_keeps_the_held_ones() -> 
     d.add(records(20_000, 20_002))
     held = [x.offset for x in drain(a)]
     d.settle(a, held[1:], [])  # 20_000 stays held
-    d._compact_leases()
-    assert d._lease_refs == 1
+    d._leases.compact()
+    assert d._leases.references == 1
     clock.now += 10.1
     d.tick()
     assert d.counters.expired == 1
@@ -474,10 +506,10 @@ def test_compaction_drops_batches_below_the_commit_and_keeps_the_held_ones() -> 
 
 def test_a_vanished_instances_records_go_out_one_suspect_per_instance() -> None:
     d, tracker, _ = make()
-    a = d.open_session("a", 10)
+    a = connect(d, "a", 10)
     d.add(records(0, 10))
     drain(a)
-    others = [d.open_session(name, 10) for name in "bcde"]
+    others = [connect(d, name, 10) for name in "bcde"]
     d.close_session(a)  # it crashed holding all ten: any of them may be the pill
     d.add(records(10, 14))  # fresh records still flow beside the suspects
     delivered = 0
@@ -504,7 +536,7 @@ def test_disconnects_back_off_so_the_limit_takes_the_span() -> None:
     first_failure = None
     seen: list[int] = []
     for n in range(5):
-        s = d.open_session(f"i{n}", 1)
+        s = connect(d, f"i{n}", 1)
         while not (got := drain(s)):
             assert d.counters.delivered == len(seen)  # waiting out its gap: not delivered
             clock.now += 0.05
@@ -524,14 +556,14 @@ def test_disconnects_back_off_so_the_limit_takes_the_span() -> None:
 def test_the_first_redelivery_after_a_disconnect_is_immediate_and_waits_in_backoff_after() -> None:
     clock = Clock()
     d, _, _ = make(max_attempts=5, span_s=7.0, clock=clock)
-    a = d.open_session("a", 3)
+    a = connect(d, "a", 3)
     d.add(records(0, 3))
     drain(a)
     d.close_session(a)
-    b = d.open_session("b", 3)
+    b = connect(d, "b", 3)
     assert [(x.offset, x.attempt) for x in drain(b)] == [(0, 2)]  # suspects: one at a time
     d.close_session(b)  # 0 failed twice: 1 s; 1 and 2 never left the queue of suspects
-    c = d.open_session("c", 3)
+    c = connect(d, "c", 3)
     assert [(x.offset, x.attempt) for x in drain(c)] == [(1, 2)]
     d.settle(c, [1], [])
     assert [(x.offset, x.attempt) for x in drain(c)] == [(2, 2)]
@@ -549,7 +581,7 @@ def test_the_first_redelivery_after_a_disconnect_is_immediate_and_waits_in_backo
 def test_a_lapsed_lease_backs_off_like_a_disconnect() -> None:
     clock = Clock()
     d, _, dead = make(max_attempts=3, span_s=5.0, clock=clock)  # gaps 0, 5 s
-    a = d.open_session("a", 1)
+    a = connect(d, "a", 1)
     d.add(records(0, 1))
     assert [x.attempt for x in drain(a)] == [1]
     clock.now += 10.1
@@ -571,7 +603,7 @@ def test_a_lapsed_lease_backs_off_like_a_disconnect() -> None:
 def test_retry_nacks_keep_their_own_backoff() -> None:
     clock = Clock()
     d, _, _ = make(max_attempts=5, span_s=700.0, clock=clock)  # the span would be long
-    a = d.open_session("a", 1)
+    a = connect(d, "a", 1)
     d.add(records(0, 1))
     drain(a)
     d.settle(a, [], [nack(0, "later", retry=True)])
@@ -590,14 +622,14 @@ def test_a_flapping_fleet_cannot_exhaust_healthy_messages() -> None:
     d.add(records(0, 100))
     took = 0
     for n in range(300):
-        s = d.open_session(f"flap{n}", 1)
+        s = connect(d, f"flap{n}", 1)
         took += len(drain(s))
         clock.now += 0.001  # 0.3 s for the whole storm, well inside the first gap
         d.tick()
         d.close_session(s)
     assert took == 200  # each failed twice: once redelivered at once, then backing off
     assert dead == []
-    healthy = d.open_session("healthy", 100)
+    healthy = connect(d, "healthy", 100)
     while tracker.committable < 100:
         d.settle(healthy, [x.offset for x in drain(healthy)], [])
         clock.now += 0.05
@@ -612,7 +644,7 @@ def test_a_flapping_fleet_cannot_exhaust_healthy_messages() -> None:
 def test_failures_counts_the_failed_deliveries_of_unsettled_records() -> None:
     clock = Clock()
     d, _, _ = make(max_attempts=5, span_s=0, clock=clock)
-    a = d.open_session("a", 3)
+    a = connect(d, "a", 3)
     d.add(records(0, 3))
     drain(a)
     version = d.failures_version
@@ -620,7 +652,7 @@ def test_failures_counts_the_failed_deliveries_of_unsettled_records() -> None:
     d.close_session(a)
     assert d.failures() == {0: 1, 1: 1, 2: 1}
     assert d.failures_version > version
-    b = d.open_session("b", 1)
+    b = connect(d, "b", 1)
     drain(b)  # 0, as a suspect
     d.settle(b, [0], [])
     d.settle(b, [], [nack(1, "later", retry=True)])
@@ -633,7 +665,7 @@ def test_prior_failures_go_on_where_the_last_run_stopped() -> None:
         max_attempts=5, span_s=7.0, clock=clock, prior_failures={0: 2, 3: 5, 9: 1}
     )
     assert d.failures() == {0: 2, 3: 5, 9: 1}  # kept until fetched, so a checkpoint keeps them
-    a = d.open_session("a", 10)
+    a = connect(d, "a", 10)
     d.add(records(0, 5))
     # 3 failed all five times before the restart: dead-lettered without a sixth delivery.
     assert [(x.record.offset, x.attempts) for x in dead] == [(3, 5)]
@@ -661,7 +693,7 @@ def test_prior_failures_of_a_settled_offset_are_dropped() -> None:
 def test_prior_failures_wait_for_their_key() -> None:
     clock = Clock()
     d, _, dead = make(ordering="key", max_attempts=3, span_s=0, clock=clock, prior_failures={1: 2})
-    a = d.open_session("a", 10)
+    a = connect(d, "a", 10)
     d.add(key_records([b"k", b"k"]))
     assert [(x.offset, x.attempt) for x in drain(a)] == [(0, 1)]
     d.settle(a, [0], [])
@@ -675,23 +707,23 @@ def test_prior_failures_wait_for_their_key() -> None:
 def test_the_count_of_failures_stays_bounded_without_readers() -> None:
     d, _, _ = make(max_attempts=5, span_s=0, max_messages=10)
     for start in range(0, 5000, 5):
-        s = d.open_session("s", 5)
+        s = connect(d, "s", 5)
         d.add(records(start, start + 5))
         drain(s)
         d.close_session(s)  # each fails once...
-        t = d.open_session("t", 5)
+        t = connect(d, "t", 5)
         while d.in_window:
             got = drain(t)
             d.settle(t, [x.offset for x in got], [])  # ...and is acked next
         d.close_session(t)
-    assert len(d._failures) <= 2048
+    assert len(d._window._failures) <= 2048
     assert d.failures() == {}
 
 
 def test_streams_ended_by_a_shutdown_use_no_attempt() -> None:
     # The proxy stopping is not the messages' doing: nothing is counted (or persisted).
     d, _, dead = make(max_attempts=1, span_s=0)
-    a = d.open_session("a", 3)
+    a = connect(d, "a", 3)
     d.add(records(0, 3))
     drain(a)
     d.stop_delivering()
@@ -706,7 +738,7 @@ def test_streams_ended_by_a_shutdown_use_no_attempt() -> None:
 
 def test_a_grant_changes_credits_without_revoking_what_is_held() -> None:
     d, _, _ = make()
-    a = d.open_session("a", 2)
+    a = connect(d, "a", 2)
     d.add(records(0, 10))
     assert [x.offset for x in drain(a)] == [0, 1]
     d.grant(a, 5)  # raised: three more at once
@@ -735,7 +767,7 @@ def test_a_contiguous_batch_and_a_batch_with_a_gap_fill_the_window_alike() -> No
         [*records(0, 3), Record("t", 0, 3, None, big, (), 0), *records(4, 7), *records(9, 10)],
     ):
         d, tracker, dead = make()
-        session = d.open_session("a", 100)
+        session = connect(d, "a", 100)
         d.add(batch)
         offsets = [x.offset for x in drain(session)]
         outcomes.append((offsets, d.in_window, tracker.pending, [x.record.offset for x in dead]))

@@ -6,9 +6,10 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from tests.unit.test_dispatcher import connect
 from triage_protocol import triage_pb2 as pb
 from triage_proxy.config.settings import settings_from_dict
-from triage_proxy.pipeline.dispatcher import Dispatcher, Session
+from triage_proxy.pipeline.dispatch import Dispatcher, Session
 from triage_proxy.pipeline.tracker import CommitTracker
 from triage_proxy.structs import DeadLetter, Record
 
@@ -51,8 +52,8 @@ class DispatcherMachine(RuleBasedStateMachine):
 
     def _drain(self) -> None:
         for s in self.sessions:
-            while not s.outbox.empty():
-                frame = s.outbox.get_nowait()
+            while not s.outlet.empty():
+                frame = s.outlet.get_nowait()
                 if frame is None:
                     continue
                 for d in frame.deliveries.deliveries:
@@ -72,7 +73,7 @@ class DispatcherMachine(RuleBasedStateMachine):
 
     @rule(credits=st.integers(1, 4))
     def connect(self, credits: int) -> None:
-        self.sessions.append(self.d.open_session(f"i{len(self.sessions)}", credits))
+        self.sessions.append(connect(self.d, f"i{len(self.sessions)}", credits))
         self._drain()
 
     @precondition(lambda self: self.sessions)

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import pytest
 
+from tests.unit.test_dispatcher import connect
 from tests.unit.twins import KAFKA_CALL_S, FlakyPartition, InlineKafkaThread
 from tests.unit.virtual_time import gaps, run, until
 from triage_proxy.config.settings import settings_from_dict
-from triage_proxy.pipeline.dispatcher import Dispatcher
+from triage_proxy.pipeline.dispatch import Dispatcher
 from triage_proxy.pipeline.fetcher import Fetcher
 from triage_proxy.pipeline.tracker import CommitTracker
 from triage_proxy.structs import DeadLetter
@@ -90,7 +91,7 @@ def test_a_full_window_pauses_fetching_until_there_is_room_for_a_batch() -> None
         await asyncio.sleep(30)  # however long it stays full, nothing more is taken
         assert (rig.partition.position, len(rig.partition.fetch_times)) == (8, fetches)
 
-        session = rig.dispatcher.open_session("a", 8)
+        session = connect(rig.dispatcher, "a", 8)
         rig.dispatcher.settle(session, [0], [])
         await asyncio.sleep(1)
         assert rig.fetcher.paused  # room for 1 is not worth a fetch

@@ -6,11 +6,12 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.unit.test_dispatcher import make, records
+from tests.unit.test_dispatcher import connect, make, records
 from triage_protocol import triage_pb2 as pb
 from triage_protocol.constants import DEFAULT_FRAME_BYTES, MIN_FRAME_BYTES
-from triage_proxy.pipeline.dispatcher import Entry, Session
+from triage_proxy.pipeline.dispatch import Entry, Session
 from triage_proxy.server.encoding import (
+    PLAIN_ITEM_MAX_OVERHEAD_BYTES,
     attempt_size,
     delivery_base_size,
     frame_header_size,
@@ -21,6 +22,7 @@ from triage_proxy.server.encoding import (
     item_size,
     varint_size,
 )
+from triage_proxy.server.outbox import Outbox
 from triage_proxy.structs import Record
 
 INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
@@ -59,9 +61,54 @@ def test_delivery_size_is_exact(
     record = Record("t", 0, offset, key, value, tuple(headers), timestamp)
     expected = delivery_of(record, attempt).ByteSize()
     assert delivery_base_size(record) + attempt_size(attempt) == expected
-    entry = Entry(record)  # its one-pass copy of both formulas for records without headers
-    assert entry.wire == delivery_base_size(record)
-    assert entry.size == record.size
+    assert Entry(record).size == record.size  # its inlined copy for records without headers
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    offset=st.integers(min_value=0, max_value=2**63 - 1),
+    key=BLOB,
+    value=BLOB,
+    headers=HEADERS,
+    timestamp=INT64,
+    attempt=st.integers(min_value=1, max_value=2**32 - 1),
+)
+def test_the_outbox_sizes_a_delivery_exactly(
+    offset: int,
+    key: bytes | None,
+    value: bytes | None,
+    headers: list[tuple[str, bytes | None]],
+    timestamp: int,
+    attempt: int,
+) -> None:
+    """The outbox's inlined copy of the formulas: a delivery of exactly a frame's room is
+    sent, one byte over it is refused."""
+    record = Record("t", 0, offset, key, value, tuple(headers), timestamp)
+    item = item_size(delivery_base_size(record) + attempt_size(attempt))
+    header = frame_header_size("t", 0)
+    for room, sent in ((item, 1), (item - 1, 0)):
+        limit = next(n for n in range(room, room + 20) if frame_room(n, header) == room)
+        entry = Entry(record)
+        entry.attempt = attempt
+        frames, refused = Outbox("t", 0, limit, packed=False).send([entry])
+        assert (frames, len(refused)) == (sent, 1 - sent)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    offset=INT64,
+    key=BLOB,
+    value=BLOB,
+    timestamp=INT64,
+    attempt=st.integers(min_value=1, max_value=2**32 - 1),
+)
+def test_a_plain_delivery_adds_at_most_its_bytes_and_the_overhead_bound(
+    offset: int, key: bytes | None, value: bytes | None, timestamp: int, attempt: int
+) -> None:
+    """The bound that lets the outbox skip sizing a batch that fits one frame anyway."""
+    record = Record("t", 0, offset, key, value, (), timestamp)
+    item = item_size(delivery_base_size(record) + attempt_size(attempt))
+    assert item <= record.size + PLAIN_ITEM_MAX_OVERHEAD_BYTES
 
 
 @settings(max_examples=200, deadline=None)
@@ -109,8 +156,8 @@ def test_frame_limit_policy() -> None:
 
 def frames(session: Session) -> list[pb.ProxyFrame]:
     out = []
-    while not session.outbox.empty():
-        frame = session.outbox.get_nowait()
+    while not session.outlet.empty():
+        frame = session.outlet.get_nowait()
         assert frame is not None
         out.append(frame)
     return out
@@ -120,7 +167,7 @@ def test_frames_never_exceed_a_4_mib_limit_with_4000_byte_records() -> None:
     """The grpc-js trap: 2,048 credits of 4,000-byte records used to make a frame of
     4,213,082 bytes; now every frame fits 4 MiB exactly, and is filled close to it."""
     d, _, dead = make(max_messages=5000, max_frame_bytes=64 << 20)
-    s = d.open_session("js", 2048, DEFAULT_FRAME_BYTES)
+    s = connect(d, "js", 2048, DEFAULT_FRAME_BYTES)
     d.add(
         Record("orders", 0, o, b"k%d" % o, b"x" * 4000, (("h", b"v"),), 1_700_000_000_000)
         for o in range(2048)
@@ -136,7 +183,7 @@ def test_frames_never_exceed_a_4_mib_limit_with_4000_byte_records() -> None:
 
 def test_an_old_hello_gets_4_mib_frames() -> None:
     d, _, _ = make(max_frame_bytes=64 << 20)
-    s = d.open_session("old", 100)  # no max_frame_bytes: the default
+    s = connect(d, "old", 100)  # no max_frame_bytes: the default
     d.add(records(0, 20, value=b"x" * (1 << 20)))
     sizes = [f.ByteSize() for f in frames(s)]
     assert sum(1 for _ in sizes) >= 7
@@ -145,7 +192,7 @@ def test_an_old_hello_gets_4_mib_frames() -> None:
 
 def test_a_record_alone_may_fill_a_frame_up_to_the_limit() -> None:
     d, _, dead = make(max_frame_bytes=64 << 20)
-    s = d.open_session("big", 10, 16 << 20)
+    s = connect(d, "big", 10, 16 << 20)
     d.add(records(0, 3, value=b"x" * (6 << 20)))
     sent = frames(s)
     assert [len(f.deliveries.deliveries) for f in sent] == [1, 1, 1]
@@ -155,7 +202,7 @@ def test_a_record_alone_may_fill_a_frame_up_to_the_limit() -> None:
 
 def test_a_record_over_the_limit_is_dead_lettered_and_the_rest_flow() -> None:
     d, tracker, dead = make(max_frame_bytes=64 << 20)
-    s = d.open_session("js", 10, MIN_FRAME_BYTES)
+    s = connect(d, "js", 10, MIN_FRAME_BYTES)
     d.add(
         [
             Record("t", 0, 0, None, b"a", (), 0),
@@ -178,10 +225,10 @@ def test_a_large_record_waits_for_an_instance_whose_limit_takes_it() -> None:
     """Mixed fleet: a record too large for one instance waits for one that can take it;
     once no connected instance can, it is dead-lettered."""
     d, _, dead = make(max_frame_bytes=64 << 20)
-    big = d.open_session("big", 1, 8 << 20)
+    big = connect(d, "big", 1, 8 << 20)
     d.add([Record("t", 0, 0, None, b"a", (), 0)])
     assert list(big.held) == [0]
-    small = d.open_session("small", 10, MIN_FRAME_BYTES)
+    small = connect(d, "small", 10, MIN_FRAME_BYTES)
     d.add([Record("t", 0, 1, None, b"x" * (1 << 20), (), 0)])
     d.tick()
     assert 1 not in small.held
@@ -216,7 +263,7 @@ def test_records_at_the_edge_of_the_limit_are_delivered_or_dead_lettered() -> No
     """Around the limit, each record goes out in a frame within it or is dead-lettered:
     never left waiting for an instance that can take it (the fit rule is one rule)."""
     d, _, dead = make(max_frame_bytes=64 << 20)
-    s = d.open_session("edge", 100, MIN_FRAME_BYTES)
+    s = connect(d, "edge", 100, MIN_FRAME_BYTES)
     sizes = range(MIN_FRAME_BYTES - 40, MIN_FRAME_BYTES + 1)
     d.add(Record("t", 0, o, None, b"x" * n, (), 0) for o, n in enumerate(sizes))
     d.tick()

@@ -44,3 +44,10 @@ def test_the_readme_layout_names_every_package_once() -> None:
         for init in (ROOT / top).rglob("__init__.py")
     }
     assert sorted(packages - set(rows)) == []
+
+
+def test_import_contracts() -> None:
+    """The layering in pyproject.toml's [tool.importlinter]: the proxy's packages import
+    only downward, and each dependency has one edge."""
+    out = run(str(BIN / "lint-imports"), "--no-cache")
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.unit.test_dispatcher import make
+from tests.unit.test_dispatcher import connect, make
 from triage_client.message import Message, unpack_messages
 from triage_protocol import triage_pb2 as pb
 from triage_protocol.constants import MIN_FRAME_BYTES
@@ -50,7 +50,7 @@ def received(frame: pb.ProxyFrame) -> list[tuple[object, ...]]:
 
 def outbox(session: object) -> list[pb.ProxyFrame]:
     frames = []
-    box = session.outbox  # type: ignore[attr-defined]
+    box = session.outlet  # type: ignore[attr-defined]
     while not box.empty():
         frame = box.get_nowait()
         assert frame is not None
@@ -66,7 +66,7 @@ def test_packed_frames_carry_every_record_byte_exact_within_the_limit(
 ) -> None:
     d, _, dead = make(max_messages=1000, max_frame_bytes=64 << 20)
     limit = limit_kib * 1024
-    s = d.open_session("packed", 1000, limit, packed=True)
+    s = connect(d, "packed", 1000, limit, packed=True)
     batch = [
         Record(
             "t",
@@ -88,7 +88,7 @@ def test_packed_frames_carry_every_record_byte_exact_within_the_limit(
     assert got == expected
     # Redeliveries (suspects, one at a time) carry their attempt in the attempts column.
     d.close_session(s)
-    again = d.open_session("packed-2", 1000, limit, packed=True)
+    again = connect(d, "packed-2", 1000, limit, packed=True)
     got = []
     while len(got) < len(batch):
         fresh = [row for f in outbox(again) for row in received(f)]
@@ -102,7 +102,7 @@ def test_packed_frames_carry_every_record_byte_exact_within_the_limit(
 
 def test_a_client_that_did_not_ask_gets_repeated_deliveries_only() -> None:
     d, _, _ = make()
-    old = d.open_session("old", 100)
+    old = connect(d, "old", 100)
     d.add([Record("t", 0, o, None, b"v", (), 5) for o in range(10)])
     frames = outbox(old)
     assert frames
@@ -114,10 +114,10 @@ def test_unsent_packed_deliveries_are_given_back() -> None:
     """A revoked stream's queued frames never reached the wire: their packed offsets go
     back to the queue without an attempt, like repeated ones."""
     d, _, _ = make()
-    s = d.open_session("packed", 100, packed=True)
+    s = connect(d, "packed", 100, packed=True)
     d.add([Record("t", 0, o, None, b"v", (), 5) for o in range(10)])
     d.end_session_now(s)
-    other = d.open_session("other", 100, packed=True)
+    other = connect(d, "other", 100, packed=True)
     got = [row for f in outbox(other) for row in received(f)]
     assert sorted(row[0] for row in got) == list(range(10))
     assert {row[5] for row in got} == {1}
@@ -180,7 +180,7 @@ def test_columns_that_do_not_agree_are_refused(broken: dict[str, bytes]) -> None
 
 def test_the_smallest_frame_limit_takes_the_largest_packed_record() -> None:
     d, _, dead = make(max_frame_bytes=64 << 20)
-    s = d.open_session("small", 10, MIN_FRAME_BYTES, packed=True)
+    s = connect(d, "small", 10, MIN_FRAME_BYTES, packed=True)
     d.add([Record("t", 0, o, None, b"x" * PACKED_MAX_RECORD_BYTES, (), 0) for o in range(8)])
     frames = outbox(s)
     assert dead == []

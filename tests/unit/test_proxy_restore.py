@@ -119,7 +119,9 @@ def test_a_restarted_proxy_continues_the_counts(caplog: pytest.LogCaptureFixture
 
     async def scenario() -> None:
         async with proxy:
-            dispatcher = proxy.dispatcher
+            pipeline = proxy.pipeline()
+            assert pipeline is not None
+            dispatcher = pipeline.dispatcher
             assert dispatcher is not None
             await until(lambda: dispatcher.counters.dead_lettered == 1)
             assert dispatcher.failures() == {0: 4}
@@ -152,11 +154,12 @@ def test_the_first_commits_keep_what_the_previous_run_settled_beyond_the_window(
 
     async def scenario() -> None:
         async with proxy:
-            committer = proxy.committer
+            pipeline = proxy.pipeline()
+            assert pipeline is not None
+            committer = pipeline.committer
             assert committer is not None
             await until(lambda: committer.commits >= 1 and checkpoints.puts >= 2)
-            assert proxy.dispatcher is not None
-            assert proxy.dispatcher.in_window == 5
+            assert proxy.snapshot().in_window == 5
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
     assert checkpoints.value == (0, encode_settled(0, list(range(10, 30))))

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from tests.unit.test_dispatcher import BASE, Clock, drain, records
+from tests.unit.test_dispatcher import BASE, Clock, connect, drain, records
 from triage_proxy.config.settings import RateLimitSettings, settings_from_dict
 from triage_proxy.errors import ConfigError
-from triage_proxy.pipeline.dispatcher import Dispatcher
+from triage_proxy.pipeline.dispatch import Dispatcher
 from triage_proxy.pipeline.policies import RateLimit, TokenBucket, rate_limit
 from triage_proxy.pipeline.tracker import CommitTracker
 from triage_proxy.structs import Record
@@ -110,7 +110,7 @@ def _dispatcher(clock: Clock, **caps: float) -> Dispatcher:
 def test_dispatcher_delivers_no_faster_than_the_message_cap() -> None:
     clock = Clock()
     d = _dispatcher(clock, messages_per_s=10)
-    s = d.open_session("a", 1000)
+    s = connect(d, "a", 1000)
     d.add(records(0, 100))
     assert len(drain(s)) == 10  # the burst
     d.tick()
@@ -126,7 +126,7 @@ def test_dispatcher_delivers_no_faster_than_the_message_cap() -> None:
 def test_dispatcher_lets_a_record_over_the_byte_burst_go_when_the_bucket_is_full() -> None:
     clock = Clock()
     d = _dispatcher(clock, bytes_per_s=100)
-    s = d.open_session("a", 1000)
+    s = connect(d, "a", 1000)
     d.add([Record("t", 0, 0, None, b"x" * 10, (), 0)])
     d.add([Record("t", 0, 1, None, b"y" * 500, (), 0)])
     d.add([Record("t", 0, 2, None, b"z" * 10, (), 0)])
@@ -153,14 +153,14 @@ async def _wakes_itself() -> None:
         CommitTracker(0),
         lambda dl: None,
     )
-    s = d.open_session("a", 1000)
+    s = connect(d, "a", 1000)
     started = time.monotonic()
     d.add(records(0, 60))
     assert len(drain(s)) == 50
     # No tick runs here: only the scheduled wake-up can deliver the rest.
     got = 0
     while got < 10:
-        frame = await asyncio.wait_for(s.outbox.get(), 2)
+        frame = await asyncio.wait_for(s.outlet.get(), 2)
         assert frame is not None
         got += len(frame.deliveries.deliveries)
     assert 0.15 <= time.monotonic() - started < 1.5  # 10 more at 50/s: ~0.2 s

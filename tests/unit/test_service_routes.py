@@ -13,7 +13,7 @@ import pytest
 from triage_protocol import triage_pb2 as pb
 from triage_proxy.config.settings import Settings, settings_from_dict
 from triage_proxy.errors import FrameError, PartitionNotServed
-from triage_proxy.pipeline.dispatcher import Dispatcher
+from triage_proxy.pipeline.dispatch import Dispatcher
 from triage_proxy.server.service import TriageService
 from triage_proxy.server.topology import Topology
 

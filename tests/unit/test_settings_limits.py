@@ -30,7 +30,7 @@ from triage_proxy.config.settings import (
 )
 from triage_proxy.errors import ConfigError
 from triage_proxy.kafka.client import ConfluentPartition
-from triage_proxy.pipeline.dispatcher import FRAME_OVERHEAD_BYTES
+from triage_proxy.pipeline.dispatch import FRAME_OVERHEAD_BYTES
 
 MINIMAL: dict[str, dict[str, Any]] = {
     "kafka": {"bootstrap_servers": "b:9092", "topic": "orders", "group_id": "g"},

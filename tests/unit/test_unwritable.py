@@ -16,6 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.samples import GROUP
+from tests.unit.test_dispatcher import connect
 from tests.unit.wire import consume_call, hello, take
 from tests.waiting import eventually
 from triage_protocol import triage_pb2 as pb
@@ -26,7 +27,7 @@ from triage_proxy.deadletters.writer import NO_BUCKET_FIX, DeadLetterWriter, ove
 from triage_proxy.kafka.client import MemoryPartition
 from triage_proxy.observe.metrics import metric_families
 from triage_proxy.observe.snapshot import UnwritableDeadLetter
-from triage_proxy.pipeline.dispatcher import Dispatcher
+from triage_proxy.pipeline.dispatch import Dispatcher
 from triage_proxy.pipeline.tracker import CommitTracker
 from triage_proxy.store.checkpoints import MemoryCheckpoints
 from triage_proxy.store.deadletter_store import MemoryStore
@@ -172,7 +173,7 @@ def test_the_dispatcher_stops_counting_an_unwritable_dead_letter_as_in_flight() 
     submitted: list[DeadLetter] = []
     dispatcher = Dispatcher(make_settings(), 0, tracker, submitted.append)
     dispatcher.add([Record("orders", 0, 0, None, BIG, (), 0)])
-    session = dispatcher.open_session("w", 1)
+    session = connect(dispatcher, "w", 1)
     dispatcher.settle(session, [], [pb.Nack(offset=0, reason="bad")])
     assert dispatcher.in_flight == 1
     assert not dispatcher.quiet.is_set()
@@ -196,7 +197,9 @@ async def consume(proxy: Proxy, count: int, nack: set[int]) -> list[int]:
         acks = [o for o in got if o not in nack]
         nacks = [pb.Nack(offset=o, reason="ValueError: bad") for o in got if o in nack]
         await call.write(pb.ConsumerFrame(settle=pb.Settle(acks=acks, nacks=nacks)))
-        dispatcher = proxy.dispatcher
+        pipeline = proxy.pipeline()
+        assert pipeline is not None
+        dispatcher = pipeline.dispatcher
         assert dispatcher is not None
         await eventually(lambda: dispatcher.counters.acked + dispatcher.counters.nacked >= count)
         await call.done_writing()

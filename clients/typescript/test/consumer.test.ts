@@ -49,7 +49,8 @@ function hellos(...proxies: FakeProxy[]): { partition: number | undefined; credi
 test("Topology discovery: one stream per partition at its endpoint, credits split to sum concurrency + prefetch", async () => {
   await withProxies(2, async (a, b) => {
     const layout = FakeProxy.serving("orders", [a.endpoint, b.endpoint, a.endpoint]);
-    a.topology = b.topology = layout;
+    await a.setTopology(layout);
+    await b.setTopology(layout);
     const c = consumer(b.endpoint, { concurrency: 5, prefetch: 5 });
     await c.start();
     await until(() => hellos(a, b).length === 3);
@@ -66,7 +67,7 @@ test("Topology discovery: one stream per partition at its endpoint, credits spli
 
 test("one pool of `concurrency` slots is shared by every partition, and stats are per partition and total", async () => {
   await withProxies(1, async (a) => {
-    a.topology = FakeProxy.serving("t", [a.endpoint, a.endpoint, a.endpoint]);
+    await a.setTopology(FakeProxy.serving("t", [a.endpoint, a.endpoint, a.endpoint]));
     a.onStream = (s) => {
       s.welcome();
       const p = s.hello!.partition!;
@@ -104,7 +105,7 @@ test("one pool of `concurrency` slots is shared by every partition, and stats ar
 
 test("a partition with a backlog of slow messages does not starve another", async () => {
   await withProxies(1, async (a) => {
-    a.topology = FakeProxy.serving("t", [a.endpoint, a.endpoint]);
+    await a.setTopology(FakeProxy.serving("t", [a.endpoint, a.endpoint]));
     a.onStream = (s) => {
       s.welcome();
       if (s.hello!.partition === 0) {
@@ -136,7 +137,7 @@ test("a partition with a backlog of slow messages does not starve another", asyn
 
 test("FAILED_PRECONDITION with triage-owner-endpoint: the stream follows the owner at once", async () => {
   await withProxies(2, async (a, b) => {
-    a.topology = FakeProxy.serving("t", [a.endpoint]); // stale: b serves it now
+    await a.setTopology(FakeProxy.serving("t", [a.endpoint])); // stale: b serves it now
     a.onStream = (s) =>
       s.fail(grpc.status.FAILED_PRECONDITION, "partition 0 is not served here", {
         "triage-owner-endpoint": b.endpoint,
@@ -157,12 +158,14 @@ test("FAILED_PRECONDITION with triage-owner-endpoint: the stream follows the own
 
 test("a failed stream asks for the topology at once and follows the partition to its new endpoint", async () => {
   await withProxies(2, async (a, b) => {
-    a.topology = b.topology = FakeProxy.serving("t", [a.endpoint]);
+    await a.setTopology(FakeProxy.serving("t", [a.endpoint]));
+    await b.setTopology(FakeProxy.serving("t", [a.endpoint]));
     const c = consumer(a.endpoint, { topologyIntervalMs: 60_000, maxBackoffMs: 60_000 });
     await c.start();
     await until(() => a.streams.length === 1 && a.streams[0]!.hello !== undefined);
     const reads = a.topologyCalls.length;
-    a.topology = b.topology = FakeProxy.serving("t", [b.endpoint]);
+    await a.setTopology(FakeProxy.serving("t", [b.endpoint]));
+    await b.setTopology(FakeProxy.serving("t", [b.endpoint]));
     a.onStream = (s) => s.fail(grpc.status.UNAVAILABLE, "going away");
     a.streams[0]!.fail(grpc.status.UNAVAILABLE, "going away");
     await until(() => b.streams.length === 1, 3000, "the stream at the new endpoint");
@@ -173,11 +176,11 @@ test("a failed stream asks for the topology at once and follows the partition to
 
 test("the topology is read again periodically and a partition added to the topic is consumed", async () => {
   await withProxies(1, async (a) => {
-    a.topology = FakeProxy.serving("t", [a.endpoint]);
+    await a.setTopology(FakeProxy.serving("t", [a.endpoint]));
     const c = consumer(a.endpoint, { topologyIntervalMs: 100 });
     await c.start();
     await until(() => a.streams.length === 1);
-    a.topology = FakeProxy.serving("t", [a.endpoint, a.endpoint]);
+    await a.setTopology(FakeProxy.serving("t", [a.endpoint, a.endpoint]));
     await until(() => a.streams.some((s) => s.hello?.partition === 1), 3000, "partition 1's stream");
     assert.ok(a.topologyCalls.length >= 2);
     await stopped(c);
@@ -186,7 +189,7 @@ test("the topology is read again periodically and a partition added to the topic
 
 test("partitions: [...] restricts the streams; a partition the topic lacks is a clear error", async () => {
   await withProxies(1, async (a) => {
-    a.topology = FakeProxy.serving("orders", [a.endpoint, a.endpoint, a.endpoint]);
+    await a.setTopology(FakeProxy.serving("orders", [a.endpoint, a.endpoint, a.endpoint]));
     const only = consumer(a.endpoint, { partitions: [2, 1] });
     await only.start();
     await until(() => a.streams.length === 2);
@@ -269,7 +272,7 @@ for (const [code, cls] of [
 
 test("a wrong token on Topology rejects start() with an authentication error", async () => {
   await withProxies(1, async (a) => {
-    a.topology = { code: grpc.status.UNAUTHENTICATED, details: "bad token" };
+    await a.setTopology({ code: grpc.status.UNAUTHENTICATED, details: "bad token" });
     const c = consumer(a.endpoint, {});
     await assert.rejects(c.start(), (error: Error) => {
       assert.ok(error instanceof AuthenticationError);

@@ -1,5 +1,5 @@
 /**
- * Stream logic against the in-process fake proxy: batching, leases (Extend), Release on stop
+ * Stream logic against the shared fake proxy (test/fake.ts): batching, leases (Extend), Release on stop
  * and the shutdown order, what a Message holds, nacks and Retry.
  */
 
@@ -399,7 +399,7 @@ test("stop() cancels a stream whose Welcome never comes, after a grace", async (
 
 test("stop() waits for the proxy to end the stream after the half-close", async () => {
   await withProxies(1, async (proxy) => {
-    proxy.endOnHalfClose = false;
+    await proxy.setEndOnHalfClose(false);
     proxy.onStream = (s) => {
       s.welcome();
       s.deliver([0]);
@@ -474,7 +474,7 @@ test("the proxy's Rejected frame is counted", async () => {
   await withProxies(1, async (proxy) => {
     proxy.onStream = (s) => {
       s.welcome();
-      s.call.write({ rejected: { offsets: [5, 6], reason: "not held" } });
+      s.write({ rejected: { offsets: [5, 6], reason: "not held" } });
     };
     const c = consumer(proxy, {});
     await c.start();

@@ -13,7 +13,7 @@ import logging
 
 from triage_proxy.errors import BrokerUnavailable
 from triage_proxy.kafka.client import KafkaThread, PartitionLog
-from triage_proxy.pipeline.dispatcher import Dispatcher
+from triage_proxy.pipeline.dispatch import Dispatcher
 from triage_proxy.pipeline.policies import backoff
 from triage_proxy.waiting import wait_any
 

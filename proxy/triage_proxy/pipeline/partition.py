@@ -49,7 +49,7 @@ from triage_proxy.errors import BrokerUnavailable, StateError, TableUnavailable
 from triage_proxy.kafka.client import KafkaThread, PartitionLog
 from triage_proxy.observe.snapshot import UNWRITABLE_SHOWN, Instance, ProxySnapshot
 from triage_proxy.pipeline.committer import Committer
-from triage_proxy.pipeline.dispatcher import Dispatcher
+from triage_proxy.pipeline.dispatch import Dispatcher
 from triage_proxy.pipeline.fetcher import Fetcher
 from triage_proxy.pipeline.logend import LogEndWatcher
 from triage_proxy.pipeline.ownership import Ownership

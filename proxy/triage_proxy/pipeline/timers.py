@@ -4,7 +4,7 @@ Why: a message nacked with retry, or one whose instance vanished, waits out a ba
 before it is handed out again. That is "wake this key at time t" with replacement and
 cancellation, and must stay cheap at a window of many thousands of messages. (Ack
 deadlines are not kept here: the dispatcher keeps one deadline per delivered batch,
-which costs a settle nothing; see dispatcher.py.)
+which costs a settle nothing; see dispatch/leases.py.)
 
 How: a binary heap of ``(due, seq, key)`` entries with lazy deletion. ``seq`` is a
 global counter stamped on every schedule; ``_live`` maps each key to the ``(due, seq)``

@@ -39,6 +39,7 @@ __all__ = [
     "PACKED_ITEM_BYTES",
     "PACKED_MAX_RECORD_BYTES",
     "PACKED_OVERHEAD_BYTES",
+    "PLAIN_ITEM_MAX_OVERHEAD_BYTES",
     "attempt_size",
     "delivery_base_size",
     "fill_packed",
@@ -150,6 +151,10 @@ PACKED_ITEM_BYTES = 28
 PACKED_OVERHEAD_BYTES = 48
 """Most bytes the packed sub-message's framing adds to a frame: its own tag and length in
 Deliveries (1 + at most 5) and the tag and length of each of its seven fields (1 + 5)."""
+PLAIN_ITEM_MAX_OVERHEAD_BYTES = 51
+"""Most bytes a repeated Delivery of a record without headers adds to a frame besides
+its key and value bytes: offset, timestamp_ms and attempt (1 + at most 10 each), the tags
+and lengths of key and value (1 + at most 5 each) and its own tag and length (1 + 5)."""
 PACKED_MAX_RECORD_BYTES = 16 * 1024
 """Records with more key and value bytes than this go as a repeated Delivery even to a
 client that reads packed ones: packing gains nothing for them, and this bound keeps any

@@ -3,8 +3,9 @@ partition, and the unary `Topology` call (which endpoint serves which partition 
 
 Authentication happens in an interceptor, before any handler runs, so a wrong
 or missing token gets UNAUTHENTICATED and never a byte of data, on every method. Each
-accepted stream gets a session of its partition's dispatcher; a reader task applies its
-settlements while the handler itself writes the session's outbox to the wire.
+accepted stream gets a session of its partition's dispatcher and an outbox (outbox.py)
+that encodes the deliveries the dispatcher hands it; a reader task applies its
+settlements while the handler itself writes the outbox to the wire.
 
 The service knows the set of partitions its process serves now (a dispatcher each; a
 pipeline adds its partition once it delivers and withdraws it when it drains, see
@@ -30,7 +31,7 @@ Welcome says the limit applied. The Welcome also says `grants`: a Grant frame ch
 stream's credits from then on (bounded like Hello.credits; a Grant out of bounds ends the
 stream with INVALID_ARGUMENT), and `ack_ranges`: a Settle may ack offset ranges, each
 offset of a range checked (and Rejected) like a plain ack (server/grammar.py bounds them). A Hello
-with `packed_deliveries` gets most deliveries as packed columns (framing.fill_packed); an
+with `packed_deliveries` gets most deliveries as packed columns (encoding.fill_packed); an
 older client's Hello has no such field and gets repeated Delivery messages only.
 """
 
@@ -50,7 +51,7 @@ from triage_protocol import triage_pb2 as pb
 from triage_protocol import triage_pb2_grpc as pb_grpc
 from triage_protocol.constants import HELLO_TIMEOUT_S, MAX_CREDITS
 from triage_proxy.clienttext import consumer_id_problem, for_log
-from triage_proxy.config.preflight import bind_error, check_tls
+from triage_proxy.config.checks import bind_error, check_tls
 from triage_proxy.config.settings import Settings, TlsSettings
 from triage_proxy.errors import (
     AuthError,
@@ -61,9 +62,10 @@ from triage_proxy.errors import (
     TriageError,
 )
 from triage_proxy.observe.logthrottle import LogThrottle
-from triage_proxy.pipeline.dispatcher import Dispatcher, Session
+from triage_proxy.pipeline.dispatch import Dispatcher, Session
 from triage_proxy.server.encoding import frame_limit, frame_limit_problem
 from triage_proxy.server.grammar import checked_frames
+from triage_proxy.server.outbox import Outbox
 from triage_proxy.server.status import grpc_status, grpc_trailers
 from triage_proxy.server.topology import RouteState, Topology, TopologyAnswer
 
@@ -272,16 +274,16 @@ class TriageService(pb_grpc.TriageServicer):
                 )
             )
             logger.info("instance %s authenticated as app %r", for_log(consumer_id), app)
-            session = dispatcher.open_session(
-                consumer_id, hello.credits, max_frame, hello.packed_deliveries
+            outbox = Outbox(
+                self._settings.kafka.topic, partition, max_frame, hello.packed_deliveries
             )
+            session = dispatcher.open_session(consumer_id, hello.credits, outbox)
             self._apps[session] = app
             self._dispatcher_of[session] = dispatcher
-            reader = asyncio.create_task(self._read(session, dispatcher, request_iterator))
+            reader = asyncio.create_task(self._read(session, dispatcher, outbox, request_iterator))
             self._readers.add(reader)
             reader.add_done_callback(self._readers.discard)
             try:
-                outbox = session.outbox
                 while True:
                     frame = await outbox.get()
                     if frame is None:
@@ -358,7 +360,11 @@ class TriageService(pb_grpc.TriageServicer):
             await _refuse(context, exc)
 
     async def _read(
-        self, session: Session, dispatcher: Dispatcher, frames: AsyncIterator[pb.ConsumerFrame]
+        self,
+        session: Session,
+        dispatcher: Dispatcher,
+        outbox: Outbox,
+        frames: AsyncIterator[pb.ConsumerFrame],
     ) -> None:
         """Apply the instance's settlements until it half-closes or the stream breaks."""
         try:
@@ -380,12 +386,12 @@ class TriageService(pb_grpc.TriageServicer):
                     continue
                 # Split so no frame exceeds the instance's limit (an offset is at most 10
                 # bytes; a few hundred bytes of framing and reason to spare).
-                chunk = (session.max_frame_bytes - 1024) // 10
+                chunk = (outbox.max_frame_bytes - 1024) // 10
                 for at in range(0, len(rejected), chunk):
                     rejected_frame = pb.Rejected(
                         offsets=rejected[at : at + chunk], reason=REJECTED_REASON
                     )
-                    session.outbox.put_nowait(pb.ProxyFrame(rejected=rejected_frame))
+                    outbox.put_nowait(pb.ProxyFrame(rejected=rejected_frame))
         except grpc.aio.AioRpcError as exc:
             logger.debug("stream of %s broke: %s", for_log(session.consumer_id), exc.code())
         except FrameError as exc:
@@ -427,7 +433,7 @@ def topology_reply(answer: TopologyAnswer) -> pb.TopologyReply:
 
 async def _hello(frames: AsyncIterator[pb.ConsumerFrame]) -> pb.Hello:
     """The stream's first frame, which must be a valid Hello (FrameError otherwise): credits
-    in range, a consumer id within `clienttext`'s bounds, a frame limit `framing` accepts."""
+    in range, a consumer id within `clienttext`'s bounds, a frame limit `encoding` accepts."""
     try:
         first = await asyncio.wait_for(anext(frames), HELLO_TIMEOUT_S)
     except (TimeoutError, StopAsyncIteration):

@@ -1,16 +1,13 @@
-"""What the proxy would refuse at start, found before anything starts: the one list that
-`triage proxy` walks before it binds a port or takes a lease, and `triage config check`
-walks to say OK.
+"""The checks of what a config points at (files, addresses, secrets), run by the proxy's
+preflight (`triage_proxy/preflight.py`) before anything starts.
 
-`settings.py` checks what the file says; this checks what it points at:
+`settings.py` checks what the file says; these check what it points at:
 
     TLS files       each PEM parses, the key is not encrypted and matches the certificate,
                     the client CA parses (OpenSSL through `ssl`, as the listener will)
     addresses       server.host and server.http_host are addresses this machine can bind
     secrets         every reference resolves: "env:VAR" here, "secret:NAME" (Secrets
                     Manager) only with `network` (config check --connect; the proxy itself)
-    librdkafka      every `[kafka.client]` property is one librdkafka accepts (a client is
-                    built and closed, nothing is sent)
 
 Each problem is a ConfigError naming its key (exit 2; the supervisor gives such a
 partition up instead of restarting it). `file_warnings` is advice, not refusal: a file
@@ -27,22 +24,10 @@ import ssl
 import stat
 import tomllib
 from pathlib import Path
-from typing import Any
 
 from triage_proxy.config.secrets import secret_reference
 from triage_proxy.config.settings import Settings, TlsSettings, client_key, is_secret_property
 from triage_proxy.errors import ConfigError
-
-
-def preflight(settings: Settings, *, network: bool) -> None:
-    """Raise ConfigError for the first thing the proxy would refuse at start."""
-    check_tls(settings.tls)
-    check_bindable("server.host", settings.server.host)
-    if settings.server.http_address(0) is not None:
-        check_bindable("server.http_host", settings.server.http_host)
-    check_secrets(settings, network=network)
-    check_librdkafka(settings)
-
 
 # --- TLS ---------------------------------------------------------------------------------
 
@@ -161,34 +146,6 @@ def check_secrets(settings: Settings, *, network: bool) -> None:
         kind, _ = secret_reference(reference) or ("", "")
         if kind == "env" or (kind == "secret" and network):
             settings.kafka.secrets(key, reference)
-
-
-# --- librdkafka --------------------------------------------------------------------------
-
-
-def check_librdkafka(settings: Settings) -> None:
-    """librdkafka accepts every `[kafka.client]` property and value (a consumer is built
-    and closed at once; it sends nothing that matters before it is closed)."""
-    if not settings.kafka.client:
-        return
-    from confluent_kafka import Consumer
-
-    from triage_proxy.kafka.errors import client_config_errors
-    from triage_proxy.kafka.logs import KafkaLog
-
-    config: dict[str, Any] = {
-        name: "x" if is_secret_property(name) else value
-        for name, value in settings.kafka.client.items()
-    }
-    config.update(
-        {
-            "bootstrap.servers": settings.kafka.bootstrap_servers,
-            "group.id": settings.kafka.group_id,
-            **KafkaLog(settings.kafka.topic, quiet=True).config(),
-        }
-    )
-    with client_config_errors(settings.kafka.client):
-        Consumer(config).close()
 
 
 # --- advice ------------------------------------------------------------------------------

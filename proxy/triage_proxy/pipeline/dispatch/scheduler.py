@@ -1,0 +1,224 @@
+"""The scheduler: hands queued records to instances by credit, fairly, within rate caps.
+
+It owns the queues: `ready` (in offset order, retries at the front), `suspects` and
+`large`. Each pump gives every instance with credit an even share of what is queued and
+then rotates the session table, so the first in line changes from pump to pump. A pump
+hands each instance one batch; the window marks it held (`Window.hand_out`), the
+instance's outlet (the server) encodes it into frames, and the leases start:
+
+    pump ─> share per instance ─> batch ─> Window.hand_out ─> Outlet.send ─> Leases.add
+                                                                 │
+                               too large for any frame to it <───┘ (`_too_large`)
+
+Suspects: records whose instance vanished or whose lease lapsed while holding them. One
+of them may be a crash-type poison pill, so an instance holds at most one suspect at a
+time: when the pill crashes it again, the only other suspect it takes down is none, and
+healthy neighbours do not follow the pill from instance to instance until they run out
+of attempts with it.
+
+Large records: a delivery over the frame limit of the instance it was about to go to
+waits in `large` for a connected instance whose limit takes it, and is dead-lettered once
+no connected instance's limit does (a record no consumer can receive would otherwise
+break every stream it is sent on, and come back until its attempts are used up).
+
+With `[rate_limit]`, a batch stops where the token buckets (policies.py) run dry and a
+pump is scheduled for when they refill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from triage_proxy.pipeline.dispatch.leases import Leases
+from triage_proxy.pipeline.dispatch.sessions import Session, Sessions
+from triage_proxy.pipeline.dispatch.window import Counters, Entry, EntryState, Window
+from triage_proxy.pipeline.policies import RateLimit
+
+DeadLetterEntry = Callable[[Entry, str, str], None]
+"""Hands an entry to the dead-letter writer with a reason and the consumer id."""
+
+
+class Scheduler:
+    """Credit-based, fair hand-out of one partition's queued records."""
+
+    def __init__(
+        self,
+        sessions: Sessions,
+        window: Window,
+        leases: Leases,
+        counters: Counters,
+        rate: RateLimit | None,
+        dead_letter: DeadLetterEntry,
+        monotonic: Callable[[], float],
+    ) -> None:
+        self._sessions = sessions
+        self._window = window
+        self._leases = leases
+        self._counters = counters
+        self._rate = rate
+        """The [rate_limit] caps; None (no caps) costs `pump` one attribute test."""
+        self._rate_wake: asyncio.TimerHandle | None = None
+        """The pending pump for when the caps let the next record go."""
+        self._dead_letter = dead_letter
+        self._monotonic = monotonic
+        self._ready: deque[Entry] = deque()
+        self._suspects: deque[Entry] = deque()
+        self._large: deque[Entry] = deque()
+        self._delivering = True
+
+    @property
+    def queued(self) -> int:
+        """Records ready for delivery, suspects included."""
+        return len(self._ready) + len(self._suspects) + len(self._large)
+
+    def stop_delivering(self) -> None:
+        """Shutdown: hand out nothing new."""
+        self._delivering = False
+
+    # --- the queues -----------------------------------------------------------------------
+
+    def queue(self, entries: Iterable[Entry]) -> None:
+        """READY `entries` go at the back, in order."""
+        self._ready.extend(entries)
+
+    def queue_front(self, entries: list[Entry]) -> None:
+        """READY `entries` (in offset order) go at the front, before what waits."""
+        self._ready.extendleft(reversed(entries))
+
+    def queue_first(self, entry: Entry) -> None:
+        self._ready.appendleft(entry)
+
+    def queue_suspects(self, entries: list[Entry]) -> None:
+        """READY suspects (in offset order) wait for an instance that holds none."""
+        self._suspects.extend(entries)
+
+    # --- pumping --------------------------------------------------------------------------
+
+    def pump(self) -> None:
+        """Deliver ready records to instances with credit, an even share each.
+
+        An instance gets a suspect only while it holds none.
+        """
+        if self._large and self._delivering:
+            self._pump_large()
+        ready, suspects = self._ready, self._suspects
+        while (ready or suspects) and self._delivering:
+            open_ = self._sessions.with_credit()
+            if not open_:
+                return
+            share = -(-(len(ready) + min(len(suspects), len(open_))) // len(open_))
+            delivered = False
+            for session in open_:
+                n = min(session.available, share)
+                if n <= 0 or not (ready or suspects):
+                    break
+                if self._rate is None:
+                    batch = [suspects.popleft()] if suspects and not session.suspects else []
+                    batch.extend(ready.popleft() for _ in range(min(n - len(batch), len(ready))))
+                else:
+                    batch = self._take_within_rate(n, bool(suspects) and not session.suspects)
+                if batch:
+                    self._deliver(session, batch)
+                    delivered = True
+            if not delivered:
+                return  # only suspects left, and every instance with credit holds one
+            self._sessions.rotate()
+
+    def _take_within_rate(self, n: int, suspect_first: bool) -> list[Entry]:
+        """`pump`'s batch under `[rate_limit]`: up to `n` records (a suspect first) while
+        the caps allow; when they stop it, a pump is scheduled for when tokens refill."""
+        rate, now = self._rate, self._monotonic()
+        assert rate is not None
+        batch: list[Entry] = []
+        queues = (self._suspects, self._ready) if suspect_first else (self._ready,)
+        for queue in queues:
+            while queue and len(batch) < n:
+                size = queue[0].size
+                if not rate.admit(size, now):
+                    self._pump_after(rate.wait_s(size, now))
+                    return batch
+                batch.append(queue.popleft())
+                if queue is self._suspects:
+                    break  # one suspect per batch, as in `pump`
+        return batch
+
+    def _pump_after(self, delay: float) -> None:
+        """Pump again in `delay` seconds (once; without a loop, unit tests, tick() pumps)."""
+        if self._rate_wake is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._rate_wake = loop.call_later(delay, self._on_rate_wake)
+
+    def _on_rate_wake(self) -> None:
+        self._rate_wake = None
+        self.pump()
+
+    def _pump_large(self) -> None:
+        """Hand each record of `large` to an instance with credit whose frame limit takes
+        it; dead-letter those no connected instance's limit takes (`_too_large`)."""
+        sessions = [s for s in self._sessions if not s.closed]
+        if not sessions:
+            return  # nobody to ask: they wait, like every queued record
+        waiting: deque[Entry] = deque()
+        large, self._large = self._large, waiting
+        rate, now = self._rate, self._monotonic()
+        while large:
+            entry = large.popleft()
+            able = [s for s in sessions if s.outlet.fits(entry)]
+            if not able:
+                self._too_large(sessions[0], entry)
+                continue
+            open_ = [s for s in able if s.available > 0]
+            if not open_ or (rate is not None and not rate.admit(entry.size, now)):
+                waiting.append(entry)
+                continue
+            self._deliver(open_[0], [entry])
+
+    def _deliver(self, session: Session, batch: list[Entry]) -> None:
+        """Hand `batch` to `session`: held and leased from now, encoded by its outlet.
+        What no frame to it can carry is taken back (`_too_large`)."""
+        now = self._monotonic()
+        deadline = now + self._leases.ack_deadline_s
+        leased, redelivered = self._window.hand_out(session, batch, now, deadline)
+        frames, refused = session.outlet.send(batch)
+        self._counters.frames_out += frames
+        if refused:
+            self._window.take_back(session, refused)
+            gone = {entry.record.offset for entry in refused}
+            leased = [offset for offset in leased if offset not in gone]
+            redelivered -= sum(1 for entry in refused if entry.attempt)
+            for entry in refused:
+                self._too_large(session, entry)
+            if not leased:
+                return
+        self._leases.add(deadline, leased)
+        self._window.busy()
+        self._counters.delivered += len(leased)
+        self._counters.redelivered += redelivered
+
+    def _too_large(self, session: Session, entry: Entry) -> None:
+        """`entry`'s delivery alone is over `session`'s frame limit: it waits for an
+        instance whose limit takes it, or, when no connected instance's does, it is
+        dead-lettered (see the module docstring)."""
+        sessions = [s for s in self._sessions if not s.closed]
+        if any(s.outlet.fits(entry) for s in sessions):
+            entry.state = EntryState.READY
+            self._large.append(entry)
+            return
+        largest = max((s.max_frame_bytes for s in sessions), default=0)
+        largest = max(largest, session.max_frame_bytes)
+        need = session.outlet.frame_needed(entry)
+        entry.attempt = max(entry.attempt, 1)
+        entry.suspect = False
+        self._dead_letter(
+            entry,
+            f"record of {entry.size} bytes needs a frame of {need} bytes, over the "
+            f"consumer's frame limit of {largest} bytes (Hello.max_frame_bytes)",
+            session.consumer_id,
+        )
+        self._window.update_events()
