@@ -79,6 +79,7 @@ from triage_proxy.pipeline.partition import (
     PipelineState,
     snapshot_of,
 )
+from triage_proxy.push.targets import PushTargets
 from triage_proxy.server.service import TriageService, create_server, server_credentials
 from triage_proxy.server.topology import Topology
 from triage_proxy.store.checkpoints import CheckpointStore, DynamoDBCheckpoints
@@ -180,6 +181,10 @@ class Proxy:
         self._reader: Reader | None = None
         """The one Kafka Consumer of every pipeline, when the process may serve more than
         one partition (reader.py); None: each pipeline opens its own (one pin)."""
+        self._tokens = settings.auth.active()
+        """The tokens accepted now (name -> token): the service's, and push registration's."""
+        self.push = PushTargets(settings, lambda: self._tokens.values())
+        """The `[[push]]` targets: each takes from every partition served here."""
 
     @property
     def partition(self) -> int:
@@ -311,6 +316,7 @@ class Proxy:
             mode="pinned" if self.pins is not None else "fleet",
             assigned=tuple(sorted(self._wanted())),
             partitions=tuple(self.snapshot(p, now=now) for p in shown),
+            push=self.push.snapshot(),
         )
 
     # --- the run ----------------------------------------------------------------------
@@ -323,7 +329,9 @@ class Proxy:
 
     async def _run(self) -> None:
         self._state = ProxyState.STARTING
-        endpoint = HttpEndpoint(self.status, self.settings.server.http_address(self.slot))
+        endpoint = HttpEndpoint(
+            self.status, self.settings.server.http_address(self.slot), routes=self.push.routes()
+        )
         try:
             await endpoint.start()
             self.http_port = endpoint.port
@@ -367,6 +375,8 @@ class Proxy:
                 stack.push_async_callback(asyncio.to_thread, self._reader.close)
             self._service = service = TriageService(settings, {}, topology)
             self.topology = topology
+            await self.push.start()
+            stack.push_async_callback(self.push.aclose)
             servers: list[grpc.aio.Server] = []
             if self._fleet is not None:
                 servers.append(await self._listen(stack, service, credentials))
@@ -406,6 +416,7 @@ class Proxy:
                 for pipeline in pipelines:
                     pipeline.stop(finish=False)
                 await asyncio.gather(*(p.drained.wait() for p in pipelines))
+                await self.push.aclose()
                 for server in servers:
                     await server.stop(SERVER_GRACE_S)
                 await service.stop()
@@ -493,7 +504,7 @@ class Proxy:
     def _routes(self) -> _Routes:
         assert self._service is not None
         assert self.topology is not None
-        return _Routes(self._service, self.topology, lambda: self.endpoint)
+        return _Routes(self._service, self.topology, self.push, lambda: self.endpoint)
 
     def _parts_for(self, partition: int) -> PartitionParts:
         """The real adapters of `partition` (or the injected twins)."""
@@ -585,7 +596,8 @@ class Proxy:
             except (TriageError, OSError) as exc:
                 logger.error("token reload failed, keeping the current tokens: %s", exc)  # noqa: TRY400 - the message is the whole story
                 continue
-            service.update_tokens(auth.active())
+            self._tokens = auth.active()
+            service.update_tokens(self._tokens)
 
 
 class _Routes:
@@ -593,10 +605,15 @@ class _Routes:
     Topology names this process's endpoint for it."""
 
     def __init__(
-        self, service: TriageService, topology: Topology, endpoint: Callable[[], str]
+        self,
+        service: TriageService,
+        topology: Topology,
+        push: PushTargets,
+        endpoint: Callable[[], str],
     ) -> None:
         self._service = service
         self._topology = topology
+        self._push = push
         self._endpoint = endpoint
 
     def coming(self, partition: int) -> None:
@@ -605,7 +622,9 @@ class _Routes:
     def serve(self, partition: int, dispatcher: Dispatcher) -> None:
         self._service.serve_partition(partition, dispatcher)
         self._topology.serve(partition, self._endpoint())
+        self._push.serve(partition, dispatcher)
 
     def withdraw(self, partition: int) -> None:
+        self._push.withdraw(partition)
         self._service.withdraw_partition(partition)
         self._topology.withdraw(partition)

@@ -95,9 +95,9 @@ def take(log: PartitionLog, n: int, step: int, timeout_s: float = 60.0) -> list[
 
 
 def make_settings(
-    bootstrap: str, endpoint: str, topic: str, table: str, **sections: dict[str, Any]
+    bootstrap: str, endpoint: str, topic: str, table: str, **sections: Any
 ) -> Settings:
-    raw: dict[str, dict[str, Any]] = {
+    raw: dict[str, Any] = {
         "kafka": {"bootstrap_servers": bootstrap, "topic": topic, "group_id": f"g-{topic}"},
         "server": {"host": "127.0.0.1", "port": 0, "http_port": 0},
         "auth": {"token": TOKEN},
@@ -109,7 +109,10 @@ def make_settings(
         "ownership": {"lease_s": LEASE_S},
     }
     for name, values in sections.items():
-        raw.setdefault(name, {}).update(values)
+        if isinstance(values, list):  # an array of tables ([[push]])
+            raw[name] = values
+        else:
+            raw.setdefault(name, {}).update(values)
     settings = settings_from_dict(raw, {})
     create_table(settings.dead_letters)
     return settings
@@ -289,9 +292,7 @@ class RawConsumer:
             self._channel = None
 
 
-def settings_for(
-    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str, **sections: dict[str, Any]
-) -> Settings:
+def settings_for(broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str, **sections: Any) -> Settings:
     """Settings for a proxy of `topic` on the given broker and AWS endpoint (table created)."""
     return make_settings(broker.bootstrap, aws.endpoint_url, topic, f"dlq-{topic}", **sections)
 

@@ -44,6 +44,8 @@ DEFAULT_MAX_BATCH_BYTES = 1024 * 1024
 MAX_BATCH_BYTES = 64 * 1024 * 1024
 """A request body's ceiling: what a receiver can be asked to hold at once."""
 MAX_BATCH = 10_000
+MIN_EVENT_BYTES = 100
+"""The smallest a record's CloudEvent is in a batch (its attributes alone)."""
 DEFAULT_MIN_CONCURRENCY = 1
 DEFAULT_MAX_CONCURRENCY = 64
 MAX_CONCURRENCY = 10_000
@@ -75,7 +77,7 @@ class PushTargetSettings:
     batch: int = 1
     """Records per request at most; 1 sends one record per POST (binary mode)."""
     max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES
-    """Record bytes per batched request at most (a larger record goes alone)."""
+    """Bytes of a batched request's body at most (a larger record goes alone)."""
     timeout_s: float = DEFAULT_TIMEOUT_S
     """A request's deadline; a timeout uses an attempt and lowers the limit."""
     min_concurrency: int = DEFAULT_MIN_CONCURRENCY
@@ -166,6 +168,13 @@ class PushTargetSettings:
         _int_in(f"{key}.min_concurrency", self.min_concurrency, 1, MAX_CONCURRENCY)
         _int_in(f"{key}.max_concurrency", self.max_concurrency, 1, MAX_CONCURRENCY)
         _int_in(f"{key}.max_response_bytes", self.max_response_bytes, 1024, MAX_RESPONSE_BYTES)
+        if self.batch * MIN_EVENT_BYTES > self.max_batch_bytes:
+            raise ConfigError(
+                f"{key}.batch",
+                f"{self.batch} records never fit max_batch_bytes = {self.max_batch_bytes} (an "
+                f"event takes at least {MIN_EVENT_BYTES} bytes): raise max_batch_bytes to "
+                f"{self.batch * MIN_EVENT_BYTES} or more, or lower batch",
+            )
         if self.min_concurrency > self.max_concurrency:
             raise ConfigError(
                 f"{key}.min_concurrency",
@@ -262,6 +271,7 @@ def _target(
     if "name" not in table:
         raise ConfigError(f"{label}.name", "is required")
     values: dict[str, Any] = {}
+    value: Any
     for key, value in table.items():
         if key not in known:
             raise ConfigError(f"{label}.{key}", f"unknown key (known: {', '.join(sorted(known))})")
@@ -272,6 +282,7 @@ def _target(
             raise ConfigError(
                 f"{label}.{key}", f"must be {_kind_name(kind)}, got {type(value).__name__}"
             )
+        value = table[key]  # as read (isinstance against a variable type narrows to object)
         if key == "nack_statuses":
             if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
                 raise ConfigError(f"{label}.{key}", "must be a list of HTTP statuses")

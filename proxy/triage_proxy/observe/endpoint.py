@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 import errno
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
 from aiohttp import web
@@ -53,8 +53,12 @@ class HttpEndpoint:
         self,
         snapshot: Callable[[], ProcessSnapshot | ProxySnapshot],
         address: tuple[str, int] | None,
+        *,
+        routes: Sequence[web.RouteDef] = (),
     ) -> None:
         self._source = snapshot
+        self._routes = tuple(routes)
+        """More routes the process serves here (push registration, `GET /consumers`)."""
         self._address = address
         self._registry = proxy_registry(snapshot)
         self._runner: web.AppRunner | None = None
@@ -76,6 +80,7 @@ class HttpEndpoint:
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/status", self._status)
+        app.router.add_routes(self._routes)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
         await runner.setup()
         host, port = self._address

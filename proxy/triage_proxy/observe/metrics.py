@@ -23,6 +23,15 @@ a process serving several partitions exports one sample per partition in each fa
                triage_dead_letters_pending, triage_ready (1 while delivering),
                triage_dead_letters_unwritable (dead letters that can never be written as
                they are, held so the commit waits at the first: alert on > 0)
+
+Push targets (`[[push]]`) have families of their own, labelled `target`:
+
+    gauges     triage_push_limit (the adaptive concurrency limit), triage_push_in_flight,
+               triage_push_paused (1 while the target waits out an outage or refusal)
+    counters   triage_push_requests_total{class: 2xx, 4xx, 5xx, timeout, refused, ...},
+               triage_push_records_total{verdict: ack, nack, retry, overload, ...},
+               triage_push_errors_total (requests that got no answer)
+    histogram  triage_push_latency_seconds (request round trips that got an answer)
 """
 
 from __future__ import annotations
@@ -37,7 +46,12 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from triage_proxy.observe.snapshot import ProcessSnapshot, ProxySnapshot, as_process
+from triage_proxy.observe.snapshot import (
+    ProcessSnapshot,
+    ProxySnapshot,
+    PushTargetSnapshot,
+    as_process,
+)
 
 COUNTERS = (
     "fetched",
@@ -129,6 +143,41 @@ def metric_families(*snaps: ProxySnapshot) -> Iterator[Metric]:
     )
 
 
+def push_families(targets: Iterable[PushTargetSnapshot]) -> Iterator[Metric]:
+    """Render push targets as metric families, one sample per target (pure)."""
+    targets = list(targets)
+    if not targets:
+        return
+    limit = GaugeMetricFamily("triage_push_limit", "Adaptive concurrency limit.", labels=["target"])
+    flight = GaugeMetricFamily("triage_push_in_flight", "Requests in flight.", labels=["target"])
+    paused = GaugeMetricFamily(
+        "triage_push_paused", "1 while the target waits (outage, refusal).", labels=["target"]
+    )
+    requests = CounterMetricFamily(
+        "triage_push_requests", "Requests by answer class.", labels=["target", "class"]
+    )
+    records = CounterMetricFamily(
+        "triage_push_records", "Records by verdict.", labels=["target", "verdict"]
+    )
+    errors = CounterMetricFamily(
+        "triage_push_errors", "Requests that got no answer.", labels=["target"]
+    )
+    latency = HistogramMetricFamily(
+        "triage_push_latency_seconds", "Request round trips that got an answer.", labels=["target"]
+    )
+    for t in targets:
+        limit.add_metric([t.name], t.limit)
+        flight.add_metric([t.name], t.in_flight)
+        paused.add_metric([t.name], float(t.state != "ok"))
+        for kind, n in sorted(t.responses.items()):
+            requests.add_metric([t.name, kind], n)
+        for verdict, n in sorted(t.records.items()):
+            records.add_metric([t.name, verdict], n)
+        errors.add_metric([t.name], t.errors)
+        latency.add_metric([t.name], t.latency.cumulative(), t.latency.total)
+    yield from (limit, flight, paused, requests, records, errors, latency)
+
+
 class ProxyCollector(Collector):
     """Reads one proxy process (every partition it runs) at scrape time."""
 
@@ -136,7 +185,8 @@ class ProxyCollector(Collector):
         self._snapshot = snapshot
 
     def collect(self) -> Iterable[Metric]:
-        return list(metric_families(*as_process(self._snapshot()).partitions))
+        process = as_process(self._snapshot())
+        return [*metric_families(*process.partitions), *push_families(process.push)]
 
 
 def proxy_registry(snapshot: Callable[[], ProcessSnapshot | ProxySnapshot]) -> CollectorRegistry:

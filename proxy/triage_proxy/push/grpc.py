@@ -94,14 +94,14 @@ class GrpcTarget(PushTarget):
             self._channel = grpc.aio.insecure_channel(self.address)
         else:
             self._channel = grpc.aio.secure_channel(self.address, self._credentials)
-        self._stub = handler_pb2_grpc.MessageHandlerStub(self._channel)
+        self._stub = handler_pb2_grpc.MessageHandlerStub(self._channel)  # type: ignore[no-untyped-call]
 
     async def aclose(self) -> None:
         await super().aclose()
         if self._channel is not None:
             await self._channel.close()
 
-    async def call(self, records: list[Record]) -> Call:
+    async def call(self, records: list[Record], payloads: list[object]) -> Call:
         assert self._stub is not None, "start() first"
         (record,) = records
         try:

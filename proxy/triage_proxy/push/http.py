@@ -18,6 +18,7 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import aiohttp
 
@@ -101,11 +102,17 @@ class HttpTarget(PushTarget):
         if self._session is not None:
             await self._session.close()
 
-    async def call(self, records: list[Record]) -> Call:
+    def prepare(self, record: Record) -> tuple[object, int]:
+        if not self._batched:
+            return record, record.size
+        event = batch_event(record, self.endpoint.event)
+        return event, len(event) + 1  # and its comma
+
+    async def call(self, records: list[Record], payloads: list[object]) -> Call:
         assert self._session is not None, "start() first"
         endpoint = self.endpoint
         if self._batched:
-            body = batch_body([batch_event(r, endpoint.event) for r in records])
+            body = batch_body(cast("list[bytes]", payloads))
             headers = {"content-type": BATCH_CONTENT_TYPE}
         else:
             record = records[0]

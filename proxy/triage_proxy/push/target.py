@@ -133,20 +133,26 @@ class Lane:
 
     # --- the worker ----------------------------------------------------------------------
 
-    def take(self) -> list[Entry]:
-        """The next request's records (at most `batch` and `max_batch_bytes`)."""
-        shape = self.target.shape
+    def take(self) -> tuple[list[Entry], list[object]]:
+        """The next request's records (at most `batch` of them and `max_batch_bytes` as
+        the target encodes them; a larger record goes alone) and their encodings."""
+        target = self.target
+        shape = target.shape
         if shape.batch == 1:
-            return [self.queue.popleft()]
+            entry = self.queue.popleft()
+            return [entry], [target.prepare(entry.record)[0]]
         taken: list[Entry] = []
+        payloads: list[object] = []
         size = 0
         while self.queue and len(taken) < shape.batch:
             entry = self.queue[0]
-            if taken and size + entry.size > shape.max_batch_bytes:
+            payload, n = target.prepare(entry.record)
+            if taken and size + n > shape.max_batch_bytes:
                 break
             taken.append(self.queue.popleft())
-            size += entry.size
-        return taken
+            payloads.append(payload)
+            size += n
+        return taken, payloads
 
     async def run(self) -> None:
         """Send what the dispatcher hands over until the lane ends; then close the session
@@ -164,19 +170,21 @@ class Lane:
                 if not self.queue:  # given back during the wait (a pause)
                     target.release_slot()
                     continue
-                entries = self.take()
+                entries, payloads = self.take()
                 offsets = [e.record.offset for e in entries]
                 self.dispatcher.extend(self.session, offsets)
-                task = asyncio.create_task(target.deliver(self, entries))
+                task = asyncio.create_task(target.deliver(self, entries, payloads))
                 self.inflight.add(task)
                 task.add_done_callback(self.inflight.discard)
             if self.inflight:
                 await asyncio.wait(set(self.inflight))
         finally:
             for task in list(self.inflight):
-                task.cancel()
+                task.cancel()  # a cancelled request gives its records back
             if self.inflight:
                 await asyncio.wait(set(self.inflight))
+            # Never sent: back without an attempt, so closing fails nothing of this lane's.
+            self.give_back(self.take_unsent())
             self.dispatcher.close_session(self.session)
 
     def give_back(self, offsets: list[int]) -> None:
@@ -270,17 +278,22 @@ class PushTarget:
 
     # --- delivering ----------------------------------------------------------------------
 
-    async def call(self, records: list[Record]) -> Call:
-        """Send `records` in one request; an outcome per record."""
+    def prepare(self, record: Record) -> tuple[object, int]:
+        """`record` as a request carries it, and its bytes there (what `max_batch_bytes`
+        counts); encoded once, when the lane takes it."""
+        return record, record.size
+
+    async def call(self, records: list[Record], payloads: list[object]) -> Call:
+        """Send `records` (prepared as `payloads`) in one request; an outcome per record."""
         raise NotImplementedError
 
-    async def deliver(self, lane: Lane, entries: list[Entry]) -> None:
+    async def deliver(self, lane: Lane, entries: list[Entry], payloads: list[object]) -> None:
         """One request: call, then settle what it says (owned by the lane's set)."""
         records = [e.record for e in entries]
         inflight = self._inflight
         started = self._monotonic()
         try:
-            result = await self.call(records)
+            result = await self.call(records, payloads)
         except asyncio.CancelledError:
             lane.give_back([r.offset for r in records])
             self.release_slot()

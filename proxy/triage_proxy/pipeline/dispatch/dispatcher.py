@@ -329,6 +329,17 @@ class Dispatcher:
         self._scheduler.pump()
         return rejected
 
+    def give_back(self, session: Session, offsets: Sequence[int]) -> list[int]:
+        """Take these back from an instance that stays (a push target whose endpoint was
+        overloaded or out): redelivered to anyone, no attempt used. Returns the offsets it
+        did not hold."""
+        back, rejected = self._window.release(session, offsets)
+        self.counters.released += self._redelivery.give_back(back)
+        self.counters.rejected += len(rejected)
+        self._window.update_events()
+        self._scheduler.pump()
+        return rejected
+
     # --- what the dead-letter writer says -------------------------------------------------
 
     def dead_letter_written(self, dl: DeadLetter) -> None:

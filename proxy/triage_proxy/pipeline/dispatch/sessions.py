@@ -53,7 +53,7 @@ class Outlet(Protocol):
 class Session:
     """One connected consumer instance: its credits, what it holds, its outlet."""
 
-    __slots__ = ("closed", "consumer_id", "credits", "held", "outlet", "suspects")
+    __slots__ = ("closed", "consumer_id", "credits", "held", "outlet", "stopping", "suspects")
 
     def __init__(self, consumer_id: str, credits: int, outlet: Outlet) -> None:
         self.consumer_id = consumer_id
@@ -65,6 +65,8 @@ class Session:
         """Suspect records it holds (at most one at a time, see scheduler.py); the
         window's ledger too."""
         self.closed = False
+        self.stopping = False
+        """It released what it never started: it gets nothing more, whatever its credits."""
 
     @property
     def available(self) -> int:
@@ -118,14 +120,16 @@ class Sessions:
     def grant(self, session: Session, credits: int) -> bool:
         """The instance's credits from now on. Lowering takes back nothing it holds: it
         just gets nothing more until it holds fewer. False (ignored) once the instance
-        released (it is stopping: credits 0) or is gone."""
-        if session.closed or session.credits == 0:
+        released (it is stopping) or is gone. Credits of 0 pause an instance that stays
+        (a push target whose endpoint is down)."""
+        if session.closed or session.stopping:
             return False
         session.credits = credits
         return True
 
     def stopping(self, session: Session) -> None:
         """The instance is stopping: it gets nothing more."""
+        session.stopping = True
         session.credits = 0
 
     def with_credit(self) -> list[Session]:

@@ -1,0 +1,293 @@
+"""Push delivery end to end: a real proxy, the real broker and DynamoDB endpoint, and real
+receivers on free loopback ports (aiohttp parsing with the `cloudevents` SDK; a Python
+gRPC server of the original Triage's MessageHandler that registers over HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import grpc
+import pytest
+from aiohttp import web
+from cloudevents.v1.http import from_http, from_json
+
+from tests.integration.harness import (
+    await_until,
+    committed,
+    dead_letters,
+    produce,
+    settings_for,
+)
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port
+from triage_protocol import handler_pb2, handler_pb2_grpc
+from triage_proxy.app import Proxy
+from triage_proxy.structs import Headers
+
+pytestmark = pytest.mark.integration
+
+Message = tuple[bytes | None, bytes | None, list[tuple[str, bytes | None]] | None]
+Seen = tuple[bytes | None, bytes | None, Headers]
+
+ODD: list[Message] = [
+    (None, b"no key", None),
+    (b"", b"empty key", [("h", b"1")]),
+    (b"\xff\x00\n", b"\x00\xff binary", [("dup", b"a"), ("dup", b"\xfe"), ("none", None)]),
+    ('ü "%\n<'.encode(), b"", None),
+    (b"tomb", None, None),
+]
+
+
+def recover(attrs: dict[str, Any], data: bytes | None) -> Seen:
+    """What docs/push.md tells a receiver to do."""
+    key = base64.b64decode(attrs["triagekey"]) if "triagekey" in attrs else None
+    rows = json.loads(base64.b64decode(attrs["triageheaders"])) if "triageheaders" in attrs else []
+    headers = tuple((n, None if v is None else base64.b64decode(v)) for n, v in rows)
+    value = None if attrs.get("triagetombstone") == "true" else (data or b"")
+    return key, value, headers
+
+
+def expected(message: Message) -> Seen:
+    key, value, headers = message
+    return key, value, tuple(headers or ())
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@asynccontextmanager
+async def receiver(handler: Handler, port: int = 0) -> AsyncIterator[str]:
+    app = web.Application()
+    app.router.add_post("/", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    bound = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{bound}/"
+    finally:
+        await runner.cleanup()
+
+
+def push_target(url: str, **extra: Any) -> list[dict[str, Any]]:
+    return [{"name": "receiver", "url": url, "timeout_s": 5, **extra}]
+
+
+def test_binary_mode_is_byte_exact_and_a_400_dead_letters_with_the_body(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    poison: list[Message] = [(b"p", b"poison pill", None)]
+    messages = ODD + poison
+    produce(broker.bootstrap, topic, messages)
+    seen: dict[str, Seen] = {}
+
+    async def handle(request: web.Request) -> web.Response:
+        body = await request.read()
+        event = from_http(dict(request.headers), body, data_unmarshaller=lambda b: b)
+        attrs = dict(event.get_attributes())
+        if body.startswith(b"poison"):
+            return web.Response(status=400, text="cannot parse: <poison>")
+        seen[attrs["id"]] = recover(attrs, event.get_data())
+        return web.Response(status=204)
+
+    async def scenario() -> None:
+        async with receiver(handle) as url:
+            settings = settings_for(broker, aws, topic, push=push_target(url))
+            async with Proxy(settings, 0) as proxy:
+                group = settings.kafka.group_id
+                assert await await_until(
+                    lambda: committed(broker.bootstrap, group, topic) == len(messages), 30
+                )
+                push = proxy.status().push[0]
+                assert push.records == {"ack": len(ODD), "nack": 1}
+                assert push.responses["2xx"] == len(ODD)
+
+    asyncio.run(scenario())
+    assert seen == {f"{topic}/0/{i}": expected(m) for i, m in enumerate(ODD)}
+    (dl,) = dead_letters(settings_for(broker, aws, topic))
+    assert dl.record.offset == len(ODD)
+    assert dl.reason == "HTTP 400: cannot parse: <poison>"
+    assert dl.record.value == b"poison pill"
+
+
+def test_batch_mode_partial_failures_and_byte_exact_records(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    bulk: list[Message] = [(b"k%d" % i, b"v%d" % i, None) for i in range(200)]
+    poison: list[Message] = [(b"p", b"poison", None)]
+    retry_once: list[Message] = [(b"r", b"retry me", None)]
+    messages = ODD + bulk + poison + retry_once
+    produce(broker.bootstrap, topic, messages)
+    seen: dict[str, Seen] = {}
+    sizes: list[int] = []
+    retried: set[str] = set()
+
+    async def handle(request: web.Request) -> web.Response:
+        assert request.headers["content-type"] == "application/cloudevents-batch+json"
+        events = json.loads(await request.read())
+        sizes.append(len(events))
+        failures = []
+        for raw in events:
+            event = from_json(json.dumps(raw), data_unmarshaller=lambda b: b)
+            attrs = dict(event.get_attributes())
+            data = event.get_data()
+            if data == b"poison":
+                failures.append(
+                    {"itemIdentifier": attrs["id"], "action": "deadletter", "reason": "bad"}
+                )
+            elif data == b"retry me" and attrs["id"] not in retried:
+                retried.add(attrs["id"])
+                failures.append({"itemIdentifier": attrs["id"]})
+            else:
+                seen[attrs["id"]] = recover(attrs, data)
+        return web.json_response({"batchItemFailures": failures})
+
+    async def scenario() -> None:
+        async with receiver(handle) as url:
+            target = push_target(url, batch=50)
+            settings = settings_for(
+                broker, aws, topic, push=target, retry={"initial_backoff_s": 0.05}
+            )
+            async with Proxy(settings, 0):
+                group = settings.kafka.group_id
+                assert await await_until(
+                    lambda: committed(broker.bootstrap, group, topic) == len(messages), 30
+                )
+
+    asyncio.run(scenario())
+    assert max(sizes) <= 50
+    want = {f"{topic}/0/{i}": expected(m) for i, m in enumerate(messages)}
+    del want[f"{topic}/0/{len(ODD) + len(bulk)}"]  # the poison pill
+    assert seen == want
+    (dl,) = dead_letters(settings_for(broker, aws, topic))
+    assert (dl.record.value, dl.reason) == (b"poison", "bad")
+
+
+def test_a_receiver_that_is_down_then_back_dead_letters_nothing(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    messages: list[Message] = [(b"k%d" % i, b"v%d" % i, None) for i in range(50)]
+    produce(broker.bootstrap, topic, messages)
+    port = free_port()
+
+    async def handle(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(status=200)
+
+    async def scenario() -> None:
+        url = f"http://127.0.0.1:{port}/"
+        settings = settings_for(broker, aws, topic, push=push_target(url))
+        async with Proxy(settings, 0) as proxy:
+            assert await await_until(lambda: proxy.status().push[0].state != "ok", 15)
+            assert proxy.status().push[0].state.startswith("outage")
+            await asyncio.sleep(1.0)  # a few pauses; nothing may use an attempt
+            assert proxy.snapshot().counters["dead_lettered"] == 0
+            async with receiver(handle, port):
+                group = settings.kafka.group_id
+                assert await await_until(
+                    lambda: committed(broker.bootstrap, group, topic) == len(messages), 60
+                )
+            assert proxy.status().push[0].records.get("outage", 0) >= 1
+
+    asyncio.run(scenario())
+    assert dead_letters(settings_for(broker, aws, topic)) == []
+
+
+def test_overload_lowers_the_limit_and_uses_no_attempt(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    messages: list[Message] = [(b"k%d" % i, b"v%d" % i, None) for i in range(300)]
+    produce(broker.bootstrap, topic, messages)
+    active = 0
+
+    async def handle(request: web.Request) -> web.Response:
+        nonlocal active
+        await request.read()
+        if active >= 4:
+            return web.Response(status=503, text="busy")
+        active += 1
+        try:
+            await asyncio.sleep(0.01)
+        finally:
+            active -= 1
+        return web.Response(status=200)
+
+    async def scenario() -> None:
+        async with receiver(handle) as url:
+            target = push_target(url, min_concurrency=1, max_concurrency=32, initial_concurrency=32)
+            settings = settings_for(broker, aws, topic, push=target, delivery={"max_attempts": 2})
+            async with Proxy(settings, 0) as proxy:
+                group = settings.kafka.group_id
+                assert await await_until(
+                    lambda: committed(broker.bootstrap, group, topic) == len(messages), 60
+                )
+                push = proxy.status().push[0]
+                assert push.records.get("overload", 0) > 0
+                assert push.limit < 32
+
+    asyncio.run(scenario())
+    assert dead_letters(settings_for(broker, aws, topic)) == []
+
+
+class Handler_(handler_pb2_grpc.MessageHandlerServicer):  # type: ignore[misc]
+    def __init__(self) -> None:
+        self.bodies: list[str] = []
+
+    async def SendMessage(self, request: Any, context: Any) -> Any:
+        if request.body.startswith("poison"):
+            return handler_pb2.MessageResponse(body="no", status=-1)
+        self.bodies.append(request.body)
+        return handler_pb2.MessageResponse(body="ok", status=1)
+
+
+def test_grpc_push_registers_like_the_original_consumers(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    messages: list[Message] = [(b"k%d" % i, b"v%d" % i, None) for i in range(20)]
+    messages += [(b"p", b"poison", None), (b"b", b"\xff not utf-8", None)]
+    produce(broker.bootstrap, topic, messages)
+    handler = Handler_()
+
+    async def scenario() -> None:
+        server = grpc.aio.server()
+        handler_pb2_grpc.add_MessageHandlerServicer_to_server(handler, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        target = [{"name": "go", "mode": "grpc", "registration": True}]
+        settings = settings_for(broker, aws, topic, push=target)
+        token = next(iter(settings.auth.active().values()))
+        try:
+            async with Proxy(settings, 0) as proxy, aiohttp.ClientSession() as http:
+                url = f"http://127.0.0.1:{proxy.http_port}/consumers"
+                cases = [
+                    ({}, 400, "Missing Authorization header"),
+                    ({"Authorization": "wrong"}, 401, "Malformed or invalid authorization token"),
+                    ({"Authorization": token}, 400, "Missing gRPC port header"),
+                    ({"Authorization": token, "grpcport": "70000"}, 400, "1 to 65535"),
+                ]
+                for headers, status, text in cases:
+                    async with http.get(url, headers=headers) as response:
+                        assert response.status == status
+                        assert text in await response.text()
+                assert proxy.snapshot().counters["delivered"] == 0
+                headers = {"Authorization": token, "grpcport": str(port)}
+                async with http.get(url, headers=headers) as response:
+                    assert response.status == 200
+                group = settings.kafka.group_id
+                assert await await_until(
+                    lambda: committed(broker.bootstrap, group, topic) == len(messages), 30
+                )
+        finally:
+            await server.stop(None)
+
+    asyncio.run(scenario())
+    assert sorted(handler.bodies) == sorted(f"v{i}" for i in range(20))
+    reasons = {dl.record.value: dl.reason for dl in dead_letters(settings_for(broker, aws, topic))}
+    assert reasons[b"poison"] == "consumer nacked: no"
+    assert "not valid UTF-8" in reasons[b"\xff not utf-8"]
