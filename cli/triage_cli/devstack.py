@@ -40,7 +40,7 @@ PROXY_START_TIMEOUT_S = 30.0
 PROXY_STOP_TIMEOUT_S = 15.0
 
 
-def write_config(path: Path, values: dict[str, dict[str, Any]]) -> None:
+def write_config(path: Path, values: dict[str, Any]) -> None:
     """Write the TOML config readable only by its owner (it holds a token)."""
     import tomli_w
 
@@ -57,7 +57,7 @@ class DevStack:
         topic: str = "triage-dev",
         partitions: int = 1,
         state_dir: Path | None = None,
-        proxy_overrides: dict[str, dict[str, Any]] | None = None,
+        proxy_overrides: dict[str, Any] | None = None,
         start_proxies: bool = True,
         *,
         keep_state: bool = False,
@@ -94,8 +94,8 @@ class DevStack:
     def group_id(self) -> str:
         return f"triage-{self.topic}"
 
-    def config_values(self, base_port: int) -> dict[str, dict[str, Any]]:
-        values: dict[str, dict[str, Any]] = {
+    def config_values(self, base_port: int) -> dict[str, Any]:
+        values: dict[str, Any] = {
             "kafka": {
                 "bootstrap_servers": self.broker.bootstrap,
                 "topic": self.topic,
@@ -111,7 +111,10 @@ class DevStack:
             },
         }
         for section, table in self._overrides.items():
-            values.setdefault(section, {}).update(table)
+            if isinstance(table, list):  # an array of tables ([[push]])
+                values[section] = table
+            else:
+                values.setdefault(section, {}).update(table)
         return values
 
     def start(self) -> None:

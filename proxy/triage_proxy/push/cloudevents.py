@@ -32,6 +32,7 @@ constant parts of every event (`EventShape`) once per target.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import time
 from collections.abc import Sequence
@@ -78,9 +79,14 @@ def encode_headers(headers: Headers) -> str:
     return base64.b64encode(json.dumps(rows, separators=(",", ":")).encode()).decode("ascii")
 
 
+@functools.lru_cache(maxsize=64)
+def _second(seconds: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+
+
 def _rfc3339(timestamp_ms: int) -> str:
     seconds, ms = divmod(timestamp_ms, 1000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{ms:03d}Z"
+    return f"{_second(seconds)}.{ms:03d}Z"  # records of one second share the formatting
 
 
 def _key_text(key: bytes) -> str | None:

@@ -20,8 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
-import aiohttp
-
+from triage_proxy.push.client import ConnectError, HttpClient
 from triage_proxy.push.cloudevents import (
     BATCH_CONTENT_TYPE,
     EventShape,
@@ -81,26 +80,22 @@ class HttpTarget(PushTarget):
         super().__init__(shape, monotonic=monotonic)
         self.endpoint = endpoint
         self._wall = wall
-        self._timeout = aiohttp.ClientTimeout(total=shape.timeout_s)
-        self._session: aiohttp.ClientSession | None = None
+        self._client: HttpClient | None = None
         self._batched = shape.batch > 1
 
     async def start(self) -> None:
         """Open the connection pool (one per target: a hung receiver holds only its own)."""
-        connector = aiohttp.TCPConnector(
-            limit=self.shape.limit.max_limit,
-            ssl=self.endpoint.ssl_context if self.endpoint.ssl_context is not None else True,
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            headers={"User-Agent": USER_AGENT},
-            auto_decompress=False,
+        self._client = HttpClient(
+            self.endpoint.url,
+            max_body=self.endpoint.max_response_bytes,
+            ssl_context=self.endpoint.ssl_context,
+            user_agent=USER_AGENT,
         )
 
     async def aclose(self) -> None:
         await super().aclose()
-        if self._session is not None:
-            await self._session.close()
+        if self._client is not None:
+            self._client.close()
 
     def prepare(self, record: Record) -> tuple[object, int]:
         if not self._batched:
@@ -109,7 +104,7 @@ class HttpTarget(PushTarget):
         return event, len(event) + 1  # and its comma
 
     async def call(self, records: list[Record], payloads: list[object]) -> Call:
-        assert self._session is not None, "start() first"
+        assert self._client is not None, "start() first"
         endpoint = self.endpoint
         if self._batched:
             body = batch_body(cast("list[bytes]", payloads))
@@ -124,33 +119,21 @@ class HttpTarget(PushTarget):
             headers[SIGNATURE_HEADER] = sign(endpoint.signing_secret, body, int(self._wall()))
         n = len(records)
         try:
-            async with self._session.post(
-                endpoint.url,
-                data=body,
-                headers=headers,
-                timeout=self._timeout,
-                allow_redirects=False,
-            ) as response:
-                answer, whole = await _read_capped(response.content, endpoint.max_response_bytes)
-                status = response.status
-                said = {
-                    "triage-action": response.headers.get("triage-action", ""),
-                    "retry-after": response.headers.get("retry-after", ""),
-                }
+            response = await self._client.post(headers, body, self.shape.timeout_s)
         except TimeoutError:
             reason = f"no answer within {self.shape.timeout_s:g} s"
             return Call([Outcome(Verdict.RETRY, reason)] * n, dropped=True, kind="timeout")
-        except aiohttp.ClientConnectorError as exc:
-            reason = f"cannot connect to {endpoint.url}: {exc.os_error or exc}"
-            return Call([Outcome(Verdict.OUTAGE, reason)] * n, dropped=False, kind="refused")
-        except (aiohttp.ClientError, OSError) as exc:
-            reason = f"request failed: {type(exc).__name__}: {exc}"[:500]
+        except ConnectError as exc:
+            return Call([Outcome(Verdict.OUTAGE, str(exc))] * n, dropped=False, kind="refused")
+        except OSError as exc:
+            reason = f"request failed: {exc}"[:500]
             return Call([Outcome(Verdict.RETRY, reason)] * n, dropped=False, kind="reset")
+        status = response.status
         kind = f"{status // 100}xx"
         outcome = classify(
             status,
-            said,
-            answer,
+            response.headers,
+            response.body,
             nack_statuses=endpoint.nack_statuses,
             now_wall=self._wall(),
         )
@@ -158,7 +141,7 @@ class HttpTarget(PushTarget):
         if not self._batched or outcome.verdict is not Verdict.ACK:
             return Call([outcome] * n, dropped=dropped, kind=kind)
         ids = [event_id(r) for r in records]
-        failures = batch_failures(answer, set(ids)) if whole else None
+        failures = batch_failures(response.body, set(ids)) if response.complete else None
         if failures is None:
             reason = (
                 f"HTTP {status}: the batch response is not a batchItemFailures document "
@@ -166,15 +149,3 @@ class HttpTarget(PushTarget):
             )
             return Call([Outcome(Verdict.RETRY, reason)] * n, dropped=False, kind=kind)
         return Call([failures.get(i, outcome) for i in ids], dropped=False, kind=kind)
-
-
-async def _read_capped(content: aiohttp.StreamReader, cap: int) -> tuple[bytes, bool]:
-    """At most `cap` bytes of the body, and whether that was all of it (no more is read:
-    leaving the response unread drops the connection)."""
-    body = bytearray()
-    while len(body) <= cap:
-        chunk = await content.read(cap + 1 - len(body))
-        if not chunk:
-            return bytes(body), True
-        body += chunk
-    return bytes(body[:cap]), False

@@ -101,6 +101,11 @@ class Lane:
         self.ended = False
         self.wake = asyncio.Event()
         self.inflight: set[asyncio.Task[None]] = set()
+        self.acks: list[int] = []
+        self.nacks: list[PushNack] = []
+        """Settlements of answers that arrived in this turn of the event loop: applied
+        together, once (`flush`), so a burst of answers costs one settle and one pump."""
+        self._flush_due = False
         self.session: Session = dispatcher.open_session(
             f"push:{target.shape.name}", target.credits_per_lane(), self
         )
@@ -171,8 +176,9 @@ class Lane:
                     target.release_slot()
                     continue
                 entries, payloads = self.take()
-                offsets = [e.record.offset for e in entries]
-                self.dispatcher.extend(self.session, offsets)
+                if min(e.deadline for e in entries) < target.lease_needed():
+                    offsets = [e.record.offset for e in entries]
+                    self.dispatcher.extend(self.session, offsets)
                 task = asyncio.create_task(target.deliver(self, entries, payloads))
                 self.inflight.add(task)
                 task.add_done_callback(self.inflight.discard)
@@ -183,9 +189,24 @@ class Lane:
                 task.cancel()  # a cancelled request gives its records back
             if self.inflight:
                 await asyncio.wait(set(self.inflight))
+            self.flush()
             # Never sent: back without an attempt, so closing fails nothing of this lane's.
             self.give_back(self.take_unsent())
             self.dispatcher.close_session(self.session)
+
+    def settle_soon(self, acks: list[int], nacks: list[PushNack]) -> None:
+        self.acks += acks
+        self.nacks += nacks
+        if not self._flush_due:
+            self._flush_due = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._flush_due = False
+        acks, self.acks = self.acks, []
+        nacks, self.nacks = self.nacks, []
+        if (acks or nacks) and not self.session.closed:
+            self.dispatcher.settle(self.session, acks, nacks)
 
     def give_back(self, offsets: list[int]) -> None:
         """Return deliveries to the dispatcher without using an attempt."""
@@ -278,6 +299,11 @@ class PushTarget:
 
     # --- delivering ----------------------------------------------------------------------
 
+    def lease_needed(self) -> float:
+        """A lease must run past this (monotonic) time for a request starting now: past
+        its timeout, with a second to settle the answer."""
+        return self._monotonic() + self.shape.timeout_s + 1.0
+
     def prepare(self, record: Record) -> tuple[object, int]:
         """`record` as a request carries it, and its bytes there (what `max_batch_bytes`
         counts); encoded once, when the lane takes it."""
@@ -331,8 +357,7 @@ class PushTarget:
             if self.state != "ok" and not back:
                 logger.info("push target %s: delivering again", self.shape.name)
                 self.state = "ok"
-            if not lane.session.closed:
-                lane.dispatcher.settle(lane.session, acks, nacks)
+            lane.settle_soon(acks, nacks)
         if back:
             lane.give_back(back)
         if pause is not None:

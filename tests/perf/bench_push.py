@@ -1,0 +1,219 @@
+"""Push delivery benchmarks: the proxy POSTs to a receiver on loopback (Node's `http`
+module, tests/perf/push_receiver.js, so the receiver is not the limit).
+
+    .venv/bin/python -m tests.perf.bench_push [--only single,batch,hol,adaptive]
+
+Scenarios and targets (one partition, the embedded stack: Tansu, moto server, one proxy
+process started after the records are produced):
+
+    single    one record per POST (CloudEvents binary mode), no-op receiver:
+              >= 8,000 msg/s (20,000 records)
+    batch     batch = 500 (application/cloudevents-batch+json), no-op receiver:
+              >= 80,000 msg/s (200,000 records), and the commit <= 2 s after the receiver
+              answered the last request
+    hol       the head-of-line demo workload (2 ms work, 1% at 500 ms, 0.5% poison) to a
+              receiver with 32 handlers, against a plain serial consumer of the same records:
+              >= 15x faster
+    adaptive  a receiver that serves 16 requests at once (503 beyond) at 20 ms each (800/s):
+              throughput >= 85% of capacity with 0 dead letters and the limit within 12-24
+              after 10 s; then the receiver slows 10x for 10 s: the limit falls, and is back
+              within 12-24 at most 15 s after the slowdown ends, 0 dead letters
+
+Messages/s is records / (the receiver's first request -> the commit of the last offset).
+Each scenario prints PASS or FAIL; the exit status is 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.commit_watcher import CommitWatcher
+from tests.perf.common import produce_values, table
+from triage_cli.demo import count_dead_letters
+from triage_cli.devstack import DevStack
+
+RECEIVER = Path(__file__).with_name("push_receiver.js")
+
+
+class Receiver:
+    """The Node receiver as a child process: its port, stats on request, killed by PID."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self._proc = subprocess.Popen(
+            ["node", str(RECEIVER), json.dumps(options)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._proc.stdout is not None
+        self.port = int(json.loads(self._proc.stdout.readline())["port"])
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self._lock = threading.Lock()
+
+    def command(self, line: str) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(line + "\n")
+        self._proc.stdin.flush()
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            self.command("stats")
+            assert self._proc.stdout is not None
+            out: dict[str, int] = json.loads(self._proc.stdout.readline())
+            return out
+
+    def close(self) -> None:
+        self._proc.kill()
+        self._proc.wait(10)
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class Run:
+    records: int
+    seconds: float
+    """The receiver's first request -> the commit of the last offset."""
+    done: float
+    """time.time() of the commit of the last offset."""
+    dead: int
+    push: dict[str, Any]
+
+
+def push_status(stack: DevStack) -> dict[str, Any]:
+    from triage_proxy.config.settings import load_settings
+
+    port = load_settings(stack.config_path).server.http_port
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as answer:
+        doc: dict[str, Any] = json.loads(answer.read())
+    return doc["push"][0] if doc.get("push") else {}
+
+
+def run_push(
+    receiver: Receiver,
+    values: list[bytes],
+    target: dict[str, Any],
+    topic: str,
+    *,
+    during: Any = None,
+    timeout_s: float = 300.0,
+) -> tuple[Run, DevStack]:
+    overrides = {
+        "push": [{"name": "bench", "url": receiver.url, **target}],
+        "commit": {"interval_s": 0.1},
+        "retry": {"initial_backoff_s": 0.05},
+    }
+    stack = DevStack(topic=topic, proxy_overrides=overrides, start_proxies=False)
+    with stack:
+        produce_values(stack.broker.bootstrap, stack.topic, values)
+        watcher = CommitWatcher(stack.broker.bootstrap, stack.group_id, stack.topic, 1)
+        try:
+            stack.start_proxy(0)
+            first = time.time()
+            while receiver.stats()["requests"] == 0:
+                first = time.time()
+                time.sleep(0.002)
+            if during is not None:
+                during(stack)
+            done = watcher.wait_for([len(values)], timeout_s=timeout_s)
+            push = push_status(stack)
+        finally:
+            watcher.close()
+        dead = count_dead_letters(stack.aws.endpoint_url, stack.table)
+    return Run(len(values), done - first, done, dead, push), stack
+
+
+def single(args: argparse.Namespace) -> bool:
+    values = [b"v%d" % i for i in range(args.single_records)]
+    with Receiver({"mode": "noop"}) as receiver:
+        run, _ = run_push(receiver, values, {"max_concurrency": 64}, "bench-push-single")
+    rate = run.records / run.seconds
+    ok = rate >= 8000 and run.dead == 0
+    print(
+        table(
+            [
+                ("scenario", "single: one record per POST, no-op receiver"),
+                ("records", run.records),
+                ("seconds", f"{run.seconds:.2f}"),
+                ("messages/s", f"{rate:,.0f} (target >= 8,000)"),
+                ("limit at the end", run.push.get("limit")),
+                (
+                    "p50 / p99 round trip",
+                    f"{run.push.get('latency_p50_s')} / {run.push.get('latency_p99_s')} s",
+                ),
+                ("dead letters", run.dead),
+                ("result", "PASS" if ok else "FAIL"),
+            ]
+        )
+    )
+    return ok
+
+
+def batch(args: argparse.Namespace) -> bool:
+    values = [b"value-%08d" % i for i in range(args.batch_records)]
+    last: list[float] = []
+
+    def watch_receiver(receiver: Receiver) -> None:
+        # When the receiver has seen every record, the proxy got its last answer (within
+        # this poll's 5 ms); the commit is measured from then.
+        def watch() -> None:
+            while receiver.stats()["records"] < len(values):
+                time.sleep(0.005)
+            last.append(time.time())
+
+        threading.Thread(target=watch, daemon=True).start()
+
+    with Receiver({"mode": "noop"}) as receiver:
+        run, _ = run_push(
+            receiver,
+            values,
+            {"batch": 500, "max_concurrency": 16},
+            "bench-push-batch",
+            during=lambda stack: watch_receiver(receiver),
+        )
+    rate = run.records / run.seconds
+    lag = run.done - last[0] if last else float("nan")
+    ok = rate >= 80_000 and lag <= 2.0 and run.dead == 0
+    print(
+        table(
+            [
+                ("scenario", "batch: 500 records per POST, no-op receiver"),
+                ("records", run.records),
+                ("seconds", f"{run.seconds:.2f}"),
+                ("messages/s", f"{rate:,.0f} (target >= 80,000)"),
+                ("commit after the last answer", f"{lag:.3f} s (target <= 2 s)"),
+                ("limit at the end", run.push.get("limit")),
+                ("dead letters", run.dead),
+                ("result", "PASS" if ok else "FAIL"),
+            ]
+        )
+    )
+    return ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="single,batch,hol,adaptive")
+    parser.add_argument("--single-records", type=int, default=20_000)
+    parser.add_argument("--batch-records", type=int, default=200_000)
+    args = parser.parse_args()
+    scenarios = {"single": single, "batch": batch}
+    results = [scenarios[name](args) for name in args.only.split(",") if name in scenarios]
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
