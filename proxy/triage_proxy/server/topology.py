@@ -23,7 +23,7 @@ states say with ownership on is what the lease item shows (`plan_routes`):
 
     SERVING       a live lease that names its holder's endpoint
     STANDBY_ONLY  a live lease without an endpoint (its holder is starting and has not
-                  bound its port yet, or is an older proxy that does not write one:
+                  bound its port yet, or is a proxy that predates `endpoint` and writes none:
                   `complete = false` then says which), or a lease that lapsed less than
                   `ownership.lease_s` ago (its holder is gone; a waiting standby takes
                   over within that time): try again soon
