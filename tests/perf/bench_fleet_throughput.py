@@ -1,6 +1,6 @@
 """Fleet throughput benchmark: no-op throughput of ONE fleet process serving 4 partitions,
 driven by one topic-level Consumer per instance (2 instances), vs the single-partition
-figure of bench_throughput in the same run (issue 12; target: >= 1x).
+figure of bench_throughput in the same run (target: >= 1x).
 
 Why: a fleet process replaces one process per partition; it must not be slower than one
 of them. Both measurements use the same messages (200,000 x 100 bytes by default, spread

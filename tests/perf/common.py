@@ -160,7 +160,7 @@ def run_instances(
     """Start `args.instances` x `args.concurrency` instances, wait until all `args.messages`
     (spread round-robin over the partitions) are committed, then stop them.
 
-    One partition: the instances run on its proxy, as before. Several: each instance is ONE
+    One partition: the instances run on its proxy. Several: each instance is ONE
     Consumer given the stack's endpoint, consuming every partition with one pool.
     With `profile`, py-spy samples the proxies and the instances until all is committed.
     `lean`: no-op handlers that only count (their results have no `finishes`)."""
