@@ -200,12 +200,10 @@ def status(stack: DevStack, partition: int = 0) -> dict[str, Any]:
 
     from triage_proxy.config.settings import load_settings
 
-    http_port = load_settings(stack.config_path).server.http_port
-    if http_port is None:
+    address = load_settings(stack.config_path).server.http_address(partition)
+    if address is None:
         raise RuntimeError("the dev stack's proxies serve no HTTP endpoint")
-    with urllib.request.urlopen(
-        f"http://127.0.0.1:{http_port + partition}/status", timeout=5
-    ) as answer:
+    with urllib.request.urlopen(f"http://127.0.0.1:{address[1]}/status", timeout=5) as answer:
         doc: dict[str, Any] = json.loads(answer.read())
     return doc
 
