@@ -7,8 +7,8 @@ fills and fetching must pause and resume). Sampled throughout: the proxy's RSS (
 and its /status (fetch_paused, window bytes). Targets: RSS <= max_bytes + 200 MB at every
 sample, fetching paused and resumed, nothing lost (every record acked, none dead-lettered,
 the committed offset at the end). Also printed: the proxy's idle RSS, and per partition
-the idle RSS / PSS of each proxy of an idle 4-partition dev stack (one process per
-partition today).
+the idle RSS / PSS of each proxy of an idle 4-partition dev stack (which runs one
+process per partition).
 
 Why 2,000 and not 20,000 by default: `triage dev`'s Tansu keeps the log in memory
 (`--storage-engine memory://`), not on disk, so 20,000 x 1 MiB would be 20 GiB of

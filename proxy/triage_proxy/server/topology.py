@@ -180,8 +180,9 @@ def describe_problems(problems: Sequence[str]) -> str:
 
 class Topology:
     """Answers Topology calls for a process that serves some partitions of the topic
-    (today one; the set is what it tracks). Reads are cached and made by one caller at a
-    time, so a burst of calls costs one read of each source."""
+    (a pinned partition, or what a fleet process is assigned; the set is what it tracks).
+    Reads are cached and made by one caller at a time, so a burst of calls costs one read
+    of each source."""
 
     def __init__(
         self,
