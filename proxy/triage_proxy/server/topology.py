@@ -163,7 +163,9 @@ def _from_lease(
     if lease.until_ms >= now_ms:
         if lease.endpoint:
             return Route(p, RouteState.SERVING, lease.endpoint, lease.owner)
-        problems.append(f"partition {p}: its holder advertises no endpoint (starting, or older)")
+        problems.append(
+            f"partition {p}: its holder advertises no endpoint (starting, or its version has none)"
+        )
         return Route(p, RouteState.STANDBY_ONLY)
     if now_ms - lease.until_ms <= lease_ms:
         return Route(p, RouteState.STANDBY_ONLY)
