@@ -1,8 +1,8 @@
 """Sample dead letters and their table items, built one way for every test suite.
 
 Why one module: the writer, the table, the renderer, the CLI and the Spark job's tests
-all need "a dead letter of orders/0 at offset N"; each suite used to spell it out
-again. A suite whose assertions depend on other defaults (the reason, the timestamps)
+all need "a dead letter of orders/0 at offset N", and copies spelled out per suite
+drift apart. A suite whose assertions depend on other defaults (the reason, the timestamps)
 wraps `make_dl` with its own values in one line.
 """
 

@@ -183,8 +183,8 @@ def _aws_call(what: str, call: Callable[[], T]) -> T:
 
 def deploy_aws(config: Path, *, image: str | None, console: Console) -> dict[str, str]:
     """Create or update the AWS deployment of `config`; returns the stack's outputs
-    (BootstrapEndpoint, ConsumerEndpoint, LoadBalancerDns, ClusterName, ServiceName,
-    LogGroupName)."""
+    (BootstrapEndpoint, LoadBalancerDns, ClusterName, ServiceName, LogGroupName,
+    and ConsumerEndpoint: deprecated, the same as BootstrapEndpoint)."""
     dep = _load(config)
     settings = dep.settings
     aws = settings.aws
@@ -208,8 +208,9 @@ def deploy_aws(config: Path, *, image: str | None, console: Console) -> dict[str
         )
     if aws.certificate_arn:
         console.print(
-            "[yellow]note:[/] aws.certificate_arn is no longer used: TLS runs from each "
-            "consumer to the task that serves it, with the [tls] files"
+            "[yellow]note:[/] aws.certificate_arn is ignored (deprecated: a future version "
+            "refuses it): TLS runs from each consumer to the task that serves it, with the "
+            "[tls] files"
         )
     partitions = settings.kafka.partitions
     if partitions is None:

@@ -490,7 +490,7 @@ def template(port: int, http_port: int | None) -> dict[str, Any]:
             "Value": _sub(bootstrap),
         },
         "ConsumerEndpoint": {
-            "Description": "The same, under its older name",
+            "Description": "Deprecated: the same as BootstrapEndpoint",
             "Value": _sub(bootstrap),
         },
         "LoadBalancerDns": {"Value": _getatt("LoadBalancer", "DNSName")},

@@ -442,7 +442,7 @@ def proxy_ready(settings: Settings, partition: int, pid: int) -> bool:
             if exc.code != 404:
                 return False  # it answers: not ready yet (e.g. a standby waiting for a lease)
         except OSError:
-            pass  # no HTTP endpoint (older proxy or turned off): fall back to gRPC
+            pass  # no HTTP endpoint (turned off, or a proxy without one): fall back to gRPC
     port = settings.server.port + partition
     try:
         with socket.create_connection((_dialable(settings.server.host), port), 0.5):

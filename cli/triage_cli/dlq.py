@@ -720,8 +720,9 @@ def migrate(
     under the topic and partition only; no command sees them until they are moved. Each
     is moved in one transaction (copy, then delete the old item), so a crash loses
     nothing and a rerun continues. Items being replayed, or whose offset this deployment
-    already replayed or discarded, are left and reported (exit 1). Stop the proxies of
-    the old version first; run with --dry-run to see the plan.
+    already replayed or discarded, are left and reported (exit 1). Stop every proxy that
+    predates deployment keys first (it would write more of them); run with --dry-run to
+    see the plan.
     """
     from triage_proxy.store.migrate import Migration, Move
 

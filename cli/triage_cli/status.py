@@ -86,7 +86,7 @@ class ProxyView:
     """One proxy's /status answer, or why there was none."""
 
     url: str | None
-    """Where it was asked (None: `server.http_port` is off)."""
+    """Where it was asked (None: `server.http_enabled` is false)."""
     doc: Mapping[str, Any] | None = None
     """The /status document."""
     error: str | None = None

@@ -6,8 +6,8 @@ opens one stream per partition at that partition's endpoint, channels shared per
 each Hello naming its partition (`partitions=[...]` restricts the set). The topology is read
 again every `topology_interval` seconds, at once when a stream fails, and every second or so
 while a wanted partition has no serving proxy, so a partition that fails over to a standby or
-one added to the topic is followed without a restart. A proxy too old to answer Topology
-(UNIMPLEMENTED) is consumed as before: one stream whose Hello names no partition, meaning that
+one added to the topic is followed without a restart. A proxy that predates Topology
+(UNIMPLEMENTED) is consumed with one stream whose Hello names no partition, meaning that
 proxy's only partition; a gRPC server that answers neither is not a Triage proxy, and one that
 does not speak gRPC at all is reported as such at once.
 
@@ -29,8 +29,8 @@ how many handler slots each backlogged partition may run
 (an even share of `concurrency`), and the shared pool gives a free slot to the stream with
 the fewest running handlers under its cap (see pool.py), so a partition with a backlog of
 slow messages never starves another, and a partition alone with work gets every slot.
-Against an older proxy (no `Welcome.grants`) a stream keeps its Hello's share, as before:
-when only one partition has work, it then uses at most its share of the credits.
+Against a proxy without Grant (no `Welcome.grants`) a stream keeps its Hello's share: when
+only one partition has work, it then uses at most its share of the credits.
 
 Stream mechanics (reconnects, epochs, batching, leases) are in stream.py; the handler pool
 and the fairness rule in pool.py.

@@ -11,8 +11,8 @@ is needed). When the Welcome says the proxy
 understands them (`ack_ranges`), runs of consecutive acks go as offset ranges
 (`settle_frame`); against an older proxy, as plain acks. The Hello asks for packed
 deliveries (`packed_deliveries`): a proxy that knows them sends most records as columns,
-decoded without a protobuf object per delivery (`message.unpack_messages`); an older one
-sends repeated Delivery messages, read as before.
+decoded without a protobuf object per delivery (`message.unpack_messages`); a proxy
+without them sends repeated Delivery messages, which are read as well.
 
 A broken stream is reopened with capped, jittered backoff, at the endpoint the topology names
 for its partition then: a proxy that refuses the Hello with FAILED_PRECONDITION and names the
@@ -114,8 +114,8 @@ def backoff_delay(
 def settle_frame(acks: list[int], nacks: list[triage_pb2.Nack]) -> triage_pb2.Settle:
     """A Settle for a proxy that understands ack ranges: runs of consecutive offsets (most
     acks are: handlers finish in about delivery order) become `ack_ranges`, the rest stay
-    plain acks. A duplicate ack stays a separate plain ack, so the proxy rejects it as
-    before."""
+    plain acks. A duplicate ack stays a separate plain ack, so the proxy rejects it
+    as it rejects any duplicate ack."""
     if not acks:
         return triage_pb2.Settle(nacks=nacks)
     ordered = sorted(acks)

@@ -13,8 +13,8 @@ How: once the proxy serves, what exists then (modules, settings, clients) is fro
 of the collector's reach (`gc.freeze`: never walked again, never collected, which is what
 it is: process-lifetime state), and young collections run per YOUNG_THRESHOLD allocations
 instead of 700, so a fetch batch is mostly freed by reference counting before any
-collection sees it. Reference counting frees everything acyclic as before; cycles made
-after startup are still collected.
+collection sees it. Reference counting still frees everything acyclic at once; cycles
+made after startup are still collected.
 """
 
 from __future__ import annotations

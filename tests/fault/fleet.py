@@ -1,5 +1,5 @@
 """Fault suite, fleet scenario: partitions move between proxy processes while they work,
-and nothing is lost (issue 12).
+and nothing is lost.
 
 Why: a fleet process serves the partitions Kafka's group coordinator assigns it, and a
 partition moves whenever a process joins, leaves or dies. The promise is the same as for
@@ -80,7 +80,7 @@ from triage_cli.supervisor import fleet_command
 logger = logging.getLogger(__name__)
 
 MAX_GAP_S = 15.0
-"""Longest a partition may go without a serving process (issue 12)."""
+"""Longest a partition may go without a serving process."""
 STATUS_POLL_S = 0.5
 STATUS_TIMEOUT_S = 2.0
 STOP_PROXY_S = 30.0

@@ -1,5 +1,5 @@
 """Delivery attempts under a flapping fleet and across a proxy restart, against the real
-broker and DynamoDB endpoint (issue 10, items 4 and 5).
+broker and DynamoDB endpoint.
 
 - A consumer fleet in a crash loop (or a network blip) fails every delivery it holds.
   Redeliveries after such failures back off (`delivery.redelivery_span_s`), so it cannot

@@ -416,7 +416,7 @@ START_CASES: list[tuple[str, int, str]] = [
     ("tls-garbage-ca", 2, "tls.client_ca_file"),
     ("unknown-librdkafka-property", 2, "no.such.property"),
     ("missing-topic", 4, "does not exist"),
-    ("missing-partition", 2, "5 outside topic"),  # issue 12: bad input, exit 2
+    ("missing-partition", 2, "5 outside topic"),  # a partition the topic lacks: bad input
     ("missing-table", 4, "no-such-table"),
     ("bad-server-host", 2, "server.host"),
     ("bad-endpoint-url", 2, "dead_letters.endpoint_url"),

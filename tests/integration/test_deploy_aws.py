@@ -317,9 +317,9 @@ def test_deploy_without_tls_names_the_key(config: Path) -> None:
     assert stack_status(stack_name(load_settings(config))) is None
 
 
-def test_a_bad_tls_key_and_an_old_certificate_arn(config: Path, tmp_path: Path) -> None:
+def test_a_bad_tls_key_and_a_deprecated_certificate_arn(config: Path, tmp_path: Path) -> None:
     """The [tls] files are checked as the proxy would before anything is stored; an
-    aws.certificate_arn from an older file still loads and is said to be unused."""
+    aws.certificate_arn (deprecated) still loads and is said to be ignored."""
     good = config.read_text()
     (tmp_path / "other.key").write_bytes(trustme.CA().issue_cert("x").private_key_pem.bytes())
     config.write_text(good.replace(str(tmp_path / "key.pem"), str(tmp_path / "other.key")))
@@ -330,7 +330,7 @@ def test_a_bad_tls_key_and_an_old_certificate_arn(config: Path, tmp_path: Path) 
     config.write_text(good + 'certificate_arn = "arn:aws:acm:us-east-1:1:certificate/x"\n')
     console, out = recorded()
     deploy_aws(config, image=None, console=console)
-    assert "aws.certificate_arn is no longer used" in out.getvalue().replace("\n", " ")
+    assert "aws.certificate_arn is ignored" in out.getvalue().replace("\n", " ")
 
 
 # --- through the CLI ------------------------------------------------------------------

@@ -2,9 +2,9 @@
 
 Real proxies, the real broker (Tansu) and real DynamoDB and S3 (moto server): two apps
 (group ids) reading one topic must not touch each other's leases, dead letters or
-replays; items written in the old format (raw PutItem with the old keys) are honoured
-(a live legacy lease), moved by `triage dlq migrate`, then listed and replayed by the
-new code.
+replays; items keyed without a deployment (raw PutItem with the legacy keys) are
+honoured (a live legacy lease), moved by `triage dlq migrate`, then listed and replayed
+like any other.
 """
 
 from __future__ import annotations
@@ -305,7 +305,7 @@ def test_legacy_dead_letters_are_migrated_then_listed_and_replayed(
         assert table.claim((topic, 0, 4), "new-run", lease_s=60)
         assert table.mark_replayed((topic, 0, 4), "new-run", "x/0/0", table.get((topic, 0, 4)))
 
-    # Before the migration, the new code sees only the deployment's own items.
+    # Before the migration, the commands see only the deployment's own items.
     assert set(listed(config)) == {3, 4}
 
     dry = triage("dlq", "migrate", "-c", config, "--dry-run", "--json")

@@ -50,8 +50,9 @@ async def fetched(proxy: Proxy, count: int) -> None:
 def test_4000_byte_messages_at_2048_credits_fit_a_4_mib_client(
     broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str, max_frame_bytes: int
 ) -> None:
-    """The grpc-js trap of issue 13 (4,213,082-byte frames); also for a Hello without the
-    field, which gets 4 MiB frames."""
+    """The grpc-js trap: grpc-js refuses a frame over its 4 MiB receive limit, and 2,048
+    credits of 4,000-byte records fill 4,213,082 bytes unless the proxy cuts frames by
+    their encoded size; also for a Hello without the field, which gets 4 MiB frames."""
     settings = settings_for(broker, aws, topic)
     total = 2 * CREDITS
     produce(broker.bootstrap, topic, ((b"k%d" % i, b"x" * SIZE, None) for i in range(total)))

@@ -163,7 +163,7 @@ def test_ack_ranges_settle_and_forged_or_duplicate_offsets_in_a_range_are_reject
             counters = proxy.snapshot().counters
             assert counters["rejected"] == len(expected)
             assert counters["acked"] == 6
-            b.settle(acks=others)  # the old way, beside it
+            b.settle(acks=others)  # plain acks, beside the ranges
             assert await await_until(
                 lambda: committed(broker.bootstrap, settings.kafka.group_id, topic) == 10
             )

@@ -11,7 +11,7 @@ Two workloads, each the one of an existing benchmark:
 Each client's turn runs on a fresh dev stack (Tansu, moto server, one proxy) with the same
 settings and its own freshly produced copy of the workload: on one shared stack, whichever
 client went second was slower, from what the first turn left behind. `--typescript-first`
-swaps the order (now a check that order no longer matters). The
+swaps the order (a check that the order does not matter). The
 instances are tests/perf/instance.py (Python) and clients/typescript/bench/instance.js
 (TypeScript): the same handler, the same report. Prints both figures and the ratio
 TypeScript / Python; PASS when both clients lose nothing (every message committed, every

@@ -1,5 +1,5 @@
 """Fleet memory benchmark: resident memory of one proxy process serving 16 idle
-partitions vs one serving 1 (issue 12: a 64-partition topic needed 64 processes).
+partitions vs one serving 1 (without fleet processes a 64-partition topic needs 64).
 
 Both processes run on the dev stack's broker and DynamoDB endpoint (DevStack with 17
 partitions and no proxies of its own), each pinned with

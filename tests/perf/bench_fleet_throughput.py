@@ -1,6 +1,6 @@
 """Fleet throughput benchmark: no-op throughput of ONE fleet process serving 4 partitions,
 driven by one topic-level Consumer per instance (2 instances), vs the single-partition
-figure of bench_throughput in the same run (issue 12; target: >= 1x).
+figure of bench_throughput in the same run (target: >= 1x).
 
 Why: a fleet process replaces one process per partition; it must not be slower than one
 of them. Both measurements use the same messages (200,000 x 100 bytes by default, spread
@@ -90,7 +90,10 @@ def measure_fleet(args: argparse.Namespace) -> float:
         start_proxies=False,
     ) as stack:
         server = load_settings(stack.config_path).server
-        assert server.http_port is not None
+        address = server.http_address(0)
+        assert address is not None, "the fleet is watched through its /status"
+        assert address[1], "the fleet's /status needs a fixed server.http_port"
+        http = address[1]
         log = open(stack.state_dir / "fleet-0.log", "ab")  # noqa: SIM115
         with log:
             pins = [a for p in range(args.partitions) for a in ("-p", str(p))]
@@ -102,7 +105,7 @@ def measure_fleet(args: argparse.Namespace) -> float:
             )
         try:
             deadline = time.monotonic() + READY_S
-            while sorted(served(server.http_port)) != list(range(args.partitions)):
+            while sorted(served(http)) != list(range(args.partitions)):
                 if time.monotonic() > deadline or proxy.poll() is not None:
                     raise RuntimeError(f"the fleet process never served; see {stack.state_dir}")
                 time.sleep(0.2)
@@ -131,7 +134,7 @@ def measure_fleet(args: argparse.Namespace) -> float:
                     profiler.stop()
                 results = instances.stop()
                 watcher.close()
-            frames = frame_counts(server.http_port)
+            frames = frame_counts(http)
             if profiler is not None:
                 print_frames({name: top_frames(path) for name, path in profiler.files.items()})
         finally:

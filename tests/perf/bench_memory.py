@@ -1,19 +1,19 @@
 """Memory with large records: the proxy's resident memory stays bounded by its window.
 
-`--records` records of 1 MiB (default 2,000; issue 15 asks for 20,000) go through one
+`--records` records of 1 MiB (default 2,000; the full-size run is 20,000) go through one
 proxy with `window.max_bytes` at its default (64 MiB) to one instance whose handlers take
 `--work-ms` each (default 20 ms x 8 handlers: the consumer is the bottleneck, so the window
 fills and fetching must pause and resume). Sampled throughout: the proxy's RSS (psutil)
 and its /status (fetch_paused, window bytes). Targets: RSS <= max_bytes + 200 MB at every
 sample, fetching paused and resumed, nothing lost (every record acked, none dead-lettered,
 the committed offset at the end). Also printed: the proxy's idle RSS, and per partition
-the idle RSS / PSS of each proxy of an idle 4-partition dev stack (one process per
-partition today).
+the idle RSS / PSS of each proxy of an idle 4-partition dev stack (which runs one
+process per partition).
 
 Why 2,000 and not 20,000 by default: `triage dev`'s Tansu keeps the log in memory
 (`--storage-engine memory://`), not on disk, so 20,000 x 1 MiB would be 20 GiB of
 broker RAM on a 24 GiB machine shared with other work. 2,000 is still 31x the window,
-which is what the test is about; `--records 20000` runs the issue's size where it fits.
+which is what the test is about; `--records 20000` runs the full size where it fits.
 
     .venv/bin/python -m tests.perf.bench_memory [--records N] [--work-ms MS]
 """

@@ -7,7 +7,7 @@ in this invocation (no handler work, no commits per message): the ceiling of
 what one partition gives on this machine.
 
 `--runs N` (N > 1) repeats the whole measurement N times, each on a fresh dev stack with
-its own raw read, and adds issue 15's target: at least 150,000 messages/s in at least
+its own raw read, and adds the target: at least 150,000 messages/s in at least
 4 of 5 runs (80% of the runs). `--profile DIR` samples the proxy and the instances with
 py-spy during the (first) run and prints the top frames.
 

@@ -160,7 +160,7 @@ def run_instances(
     """Start `args.instances` x `args.concurrency` instances, wait until all `args.messages`
     (spread round-robin over the partitions) are committed, then stop them.
 
-    One partition: the instances run on its proxy, as before. Several: each instance is ONE
+    One partition: the instances run on its proxy. Several: each instance is ONE
     Consumer given the stack's endpoint, consuming every partition with one pool.
     With `profile`, py-spy samples the proxies and the instances until all is committed.
     `lean`: no-op handlers that only count (their results have no `finishes`)."""
@@ -200,12 +200,10 @@ def status(stack: DevStack, partition: int = 0) -> dict[str, Any]:
 
     from triage_proxy.config.settings import load_settings
 
-    http_port = load_settings(stack.config_path).server.http_port
-    if http_port is None:
+    address = load_settings(stack.config_path).server.http_address(partition)
+    if address is None:
         raise RuntimeError("the dev stack's proxies serve no HTTP endpoint")
-    with urllib.request.urlopen(
-        f"http://127.0.0.1:{http_port + partition}/status", timeout=5
-    ) as answer:
+    with urllib.request.urlopen(f"http://127.0.0.1:{address[1]}/status", timeout=5) as answer:
         doc: dict[str, Any] = json.loads(answer.read())
     return doc
 

@@ -141,7 +141,7 @@ def record(offset: int, value: bytes) -> Record:
     return Record("orders", 0, offset, b"k", value, (("h", b"v"),), 1_714_564_800_000)
 
 
-# --- metadata can no longer push an item over the limit ---------------------------------
+# --- metadata cannot push an item over the limit ----------------------------------------
 
 
 def largest_metadata(offset: int, value: bytes) -> DeadLetter:

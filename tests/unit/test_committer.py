@@ -195,8 +195,8 @@ def test_a_caught_up_trickle_below_the_early_threshold_commits_on_the_interval()
 
 def test_the_tail_of_a_burst_commits_early_however_short() -> None:
     """A commit that moved the offset by a burst makes the remainder worth an early commit
-    (it used to wait for the tick when fewer than EARLY_COMMIT_OFFSETS were left); after
-    that short commit a trickle is back on the interval."""
+    even when fewer than EARLY_COMMIT_OFFSETS are left (else the tail of a burst waits up
+    to an interval); after that short commit a trickle is back on the interval."""
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -324,7 +324,7 @@ def test_a_previous_runs_offsets_beyond_the_fetch_stay_in_the_encoding() -> None
         assert rig.checkpoints.value == (0, encoded)
 
         # Nothing pending: the committable offset is where the fetch goes on, and a settled
-        # offset there cannot ride above it (it is redelivered once, as before).
+        # offset there cannot ride above it (it is redelivered once).
         settle(rig.tracker, *(o for o in range(100) if o not in (2, 3)))
         ahead.offsets = [100, 101, 150]
         assert await rig.committer.commit()

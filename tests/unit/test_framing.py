@@ -164,8 +164,9 @@ def frames(session: Session) -> list[pb.ProxyFrame]:
 
 
 def test_frames_never_exceed_a_4_mib_limit_with_4000_byte_records() -> None:
-    """The grpc-js trap: 2,048 credits of 4,000-byte records used to make a frame of
-    4,213,082 bytes; now every frame fits 4 MiB exactly, and is filled close to it."""
+    """The grpc-js trap: 2,048 credits of 4,000-byte records add up to 4,213,082 bytes,
+    over grpc-js's 4 MiB receive limit; every frame fits 4 MiB exactly, and is filled
+    close to it."""
     d, _, dead = make(max_messages=5000, max_frame_bytes=64 << 20)
     s = connect(d, "js", 2048, DEFAULT_FRAME_BYTES)
     d.add(

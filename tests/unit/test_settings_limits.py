@@ -1,5 +1,5 @@
 """Every numeric setting is refused when NaN, infinite, a bool or out of its range, and
-`[kafka.client]` cannot set what the proxy's guarantees rest on (issue 10).
+`[kafka.client]` cannot set what the proxy's guarantees rest on.
 
 The field list is generated from the Settings dataclasses, so a new numeric field is walked
 without being listed here (and cannot be declared without bounds at all)."""
@@ -67,7 +67,7 @@ NUMERIC = numeric_settings()
 
 def test_every_numeric_field_is_walked() -> None:
     assert set(NUMERIC) == numeric_fields_by_type()
-    assert len(NUMERIC) >= 26  # the tree as of issue 10; a removal should be deliberate
+    assert len(NUMERIC) >= 26  # a floor: removing a numeric setting should be deliberate
 
 
 def too_large(kind: type, bounds: Bounds) -> float:

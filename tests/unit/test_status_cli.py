@@ -114,7 +114,7 @@ def test_proxy_urls_follow_http_port_and_host() -> None:
     finally:
         sources.close()
     off = make_settings()
-    off = dataclasses.replace(off, server=dataclasses.replace(off.server, http_port=None))
+    off = dataclasses.replace(off, server=dataclasses.replace(off.server, http_enabled=False))
     sources = Sources(off, None)
     try:
         assert sources.proxy_url(0) is None

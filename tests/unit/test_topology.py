@@ -164,13 +164,15 @@ def test_lapsed_absent_and_endpointless_leases() -> None:
         1: Lease("dead", NOW_MS - 1, "d:7701"),  # just lapsed: a standby takes it now
         2: Lease("dead", NOW_MS - LEASE_MS, "d:7702"),  # at the end of the grace
         3: Lease("dead", NOW_MS - LEASE_MS - 1, "d:7703"),  # nobody took it: none waits
-        5: Lease("old", NOW_MS + 5000),  # live, no endpoint: starting, or an older proxy
+        5: Lease("old", NOW_MS + 5000),  # live, no endpoint: starting, or a version without
     }
     got, problems = routes(6, leases)
     assert [r.state for r in got] == [SERVING, STANDBY_ONLY, STANDBY_ONLY, NONE, NONE, STANDBY_ONLY]
     # Never an endpoint or an owner without SERVING.
     assert all(not r.endpoint and not r.owner for r in got if r.state is not SERVING)
-    assert problems == ["partition 5: its holder advertises no endpoint (starting, or older)"]
+    assert problems == [
+        "partition 5: its holder advertises no endpoint (starting, or its version has none)"
+    ]
 
 
 def test_an_unreadable_table_leaves_every_other_partition_none() -> None:

@@ -9,8 +9,8 @@
  * topology is read again every `topologyIntervalMs`, at once when a stream fails, and every
  * second or so while a wanted partition has no serving proxy or a stream is reconnecting, so
  * a partition that fails over to a standby, or one added to the topic, is followed without a
- * restart. A proxy too old to answer Topology (UNIMPLEMENTED) is consumed as before: one
- * stream whose Hello names no partition, meaning that proxy's only partition.
+ * restart. A proxy that predates Topology (UNIMPLEMENTED) is consumed with one stream
+ * whose Hello names no partition, meaning that proxy's only partition.
  *
  *     Topology --> PartitionStream per partition --deliveries--> HandlerPool (concurrency slots)
  *                          ^                                            |

@@ -106,7 +106,8 @@ export function backoffDelay(
  * A Settle for a proxy that understands ack ranges (its Welcome said `ack_ranges`): runs of
  * consecutive offsets (most acks are: handlers finish in about delivery order) become
  * `ack_ranges`, the rest stay plain acks. A duplicate ack stays a separate plain ack, so the
- * proxy rejects it as before. The same rule as the Python client's `settle_frame`.
+ * proxy rejects it as it rejects any duplicate ack. The same rule as the Python client's
+ * `settle_frame`.
  */
 export function settleFrame(acks: readonly number[], nacks: Nack[]): Settle {
   if (acks.length === 0) {

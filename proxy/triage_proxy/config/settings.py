@@ -20,7 +20,7 @@ Nothing below the CLI reads files or the environment: `load_settings` resolves
     [rate_limit]   messages_per_s, bytes_per_s
     [aws]          image, proxies, vpc_id, subnet_ids, scheme, client_cidr,
                    assign_public_ip, cpu, memory_mb, log_retention_days, stack_name,
-                   listener, certificate_arn (no longer used)
+                   listener, certificate_arn (deprecated: accepted and ignored)
                    (read only by `triage deploy --target aws`)
     [dead_letters] table, region, endpoint_url, batch_size, flush_interval_ms, retry_max_s,
                    overflow_bucket, ttl_days, notify_sns_topic_arn, notify_webhook_url,
@@ -298,14 +298,14 @@ class ServerSettings:
         why="64 KiB of framing plus 64 KiB for a record, up to gRPC's C int",
     )
     """Largest gRPC frame either side may send; bounds one oversized message."""
-    http_port: int | None = _bounded(DEFAULT_HTTP_PORT, 0, MAX_PORT, why="a TCP port")
+    http_port: int = _bounded(DEFAULT_HTTP_PORT, 0, MAX_PORT, why="a TCP port")
     """Base port of the HTTP endpoint (/metrics, /healthz, /readyz, /status): partition p
-    serves on http_port + p; 0 picks a free port; None (in code) turns it off."""
+    serves on http_port + p; 0 picks a free port. `http_enabled = false` turns it off."""
     http_host: str = DEFAULT_HTTP_HOST
     """Interface the HTTP endpoint binds: its own, since /status has no token (exposing
     gRPC on a public interface must not expose it too). Default loopback."""
     http_enabled: bool = True
-    """False turns the HTTP endpoint off (what a TOML file can say; see http_port)."""
+    """False turns the HTTP endpoint off."""
 
     advertised_host: str | None = None
     """Host consumers are given for this deployment's proxies (Topology, the lease item),
@@ -318,7 +318,7 @@ class ServerSettings:
 
     def http_address(self, partition: int) -> tuple[str, int] | None:
         """(host, port) the HTTP endpoint for `partition` binds, or None when off."""
-        if self.http_port is None or not self.http_enabled:
+        if not self.http_enabled:
             return None
         return self.http_host, self.http_port + partition if self.http_port else 0
 
@@ -412,8 +412,9 @@ class AwsSettings:
     """Fleet tasks the one ECS service runs (the consumer group spreads the partitions
     over them). None: `aws_proxies(partitions)`, min(partitions, DEFAULT_AWS_PROXIES)."""
     certificate_arn: str | None = None
-    """No longer used: TLS runs to each task now ([tls], stored in Secrets Manager), so
-    the load balancer presents no certificate. Kept so older files still load."""
+    """Deprecated and ignored: TLS runs from each consumer to the task that serves it
+    ([tls], stored in Secrets Manager), so the load balancer presents no certificate.
+    Accepted so existing config files keep loading; a future version refuses it."""
     vpc_id: str | None = None
     """VPC of the load balancer and the tasks (None: the account's default VPC)."""
     subnet_ids: tuple[str, ...] = ()

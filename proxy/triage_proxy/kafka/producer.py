@@ -1,9 +1,9 @@
 """The one producer configuration of a replay, whichever tool replays.
 
-Why one: `triage dlq replay` and the Spark job each built their own producer, and the two
-partitioned a key differently (librdkafka's default `consistent_random` against
-`murmur2_random`), so a dead letter replayed to another topic landed on a partition that
-depended on the tool. Both now build theirs here. `murmur2_random` is the Java client's
+Why one: `triage dlq replay` and the Spark job both produce replays, and two producer
+configurations may partition a key differently (librdkafka's default `consistent_random`
+against `murmur2_random`), so a dead letter replayed to another topic would land on a
+partition that depends on the tool. Both build theirs here. `murmur2_random` is the Java client's
 partitioner: a key lands where a Java (or Kafka Streams, or Connect) producer puts it,
 which is what users of a Kafka tool expect. A replay back to its source topic names the
 source partition itself (store/replay.py), so the partitioner decides only `--to-topic`.

@@ -1,9 +1,9 @@
 """The process's one Kafka reader: a single librdkafka Consumer that fetches every
 partition a multi-partition process serves.
 
-Why one: a fleet process used to open one Consumer per partition pipeline, each with
-librdkafka's own threads, its own fetch requests to the broker and its own idle wake-ups;
-serving 4 partitions that way cost more CPU per message than one partition per process
+Why one: a Consumer per partition pipeline brings librdkafka's own threads, its own
+fetch requests to the broker and its own idle wake-ups for each; serving 4 partitions
+that way costs more CPU per message than one partition per process
 (bench_fleet_throughput). One Consumer sends one fetch request per broker for all of
 them, and one thread serves it.
 
@@ -30,7 +30,7 @@ cap: ~10 pauses per bench_fleet_throughput run, proxy 5.9-6.5 vs 4.6-4.8 and bro
 0.6-0.7 vs 0.4 ms CPU per 1,000 messages without), and 10,000 small records are only
 ~3 MB. So a
 full window stops fetching for its partition only, and memory stays bounded per
-partition as before. A partition that closes drops what its buffer held (it was never
+partition. A partition that closes drops what its buffer held (it was never
 delivered; the next owner fetches it again from the committed offset) and is unassigned
 before another pipeline may open it.
 

@@ -64,7 +64,7 @@ class HttpEndpoint:
         self._runner: web.AppRunner | None = None
         self.state = EndpointState.NEW
         self.port: int | None = None
-        """The port bound (None when `server.http_port` turns the endpoint off)."""
+        """The port bound (None when `server.http_enabled` is false)."""
 
     def _snapshot(self) -> ProcessSnapshot:
         return as_process(self._source())

@@ -38,7 +38,7 @@ burst: policies.early_commit_worth), the commit goes at once, at most
 EARLY_COMMITS_PER_INTERVAL times an interval. The end of a burst is then committed
 within a commit round trip instead of up to an interval later (bench_throughput: the
 commit lag after the last ack was 123-228 ms at its 0.1 s interval, a tenth of the run);
-a partition with a backlog never catches up, so it commits on the interval as before,
+a partition with a backlog never catches up, so it commits on the interval,
 and a trickle commits early at most once per EARLY_COMMIT_OFFSETS offsets (and once
 more right after a burst, for its tail).
 """

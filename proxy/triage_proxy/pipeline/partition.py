@@ -88,7 +88,7 @@ class PartitionParts:
     """Closes what was made for this pipeline (not what a test injected)."""
     commits_apart: bool = False
     """The log commits through another Kafka client (a fleet's group member). Every
-    commit now waits on a thread of its own, not on the fetch's (see `_serve`), so this
+    commit waits on a thread of its own, not on the fetch's (see `_serve`), so this
     only says where the commit goes; a member's commit takes up to two of the member's
     polls plus the broker's answer."""
 

@@ -9,13 +9,13 @@ settlements while the handler itself writes the outbox to the wire.
 
 The service knows the set of partitions its process serves now (a dispatcher each; a
 pipeline adds its partition once it delivers and withdraws it when it drains, see
-partition.py). A Hello names its partition, or none: then the only one served (older
-clients). A Hello without a partition at a process serving none or several is refused
-with INVALID_ARGUMENT, naming the partitions served (such a client must name its
-partition: ask Topology). A partition not served here is refused with
-FAILED_PRECONDITION, and the trailing metadata `triage-owner-endpoint` names where it is
-served now, from the same source as the Topology answer (topology.py), when that is
-known.
+partition.py). A Hello names its partition, or none: then the only one served (so a
+client that predates partitions keeps working against a one-partition proxy). A Hello
+without a partition at a process serving none or several is refused with
+INVALID_ARGUMENT, naming the partitions served (such a client must name its partition:
+ask Topology). A partition not served here is refused with FAILED_PRECONDITION, and the
+trailing metadata `triage-owner-endpoint` names where it is served now, from the same
+source as the Topology answer (topology.py), when that is known.
 
 Tokens are named (one per consumer app). The service remembers which app each
 stream belongs to (by name: a token is never logged), so `update_tokens` can
@@ -31,8 +31,8 @@ Welcome says the limit applied. The Welcome also says `grants`: a Grant frame ch
 stream's credits from then on (bounded like Hello.credits; a Grant out of bounds ends the
 stream with INVALID_ARGUMENT), and `ack_ranges`: a Settle may ack offset ranges, each
 offset of a range checked (and Rejected) like a plain ack (server/grammar.py bounds them). A Hello
-with `packed_deliveries` gets most deliveries as packed columns (encoding.fill_packed); an
-older client's Hello has no such field and gets repeated Delivery messages only.
+with `packed_deliveries` gets most deliveries as packed columns (encoding.fill_packed); a
+Hello without it (a client that predates the field) gets repeated Delivery messages only.
 """
 
 from __future__ import annotations

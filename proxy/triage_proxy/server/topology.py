@@ -23,7 +23,7 @@ states say with ownership on is what the lease item shows (`plan_routes`):
 
     SERVING       a live lease that names its holder's endpoint
     STANDBY_ONLY  a live lease without an endpoint (its holder is starting and has not
-                  bound its port yet, or is an older proxy that does not write one:
+                  bound its port yet, or is a proxy that predates `endpoint` and writes none:
                   `complete = false` then says which), or a lease that lapsed less than
                   `ownership.lease_s` ago (its holder is gone; a waiting standby takes
                   over within that time): try again soon
@@ -163,7 +163,9 @@ def _from_lease(
     if lease.until_ms >= now_ms:
         if lease.endpoint:
             return Route(p, RouteState.SERVING, lease.endpoint, lease.owner)
-        problems.append(f"partition {p}: its holder advertises no endpoint (starting, or older)")
+        problems.append(
+            f"partition {p}: its holder advertises no endpoint (starting, or its version has none)"
+        )
         return Route(p, RouteState.STANDBY_ONLY)
     if now_ms - lease.until_ms <= lease_ms:
         return Route(p, RouteState.STANDBY_ONLY)
@@ -180,8 +182,9 @@ def describe_problems(problems: Sequence[str]) -> str:
 
 class Topology:
     """Answers Topology calls for a process that serves some partitions of the topic
-    (today one; the set is what it tracks). Reads are cached and made by one caller at a
-    time, so a burst of calls costs one read of each source."""
+    (a pinned partition, or what a fleet process is assigned; the set is what it tracks).
+    Reads are cached and made by one caller at a time, so a burst of calls costs one read
+    of each source."""
 
     def __init__(
         self,

@@ -66,8 +66,8 @@ MIGRATE_HINT = "triage dlq migrate --config {config} (--dry-run first)"
 
 
 def legacy_partitions(table: DeadLetterTable, topic: str, partitions: Iterable[int]) -> list[int]:
-    """The partitions of `topic` that still hold legacy dead letters, which no command of
-    this version shows until `triage dlq migrate` moves them: one Query per partition,
+    """The partitions of `topic` that still hold legacy dead letters, which no command
+    shows until `triage dlq migrate` moves them: one Query per partition,
     Limit 1 (cheap enough for every `triage status`, `dlq list` and proxy start)."""
     found = []
     for partition in partitions:
