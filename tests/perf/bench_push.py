@@ -270,7 +270,11 @@ def adaptive(args: argparse.Namespace) -> bool:
         shed = receiver.stats()["shed"]
     # Throughput over the first 10 s (before the slowdown): records the commit passed then.
     before = [limit for t, limit in trace if 10.0 > t >= 10.0 - 0.01 or 9.0 <= t < 10.0]
-    slow = [limit for t, limit in trace if phases.get("slow_from", 1e9) <= t < phases.get("slow_until", 0)]
+    slow = [
+        limit
+        for t, limit in trace
+        if phases.get("slow_from", 1e9) <= t < phases.get("slow_until", 0)
+    ]
     after_end = phases.get("slow_until", 1e9) + 15.0
     recovered = [limit for t, limit in trace if after_end - 3.0 <= t <= after_end]
     fast_s = run.seconds - 10.0 * 10 / 10  # see the throughput note below
@@ -280,9 +284,13 @@ def adaptive(args: argparse.Namespace) -> bool:
     ok = (
         run.dead == 0
         and efficiency >= 0.85
-        and bool(before) and 12 <= min(before) and max(before) <= 24
-        and bool(slow) and min(slow) < min(before)
-        and bool(recovered) and all(12 <= x <= 24 for x in recovered)
+        and bool(before)
+        and min(before) >= 12
+        and max(before) <= 24
+        and bool(slow)
+        and min(slow) < min(before)
+        and bool(recovered)
+        and all(12 <= x <= 24 for x in recovered)
     )
     print(
         table(
@@ -293,7 +301,10 @@ def adaptive(args: argparse.Namespace) -> bool:
                 ("throughput / capacity", f"{efficiency:.1%} (target >= 85%)"),
                 ("limit at 9-10 s", f"{min(before, default=0)}-{max(before, default=0)} (12-24)"),
                 ("limit while slowed", f"{min(slow, default=0)}-{max(slow, default=0)}"),
-                ("limit 12-15 s after", f"{min(recovered, default=0)}-{max(recovered, default=0)} (12-24)"),
+                (
+                    "limit 12-15 s after",
+                    f"{min(recovered, default=0)}-{max(recovered, default=0)} (12-24)",
+                ),
                 ("503s answered", shed),
                 ("dead letters", f"{run.dead} (target 0)"),
                 ("result", "PASS" if ok else "FAIL"),
