@@ -7,8 +7,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
+import signal
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -18,11 +22,15 @@ from aiohttp import web
 from cloudevents.v1.http import from_http, from_json
 
 from tests.integration.harness import (
+    LEASE_S,
+    TOKEN,
     await_until,
     committed,
     dead_letters,
+    kill_processes,
     produce,
     settings_for,
+    start_proxy_process,
 )
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port
 from triage_protocol import handler_pb2, handler_pb2_grpc
@@ -291,3 +299,121 @@ def test_grpc_push_registers_like_the_original_consumers(
     reasons = {dl.record.value: dl.reason for dl in dead_letters(settings_for(broker, aws, topic))}
     assert reasons[b"poison"] == "consumer nacked: no"
     assert "not valid UTF-8" in reasons[b"\xff not utf-8"]
+
+
+RECEIVER_JS = Path(__file__).resolve().parents[1] / "perf" / "push_receiver.js"
+
+
+class NodeReceiver:
+    """tests/perf/push_receiver.js as a child process on a fixed port, killed by PID."""
+
+    def __init__(self, port: int, options: dict[str, Any]) -> None:
+        self.proc = subprocess.Popen(
+            ["node", str(RECEIVER_JS), json.dumps({**options, "port": port})],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        json.loads(self.proc.stdout.readline())  # it listens
+
+    def requests(self) -> int:
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        self.proc.stdin.write("stats\n")
+        self.proc.stdin.flush()
+        return int(json.loads(self.proc.stdout.readline())["requests"])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def test_a_receiver_killed_and_restarted_mid_run_loses_and_dead_letters_nothing(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    messages: list[Message] = [(b"k%d" % i, b"v%d" % i, None) for i in range(3000)]
+    produce(broker.bootstrap, topic, messages)
+    port = free_port()
+    options = {"mode": "capacity", "capacity": 64, "delay_ms": 5}
+    receivers = [NodeReceiver(port, options)]
+
+    async def scenario() -> None:
+        url = f"http://127.0.0.1:{port}/"
+        target = push_target(url, max_concurrency=16)
+        settings = settings_for(broker, aws, topic, push=target)
+        async with Proxy(settings, 0) as proxy:
+            assert await await_until(lambda: receivers[0].requests() >= 500, 30)
+            receivers[0].kill()  # kill -9 with requests in flight
+            assert await await_until(lambda: proxy.status().push[0].state != "ok", 15)
+            receivers.append(NodeReceiver(port, options))
+            group = settings.kafka.group_id
+            assert await await_until(
+                lambda: committed(broker.bootstrap, group, topic) == len(messages), 60
+            )
+            assert proxy.snapshot().counters["dead_lettered"] == 0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for receiver in receivers:
+            receiver.kill()
+    assert dead_letters(settings_for(broker, aws, topic)) == []
+
+
+def test_a_proxy_killed_mid_run_loses_nothing(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str, tmp_path: Path
+) -> None:
+    messages: list[Message] = [(b"k%d" % i, b"v%d" % i, None) for i in range(2000)]
+    produce(broker.bootstrap, topic, messages)
+    seen: set[str] = set()
+
+    async def handle(request: web.Request) -> web.Response:
+        await request.read()
+        await asyncio.sleep(0.002)
+        seen.add(request.headers["ce-id"])
+        return web.Response(status=200)
+
+    async def scenario() -> None:
+        async with receiver(handle) as url:
+            settings = settings_for(broker, aws, topic)  # creates the table
+            base = {
+                "kafka": {
+                    "bootstrap_servers": broker.bootstrap,
+                    "topic": topic,
+                    "group_id": settings.kafka.group_id,
+                },
+                "auth": {"token": TOKEN},
+                "dead_letters": {
+                    "table": settings.dead_letters.table,
+                    "endpoint_url": aws.endpoint_url,
+                },
+                "commit": {"interval_s": 0.1},
+                "ownership": {"lease_s": LEASE_S},
+                "push": push_target(url, max_concurrency=8),
+            }
+            procs = []
+            try:
+                proc, _ = start_proxy_process(tmp_path, "first", base, 0)
+                procs.append(proc)
+                assert await await_until(lambda: len(seen) >= 300, 60)
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+                at_kill = len(seen)
+                proc, _ = start_proxy_process(tmp_path, "second", base, 0)
+                procs.append(proc)
+                group = settings.kafka.group_id
+                assert await await_until(
+                    lambda: committed(broker.bootstrap, group, topic) == len(messages), 90
+                )
+                assert at_kill < len(messages)
+            finally:
+                kill_processes(procs)
+
+    asyncio.run(scenario())
+    assert seen == {f"{topic}/0/{i}" for i in range(len(messages))}
+    assert dead_letters(settings_for(broker, aws, topic)) == []

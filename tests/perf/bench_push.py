@@ -74,6 +74,9 @@ class Receiver:
     def close(self) -> None:
         self._proc.kill()
         self._proc.wait(10)
+        for pipe in (self._proc.stdin, self._proc.stdout):
+            if pipe is not None:
+                pipe.close()
 
     def __enter__(self) -> Receiver:
         return self
@@ -212,7 +215,7 @@ def hol(args: argparse.Namespace) -> bool:
         serial_s = run_serial_baseline(stack.broker.bootstrap, stack.topic, workload)
     receiver_options = {"mode": "demo", "handlers": 32, "work_ms": 2, "slow_ms": 500}
     with Receiver(receiver_options) as receiver:
-        target = {"min_concurrency": 32, "max_concurrency": 32}
+        target = {"min_concurrency": 32, "max_concurrency": 64, "initial_concurrency": 48}
         run, _ = run_push(receiver, values, target, "bench-push-hol")
     speedup = serial_s / run.seconds
     poison = workload.count(Kind.POISON)

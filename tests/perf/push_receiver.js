@@ -106,7 +106,7 @@ const server = http.createServer((req, res) => {
   req.on("end", () => handle(req, res, Buffer.concat(chunks)));
 });
 server.keepAliveTimeout = 60000;
-server.listen(0, "127.0.0.1", () => {
+server.listen(options.port || 0, "127.0.0.1", () => {
   process.stdout.write(JSON.stringify({ port: server.address().port }) + "\n");
 });
 
