@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from triage_proxy.adapters import Adapters, PartsFactory
 from triage_proxy.config.settings import AuthSettings, Settings
 from triage_proxy.deadletters.writer import overflow_warning
 from triage_proxy.errors import (
@@ -66,7 +67,7 @@ from triage_proxy.errors import (
     TriageError,
 )
 from triage_proxy.fleet import FleetMembership
-from triage_proxy.kafka.client import ConfluentPartition, PartitionLog
+from triage_proxy.kafka.client import PartitionLog
 from triage_proxy.kafka.reader import Reader
 from triage_proxy.observe.endpoint import HttpEndpoint
 from triage_proxy.observe.snapshot import ProcessSnapshot, ProxySnapshot
@@ -74,7 +75,6 @@ from triage_proxy.pinned import PinnedPartitions
 from triage_proxy.pipeline.dispatch import Dispatcher
 from triage_proxy.pipeline.ownership import new_owner_id
 from triage_proxy.pipeline.partition import (
-    PartitionParts,
     PartitionPipeline,
     PipelineState,
     snapshot_of,
@@ -82,11 +82,10 @@ from triage_proxy.pipeline.partition import (
 from triage_proxy.push.targets import PushTargets
 from triage_proxy.server.service import TriageService, create_server, server_credentials
 from triage_proxy.server.topology import Topology
-from triage_proxy.store.checkpoints import CheckpointStore, DynamoDBCheckpoints
+from triage_proxy.store.checkpoints import CheckpointStore
 from triage_proxy.store.deadletter_store import DeadLetterStore, DynamoDBStore
 from triage_proxy.store.leases import (
     DynamoDBLeaseReader,
-    DynamoDBLeases,
     LeaseReader,
     LeaseStore,
     MemoryLeaseReader,
@@ -110,10 +109,6 @@ class ProxyState(enum.Enum):
     RUNNING = "running"
     STOPPING = "stopping"
     STOPPED = "stopped"
-
-
-PartsFactory = Callable[[int], PartitionParts]
-"""What a pipeline for partition p talks to (tests pass twins)."""
 
 
 class Proxy:
@@ -145,13 +140,9 @@ class Proxy:
         """The pinned partitions; None: fleet mode (the group assigns them)."""
         self.slot = slot if slot is not None else (self.pins[0] if self.pins else 0)
         """Offset of this process's ports from server.port and server.http_port."""
-        self._log = log
         self._store = store
-        self._checkpoints = checkpoints
         self._leases = leases
-        """Injected (single-partition) twins are the caller's to close; the ones made here
-        are closed here."""
-        self._parts = parts
+        """An injected twin (the caller's to close), also read for Topology."""
         self._lease_reader = lease_reader
         """Every partition's lease, for Topology; with `leases` injected and this not,
         only that store is read (a twin's world)."""
@@ -178,13 +169,14 @@ class Proxy:
         """Reads the table for legacy dead letters (None with injected twins)."""
         self._legacy_checked: set[int] = set()
         """Partitions whose legacy dead letters were looked for (once per process)."""
-        self._reader: Reader | None = None
-        """The one Kafka Consumer of every pipeline, when the process may serve more than
-        one partition (reader.py); None: each pipeline opens its own (one pin)."""
         self._tokens = settings.auth.active()
         """The tokens accepted now (name -> token): the service's, and push registration's."""
         self.push = PushTargets(settings, lambda: self._tokens.values())
         """The `[[push]]` targets: each takes from every partition served here."""
+        self._adapters = Adapters(
+            settings, self._fleet, log=log, leases=leases, checkpoints=checkpoints, parts=parts
+        )
+        """What each pipeline talks to: Kafka, its lease and checkpoint items."""
 
     @property
     def partition(self) -> int:
@@ -369,10 +361,10 @@ class Proxy:
                 settings, self.owner, leases=reader, partition_count=self._partition_count
             )
             several = self.pins is None or len(self.pins) > 1
-            if several and self._log is None and self._parts is None:
-                self._reader = Reader(settings.kafka)
+            if several and self._adapters.real:
+                kafka_reader = self._adapters.reader = Reader(settings.kafka)
                 # Closed last: once every pipeline has closed its partition.
-                stack.push_async_callback(asyncio.to_thread, self._reader.close)
+                stack.push_async_callback(asyncio.to_thread, kafka_reader.close)
             self._service = service = TriageService(settings, {}, topology)
             self.topology = topology
             await self.push.start()
@@ -381,7 +373,7 @@ class Proxy:
             if self._fleet is not None:
                 servers.append(await self._listen(stack, service, credentials))
                 await self._fleet.join(stack)
-            elif self._log is None and self._parts is None:
+            elif self._adapters.real:
                 assert self._pinned is not None
                 await self._pinned.check()
             async with asyncio.TaskGroup() as tasks:
@@ -444,7 +436,7 @@ class Proxy:
         pipeline = PartitionPipeline(
             self.settings,
             partition,
-            self._parts_for(partition),
+            self._adapters.for_partition(partition),
             store,
             self._routes(),
             owner=self.owner,
@@ -505,47 +497,6 @@ class Proxy:
         assert self._service is not None
         assert self.topology is not None
         return _Routes(self._service, self.topology, self.push, lambda: self.endpoint)
-
-    def _parts_for(self, partition: int) -> PartitionParts:
-        """The real adapters of `partition` (or the injected twins)."""
-        if self._parts is not None:
-            return self._parts(partition)
-        settings = self.settings
-        made: list[Callable[[], None]] = []
-        log = self._log or self._new_log(partition)
-        leases = None
-        if settings.ownership.enabled:
-            leases = self._leases
-            if leases is None:
-                leases = DynamoDBLeases(
-                    settings.dead_letters, settings.kafka.topic, partition, settings.kafka.group_id
-                )
-                made.append(leases.close)
-        checkpoints = self._checkpoints
-        if checkpoints is None and settings.commit.encode_settled:
-            checkpoints = DynamoDBCheckpoints(
-                settings.dead_letters, settings.kafka.topic, partition, settings.kafka.group_id
-            )
-            made.append(checkpoints.close)
-
-        def close() -> None:
-            for fn in made:
-                fn()
-
-        return PartitionParts(
-            log, checkpoints, leases, close, commits_apart=self._fleet is not None
-        )
-
-    def _new_log(self, partition: int) -> PartitionLog:
-        reader = self._reader
-        log: PartitionLog
-        if reader is not None:
-            log = reader.partition(partition)  # the process's one Consumer (reader.py)
-        else:
-            log = ConfluentPartition(self.settings.kafka, partition)
-        if self._fleet is not None:
-            return self._fleet.log_for(log, partition)  # commits as the group's member
-        return log
 
     async def _partition_count(self) -> int:
         """The topic's partition count for Topology: from the group membership, else from

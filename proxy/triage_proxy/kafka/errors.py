@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 from confluent_kafka import KafkaError, KafkaException
 
@@ -58,17 +58,12 @@ def is_gone(err: Any) -> bool:
     return isinstance(err, KafkaError) and err.code() in GONE_CODES
 
 
-class kafka_errors:  # lower case: used as a context manager (`with`)
-    """Run the block; turn a KafkaException into `error("<what>: <cause>")`, raised from it.
+class _KafkaBlock:
+    """A `with` block whose KafkaException becomes our error (`translate`): the one shape
+    of the translations that raise (a class, not a generator: it wraps every fetch, so
+    entering it must cost little)."""
 
-    A class, not a generator: it wraps every fetch, so entering it must cost little.
-    """
-
-    __slots__ = ("_error", "_what")
-
-    def __init__(self, what: str, error: Callable[[str], Exception] = BrokerUnavailable) -> None:
-        self._what = what
-        self._error = error
+    __slots__ = ()
 
     def __enter__(self) -> None:
         return None
@@ -80,7 +75,24 @@ class kafka_errors:  # lower case: used as a context manager (`with`)
         tb: TracebackType | None,
     ) -> None:
         if exc is not None and isinstance(exc, KafkaException):
-            raise self._error(f"{self._what}: {describe(exc)}") from exc
+            self.translate(exc)
+
+    def translate(self, exc: KafkaException) -> NoReturn:
+        """Raise our error for `exc`."""
+        raise NotImplementedError
+
+
+class kafka_errors(_KafkaBlock):  # lower case: used as a context manager (`with`)
+    """Run the block; turn a KafkaException into `error("<what>: <cause>")`, raised from it."""
+
+    __slots__ = ("_error", "_what")
+
+    def __init__(self, what: str, error: Callable[[str], Exception] = BrokerUnavailable) -> None:
+        self._what = what
+        self._error = error
+
+    def translate(self, exc: KafkaException) -> NoReturn:
+        raise self._error(f"{self._what}: {describe(exc)}") from exc
 
 
 class kafka_warnings:  # lower case: used as a context manager (`with`)
@@ -119,7 +131,7 @@ def refused_property(client: Mapping[str, object], exc: BaseException) -> Config
     return ConfigError(key, f"librdkafka refuses it: {cause}")
 
 
-class client_config_errors:  # lower case: used as a context manager (`with`)
+class client_config_errors(_KafkaBlock):  # lower case: used as a context manager (`with`)
     """Run the block (building a client); a KafkaException becomes the ConfigError of the
     property librdkafka refused (`refused_property`)."""
 
@@ -128,20 +140,11 @@ class client_config_errors:  # lower case: used as a context manager (`with`)
     def __init__(self, client: Mapping[str, object]) -> None:
         self._client = client
 
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is not None and isinstance(exc, KafkaException):
-            raise refused_property(self._client, exc) from None
+    def translate(self, exc: KafkaException) -> NoReturn:
+        raise refused_property(self._client, exc) from None
 
 
-class opening_errors:  # lower case: used as a context manager (`with`)
+class opening_errors(_KafkaBlock):  # lower case: used as a context manager (`with`)
     """Run the block (opening a partition); a KafkaException becomes `open_error`'s
     translation. `consumer`, when given, is asked whether the partition exists."""
 
@@ -152,17 +155,8 @@ class opening_errors:  # lower case: used as a context manager (`with`)
         self._partition = partition
         self._consumer = consumer
 
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is not None and isinstance(exc, KafkaException):
-            raise open_error(self._settings, self._partition, exc, self._consumer) from exc
+    def translate(self, exc: KafkaException) -> NoReturn:
+        raise open_error(self._settings, self._partition, exc, self._consumer) from exc
 
 
 def open_error(

@@ -1,0 +1,98 @@
+"""What each partition's pipeline talks to: its Kafka log, its lease item and its
+checkpoint item, built for real or taken from the twins a test injects.
+
+One place decides it, so `Proxy` keeps only the process's lifecycle: a process that may
+serve several partitions reads them all through one Kafka Consumer (kafka/reader.py,
+set as `reader` by the proxy before any pipeline starts); a one-partition process's
+pipeline opens its own. In fleet mode the log commits as the group's member.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from triage_proxy.config.settings import Settings
+from triage_proxy.kafka.client import ConfluentPartition, PartitionLog
+from triage_proxy.kafka.reader import Reader
+from triage_proxy.pipeline.partition import PartitionParts
+from triage_proxy.store.checkpoints import CheckpointStore, DynamoDBCheckpoints
+from triage_proxy.store.leases import DynamoDBLeases, LeaseStore
+
+if TYPE_CHECKING:
+    from triage_proxy.fleet import FleetMembership
+
+__all__ = ["Adapters", "PartsFactory"]
+
+PartsFactory = Callable[[int], PartitionParts]
+"""What a pipeline for partition p talks to (tests pass twins)."""
+
+
+class Adapters:
+    """Builds each partition's `PartitionParts` (closed by the pipeline that gets them)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        fleet: FleetMembership | None,
+        *,
+        log: PartitionLog | None = None,
+        leases: LeaseStore | None = None,
+        checkpoints: CheckpointStore | None = None,
+        parts: PartsFactory | None = None,
+    ) -> None:
+        self._settings = settings
+        self._fleet = fleet
+        self._log = log
+        self._leases = leases
+        self._checkpoints = checkpoints
+        """Injected (single-partition) twins are the caller's to close; the ones made here
+        are closed by the pipeline."""
+        self._parts = parts
+        self.reader: Reader | None = None
+        """The process's one Kafka Consumer, when it may serve several partitions."""
+
+    @property
+    def real(self) -> bool:
+        """Whether Kafka is reached for real (no twin log, no injected parts)."""
+        return self._log is None and self._parts is None
+
+    def for_partition(self, partition: int) -> PartitionParts:
+        """The real adapters of `partition` (or the injected twins)."""
+        if self._parts is not None:
+            return self._parts(partition)
+        settings = self._settings
+        made: list[Callable[[], None]] = []
+        log = self._log or self._new_log(partition)
+        leases = None
+        if settings.ownership.enabled:
+            leases = self._leases
+            if leases is None:
+                leases = DynamoDBLeases(
+                    settings.dead_letters, settings.kafka.topic, partition, settings.kafka.group_id
+                )
+                made.append(leases.close)
+        checkpoints = self._checkpoints
+        if checkpoints is None and settings.commit.encode_settled:
+            checkpoints = DynamoDBCheckpoints(
+                settings.dead_letters, settings.kafka.topic, partition, settings.kafka.group_id
+            )
+            made.append(checkpoints.close)
+
+        def close() -> None:
+            for fn in made:
+                fn()
+
+        return PartitionParts(
+            log, checkpoints, leases, close, commits_apart=self._fleet is not None
+        )
+
+    def _new_log(self, partition: int) -> PartitionLog:
+        log: PartitionLog
+        if self.reader is not None:
+            log = self.reader.partition(partition)  # the process's one Consumer
+        else:
+            log = ConfluentPartition(self._settings.kafka, partition)
+        if self._fleet is not None:
+            return self._fleet.log_for(log, partition)  # commits as the group's member
+        return log
