@@ -9,7 +9,9 @@ import base64
 import json
 import os
 import signal
+import ssl
 import subprocess
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,6 +20,7 @@ from typing import Any
 import aiohttp
 import grpc
 import pytest
+import trustme
 from aiohttp import web
 from cloudevents.v1.http import from_http, from_json
 
@@ -35,6 +38,7 @@ from tests.integration.harness import (
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port
 from triage_protocol import handler_pb2, handler_pb2_grpc
 from triage_proxy.app import Proxy
+from triage_proxy.push.signing import verify
 from triage_proxy.structs import Headers
 
 pytestmark = pytest.mark.integration
@@ -416,4 +420,174 @@ def test_a_proxy_killed_mid_run_loses_nothing(
 
     asyncio.run(scenario())
     assert seen == {f"{topic}/0/{i}" for i in range(len(messages))}
+    assert dead_letters(settings_for(broker, aws, topic)) == []
+
+
+def test_https_with_a_private_ca_a_bearer_token_and_a_signature(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str, tmp_path: Path
+) -> None:
+    """TLS verified against the configured CA, the token and the signing key read from
+    references, and each request signed over its exact body."""
+    messages: list[Message] = [(b"k%d" % i, b"v%d" % i, None) for i in range(20)]
+    produce(broker.bootstrap, topic, messages)
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    server_ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    cert.configure_cert(server_ssl)
+    checked: list[bool] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        body = await request.read()
+        signature = request.headers["triage-signature"]
+        fresh = verify(b"hmac-key-of-the-test", body, signature, int(time.time()))
+        checked.append(fresh and request.headers["authorization"] == "Bearer push-token-1")
+        return web.Response(status=200)
+
+    async def scenario() -> None:
+        app = web.Application()
+        app.router.add_post("/", handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_ssl)
+        await site.start()
+        port = runner.addresses[0][1]
+        target = push_target(
+            f"https://127.0.0.1:{port}/",
+            ca_file=str(tmp_path / "ca.pem"),
+            token="env:TEST_PUSH_TOKEN",
+            signing_secret="env:TEST_PUSH_HMAC",
+        )
+        try:
+            settings = settings_for(broker, aws, topic, push=target)
+            async with Proxy(settings, 0):
+                group = settings.kafka.group_id
+                assert await await_until(
+                    lambda: committed(broker.bootstrap, group, topic) == len(messages), 30
+                )
+        finally:
+            await runner.cleanup()
+
+    os.environ["TEST_PUSH_TOKEN"] = "push-token-1"
+    os.environ["TEST_PUSH_HMAC"] = "hmac-key-of-the-test"
+    try:
+        asyncio.run(scenario())
+    finally:
+        del os.environ["TEST_PUSH_TOKEN"], os.environ["TEST_PUSH_HMAC"]
+    assert len(checked) == len(messages)
+    assert all(checked)
+
+
+def test_per_key_ordering_holds_through_push(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    messages: list[Message] = [(b"key%d" % (i % 5), b"%d" % i, None) for i in range(300)]
+    produce(broker.bootstrap, topic, messages)
+    busy: set[str] = set()
+    order: dict[str, list[int]] = {}
+    overlaps = 0
+
+    async def handle(request: web.Request) -> web.Response:
+        nonlocal overlaps
+        key = request.headers["ce-partitionkey"]
+        if key in busy:
+            overlaps += 1
+        busy.add(key)
+        order.setdefault(key, []).append(int(await request.read()))
+        await asyncio.sleep(0.002)
+        busy.discard(key)
+        return web.Response(status=200)
+
+    async def scenario() -> None:
+        async with receiver(handle) as url:
+            target = push_target(url, max_concurrency=16, initial_concurrency=16)
+            settings = settings_for(broker, aws, topic, push=target, delivery={"ordering": "key"})
+            async with Proxy(settings, 0):
+                group = settings.kafka.group_id
+                assert await await_until(
+                    lambda: committed(broker.bootstrap, group, topic) == len(messages), 30
+                )
+
+    asyncio.run(scenario())
+    assert overlaps == 0
+    assert all(values == sorted(values) for values in order.values())
+    assert sum(map(len, order.values())) == len(messages)
+
+
+async def _bad_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answers each connection by what the port was told to be: garbage, a hang, or a
+    500 whose body never ends (1 GB)."""
+    await reader.read(65536)
+    kind = writer.get_extra_info("sockname")[1] % 3
+    try:
+        if kind == 0:
+            writer.write(b"this is not HTTP\r\n\r\n")
+            await writer.drain()
+        elif kind == 1:
+            await asyncio.sleep(3600)
+        else:
+            writer.write(b"HTTP/1.1 500 Oops\r\ncontent-length: 1000000000\r\n\r\n")
+            chunk = b"x" * 65536
+            for _ in range(16_000):  # up to 1 GB, unless the proxy hangs up first
+                writer.write(chunk)
+                await writer.drain()
+    except (ConnectionError, asyncio.CancelledError):
+        pass
+    finally:
+        writer.close()
+
+
+def test_receivers_that_answer_garbage_hang_or_send_a_huge_body_stall_no_one(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    messages: list[Message] = [(b"k%d" % i, b"v%d" % i, None) for i in range(200)]
+    produce(broker.bootstrap, topic, messages)
+    good: set[str] = set()
+
+    async def handle(request: web.Request) -> web.Response:
+        await request.read()
+        good.add(request.headers["ce-id"])
+        return web.Response(status=200)
+
+    async def scenario() -> None:
+        servers = []
+        bad_urls = []
+        while len(bad_urls) < 3:  # one port of each kind (its number mod 3)
+            server = await asyncio.start_server(_bad_server, "127.0.0.1", 0)
+            port = server.sockets[0].getsockname()[1]
+            if port % 3 in {int(u.rsplit(":", 1)[1].rstrip("/")) % 3 for u in bad_urls}:
+                server.close()
+                continue
+            servers.append(server)
+            bad_urls.append(f"http://127.0.0.1:{port}/")
+        async with receiver(handle) as url:
+            targets = [
+                {"name": "good", "url": url, "timeout_s": 5},
+                *(
+                    {"name": f"bad{i}", "url": u, "timeout_s": 1, "max_response_bytes": 4096}
+                    for i, u in enumerate(bad_urls)
+                ),
+            ]
+            settings = settings_for(
+                broker,
+                aws,
+                topic,
+                push=targets,
+                delivery={"max_attempts": 50},
+                retry={"initial_backoff_s": 0.01, "max_backoff_s": 0.05},
+            )
+            async with Proxy(settings, 0) as proxy:
+                group = settings.kafka.group_id
+                assert await await_until(
+                    lambda: committed(broker.bootstrap, group, topic) == len(messages), 60
+                )
+                kinds = {t.name: t.responses for t in proxy.status().push}
+        for server in servers:
+            server.close()
+        for name in ("bad0", "bad1", "bad2"):  # each was tried, none ever acked
+            assert sum(kinds[name].values()) > 0
+            assert "2xx" not in kinds[name]
+
+    asyncio.run(scenario())
+    assert good == {f"{topic}/0/{i}" for i in range(len(messages))}
     assert dead_letters(settings_for(broker, aws, topic)) == []
