@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from triage_conformance.client import Event
 from triage_conformance.stack import MAX_ATTEMPTS, Produced
-from triage_proxy.structs import DeadLetter
+from triage_proxy.structs import DeadLetter, Headers
 
 RETRY_ATTEMPTS = 3
 """The `retry` action raises Retry while attempt < 3: three starts, then an ack."""
@@ -53,10 +53,43 @@ def reason_matches(reason: str, text: str) -> bool:
     name, sep, rest = reason.partition(": ")
     if not sep or not name:
         return False
-    if rest == text:
+    return text_kept(rest, text)
+
+
+def text_kept(kept: str, text: str) -> bool:
+    """`kept` is `text`, or its start when long (cut, maybe with an ellipsis)."""
+    if kept == text:
         return True
-    kept = rest.removesuffix("...").removesuffix("\u2026")
+    kept = kept.removesuffix("...").removesuffix("\u2026")
     return text.startswith(kept) and len(kept) >= SHORTEST_KEPT_REASON
+
+
+def byte_exact(message: Produced, key: bytes | None, value: bytes | None, headers: Headers) -> bool:
+    """What a handler, a receiver or a dead letter holds is the record as produced."""
+    return (key, value, tuple(headers)) == (message.key, message.value, message.headers)
+
+
+def check_settled(
+    outcome: Outcome,
+    by_key: dict[tuple[int, int], Produced],
+    acked: set[tuple[int, int]],
+    dead: dict[tuple[int, int], DeadLetter],
+) -> dict[tuple[int, int], DeadLetter]:
+    """The rule every run shares: each produced record is acked or dead-lettered (lost
+    = 0), and each dead letter is the record byte-exact. Returns this run's dead letters."""
+    ours = {k: dl for k, dl in dead.items() if k in by_key}
+    outcome.produced = len(by_key)
+    outcome.acked = len(acked)
+    outcome.dead_lettered = len(ours)
+    lost = [k for k in by_key if k not in acked and k not in ours]
+    outcome.lost = len(lost)
+    if lost:
+        outcome.fail(f"lost {len(lost)}: neither acked nor dead-lettered, e.g. {lost[:5]}")
+    for where, letter in ours.items():
+        record = letter.record
+        if not byte_exact(by_key[where], record.key, record.value, record.headers):
+            outcome.fail(f"{where}: the dead letter is not byte-exact")
+    return ours
 
 
 def check_run(
@@ -68,9 +101,8 @@ def check_run(
     committed: bool,
     bad_lines: list[str],
 ) -> None:
-    """The checks every scenario makes: lost = 0, byte-exact, each action's result."""
+    """The checks every client scenario makes: lost = 0, byte-exact, each action's result."""
     by_key = {(p.partition, p.offset): p for p in produced}
-    outcome.produced = len(produced)
     if not committed:
         outcome.fail("the committed offset did not reach the end of what was produced")
     for line in bad_lines[:3]:
@@ -85,23 +117,11 @@ def check_run(
             continue
         if event.kind == "start":
             starts[where].append(event)
-            got = (event.blob("key"), event.blob("value"), event.headers())
-            if got != (message.key, message.value, message.headers):
+            if not byte_exact(message, event.blob("key"), event.blob("value"), event.headers()):
                 outcome.fail(f"{where}: key, value or headers not byte-exact")
         elif event.kind == "settled" and event.outcome == "ack":
             acked.add(where)
-    ours = {k: dl for k, dl in dead.items() if k in by_key}
-    outcome.acked = len(acked)
-    outcome.dead_lettered = len(ours)
-    lost = [k for k in by_key if k not in acked and k not in ours]
-    outcome.lost = len(lost)
-    if lost:
-        outcome.fail(f"lost {len(lost)}: neither acked nor dead-lettered, e.g. {lost[:5]}")
-    for where, letter in ours.items():
-        message = by_key[where]
-        record = (letter.record.key, letter.record.value, letter.record.headers)
-        if record != (message.key, message.value, message.headers):
-            outcome.fail(f"{where}: the dead letter is not byte-exact")
+    ours = check_settled(outcome, by_key, acked, dead)
     for where, message in sorted(by_key.items()):
         action = message.action
         dl = ours.get(where)
