@@ -70,4 +70,7 @@ receiver's JSON lines. The receiver contract:
   command again on the same port, so the command must be the receiver itself (no
   wrapper that would outlive the kill) and must be able to rebind that port at once.
 
+The reference receivers, each passing every push scenario in both modes:
+`python -m triage_conformance.python_receiver` (aiohttp and the `cloudevents` SDK) and
+`node conformance/receivers/receiver.js` (Node's `http` module, no dependency).
 """
