@@ -121,7 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     if wrong:
         parser.error(
             f"{', '.join(wrong)}: "
-            + ("a client scenario" if push else "a push scenario (needs --push-receiver)")
+            + (
+                "a client scenario (not with --push-receiver)"
+                if push
+                else "a push scenario (needs --push-receiver)"
+            )
         )
     if args.batch < 1:
         parser.error("--batch must be 1 or more")
