@@ -1,7 +1,10 @@
-"""The conformance kit: any Triage client, driven through the same scenarios.
+"""The conformance kit: any Triage client, or any push receiver, driven through the same
+scenarios.
 
     python -m triage_conformance --client "<command>" [--peer "<command>"]
         [--scenario NAME ...] [--partitions N] [--work-dir DIR] [--list]
+    python -m triage_conformance --push-receiver "<command>" [--batch N]
+        [--scenario NAME ...] [--partitions N] [--work-dir DIR]
 
 It starts the embedded stack (Tansu, moto server, one proxy per partition: `triage dev`'s
 DevStack with short deadlines), produces each scenario's messages and runs the client
@@ -34,4 +37,40 @@ The contract between the kit and a client under test:
   `--work-dir`.
 
 The Python client's adapter is `python -m triage_conformance.python_client`.
+
+With `--push-receiver`, no client runs: the kit picks a free loopback port, starts the
+stack with one `[[push]]` target posting there (`batch = N`; 1, the default, is
+CloudEvents binary mode), starts the receiver command for each `push-*` scenario,
+produces its records and judges from the commit, the dead-letter table and the
+receiver's JSON lines. The receiver contract:
+
+- Environment: TRIAGE_PUSH_PORT (listen on 127.0.0.1 there, answer POST /) and
+  TRIAGE_PUSH_MODE (`binary`: one CloudEvent per request, the body is the value;
+  `batch`: an `application/cloudevents-batch+json` array). Recover the key, value and
+  headers byte-exact as `triage_proxy.push.cloudevents` documents (`triagekey`,
+  `triageheaders`, `triagetombstone`, the body or `data_base64`).
+- Each record's header `x-triage-action` (in `triageheaders`) says what to answer
+  (absent: `ack`):
+    action       binary mode                          batch mode (`batchItemFailures`)
+    ack          2xx                                  not named
+    fail         400, the body = the value's bytes    {"itemIdentifier": id, "action":
+                 (dead letter: `HTTP 400: <value>`)   "deadletter", "reason": <value as
+                                                      UTF-8 with replacement>}
+    retry        the first time this id is seen:      the first time: {"itemIdentifier":
+                 200 with `triage-action: retry`;     id, "action": "retry"}; then not
+                 then 2xx                             named
+    sleep:<ms>   wait that long, then 2xx             wait (the records of a batch side
+                                                      by side), then not named
+  `retry` is once per id because a receiver is not told the attempt; a batch's answer
+  is a 2xx with {"batchItemFailures": [...]} (an empty list acks the whole batch).
+- stdout, one JSON line per record received, flushed at once, before answering:
+  {"event":"received","id":<ce id>,"key":<base64|null>,"value":<base64|null>,
+   "headers":[[name,<base64|null>],...]}. stderr is free-form.
+- SIGTERM: exit. The kit also kills the receiver -9 (`push-restart`) and starts the
+  command again on the same port, so the command must be the receiver itself (no
+  wrapper that would outlive the kill) and must be able to rebind that port at once.
+
+The reference receivers, each passing every push scenario in both modes:
+`python -m triage_conformance.python_receiver` (aiohttp and the `cloudevents` SDK) and
+`node conformance/receivers/receiver.js` (Node's `http` module, no dependency).
 """

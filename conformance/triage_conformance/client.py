@@ -1,9 +1,10 @@
-"""A client under test, run as a child process: its environment, its JSON lines, its end.
+"""A client (or a push receiver) under test, run as a child process: its environment, its
+JSON lines, its end.
 
-Why a process: the scenarios SIGTERM and SIGKILL it, and any language's client is a
-command. stdout is read by a thread into `events` as it arrives (a line that is not JSON
-is kept in `bad_lines`) and to `<consumer id>.stdout.log`, each line after its wall-clock
-time, to read beside the proxies' logs; stderr goes to a log file.
+Why a process: the scenarios SIGTERM and SIGKILL it, and any language's client or
+receiver is a command. stdout is read by a thread into `events` as it arrives (a line
+that is not JSON is kept in `bad_lines`) and to `<name>.stdout.log`, each line after its
+wall-clock time, to read beside the proxies' logs; stderr goes to a log file.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from typing import IO, Any
 
 @dataclass(frozen=True)
 class Event:
-    """One JSON line of the client's stdout."""
+    """One JSON line of the client's (or receiver's) stdout."""
 
     kind: str
-    """`start` or `settled`."""
+    """`start` or `settled` (a client), `received` (a push receiver)."""
     partition: int
     offset: int
     at: float
@@ -55,33 +56,18 @@ class Event:
         )
 
 
-class ClientProcess:
-    """One run of the client command (a shell command line, split with shlex)."""
+class ChildProcess:
+    """One run of a command under test (a shell command line, split with shlex) with
+    `env` added to the kit's environment; its stdout JSON lines become `events`."""
 
-    def __init__(
-        self,
-        command: str,
-        *,
-        endpoint: str,
-        token: str,
-        consumer_id: str,
-        concurrency: int,
-        log_path: Path,
-    ) -> None:
-        self.consumer_id = consumer_id
+    def __init__(self, command: str, *, name: str, env: dict[str, str], log_path: Path) -> None:
+        self.name = name
         self.log_path = log_path
-        self.stdout_path = log_path.parent / f"{consumer_id}.stdout.log"
-        env = {
-            **os.environ,
-            "TRIAGE_ENDPOINT": endpoint,
-            "TRIAGE_TOKEN": token,
-            "TRIAGE_CONSUMER_ID": consumer_id,
-            "TRIAGE_CONCURRENCY": str(concurrency),
-        }
+        self.stdout_path = log_path.parent / f"{name}.stdout.log"
         with open(log_path, "ab") as log:
             self._proc = subprocess.Popen(
                 shlex.split(command),
-                env=env,
+                env={**os.environ, **env},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=log,
@@ -92,7 +78,7 @@ class ClientProcess:
         self._lock = threading.Lock()
         assert self._proc.stdout is not None
         self._reader = threading.Thread(
-            target=self._read, args=(self._proc.stdout,), name=f"read-{consumer_id}", daemon=True
+            target=self._read, args=(self._proc.stdout,), name=f"read-{name}", daemon=True
         )
         self._reader.start()
 
@@ -112,19 +98,18 @@ class ClientProcess:
     def _parse(self, line: str) -> None:
         try:
             data = json.loads(line)
-            event = Event(
-                str(data["event"]),
-                int(data["partition"]),
-                int(data["offset"]),
-                time.monotonic(),
-                data,
-            )
-        except (ValueError, KeyError, TypeError):
+            partition, offset = self.where(data)
+            event = Event(str(data["event"]), partition, offset, time.monotonic(), data)
+        except (ValueError, KeyError, TypeError, AttributeError):
             with self._lock:
                 self.bad_lines.append(line[:200])
             return
         with self._lock:
             self.events.append(event)
+
+    def where(self, data: dict[str, Any]) -> tuple[int, int]:
+        """The (partition, offset) a line is about."""
+        return int(data["partition"]), int(data["offset"])
 
     def snapshot(self) -> list[Event]:
         with self._lock:
@@ -180,3 +165,26 @@ class ClientProcess:
             return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+
+
+class ClientProcess(ChildProcess):
+    """A client under test, with the contract's environment."""
+
+    def __init__(
+        self,
+        command: str,
+        *,
+        endpoint: str,
+        token: str,
+        consumer_id: str,
+        concurrency: int,
+        log_path: Path,
+    ) -> None:
+        self.consumer_id = consumer_id
+        env = {
+            "TRIAGE_ENDPOINT": endpoint,
+            "TRIAGE_TOKEN": token,
+            "TRIAGE_CONSUMER_ID": consumer_id,
+            "TRIAGE_CONCURRENCY": str(concurrency),
+        }
+        super().__init__(command, name=consumer_id, env=env, log_path=log_path)

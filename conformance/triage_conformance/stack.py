@@ -1,5 +1,6 @@
-"""The deployment a conformance run drives: `triage dev`'s DevStack with short deadlines,
-plus what the scenarios need from it (produce, committed offsets, dead letters).
+"""The deployment a conformance run drives: `triage dev`'s DevStack with short deadlines
+(and, to check a push receiver, one `[[push]]` target), plus what the scenarios need from
+it (produce, committed offsets, dead letters).
 
 Why short settings: each scenario must show a lease extended past the ack deadline, a
 retry backoff and a redelivery after a killed client within seconds, not minutes.
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from triage_cli.devstack import DevStack
+from triage_cli.embedded import HOST, free_port
 from triage_proxy.structs import DeadLetter
 
 TOPIC = "conformance"
@@ -32,6 +34,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "shutdown": {"drain_timeout_s": 5.0},
     "ownership": {"lease_s": 3.0},
 }
+
+PUSH_TARGET = "conformance"
+"""The `[[push]]` target's name, when the stack delivers to a receiver."""
+PUSH_TIMEOUT_S = 5.0
+"""The push target's request timeout (its records' ack deadline): well past the
+receivers' `sleep` actions, short enough that a lost answer is retried soon."""
 
 GIVE_UP_S = 5.0
 """How long the commit is still waited for once no client runs."""
@@ -71,10 +79,24 @@ class Stack:
     """A DevStack for TOPIC with OVERRIDES, and the kit's views of it; stop() stops every
     process it started, by PID."""
 
-    def __init__(self, work_dir: Path, partitions: int = 1) -> None:
+    def __init__(self, work_dir: Path, partitions: int = 1, push_batch: int | None = None) -> None:
+        """`push_batch` (records per request; 1 is CloudEvents binary mode) makes every
+        proxy deliver to a push receiver on `push_port`, a free loopback port chosen now."""
         self.partitions = partitions
+        self.push_batch = push_batch
+        self.push_port = 0
+        overrides: dict[str, Any] = dict(OVERRIDES)
+        if push_batch is not None:
+            self.push_port = free_port()
+            target = {
+                "name": PUSH_TARGET,
+                "url": f"http://{HOST}:{self.push_port}/",
+                "batch": push_batch,
+                "timeout_s": PUSH_TIMEOUT_S,
+            }
+            overrides["push"] = [target]
         self._dev = DevStack(
-            topic=TOPIC, partitions=partitions, state_dir=work_dir, proxy_overrides=OVERRIDES
+            topic=TOPIC, partitions=partitions, state_dir=work_dir, proxy_overrides=overrides
         )
         self._watcher: Any = None
         self._table: Any = None
