@@ -243,7 +243,47 @@ class DevStack:
                 {"partition": p, "target": f"{HOST}:{port}"}
                 for p, port in enumerate(self.proxy_ports)
             ],
+            "push": self.describe_push(),
         }
+
+    def describe_push(self) -> list[dict[str, Any]]:
+        """The `[[push]]` targets the proxies deliver to. A registration target (mode
+        "grpc") names where a consumer registers: each proxy's `GET /consumers` (a
+        consumer gets the records of the partitions of the proxy it registered with),
+        with the raw token as `Authorization` and its own port as `grpcport`."""
+        from triage_proxy.config.settings import load_settings
+        from triage_proxy.store.aws import read_secret
+
+        tables = self._overrides.get("push") or []
+        if not tables:
+            return []
+        server = load_settings(self.config_path, fetch_secret=read_secret).server
+        out: list[dict[str, Any]] = []
+        for table in tables:
+            if table.get("mode", "http") == "http":
+                out.append(
+                    {
+                        "name": table["name"],
+                        "mode": "http",
+                        "url": table["url"],
+                        "batch": table.get("batch", 1),
+                    }
+                )
+                continue
+            urls = []
+            for partition in range(len(self.proxy_ports)):
+                address = server.http_address(partition)
+                if address is not None:
+                    urls.append(f"http://{address[0]}:{address[1]}/consumers")
+            out.append(
+                {
+                    "name": table["name"],
+                    "mode": "grpc",
+                    "registration": urls,
+                    "authorization": self.token,
+                }
+            )
+        return out
 
     def describe_json(self) -> str:
         return json.dumps(self.describe(), separators=(", ", ": "))
@@ -262,14 +302,38 @@ class DevStack:
         table.add_row("consumer endpoint", str(info["endpoint"]))
         for proxy in info["proxies"]:
             table.add_row(f"proxy partition {proxy['partition']}", proxy["target"])
+        for push in info["push"]:
+            if push["mode"] == "http":
+                table.add_row(f"push {push['name']}", f"{push['url']} (batch {push['batch']})")
+            else:
+                for url in push["registration"]:
+                    table.add_row(f"push {push['name']} registers at", url)
         console = Console(stderr=True)
         console.print(table)
         target = info["proxies"][0]["target"]
-        console.print(
+        hint = (
             f"Try a consumer:\n  TRIAGE_TOKEN={info['token']} "
             f"python client_lib/examples/consumer.py --target {target}\n"
-            "Ctrl-C stops everything."
         )
+        for push in info["push"]:
+            if push["mode"] == "grpc" and push["registration"]:
+                each = (
+                    " each proxy (it gets that proxy's partitions)"
+                    if len(push["registration"]) > 1
+                    else ""
+                )
+                hint = (
+                    "A consumer of the original Triage (triage.MessageHandler on PORT) "
+                    f"registers with{each}:\n"
+                    f"  curl -H 'Authorization: {push['authorization']}' -H 'grpcport: PORT' "
+                    f"{push['registration'][0]}\n"
+                )
+        if info["push"]:
+            hint += (
+                f"triage status --config {info['config']} shows each push target's limit, "
+                "latency and errors.\n"
+            )
+        console.print(hint + "Ctrl-C stops everything.")
 
     def wait_for_signal(self) -> None:
         """Block until SIGINT or SIGTERM, or until a proxy process dies."""

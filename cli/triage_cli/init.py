@@ -2,7 +2,8 @@
 
 Why a wizard: a proxy config carries a token and Kafka credentials, so the easy way to
 write one must also be the safe way. `init` asks for (or takes as flags) the Kafka
-connection, the topic and the dead-letter targets, asks the broker how many partitions
+connection, the topic and the dead-letter targets (and, with `--push URL`, an HTTP
+endpoint the proxies deliver to: a `[[push]]` table), asks the broker how many partitions
 the topic has, generates a strong named token, validates the whole file with the same
 `settings_from_dict` the proxy uses, and writes it atomically with mode 0600 (created so,
 never chmod-ed after, so it is never readable by others even for an instant).
@@ -33,6 +34,7 @@ import typer
 from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
 
 if TYPE_CHECKING:
+    from triage_proxy.config.push import PushTargetSettings
     from triage_proxy.config.settings import Settings
 
 DEFAULT_CONFIG = Path("triage.toml")
@@ -273,6 +275,19 @@ def init(
         str | None,
         typer.Option(help="Dead-letter notifications: an SNS topic ARN or a webhook URL."),
     ] = None,
+    push: Annotated[
+        str | None,
+        typer.Option(
+            "--push",
+            metavar="URL",
+            help="Also deliver the records to this http(s) URL: a [[push]] table named "
+            "after --app-name (no client library needed).",
+        ),
+    ] = None,
+    push_batch: Annotated[
+        int,
+        typer.Option(min=1, help="Records per request to the --push URL (1: one per POST)."),
+    ] = 1,
     region: Annotated[str | None, typer.Option(help="AWS region.")] = None,
     endpoint_url: Annotated[
         str | None, typer.Option(help="AWS endpoint override (a local moto server).")
@@ -306,6 +321,7 @@ def init(
     ] = False,
 ) -> None:
     """Write a validated triage.toml (mode 0600) with a fresh token; never overwrites."""
+    from triage_cli.push import http_table
     from triage_proxy.config.settings import (
         DEFAULT_HTTP_PORT,
         DEFAULT_PORT,
@@ -319,6 +335,13 @@ def init(
     with exit_on_errors():
         if config.exists() and not force:
             raise _exists(config)  # before any question, not after all of them
+        # Flags that need no answer are checked before any question too.
+        token_name = app_name.strip()
+        if not token_name or not token_name.replace("-", "").replace("_", "").isalnum():
+            raise CommandFailed(ExitCode.BAD_INPUT, "--app-name must be letters, digits, - or _")
+        if push is None and push_batch != 1:
+            raise CommandFailed(ExitCode.BAD_INPUT, "--push-batch needs --push URL")
+        push_table = None if push is None else http_table(token_name, push, push_batch)
         ask = _Asker(interactive=not non_interactive)
         kafka: dict[str, Any] = {
             "bootstrap_servers": ask.text(
@@ -369,9 +392,6 @@ def init(
             dead_letters["endpoint_url"] = endpoint
 
         kafka["partitions"] = _partitions(kafka, partitions, ask)
-        token_name = app_name.strip()
-        if not token_name or not token_name.replace("-", "").replace("_", "").isalnum():
-            raise CommandFailed(ExitCode.BAD_INPUT, "--app-name must be letters, digits, - or _")
         raw: dict[str, Any] = {
             "kafka": kafka,
             "server": {
@@ -384,6 +404,8 @@ def init(
             # deploy --target aws runs this many fleet tasks (one formula: fleet_size)
             "aws": {"proxies": AwsSettings(proxies=aws_proxies).fleet_size(kafka["partitions"])},
         }
+        if push_table is not None:
+            raw["push"] = [push_table]
         backup = write_private(config, render_config(raw), force=force)
     _print_next(config, raw, token_name, backup)
 
@@ -426,6 +448,7 @@ def _print_next(config: Path, raw: dict[str, Any], token_name: str, backup: Path
         "Next:\n"
         f"  triage config check --config {config} --connect\n"
         f"  triage deploy --target local --config {config}   # or --target aws\n\n"
+        f"{_push_next(config, raw)}"
         f"A consumer (pip install ./proto ./client_lib; export TRIAGE_TOKEN from [auth.tokens]):\n"
         "  import os\n"
         "  from triage_client import Consumer\n"
@@ -434,6 +457,20 @@ def _print_next(config: Path, raw: dict[str, Any], token_name: str, backup: Path
         f'  Consumer("127.0.0.1:{port}", os.environ["TRIAGE_TOKEN"], handle).run()'
         f"  # partition p: port {port} + p"
     )
+
+
+def _push_next(config: Path, raw: dict[str, Any]) -> str:
+    """Where the records go when the file has a push target (empty when it has none)."""
+    lines = []
+    for table in raw.get("push", []):
+        batch = table.get("batch", 1)
+        shape = "one record per POST" if batch == 1 else f"up to {batch} records per POST"
+        lines.append(
+            f"The proxies POST the records to {table['url']}\n"
+            f"({shape}, CloudEvents; push target {table['name']!r} in [[push]]):\n"
+            f"  triage status --config {config}   # its limit, latency, responses, errors\n"
+        )
+    return "".join(line + "\n" for line in lines)
 
 
 # --- triage config check ------------------------------------------------------------------
@@ -504,7 +541,14 @@ def summary(settings: Settings) -> list[tuple[str, str]]:
             else "off",
         ),
         ("tokens", ", ".join(sorted(settings.auth.active())) + revoked),
+        *[("push", _push_summary(target)) for target in settings.push],
     ]
+
+
+def _push_summary(target: PushTargetSettings) -> str:
+    if target.mode == "grpc":
+        return f"{target.name}: gRPC consumers register (GET /consumers on the HTTP port)"
+    return f"{target.name}: {target.url} (batch {target.batch})"
 
 
 def _check_connect(settings: Settings) -> None:

@@ -163,21 +163,60 @@ def dev(
     keep_state: Annotated[
         bool, typer.Option("--keep-state", help="Keep the temp folder (logs, config) at exit.")
     ] = False,
+    push: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--push",
+            metavar="URL",
+            help="Deliver the topic's records to this http(s) URL (CloudEvents; repeatable: "
+            'push targets "dev", "dev-2", ...).',
+        ),
+    ] = None,
+    push_batch: Annotated[
+        int,
+        typer.Option(
+            min=1, help="Records per request to each --push URL (1: one record per POST)."
+        ),
+    ] = 1,
+    push_registration: Annotated[
+        bool,
+        typer.Option(
+            "--push-registration",
+            help='Let the original Triage\'s gRPC consumers register (push target "dev-grpc", '
+            "GET /consumers on each proxy's HTTP port).",
+        ),
+    ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
-    """Start a broker, a DynamoDB endpoint and one proxy per partition on this machine."""
+    """Start a broker, a DynamoDB endpoint and one proxy per partition on this machine;
+    with --push, the proxies deliver to a URL themselves (no client needed)."""
     from triage_cli.devstack import DevStack
     from triage_cli.embedded import missing_local_extra
+    from triage_cli.push import http_table, registration_table
 
     _setup_logging(verbose)
     if not verbose:
         logging.getLogger().setLevel(logging.WARNING)
     with exit_on_errors():
+        # Checked before anything starts: a bad --push is a one-line exit 2, not a proxy
+        # that dies at start with the reason in its log.
+        tables = [
+            http_table("dev" if i == 0 else f"dev-{i + 1}", url, push_batch)
+            for i, url in enumerate(push or [])
+        ]
+        if push_batch != 1 and not push:
+            raise CommandFailed(ExitCode.BAD_INPUT, "--push-batch needs --push URL")
+        if push_registration:
+            tables.append(registration_table("dev-grpc"))
         missing = missing_local_extra("triage dev")
         if missing is not None:
             raise CommandFailed(ExitCode.BAD_INPUT, missing)
         stack = DevStack(
-            topic=topic, partitions=partitions, state_dir=state_dir, keep_state=keep_state
+            topic=topic,
+            partitions=partitions,
+            state_dir=state_dir,
+            proxy_overrides={"push": tables} if tables else None,
+            keep_state=keep_state,
         )
     with exit_on_errors(), stack:
         if demo:

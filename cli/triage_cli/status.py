@@ -24,6 +24,11 @@ Each row joins three sources, so one that is down costs only its own columns:
 - the dead-letter table: this deployment's (`kafka.group_id`) items of the partition
   with `status = pending`; another app's dead letters on the same topic are not counted.
 
+Push targets (`[[push]]`) get a second table, only when a process lists any: one row per
+target per process (a process delivers the records of its own partitions), from its
+/status `push` list: limit, in flight, p50/p99 latency, responses by class, errors, and
+state ("ok", or why delivery waits, e.g. an outage). `--json` has them under `push`.
+
 Exit codes (`exitcodes.ExitCode`): 0 every proxy answered; 1 some proxy is down (the
 report is still printed); 2 bad config or flags; 3 the broker could not be read (what
 could be read is printed: without `kafka.partitions` the partitions are then the proxies
@@ -54,6 +59,7 @@ import typer
 from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
 
 if TYPE_CHECKING:
+    from rich.console import RenderableType
     from rich.table import Table
 
     from triage_proxy.config.settings import Settings
@@ -108,6 +114,8 @@ class Report:
     to every command until `triage dlq migrate` moves them)."""
     config: str = "<config>"
     """The config file, as the migrate hint names it."""
+    push: Sequence[dict[str, Any]] = ()
+    """One row per push target per process (`push_rows`)."""
 
     @property
     def proxies_down(self) -> list[int]:
@@ -132,6 +140,7 @@ class Report:
                 "proxies_down": len(self.proxies_down),
             },
             "partitions": list(self.partitions),
+            "push": list(self.push),
         }
 
 
@@ -177,6 +186,19 @@ def partition_row(
         "unwritable_dead_letters": list(doc.get("unwritable_dead_letters", [])),
         "served_by": doc.get("served_by"),
     }
+
+
+def push_rows(views: Sequence[ProxyView]) -> list[dict[str, Any]]:
+    """Each process's push targets, as its /status lists them, with the process that
+    delivers (pure). A process delivers a target's records of its own partitions, so one
+    target shows once per process that serves some."""
+    rows: list[dict[str, Any]] = []
+    for view in views:
+        doc = view.doc or {}
+        for target in doc.get("push") or []:
+            if isinstance(target, dict):
+                rows.append({**target, "pid": doc.get("pid"), "proxy_url": view.url})
+    return sorted(rows, key=lambda r: (str(r.get("name")), list(r.get("partitions") or [])))
 
 
 # --- reading the sources ------------------------------------------------------------------
@@ -376,7 +398,8 @@ def gather(sources: Sources, *, now: Callable[[], float] = time.time) -> Report:
     broker = sources.broker(count)
     pending, dl_error = sources.dead_letters(count)
     legacy = sources.legacy_partitions(count) if dl_error is None else []
-    views = partition_views([future.result() for future in asked], count)
+    answers = [future.result() for future in asked]
+    views = partition_views(answers, count)
     rows = [partition_row(p, broker, views[p], pending.get(p)) for p in range(count)]
     stamp = datetime.fromtimestamp(now(), UTC).isoformat(timespec="seconds")
     return Report(
@@ -388,6 +411,7 @@ def gather(sources: Sources, *, now: Callable[[], float] = time.time) -> Report:
         generated_at=stamp,
         legacy_partitions=legacy,
         config=sources.config,
+        push=push_rows(answers),
     )
 
 
@@ -484,6 +508,72 @@ def render_table(report: Report) -> Table:
     return table
 
 
+def _latency(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 1:
+        return f"{seconds * 1000:g}ms"
+    return f"{seconds:g}s"
+
+
+def _counts(counts: Mapping[str, int] | None) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted((counts or {}).items()) if v) or "-"
+
+
+def render_push_table(report: Report) -> Table | None:
+    """The push targets, one row per target per process (pure); None when there are none.
+    Latencies are bucket bounds (p50/p99 of the round trips that got an answer). The state
+    column holds its first word ("ok", "outage", ...); why a target waits, in full, is a
+    note under the table, so the table fits 80 columns."""
+    if not report.push:
+        return None
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(
+        title="push targets",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        collapse_padding=True,
+    )
+    for name in ("target", "part", "state", "limit", "in\nflight", "p50", "p99", "errors"):
+        left = name in ("target", "state")
+        table.add_column(name, justify="left" if left else "right", no_wrap=True)
+    table.add_column("responses")
+    notes: list[str] = []
+    for row in report.push:
+        state = str(row.get("state", "-"))
+        parts = ",".join(str(p) for p in row.get("partitions") or []) or "-"
+        if state != "ok":
+            notes.append(f"{row.get('name')} (partitions {parts}): {state}")
+        table.add_row(
+            str(row.get("name")),
+            parts,
+            Text(state.split(":", 1)[0], style="green" if state == "ok" else "bold yellow"),
+            _n(row.get("limit")),
+            _n(row.get("in_flight")),
+            _latency(row.get("latency_p50_s")),
+            _latency(row.get("latency_p99_s")),
+            Text(_n(row.get("errors")), style="bold red" if row.get("errors") else ""),
+            _counts(row.get("responses")),
+        )
+    if notes:
+        table.caption = "\n".join(notes)
+        table.caption_justify = "left"
+    return table
+
+
+def render_report(report: Report) -> RenderableType:
+    """What the command prints: the partitions, then the push targets when there are any."""
+    from rich.console import Group
+
+    push = render_push_table(report)
+    table = render_table(report)
+    return table if push is None else Group(table, "", push)
+
+
 def served_by_notes(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """Which process serves which partitions, one line per process (pure); nothing when
     every process serves one partition (the layout of one process per partition)."""
@@ -542,7 +632,8 @@ def status(
         ),
     ] = "local",
 ) -> None:
-    """Per partition: committed offset, log end, lag, in-flight, instances, dead letters."""
+    """Per partition: committed offset, log end, lag, in-flight, instances, dead letters;
+    then each push target: limit, in-flight, latency, responses, errors and state."""
     from rich.console import Console
 
     from triage_proxy.config.settings import load_settings
@@ -580,7 +671,7 @@ def status(
                     err=True,
                 )
         else:
-            console.print(render_table(report))
+            console.print(render_report(report))
         if report.broker_error:
             raise typer.Exit(int(ExitCode.UNAVAILABLE))
         if report.proxies_down:
@@ -596,7 +687,7 @@ def _watch(sources: Sources, console: Any, interval: float) -> None:
 
     def frame() -> Any:
         try:
-            return render_table(gather(sources))
+            return render_report(gather(sources))
         except UnavailableError as exc:
             return Text(f"{exc} (retrying every {interval:g} s)", style="red")
 

@@ -157,7 +157,9 @@ def test_dev_json_prints_one_line_and_stops_everything_on_sigterm(tmp_path: Path
             "config",
             "endpoint",
             "proxies",
+            "push",
         }
+        assert info["push"] == []  # no --push
         assert [p["partition"] for p in info["proxies"]] == [0, 1]
         assert info["endpoint"] == info["proxies"][0]["target"]  # what a Consumer is given
         assert Path(info["config"]).is_file()

@@ -104,6 +104,15 @@ def _client(name: str, value: Any) -> Edit:
     return edit
 
 
+def _push(**table: Any) -> Edit:
+    """One `[[push]]` table named "orders" (an array of tables, not a section)."""
+
+    def edit(raw: dict[str, Any], pki: dict[str, Path]) -> None:
+        raw["push"] = [{"name": "orders", **table}]
+
+    return edit
+
+
 # (id, edit, exit code, fragment of the message naming the cause)
 CONFIG_CASES: list[tuple[str, Edit, int, str]] = [
     ("token-of-spaces", _set("auth", "token", " " * 16), 2, "auth.tokens.default"),
@@ -197,6 +206,24 @@ CONFIG_CASES: list[tuple[str, Edit, int, str]] = [
         "delivery.max_attempts",
     ),
     ("frame-below-floor", _set("server", "max_frame_bytes", 1024), 2, "server.max_frame_bytes"),
+    ("push-url-ftp", _push(url="ftp://h/"), 2, "push.orders.url"),
+    ("push-url-no-host", _push(url="orders.internal/kafka"), 2, "push.orders.url"),
+    ("push-url-bad-port", _push(url="http://h:70000/"), 2, "push.orders.url"),
+    ("push-unknown-mode", _push(url="http://h/", mode="smtp"), 2, "push.orders.mode"),
+    (
+        "push-min-above-max",
+        _push(url="http://h/", min_concurrency=9, max_concurrency=8),
+        2,
+        "push.orders.min_concurrency",
+    ),
+    (
+        "push-batch-over-bytes",
+        _push(url="http://h/", batch=500, max_batch_bytes=4096),
+        2,
+        "push.orders.batch",
+    ),
+    ("push-inline-token", _push(url="http://h/", token="hunter2"), 2, "push.orders.token"),
+    ("push-unknown-key", _push(url="http://h/", urls="x"), 2, "push.orders.urls"),
     ("unknown-section", _set("nope", "x", 1), 2, "unknown section"),
     ("unknown-key", _set("server", "hots", "x"), 2, "server.hots"),
 ]
@@ -226,8 +253,23 @@ def test_config_check_refuses_naming_the_cause(
     result = CliRunner().invoke(app, ["config", "check", "--config", str(path)])
     assert result.exit_code == code, result.output
     assert names in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1  # one line, no traceback
     assert "Traceback" not in result.output
     assert "hunter2" not in result.output  # a secret is never quoted
+
+
+@pytest.mark.xfail(
+    strict=True, reason="config/push.py takes port 0 (urlsplit allows it): an endless outage"
+)
+def test_a_push_url_on_port_0_is_refused(tmp_path: Path, pki: dict[str, Path]) -> None:
+    raw = base_config()
+    _push(url="http://h:0/")(raw, pki)
+    path = tmp_path / "triage.toml"
+    path.write_bytes(tomli_w.dumps(raw).encode())
+    path.chmod(0o600)
+    result = CliRunner().invoke(app, ["config", "check", "--config", str(path)])
+    assert result.exit_code == 2
+    assert "push.orders.url" in result.stderr
 
 
 def test_a_readable_config_with_inline_tokens_is_a_warning(tmp_path: Path) -> None:
@@ -314,6 +356,16 @@ CLI_CASES: list[tuple[str, list[str], str, int, str]] = [
         "--app-name",
     ),
     ("dev-topic-with-hash", ["dev", "--topic", "bad#"], "", 2, "--topic"),
+    ("dev-push-not-http", ["dev", "--push", "ftp://h/"], "", 2, "'--push': must be an http"),
+    ("dev-push-bad-port", ["dev", "--push", "http://h:70000/"], "", 2, "'--push'"),
+    (
+        "dev-push-batch-too-big",
+        ["dev", "--push", "http://h/", "--push-batch", "20000"],
+        "",
+        2,
+        "'--push-batch'",
+    ),
+    ("dev-push-batch-alone", ["dev", "--push-batch", "5"], "", 2, "--push-batch needs --push"),
     (
         "status-watch-and-json",
         ["status", "--config", "{config}", "--watch", "--json"],
