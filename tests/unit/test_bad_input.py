@@ -258,9 +258,6 @@ def test_config_check_refuses_naming_the_cause(
     assert "hunter2" not in result.output  # a secret is never quoted
 
 
-@pytest.mark.xfail(
-    strict=True, reason="config/push.py takes port 0 (urlsplit allows it): an endless outage"
-)
 def test_a_push_url_on_port_0_is_refused(tmp_path: Path, pki: dict[str, Path]) -> None:
     raw = base_config()
     _push(url="http://h:0/")(raw, pki)

@@ -144,11 +144,11 @@ class PushTargetSettings:
                     f"must be an http:// or https:// URL with a host, got {self.url!r}",
                 )
             try:
-                parts.port  # noqa: B018  (raises on a port out of range)
+                port = parts.port  # raises on a port over 65535
             except ValueError:
-                raise ConfigError(
-                    f"{key}.url", f"has a port outside 1-65535: {self.url!r}"
-                ) from None
+                port = -1
+            if port is not None and not 1 <= port <= 65535:
+                raise ConfigError(f"{key}.url", f"has a port outside 1-65535: {self.url!r}")
             if self.registration:
                 raise ConfigError(f"{key}.registration", 'is for mode "grpc"')
         else:
