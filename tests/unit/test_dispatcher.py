@@ -200,19 +200,43 @@ def test_nack_settles_only_after_dead_letter_is_written() -> None:
     assert d.counters.dead_lettered == 1
 
 
-def test_disconnect_redelivers_with_next_attempt_one_suspect_at_a_time() -> None:
+def test_disconnect_holding_several_blames_none_and_redelivers_one_suspect_at_a_time() -> None:
+    """An instance that vanished with two deliveries proved nothing about either: both
+    come back as suspects without losing an attempt, one suspect per instance."""
     d, tracker, dead = make()
     a = connect(d, "a", 2)
     d.add(records(0, 2))
     assert [x.attempt for x in drain(a)] == [1, 1]
     d.close_session(a)
     b = connect(d, "b", 5)
-    assert [(x.offset, x.attempt) for x in drain(b)] == [(0, 2)]
+    assert [(x.offset, x.attempt) for x in drain(b)] == [(0, 1)]
     d.settle(b, [0], [])
-    assert [(x.offset, x.attempt) for x in drain(b)] == [(1, 2)]
-    assert d.counters.redelivered == 2
+    assert [(x.offset, x.attempt) for x in drain(b)] == [(1, 1)]
+    assert d.failures() == {}
     assert not dead
     assert tracker.committable == 1
+
+
+def test_disconnect_holding_one_suspect_blames_only_the_suspect() -> None:
+    d, tracker, dead = make(span_s=0)
+    a = connect(d, "a", 2)
+    d.add(records(0, 2))
+    drain(a)
+    d.close_session(a)  # both are suspects now, neither blamed
+    b = connect(d, "b", 5)
+    assert [(x.offset, x.attempt) for x in drain(b)] == [(0, 1)]
+    d.add(records(2, 3))
+    assert [(x.offset, x.attempt) for x in drain(b)] == [(2, 1)]  # ordinary work beside it
+    d.close_session(b)  # its one suspect, offset 0, is blamed; offset 2 is not
+    assert d.failures() == {0: 1}
+    c = connect(d, "c", 5)
+    got: list[tuple[int, int]] = []
+    while batch := drain(c):  # one suspect at a time
+        got += [(x.offset, x.attempt) for x in batch]
+        d.settle(c, [x.offset for x in batch], [])
+    assert sorted(got) == [(0, 2), (1, 1), (2, 1)]
+    assert not dead
+    assert tracker.committable == 3
 
 
 def test_crash_type_poison_pill_is_dead_lettered_after_max_attempts() -> None:
@@ -348,10 +372,10 @@ def test_ending_a_session_now_gives_back_only_what_never_left_its_outbox() -> No
     d.end_session_now(a)  # its token was revoked
     assert a.outlet.get_nowait() is None
     assert a.outlet.empty()
-    d.close_session(a)  # the stream ends: what it received used its attempt
+    d.close_session(a)  # the stream ends holding two: neither is blamed (no attempt used)
     b = connect(d, "b", 4)
-    assert [(x.offset, x.attempt) for x in drain(b)] == [(2, 1), (3, 1)]
-    assert [dl.record.offset for dl in dead] == [0, 1]
+    assert [(x.offset, x.attempt) for x in drain(b)] == [(0, 1), (2, 1), (3, 1)]
+    assert dead == []
 
 
 def test_expired_lease_redelivers_and_a_late_ack_is_rejected() -> None:
@@ -556,18 +580,16 @@ def test_disconnects_back_off_so_the_limit_takes_the_span() -> None:
 def test_the_first_redelivery_after_a_disconnect_is_immediate_and_waits_in_backoff_after() -> None:
     clock = Clock()
     d, _, _ = make(max_attempts=5, span_s=7.0, clock=clock)
-    a = connect(d, "a", 3)
+    a = connect(d, "a", 1)
     d.add(records(0, 3))
-    drain(a)
-    d.close_session(a)
-    b = connect(d, "b", 3)
-    assert [(x.offset, x.attempt) for x in drain(b)] == [(0, 2)]  # suspects: one at a time
-    d.close_session(b)  # 0 failed twice: 1 s; 1 and 2 never left the queue of suspects
+    assert [(x.offset, x.attempt) for x in drain(a)] == [(0, 1)]
+    d.close_session(a)  # it held only 0: blamed, and back at once as a suspect
+    b = connect(d, "b", 1)
+    assert [(x.offset, x.attempt) for x in drain(b)] == [(0, 2)]
+    d.close_session(b)  # 0 failed twice: 1 s
     c = connect(d, "c", 3)
-    assert [(x.offset, x.attempt) for x in drain(c)] == [(1, 2)]
-    d.settle(c, [1], [])
-    assert [(x.offset, x.attempt) for x in drain(c)] == [(2, 2)]
-    d.settle(c, [2], [])
+    assert [(x.offset, x.attempt) for x in drain(c)] == [(1, 1), (2, 1)]
+    d.settle(c, [1, 2], [])
     assert drain(c) == []
     assert d.queued == 0
     clock.now += 1.0
@@ -644,19 +666,20 @@ def test_a_flapping_fleet_cannot_exhaust_healthy_messages() -> None:
 def test_failures_counts_the_failed_deliveries_of_unsettled_records() -> None:
     clock = Clock()
     d, _, _ = make(max_attempts=5, span_s=0, clock=clock)
-    a = connect(d, "a", 3)
+    a = connect(d, "a", 1)
     d.add(records(0, 3))
     drain(a)
     version = d.failures_version
     assert d.failures() == {}
-    d.close_session(a)
-    assert d.failures() == {0: 1, 1: 1, 2: 1}
+    d.close_session(a)  # it held only 0: blamed
+    assert d.failures() == {0: 1}
     assert d.failures_version > version
     b = connect(d, "b", 1)
     drain(b)  # 0, as a suspect
     d.settle(b, [0], [])
+    drain(b)  # 1
     d.settle(b, [], [nack(1, "later", retry=True)])
-    assert d.failures() == {1: 2, 2: 1}  # 0 settled: gone; the retry nack counts
+    assert d.failures() == {1: 1}  # 0 settled: gone; the retry nack counts
 
 
 def test_prior_failures_go_on_where_the_last_run_stopped() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 
 from triage_proxy.config.settings import RateLimitSettings, RetrySettings
 
@@ -21,6 +22,7 @@ __all__ = [
     "TokenBucket",
     "after_failure",
     "backoff",
+    "blamed_on_vanish",
     "checkpoint_due",
     "held_burst",
     "rate_limit",
@@ -187,6 +189,32 @@ def after_failure(attempt: int, max_attempts: int) -> Outcome:
     if max_attempts < 1:
         raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
     return Outcome.DEAD_LETTER if attempt >= max_attempts else Outcome.REDELIVER
+
+
+def blamed_on_vanish(suspects: Sequence[bool]) -> list[bool]:
+    """Which deliveries of an instance that vanished lose an attempt, given which of them
+    were suspects (records whose earlier holder vanished or whose lease lapsed).
+
+    An instance that crashes while holding many deliveries proves nothing about any one of
+    them, so only the evidence counts:
+
+    - it held one delivery: that one crashed it;
+    - it held a suspect (the scheduler gives an instance at most one): the suspect is
+      blamed, the rest are not;
+    - it held several and no suspect: nobody is blamed; all go back as suspects.
+
+    A crash-type pill is therefore blamed from its second crash on, each time it crashes
+    an instance as that instance's one suspect: it reaches `max_attempts` after at most
+    `max_attempts + 1` crashes in one proxy run (suspicion is not persisted: after a
+    restart it may cost one unblamed crash again), spread over about
+    `delivery.redelivery_span_s` (`redelivery_delay`). A healthy record loses an attempt
+    only when an instance crashes while holding it as its suspect for another record's
+    doing (a pill crashing on its first delivery), which needs `max_attempts` such
+    coincidences to dead-letter it.
+    """
+    if len(suspects) == 1:
+        return [True]
+    return list(suspects)
 
 
 _SLACK = 1e-9

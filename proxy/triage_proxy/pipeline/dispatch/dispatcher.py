@@ -43,7 +43,7 @@ from triage_proxy.pipeline.dispatch.redelivery import Redelivery
 from triage_proxy.pipeline.dispatch.scheduler import Scheduler
 from triage_proxy.pipeline.dispatch.sessions import Outlet, Session, Sessions
 from triage_proxy.pipeline.dispatch.window import SIZE, Counters, Entry, Nack, Span, Window
-from triage_proxy.pipeline.policies import rate_limit
+from triage_proxy.pipeline.policies import blamed_on_vanish, rate_limit
 from triage_proxy.pipeline.tracker import CommitTracker
 from triage_proxy.structs import DeadLetter, Record
 from triage_proxy.waiting import wait_any
@@ -252,12 +252,21 @@ class Dispatcher:
             self._window.update_events()
             return
         cause = f"instance {session.consumer_id} disconnected while handling it"
-        back = [e for e in held if self._redelivery.failed(e, cause, session.consumer_id)]
+        back: list[Entry] = []
+        cleared: list[Entry] = []
+        for entry, guilty in zip(held, blamed_on_vanish([e.suspect for e in held]), strict=True):
+            if not guilty:
+                cleared.append(entry)
+            elif self._redelivery.failed(entry, cause, session.consumer_id):
+                back.append(entry)
         later = self._redelivery.redeliver(back)
+        self._redelivery.clear(cleared)
         logger.info(
-            "instance %s disconnected; %d records back to the queue (%d after a backoff)",
+            "instance %s disconnected; %d records back to the queue (%d blamed, %d after "
+            "a backoff)",
             for_log(session.consumer_id),
-            len(back),
+            len(back) + len(cleared),
+            len(held) - len(cleared),
             later,
         )
         session.outlet.end()

@@ -1,7 +1,10 @@
 """Redelivery: what becomes of a delivery that failed, and of records given back.
 
 A delivery fails (and uses up its attempt) when it is nacked with retry, when its ack
-deadline passes (its lease expires), or when its instance vanishes. The pure policy
+deadline passes (its lease expires), or when its instance vanishes and the evidence
+points at it (`blamed_on_vanish`: it was the only delivery the instance held, or its one
+suspect); the other deliveries of a vanished instance go back as suspects without using
+an attempt (`clear`). The pure policy
 `after_failure` then says: redeliver or, once the attempts are exhausted, dead-letter it
 with the last cause. A retry nack waits `retry_delay` in BACKOFF; a vanished instance or
 a lapsed lease waits `redelivery_delay` (the first time not at all, then gaps that add
@@ -113,6 +116,14 @@ class Redelivery:
                 now_.append(entry)
         self._suspect(now_)
         return waiting
+
+    def clear(self, entries: list[Entry]) -> None:
+        """`entries` were held by an instance that vanished, and nothing points at them
+        (`blamed_on_vanish`): back as suspects at once, without using an attempt."""
+        for entry in entries:
+            entry.holder = None
+            entry.attempt -= 1
+        self._suspect(entries)
 
     def give_back(self, entries: list[Entry]) -> int:
         """`entries`, taken from an instance, go back to the queue without using an
