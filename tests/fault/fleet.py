@@ -566,6 +566,10 @@ def checks(report: FleetReport) -> list[tuple[str, bool]]:
             report.crash_pills_dead == report.crash_pills,
         ),
         (
+            f"no healthy message dead-lettered ({report.collateral_dead})",
+            report.collateral_dead == 0,
+        ),
+        (
             f"duplicates per partition move <= the in-flight window {report.window} (most: {most})",
             most <= report.window,
         ),

@@ -172,6 +172,13 @@ def checks(reports: list[Report]) -> list[tuple[str, bool, bool]]:
                 True,
             )
         )
+        out.append(
+            (
+                f"{tag} no healthy message dead-lettered ({len(r.collateral)})",
+                not r.collateral,
+                True,
+            )
+        )
         out.append((f"{tag} dead letters byte-exact", not r.not_exact, True))
         out.append(
             (

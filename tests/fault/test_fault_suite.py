@@ -47,6 +47,7 @@ def test_kill_9_and_outages_lose_nothing(tmp_path: Path) -> None:
     assert sorted(report.outages) == ["aws-outage", "broker-outage"], summary
     assert report.crash_pills >= 1
     assert report.crash_pills_ok == report.crash_pills, report.crash_detail
+    assert report.collateral == [], summary  # crashes blame only the crasher
     assert report.instance_crashes >= options.max_attempts, summary
     assert not report.not_exact, summary
     assert not report.mismatched, report.mismatched[:5]
