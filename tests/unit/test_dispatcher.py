@@ -798,3 +798,33 @@ def test_a_contiguous_batch_and_a_batch_with_a_gap_fill_the_window_alike() -> No
     contiguous, gapped = outcomes
     assert contiguous == ([0, 1, 2, 4, 5, 6, 7], 8, 8, [3])
     assert gapped == ([0, 1, 2, 4, 5, 6, 9], 8, 8, [3])
+
+
+def test_a_crash_pill_among_16_in_flight_neighbours_costs_them_no_attempt() -> None:
+    """Instances crash whenever they hold the pill; every healthy neighbour is acked on
+    its first counted attempt, and the pill is dead-lettered after at most
+    max_attempts + 1 crashes (its first crash, before it was a suspect, blames no one)."""
+    d, tracker, dead = make(max_attempts=5, span_s=0)
+    pill = 7
+    d.add(records(0, 16))
+    crashes = 0
+    for turn in range(100):
+        s = connect(d, f"i{turn}", 16)
+        crashed = False
+        while not crashed and (got := drain(s)):
+            if any(x.offset == pill for x in got):
+                crashes += 1
+                crashed = True
+                d.close_session(s)  # the pill takes the instance and all it held down
+            else:
+                assert all(x.attempt == 1 for x in got), got  # healthy: never blamed
+                d.settle(s, [x.offset for x in got], [])
+        if not crashed:
+            d.close_session(s)  # it holds nothing: a clean stop
+        if dead:
+            break
+    assert [dl.record.offset for dl in dead] == [pill]
+    assert dead[0].attempts == 5
+    assert crashes <= 5 + 1
+    d.dead_letter_written(dead[0])
+    assert tracker.committable == 16
