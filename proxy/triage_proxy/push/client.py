@@ -174,12 +174,15 @@ class HttpClient:
     async def post(self, headers: Mapping[str, str], body: bytes, timeout_s: float) -> Response:
         """POST `body` with `headers`; raises ConnectError (no connection), ResponseError
         (a broken answer) or TimeoutError (no whole answer within `timeout_s` seconds)."""
-        lines = [self._head]
-        for name, value in headers.items():
-            lines.append(f"{name}: {value}\r\n".encode("latin-1"))
-        lines.append(b"content-length: %d\r\n\r\n" % len(body))
-        lines.append(body)
-        request = b"".join(lines)
+        head = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+        request = b"".join(
+            (
+                self._head,
+                head.encode("latin-1"),
+                b"content-length: %d\r\n\r\n" % len(body),
+                body,
+            )
+        )
         async with asyncio.timeout(timeout_s):
             connection = await self._connection()
             try:
