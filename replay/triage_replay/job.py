@@ -151,16 +151,11 @@ class Summary(Counts):
 def local_session(
     master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None = None
 ) -> SparkSession:
-    """A SparkSession whose local-mode Python workers run this interpreter (the venv).
-
-    PySpark starts workers with $PYSPARK_PYTHON (default: whatever `python3` is on the
-    PATH), which would lack boto3, confluent-kafka and triage; so in local mode it is
-    set to sys.executable unless the caller already chose one.
-    """
+    """A SparkSession on `master` (local or a cluster) whose Python workers run this
+    interpreter (the venv) unless the caller chose one (`python_for_workers`)."""
     from pyspark.sql import SparkSession
 
-    if master.startswith("local"):
-        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    python_for_workers(default=sys.executable)
     builder = (
         SparkSession.builder.master(master)
         .appName(APP_NAME)
@@ -170,6 +165,27 @@ def local_session(
     for key, value in (conf or {}).items():
         builder = builder.config(key, value)
     return builder.getOrCreate()
+
+
+def python_for_workers(default: str | None = None) -> None:
+    """Make $PYSPARK_PYTHON (the interpreter every executor starts for its Python
+    workers) one an executor can start, before a SparkContext reads it.
+
+    Unset, PySpark would start whatever `python3` is on the executor's PATH, which lacks
+    boto3, confluent-kafka and triage: `default` (when given) is used instead. A relative
+    path would be looked up from each executor's own work directory, where it does not
+    exist: it is made absolute from this process's directory, where the user meant it.
+    PYSPARK_DRIVER_PYTHON follows, so a driver started from here runs the same one.
+    """
+    chosen = os.environ.get("PYSPARK_PYTHON") or default
+    if not chosen:
+        return
+    if os.sep in chosen and not os.path.isabs(chosen):
+        absolute = os.path.abspath(chosen)
+        logger.info("PYSPARK_PYTHON %s is relative; executors start %s", chosen, absolute)
+        chosen = absolute
+    os.environ["PYSPARK_PYTHON"] = chosen
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", chosen)
 
 
 def stop_session(session: SparkSession, timeout_s: float = 30.0) -> None:
@@ -259,6 +275,9 @@ def _session(master: str | None) -> tuple[SparkSession, bool]:
     if active is not None:
         return active, False
     if master is None and "PYSPARK_GATEWAY_PORT" in os.environ:  # under spark-submit
+        # spark-submit's python (or the user's PYSPARK_PYTHON) stays the executors' choice:
+        # on a cluster this interpreter's path may not exist on other hosts.
+        python_for_workers()
         return SparkSession.builder.appName(APP_NAME).getOrCreate(), True
     return local_session(master or DEFAULT_MASTER), True
 
