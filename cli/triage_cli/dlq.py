@@ -481,7 +481,13 @@ def replay(
             "--spark", help="Run the PySpark job instead (parallel scan; for many items)."
         ),
     ] = False,
-    master: Annotated[str, typer.Option(help="Spark master of --spark.")] = "local[*]",
+    master: Annotated[
+        str,
+        typer.Option(
+            help="Spark master of --spark: local[N], or spark://HOST:PORT (its executors "
+            "run this interpreter unless PYSPARK_PYTHON names another)."
+        ),
+    ] = "local[*]",
     group: GroupOption = None,
 ) -> None:
     """Produce pending dead letters again and mark them replayed.
@@ -567,7 +573,7 @@ def _spark_replay(
         master=master,
         group=group or settings.kafka.group_id,
     )
-    summary = run_replay(options)
+    summary = run_replay(options)  # its session sets PYSPARK_PYTHON for any master
     if json_:
         _json_line({**dataclasses.asdict(summary), "ok": summary.ok})
     else:

@@ -47,7 +47,7 @@ A segment that raises reports the error in the Summary rather than
 failing its Spark task. A failed task aborts the job (at once in local mode) and Spark
 SIGKILLs the sibling tasks mid-chunk, which would turn one error into in-doubt chunks
 everywhere. A worker that really dies still fails the job: `run_replay` raises
-`ReplayFailed`, and a rerun is safe.
+`ReplayFailed`, naming the cause Spark reported (`spark_cause`), and a rerun is safe.
 
 Export writes the selected items to Parquet (columns in `segment.EXPORT_COLUMNS`) and
 changes nothing in the table.
@@ -111,6 +111,21 @@ class ReplayFailed(UnavailableError):
     retriable = True
 
 
+class ExportExists(ConfigError):
+    """The export path exists: a finished export, or one a failed run left half-written.
+    Spark refuses to write into it unless told to replace it."""
+
+    def __init__(self, path: str) -> None:
+        problem = (
+            f"{path} exists (an earlier export, maybe left half-written by a failed run): "
+            "rerun with --overwrite to replace it, or export to another path"
+        )
+        TriageError.__init__(self, problem)  # a flag's value, not a config key: no prefix
+        self.key = "export"
+        self.problem = problem
+        self.path = path
+
+
 @dataclass(kw_only=True)
 class Summary(Counts):
     """What one run did: its counts (`Counts`, summed over its segments) and more."""
@@ -151,16 +166,11 @@ class Summary(Counts):
 def local_session(
     master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None = None
 ) -> SparkSession:
-    """A SparkSession whose local-mode Python workers run this interpreter (the venv).
-
-    PySpark starts workers with $PYSPARK_PYTHON (default: whatever `python3` is on the
-    PATH), which would lack boto3, confluent-kafka and triage; so in local mode it is
-    set to sys.executable unless the caller already chose one.
-    """
+    """A SparkSession on `master` (local or a cluster) whose Python workers run this
+    interpreter (the venv) unless the caller chose one (`python_for_workers`)."""
     from pyspark.sql import SparkSession
 
-    if master.startswith("local"):
-        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    python_for_workers(default=sys.executable)
     builder = (
         SparkSession.builder.master(master)
         .appName(APP_NAME)
@@ -170,6 +180,27 @@ def local_session(
     for key, value in (conf or {}).items():
         builder = builder.config(key, value)
     return builder.getOrCreate()
+
+
+def python_for_workers(default: str | None = None) -> None:
+    """Make $PYSPARK_PYTHON (the interpreter every executor starts for its Python
+    workers) one an executor can start, before a SparkContext reads it.
+
+    Unset, PySpark would start whatever `python3` is on the executor's PATH, which lacks
+    boto3, confluent-kafka and triage: `default` (when given) is used instead. A relative
+    path would be looked up from each executor's own work directory, where it does not
+    exist: it is made absolute from this process's directory, where the user meant it.
+    PYSPARK_DRIVER_PYTHON follows, so a driver started from here runs the same one.
+    """
+    chosen = os.environ.get("PYSPARK_PYTHON") or default
+    if not chosen:
+        return
+    if os.sep in chosen and not os.path.isabs(chosen):
+        absolute = os.path.abspath(chosen)
+        logger.info("PYSPARK_PYTHON %s is relative; executors start %s", chosen, absolute)
+        chosen = absolute
+    os.environ["PYSPARK_PYTHON"] = chosen
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", chosen)
 
 
 def stop_session(session: SparkSession, timeout_s: float = 30.0) -> None:
@@ -238,9 +269,18 @@ def run_replay(options: ReplayOptions, *, spark: SparkSession | None = None) -> 
             else:
                 summary = _replay(session, job)
         except (Py4JError, PySparkException) as exc:
+            if _condition(exc) == "PATH_ALREADY_EXISTS" and options.export_path is not None:
+                raise ExportExists(options.export_path) from exc
+            if options.export_path is not None:
+                after = (
+                    f"{options.export_path} may hold part of it: rerun with --overwrite "
+                    "to replace it"
+                )
+            else:
+                after = "its claimed items stay claimed and a rerun is safe"
             raise ReplayFailed(
-                f"the Spark job of {options.mode} {job.replay_id} failed (a rerun is safe): "
-                f"{_first_line(exc)}"
+                f"the Spark job of {options.mode} {job.replay_id} failed: {spark_cause(exc)} "
+                f"({after}; Spark's log has the details)"
             ) from exc
     finally:
         if owned:
@@ -259,6 +299,9 @@ def _session(master: str | None) -> tuple[SparkSession, bool]:
     if active is not None:
         return active, False
     if master is None and "PYSPARK_GATEWAY_PORT" in os.environ:  # under spark-submit
+        # spark-submit's python (or the user's PYSPARK_PYTHON) stays the executors' choice:
+        # on a cluster this interpreter's path may not exist on other hosts.
+        python_for_workers()
         return SparkSession.builder.appName(APP_NAME).getOrCreate(), True
     return local_session(master or DEFAULT_MASTER), True
 
@@ -341,9 +384,43 @@ def _export(session: SparkSession, job: SegmentJob, path: str, overwrite: bool) 
     )
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+TRACEBACK = "Traceback (most recent call last):"
+
+
+def spark_cause(exc: BaseException) -> str:
+    """The one line of a failed Spark job's exception that says why it failed.
+
+    py4j's own first line only names the JVM method that was called ("An error occurred
+    while calling o61.collectAndServe."), so the Java exception's first line is taken
+    (e.g. "Job aborted due to stage failure: ... (executor 1): java.io.IOException:
+    Cannot run program ..."). Where that, or a PythonException, goes on with a Python
+    traceback, the traceback's exception line is the cause and replaces it.
+    """
+    java = getattr(exc, "java_exception", None)
+    text = str(java.toString()) if java is not None else str(exc)
+    lines = [line.rstrip() for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    marked = [n for n, line in enumerate(lines) if line.endswith(TRACEBACK)]
+    if not marked:
+        return lines[0]
+    start = marked[-1]  # the last traceback: the exception that was finally raised
+    raised = next((line for line in lines[start + 1 :] if not line[0].isspace()), None)
+    prefix = lines[start][: -len(TRACEBACK)].strip()
+    if raised is None:
+        return lines[0]
+    return f"{prefix} {raised}" if prefix else raised
+
+
+def _condition(exc: BaseException) -> str | None:
+    """Spark's error condition (e.g. PATH_ALREADY_EXISTS) of a PySpark exception."""
+    from pyspark.errors import PySparkException
+
+    if not isinstance(exc, PySparkException):
+        return None
+    get = getattr(exc, "getCondition", None) or exc.getErrorClass  # the former from Spark 4
+    condition: str | None = get()
+    return condition
 
 
 # --- command line -------------------------------------------------------------------------
@@ -377,7 +454,11 @@ def build_parser() -> argparse.ArgumentParser:
     out = parser.add_mutually_exclusive_group()
     out.add_argument("--to-topic", help="replay to this topic instead of the source topic")
     out.add_argument("--export", metavar="PATH", help="write Parquet here instead of replaying")
-    parser.add_argument("--overwrite", action="store_true", help="export: replace PATH")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="export: replace PATH (an earlier export, or one a failed run left half-written)",
+    )
     parser.add_argument("--master", help="Spark master (default: spark-submit's, else local[*])")
     parser.add_argument("--segments", type=int, help="scan segments (default: 2 per core)")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK)

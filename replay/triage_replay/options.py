@@ -67,7 +67,8 @@ class ReplayOptions:
     export_path: str | None = None
     """Export to Parquet here instead of replaying (any path Spark can write)."""
     overwrite: bool = False
-    """Export: replace what is at export_path."""
+    """Export: replace what is at export_path. Without it an existing path is refused
+    (`job.ExportExists`), including one a failed export left half-written."""
     master: str | None = None
     """Spark master; None: spark-submit's, else local[*]. Ignored when a session is passed."""
     segments: int | None = None

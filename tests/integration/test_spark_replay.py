@@ -41,7 +41,16 @@ from triage_proxy.store.provisioning import create_bucket, create_table
 from triage_proxy.store.query import TableNotFound
 from triage_proxy.structs import DeadLetter
 from triage_replay import Fault, Filters, ReplayFailed, ReplayOptions, Summary, run_replay
-from triage_replay.job import build_parser, local_session, options_from_args, stop_session
+from triage_replay.job import (
+    ExportExists,
+    build_parser,
+    local_session,
+    options_from_args,
+    python_for_workers,
+    spark_cause,
+    stop_session,
+)
+from triage_replay.job import main as job_main
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -448,10 +457,13 @@ def test_worker_crash_after_produce_never_replays_twice(
     dls = many(topic, 1, 40)  # one partition key: one segment holds them all
     write(dynamodb, table.table, dls)
 
-    with pytest.raises(ReplayFailed):
+    with pytest.raises(ReplayFailed) as failed:
         run_replay(
             options(table, broker, chunk_size=10, fault=Fault(after=15, crash=True)), spark=spark
         )
+    # the cause Spark found, not py4j's "An error occurred while calling o61.collect..."
+    assert "Python worker exited unexpectedly" in str(failed.value), failed.value
+    assert "a rerun is safe" in str(failed.value)
 
     stored = items(dynamodb, table.table)
     claimed = {k[2] for k, item in stored.items() if "replay_claim" in item}
@@ -498,6 +510,88 @@ def test_retry_in_doubt_takes_over_expired_claims_only(
     assert sorted(replay_of(m) for m in messages) == sorted(
         f"{topic}/0/{o}" for o in (0, 1, 3, 4, 5)
     )
+
+
+def test_an_existing_export_path_is_refused_until_overwrite(
+    spark: Any,
+    table: DeadLetterSettings,
+    dynamodb: Any,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """What a failed export leaves behind (the directory and Spark's _temporary) makes
+    the rerun fail: the message says --overwrite, and --overwrite replaces it."""
+    write(dynamodb, table.table, mixed_set("orders"))
+    path = tmp_path / "export"
+    (path / "_temporary" / "0").mkdir(parents=True)
+    (path / "_temporary" / "0" / "part-00000.parquet").write_bytes(b"half")
+
+    with pytest.raises(ExportExists, match="rerun with --overwrite"):
+        run_replay(options(table, export_path=str(path)), spark=spark)
+    argv = ["--table", table.table, "--group", GROUP, "--endpoint-url", str(table.endpoint_url)]
+    argv += ["--export", str(path)]
+    assert job_main(argv) == ExitCode.BAD_INPUT  # the active session: this module's
+    assert f"error: {path} exists" in capsys.readouterr().err
+
+    summary = run_replay(options(table, export_path=str(path), overwrite=True), spark=spark)
+
+    assert summary.exported == 6
+    assert len(spark.read.parquet(str(path)).collect()) == 6
+    assert not (path / "_temporary").exists()
+
+
+class _JavaException:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def toString(self) -> str:  # py4j's JavaObject method
+        return self.text
+
+
+class _Py4JJavaError(Exception):
+    def __init__(self, java: str) -> None:
+        super().__init__("An error occurred while calling o61.collectAndServe.\n: " + java)
+        self.java_exception = _JavaException(java)
+
+
+def test_spark_cause_names_what_failed_not_the_call() -> None:
+    stage = "org.apache.spark.SparkException: Job aborted due to stage failure: Lost task 0.3"
+    missing = f'{stage} (executor 1): java.io.IOException: Cannot run program "py": error=2'
+    assert spark_cause(_Py4JJavaError(f"{missing}\n\tat java.lang.ProcessBuilder.start")) == missing
+    traceback = (
+        f"{stage}: org.apache.spark.api.python.PythonException: Traceback (most recent call"
+        ' last):\n  File "worker.py", line 1, in main\n    import triage_replay\n'
+        "ModuleNotFoundError: No module named 'triage_replay'\n\n\tat org.apache.spark.X"
+    )
+    assert spark_cause(_Py4JJavaError(traceback)) == (
+        f"{stage}: org.apache.spark.api.python.PythonException: "
+        "ModuleNotFoundError: No module named 'triage_replay'"
+    )
+    python = (
+        "An exception was thrown from the Python worker:\nTraceback (most recent call last):"
+        '\n  File "x.py", line 6, in f\n    raise ValueError("boom")\nValueError: boom\nmore'
+    )
+    assert spark_cause(RuntimeError(python)) == "ValueError: boom"
+    assert spark_cause(RuntimeError("[PATH_ALREADY_EXISTS] Path x exists.\nmore")) == (
+        "[PATH_ALREADY_EXISTS] Path x exists."
+    )
+    assert spark_cause(RuntimeError()) == "RuntimeError"
+
+
+def test_python_for_workers_is_absolute(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PYSPARK_PYTHON", raising=False)
+    monkeypatch.delenv("PYSPARK_DRIVER_PYTHON", raising=False)
+    python_for_workers()
+    assert "PYSPARK_PYTHON" not in os.environ  # spark-submit's choice stands
+    python_for_workers(default=sys.executable)
+    assert os.environ["PYSPARK_PYTHON"] == os.environ["PYSPARK_DRIVER_PYTHON"] == sys.executable
+    monkeypatch.setenv("PYSPARK_PYTHON", ".venv/bin/python")
+    python_for_workers(default=sys.executable)
+    assert os.environ["PYSPARK_PYTHON"] == str(tmp_path / ".venv/bin/python")
+    monkeypatch.setenv("PYSPARK_PYTHON", "python3.11")  # a name: looked up on the PATH
+    python_for_workers(default=sys.executable)
+    assert os.environ["PYSPARK_PYTHON"] == "python3.11"
 
 
 def test_unknown_table_fails_before_spark_starts(spark: Any, aws: EmbeddedAWS) -> None:
