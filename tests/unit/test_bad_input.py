@@ -45,7 +45,7 @@ def base_config() -> dict[str, dict[str, Any]]:
         "kafka": {"bootstrap_servers": "127.0.0.1:1", "topic": "orders", "group_id": "g"},
         "server": {"host": "127.0.0.1", "port": 0, "http_port": 0},
         "auth": {"token": TOKEN},
-        "dead_letters": {"table": "d", "overflow_bucket": "b"},
+        "dead_letters": {"table": "dlq", "overflow_bucket": "b"},
     }
 
 
@@ -100,6 +100,14 @@ def _tls(cert: str, key: str, ca: str | None = None) -> Edit:
 def _client(name: str, value: Any) -> Edit:
     def edit(raw: dict[str, dict[str, Any]], pki: dict[str, Path]) -> None:
         raw["kafka"]["client"] = {name: value}
+
+    return edit
+
+
+def _ports(port: int, http_port: int, partitions: int) -> Edit:
+    def edit(raw: dict[str, dict[str, Any]], pki: dict[str, Path]) -> None:
+        raw["server"].update({"port": port, "http_port": http_port})
+        raw["kafka"]["partitions"] = partitions
 
     return edit
 
@@ -197,6 +205,19 @@ CONFIG_CASES: list[tuple[str, Edit, int, str]] = [
         "delivery.max_attempts",
     ),
     ("frame-below-floor", _set("server", "max_frame_bytes", 1024), 2, "server.max_frame_bytes"),
+    ("group-id-empty", _set("kafka", "group_id", ""), 2, "kafka.group_id"),
+    ("group-id-too-long", _set("kafka", "group_id", "g" * 256), 2, "at most 255"),
+    ("table-too-short", _set("dead_letters", "table", "d"), 2, "dead_letters.table"),
+    ("table-with-slash", _set("dead_letters", "table", "dlq/x"), 2, "not a DynamoDB table"),
+    ("bootstrap-empty", _set("kafka", "bootstrap_servers", ""), 2, "kafka.bootstrap_servers"),
+    ("bootstrap-only-commas", _set("kafka", "bootstrap_servers", " , "), 2, "is empty"),
+    ("broker-port-over-65535", _set("kafka", "bootstrap_servers", "h:70000"), 2, "1..65535"),
+    ("broker-with-space", _set("kafka", "bootstrap_servers", "a b:1"), 2, "not a broker"),
+    ("advertised-host-space", _set("server", "advertised_host", "a b"), 2, "advertised_host"),
+    ("region-invalid", _set("dead_letters", "region", "us east 1"), 2, "dead_letters.region"),
+    ("region-typo", _set("dead_letters", "region", "useast1"), 2, "like us-east-1"),
+    ("port-overflows-with-partitions", _ports(65535, 0, 2), 2, "set server.port to at most"),
+    ("http-port-overflows", _ports(0, 65000, 600), 2, "server.http_port"),
     ("unknown-section", _set("nope", "x", 1), 2, "unknown section"),
     ("unknown-key", _set("server", "hots", "x"), 2, "server.hots"),
 ]

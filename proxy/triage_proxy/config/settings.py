@@ -44,6 +44,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 import socket
 import tomllib
 import types
@@ -319,7 +320,7 @@ class ServerSettings:
         """(host, port) the HTTP endpoint for `partition` binds, or None when off."""
         if not self.http_enabled:
             return None
-        return self.http_host, self.http_port + partition if self.http_port else 0
+        return self.http_host, slot_port("server.http_port", self.http_port, partition)
 
     def advertised_endpoint(self, partition: int, bound_port: int = 0) -> str | None:
         """host:port consumers dial for `partition` (the one formula, see the two fields
@@ -342,6 +343,24 @@ class ServerSettings:
         if host in WILDCARD_HOSTS:
             host = socket.gethostname()
         return join_host_port(host, port)
+
+
+def slot_port(key: str, base: int, slot: int) -> int:
+    """`base + slot`, the port of one slot (0 stays 0: a free port). Over MAX_PORT is a
+    ConfigError naming `key`: the OS would bind another port than the one configured."""
+    problem = _overflow(key, base, slot)
+    if problem is not None:
+        raise ConfigError(key, problem)
+    return base + slot if base else 0
+
+
+def _overflow(key: str, base: int, slot: int) -> str | None:
+    if not base or base + slot <= MAX_PORT:
+        return None
+    return (
+        f"{base} + partition/slot {slot} = {base + slot} is over {MAX_PORT}: "
+        f"set {key} to at most {MAX_PORT - slot}"
+    )
 
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
@@ -569,9 +588,17 @@ class Settings:
             problem = token_problem(tok)
             if problem is not None:
                 raise ConfigError(f"auth.tokens.{name}", problem)
-        problem = topic_problem(self.kafka.topic)
-        if problem is not None:
-            raise ConfigError("kafka.topic", problem)
+        for key, problem in (
+            ("kafka.topic", topic_problem(self.kafka.topic)),
+            ("kafka.group_id", group_problem(self.kafka.group_id)),
+            ("kafka.bootstrap_servers", bootstrap_problem(self.kafka.bootstrap_servers)),
+            ("dead_letters.table", table_problem(self.dead_letters.table)),
+            ("dead_letters.region", region_problem(self.dead_letters.region)),
+            ("server.advertised_host", host_problem(self.server.advertised_host)),
+            *self._port_overflows(),
+        ):
+            if problem is not None:
+                raise ConfigError(key, problem)
         for key, url in (
             ("dead_letters.endpoint_url", self.dead_letters.endpoint_url),
             ("dead_letters.notify_webhook_url", self.dead_letters.notify_webhook_url),
@@ -607,10 +634,23 @@ class Settings:
         if self.aws.scheme not in LB_SCHEMES:
             raise ConfigError("aws.scheme", f"must be one of {', '.join(LB_SCHEMES)}")
 
+    def _port_overflows(self) -> list[tuple[str, str | None]]:
+        """Base ports that partition `kafka.partitions - 1` would push over MAX_PORT (the
+        proxy refuses them at bind, `slot_port`; known here only when `partitions` is)."""
+        if self.kafka.partitions is None:
+            return []
+        last = self.kafka.partitions - 1
+        return [
+            (key, _overflow(key, base, last))
+            for key, base in (
+                ("server.port", self.server.port),
+                ("server.http_port", self.server.http_port),
+            )
+        ]
+
     def listen_address(self, partition: int) -> str:
         """host:port the proxy for `partition` binds (port 0 picks a free one)."""
-        port = self.server.port + partition if self.server.port else 0
-        return f"{self.server.host}:{port}"
+        return f"{self.server.host}:{slot_port('server.port', self.server.port, partition)}"
 
 
 @functools.cache
@@ -688,6 +728,79 @@ def topic_problem(topic: str) -> str | None:
             f"{topic!r} is not a Kafka topic name: 1..{MAX_TOPIC_CHARS} letters, digits, "
             "'.', '_' or '-' (so never '#', which the dead-letter table's keys use)"
         )
+    return None
+
+
+MAX_GROUP_BYTES = 255
+"""Longest group id (UTF-8 bytes): the table's keys hold it (store/items.py), and with a
+249-byte topic it keeps a partition key far below DynamoDB's 2048 bytes and the S3
+payload key below 1024. Kafka's own limit (a protocol string, 32767 bytes) is higher."""
+
+
+def group_problem(group: str) -> str | None:
+    """Why `group` cannot be this deployment's group id, or None."""
+    if not group:
+        return 'must not be empty: it names the deployment (e.g. group_id = "orders-app")'
+    size = len(group.encode("utf-8", "surrogatepass"))
+    if size > MAX_GROUP_BYTES:
+        return f"is {size} bytes; the table's keys hold at most {MAX_GROUP_BYTES}: shorten it"
+    return None
+
+
+def table_problem(table: str) -> str | None:
+    """Why `table` is not a DynamoDB table name (3..255 of [a-zA-Z0-9_.-]), or None."""
+    allowed = all(c.isascii() and (c.isalnum() or c in "._-") for c in table)
+    if 3 <= len(table) <= 255 and allowed:
+        return None
+    return f"{table!r} is not a DynamoDB table name: 3..255 letters, digits, '.', '_' or '-'"
+
+
+_REGION = re.compile(r"[a-z]{2}(-[a-z]+)+-[0-9]{1,2}")
+"""An AWS region name: us-east-1, eu-central-2, us-gov-west-1, cn-north-1, ..."""
+
+
+def region_problem(region: str) -> str | None:
+    """Why `region` is not an AWS region name, or None (whether the region exists is
+    known only by asking AWS: `config check --connect`)."""
+    if _REGION.fullmatch(region):
+        return None
+    return f"{region!r} is not an AWS region name (like us-east-1 or eu-west-2)"
+
+
+_HOST = re.compile(r"\[[0-9A-Fa-f:.]+\]|[0-9A-Za-z_.:-]+")
+"""A host name or IP address as a dialler takes it (an IPv6 literal bare or in brackets)."""
+
+
+def host_problem(host: str | None) -> str | None:
+    """Why `host` cannot be dialled as written, or None (None: not set)."""
+    if host is None or (_HOST.fullmatch(host) and len(host) <= 253):
+        return None
+    return (
+        f"{host!r} is not a host name or IP address: letters, digits, '.', '-', '_', ':' "
+        "(no spaces), at most 253 characters"
+    )
+
+
+def bootstrap_problem(servers: str) -> str | None:
+    """Why `servers` is not a comma-separated host[:port] list librdkafka can dial, or
+    None. librdkafka skips what it cannot parse and retries forever, so a typo here
+    would look like a broker that never answers."""
+    entries = [s.strip() for s in servers.split(",")]
+    if not any(entries):
+        return 'is empty: give the brokers as "host:port,host:port"'
+    for entry in entries:
+        address = entry.split("://", 1)[-1]  # librdkafka takes "PLAINTEXT://host:port"
+        host, port = address, ""
+        if address.startswith("["):
+            host, _, rest = address.partition("]")
+            host += "]"
+            port = rest.removeprefix(":")
+        elif address.count(":") == 1:
+            host, _, port = address.partition(":")
+        if not host or host_problem(host) is not None:
+            return f'{entry!r} is not a broker address: give "host:port,host:port"'
+        if port and not (port.isdigit() and 1 <= int(port) <= MAX_PORT):
+            return f"{entry!r}: the port must be 1..{MAX_PORT}"
     return None
 
 
