@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import subprocess
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -263,6 +264,61 @@ def test_a_readable_config_with_inline_tokens_is_a_warning(tmp_path: Path) -> No
     path.chmod(0o600)
     result = CliRunner().invoke(app, ["config", "check", "--config", str(path)])
     assert "readable by others" not in result.stderr
+
+
+def _special(tmp: Path, kind: str) -> Path:
+    """A path that is not a regular UTF-8 file: `kind` says what it is."""
+    if kind == "fifo":
+        path = tmp / "fifo"
+        os.mkfifo(path)  # opening it for reading would block until a writer comes
+        return path
+    if kind == "directory":
+        return tmp
+    if kind == "device":
+        return Path("/dev/zero")  # never ends
+    path = tmp / "latin1.toml"
+    text = tomli_w.dumps({**base_config(), "kafka": {**base_config()["kafka"], "topic": "é"}})
+    path.write_bytes(text.replace("é", "orders").encode() + "# café\n".encode("latin-1"))
+    return path
+
+
+# (id, what the path is, which config key points at it, fragment of the message)
+PATH_CASES: list[tuple[str, str, str, str]] = [
+    ("config-is-a-fifo", "fifo", "<file>", "is a FIFO"),
+    ("config-is-a-directory", "directory", "<file>", "is a directory"),
+    ("config-is-a-device", "device", "<file>", "is a character device"),
+    ("config-not-utf8", "latin1", "<file>", "is not UTF-8"),
+    ("tls-cert-is-a-fifo", "fifo", "tls.cert_file", "is a FIFO"),
+    ("tls-key-is-a-directory", "directory", "tls.key_file", "is a directory"),
+    ("tls-cert-is-a-device", "device", "tls.cert_file", "is a character device"),
+    ("tls-ca-is-a-fifo", "fifo", "tls.client_ca_file", "is a FIFO"),
+]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("kind", "key", "names"), [pytest.param(k, c, n, id=i) for i, k, c, n in PATH_CASES]
+)
+def test_a_path_that_is_no_regular_file_is_refused_not_waited_on(
+    tmp_path: Path, pki: dict[str, Path], kind: str, key: str, names: str
+) -> None:
+    special = _special(tmp_path, kind)
+    raw = base_config()
+    if key != "<file>":
+        files = {"tls.cert_file": pki["cert"], "tls.key_file": pki["key"]}
+        if key == "tls.client_ca_file":
+            files[key] = pki["ca"]
+        files[key] = special
+        raw["tls"] = {k.split(".")[1]: str(v) for k, v in files.items()}
+    config = tmp_path / "triage.toml"
+    config.write_bytes(tomli_w.dumps(raw).encode())
+    config.chmod(0o600)
+    target = special if key == "<file>" else config
+    result = CliRunner().invoke(app, ["config", "check", "--config", str(target)])
+    assert result.exit_code == 2, result.output
+    assert f"'{key}'" in result.stderr
+    assert names in result.stderr
+    assert "regular file" in result.stderr or "UTF-8" in result.stderr  # what to do
 
 
 # --- the command line ---------------------------------------------------------------------

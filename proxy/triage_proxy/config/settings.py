@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from triage_protocol.constants import UINT32_MAX
+from triage_proxy.config.files import read_text_file
 from triage_proxy.config.secrets import SecretFetcher, SecretResolver, Secrets, secret_reference
 from triage_proxy.errors import ConfigError
 
@@ -871,10 +872,9 @@ def load_settings(
     """Read and validate a TOML config; every problem names the offending key.
     `fetch_secret` reads "secret:NAME" references (`store.aws.read_secret`; without it
     such a reference is a ConfigError when resolved)."""
+    text = read_text_file("<file>", path)  # a FIFO, a directory, not UTF-8: ConfigError
     try:
-        raw = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError("<file>", f"{path} does not exist") from None
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("<file>", f"{path} is not valid TOML: {exc}") from None
     return settings_from_dict(raw, os.environ if env is None else env, fetch_secret=fetch_secret)

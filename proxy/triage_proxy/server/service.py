@@ -42,7 +42,6 @@ import contextlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from pathlib import Path
 from typing import Any, NoReturn, TypeAlias
 
 import grpc
@@ -52,6 +51,7 @@ from triage_protocol import triage_pb2_grpc as pb_grpc
 from triage_protocol.constants import HELLO_TIMEOUT_S, MAX_CREDITS
 from triage_proxy.clienttext import consumer_id_problem, for_log
 from triage_proxy.config.checks import bind_error, check_tls
+from triage_proxy.config.files import read_regular_file
 from triage_proxy.config.settings import Settings, TlsSettings
 from triage_proxy.errors import (
     AuthError,
@@ -471,10 +471,7 @@ def server_credentials(tls: TlsSettings) -> grpc.ServerCredentials | None:
 
 def _read_pem(key: str, path: str, label: bytes) -> bytes:
     """The file's bytes, if it holds a PEM block of `label`; the error never quotes it."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(key, f"cannot read {path}: {exc.strerror or exc}") from None
+    data = read_regular_file(key, path)  # a FIFO or a device: ConfigError, not a hang
     if b"-----BEGIN " not in data or label not in data:
         raise ConfigError(key, f"{path} is not a PEM file with a {label.decode()}")
     return data
