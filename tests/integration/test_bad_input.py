@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -61,6 +62,7 @@ class Stack:
     http: str
     """http://host:port of the proxy's HTTP endpoint."""
     folder: Path
+    proc: subprocess.Popen[bytes]
     produced: int = 0
     """Records produced to the topic so far (all must end committed)."""
 
@@ -106,7 +108,7 @@ def stack(
         )
     try:
         wait_for_port("127.0.0.1", port, 60, proc)
-        yield Stack(broker, raw, f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}", folder)
+        yield Stack(broker, raw, f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}", folder, proc)
     finally:
         proc.terminate()
         try:
@@ -289,6 +291,26 @@ def test_a_forged_settlement_is_rejected_not_committed(stack: Stack) -> None:
     still_serves_and_nothing_lost(stack)
 
 
+def test_sighup_with_the_config_in_another_encoding_keeps_the_running_config(
+    stack: Stack,
+) -> None:
+    config = stack.folder / "triage.toml"
+    good = config.read_bytes()
+    log = stack.folder / "proxy.log"
+    before = log.read_text().count("token reload failed")
+    config.write_bytes(good + "# café, saved as Latin-1\n".encode("latin-1"))
+    try:
+        stack.proc.send_signal(signal.SIGHUP)
+        assert wait_until(lambda: "token reload failed" in log.read_text()[-4000:], 15)
+    finally:
+        config.write_bytes(good)
+    text = log.read_text()
+    assert text.count("token reload failed") == before + 1
+    assert "is not UTF-8" in text
+    assert stack.proc.poll() is None
+    still_serves_and_nothing_lost(stack)  # with the tokens it had
+
+
 # --- HTTP ----------------------------------------------------------------------------------
 
 HTTP_CASES: list[tuple[str, str, str, int]] = [
@@ -404,6 +426,9 @@ def _variant(stack: Stack, pki: dict[str, Path], case: str) -> tuple[dict[str, A
         raw["server"]["host"] = "192.0.2.1"
     elif case == "bad-endpoint-url":
         raw["dead_letters"]["endpoint_url"] = "localhost:5000"
+    elif case == "port-overflow":  # 65533 + 5: the proxy would bind some other port
+        raw["server"].update({"port": 65533, "http_port": 0})
+        partition = 5
     elif case == "bad-bootstrap":
         raw["kafka"]["bootstrap_servers"] = f"127.0.0.1:{free_port()}"
         raw["ownership"] = {"enabled": False}
@@ -420,6 +445,7 @@ START_CASES: list[tuple[str, int, str]] = [
     ("missing-table", 4, "no-such-table"),
     ("bad-server-host", 2, "server.host"),
     ("bad-endpoint-url", 2, "dead_letters.endpoint_url"),
+    ("port-overflow", 2, "set server.port to at most 65530"),
     ("bad-bootstrap", 3, "Timed out"),
 ]
 
