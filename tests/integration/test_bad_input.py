@@ -160,6 +160,27 @@ GRPC_CASES: list[tuple[str, list[bytes], str | None, grpc.StatusCode, str]] = [
     ("garbage-after-hello", [HELLO, GARBAGE], TOKEN, grpc.StatusCode.INVALID_ARGUMENT, "frame 2"),
     ("second-hello", [HELLO, HELLO], TOKEN, grpc.StatusCode.INVALID_ARGUMENT, "second Hello"),
     (
+        "settle-two-million-plain-acks",
+        [HELLO, _frame(settle=pb.Settle(acks=[0] * 2_000_000))],
+        TOKEN,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "settles at most 100000 offsets",
+    ),
+    (
+        "settle-too-many-nacks",
+        [HELLO, _frame(settle=pb.Settle(nacks=[pb.Nack(offset=0)] * 100_001))],
+        TOKEN,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "nacks together",
+    ),
+    (
+        "extend-too-many-offsets",
+        [HELLO, _frame(extend=pb.Extend(offsets=[0] * 100_001))],
+        TOKEN,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "an Extend names at most 100000",
+    ),
+    (
         "settle-before-hello",
         [_frame(settle=pb.Settle(acks=[0]))],
         TOKEN,
@@ -224,10 +245,10 @@ GRPC_CASES: list[tuple[str, list[bytes], str | None, grpc.StatusCode, str]] = [
 
 
 async def raw_stream(
-    target: str, frames: list[bytes], token: str | None
+    target: str, frames: list[bytes], token: str | None, gap_s: float = 0.1
 ) -> tuple[grpc.StatusCode, str]:
-    """Send `frames` as they are (bytes, no serializer) on one Consume stream; return the
-    status it ends with."""
+    """Send `frames` as they are (bytes, no serializer) on one Consume stream, `gap_s`
+    apart; return the status it ends with."""
     async with grpc.aio.insecure_channel(target) as channel:
         call = channel.stream_stream(
             "/triage.v1.Triage/Consume",
@@ -238,8 +259,8 @@ async def raw_stream(
         async def send() -> Any:
             for frame in frames:
                 yield frame
-                await asyncio.sleep(0.1)
-            await asyncio.sleep(1.0)  # then half-close
+                await asyncio.sleep(gap_s)
+            await asyncio.sleep(1.0 if gap_s else 0)  # then half-close
 
         metadata = [("authorization", f"Bearer {token}")] if token else []
         stream = call(send(), metadata=metadata)
@@ -262,6 +283,16 @@ def test_grpc_bad_frames_end_the_stream_naming_the_cause(
     got, details = asyncio.run(raw_stream(stack.target, frames, token))
     assert got == code, details
     assert names in details
+    still_serves_and_nothing_lost(stack)
+
+
+def test_a_second_hello_right_behind_the_first_ends_the_stream(stack: Stack) -> None:
+    # Both written at once, then the half-close: the second arrives before the proxy
+    # has sent its Welcome.
+    for _ in range(5):
+        got, details = asyncio.run(raw_stream(stack.target, [HELLO, HELLO], TOKEN, gap_s=0))
+        assert got == grpc.StatusCode.INVALID_ARGUMENT, details
+        assert "second Hello" in details
     still_serves_and_nothing_lost(stack)
 
 

@@ -463,6 +463,26 @@ HELLO = pb.ConsumerFrame(hello=pb.Hello(consumer_id="c", credits=1))
         pytest.param([DecodeError("x")], "frame 1", id="garbage-first-frame"),
         pytest.param([HELLO, DecodeError("x")], "frame 2", id="garbage-after-hello"),
         pytest.param([HELLO, HELLO], "second Hello", id="second-hello"),
+        pytest.param(
+            [HELLO, pb.ConsumerFrame(settle=pb.Settle(acks=[0] * 2_000_000))],
+            "settles at most 100000",
+            id="settle-two-million-plain-acks",
+        ),
+        pytest.param(
+            [HELLO, pb.ConsumerFrame(settle=pb.Settle(nacks=[pb.Nack(offset=0)] * 100_001))],
+            "nacks together",
+            id="settle-too-many-nacks",
+        ),
+        pytest.param(
+            [HELLO, pb.ConsumerFrame(extend=pb.Extend(offsets=[0] * 100_001))],
+            "an Extend names at most 100000",
+            id="extend-too-many-offsets",
+        ),
+        pytest.param(
+            [HELLO, pb.ConsumerFrame(release=pb.Release(offsets=[0] * 100_001))],
+            "a Release names at most",
+            id="release-too-many-offsets",
+        ),
     ],
 )
 def test_frames_that_break_the_grammar_are_frame_errors(
