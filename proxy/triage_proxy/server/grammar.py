@@ -84,6 +84,6 @@ def offsets_problem(kind: str, count: int) -> str | None:
     if count <= MAX_CREDITS:
         return None
     return (
-        f"{'an' if kind == 'Extend' else 'a'} {kind} names at most {MAX_CREDITS} offsets (MAX_CREDITS, the most a stream "
-        f"holds), got {count}: send them in several"
+        f"{'an' if kind == 'Extend' else 'a'} {kind} names at most {MAX_CREDITS} offsets "
+        f"(MAX_CREDITS, the most a stream holds), got {count}: send them in several"
     )
