@@ -308,6 +308,32 @@ def test_topology_with_a_wrong_token_is_unauthenticated(stack: Stack) -> None:
     still_serves_and_nothing_lost(stack)
 
 
+def test_fifty_garbage_topology_requests_are_refused_with_one_log_line(stack: Stack) -> None:
+    async def ask() -> list[tuple[grpc.StatusCode, str]]:
+        async with grpc.aio.insecure_channel(stack.target) as channel:
+            call = channel.unary_unary(
+                "/triage.v1.Triage/Topology",
+                request_serializer=lambda b: b,
+                response_deserializer=lambda b: b,
+            )
+            got = []
+            for _ in range(50):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await call(GARBAGE, metadata=[("authorization", f"Bearer {TOKEN}")])
+                got.append((info.value.code(), info.value.details() or ""))
+            return got
+
+    log = stack.folder / "proxy.log"
+    before = log.read_text().count("refused a Topology call")
+    answers = asyncio.run(ask())
+    assert {code for code, _ in answers} == {grpc.StatusCode.INVALID_ARGUMENT}
+    assert all("does not parse" in details for _, details in answers)
+    text = log.read_text()
+    assert text.count("refused a Topology call") - before <= 1  # one line per interval
+    assert "DecodeError" not in text
+    still_serves_and_nothing_lost(stack)
+
+
 def test_a_forged_settlement_is_rejected_not_committed(stack: Stack) -> None:
     async def forge() -> list[int]:
         async with RawConsumer(stack.target, credits=1) as consumer:

@@ -33,7 +33,8 @@ from tests.unit.test_dispatcher import connect, make, records
 from triage_cli.main import app
 from triage_protocol import triage_pb2 as pb
 from triage_proxy.errors import FrameError
-from triage_proxy.observe.endpoint import BROKER_GONE, not_ready_because
+from triage_proxy.observe import endpoint as endpoint_module
+from triage_proxy.observe.endpoint import BROKER_GONE, HttpEndpoint, not_ready_because
 from triage_proxy.observe.logthrottle import LogThrottle, throttle_decision
 from triage_proxy.observe.snapshot import ProxySnapshot
 from triage_proxy.server.grammar import checked_frames
@@ -552,3 +553,50 @@ def test_three_thousand_refusals_make_one_line_per_cause_with_a_count(
     assert len(lines) == 3
     assert "10.0.0.1" in lines[0]
     assert "2999 more like it" in lines[2]
+
+
+# --- the HTTP endpoint ----------------------------------------------------------------------
+
+MALFORMED_HTTP = [
+    b"GARBAGE\r\n\r\n",  # not a method
+    b"GET / HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",  # not a header
+    b"\x16\x03\x01\x00\xa5\x01\x00",  # TLS on the HTTP port
+]
+
+
+@pytest.mark.parametrize("request_bytes", MALFORMED_HTTP, ids=["method", "header", "tls"])
+def test_two_hundred_malformed_http_requests_make_one_line_and_no_traceback(
+    caplog: pytest.LogCaptureFixture, request_bytes: bytes
+) -> None:
+    async def send_all() -> list[bytes]:
+        async with HttpEndpoint(lambda: None, ("127.0.0.1", 0)) as endpoint:  # type: ignore[arg-type, return-value]
+            answers = []
+            for _ in range(200):
+                reader, writer = await asyncio.open_connection("127.0.0.1", endpoint.port)
+                writer.write(request_bytes)
+                answers.append(await reader.read(64))
+                writer.close()
+            return answers
+
+    with caplog.at_level(logging.DEBUG):
+        answers = asyncio.run(send_all())
+    assert all(a.startswith(b"HTTP/1.0 400") for a in answers)
+    lines = [r for r in caplog.records if "malformed HTTP request" in r.getMessage()]
+    assert len(lines) == 1
+    assert lines[0].levelno == logging.WARNING
+    assert not any(r.exc_info for r in caplog.records)
+    assert b"GARBAGE" not in caplog.text.encode()  # the client's bytes are not logged
+
+
+def test_an_idle_http_connection_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(endpoint_module, "KEEPALIVE_TIMEOUT_S", 0.3)
+
+    async def idle() -> bytes:
+        async with HttpEndpoint(lambda: None, ("127.0.0.1", 0)) as endpoint:  # type: ignore[arg-type, return-value]
+            reader, writer = await asyncio.open_connection("127.0.0.1", endpoint.port)
+            async with asyncio.timeout(5):
+                got = await reader.read()  # b"": the endpoint closed it
+            writer.close()
+            return got
+
+    assert asyncio.run(idle()) == b""

@@ -17,8 +17,13 @@ so both places that read (the Hello, then the settlement reader) see the same ru
   looked up and possibly Rejected one by one: a longer list is a broken or hostile client,
   and 2,000,000 acks would hold the event loop for seconds.
 
-Why a wrapper and not a custom deserializer: the generated servicer registration keeps
-working unchanged, and the translation of protobuf's error lives in this one place.
+A Topology request is one message, read by `topology_request`: bytes that do not parse
+become None, which the service refuses with INVALID_ARGUMENT (gRPC itself would end the
+call UNKNOWN and log an ERROR traceback for each one).
+
+Why a wrapper for the stream and not a custom deserializer: a deserializer sees one
+message and cannot know its position (a second Hello), and a wrapper keeps the
+translation of protobuf's error in this one module for both.
 """
 
 from __future__ import annotations
@@ -87,3 +92,12 @@ def offsets_problem(kind: str, count: int) -> str | None:
         f"{'an' if kind == 'Extend' else 'a'} {kind} names at most {MAX_CREDITS} offsets "
         f"(MAX_CREDITS, the most a stream holds), got {count}: send them in several"
     )
+
+
+def topology_request(data: bytes) -> pb.TopologyRequest | None:
+    """The TopologyRequest in `data`, or None when it does not parse (see the module
+    docstring): the deserializer the service registers for Topology."""
+    try:
+        return pb.TopologyRequest.FromString(data)
+    except DecodeError:
+        return None

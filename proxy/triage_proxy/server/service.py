@@ -64,7 +64,7 @@ from triage_proxy.errors import (
 from triage_proxy.observe.logthrottle import LogThrottle
 from triage_proxy.pipeline.dispatch import Dispatcher, Session
 from triage_proxy.server.encoding import frame_limit, frame_limit_problem
-from triage_proxy.server.grammar import checked_frames
+from triage_proxy.server.grammar import checked_frames, topology_request
 from triage_proxy.server.outbox import Outbox
 from triage_proxy.server.status import grpc_status, grpc_trailers
 from triage_proxy.server.topology import RouteState, Topology, TopologyAnswer
@@ -349,12 +349,16 @@ class TriageService(pb_grpc.TriageServicer):
 
     async def Topology(
         self,
-        request: pb.TopologyRequest,
+        request: pb.TopologyRequest | None,
         context: grpc.aio.ServicerContext[pb.TopologyRequest, pb.TopologyReply],
     ) -> pb.TopologyReply:
         try:
             if self.auth.identify(context.invocation_metadata()) is None:
                 raise AuthError("missing or wrong token")  # revoked since the interceptor
+            if request is None:  # grammar.topology_request: bytes that do not parse
+                why = "the request is not a TopologyRequest (it does not parse)"
+                refused(context, "a Topology call", why)
+                raise FrameError(why)
             return topology_reply(await self._topology.answer())
         except TriageError as exc:
             await _refuse(context, exc)
@@ -477,6 +481,28 @@ def _read_pem(key: str, path: str, label: bytes) -> bytes:
     return data
 
 
+def _register(service: TriageService, server: grpc.aio.Server) -> None:
+    """What the generated `add_TriageServicer_to_server` does, but Topology's requests
+    are read by `grammar.topology_request`, so garbage is refused, not an ERROR traceback."""
+    handlers: dict[str, _Handler] = {
+        "Consume": grpc.stream_stream_rpc_method_handler(
+            service.Consume,
+            request_deserializer=pb.ConsumerFrame.FromString,
+            response_serializer=pb.ProxyFrame.SerializeToString,
+        ),
+        "Topology": grpc.unary_unary_rpc_method_handler(
+            service.Topology,
+            request_deserializer=topology_request,
+            response_serializer=pb.TopologyReply.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
+
+
+SERVICE = "triage.v1.Triage"
+
+
 def create_server(
     settings: Settings,
     partition: int,
@@ -496,7 +522,7 @@ def create_server(
             ("grpc.so_reuseport", 0),
         ],
     )
-    pb_grpc.add_TriageServicer_to_server(service, server)  # type: ignore[no-untyped-call]
+    _register(service, server)
     if credentials is None:
         credentials = server_credentials(settings.tls)
     address = settings.listen_address(partition)
