@@ -106,6 +106,13 @@ def _client(name: str, value: Any) -> Edit:
     return edit
 
 
+def _auth(tokens: dict[str, str], revoked: list[str]) -> Edit:
+    def edit(raw: dict[str, dict[str, Any]], pki: dict[str, Path]) -> None:
+        raw["auth"] = {"tokens": tokens, "revoked": revoked}
+
+    return edit
+
+
 def _ports(port: int, http_port: int, partitions: int) -> Edit:
     def edit(raw: dict[str, dict[str, Any]], pki: dict[str, Path]) -> None:
         raw["server"].update({"port": port, "http_port": http_port})
@@ -132,6 +139,18 @@ CONFIG_CASES: list[tuple[str, Edit, int, str]] = [
         _set("auth", "tokens", {"app": "env:TRIAGE_NO_SUCH_VAR"}),
         2,
         "TRIAGE_NO_SUCH_VAR",
+    ),
+    (
+        "token-and-tokens-default",
+        _set("auth", "tokens", {"default": "other-token-0123456789"}),
+        2,
+        "keep one of them",
+    ),
+    (
+        "revoked-token-copied-under-another-name",  # the only token left is the revoked one
+        _auth({"app": "app-token-0123456789", "copy": "app-token-0123456789"}, ["app"]),
+        2,
+        "no usable token",
     ),
     ("topic-with-hash", _set("kafka", "topic", "a#b"), 2, "kafka.topic"),
     ("topic-empty", _set("kafka", "topic", ""), 2, "kafka.topic"),
@@ -600,3 +619,13 @@ def test_an_idle_http_connection_is_closed(monkeypatch: pytest.MonkeyPatch) -> N
             return got
 
     assert asyncio.run(idle()) == b""
+
+
+def test_revoking_a_name_revokes_its_token_under_every_name() -> None:
+    from triage_proxy.config.settings import AuthSettings
+
+    shared, other = "shared-token-0123456789", "other-token-0123456789"
+    auth = AuthSettings(
+        token=shared, tokens={"app": shared, "mirror": shared, "b": other}, revoked=("app",)
+    )
+    assert auth.active() == {"b": other}

@@ -377,6 +377,9 @@ def join_host_port(host: str, port: int) -> str:
 
 @dataclass(frozen=True)
 class AuthSettings:
+    """`token` and `tokens` merge: `token` is the one named "default", so both may be set,
+    but not together with a `tokens.default` (one of the two would be dropped)."""
+
     token: str | None = None
     """The unnamed token (named "default"), resolved from token_env if given."""
     tokens: Mapping[str, str] = field(default_factory=dict)
@@ -385,12 +388,25 @@ class AuthSettings:
     revoked: tuple[str, ...] = ()
     """Names whose tokens are refused (keeps the entry, documents the revocation)."""
 
+    def __post_init__(self) -> None:
+        if self.token is not None and DEFAULT_TOKEN_NAME in self.tokens:
+            raise ConfigError(
+                "auth.token",
+                f"auth.token is the token named {DEFAULT_TOKEN_NAME!r}, and auth.tokens has "
+                f"a {DEFAULT_TOKEN_NAME!r} too: keep one of them (or rename the entry)",
+            )
+
     def active(self) -> dict[str, str]:
-        """name -> token for every token a call may present."""
+        """name -> token for every token a call may present. Revoking a name revokes its
+        token under every name it is configured as (a token copied to a second entry
+        must not outlive its revocation)."""
         named = dict(self.tokens)
         if self.token:
-            named.setdefault(DEFAULT_TOKEN_NAME, self.token)
-        return {name: tok for name, tok in named.items() if name not in self.revoked}
+            named[DEFAULT_TOKEN_NAME] = self.token
+        dead = {tok for name, tok in named.items() if name in self.revoked}
+        return {
+            name: tok for name, tok in named.items() if name not in self.revoked and tok not in dead
+        }
 
 
 @dataclass(frozen=True)
