@@ -122,7 +122,7 @@ def proxy(
         # What the proxy would refuse later (a bad TLS file, an address this machine does
         # not have, an unresolvable secret, a property librdkafka refuses): exit 2 now,
         # before a port is bound or a lease taken (the supervisor then gives up, no restarts).
-        preflight(settings, network=True)
+        preflight(settings, network=True, slot=offset)
         for warning in file_warnings(config):
             logging.getLogger("triage_proxy").warning("%s", warning)
 

@@ -2,6 +2,8 @@
 `triage proxy` walks before it binds a port or takes a lease, and `triage config check`
 walks to say OK.
 
+    ports           config/settings.py: server.port + slot and server.http_port + slot
+                    fit in 65535
     TLS files       config/checks.py: each PEM parses, the key matches the certificate
     addresses       config/checks.py: server.host and server.http_host can be bound
     secrets         config/checks.py: every reference resolves ("secret:NAME" only with
@@ -21,8 +23,11 @@ from triage_proxy.config.settings import Settings
 from triage_proxy.kafka.properties import check_client_properties
 
 
-def preflight(settings: Settings, *, network: bool) -> None:
-    """Raise ConfigError for the first thing the proxy would refuse at start."""
+def preflight(settings: Settings, *, network: bool, slot: int = 0) -> None:
+    """Raise ConfigError for the first thing the proxy would refuse at start; `slot` is
+    the process's (its ports are server.port + slot and server.http_port + slot)."""
+    settings.listen_address(slot)  # a port over 65535 (`slot_port`)
+    settings.server.http_address(slot)
     check_tls(settings.tls)
     check_bindable("server.host", settings.server.host)
     if settings.server.http_address(0) is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -61,6 +62,7 @@ class Stack:
     http: str
     """http://host:port of the proxy's HTTP endpoint."""
     folder: Path
+    proc: subprocess.Popen[bytes]
     produced: int = 0
     """Records produced to the topic so far (all must end committed)."""
 
@@ -106,7 +108,7 @@ def stack(
         )
     try:
         wait_for_port("127.0.0.1", port, 60, proc)
-        yield Stack(broker, raw, f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}", folder)
+        yield Stack(broker, raw, f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}", folder, proc)
     finally:
         proc.terminate()
         try:
@@ -157,6 +159,27 @@ GRPC_CASES: list[tuple[str, list[bytes], str | None, grpc.StatusCode, str]] = [
     ("garbage-first-frame", [GARBAGE], TOKEN, grpc.StatusCode.INVALID_ARGUMENT, "does not parse"),
     ("garbage-after-hello", [HELLO, GARBAGE], TOKEN, grpc.StatusCode.INVALID_ARGUMENT, "frame 2"),
     ("second-hello", [HELLO, HELLO], TOKEN, grpc.StatusCode.INVALID_ARGUMENT, "second Hello"),
+    (
+        "settle-two-million-plain-acks",
+        [HELLO, _frame(settle=pb.Settle(acks=[0] * 2_000_000))],
+        TOKEN,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "settles at most 100000 offsets",
+    ),
+    (
+        "settle-too-many-nacks",
+        [HELLO, _frame(settle=pb.Settle(nacks=[pb.Nack(offset=0)] * 100_001))],
+        TOKEN,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "nacks together",
+    ),
+    (
+        "extend-too-many-offsets",
+        [HELLO, _frame(extend=pb.Extend(offsets=[0] * 100_001))],
+        TOKEN,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "an Extend names at most 100000",
+    ),
     (
         "settle-before-hello",
         [_frame(settle=pb.Settle(acks=[0]))],
@@ -222,10 +245,10 @@ GRPC_CASES: list[tuple[str, list[bytes], str | None, grpc.StatusCode, str]] = [
 
 
 async def raw_stream(
-    target: str, frames: list[bytes], token: str | None
+    target: str, frames: list[bytes], token: str | None, gap_s: float = 0.1
 ) -> tuple[grpc.StatusCode, str]:
-    """Send `frames` as they are (bytes, no serializer) on one Consume stream; return the
-    status it ends with."""
+    """Send `frames` as they are (bytes, no serializer) on one Consume stream, `gap_s`
+    apart; return the status it ends with."""
     async with grpc.aio.insecure_channel(target) as channel:
         call = channel.stream_stream(
             "/triage.v1.Triage/Consume",
@@ -236,8 +259,8 @@ async def raw_stream(
         async def send() -> Any:
             for frame in frames:
                 yield frame
-                await asyncio.sleep(0.1)
-            await asyncio.sleep(1.0)  # then half-close
+                await asyncio.sleep(gap_s)
+            await asyncio.sleep(1.0 if gap_s else 0)  # then half-close
 
         metadata = [("authorization", f"Bearer {token}")] if token else []
         stream = call(send(), metadata=metadata)
@@ -263,6 +286,16 @@ def test_grpc_bad_frames_end_the_stream_naming_the_cause(
     still_serves_and_nothing_lost(stack)
 
 
+def test_a_second_hello_right_behind_the_first_ends_the_stream(stack: Stack) -> None:
+    # Both written at once, then the half-close: the second arrives before the proxy
+    # has sent its Welcome.
+    for _ in range(5):
+        got, details = asyncio.run(raw_stream(stack.target, [HELLO, HELLO], TOKEN, gap_s=0))
+        assert got == grpc.StatusCode.INVALID_ARGUMENT, details
+        assert "second Hello" in details
+    still_serves_and_nothing_lost(stack)
+
+
 def test_topology_with_a_wrong_token_is_unauthenticated(stack: Stack) -> None:
     async def ask() -> grpc.StatusCode:
         async with grpc.aio.insecure_channel(stack.target) as channel:
@@ -272,6 +305,32 @@ def test_topology_with_a_wrong_token_is_unauthenticated(stack: Stack) -> None:
             return info.value.code()
 
     assert asyncio.run(ask()) == grpc.StatusCode.UNAUTHENTICATED
+    still_serves_and_nothing_lost(stack)
+
+
+def test_fifty_garbage_topology_requests_are_refused_with_one_log_line(stack: Stack) -> None:
+    async def ask() -> list[tuple[grpc.StatusCode, str]]:
+        async with grpc.aio.insecure_channel(stack.target) as channel:
+            call = channel.unary_unary(
+                "/triage.v1.Triage/Topology",
+                request_serializer=lambda b: b,
+                response_deserializer=lambda b: b,
+            )
+            got = []
+            for _ in range(50):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await call(GARBAGE, metadata=[("authorization", f"Bearer {TOKEN}")])
+                got.append((info.value.code(), info.value.details() or ""))
+            return got
+
+    log = stack.folder / "proxy.log"
+    before = log.read_text().count("refused a Topology call")
+    answers = asyncio.run(ask())
+    assert {code for code, _ in answers} == {grpc.StatusCode.INVALID_ARGUMENT}
+    assert all("does not parse" in details for _, details in answers)
+    text = log.read_text()
+    assert text.count("refused a Topology call") - before <= 1  # one line per interval
+    assert "DecodeError" not in text
     still_serves_and_nothing_lost(stack)
 
 
@@ -287,6 +346,26 @@ def test_a_forged_settlement_is_rejected_not_committed(stack: Stack) -> None:
 
     assert asyncio.run(forge()) == [10**9, 10**9 + 1]
     still_serves_and_nothing_lost(stack)
+
+
+def test_sighup_with_the_config_in_another_encoding_keeps_the_running_config(
+    stack: Stack,
+) -> None:
+    config = stack.folder / "triage.toml"
+    good = config.read_bytes()
+    log = stack.folder / "proxy.log"
+    before = log.read_text().count("token reload failed")
+    config.write_bytes(good + "# café, saved as Latin-1\n".encode("latin-1"))
+    try:
+        stack.proc.send_signal(signal.SIGHUP)
+        assert wait_until(lambda: "token reload failed" in log.read_text()[-4000:], 15)
+    finally:
+        config.write_bytes(good)
+    text = log.read_text()
+    assert text.count("token reload failed") == before + 1
+    assert "is not UTF-8" in text
+    assert stack.proc.poll() is None
+    still_serves_and_nothing_lost(stack)  # with the tokens it had
 
 
 # --- HTTP ----------------------------------------------------------------------------------
@@ -404,6 +483,9 @@ def _variant(stack: Stack, pki: dict[str, Path], case: str) -> tuple[dict[str, A
         raw["server"]["host"] = "192.0.2.1"
     elif case == "bad-endpoint-url":
         raw["dead_letters"]["endpoint_url"] = "localhost:5000"
+    elif case == "port-overflow":  # 65533 + 5: the proxy would bind some other port
+        raw["server"].update({"port": 65533, "http_port": 0})
+        partition = 5
     elif case == "bad-bootstrap":
         raw["kafka"]["bootstrap_servers"] = f"127.0.0.1:{free_port()}"
         raw["ownership"] = {"enabled": False}
@@ -420,6 +502,7 @@ START_CASES: list[tuple[str, int, str]] = [
     ("missing-table", 4, "no-such-table"),
     ("bad-server-host", 2, "server.host"),
     ("bad-endpoint-url", 2, "dead_letters.endpoint_url"),
+    ("port-overflow", 2, "set server.port to at most 65530"),
     ("bad-bootstrap", 3, "Timed out"),
 ]
 

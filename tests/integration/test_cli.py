@@ -57,7 +57,7 @@ def test_help_is_instant() -> None:
         ('[kafka]\ntopic = "t"\ngroup_id = "g"\n', "kafka.bootstrap_servers"),
         (
             '[kafka]\nbootstrap_servers = "b"\ntopic = "t"\ngroup_id = "g"\n'
-            '[auth]\ntoken = "x"\n[dead_letters]\ntable = "d"\n[window]\nmax_messages = "many"\n',
+            '[auth]\ntoken = "x"\n[dead_letters]\ntable = "dlq"\n[window]\nmax_messages = "many"\n',
             "window.max_messages",
         ),
     ],

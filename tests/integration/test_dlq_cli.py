@@ -346,7 +346,7 @@ def test_unreachable_endpoint_and_bad_config(tmp_path: Path) -> None:
         tmp_path / "t.toml",
         "127.0.0.1:1",
         "t",
-        {"table": "t", "endpoint_url": f"http://127.0.0.1:{free_port()}"},
+        {"table": "tlq", "endpoint_url": f"http://127.0.0.1:{free_port()}"},
     )
     out = triage("dlq", "list", "--config", config)
     assert out.exit_code == ExitCode.UNAVAILABLE

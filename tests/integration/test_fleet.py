@@ -281,7 +281,7 @@ def test_a_fleet_process_that_cannot_reach_the_group_coordinator_exits_3(
             },
             "server": {"host": "127.0.0.1", "port": 0, "http_port": 0},
             "auth": {"token": TOKEN},
-            "dead_letters": {"table": "t", "endpoint_url": aws.endpoint_url},
+            "dead_letters": {"table": "tlq", "endpoint_url": aws.endpoint_url},
         },
     )
     started = time.monotonic()

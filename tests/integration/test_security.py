@@ -340,7 +340,7 @@ def test_triage_proxy_exits_2_naming_a_bad_tls_file(
             "kafka": {"bootstrap_servers": "127.0.0.1:1", "topic": "t", "group_id": "g"},
             "server": {"host": "127.0.0.1", "port": 0, "http_port": 0},
             "auth": {"token": ALPHA},
-            "dead_letters": {"table": "d"},
+            "dead_letters": {"table": "dlq"},
             "tls": tls,
         },
     )

@@ -63,7 +63,7 @@ def settle_run(histogram: type[LatencyHistogram]) -> Callable[[], int]:
         {
             "kafka": {"bootstrap_servers": "x", "topic": "t", "group_id": "g"},
             "auth": {"token": "0123456789abcdef"},
-            "dead_letters": {"table": "d"},
+            "dead_letters": {"table": "dlq"},
             "window": {"max_messages": BATCH * 2},
         },
         {},

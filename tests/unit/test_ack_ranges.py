@@ -13,7 +13,7 @@ from triage_client.stream import settle_frame
 from triage_protocol import triage_pb2 as pb
 from triage_protocol.constants import MAX_CREDITS
 from triage_proxy.pipeline.tracker import CommitTracker
-from triage_proxy.server.grammar import ack_ranges_problem
+from triage_proxy.server.grammar import settle_problem
 
 
 def expand(settle: pb.Settle) -> list[int]:
@@ -50,12 +50,12 @@ def _settle(*ranges: tuple[int, int], acks: tuple[int, ...] = ()) -> pb.Settle:
 
 
 def test_grammar_refuses_backwards_negative_and_oversized_ranges() -> None:
-    assert ack_ranges_problem(_settle((0, 0), (5, 9))) is None
-    assert ack_ranges_problem(_settle((0, MAX_CREDITS - 1))) is None
-    assert "first <= last" in (ack_ranges_problem(_settle((5, 4))) or "")
-    assert "first <= last" in (ack_ranges_problem(_settle((-1, 4))) or "")
-    assert "at most" in (ack_ranges_problem(_settle((0, MAX_CREDITS))) or "")
-    assert "at most" in (ack_ranges_problem(_settle((0, MAX_CREDITS - 1), acks=(7,))) or "")
+    assert settle_problem(_settle((0, 0), (5, 9))) is None
+    assert settle_problem(_settle((0, MAX_CREDITS - 1))) is None
+    assert "first <= last" in (settle_problem(_settle((5, 4))) or "")
+    assert "first <= last" in (settle_problem(_settle((-1, 4))) or "")
+    assert "at most" in (settle_problem(_settle((0, MAX_CREDITS))) or "")
+    assert "at most" in (settle_problem(_settle((0, MAX_CREDITS - 1), acks=(7,))) or "")
 
 
 @pytest.mark.parametrize("seed", range(20))

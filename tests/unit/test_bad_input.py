@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import subprocess
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -32,7 +33,8 @@ from tests.unit.test_dispatcher import connect, make, records
 from triage_cli.main import app
 from triage_protocol import triage_pb2 as pb
 from triage_proxy.errors import FrameError
-from triage_proxy.observe.endpoint import BROKER_GONE, not_ready_because
+from triage_proxy.observe import endpoint as endpoint_module
+from triage_proxy.observe.endpoint import BROKER_GONE, HttpEndpoint, not_ready_because
 from triage_proxy.observe.logthrottle import LogThrottle, throttle_decision
 from triage_proxy.observe.snapshot import ProxySnapshot
 from triage_proxy.server.grammar import checked_frames
@@ -45,7 +47,7 @@ def base_config() -> dict[str, dict[str, Any]]:
         "kafka": {"bootstrap_servers": "127.0.0.1:1", "topic": "orders", "group_id": "g"},
         "server": {"host": "127.0.0.1", "port": 0, "http_port": 0},
         "auth": {"token": TOKEN},
-        "dead_letters": {"table": "d", "overflow_bucket": "b"},
+        "dead_letters": {"table": "dlq", "overflow_bucket": "b"},
     }
 
 
@@ -104,6 +106,21 @@ def _client(name: str, value: Any) -> Edit:
     return edit
 
 
+def _auth(tokens: dict[str, str], revoked: list[str]) -> Edit:
+    def edit(raw: dict[str, dict[str, Any]], pki: dict[str, Path]) -> None:
+        raw["auth"] = {"tokens": tokens, "revoked": revoked}
+
+    return edit
+
+
+def _ports(port: int, http_port: int, partitions: int) -> Edit:
+    def edit(raw: dict[str, dict[str, Any]], pki: dict[str, Path]) -> None:
+        raw["server"].update({"port": port, "http_port": http_port})
+        raw["kafka"]["partitions"] = partitions
+
+    return edit
+
+
 def _push(**table: Any) -> Edit:
     """One `[[push]]` table named "orders" (an array of tables, not a section)."""
 
@@ -131,6 +148,18 @@ CONFIG_CASES: list[tuple[str, Edit, int, str]] = [
         _set("auth", "tokens", {"app": "env:TRIAGE_NO_SUCH_VAR"}),
         2,
         "TRIAGE_NO_SUCH_VAR",
+    ),
+    (
+        "token-and-tokens-default",
+        _set("auth", "tokens", {"default": "other-token-0123456789"}),
+        2,
+        "keep one of them",
+    ),
+    (
+        "revoked-token-copied-under-another-name",  # the only token left is the revoked one
+        _auth({"app": "app-token-0123456789", "copy": "app-token-0123456789"}, ["app"]),
+        2,
+        "no usable token",
     ),
     ("topic-with-hash", _set("kafka", "topic", "a#b"), 2, "kafka.topic"),
     ("topic-empty", _set("kafka", "topic", ""), 2, "kafka.topic"),
@@ -224,6 +253,19 @@ CONFIG_CASES: list[tuple[str, Edit, int, str]] = [
     ),
     ("push-inline-token", _push(url="http://h/", token="hunter2"), 2, "push.orders.token"),
     ("push-unknown-key", _push(url="http://h/", urls="x"), 2, "push.orders.urls"),
+    ("group-id-empty", _set("kafka", "group_id", ""), 2, "kafka.group_id"),
+    ("group-id-too-long", _set("kafka", "group_id", "g" * 256), 2, "at most 255"),
+    ("table-too-short", _set("dead_letters", "table", "d"), 2, "dead_letters.table"),
+    ("table-with-slash", _set("dead_letters", "table", "dlq/x"), 2, "not a DynamoDB table"),
+    ("bootstrap-empty", _set("kafka", "bootstrap_servers", ""), 2, "kafka.bootstrap_servers"),
+    ("bootstrap-only-commas", _set("kafka", "bootstrap_servers", " , "), 2, "is empty"),
+    ("broker-port-over-65535", _set("kafka", "bootstrap_servers", "h:70000"), 2, "1..65535"),
+    ("broker-with-space", _set("kafka", "bootstrap_servers", "a b:1"), 2, "not a broker"),
+    ("advertised-host-space", _set("server", "advertised_host", "a b"), 2, "advertised_host"),
+    ("region-invalid", _set("dead_letters", "region", "us east 1"), 2, "dead_letters.region"),
+    ("region-typo", _set("dead_letters", "region", "useast1"), 2, "like us-east-1"),
+    ("port-overflows-with-partitions", _ports(65535, 0, 2), 2, "set server.port to at most"),
+    ("http-port-overflows", _ports(0, 65000, 600), 2, "server.http_port"),
     ("unknown-section", _set("nope", "x", 1), 2, "unknown section"),
     ("unknown-key", _set("server", "hots", "x"), 2, "server.hots"),
 ]
@@ -281,6 +323,61 @@ def test_a_readable_config_with_inline_tokens_is_a_warning(tmp_path: Path) -> No
     path.chmod(0o600)
     result = CliRunner().invoke(app, ["config", "check", "--config", str(path)])
     assert "readable by others" not in result.stderr
+
+
+def _special(tmp: Path, kind: str) -> Path:
+    """A path that is not a regular UTF-8 file: `kind` says what it is."""
+    if kind == "fifo":
+        path = tmp / "fifo"
+        os.mkfifo(path)  # opening it for reading would block until a writer comes
+        return path
+    if kind == "directory":
+        return tmp
+    if kind == "device":
+        return Path("/dev/zero")  # never ends
+    path = tmp / "latin1.toml"
+    text = tomli_w.dumps({**base_config(), "kafka": {**base_config()["kafka"], "topic": "é"}})
+    path.write_bytes(text.replace("é", "orders").encode() + "# café\n".encode("latin-1"))
+    return path
+
+
+# (id, what the path is, which config key points at it, fragment of the message)
+PATH_CASES: list[tuple[str, str, str, str]] = [
+    ("config-is-a-fifo", "fifo", "<file>", "is a FIFO"),
+    ("config-is-a-directory", "directory", "<file>", "is a directory"),
+    ("config-is-a-device", "device", "<file>", "is a character device"),
+    ("config-not-utf8", "latin1", "<file>", "is not UTF-8"),
+    ("tls-cert-is-a-fifo", "fifo", "tls.cert_file", "is a FIFO"),
+    ("tls-key-is-a-directory", "directory", "tls.key_file", "is a directory"),
+    ("tls-cert-is-a-device", "device", "tls.cert_file", "is a character device"),
+    ("tls-ca-is-a-fifo", "fifo", "tls.client_ca_file", "is a FIFO"),
+]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("kind", "key", "names"), [pytest.param(k, c, n, id=i) for i, k, c, n in PATH_CASES]
+)
+def test_a_path_that_is_no_regular_file_is_refused_not_waited_on(
+    tmp_path: Path, pki: dict[str, Path], kind: str, key: str, names: str
+) -> None:
+    special = _special(tmp_path, kind)
+    raw = base_config()
+    if key != "<file>":
+        files = {"tls.cert_file": pki["cert"], "tls.key_file": pki["key"]}
+        if key == "tls.client_ca_file":
+            files[key] = pki["ca"]
+        files[key] = special
+        raw["tls"] = {k.split(".")[1]: str(v) for k, v in files.items()}
+    config = tmp_path / "triage.toml"
+    config.write_bytes(tomli_w.dumps(raw).encode())
+    config.chmod(0o600)
+    target = special if key == "<file>" else config
+    result = CliRunner().invoke(app, ["config", "check", "--config", str(target)])
+    assert result.exit_code == 2, result.output
+    assert f"'{key}'" in result.stderr
+    assert names in result.stderr
+    assert "regular file" in result.stderr or "UTF-8" in result.stderr  # what to do
 
 
 # --- the command line ---------------------------------------------------------------------
@@ -435,6 +532,26 @@ HELLO = pb.ConsumerFrame(hello=pb.Hello(consumer_id="c", credits=1))
         pytest.param([DecodeError("x")], "frame 1", id="garbage-first-frame"),
         pytest.param([HELLO, DecodeError("x")], "frame 2", id="garbage-after-hello"),
         pytest.param([HELLO, HELLO], "second Hello", id="second-hello"),
+        pytest.param(
+            [HELLO, pb.ConsumerFrame(settle=pb.Settle(acks=[0] * 2_000_000))],
+            "settles at most 100000",
+            id="settle-two-million-plain-acks",
+        ),
+        pytest.param(
+            [HELLO, pb.ConsumerFrame(settle=pb.Settle(nacks=[pb.Nack(offset=0)] * 100_001))],
+            "nacks together",
+            id="settle-too-many-nacks",
+        ),
+        pytest.param(
+            [HELLO, pb.ConsumerFrame(extend=pb.Extend(offsets=[0] * 100_001))],
+            "an Extend names at most 100000",
+            id="extend-too-many-offsets",
+        ),
+        pytest.param(
+            [HELLO, pb.ConsumerFrame(release=pb.Release(offsets=[0] * 100_001))],
+            "a Release names at most",
+            id="release-too-many-offsets",
+        ),
     ],
 )
 def test_frames_that_break_the_grammar_are_frame_errors(
@@ -504,3 +621,60 @@ def test_three_thousand_refusals_make_one_line_per_cause_with_a_count(
     assert len(lines) == 3
     assert "10.0.0.1" in lines[0]
     assert "2999 more like it" in lines[2]
+
+
+# --- the HTTP endpoint ----------------------------------------------------------------------
+
+MALFORMED_HTTP = [
+    b"GARBAGE\r\n\r\n",  # not a method
+    b"GET / HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",  # not a header
+    b"\x16\x03\x01\x00\xa5\x01\x00",  # TLS on the HTTP port
+]
+
+
+@pytest.mark.parametrize("request_bytes", MALFORMED_HTTP, ids=["method", "header", "tls"])
+def test_two_hundred_malformed_http_requests_make_one_line_and_no_traceback(
+    caplog: pytest.LogCaptureFixture, request_bytes: bytes
+) -> None:
+    async def send_all() -> list[bytes]:
+        async with HttpEndpoint(lambda: None, ("127.0.0.1", 0)) as endpoint:  # type: ignore[arg-type, return-value]
+            answers = []
+            for _ in range(200):
+                reader, writer = await asyncio.open_connection("127.0.0.1", endpoint.port)
+                writer.write(request_bytes)
+                answers.append(await reader.read(64))
+                writer.close()
+            return answers
+
+    with caplog.at_level(logging.DEBUG):
+        answers = asyncio.run(send_all())
+    assert all(a.startswith(b"HTTP/1.0 400") for a in answers)
+    lines = [r for r in caplog.records if "malformed HTTP request" in r.getMessage()]
+    assert len(lines) == 1
+    assert lines[0].levelno == logging.WARNING
+    assert not any(r.exc_info for r in caplog.records)
+    assert b"GARBAGE" not in caplog.text.encode()  # the client's bytes are not logged
+
+
+def test_an_idle_http_connection_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(endpoint_module, "KEEPALIVE_TIMEOUT_S", 0.3)
+
+    async def idle() -> bytes:
+        async with HttpEndpoint(lambda: None, ("127.0.0.1", 0)) as endpoint:  # type: ignore[arg-type, return-value]
+            reader, writer = await asyncio.open_connection("127.0.0.1", endpoint.port)
+            async with asyncio.timeout(5):
+                got = await reader.read()  # b"": the endpoint closed it
+            writer.close()
+            return got
+
+    assert asyncio.run(idle()) == b""
+
+
+def test_revoking_a_name_revokes_its_token_under_every_name() -> None:
+    from triage_proxy.config.settings import AuthSettings
+
+    shared, other = "shared-token-0123456789", "other-token-0123456789"
+    auth = AuthSettings(
+        token=shared, tokens={"app": shared, "mirror": shared, "b": other}, revoked=("app",)
+    )
+    assert auth.active() == {"b": other}

@@ -17,7 +17,7 @@ from triage_proxy.structs import DeadLetter, Record
 BASE = {
     "kafka": {"bootstrap_servers": "b", "topic": "t", "group_id": "g"},
     "auth": {"token": "unit-test-token-0123"},
-    "dead_letters": {"table": "d"},
+    "dead_letters": {"table": "dlq"},
 }
 
 

@@ -25,7 +25,7 @@ class DispatcherMachine(RuleBasedStateMachine):
         raw = {
             "kafka": {"bootstrap_servers": "b", "topic": "t", "group_id": "g"},
             "auth": {"token": "unit-test-token-0123"},
-            "dead_letters": {"table": "d"},
+            "dead_letters": {"table": "dlq"},
             "window": {"max_messages": 40},
             "delivery": {
                 "max_attempts": 3,

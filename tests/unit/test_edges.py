@@ -209,7 +209,7 @@ def test_secret_references_resolve_through_the_injected_fetcher() -> None:
             "sasl_password": "secret:kafka/pw",
         },
         "auth": {"tokens": {"app": "secret:tokens/app", "ops": "env:OPS_TOKEN"}},
-        "dead_letters": {"table": "dl"},
+        "dead_letters": {"table": "dlq"},
     }
     settings = settings_from_dict(raw, {"OPS_TOKEN": "o" * 32}, fetch_secret=fetch)
     assert settings.auth.active() == {"app": "value-of-tokens/app", "ops": "o" * 32}

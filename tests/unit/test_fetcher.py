@@ -50,7 +50,7 @@ async def start(*, records: int, max_messages: int = 1000, fetch_batch: int = 10
                 "fetch_batch": fetch_batch,
             },
             "auth": {"token": "unit-test-token-0123"},
-            "dead_letters": {"table": "d"},
+            "dead_letters": {"table": "dlq"},
             "window": {"max_messages": max_messages},
         },
         {},

@@ -51,7 +51,7 @@ def test_fetching_goes_on_while_a_commit_and_a_log_end_query_are_held() -> None:
         {
             "kafka": {"bootstrap_servers": "127.0.0.1:1", "topic": "orders", "group_id": "g"},
             "auth": {"token": TOKEN},
-            "dead_letters": {"table": "d"},
+            "dead_letters": {"table": "dlq"},
             "server": {"host": "127.0.0.1", "port": 0, "http_port": 0},
             "commit": {"interval_s": 0.01},
             "ownership": {"enabled": False},

@@ -28,7 +28,7 @@ def make_settings() -> Settings:
         {
             "kafka": {"bootstrap_servers": "127.0.0.1:1", "topic": "orders", "group_id": "g"},
             "auth": {"token": "0123456789abcdef"},
-            "dead_letters": {"table": "d"},
+            "dead_letters": {"table": "dlq"},
         },
         {},
     )

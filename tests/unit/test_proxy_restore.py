@@ -29,7 +29,7 @@ def make_settings(
     raw = {
         "kafka": {"bootstrap_servers": "127.0.0.1:1", "topic": "orders", "group_id": "g"},
         "auth": {"token": TOKEN},
-        "dead_letters": {"table": "d", "flush_interval_ms": 1},
+        "dead_letters": {"table": "dlq", "flush_interval_ms": 1},
         "server": {"host": "127.0.0.1", "port": 0, "http_port": 0},
         "delivery": {"max_attempts": 5, "redelivery_span_s": 7.0},
         "commit": {"encode_settled": encode_settled},

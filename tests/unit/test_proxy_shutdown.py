@@ -120,7 +120,7 @@ def make_settings() -> Settings:
         {
             "kafka": {"bootstrap_servers": "127.0.0.1:1", "topic": "orders", "group_id": "g"},
             "auth": {"token": TOKEN},
-            "dead_letters": {"table": "d", "flush_interval_ms": 1},
+            "dead_letters": {"table": "dlq", "flush_interval_ms": 1},
             "server": {"host": "127.0.0.1", "port": 0, "http_port": 0},
             # No periodic commit: the only commit is the final one.
             "commit": {"interval_s": 3600},

@@ -12,7 +12,7 @@ from triage_proxy.errors import ConfigError
 BASE: dict[str, Any] = {
     "kafka": {"bootstrap_servers": "127.0.0.1:9092", "topic": "orders", "group_id": "g"},
     "auth": {"token": "a-token-of-sixteen-chars"},
-    "dead_letters": {"table": "t"},
+    "dead_letters": {"table": "dlq"},
 }
 
 

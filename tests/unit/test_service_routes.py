@@ -28,7 +28,7 @@ def make_settings() -> Settings:
                 "partitions": 2,
             },
             "auth": {"token": "routes-unit-token-0123456"},
-            "dead_letters": {"table": "d"},
+            "dead_letters": {"table": "dlq"},
             "server": {"host": "127.0.0.1", "port": 0, "http_port": 0},
             "ownership": {"enabled": False},
         },

@@ -123,7 +123,10 @@ EDGES = [
 
 @pytest.mark.parametrize(("key", "value", "extra"), EDGES)
 def test_edge_values_load(key: str, value: float, extra: dict[str, object]) -> None:
-    settings = settings_from_dict(raw_with(key, value, **extra), {})
+    raw = raw_with(key, value, **extra)
+    if key == "kafka.partitions":  # port + partition must stay a port: free ports
+        raw["server"] = {"port": 0, "http_port": 0}
+    settings = settings_from_dict(raw, {})
     section, name = key.split(".")
     assert getattr(getattr(settings, section), name) == value
 
@@ -157,7 +160,7 @@ def test_toml_nan_and_inf_literals_are_refused(tmp_path: Path, literal: str) -> 
     path = tmp_path / "triage.toml"
     path.write_text(
         '[kafka]\nbootstrap_servers = "b"\ntopic = "t"\ngroup_id = "g"\n'
-        '[auth]\ntoken = "unit-test-token-0123"\n[dead_letters]\ntable = "d"\n'
+        '[auth]\ntoken = "unit-test-token-0123"\n[dead_letters]\ntable = "dlq"\n'
         f"[delivery]\nack_deadline_s = {literal}\n"
     )
     with pytest.raises(ConfigError) as info:
@@ -329,7 +332,7 @@ def test_config_check_exits_2_naming_a_nan_key(tmp_path: Path) -> None:
     path = tmp_path / "triage.toml"
     path.write_text(
         '[kafka]\nbootstrap_servers = "b"\ntopic = "t"\ngroup_id = "g"\n'
-        '[auth]\ntoken = "unit-test-token-0123"\n[dead_letters]\ntable = "d"\n'
+        '[auth]\ntoken = "unit-test-token-0123"\n[dead_letters]\ntable = "dlq"\n'
         "[retry]\nmultiplier = nan\n"
     )
     result = CliRunner().invoke(app, ["config", "check", "--config", str(path)])
@@ -345,7 +348,7 @@ def test_config_check_exits_2_naming_a_reserved_client_property(tmp_path: Path) 
     path.write_text(
         '[kafka]\nbootstrap_servers = "b"\ntopic = "t"\ngroup_id = "g"\n'
         '[kafka.client]\n"enable.auto.commit" = true\n"enable.auto.offset.store" = true\n'
-        '[auth]\ntoken = "unit-test-token-0123"\n[dead_letters]\ntable = "d"\n'
+        '[auth]\ntoken = "unit-test-token-0123"\n[dead_letters]\ntable = "dlq"\n'
     )
     result = CliRunner().invoke(app, ["config", "check", "--config", str(path)])
     assert result.exit_code == 2

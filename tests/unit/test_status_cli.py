@@ -95,7 +95,7 @@ def make_settings(**server: Any) -> Settings:
         {
             "kafka": {"bootstrap_servers": "127.0.0.1:1", "topic": "t", "group_id": "g"},
             "auth": {"token": "0123456789abcdef"},
-            "dead_letters": {"table": "d", "endpoint_url": "http://127.0.0.1:1"},
+            "dead_letters": {"table": "dlq", "endpoint_url": "http://127.0.0.1:1"},
             "server": server,
         },
         {},

@@ -137,7 +137,7 @@ def test_config_check_warns_without_an_overflow_bucket(tmp_path: Path) -> None:
     path = tmp_path / "triage.toml"
     text = (
         '[kafka]\nbootstrap_servers = "b"\ntopic = "t"\ngroup_id = "g"\n'
-        '[auth]\ntoken = "unit-test-token-0123"\n[dead_letters]\ntable = "d"\n'
+        '[auth]\ntoken = "unit-test-token-0123"\n[dead_letters]\ntable = "dlq"\n'
     )
     path.write_text(text)
     path.chmod(0o600)  # it holds a token: readable by others is a warning of its own
@@ -157,7 +157,7 @@ def make_settings(**sections: dict[str, object]) -> Settings:
     raw: dict[str, dict[str, object]] = {
         "kafka": {"bootstrap_servers": "127.0.0.1:1", "topic": "orders", "group_id": "g"},
         "auth": {"token": TOKEN},
-        "dead_letters": {"table": "d", "flush_interval_ms": 1},
+        "dead_letters": {"table": "dlq", "flush_interval_ms": 1},
         "server": {"host": "127.0.0.1", "port": 0, "http_port": 0},
         "commit": {"interval_s": 0.05},
         "shutdown": {"drain_timeout_s": DRAIN_TIMEOUT_S},

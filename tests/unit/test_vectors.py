@@ -31,7 +31,7 @@ from triage_proxy.server.encoding import (
     frame_size,
     item_size,
 )
-from triage_proxy.server.grammar import ack_ranges_problem
+from triage_proxy.server.grammar import settle_problem
 from triage_proxy.structs import Record
 
 VECTORS = Path(__file__).resolve().parents[2] / "proto" / "triage" / "v1" / "vectors"
@@ -152,7 +152,7 @@ def test_ack_ranges_client_settle(case: dict[str, Any]) -> None:
 def test_ack_ranges_proxy_checks(case: dict[str, Any]) -> None:
     ranges = [pb.OffsetRange(first=first, last=last) for first, last in case["ranges"]]
     settle = pb.Settle(acks=case["acks"], ack_ranges=ranges)
-    assert (ack_ranges_problem(settle) is None) == case["accepted"]
+    assert (settle_problem(settle) is None) == case["accepted"]
 
 
 def test_frame_size_constants() -> None:

@@ -25,6 +25,7 @@ import stat
 import tomllib
 from pathlib import Path
 
+from triage_proxy.config.files import read_regular_file, read_text_file
 from triage_proxy.config.secrets import secret_reference
 from triage_proxy.config.settings import Settings, TlsSettings, client_key, is_secret_property
 from triage_proxy.errors import ConfigError
@@ -65,10 +66,7 @@ def check_tls(tls: TlsSettings) -> None:
 
 
 def _readable(key: str, path: str) -> None:
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(key, f"cannot read {path}: {exc.strerror or exc}") from None
+    data = read_regular_file(key, path)
     if b"-----BEGIN " not in data:
         raise ConfigError(key, f"{path} is not a PEM file")
 
@@ -156,8 +154,8 @@ def file_warnings(path: str | Path) -> list[str]:
     path = Path(path)
     try:
         mode = path.stat().st_mode
-        raw = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError):
+        raw = tomllib.loads(read_text_file("<file>", path))
+    except (OSError, ConfigError, tomllib.TOMLDecodeError):
         return []  # load_settings reports it
     if not mode & (stat.S_IRGRP | stat.S_IROTH):
         return []

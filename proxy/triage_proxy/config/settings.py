@@ -44,6 +44,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 import socket
 import tomllib
 import types
@@ -54,6 +55,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from triage_protocol.constants import UINT32_MAX
+from triage_proxy.config.files import read_text_file
 from triage_proxy.config.push import PushTargetSettings, push_targets
 from triage_proxy.config.secrets import SecretFetcher, SecretResolver, Secrets, secret_reference
 from triage_proxy.errors import ConfigError
@@ -320,7 +322,7 @@ class ServerSettings:
         """(host, port) the HTTP endpoint for `partition` binds, or None when off."""
         if not self.http_enabled:
             return None
-        return self.http_host, self.http_port + partition if self.http_port else 0
+        return self.http_host, slot_port("server.http_port", self.http_port, partition)
 
     def advertised_endpoint(self, partition: int, bound_port: int = 0) -> str | None:
         """host:port consumers dial for `partition` (the one formula, see the two fields
@@ -345,6 +347,24 @@ class ServerSettings:
         return join_host_port(host, port)
 
 
+def slot_port(key: str, base: int, slot: int) -> int:
+    """`base + slot`, the port of one slot (0 stays 0: a free port). Over MAX_PORT is a
+    ConfigError naming `key`: the OS would bind another port than the one configured."""
+    problem = _overflow(key, base, slot)
+    if problem is not None:
+        raise ConfigError(key, problem)
+    return base + slot if base else 0
+
+
+def _overflow(key: str, base: int, slot: int) -> str | None:
+    if not base or base + slot <= MAX_PORT:
+        return None
+    return (
+        f"{base} + partition/slot {slot} = {base + slot} is over {MAX_PORT}: "
+        f"set {key} to at most {MAX_PORT - slot}"
+    )
+
+
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 """`server.host` values that bind every interface: no consumer can dial them."""
 
@@ -358,6 +378,9 @@ def join_host_port(host: str, port: int) -> str:
 
 @dataclass(frozen=True)
 class AuthSettings:
+    """`token` and `tokens` merge: `token` is the one named "default", so both may be set,
+    but not together with a `tokens.default` (one of the two would be dropped)."""
+
     token: str | None = None
     """The unnamed token (named "default"), resolved from token_env if given."""
     tokens: Mapping[str, str] = field(default_factory=dict)
@@ -366,12 +389,25 @@ class AuthSettings:
     revoked: tuple[str, ...] = ()
     """Names whose tokens are refused (keeps the entry, documents the revocation)."""
 
+    def __post_init__(self) -> None:
+        if self.token is not None and DEFAULT_TOKEN_NAME in self.tokens:
+            raise ConfigError(
+                "auth.token",
+                f"auth.token is the token named {DEFAULT_TOKEN_NAME!r}, and auth.tokens has "
+                f"a {DEFAULT_TOKEN_NAME!r} too: keep one of them (or rename the entry)",
+            )
+
     def active(self) -> dict[str, str]:
-        """name -> token for every token a call may present."""
+        """name -> token for every token a call may present. Revoking a name revokes its
+        token under every name it is configured as (a token copied to a second entry
+        must not outlive its revocation)."""
         named = dict(self.tokens)
         if self.token:
-            named.setdefault(DEFAULT_TOKEN_NAME, self.token)
-        return {name: tok for name, tok in named.items() if name not in self.revoked}
+            named[DEFAULT_TOKEN_NAME] = self.token
+        dead = {tok for name, tok in named.items() if name in self.revoked}
+        return {
+            name: tok for name, tok in named.items() if name not in self.revoked and tok not in dead
+        }
 
 
 @dataclass(frozen=True)
@@ -572,9 +608,17 @@ class Settings:
             problem = token_problem(tok)
             if problem is not None:
                 raise ConfigError(f"auth.tokens.{name}", problem)
-        problem = topic_problem(self.kafka.topic)
-        if problem is not None:
-            raise ConfigError("kafka.topic", problem)
+        for key, problem in (
+            ("kafka.topic", topic_problem(self.kafka.topic)),
+            ("kafka.group_id", group_problem(self.kafka.group_id)),
+            ("kafka.bootstrap_servers", bootstrap_problem(self.kafka.bootstrap_servers)),
+            ("dead_letters.table", table_problem(self.dead_letters.table)),
+            ("dead_letters.region", region_problem(self.dead_letters.region)),
+            ("server.advertised_host", host_problem(self.server.advertised_host)),
+            *self._port_overflows(),
+        ):
+            if problem is not None:
+                raise ConfigError(key, problem)
         for key, url in (
             ("dead_letters.endpoint_url", self.dead_letters.endpoint_url),
             ("dead_letters.notify_webhook_url", self.dead_letters.notify_webhook_url),
@@ -610,10 +654,23 @@ class Settings:
         if self.aws.scheme not in LB_SCHEMES:
             raise ConfigError("aws.scheme", f"must be one of {', '.join(LB_SCHEMES)}")
 
+    def _port_overflows(self) -> list[tuple[str, str | None]]:
+        """Base ports that partition `kafka.partitions - 1` would push over MAX_PORT (the
+        proxy refuses them at bind, `slot_port`; known here only when `partitions` is)."""
+        if self.kafka.partitions is None:
+            return []
+        last = self.kafka.partitions - 1
+        return [
+            (key, _overflow(key, base, last))
+            for key, base in (
+                ("server.port", self.server.port),
+                ("server.http_port", self.server.http_port),
+            )
+        ]
+
     def listen_address(self, partition: int) -> str:
         """host:port the proxy for `partition` binds (port 0 picks a free one)."""
-        port = self.server.port + partition if self.server.port else 0
-        return f"{self.server.host}:{port}"
+        return f"{self.server.host}:{slot_port('server.port', self.server.port, partition)}"
 
 
 @functools.cache
@@ -696,6 +753,79 @@ def topic_problem(topic: str) -> str | None:
     return None
 
 
+MAX_GROUP_BYTES = 255
+"""Longest group id (UTF-8 bytes): the table's keys hold it (store/items.py), and with a
+249-byte topic it keeps a partition key far below DynamoDB's 2048 bytes and the S3
+payload key below 1024. Kafka's own limit (a protocol string, 32767 bytes) is higher."""
+
+
+def group_problem(group: str) -> str | None:
+    """Why `group` cannot be this deployment's group id, or None."""
+    if not group:
+        return 'must not be empty: it names the deployment (e.g. group_id = "orders-app")'
+    size = len(group.encode("utf-8", "surrogatepass"))
+    if size > MAX_GROUP_BYTES:
+        return f"is {size} bytes; the table's keys hold at most {MAX_GROUP_BYTES}: shorten it"
+    return None
+
+
+def table_problem(table: str) -> str | None:
+    """Why `table` is not a DynamoDB table name (3..255 of [a-zA-Z0-9_.-]), or None."""
+    allowed = all(c.isascii() and (c.isalnum() or c in "._-") for c in table)
+    if 3 <= len(table) <= 255 and allowed:
+        return None
+    return f"{table!r} is not a DynamoDB table name: 3..255 letters, digits, '.', '_' or '-'"
+
+
+_REGION = re.compile(r"[a-z]{2}(-[a-z]+)+-[0-9]{1,2}")
+"""An AWS region name: us-east-1, eu-central-2, us-gov-west-1, cn-north-1, ..."""
+
+
+def region_problem(region: str) -> str | None:
+    """Why `region` is not an AWS region name, or None (whether the region exists is
+    known only by asking AWS: `config check --connect`)."""
+    if _REGION.fullmatch(region):
+        return None
+    return f"{region!r} is not an AWS region name (like us-east-1 or eu-west-2)"
+
+
+_HOST = re.compile(r"\[[0-9A-Fa-f:.]+\]|[0-9A-Za-z_.:-]+")
+"""A host name or IP address as a dialler takes it (an IPv6 literal bare or in brackets)."""
+
+
+def host_problem(host: str | None) -> str | None:
+    """Why `host` cannot be dialled as written, or None (None: not set)."""
+    if host is None or (_HOST.fullmatch(host) and len(host) <= 253):
+        return None
+    return (
+        f"{host!r} is not a host name or IP address: letters, digits, '.', '-', '_', ':' "
+        "(no spaces), at most 253 characters"
+    )
+
+
+def bootstrap_problem(servers: str) -> str | None:
+    """Why `servers` is not a comma-separated host[:port] list librdkafka can dial, or
+    None. librdkafka skips what it cannot parse and retries forever, so a typo here
+    would look like a broker that never answers."""
+    entries = [s.strip() for s in servers.split(",")]
+    if not any(entries):
+        return 'is empty: give the brokers as "host:port,host:port"'
+    for entry in entries:
+        address = entry.split("://", 1)[-1]  # librdkafka takes "PLAINTEXT://host:port"
+        host, port = address, ""
+        if address.startswith("["):
+            host, _, rest = address.partition("]")
+            host += "]"
+            port = rest.removeprefix(":")
+        elif address.count(":") == 1:
+            host, _, port = address.partition(":")
+        if not host or host_problem(host) is not None:
+            return f'{entry!r} is not a broker address: give "host:port,host:port"'
+        if port and not (port.isdigit() and 1 <= int(port) <= MAX_PORT):
+            return f"{entry!r}: the port must be 1..{MAX_PORT}"
+    return None
+
+
 def url_problem(url: str) -> str | None:
     """Why `url` is not an http(s) endpoint (boto3 and the webhook need one), or None."""
     from urllib.parse import urlsplit
@@ -763,10 +893,9 @@ def load_settings(
     """Read and validate a TOML config; every problem names the offending key.
     `fetch_secret` reads "secret:NAME" references (`store.aws.read_secret`; without it
     such a reference is a ConfigError when resolved)."""
+    text = read_text_file("<file>", path)  # a FIFO, a directory, not UTF-8: ConfigError
     try:
-        raw = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError("<file>", f"{path} does not exist") from None
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("<file>", f"{path} is not valid TOML: {exc}") from None
     return settings_from_dict(raw, os.environ if env is None else env, fetch_secret=fetch_secret)

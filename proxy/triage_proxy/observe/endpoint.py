@@ -17,6 +17,10 @@ payloads, so it has no token; it binds its own interface, `server.http_host` (de
 loopback, whatever `server.host` is), and `server.http_enabled = false` turns it off.
 It reads the proxy only through `Proxy.status` (passed in), never the proxy itself; a
 one-partition `ProxySnapshot` is taken as a process serving that partition.
+
+A request that does not parse gets aiohttp's 400 and one WARNING line per kind per
+interval (`_MalformedRequests`), never a traceback; a connection idle for
+KEEPALIVE_TIMEOUT_S is closed.
 """
 
 from __future__ import annotations
@@ -28,9 +32,12 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.log import server_logger
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from triage_proxy.errors import ConfigError, StateError
+from triage_proxy.observe.logthrottle import LogThrottle
 from triage_proxy.observe.metrics import proxy_registry
 from triage_proxy.observe.snapshot import ProcessSnapshot, ProxySnapshot, as_process
 
@@ -38,6 +45,30 @@ logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 1.0
 """How long an in-progress HTTP request may finish when the proxy stops."""
+KEEPALIVE_TIMEOUT_S = 15.0
+"""How long a connection may stay idle (before its first request, or between two) before
+it is closed: a scraper reconnects at no cost; aiohttp's default is an hour."""
+
+
+class _MalformedRequests(logging.Logger):
+    """The logger aiohttp's request handler is given: a request that does not parse (an
+    `HttpProcessingError`: garbage, TLS on the HTTP port, a bad header) is the client's,
+    answered 400 by aiohttp; it becomes one WARNING line per kind per interval, with the
+    peer and without the client's bytes, instead of a traceback per request. Anything
+    else goes to aiohttp's own logger as it was."""
+
+    def __init__(self) -> None:
+        super().__init__(f"{__name__}.http")
+        self._throttle = LogThrottle(logger)
+
+    def handle(self, record: logging.LogRecord) -> None:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            peer = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            kind = type(exc).__name__
+            self._throttle.warning(kind, "refused a malformed HTTP request from %s: %s", peer, kind)
+        elif server_logger.isEnabledFor(record.levelno):
+            server_logger.handle(record)
 
 
 class EndpointState(enum.Enum):
@@ -81,7 +112,13 @@ class HttpEndpoint:
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/status", self._status)
         app.router.add_routes(self._routes)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+        runner = web.AppRunner(
+            app,
+            access_log=None,
+            shutdown_timeout=SHUTDOWN_GRACE_S,
+            keepalive_timeout=KEEPALIVE_TIMEOUT_S,
+            logger=_MalformedRequests(),
+        )
         await runner.setup()
         host, port = self._address
         site = web.TCPSite(runner, host, port)

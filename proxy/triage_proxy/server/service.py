@@ -42,7 +42,6 @@ import contextlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from pathlib import Path
 from typing import Any, NoReturn, TypeAlias
 
 import grpc
@@ -52,6 +51,7 @@ from triage_protocol import triage_pb2_grpc as pb_grpc
 from triage_protocol.constants import HELLO_TIMEOUT_S, MAX_CREDITS
 from triage_proxy.clienttext import consumer_id_problem, for_log
 from triage_proxy.config.checks import bind_error, check_tls
+from triage_proxy.config.files import read_regular_file
 from triage_proxy.config.settings import Settings, TlsSettings
 from triage_proxy.errors import (
     AuthError,
@@ -64,7 +64,7 @@ from triage_proxy.errors import (
 from triage_proxy.observe.logthrottle import LogThrottle
 from triage_proxy.pipeline.dispatch import Dispatcher, Session
 from triage_proxy.server.encoding import frame_limit, frame_limit_problem
-from triage_proxy.server.grammar import checked_frames
+from triage_proxy.server.grammar import checked_frames, topology_request
 from triage_proxy.server.outbox import Outbox
 from triage_proxy.server.status import grpc_status, grpc_trailers
 from triage_proxy.server.topology import RouteState, Topology, TopologyAnswer
@@ -349,12 +349,16 @@ class TriageService(pb_grpc.TriageServicer):
 
     async def Topology(
         self,
-        request: pb.TopologyRequest,
+        request: pb.TopologyRequest | None,
         context: grpc.aio.ServicerContext[pb.TopologyRequest, pb.TopologyReply],
     ) -> pb.TopologyReply:
         try:
             if self.auth.identify(context.invocation_metadata()) is None:
                 raise AuthError("missing or wrong token")  # revoked since the interceptor
+            if request is None:  # grammar.topology_request: bytes that do not parse
+                why = "the request is not a TopologyRequest (it does not parse)"
+                refused(context, "a Topology call", why)
+                raise FrameError(why)
             return topology_reply(await self._topology.answer())
         except TriageError as exc:
             await _refuse(context, exc)
@@ -471,13 +475,32 @@ def server_credentials(tls: TlsSettings) -> grpc.ServerCredentials | None:
 
 def _read_pem(key: str, path: str, label: bytes) -> bytes:
     """The file's bytes, if it holds a PEM block of `label`; the error never quotes it."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(key, f"cannot read {path}: {exc.strerror or exc}") from None
+    data = read_regular_file(key, path)  # a FIFO or a device: ConfigError, not a hang
     if b"-----BEGIN " not in data or label not in data:
         raise ConfigError(key, f"{path} is not a PEM file with a {label.decode()}")
     return data
+
+
+def _register(service: TriageService, server: grpc.aio.Server) -> None:
+    """What the generated `add_TriageServicer_to_server` does, but Topology's requests
+    are read by `grammar.topology_request`, so garbage is refused, not an ERROR traceback."""
+    handlers: dict[str, _Handler] = {
+        "Consume": grpc.stream_stream_rpc_method_handler(
+            service.Consume,
+            request_deserializer=pb.ConsumerFrame.FromString,
+            response_serializer=pb.ProxyFrame.SerializeToString,
+        ),
+        "Topology": grpc.unary_unary_rpc_method_handler(
+            service.Topology,
+            request_deserializer=topology_request,
+            response_serializer=pb.TopologyReply.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
+
+
+SERVICE = "triage.v1.Triage"
 
 
 def create_server(
@@ -499,7 +522,7 @@ def create_server(
             ("grpc.so_reuseport", 0),
         ],
     )
-    pb_grpc.add_TriageServicer_to_server(service, server)  # type: ignore[no-untyped-call]
+    _register(service, server)
     if credentials is None:
         credentials = server_credentials(settings.tls)
     address = settings.listen_address(partition)

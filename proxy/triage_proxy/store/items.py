@@ -64,7 +64,11 @@ from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.settings import (  # noqa: F401  MAX_GROUP_BYTES: re-exported
+    MAX_GROUP_BYTES,
+    DeadLetterSettings,
+    group_problem,
+)
 from triage_proxy.errors import ConfigError, DeadLetterTooLarge
 from triage_proxy.store.payload import decode_payload, payload_object_key, payload_size
 from triage_proxy.structs import DeadLetter, Record
@@ -89,9 +93,6 @@ EXPIRES_AT_ATTR = "expires_at"
 PAYLOAD_S3_ATTR = "payload_s3"
 PAYLOAD_BYTES_ATTR = "payload_bytes"
 
-MAX_GROUP_BYTES = 255
-"""Longest group id (UTF-8 bytes) a key may hold: with a 249-byte topic it keeps the
-partition key far below DynamoDB's 2048 bytes and the S3 payload key below 1024."""
 KIND_DEAD_LETTER = "dead"
 KIND_CHECKPOINT = "checkpoint"
 KIND_LEASE = "lease"
@@ -113,14 +114,9 @@ _ISO_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 
 def check_group(group: str) -> str:
     """`group` if it can key items (1..MAX_GROUP_BYTES bytes); ConfigError otherwise."""
-    if not group:
-        raise ConfigError("kafka.group_id", "must not be empty: it names the deployment")
-    size = len(group.encode("utf-8", "surrogatepass"))
-    if size > MAX_GROUP_BYTES:
-        raise ConfigError(
-            "kafka.group_id",
-            f"is {size} bytes; table keys hold at most {MAX_GROUP_BYTES}",
-        )
+    problem = group_problem(group)
+    if problem is not None:
+        raise ConfigError("kafka.group_id", problem)
     return group
 
 
