@@ -9,15 +9,19 @@ receiver listens, which costs nothing: with no record pending the proxy sends no
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from triage_conformance.checks import Outcome, check_push
 from triage_conformance.receiver import ReceiverProcess
-from triage_conformance.scenarios import COMMIT_TIMEOUT_S, EXIT_TIMEOUT_S, START_TIMEOUT_S
+from triage_conformance.scenarios import (
+    COMMIT_TIMEOUT_S,
+    EXIT_TIMEOUT_S,
+    START_TIMEOUT_S,
+    run_judged,
+)
 from triage_conformance.stack import Message, Produced, Stack
 
 RESTART_GAP_S = 1.0
@@ -154,20 +158,9 @@ def describe_push(name: str) -> str:
 
 def run_push_scenario(name: str, stack: Stack, receiver: str, log_dir: Path) -> Outcome:
     """Run one push scenario; every receiver it started is stopped (killed if need be)."""
-    outcome = Outcome(name)
-    scenario_dir = log_dir / name
-    scenario_dir.mkdir(parents=True, exist_ok=True)
-    ctx = PushContext(stack, receiver, scenario_dir, [])
-    started = time.monotonic()
-    try:
-        PUSH_SCENARIOS[name](ctx, outcome)
-    except Exception as exc:  # noqa: BLE001 - a scenario's crash is its failure, reported
-        outcome.fail(f"the scenario crashed: {exc!r}")
-    finally:
-        for r in ctx.receivers:
-            r.kill()
-    outcome.seconds = time.monotonic() - started
-    if os.environ.get("TRIAGE_CONFORMANCE_DEBUG"):
-        for r in ctx.receivers:
-            print(f"--- {r.name} stderr ---\n{r.stderr_text()[-2000:]}")
-    return outcome
+
+    def start(scenario_dir: Path) -> tuple[Callable[[Outcome], None], Sequence[ReceiverProcess]]:
+        ctx = PushContext(stack, receiver, scenario_dir, [])
+        return (lambda outcome: PUSH_SCENARIOS[name](ctx, outcome)), ctx.receivers
+
+    return run_judged(name, log_dir, start)

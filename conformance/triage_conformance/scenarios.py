@@ -14,12 +14,12 @@ import random
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from triage_conformance.checks import Outcome, check_run, starts_by_offset
-from triage_conformance.client import ClientProcess, Event
+from triage_conformance.client import ChildProcess, ClientProcess, Event
 from triage_conformance.stack import ACK_DEADLINE_S, Message, Produced, Stack
 
 COMMIT_TIMEOUT_S = 60.0
@@ -256,20 +256,36 @@ def describe(name: str) -> str:
 
 def run_scenario(name: str, stack: Stack, client: str, peer: str, log_dir: Path) -> Outcome:
     """Run one scenario; every client it started is stopped (killed if need be) after."""
+
+    def start(scenario_dir: Path) -> tuple[Callable[[Outcome], None], Sequence[ChildProcess]]:
+        ctx = Context(stack, client, peer, scenario_dir, [])
+        return (lambda outcome: SCENARIOS[name](ctx, outcome)), ctx.clients
+
+    return run_judged(name, log_dir, start)
+
+
+def run_judged(
+    name: str,
+    log_dir: Path,
+    start: Callable[[Path], tuple[Callable[[Outcome], None], Sequence[ChildProcess]]],
+) -> Outcome:
+    """Run one scenario of either kind (clients or push receivers): `start` makes its body
+    and the list its child processes join; a crash is the scenario's failure, and every
+    process is killed after it."""
     outcome = Outcome(name)
     scenario_dir = log_dir / name
     scenario_dir.mkdir(parents=True, exist_ok=True)
-    ctx = Context(stack, client, peer, scenario_dir, [])
+    body, processes = start(scenario_dir)
     started = time.monotonic()
     try:
-        SCENARIOS[name](ctx, outcome)
+        body(outcome)
     except Exception as exc:  # noqa: BLE001 - a scenario's crash is its failure, reported
         outcome.fail(f"the scenario crashed: {exc!r}")
     finally:
-        for c in ctx.clients:
-            c.kill()
+        for process in processes:
+            process.kill()
     outcome.seconds = time.monotonic() - started
     if os.environ.get("TRIAGE_CONFORMANCE_DEBUG"):
-        for c in ctx.clients:
-            print(f"--- {c.consumer_id} stderr ---\n{c.stderr_text()[-2000:]}")
+        for process in processes:
+            print(f"--- {process.name} stderr ---\n{process.stderr_text()[-2000:]}")
     return outcome
