@@ -27,6 +27,7 @@ from cloudevents.v1.http import from_http, from_json
 from tests.integration.harness import (
     LEASE_S,
     TOKEN,
+    RawConsumer,
     await_until,
     committed,
     dead_letters,
@@ -591,3 +592,43 @@ def test_receivers_that_answer_garbage_hang_or_send_a_huge_body_stall_no_one(
     asyncio.run(scenario())
     assert good == {f"{topic}/0/{i}" for i in range(len(messages))}
     assert dead_letters(settings_for(broker, aws, topic)) == []
+
+
+def test_a_streaming_client_and_a_push_target_share_one_deployment(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    """Both take records from the same partition's window; each record is settled once,
+    by whichever got it, and the commit reaches the end."""
+    messages: list[Message] = [(b"k%d" % i, b"v%d" % i, None) for i in range(400)]
+    pushed: set[int] = set()
+
+    async def handle(request: web.Request) -> web.Response:
+        await request.read()
+        await asyncio.sleep(0.005)
+        pushed.add(int(request.headers["ce-id"].rsplit("/", 1)[1]))
+        return web.Response(status=200)
+
+    async def scenario() -> None:
+        async with receiver(handle) as url:
+            target = push_target(url, max_concurrency=4, initial_concurrency=4)
+            settings = settings_for(broker, aws, topic, push=target)
+            async with Proxy(settings, 0) as proxy, RawConsumer(f"127.0.0.1:{proxy.port}") as raw:
+                produce(broker.bootstrap, topic, messages)
+                streamed: set[int] = set()
+                group = settings.kafka.group_id
+                deadline = time.monotonic() + 60
+                while committed(broker.bootstrap, group, topic) != len(messages):
+                    assert time.monotonic() < deadline, "the commit did not reach the end"
+                    try:
+                        got = await raw.receive(1, timeout=0.2)
+                    except TimeoutError:
+                        continue
+                    streamed |= {d.offset for d in got}
+                    raw.settle(acks=[d.offset for d in got])
+                assert streamed
+                assert pushed
+                assert not streamed & pushed  # one settlement each
+                assert streamed | pushed == set(range(len(messages)))
+                assert proxy.snapshot().counters["rejected"] == 0
+
+    asyncio.run(scenario())
