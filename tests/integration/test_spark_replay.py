@@ -676,7 +676,7 @@ def test_command_line_options_and_summary(tmp_path: Path) -> None:
         options_from_args(bad)
     with pytest.raises(ConfigError, match="bootstrap"):
         ReplayOptions(DeadLetterSettings(table="t"), group=GROUP)
-    table = DeadLetterSettings(table="dl", endpoint_url="http://127.0.0.1:1", ttl_days=3)
+    table = DeadLetterSettings(table="dlq", endpoint_url="http://127.0.0.1:1", ttl_days=3)
     config = config_file(tmp_path / "triage.toml", "b:9092", table, "orders")
     from_file = options_from_args(
         build_parser().parse_args(["-c", str(config), "--export", "/x", "-X", "acks=1"])
