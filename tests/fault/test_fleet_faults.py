@@ -39,7 +39,6 @@ def test_a_fleet_that_gains_and_loses_processes_loses_nothing(tmp_path: Path) ->
     assert not report.mismatched, report.mismatched[:5]
     assert report.crash_pills >= 1
     assert report.crash_pills_dead == report.crash_pills, summary
-    assert report.collateral_dead == 0, summary  # crashes blame only the crasher
     assert max(report.per_move.values(), default=0) <= report.window, summary
     assert max(report.gaps.values()) <= MAX_GAP_S, summary
     assert not report.unexpected_exits, summary
