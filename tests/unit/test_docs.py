@@ -1,16 +1,68 @@
-"""The documentation site: `mkdocs build --strict` passes (a broken link, a missing
+"""The documentation site: the generated reference pages are what the code says now
+(docs/generate.py), and `mkdocs build --strict` passes (a broken link, a missing
 anchor, a snippet that is not there or a page left out of the navigation fails it). The
 build is offline: mkdocs.yml enables no plugin that fetches from the internet."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+
+
+def generator() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("docs_generate", DOCS / "generate.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_generated_reference_pages_are_current() -> None:
+    stale = generator().stale()
+    assert not stale, (
+        f"docs/reference/{', '.join(stale)} differ from the code: run `python docs/generate.py`"
+    )
+
+
+def test_the_reference_names_every_setting_command_and_metric() -> None:
+    """Not a copy of the generator: what the pages must hold, asked of the code directly."""
+    from triage_proxy.config.settings import numeric_settings
+
+    config = (DOCS / "reference" / "configuration.md").read_text()
+    for key, (_, bounds) in numeric_settings().items():
+        row = next((line for line in config.splitlines() if line.startswith(f"| `{key}` ")), "")
+        assert row, f"configuration.md lacks {key}"
+        assert bounds.why in row, f"configuration.md's {key} row lacks its bound ({bounds.why})"
+    for key in ("auth.token_env", "tls.client_ca_file", "delivery.ordering"):
+        assert f"| `{key}` " in config
+    cli = (DOCS / "reference" / "cli.md").read_text()
+    for command in ("proxy", "dev", "dlq replay", "deploy", "status", "init"):
+        assert f"`triage {command}`" in cli
+    assert "supervise" not in cli  # hidden
+    metrics = (DOCS / "reference" / "metrics.md").read_text()
+    for name in ("triage_lag", "triage_dead_letters_unwritable", "triage_push_limit"):
+        assert f"`{name}`" in metrics
+
+
+def test_a_stale_page_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = generator()
+    for name in gen.PAGES:
+        (tmp_path / name).write_text((DOCS / "reference" / name).read_text())
+    (tmp_path / "metrics.md").write_text("# Metrics\n")
+    monkeypatch.setattr(gen, "REFERENCE", tmp_path)
+    assert gen.stale() == ["metrics.md"]
+    assert gen.main(["--check"]) == 1
 
 
 def test_mkdocs_builds_strict_and_offline(tmp_path: Path) -> None:
@@ -29,3 +81,4 @@ def test_mkdocs_builds_strict_and_offline(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr[-4000:]
     assert (tmp_path / "getting-started" / "index.html").is_file()
+    assert (tmp_path / "reference" / "configuration" / "index.html").is_file()
