@@ -2,8 +2,8 @@
 Kafka records against one running `triage proxy` (real Tansu, real moto server), the
 proxy's own exit codes for what it refuses at start, and the commands that reach the
 network. The list of what is rejected and how is this module plus
-tests/unit/test_bad_input.py (config files, the command line, the pure pieces); the
-README links both.
+tests/unit/test_bad_input.py (config files, the command line, the pure pieces);
+docs/reference/rejected.md links both.
 
 One proxy serves the whole module. After every gRPC, HTTP and Kafka row the module
 checks that the proxy still serves and that nothing was lost: a fresh record produced

@@ -82,3 +82,25 @@ def test_mkdocs_builds_strict_and_offline(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-4000:]
     assert (tmp_path / "getting-started" / "index.html").is_file()
     assert (tmp_path / "reference" / "configuration" / "index.html").is_file()
+
+
+def test_the_distributions_share_one_version_and_the_changelog_follows_the_scheme() -> None:
+    """docs/releases.md: one version for the four distributions; `## Unreleased` first,
+    then `## X.Y.Z - YYYY-MM-DD` sections, newest first."""
+    import json
+    import tomllib
+
+    versions = {
+        path: tomllib.loads((ROOT / path).read_text())["project"]["version"]
+        for path in ("pyproject.toml", "proto/pyproject.toml", "client_lib/pyproject.toml")
+    }
+    package = ROOT / "clients" / "typescript" / "package.json"
+    versions["clients/typescript/package.json"] = json.loads(package.read_text())["version"]
+    assert len(set(versions.values())) == 1, versions
+    headings = re.findall(r"(?m)^## (.*)$", (ROOT / "CHANGELOG.md").read_text())
+    assert headings[0] == "Unreleased"
+    released = headings[1:]
+    bad = [h for h in released if not re.fullmatch(r"\d+\.\d+\.\d+ - \d{4}-\d{2}-\d{2}", h)]
+    assert bad == [], f"CHANGELOG headings not `X.Y.Z - YYYY-MM-DD`: {bad}"
+    numbers = [tuple(int(n) for n in h.split(" ")[0].split(".")) for h in released]
+    assert numbers == sorted(numbers, reverse=True), "releases not newest first"
