@@ -47,7 +47,7 @@ def test_the_reference_names_every_setting_command_and_metric() -> None:
     for key in ("auth.token_env", "tls.client_ca_file", "delivery.ordering"):
         assert f"| `{key}` " in config
     cli = (DOCS / "reference" / "cli.md").read_text()
-    for command in ("proxy", "dev", "dlq replay", "deploy", "status", "init"):
+    for command in ("proxy", "dev", "produce", "dlq replay", "deploy", "status", "init"):
         assert f"`triage {command}`" in cli
     assert "supervise" not in cli  # hidden
     metrics = (DOCS / "reference" / "metrics.md").read_text()
