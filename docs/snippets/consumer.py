@@ -4,7 +4,7 @@ import signal
 from triage_client import Consumer, Message
 
 
-def handle(message: Message) -> None:  # returning acks; raising nacks: a dead letter
+async def handle(message: Message) -> None:  # returning acks; raising nacks: a dead letter
     if message.value == b"poison":
         raise ValueError("cannot handle this one")
     print(f"partition {message.partition} offset {message.offset}: {message.value!r}", flush=True)

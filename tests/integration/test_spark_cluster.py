@@ -8,8 +8,9 @@ tasks spread over several workers. The cluster is started with the pyspark packa
 one core and its own work directory, where its executors' logs show which tasks it ran.
 
 The commands are the cluster instructions of docs/guides/spark-replay.md
-(`test_the_guide_shows_these_commands` keeps the two identical); what only a test needs (no driver UI, small heaps, waiting
-for both executors before the first task) lives in a spark-defaults.conf of its own.
+(`test_the_guide_shows_these_commands` keeps the two identical); what only a test needs (no
+driver UI, small heaps, waiting for both executors before the first task) lives in a
+spark-defaults.conf of its own.
 """
 
 from __future__ import annotations

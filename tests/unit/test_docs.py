@@ -104,3 +104,39 @@ def test_the_distributions_share_one_version_and_the_changelog_follows_the_schem
     assert bad == [], f"CHANGELOG headings not `X.Y.Z - YYYY-MM-DD`: {bad}"
     numbers = [tuple(int(n) for n in h.split(" ")[0].split(".")) for h in released]
     assert numbers == sorted(numbers, reverse=True), "releases not newest first"
+
+
+def fenced(text: str, tag: str) -> list[str]:
+    return re.findall(rf"```{tag}\n(.*?)```", text, re.DOTALL)
+
+
+def test_the_readme_is_short_and_runs_what_the_tests_run() -> None:
+    """README.md stays a front page (under 150 lines). Its code blocks are the snippets
+    tests/integration/test_getting_started.py runs against the embedded stack (the same
+    files docs/getting-started.md includes), and its commands are the set-up commands or
+    ones getting-started shows (and that test runs), so none of them can go stale."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) < 150
+    snippets = DOCS / "snippets"
+    assert fenced(readme, "python") == [
+        (snippets / "consumer.py").read_text(),
+        (snippets / "receiver.py").read_text(),
+    ]
+    assert fenced(readme, "ts") == [(snippets / "consumer.mts").read_text()]
+    started = {
+        line.strip()
+        for block in fenced((DOCS / "getting-started.md").read_text(), "sh")
+        for line in block.splitlines()
+    }
+    setup = [line for block in fenced(readme, "sh") for line in block.splitlines()]
+    assert setup[:2] == [
+        "python3 -m venv .venv && .venv/bin/pip install -q -e ./proto -e ./client_lib "
+        "-e '.[local]' && .venv/bin/triage dev --demo",
+        "python3 -m venv .venv && .venv/bin/pip install -q -e ./proto -e ./client_lib "
+        "-e '.[dev]' && .venv/bin/pytest",
+    ]
+    assert [line for line in setup[2:] if line.strip() not in started] == []
+    for inline in re.findall(r"`(\.venv/bin/triage dev[^`]*)`", readme):
+        assert inline in started, inline
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
+    assert [link for link in links if not (ROOT / link).exists()] == []
