@@ -105,9 +105,9 @@ def _send(
     headers: list[tuple[str, str | bytes | None]],
 ) -> list[str]:
     """Produce `values` and wait for the broker's answer to each; the places they landed."""
-    from confluent_kafka import KafkaError, Producer
+    from confluent_kafka import Producer
 
-    from triage_proxy.kafka.errors import kafka_errors
+    from triage_proxy.kafka.errors import describe, kafka_errors
 
     producer = Producer(config)
     unreachable = f"cannot reach Kafka at {bootstrap}"
@@ -124,9 +124,9 @@ def _send(
     landed: list[str] = []
     failed: list[str] = []
 
-    def report(err: KafkaError | None, msg: Any) -> None:
+    def report(err: Any, msg: Any) -> None:
         if err is not None:
-            failed.append(str(err.str()))
+            failed.append(describe(err))
         else:
             landed.append(f"{msg.topic()}[{msg.partition()}]@{msg.offset()}")
 
