@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "getting-started.md"
 SNIPPETS = ROOT / "docs" / "snippets"
 TS_PACKAGE = ROOT / "clients" / "typescript"
-WAIT_S = 90.0
+WAIT_S = 120.0
+"""Bound on each wait for a line (a stack starting on a loaded 2-core machine)."""
 
 
 def page_commands() -> list[str]:
