@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -105,7 +106,17 @@ def started(
         yield proc, out, err
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            # A test that failed midway: Ctrl-C first (triage dev then stops the broker,
+            # moto and proxies it started in sessions of their own), then by PID.
+            children = psutil.Process(proc.pid).children(recursive=True)
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+            for child in children:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
         proc.wait()
         for reader in readers:
             reader.join()
