@@ -192,6 +192,37 @@ def test_show_renders_text_json_and_binary_safely(stack: Stack) -> None:
     assert "value (base64" in big.stdout
 
 
+LONG_REASON = "ValueError: first line\nsecond line\x1b[31m " + "r" * 300 + " END"
+
+
+def test_a_long_multiline_reason_stays_whole_and_on_one_line(stack: Stack) -> None:
+    """Bad-input rows: `dlq list` piped (not a terminal) prints the whole reason, and a
+    newline or an escape in a reason is shown escaped, on one line, in `list` and `show`."""
+    write_dead_letters(
+        stack.settings, [make_dl(stack.topic, 9, reason=LONG_REASON)], f"g-{stack.topic}"
+    )
+    shown = "ValueError: first line\\nsecond line\\x1b[31m " + "r" * 300 + " END"
+    piped = subprocess.run(
+        [sys.executable, "-m", "triage_cli.main", "dlq", "list", "-c", str(stack.config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={k: v for k, v in os.environ.items() if k != "COLUMNS"},
+    )
+    assert piped.returncode == 0, piped.stderr
+    [row] = [line for line in piped.stdout.splitlines() if "first line" in line]
+    assert shown in row
+    assert "second line" not in piped.stdout.replace(row, "")  # no extra line
+    assert "\x1b" not in piped.stdout
+    show = triage("dlq", "show", "--config", stack.config, stack.topic, "0", "9")
+    assert show.exit_code == 0, show.output
+    [line] = [line for line in show.stdout.splitlines() if "first line" in line]
+    assert line.startswith("reason")
+    assert line.endswith(shown)
+    assert "\x1b" not in show.stdout
+
+
 def test_show_json_gives_the_exact_bytes(stack: Stack) -> None:
     import base64
 
