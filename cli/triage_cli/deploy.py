@@ -228,6 +228,13 @@ def deploy_local(
         typer.echo(f"cleaning up a previous deployment that is no longer running ({project.root})")
         _stop_local(project, marker, FALLBACK_DRAIN_S)
 
+    from triage_proxy.kafka.groups import group_in_use
+
+    # Ours is not running (checked above): live members are someone else's. Committed
+    # offsets may be our own earlier deployment's, so they are init's warning only.
+    problem = group_in_use(settings.kafka, offsets=False)
+    if problem is not None:
+        typer.secho(f"warning: {problem}", err=True, fg=typer.colors.YELLOW)
     create_table(settings.dead_letters)
     create_bucket(settings.dead_letters)
     project.state_file.unlink(missing_ok=True)
