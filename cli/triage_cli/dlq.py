@@ -457,7 +457,12 @@ def _select(
             return []
         return [item]
     pending = dataclasses.replace(filters, status=STATUS_PENDING)
-    return _sorted(list(table.scan(pending, consistent=True)))
+    return _sorted(list(table.scan(pending, consistent=True, page_size=SELECT_PAGE)))
+
+
+SELECT_PAGE = 100
+"""Items per Query/Scan call when replay and discard select: one unbounded page (up to
+1 MB) per call outlasted the 5 s read timeout on a slow endpoint (moto with 600 items)."""
 
 
 @contextlib.contextmanager
@@ -564,8 +569,9 @@ def replay(
                     typer.echo(f"FAILED    {_coords(key)}: {why}", err=True)
                 for key, why in result.in_doubt:
                     typer.echo(f"IN DOUBT  {_coords(key)}: {why}", err=True)
-            _report_replay(result, len(items), json_, replay_id)
-            if result.interrupted or stop.is_set():
+            interrupted = result.interrupted or stop.is_set()
+            _report_replay(result, len(items), json_, replay_id, interrupted=interrupted)
+            if interrupted:
                 raise typer.Exit(int(ExitCode.INTERRUPTED))
             if result.failed or result.in_doubt:
                 raise typer.Exit(int(ExitCode.FAILURE))
@@ -608,11 +614,21 @@ def _spark_replay(
         raise typer.Exit(int(ExitCode.FAILURE))
 
 
-def _report_replay(result: Any, selected: int, json_: bool, replay_id: str | None = None) -> None:
+def _report_replay(
+    result: Any,
+    selected: int,
+    json_: bool,
+    replay_id: str | None = None,
+    *,
+    interrupted: bool = False,
+) -> None:
+    """The summary line (or JSON line); an interrupted run also says so on stderr, with
+    how many selected items it did not get to (still pending: a rerun replays them)."""
     replayed = len(result.replayed) if result else 0
     skipped = len(result.skipped) if result else 0
     failed = len(result.failed) if result else 0
     in_doubt = len(result.in_doubt) if result else 0
+    remaining = max(0, selected - replayed - skipped - failed - in_doubt)
     if json_:
         _json_line(
             {
@@ -630,15 +646,24 @@ def _report_replay(result: Any, selected: int, json_: bool, replay_id: str | Non
                     {"dead_letter": _coords(key), "why": why}
                     for key, why in (result.in_doubt if result else [])
                 ],
-                "interrupted": bool(result and result.interrupted),
+                "interrupted": interrupted,
+                "remaining": remaining,
             }
         )
-        return
-    suffix = f" (replay id {replay_id})" if replay_id else ""
-    typer.echo(
-        f"selected {selected}, replayed {replayed}, skipped {skipped}, failed {failed}, "
-        f"in doubt {in_doubt}{suffix}"
-    )
+    else:
+        suffix = f" (replay id {replay_id})" if replay_id else ""
+        typer.echo(
+            f"selected {selected}, replayed {replayed}, skipped {skipped}, failed {failed}, "
+            f"in doubt {in_doubt}{suffix}"
+        )
+    if interrupted:
+        typer.secho(
+            f"interrupted: replayed {replayed} of {selected}; {remaining} not reached and still "
+            "pending. Run the same command again to replay them (what was replayed is not "
+            "replayed twice).",
+            err=True,
+            fg=typer.colors.YELLOW,
+        )
 
 
 def producer_config(settings: Settings) -> dict[str, Any]:
