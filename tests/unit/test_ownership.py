@@ -119,3 +119,28 @@ def test_the_group_fence_keeps_a_standby_waiting_and_stops_a_holder() -> None:
         assert "group 'g' has live members" in str(holder.lost_error())
 
     asyncio.run(scenario())
+
+
+def test_a_fence_that_does_not_answer_never_costs_the_lease() -> None:
+    """A broker that does not answer the group question (the fence call hangs): the
+    holder keeps renewing and holding, for several lease lengths."""
+
+    async def scenario() -> None:
+        import threading
+
+        release = threading.Event()
+        holder = Ownership(MemoryLeases(), LEASE, fence=lambda: release.wait(10) and None)
+        try:
+            assert await asyncio.wait_for(holder.acquire(asyncio.Event()), timeout=2)
+            lost: list[bool] = []
+            closing = asyncio.Event()
+            keeping = asyncio.ensure_future(holder.keep(closing, lambda: lost.append(True)))
+            await asyncio.sleep(1.5)  # three lease lengths: only renewals keep it
+            assert holder.holding
+            assert not lost
+            closing.set()
+            await asyncio.wait_for(keeping, timeout=2)
+        finally:
+            release.set()
+
+    asyncio.run(scenario())

@@ -110,6 +110,10 @@ class Ownership:
         the module docstring); None: no fence."""
         self.lost_reason = ""
         """Why the lease was given up while held ("" while it was not)."""
+        self._fence_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fence")
+        """The fence's own thread: a broker that does not answer holds it, never a
+        renewal's (the lease threads below)."""
+        self._fence_call: asyncio.Future[str | None] | None = None
         self.owner = owner or new_owner_id()
         self.endpoint = endpoint
         """host:port this process serves consumers at, written with every acquire and
@@ -134,6 +138,24 @@ class Ownership:
 
     async def _call(self, call: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, call, *args)
+
+    async def _fenced(self) -> str | None:
+        """The fence's answer (None: no fence, no reason, or no answer within half a
+        renewal interval: asked again next time, a slow broker never costs the lease)."""
+        if self._fence is None:
+            return None
+        if self._fence_call is None:
+            loop = asyncio.get_running_loop()
+            self._fence_call = loop.run_in_executor(self._fence_pool, self._fence)
+        call = self._fence_call
+        timeout = max(0.0, min(self._renew_every_s / 2, self.valid_for))
+        if self.state is OwnershipState.STANDBY:
+            timeout = self._renew_every_s / 2
+        done, _ = await asyncio.wait({call}, timeout=timeout)
+        if not done:
+            return None
+        self._fence_call = None
+        return call.result()
 
     @property
     def valid_for(self) -> float:
@@ -175,7 +197,7 @@ class Ownership:
         fenced = ""
         while not closing.is_set():
             if self._fence is not None:
-                reason = await self._call(self._fence) or ""
+                reason = await self._fenced() or ""
                 if reason != fenced:
                     if reason:
                         logger.warning(
@@ -221,6 +243,7 @@ class Ownership:
             await wait_any(closing, timeout=min(poll_s, max(0.01, lapse_s)))
         self.state = OwnershipState.RELEASED
         self._pool.shutdown(wait=False)
+        self._fence_pool.shutdown(wait=False)
         return False
 
     def _retry_s(self, failures: int) -> float:
@@ -289,10 +312,9 @@ class Ownership:
             failures = 0
             self._held_since(sent)
             next_at = sent + self._renew_every_s
-            if self._fence is not None:
-                reason = await self._bounded(self.valid_for, self._fence)
-                if reason:
-                    return self._lose(on_lost, reason)
+            reason = await self._fenced()
+            if reason:
+                return self._lose(on_lost, reason)
 
     def _lose(self, on_lost: Callable[[], None], why: str) -> None:
         self.lost_reason = why
@@ -315,6 +337,7 @@ class Ownership:
             return
         finally:
             self._pool.shutdown(wait=False)  # what still runs finishes on its own
+            self._fence_pool.shutdown(wait=False)
         logger.debug("lease %s", "released" if done else "was no longer ours to release")
 
     def lost_error(self) -> OwnershipLost:
