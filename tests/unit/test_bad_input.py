@@ -10,9 +10,10 @@ tests/unit/test_settings_limits.py (every number: NaN, +-inf, 0, negative, too l
 every reserved `[kafka.client]` property; inline secrets), tests/unit/test_security.py
 (missing and non-PEM TLS files), tests/integration/test_client_input.py (consumer ids,
 unwritable dead letters), tests/integration/test_attempts.py (a flapping fleet, crash
-pills across a kill -9), tests/integration/test_security.py (TLS, mTLS, revocation), tests/integration/test_dlq_cli.py
-(a long reason with a newline in `dlq list` piped and `dlq show`; SIGINT during `dlq
-replay`), tests/unit/test_render.py (control characters in a reason),
+pills across a kill -9), tests/integration/test_security.py (TLS, mTLS, revocation),
+tests/integration/test_dlq_cli.py (a long reason with a newline in `dlq list` piped and
+`dlq show`; SIGINT during `dlq replay`), tests/unit/test_render.py (control characters
+in a reason),
 tests/integration/test_group_fence.py (two deployments sharing a group id over two
 tables), tests/integration/test_init_deploy.py (destroy given a live deployment's state
 folder), tests/unit/test_init_push.py (init's next steps), tests/unit/test_status_cli.py
