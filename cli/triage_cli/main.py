@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 
+from triage_cli.console.command import console
 from triage_cli.deploy import deploy, destroy, supervise
 from triage_cli.dlq import dlq_app
 from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
@@ -186,6 +187,13 @@ def dev(
             "GET /consumers on each proxy's HTTP port).",
         ),
     ] = False,
+    console: Annotated[
+        bool,
+        typer.Option("--console", help="Also serve the web console (prints its login URL)."),
+    ] = False,
+    console_port: Annotated[
+        int, typer.Option(help="Port of --console (0: any free port).", min=0, max=65535)
+    ] = 9800,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Start a broker, a DynamoDB endpoint and one proxy per partition on this machine;
@@ -224,6 +232,8 @@ def dev(
 
             run_demo(stack, messages=messages)
             return
+        if console:
+            stack.start_console(console_port)
         if json_:
             print(stack.describe_json(), flush=True)
         else:
@@ -238,6 +248,7 @@ app.command()(deploy)
 app.command()(destroy)
 app.command(hidden=True)(supervise)
 app.command()(status)
+app.command()(console)
 
 
 def run() -> None:
