@@ -96,6 +96,7 @@ def _page(
     text = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="icon" href="data:,">
 <meta name="csrf-token" content="{html.escape(csrf, quote=True)}">
 <title>{html.escape(title)} · Triage console</title>
 <link rel="stylesheet" href="/static/vendor/uplot/uplot.min.css">
@@ -116,7 +117,8 @@ def _page(
 def error_page(status: int, title: str, message: str) -> web.Response:
     """A page for an error: what is wrong and what to do, escaped; no script."""
     text = f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>{status} {html.escape(title)}</title>
+<html lang="en"><head><meta charset="utf-8"><link rel="icon" href="data:,">
+<title>{status} {html.escape(title)}</title>
 <link rel="stylesheet" href="/static/console.css"></head>
 <body><header><strong>Triage console</strong><nav><a href="/overview">Overview</a>
 <a href="/deadletters">Dead letters</a><a href="/fleet">Fleet</a></nav></header>
