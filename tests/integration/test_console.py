@@ -32,7 +32,7 @@ from tests.integration.harness import TOKEN, create_topic, produce, write_dead_l
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port_block
 from triage_proxy.config.settings import DeadLetterSettings
-from triage_proxy.store.provisioning import create_table
+from triage_proxy.store.provisioning import create_bucket, create_table
 from triage_proxy.structs import DeadLetter, Record
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -61,6 +61,8 @@ HOSTILE_REASON = "<img src=x onerror=alert(6)> hostile <script>alert(7)</script>
 DISCARD_REASON = "schema v1 rejected"
 TWICE_REASON = "raced by two browsers"
 BACKLOG = 5
+LARGE_VALUE = b"L" * 450_000
+"""Over DynamoDB's item limit: the proxy's writer keeps it in the overflow bucket."""
 
 
 @dataclass
@@ -123,8 +125,12 @@ def stack(
     for i in range(BACKLOG):  # one record per request: Tansu's high watermark is exact
         produce(broker.bootstrap, topic, [(b"k%d" % i, b"backlog-%d" % i, None)])
     table = f"dlq-{topic}"
-    dl_settings = DeadLetterSettings(table=table, endpoint_url=aws.endpoint_url)
+    bucket = f"overflow-{topic}"[:63].lower()
+    dl_settings = DeadLetterSettings(
+        table=table, endpoint_url=aws.endpoint_url, overflow_bucket=bucket
+    )
     create_table(dl_settings)
+    create_bucket(dl_settings)
     base = free_port_block(2)
     config = tmp / "triage.toml"
     write_config(
@@ -136,6 +142,7 @@ def stack(
             "dead_letters": {
                 "table": table,
                 "endpoint_url": aws.endpoint_url,
+                "overflow_bucket": bucket,
                 "flush_interval_ms": 5,
             },
             "commit": {"interval_s": 0.1},
@@ -148,6 +155,7 @@ def stack(
         *(_dl(topic, 1100 + i, b'{"v": %d}' % i, DISCARD_REASON) for i in range(4)),
         *(_dl(topic, 1200 + i, b"twice-%d" % i, TWICE_REASON) for i in range(6)),
         _dl(topic, 1300, b"already", "replayed elsewhere first"),
+        _dl(topic, 1400, LARGE_VALUE, "too big to keep in the item"),
     ]
     write_dead_letters(dl_settings, letters, group=group)
     command = [sys.executable, "-m", "triage_cli.main"]
@@ -461,6 +469,20 @@ def test_a_hostile_dead_letter_runs_nothing(stack: Stack, page: Watched) -> None
     assert page.errors == []
 
 
+def test_a_payload_in_s3_is_fetched_on_demand(stack: Stack, page: Watched) -> None:
+    p = page.page
+    p.goto(stack.base + f"/deadletters/{stack.topic}/0/1400")
+    p.wait_for_selector("#fetch-s3")
+    assert "s3://" in p.locator("dd[data-field='payload']").inner_text()
+    assert p.locator("#payload-value").count() == 0  # not read until asked for
+    p.click("#fetch-s3")
+    p.wait_for_selector("#payload-value")
+    assert f"Value ({len(LARGE_VALUE)} bytes)" in p.locator("#payload").inner_text()
+    assert p.locator("#payload-value").inner_text().startswith("LLLL")
+    assert page.dialogs == []
+    assert page.errors == []
+
+
 def test_an_unknown_item_is_a_404_page(stack: Stack, page: Watched) -> None:
     p = page.page
     response = p.goto(stack.base + f"/deadletters/{stack.topic}/0/999999")
@@ -518,6 +540,22 @@ def test_two_browsers_replaying_the_same_items_replay_each_once(
             assert sorted(twice) == sorted(wanted), "each item was produced once"
     finally:
         other.close()
+
+
+def test_the_broker_going_away_is_shown_and_the_overview_recovers(
+    stack: Stack, page: Watched, broker: EmbeddedBroker
+) -> None:
+    p = page.page
+    p.wait_for_selector("tr[data-partition='0']")
+    broker.signal(signal.SIGSTOP)  # it stops answering (resumed below, whatever happens)
+    try:
+        p.wait_for_selector("#broker-error", timeout=2 * WAIT_MS)
+        assert "Broker:" in p.locator("#broker-error").inner_text()
+    finally:
+        broker.signal(signal.SIGCONT)
+    p.wait_for_selector("#broker-error", state="detached", timeout=2 * WAIT_MS)
+    assert page.dialogs == []
+    assert page.errors == []
 
 
 def test_the_table_going_away_is_shown_and_the_page_recovers(stack: Stack, page: Watched) -> None:
