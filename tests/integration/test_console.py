@@ -2,9 +2,11 @@
 embedded stack: a real proxy process, Tansu and moto server, the console as the operator
 runs it (`triage console -c triage.toml`).
 
-One stack per module: the dead letters each test needs are written once, each test uses
-its own (by reason), so the order of the tests does not matter. Screenshots of each page
-go to $TRIAGE_SCREENSHOTS (docs/console/ holds the current ones), else to a temp folder.
+One stack per module: the dead letters each test needs are written once and each test
+uses its own (by reason). The overview test runs first (file order) while the backlog
+still waits for a consumer, so its commit is blocked at offset 0; the table test runs
+last (it drops the table). Screenshots of each page go to $TRIAGE_SCREENSHOTS
+(docs/console/ holds the current ones), else to a temp folder.
 """
 
 from __future__ import annotations

@@ -74,7 +74,9 @@ class Jobs:
         """Start replaying or discarding what `filters` selects; `shown` is the filter
         as the page describes it."""
         if self._closed:
-            raise RuntimeError("the console is stopping")
+            from triage_proxy.errors import ShuttingDown
+
+            raise ShuttingDown("the console is stopping: no new job")
         job = Job(id=secrets.token_hex(8), action=action, filters=shown)
         self._jobs[job.id] = job
         self._forget_old()

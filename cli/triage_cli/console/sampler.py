@@ -134,12 +134,12 @@ class Sampler:
         self._error: str | None = None
         self._leases: dict[int, dict[str, Any]] = {}
         self._leases_error: str | None = None
-        self.sampled = asyncio.Event()
-        """Set after every round (cleared by whoever waits for the next)."""
 
     async def start(self) -> None:
+        from triage_proxy.errors import StateError
+
         if self._state is not SamplerState.NEW:
-            raise RuntimeError("the sampler was started already")
+            raise StateError("the sampler was started already")
         self._state = SamplerState.RUNNING
         self._sources = await asyncio.to_thread(CachedSources, self.settings, self._host)
         self._sources.config = self._config
@@ -186,7 +186,6 @@ class Sampler:
             at = self._wall()
             self.history.add(doc, at)
             self._latest, self._latest_at, self._error = doc, at, None
-        self.sampled.set()
 
     def latest(self) -> dict[str, Any]:
         """The last report with its age, and why the last round failed (if it did)."""
