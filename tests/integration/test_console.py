@@ -381,6 +381,9 @@ def test_requests_without_the_cookie_get_401_and_posts_need_the_csrf_token(
 def test_filter_by_reason_hex_view_replay_and_replay_again(stack: Stack, page: Watched) -> None:
     p = page.page
     p.goto(stack.base + "/deadletters")
+    p.wait_for_selector("#reason-counts")
+    p.wait_for_function("() => document.querySelectorAll('#items tbody tr').length > 1")
+    _shot(stack, page, "deadletters")
     p.fill("input[name=reason]", "BINARY payload")
     p.click("#apply")
     p.wait_for_function("() => document.querySelectorAll('#items tbody tr').length === 1")
@@ -388,8 +391,6 @@ def test_filter_by_reason_hex_view_replay_and_replay_again(stack: Stack, page: W
     binary_id = f"{stack.topic}/0/1000"
     assert row.get_attribute("data-id") == binary_id
     assert "reason=BINARY+payload" in p.url
-    p.wait_for_selector("#reason-counts")
-    _shot(stack, page, "deadletters")
     row.locator("a").click()
     p.wait_for_url(f"**/deadletters/{binary_id}")
     p.wait_for_selector("#payload-value")
