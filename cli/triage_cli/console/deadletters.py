@@ -59,6 +59,12 @@ MAX_DISTINCT_REASONS = 10_000
 FAILURES_SHOWN = 20
 """Failed or in-doubt items a bulk job names (all are counted)."""
 BROKER_TIMEOUT_S = 10.0
+SCAN_LIMIT = 500
+"""Items one Scan or Query call evaluates (its Limit) while paging: a call stays short on a
+large table (without it, moto server evaluates the whole table in one call and a table of
+100,000 dead letters times out), and the first page needs one or two calls."""
+COUNT_LIMIT = 2000
+"""The same for counting (by reason, pending), which reads every selected item."""
 
 
 def parse_key(text: str) -> DeadLetterKey:
@@ -202,7 +208,9 @@ class DeadLetters:
 
         size = max(1, min(size, MAX_PAGE_SIZE))
         walk = self.table.scan(
-            dataclasses.replace(filters, status=None), attributes=LIST_ATTRIBUTES
+            dataclasses.replace(filters, status=None),
+            attributes=LIST_ATTRIBUTES,
+            page_size=SCAN_LIMIT,
         )
         items: list[dict[str, Any]] = []
         found = after is None
@@ -227,7 +235,7 @@ class DeadLetters:
         """How many items `filters` selects, by reason (the MOST_REASONS commonest)."""
         counts: Counter[str] = Counter()
         other = total = 0
-        for item in self.table.scan(filters, attributes=["reason"]):
+        for item in self.table.scan(filters, attributes=["reason"], page_size=COUNT_LIMIT):
             total += 1
             reason = item["reason"]["S"]
             if reason in counts or len(counts) < MAX_DISTINCT_REASONS:
@@ -245,7 +253,8 @@ class DeadLetters:
     def count(self, filters: Filters) -> int:
         """Pending items `filters` selects: what a bulk replay or discard would try."""
         pending = _pending(filters)
-        return sum(1 for _ in self.table.scan(pending, attributes=["status"]))
+        found = self.table.scan(pending, attributes=["status"], page_size=COUNT_LIMIT)
+        return sum(1 for _ in found)
 
     # --- one item ---------------------------------------------------------------------
 
@@ -324,7 +333,7 @@ class DeadLetters:
         producer = None
         if action == "replay":
             result.replay_id = new_replay_id()
-        for chunk in _chunks(self.table.scan(pending, consistent=True), CHUNK):
+        for chunk in _chunks(self.table.scan(pending, consistent=True, page_size=CHUNK), CHUNK):
             if stop is not None and stop.is_set():
                 result.interrupted = True
                 break
