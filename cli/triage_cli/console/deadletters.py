@@ -61,9 +61,9 @@ FAILURES_SHOWN = 20
 BROKER_TIMEOUT_S = 10.0
 SCAN_LIMIT = 500
 """Items one Scan or Query call evaluates (its Limit): the first page needs one or two
-calls, and each answers sooner than a call that fills a 1 MB page (measured against moto
-server on 10,000 dead letters: with it the first page opens in ~4-5 s, without it every
-call outlives the 5 s read timeout; tests/perf/bench_console_page.py)."""
+calls, and a call's answer stays small (bulk work holds at most CHUNK full items, not a
+1 MB page of them). On a large table each call still costs what the store's query path
+costs (see docs/console.md, "Large tables")."""
 COUNT_LIMIT = SCAN_LIMIT
 """The same for counting (by reason, pending), which reads every selected item."""
 
