@@ -43,11 +43,14 @@ KAFKA_DEFAULT_PORT = 9092
 """Tansu's default --listener-url port."""
 MOTO_DEFAULT_PORT = 5000
 """moto server's default port."""
+CONSOLE_DEFAULT_PORT = 9800
+"""`triage console`'s default port."""
 DEFAULT_PORTS = (
     *(DEFAULT_PORT + p for p in range(DEFAULT_PARTITIONS_HELD)),
     *(DEFAULT_HTTP_PORT + p for p in range(DEFAULT_PARTITIONS_HELD)),
     KAFKA_DEFAULT_PORT,
     MOTO_DEFAULT_PORT,
+    CONSOLE_DEFAULT_PORT,
 )
 
 _names = itertools.count()

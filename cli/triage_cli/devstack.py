@@ -88,6 +88,9 @@ class DevStack:
         self.proxy_ports: list[int] = []
         self._overrides = proxy_overrides or {}
         self._proxies: list[subprocess.Popen[bytes]] = []
+        self._console: subprocess.Popen[str] | None = None
+        self.console_url: str | None = None
+        """The web console's login URL (`start_console`), None when it does not run."""
         self._started = False
         self._start_proxies = start_proxies
         """False: broker, endpoint, topic, table and config only (benchmarks run their own)."""
@@ -196,8 +199,35 @@ class DevStack:
                 proc.wait()
         return proc.returncode
 
+    def start_console(self, port: int) -> str:
+        """Serve `triage console` on this stack's config (a child process, stopped with
+        the stack); returns its login URL."""
+        from triage_cli.console.command import spawn_console
+
+        if self._console is not None:
+            raise StateError("the console already runs")
+        self._console, self.console_url = spawn_console(
+            self.config_path, port, self.state_dir / "console.log"
+        )
+        return self.console_url
+
+    def _stop_console(self) -> None:
+        proc, self._console = self._console, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(PROXY_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
     def stop(self) -> None:
-        """Stop every process this stack started, proxies first; safe twice."""
+        """Stop every process this stack started, the console and proxies first; safe twice."""
+        self._stop_console()
         for partition in range(len(self._proxies)):
             self.stop_proxy(partition)
         self.aws.stop()
@@ -246,6 +276,7 @@ class DevStack:
                 for p, port in enumerate(self.proxy_ports)
             ],
             "push": self.describe_push(),
+            "console": self.console_url,
         }
 
     def describe_push(self) -> list[dict[str, Any]]:
@@ -331,6 +362,10 @@ class DevStack:
                 f"triage status --config {info['config']} shows each push target's limit, "
                 "latency and errors.\n"
             )
+        if info["console"]:
+            hint += f"Web console (opening the URL logs you in):\n  {info['console']}\n"
+        else:
+            hint += f"Web console: triage console -c {info['config']}  (or triage dev --console)\n"
         if hint:
             console.print(hint, end="")
         # Plain print, never wrapped: these lines are meant to be copied as they are.

@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 
+from triage_cli.console.command import console
 from triage_cli.deploy import deploy, destroy, supervise
 from triage_cli.dlq import dlq_app
 from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
@@ -187,6 +188,13 @@ def dev(
             "GET /consumers on each proxy's HTTP port).",
         ),
     ] = False,
+    console: Annotated[
+        bool,
+        typer.Option("--console", help="Also serve the web console (prints its login URL)."),
+    ] = False,
+    console_port: Annotated[
+        int, typer.Option(help="Port of --console (0: any free port).", min=0, max=65535)
+    ] = 9800,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Start a broker, a DynamoDB endpoint and one proxy per partition on this machine;
@@ -225,6 +233,8 @@ def dev(
 
             run_demo(stack, messages=messages)
             return
+        if console:
+            stack.start_console(console_port)
         if json_:
             print(stack.describe_json(), flush=True)
         else:
@@ -240,6 +250,7 @@ app.command()(destroy)
 app.command(hidden=True)(supervise)
 app.command()(status)
 app.command()(produce)
+app.command()(console)
 
 
 def run() -> None:

@@ -133,6 +133,8 @@ class Report:
     """Processes that answered at this config's ports for another deployment."""
     table: str = ""
     """This config's dead-letter table."""
+    processes: Sequence[dict[str, Any]] = ()
+    """One row per proxy process asked (`process_rows`)."""
 
     @property
     def proxies_down(self) -> list[int]:
@@ -166,6 +168,7 @@ class Report:
             },
             "partitions": list(self.partitions),
             "push": list(self.push),
+            "processes": list(self.processes),
         }
 
 
@@ -210,7 +213,50 @@ def partition_row(
         "dead_letters_unwritable": doc.get("dead_letters_unwritable"),
         "unwritable_dead_letters": list(doc.get("unwritable_dead_letters", [])),
         "served_by": doc.get("served_by"),
+        "blocking": doc.get("blocking"),
+        "queued": doc.get("queued"),
+        "fetch_paused": doc.get("fetch_paused"),
+        "instances_detail": [dict(i) for i in doc.get("instances", [])],
+        "counters": dict(doc.get("counters") or {}),
     }
+
+
+def process_rows(views: Sequence[ProxyView]) -> list[dict[str, Any]]:
+    """Each proxy process asked, as the fleet view shows it (pure): its pid, owner id,
+    mode, endpoint, the partitions it was assigned and serves, or why it did not answer."""
+    rows: list[dict[str, Any]] = []
+    for view in views:
+        if view.url is None:
+            continue
+        doc = view.doc
+        if doc is None:
+            rows.append({"url": view.url, "state": "down", "error": view.error})
+            continue
+        parts = doc.get("partitions")
+        pipelines = (
+            [
+                {"partition": p.get("partition"), "state": p.get("state"), "ready": p.get("ready")}
+                for p in parts
+                if isinstance(p, dict)
+            ]
+            if isinstance(parts, list)
+            else []
+        )
+        rows.append(
+            {
+                "url": view.url,
+                "state": doc.get("state"),
+                "error": None,
+                "pid": doc.get("pid"),
+                "owner": doc.get("owner"),
+                "mode": doc.get("mode"),
+                "endpoint": doc.get("advertised_endpoint") or None,
+                "assigned": list(doc.get("assigned") or []),
+                "served": list(doc.get("served") or []),
+                "pipelines": pipelines,
+            }
+        )
+    return rows
 
 
 def push_rows(views: Sequence[ProxyView]) -> list[dict[str, Any]]:
@@ -493,6 +539,7 @@ def gather(sources: Sources, *, now: Callable[[], float] = time.time) -> Report:
         dead_letters_missing=dl_missing,
         foreign=[a.foreign for a in answers if a.foreign],
         table=settings.dead_letters.table,
+        processes=process_rows(answers),
     )
 
 

@@ -158,8 +158,10 @@ def test_dev_json_prints_one_line_and_stops_everything_on_sigterm(tmp_path: Path
             "endpoint",
             "proxies",
             "push",
+            "console",
         }
         assert info["push"] == []  # no --push
+        assert info["console"] is None  # no --console
         assert [p["partition"] for p in info["proxies"]] == [0, 1]
         assert info["endpoint"] == info["proxies"][0]["target"]  # what a Consumer is given
         assert Path(info["config"]).is_file()
@@ -189,3 +191,50 @@ def test_dev_json_prints_one_line_and_stops_everything_on_sigterm(tmp_path: Path
         for stream in (proc.stdout, proc.stderr):
             if stream:
                 stream.close()
+
+
+def test_dev_console_serves_the_stack_and_stops_with_it(tmp_path: Path) -> None:
+    import urllib.request
+
+    proc = subprocess.Popen(
+        [*TRIAGE, "dev", "--json", "--console", "--console-port", "0",
+         "--state-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        info = json.loads(proc.stdout.readline())
+        url = info["console"]
+        assert url.startswith("http://127.0.0.1:")
+        assert "?token=" in url
+        children = psutil.Process(proc.pid).children(recursive=True)
+
+        class NoRedirect(urllib.request.HTTPRedirectHandler):
+            def redirect_request(self, *args: object, **kwargs: object) -> None:
+                return None
+
+        opener = urllib.request.build_opener(NoRedirect)
+        with pytest.raises(urllib.error.HTTPError) as login:
+            opener.open(url, timeout=10)
+        assert login.value.code == 302
+        cookie = login.value.headers["Set-Cookie"]
+        login.value.close()
+        assert "HttpOnly" in cookie
+        assert "SameSite=Strict" in cookie
+        overview = urllib.request.Request(
+            url.split("/?", 1)[0] + "/api/overview",
+            headers={"Cookie": cookie.split(";", 1)[0]},
+        )
+        with urllib.request.urlopen(overview, timeout=10) as answer:
+            assert json.loads(answer.read())["deployment"]["topic"] == info["topic"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert wait_until(lambda: not any(c.is_running() for c in children), timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if proc.stdout:
+            proc.stdout.close()

@@ -145,6 +145,45 @@ class UnwritableDeadLetter:
     """What makes it writable, e.g. "set dead_letters.overflow_bucket ..."."""
 
 
+BLOCKING_REASONS = {
+    "ready": "an instance with credit",
+    "held": "a handler",
+    "backoff": "a retry backoff",
+    "waiting": "an earlier record with the same key",
+    "dead_lettering": "its dead-letter write",
+    "unwritable": "a dead letter that cannot be written (see unwritable_dead_letters)",
+}
+"""What the record that blocks the commit waits for, by its window state (the keys are
+`pipeline.dispatch.window.EntryState` values)."""
+
+
+@dataclass(frozen=True)
+class Blocking:
+    """The smallest unsettled offset of a partition: the commit cannot pass it."""
+
+    offset: int
+    """Its offset (what the committed offset stays at)."""
+    state: str
+    """Its window state (`BLOCKING_REASONS` keys)."""
+    fetched_at: float
+    """When it entered the window (monotonic seconds)."""
+    attempt: int = 0
+    """Deliveries so far."""
+    holder: str | None = None
+    """The consumer id of the instance holding it, while a handler runs it."""
+
+    def to_json(self, now: float) -> dict[str, Any]:
+        """Its entry in /status, aged at `now` (monotonic seconds)."""
+        return {
+            "offset": self.offset,
+            "state": self.state,
+            "waiting_for": BLOCKING_REASONS.get(self.state, self.state),
+            "age_s": round(max(0.0, now - self.fetched_at), 3),
+            "attempt": self.attempt,
+            "holder": self.holder,
+        }
+
+
 @dataclass(frozen=True)
 class ProxySnapshot:
     """One partition's pipeline at one moment (`Proxy.snapshot()`); metrics and /status
@@ -202,6 +241,10 @@ class ProxySnapshot:
     """Running totals (`dispatcher.Counters` fields and `commits`)."""
     settle_latency: LatencyHistogram | None = None
     """Delivery -> settle latency so far (None before Kafka is open)."""
+    blocking: Blocking | None = None
+    """The record the commit waits for (None: nothing unsettled)."""
+    taken_at: float = 0.0
+    """When it was read (monotonic seconds; ages `blocking`)."""
 
     @property
     def lag(self) -> int | None:
@@ -215,6 +258,8 @@ class ProxySnapshot:
         doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         doc.pop("settle_latency")
         doc.pop("alive")
+        doc.pop("taken_at")
+        doc["blocking"] = None if self.blocking is None else self.blocking.to_json(self.taken_at)
         doc["instances"] = [dataclasses.asdict(i) for i in self.instances]
         doc["unwritable_dead_letters"] = [
             dataclasses.asdict(u) for u in self.unwritable_dead_letters

@@ -443,6 +443,8 @@ def snapshot_of(
         degraded=tuple(degraded),
         counters=counters,
         settle_latency=dispatcher.settle_latency,
+        blocking=dispatcher.blocking,
+        taken_at=now,
     )
 
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from triage_proxy.clienttext import for_log
 from triage_proxy.config.settings import Settings
-from triage_proxy.observe.snapshot import LatencyHistogram
+from triage_proxy.observe.snapshot import Blocking, LatencyHistogram
 from triage_proxy.pipeline.dispatch.keylocks import KeyLocks
 from triage_proxy.pipeline.dispatch.leases import Leases
 from triage_proxy.pipeline.dispatch.redelivery import Redelivery
@@ -157,6 +157,21 @@ class Dispatcher:
     def oldest_fetched_at(self) -> float | None:
         """When the oldest unsettled record entered the window (monotonic), None if empty."""
         return self._window.oldest_fetched_at
+
+    @property
+    def blocking(self) -> Blocking | None:
+        """The unsettled record with the smallest offset, and what it waits for."""
+        entry = self._window.oldest
+        if entry is None:
+            return None
+        holder = entry.holder
+        return Blocking(
+            offset=entry.record.offset,
+            state=entry.state.value,
+            fetched_at=entry.fetched_at,
+            attempt=entry.attempt,
+            holder=holder.consumer_id if holder is not None else None,
+        )
 
     @property
     def queued(self) -> int:

@@ -240,6 +240,13 @@ class Window:
         return None
 
     @property
+    def oldest(self) -> Entry | None:
+        """The unsettled record with the smallest offset (what the commit waits for)."""
+        for entry in self._entries.values():
+            return entry
+        return None
+
+    @property
     def resuming(self) -> bool:
         """A previous run's failure counts wait for offsets not fetched again yet."""
         return bool(self._prior)

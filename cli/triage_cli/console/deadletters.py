@@ -1,0 +1,438 @@
+"""The console's one door to the dead-letter table.
+
+Everything the console reads or changes in the table goes through `DeadLetters`, and it
+uses only the routines `triage dlq` uses: `store.query` (`DeadLetterTable`, `Filters`,
+`matches`) to select, read and discard, and `store.replay.replay` (claims, in-doubt
+rules, exit states) to replay. Nothing here decides which items a filter selects or how
+a replay is made safe; this module only pages, counts and summarises for the pages.
+
+Changes (replay, discard) are made one chunk at a time per console process (a lock), so
+two browsers acting on the same items through one console take turns: the second sees the
+first's claims and marks and produces nothing twice. Between processes (a console and
+`triage dlq`, the Spark job, another console) the claims keep them apart, because
+DynamoDB makes each conditional write atomic. (moto server does not: two claims of one
+item sent at the same instant both succeeded for 39 of 300 items, measured with two
+threads; so a test of two consoles at once against moto could see a double.)
+
+Memory: a page (`page`), a chunk of bulk work (`bulk`, `CHUNK` items) or one item
+(`payload`) at a time; counting (`count`, `reasons`) keeps numbers, not items.
+
+Paging walks the selection in the table's order (offset order for one partition, a
+Query; the Scan's order otherwise) and resumes after the last key shown. Positioning
+ignores the status filter, so an item that changed status between two pages does not
+lose the place. The same door is where a paged query (an index for the default view)
+plugs in: callers see `Page` and never a DynamoDB cursor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from triage_cli.render import hex_dump, item_summary, render_bytes, safe_text
+
+if TYPE_CHECKING:
+    from triage_proxy.config.settings import Settings
+    from triage_proxy.store.items import DeadLetterKey
+    from triage_proxy.store.query import DeadLetterTable, Filters
+
+PAGE_SIZE = 50
+"""Dead letters per page of the list."""
+MAX_PAGE_SIZE = 200
+CHUNK = 100
+"""Dead letters one step of bulk work holds (claimed, produced and marked together)."""
+HEX_LIMIT = 64 * 1024
+"""Bytes of a key, value or header the hex view shows (the rest is counted)."""
+TEXT_LIMIT = 1024 * 1024
+"""Characters of the text view."""
+MOST_REASONS = 20
+"""Reasons the counts list by name (the rest are summed as "other")."""
+MAX_DISTINCT_REASONS = 10_000
+"""Distinct reasons counted by name at most (more count as "other")."""
+FAILURES_SHOWN = 20
+"""Failed or in-doubt items a bulk job names (all are counted)."""
+BROKER_TIMEOUT_S = 10.0
+SCAN_LIMIT = 500
+"""Items one Scan or Query call evaluates (its Limit): the first page needs one or two
+calls, and a call's answer stays small (bulk work holds at most CHUNK full items, not a
+1 MB page of them). On a large table each call still costs what the store's query path
+costs (see docs/console.md, "Large tables")."""
+COUNT_LIMIT = SCAN_LIMIT
+"""The same for counting (by reason, pending), which reads every selected item."""
+
+
+def parse_key(text: str) -> DeadLetterKey:
+    """ "topic/partition/offset" (how the pages name a dead letter); ValueError if not."""
+    topic, sep, rest = text.rpartition("/")
+    topic, sep2, partition = topic.rpartition("/")
+    if not sep or not sep2 or not topic:
+        raise ValueError(f"not a dead letter id: {text!r} (want topic/partition/offset)")
+    return topic, _natural(partition, "partition"), _natural(rest, "offset")
+
+
+def _natural(text: str, what: str) -> int:
+    if not text.isdigit() or len(text) > 19:
+        raise ValueError(f"{what} must be a whole number >= 0, got {text!r}")
+    return int(text)
+
+
+def key_text(key: DeadLetterKey) -> str:
+    return "/".join(map(str, key))
+
+
+@dataclass(frozen=True)
+class Page:
+    """One page of the list."""
+
+    items: list[dict[str, Any]]
+    """Summaries (`render.item_summary` plus `id`), in the table's order."""
+    next: str | None
+    """The id of the last item when more follow (pass it as `after`), else None."""
+
+
+@dataclass
+class BulkResult:
+    """What a bulk replay or discard did, as counts (and the first few failures)."""
+
+    action: str
+    selected: int = 0
+    """Pending items matching when the job started (what the confirmation said)."""
+    done: int = 0
+    """Items tried so far."""
+    replayed: int = 0
+    discarded: int = 0
+    skipped: int = 0
+    failed: int = 0
+    in_doubt: int = 0
+    failures: list[dict[str, str]] = field(default_factory=list)
+    """The first FAILURES_SHOWN failed or in-doubt items: `id`, `outcome`, `why`."""
+    replay_id: str | None = None
+    interrupted: bool = False
+
+    def note(self, outcome: str, key: DeadLetterKey, why: str) -> None:
+        if len(self.failures) < FAILURES_SHOWN:
+            self.failures.append({"id": key_text(key), "outcome": outcome, "why": why})
+
+
+def blob(data: bytes | None) -> dict[str, Any]:
+    """A key, value or header for the detail page: every view the page can switch to.
+
+    `auto` is the view `triage dlq show` would pick (json, text or hex); `text` has
+    control and format characters escaped (`render.safe_text`); `json` is pretty-printed
+    JSON (None when it is not JSON); `hex` an xxd-style dump of the first HEX_LIMIT
+    bytes."""
+    if data is None:
+        return {"null": True, "size": 0, "auto": "text", "text": "(null)", "json": None,
+                "hex": "", "utf8": True, "truncated": False}  # fmt: skip
+    kind = render_bytes(data, hex_limit=HEX_LIMIT).kind
+    try:
+        decoded = data.decode("utf-8")
+        utf8 = True
+    except UnicodeDecodeError:
+        decoded = data.decode("utf-8", "replace")
+        utf8 = False
+    pretty: str | None = None
+    if utf8:
+        try:
+            pretty = safe_text(json.dumps(json.loads(decoded), indent=2, ensure_ascii=False))
+        except (ValueError, RecursionError):
+            pretty = None
+    auto = {"json": "json", "text": "text", "empty": "text"}.get(kind, "hex")
+    if auto == "text" and pretty is not None:
+        auto = "json"
+    return {
+        "null": False,
+        "size": len(data),
+        "auto": auto,
+        "text": safe_text(decoded[:TEXT_LIMIT]),
+        "json": pretty,
+        "hex": hex_dump(data[:HEX_LIMIT]),
+        "utf8": utf8,
+        "truncated": len(data) > HEX_LIMIT,
+    }
+
+
+class DeadLetters:
+    """One deployment's dead letters for the console (see the module docstring); sync,
+    thread-safe (boto3 clients are): the server calls it from worker threads."""
+
+    def __init__(self, settings: Settings, *, table: DeadLetterTable | None = None) -> None:
+        from triage_proxy.store.query import DeadLetterTable
+
+        self.settings = settings
+        self._changing = threading.Lock()
+        """Held while a chunk (or one item) is claimed, produced and marked, or discarded."""
+        self.table = table or DeadLetterTable(settings.dead_letters, group=settings.kafka.group_id)
+
+    def close(self) -> None:
+        self.table.close()
+
+    # --- selecting --------------------------------------------------------------------
+
+    def filters(
+        self,
+        *,
+        partition: str | None = None,
+        reason: str | None = None,
+        since: str | None = None,
+        state: str | None = None,
+        now_ms: int | None = None,
+    ) -> Filters:
+        """The selection the list's filter fields describe (empty fields select all); a
+        partition narrows to the config's topic, so the list is a Query. ValueError with
+        what is wrong."""
+        from triage_proxy.store.query import Filters, parse_time
+
+        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        part = None if not partition else _natural(partition.strip(), "partition")
+        return Filters(
+            topic=self.settings.kafka.topic if part is not None else None,
+            partition=part,
+            reason=reason or None,
+            since_ms=parse_time(since, now_ms) if since else None,
+            status=state or None,
+        )
+
+    def page(
+        self, filters: Filters, *, after: DeadLetterKey | None = None, size: int = PAGE_SIZE
+    ) -> Page:
+        """The `size` items `filters` selects after the item `after` (None: the first)."""
+        from triage_proxy.store.items import item_key
+        from triage_proxy.store.query import LIST_ATTRIBUTES, matches
+
+        size = max(1, min(size, MAX_PAGE_SIZE))
+        walk = self.table.scan(
+            dataclasses.replace(filters, status=None),
+            attributes=LIST_ATTRIBUTES,
+            page_size=SCAN_LIMIT,
+        )
+        items: list[dict[str, Any]] = []
+        found = after is None
+        try:
+            for item in walk:
+                if not found:
+                    found = item_key(item) == after
+                    continue
+                if matches(item, filters, group=self.table.group):
+                    items.append(_summary(item))
+                    if len(items) > size:
+                        break
+        finally:
+            close = getattr(walk, "close", None)  # a generator: end its page walk now
+            if close is not None:
+                close()
+        more = len(items) > size
+        items = items[:size]
+        return Page(items=items, next=items[-1]["id"] if more and items else None)
+
+    def reasons(self, filters: Filters) -> dict[str, Any]:
+        """How many items `filters` selects, by reason (the MOST_REASONS commonest)."""
+        counts: Counter[str] = Counter()
+        other = total = 0
+        for item in self.table.scan(filters, attributes=["reason"], page_size=COUNT_LIMIT):
+            total += 1
+            reason = item["reason"]["S"]
+            if reason in counts or len(counts) < MAX_DISTINCT_REASONS:
+                counts[reason] += 1
+            else:
+                other += 1
+        top = counts.most_common(MOST_REASONS)
+        other += sum(counts.values()) - sum(n for _, n in top)
+        return {
+            "total": total,
+            "reasons": [{"reason": safe_text(r), "raw": r, "count": n} for r, n in top],
+            "other": other,
+        }
+
+    def count(self, filters: Filters) -> int:
+        """Pending items `filters` selects: what a bulk replay or discard would try."""
+        pending = _pending(filters)
+        found = self.table.scan(pending, attributes=["status"], page_size=COUNT_LIMIT)
+        return sum(1 for _ in found)
+
+    # --- one item ---------------------------------------------------------------------
+
+    def detail(self, key: DeadLetterKey) -> dict[str, Any]:
+        """The item's metadata (no payload); DeadLetterNotFound if there is none."""
+        return _summary(self.table.get(key))
+
+    def payload(self, key: DeadLetterKey) -> dict[str, Any]:
+        """Key, value and headers, byte-exact (fetched from S3 when the payload is there),
+        in every view (`blob`). ValueError when the S3 object is missing."""
+        item = self.table.get(key)
+        dl = self.table.load(item)
+        record = dl.record
+        return {
+            "id": key_text(key),
+            "key": blob(record.key),
+            "value": blob(record.value),
+            "headers": [{"name": safe_text(name), **blob(value)} for name, value in record.headers],
+        }
+
+    def replay_one(self, key: DeadLetterKey) -> dict[str, Any]:
+        """Replay one item through `store.replay.replay`; an item that is not pending is
+        left as it is (outcome "skipped", with its status)."""
+        from triage_proxy.store.items import STATUS_PENDING
+        from triage_proxy.store.replay import new_replay_id, replay
+
+        with self._changing:
+            item = self.table.get(key)
+            status = item["status"]["S"]
+            if status != STATUS_PENDING:
+                return self._answer(key, "skipped", f"already {status}; nothing changed")
+            producer = self._producer(key[0])
+            result = replay(self.table, producer, [item], replay_id=new_replay_id(), chunk=1)
+        for outcome in ("skipped", "failed", "in_doubt"):
+            for _, why in getattr(result, outcome):
+                return self._answer(key, outcome, why)
+        return self._answer(key, "replayed", "")
+
+    def discard_one(self, key: DeadLetterKey) -> dict[str, Any]:
+        """Discard one pending item (`DeadLetterTable.discard`, as `triage dlq discard`)."""
+        from triage_proxy.store.items import STATUS_PENDING
+
+        with self._changing:
+            item = self.table.get(key)
+            status = item["status"]["S"]
+            if status != STATUS_PENDING:
+                return self._answer(key, "skipped", f"already {status}; nothing changed")
+            discarded = self.table.discard(key, item)
+        if discarded:
+            return self._answer(key, "discarded", "")
+        return self._answer(key, "skipped", "no longer pending, or being replayed")
+
+    def _answer(self, key: DeadLetterKey, outcome: str, why: str) -> dict[str, Any]:
+        return {"outcome": outcome, "why": why, "item": self.detail(key)}
+
+    # --- many -------------------------------------------------------------------------
+
+    def bulk(
+        self,
+        action: str,
+        filters: Filters,
+        *,
+        progress: Callable[[BulkResult], None] = lambda result: None,
+        stop: threading.Event | None = None,
+    ) -> BulkResult:
+        """Replay or discard every pending item `filters` selects, CHUNK at a time, with
+        the CLI's routines; `progress` is called after each chunk (and once before)."""
+        from triage_proxy.store.items import item_key
+        from triage_proxy.store.replay import new_replay_id, replay
+
+        if action not in ("replay", "discard"):
+            raise ValueError(f"unknown action {action!r} (replay or discard)")
+        pending = _pending(filters)
+        result = BulkResult(action=action, selected=self.count(filters))
+        progress(result)
+        producer = None
+        if action == "replay":
+            result.replay_id = new_replay_id()
+        for chunk in _chunks(self.table.scan(pending, consistent=True, page_size=CHUNK), CHUNK):
+            if stop is not None and stop.is_set():
+                result.interrupted = True
+                break
+            if action == "discard":
+                with self._changing:
+                    for item in chunk:
+                        key = item_key(item)
+                        if self.table.discard(key, item):
+                            result.discarded += 1
+                        else:
+                            result.skipped += 1
+                result.done += len(chunk)
+            else:
+                if producer is None:
+                    producer = self._producer(self.settings.kafka.topic)
+                assert result.replay_id is not None
+                with self._changing:
+                    # A claim seen in the scan may be another job's that has finished
+                    # since: read those items again, so they show as they are now.
+                    chunk = self._fresh(chunk)
+                    step = replay(
+                        self.table, producer, chunk, replay_id=result.replay_id, chunk=len(chunk)
+                    )
+                result.replayed += len(step.replayed)
+                result.skipped += len(step.skipped)
+                result.failed += len(step.failed)
+                result.in_doubt += len(step.in_doubt)
+                for key, why in step.failed:
+                    result.note("failed", key, why)
+                for key, why in step.in_doubt:
+                    result.note("in doubt", key, why)
+                result.done += len(chunk)
+            progress(result)
+        return result
+
+    def _fresh(self, chunk: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The chunk with each item that was claimed when scanned read again (a consistent
+        GetItem); one gone meanwhile is left out. Unclaimed items need no read: the claim
+        is conditional, so one that changed since is skipped by `replay` itself."""
+        from triage_proxy.store.items import CLAIM_ATTR, item_key
+        from triage_proxy.store.query import DeadLetterNotFound
+
+        fresh: list[dict[str, Any]] = []
+        for item in chunk:
+            if CLAIM_ATTR not in item:
+                fresh.append(item)
+                continue
+            try:
+                fresh.append(self.table.get(item_key(item)))
+            except DeadLetterNotFound:
+                continue
+        return fresh
+
+    def _producer(self, topic: str) -> Any:
+        """The replay producer `triage dlq replay` uses, once the broker answered and
+        `topic` exists (BrokerUnavailable, NotFoundError otherwise)."""
+        from confluent_kafka import Producer
+
+        from triage_cli.dlq import producer_config
+        from triage_proxy.errors import BrokerUnavailable, NotFoundError
+        from triage_proxy.kafka.errors import kafka_errors
+
+        producer = Producer(producer_config(self.settings))
+        with kafka_errors(f"cannot reach Kafka at {self.settings.kafka.bootstrap_servers}"):
+            metadata = producer.list_topics(timeout=BROKER_TIMEOUT_S)
+        if topic not in metadata.topics:
+            raise NotFoundError(f"topic {topic} does not exist")
+        if metadata.topics[topic].error is not None:
+            raise BrokerUnavailable(f"topic {topic}: {metadata.topics[topic].error}")
+        return producer
+
+
+def _pending(filters: Filters) -> Filters:
+    from triage_proxy.store.items import STATUS_PENDING
+
+    return dataclasses.replace(filters, status=STATUS_PENDING)
+
+
+def _summary(item: Mapping[str, Any]) -> dict[str, Any]:
+    from triage_proxy.store.items import item_key
+
+    out = item_summary(item)
+    out["id"] = key_text(item_key(item))
+    out["key"] = _short_key(item)
+    return out
+
+
+def _short_key(item: Mapping[str, Any]) -> str | None:
+    from triage_cli.render import short_text
+
+    if "key" not in item:
+        return None
+    return short_text(bytes(item["key"]["B"]), 40)
+
+
+def _chunks(items: Iterator[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
+    while True:
+        chunk = list(itertools.islice(items, size))
+        if not chunk:
+            return
+        yield chunk

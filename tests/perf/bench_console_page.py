@@ -1,0 +1,92 @@
+"""How long the console's dead-letter list takes on a large table (moto server).
+
+    python -m tests.perf.bench_console_page 100000
+
+Writes N dead letters over 4 partitions with BatchWriteItem (8 threads), then times
+`triage_cli.console.deadletters.DeadLetters`: the first page unfiltered, pending only and
+on one partition, walking to page 20, counts by reason and the pending count. A step that
+fails prints why (e.g. the table does not answer within the read timeout).
+"""
+
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import boto3
+
+from triage_cli.console.deadletters import DeadLetters
+from triage_cli.embedded import EmbeddedAWS
+from triage_proxy.config.settings import settings_from_dict
+from triage_proxy.errors import TriageError
+from triage_proxy.store.items import item_from_dead_letter
+from triage_proxy.store.provisioning import create_table
+from triage_proxy.structs import DeadLetter, Record
+
+N = int(sys.argv[1])
+with EmbeddedAWS() as aws:
+    raw = {
+        "kafka": {
+            "bootstrap_servers": "127.0.0.1:1",
+            "topic": "bench",
+            "group_id": "g-bench",
+            "partitions": 4,
+        },
+        "auth": {"token": "bench-token-0123456789"},
+        "dead_letters": {"table": "bench", "endpoint_url": aws.endpoint_url},
+    }
+    settings = settings_from_dict(raw, {})
+    create_table(settings.dead_letters)
+    client = boto3.client(
+        "dynamodb",
+        endpoint_url=aws.endpoint_url,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+    now = int(time.time() * 1000)
+
+    def write(start):
+        batch = []
+        for o in range(start, min(N, start + 25)):
+            dl = DeadLetter(
+                Record("bench", o % 4, o, b"k%d" % o, b'{"n": %d}' % o, [("h", b"v")], now),
+                f"reason {o % 7}",
+                3,
+                "c",
+                now,
+            )
+            batch.append({"PutRequest": {"Item": item_from_dead_letter(dl, "g-bench")}})
+        client.batch_write_item(RequestItems={"bench": batch})
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(write, range(0, N, 25)))
+    print(f"wrote {N} in {time.monotonic() - t0:.1f} s", flush=True)
+    dls = DeadLetters(settings)
+    from triage_cli.console.deadletters import parse_key
+
+    def page_n(n):
+        after = None
+        for _ in range(n):
+            got = dls.page(dls.filters(), after=after)
+            after = parse_key(got.next)
+        return got
+
+    for label, fn in [
+        ("first page, no filter (Scan)", lambda: dls.page(dls.filters())),
+        ("first page, state=pending (Scan)", lambda: dls.page(dls.filters(state="pending"))),
+        ("first page, partition 2 (Query)", lambda: dls.page(dls.filters(partition="2"))),
+        ("page 20 (1,000 items in), no filter", lambda: page_n(20)),
+        ("counts by reason, no filter", lambda: dls.reasons(dls.filters())),
+        ("pending count, no filter", lambda: dls.count(dls.filters())),
+    ]:
+        t = time.monotonic()
+        try:
+            fn()
+            print(f"{label}: {time.monotonic() - t:.2f} s", flush=True)
+        except TriageError as exc:
+            print(
+                f"{label}: FAILED after {time.monotonic() - t:.2f} s: {str(exc)[:120]}", flush=True
+            )
+    dls.close()
+    client.close()
