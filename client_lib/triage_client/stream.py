@@ -91,6 +91,9 @@ unless a quarter of the credits is tied up in them or the proxy runs short of cr
 a Settle on every 2 ms tick carried ~2 results, and each gRPC write holds the GIL ~70 us
 (grpc.aio sends inline: sendmsg and an eventfd write), so the writes of 4 streams kept the
 loop thread on the GIL while handler threads waited to wake."""
+TURN_POLL_S = 0.05
+"""How often a stream whose connection ended looks whether its isolated delivery's handler,
+still running, is done (then the process's turn passes on)."""
 CLOSE_TIMEOUT_S = 5.0
 """How long stop() waits for the proxy to end the stream after the half-close."""
 MAX_REDIRECTS = 3
@@ -372,13 +375,21 @@ class PartitionStream:
     def _end_stream(self) -> None:
         """Forget what the dead stream held: the proxy redelivers all of it."""
         self.call = None
-        released = len(self._ctx.pool.take_back(self.account, next_epoch=True))
+        leases = self.account.running  # the ended connection's: a handler leaves it when done
+        taken = self._ctx.pool.take_back(self.account, next_epoch=True)
+        released = len(taken)
         unsent = self._ledger.forget(self.account)
         self._release_due = False
         self._extend_due = False
         self._started_due = []
-        self._turn = None
-        GATE.drop(self)  # its isolated deliveries are redelivered, whether started or not
+        GATE.drop_waiting(self)  # the proxy redelivers them (a pending turn sees its epoch)
+        turn, self._turn = self._turn, None
+        if turn is not None:
+            offset = turn.message.offset
+            if turn.started and offset in leases and all(m is not turn.message for m in taken):
+                self._leave_when_done(turn, leases)  # its handler still runs
+            else:
+                GATE.leave(turn)
         self.dropped += released + unsent
         self._held = 0
         if self._flush_timer is not None:
@@ -642,6 +653,15 @@ class PartitionStream:
         self._turn = ticket
         self._started_due.append(ticket.message.offset)
         self._flush_wanted.set()
+
+    def _leave_when_done(self, turn: Ticket, leases: set[int]) -> None:
+        """The turn passes on once `turn`'s handler, still running though its connection
+        ended, is done (its offset leaves the ended connection's lease set): until then it
+        is the process's one started isolated delivery, and may still crash it."""
+        if turn.message.offset not in leases or self._loop is None:
+            GATE.leave(turn)
+            return
+        self._loop.call_later(TURN_POLL_S, self._leave_when_done, turn, leases)
 
     def _on_started(self, offsets: Iterable[int]) -> None:
         """The proxy recorded the Started: the delivery takes the next handler slot."""

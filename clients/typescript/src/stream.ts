@@ -73,6 +73,25 @@ export const DEFAULT_MAX_BACKOFF_MS = 5000;
 export const INITIAL_BACKOFF_MS = 50;
 /** Settlements sent at once without waiting for the queue to drain. */
 export const SETTLE_BATCH = 256;
+/**
+ * How often a stream whose connection ended looks whether its isolated delivery's handler,
+ * still running, is done (then the process's turn passes on).
+ */
+const TURN_POLL_MS = 50;
+
+/**
+ * The turn passes on once `turn`'s handler, still running though its connection ended, is
+ * done (its offset leaves the ended connection's lease set): until then it is the process's
+ * one started isolated delivery, and may still crash it.
+ */
+function leaveWhenDone(turn: Ticket, leases: ReadonlySet<number>): void {
+  if (!leases.has(turn.message.offset)) {
+    GATE.leave(turn);
+    return;
+  }
+  setTimeout(() => leaveWhenDone(turn, leases), TURN_POLL_MS).unref();
+}
+
 /** Longest a settlement waits for company before it is sent. */
 export const SETTLE_DELAY_MS = 2;
 /** How long stop() waits for the proxy to end the stream after the half-close. */
@@ -450,9 +469,19 @@ export class PartitionStream {
     }
     this.flushTimer = this.extendTimer = this.closeTimer = this.holdTimer = null;
     this.flushSoon = null;
-    const released = this.ctx.pool.takeBack(this.account, true).length;
+    const leases = this.account.leases; // the ended connection's: a handler leaves it when done
+    const taken = this.ctx.pool.takeBack(this.account, true);
+    const released = taken.length;
+    GATE.dropWaiting(this); // the proxy redelivers them (a pending turn sees its epoch)
+    const turn = this.turn;
     this.turn = null;
-    GATE.drop(this); // its isolated deliveries are redelivered, whether started or not
+    if (turn !== null) {
+      if (turn.started && leases.has(turn.message.offset) && !taken.includes(turn.message)) {
+        leaveWhenDone(turn, leases); // its handler still runs
+      } else {
+        GATE.leave(turn);
+      }
+    }
     // unsent releases were counted as dropped when they were released
     const unsent = this.ctx.pool.ledger.forget(this.account);
     this.releaseDue = false;
