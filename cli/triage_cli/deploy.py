@@ -24,9 +24,13 @@ aws: `triage_cli.aws` (imported only then, so `triage --help` stays instant) bui
 stack and returns its outputs; destroy asks for confirmation unless `--yes` and keeps
 the dead-letter data unless `--delete-data`.
 
+Each acts only on its own config's deployment: a state folder that records another
+config (state.json's `config`, or a live process's `--config`) is refused, exit 5,
+touching nothing (deploy: only while that deployment is live).
+
 Exit codes (`exitcodes.ExitCode`): 2 bad config or flag; 3 broker/AWS unreachable or a
-proxy failed or never became ready; 5 a live local deployment already exists; 1 other
-failures.
+proxy failed or never became ready; 5 a live local deployment already exists, or the
+state folder is another deployment's; 1 other failures.
 """
 
 from __future__ import annotations
@@ -205,8 +209,14 @@ def deploy_local(
 
         proxies = default_proxies(partitions, os.cpu_count())
     project = ProjectDir.for_config(config, state_dir)
+    if project.root.exists() and not project.root.is_dir():
+        raise CommandFailed(
+            ExitCode.BAD_INPUT,
+            f"--state-dir {project.root} is not a folder: give a folder (created if missing)",
+        )
     project.root.mkdir(mode=0o700, parents=True, exist_ok=True)
     marker = str(config)
+    _refuse_foreign(project, config, "deploy", live_only=True)
     pid = project.read_pid(project.supervisor_pid_file)
     if pid is not None and pid_alive(pid, marker):
         raise CommandFailed(
@@ -218,6 +228,13 @@ def deploy_local(
         typer.echo(f"cleaning up a previous deployment that is no longer running ({project.root})")
         _stop_local(project, marker, FALLBACK_DRAIN_S)
 
+    from triage_proxy.kafka.groups import group_in_use
+
+    # Ours is not running (checked above): live members are someone else's. Committed
+    # offsets may be our own earlier deployment's, so they are init's warning only.
+    problem = group_in_use(settings.kafka, offsets=False)
+    if problem is not None:
+        typer.secho(f"warning: {problem}", err=True, fg=typer.colors.YELLOW)
     create_table(settings.dead_letters)
     create_bucket(settings.dead_letters)
     project.state_file.unlink(missing_ok=True)
@@ -496,10 +513,37 @@ def destroy_local(config: Path, state_dir: Path | None) -> None:
         drain_s = load_settings(config, fetch_secret=read_secret).shutdown.drain_timeout_s
     except ConfigError:
         drain_s = FALLBACK_DRAIN_S  # a broken config must not keep processes alive
+    _refuse_foreign(project, config, "destroy", live_only=False)
     stopped = _stop_local(project, str(config), drain_s)
     typer.echo(
         f"Destroyed: stopped {len(stopped)} process(es){_pids(stopped)}; "
         f"logs kept in {project.root}"
+    )
+
+
+def _refuse_foreign(project: ProjectDir, config: Path, command: str, *, live_only: bool) -> None:
+    """Refuse (exit 5, touching nothing) when the state folder holds another config's
+    deployment: state.json records another config, or a live process its pid files name
+    runs with another `--config`. Deploy (`live_only`) minds only live ones: a dead
+    deployment's leftovers are cleaned up as before; destroy minds any."""
+    others = sorted(project.owners() - {config})
+    if not others:
+        return
+    if live_only and not any(
+        (pid := project.read_pid(path)) is not None and pid_alive(pid, str(other))
+        for path in [project.supervisor_pid_file, *project.proxy_pid_files()]
+        for other in others
+    ):
+        return
+    what = project.describe_owner() or f"config {', '.join(map(str, others))}"
+    default = ProjectDir.for_config(config).root
+    raise CommandFailed(
+        ExitCode.CONFLICT,
+        f"{project.root} holds another deployment ({what}), not one of {config}; "
+        f"{command} stopped nothing and deleted nothing. To stop that one: `triage destroy "
+        f"--target local --config {others[0]} --state-dir {project.root}`. This config's "
+        f"state is in its own folder (default {default}); give it with --state-dir"
+        + ("" if command == "destroy" else ", or another folder for a second deployment"),
     )
 
 

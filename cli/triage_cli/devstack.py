@@ -13,9 +13,11 @@ import json
 import logging
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from types import TracebackType
@@ -310,11 +312,7 @@ class DevStack:
                     table.add_row(f"push {push['name']} registers at", url)
         console = Console(stderr=True)
         console.print(table)
-        target = info["proxies"][0]["target"]
-        hint = (
-            f"Try a consumer:\n  TRIAGE_TOKEN={info['token']} "
-            f"python client_lib/examples/consumer.py --target {target}\n"
-        )
+        hint = ""
         for push in info["push"]:
             if push["mode"] == "grpc" and push["registration"]:
                 each = (
@@ -333,7 +331,33 @@ class DevStack:
                 f"triage status --config {info['config']} shows each push target's limit, "
                 "latency and errors.\n"
             )
-        console.print(hint + "Ctrl-C stops everything.")
+        if hint:
+            console.print(hint, end="")
+        # Plain print, never wrapped: these lines are meant to be copied as they are.
+        print(self.next_steps(info), file=sys.stderr, flush=True)
+        console.print("Ctrl-C stops everything.")
+
+    @staticmethod
+    def next_steps(info: dict[str, Any]) -> str:
+        """What docs/getting-started.md has a newcomer run next, with this stack's values:
+        the environment a consumer reads, and a test message to produce."""
+        env = " ".join(
+            f"{name}={shlex.quote(str(info[key]))}"
+            for name, key in (
+                ("TRIAGE_ENDPOINT", "endpoint"),
+                ("TRIAGE_TOKEN", "token"),
+                ("TRIAGE_CONFIG", "config"),
+            )
+        )
+        bindir = Path(sys.executable).parent
+        with contextlib.suppress(ValueError):  # shown relative when under this folder
+            bindir = bindir.relative_to(Path.cwd())
+        return (
+            "In another terminal (docs/getting-started.md):\n"
+            f"  export {env}\n"
+            f"  {bindir / 'python'} consumer.py\n"
+            f'  {bindir / "triage"} produce -c "$TRIAGE_CONFIG" --key order-1 --value hello'
+        )
 
     def wait_for_signal(self) -> None:
         """Block until SIGINT or SIGTERM, or until a proxy process dies."""

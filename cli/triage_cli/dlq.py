@@ -161,12 +161,34 @@ def _show_selection(items: list[dict[str, Any]], json_: bool, would_be: str) -> 
 
 
 def _print_table(items: list[dict[str, Any]], title: str) -> None:
-    from rich import box
+    """The table on stdout: cut to the terminal's width in a terminal; whole cells, each
+    line as long as it needs, when stdout is a file or a pipe (`grep`, `less`, a log)."""
     from rich.console import Console
+
+    console = Console(highlight=False)
+    full = not console.is_terminal
+    if full:
+        console = Console(highlight=False, width=UNCUT_WIDTH)
+    console.print(dead_letter_table(items, title, full=full))
+
+
+UNCUT_WIDTH = 1_000_000
+"""The console width when stdout is not a terminal: wide enough that nothing is cut (a
+rich table is only as wide as its cells)."""
+
+TERMINAL_REASON = 80
+"""Characters of a reason shown in a terminal (`triage dlq show` or --json give it all)."""
+
+
+def dead_letter_table(items: list[dict[str, Any]], title: str, *, full: bool) -> Any:
+    """`triage dlq list`'s table (pure): one line per dead letter, control characters
+    escaped visibly (a newline in a reason is `\\n`). In a terminal (`full` false) the
+    wide columns are cut with an ellipsis; `full` keeps topic and reason whole."""
+    from rich import box
     from rich.table import Table
     from rich.text import Text
 
-    from triage_cli.render import item_summary, safe_text, short_text
+    from triage_cli.render import item_summary, one_line, short_text
 
     # One line per dead letter at any width: the wide columns are cut with an ellipsis
     # (never folded: a folded cell in a narrow terminal grew every row by empty lines);
@@ -201,18 +223,20 @@ def _print_table(items: list[dict[str, Any]], title: str) -> None:
             key = "(in S3)"
         else:
             key = short_text(bytes(item["key"]["B"]) if "key" in item else None, 24)
-        reason = safe_text(info["reason"] or "").replace("\n", " ")
+        reason = one_line(info["reason"] or "")
+        if not full and len(reason) > TERMINAL_REASON:
+            reason = reason[: TERMINAL_REASON - 1] + "…"
         table.add_row(
-            cut(safe_text(info["topic"] or "")),
+            cut(one_line(info["topic"] or "")),
             str(info["partition"]),
             str(info["offset"]),
             Text(info["status"] or ""),
             str(info["attempts"]),
             Text((info["dead_lettered_at"] or "")[:19].replace("T", " ")),  # to the second
             cut(key),
-            cut(reason if len(reason) <= 80 else reason[:79] + "…"),
+            cut(reason),
         )
-    Console(highlight=False).print(table)
+    return table
 
 
 def _sorted(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -367,7 +391,7 @@ def _show_json(item: dict[str, Any], dl: Any) -> dict[str, Any]:
 
 
 def _show_text(item: dict[str, Any], dl: Any) -> str:
-    from triage_cli.render import item_summary, render_bytes, safe_text
+    from triage_cli.render import item_summary, one_line, render_bytes
 
     info = item_summary(item)
     record = dl.record
@@ -390,7 +414,9 @@ def _show_text(item: dict[str, Any], dl: Any) -> str:
     if info["replay_claim"] is not None:
         rows.append(("being replayed by", info["replay_claim"]))
     width = max(len(name) for name, _ in rows)
-    lines = [f"{name:<{width}}  {safe_text(str(value))}" for name, value in rows]
+    # One line per field: a newline or a control character in a reason is escaped
+    # visibly (\\n, \\x1b), never printed as extra lines or sent to the terminal.
+    lines = [f"{name:<{width}}  {one_line(str(value))}" for name, value in rows]
 
     def block(title: str, data: bytes | None) -> None:
         shown = render_bytes(data)
@@ -403,7 +429,7 @@ def _show_text(item: dict[str, Any], dl: Any) -> str:
     for name, value in record.headers:
         shown = render_bytes(value)
         size = "" if value is None else f", {len(value)} bytes"
-        lines.append(f"  {safe_text(name) or '(empty name)'} ({shown.kind}{size}):")
+        lines.append(f"  {one_line(name) or '(empty name)'} ({shown.kind}{size}):")
         lines.extend(f"    {line}" for line in shown.text.split("\n"))
     block("value", record.value)
     return "\n".join(lines)
@@ -431,7 +457,12 @@ def _select(
             return []
         return [item]
     pending = dataclasses.replace(filters, status=STATUS_PENDING)
-    return _sorted(list(table.scan(pending, consistent=True)))
+    return _sorted(list(table.scan(pending, consistent=True, page_size=SELECT_PAGE)))
+
+
+SELECT_PAGE = 100
+"""Items per Query/Scan call when replay and discard select: one unbounded page (up to
+1 MB) per call outlasted the 5 s read timeout on a slow endpoint (moto with 600 items)."""
 
 
 @contextlib.contextmanager
@@ -538,8 +569,9 @@ def replay(
                     typer.echo(f"FAILED    {_coords(key)}: {why}", err=True)
                 for key, why in result.in_doubt:
                     typer.echo(f"IN DOUBT  {_coords(key)}: {why}", err=True)
-            _report_replay(result, len(items), json_, replay_id)
-            if result.interrupted or stop.is_set():
+            interrupted = result.interrupted or stop.is_set()
+            _report_replay(result, len(items), json_, replay_id, interrupted=interrupted)
+            if interrupted:
                 raise typer.Exit(int(ExitCode.INTERRUPTED))
             if result.failed or result.in_doubt:
                 raise typer.Exit(int(ExitCode.FAILURE))
@@ -582,11 +614,21 @@ def _spark_replay(
         raise typer.Exit(int(ExitCode.FAILURE))
 
 
-def _report_replay(result: Any, selected: int, json_: bool, replay_id: str | None = None) -> None:
+def _report_replay(
+    result: Any,
+    selected: int,
+    json_: bool,
+    replay_id: str | None = None,
+    *,
+    interrupted: bool = False,
+) -> None:
+    """The summary line (or JSON line); an interrupted run also says so on stderr, with
+    how many selected items it did not get to (still pending: a rerun replays them)."""
     replayed = len(result.replayed) if result else 0
     skipped = len(result.skipped) if result else 0
     failed = len(result.failed) if result else 0
     in_doubt = len(result.in_doubt) if result else 0
+    remaining = max(0, selected - replayed - skipped - failed - in_doubt)
     if json_:
         _json_line(
             {
@@ -604,15 +646,24 @@ def _report_replay(result: Any, selected: int, json_: bool, replay_id: str | Non
                     {"dead_letter": _coords(key), "why": why}
                     for key, why in (result.in_doubt if result else [])
                 ],
-                "interrupted": bool(result and result.interrupted),
+                "interrupted": interrupted,
+                "remaining": remaining,
             }
         )
-        return
-    suffix = f" (replay id {replay_id})" if replay_id else ""
-    typer.echo(
-        f"selected {selected}, replayed {replayed}, skipped {skipped}, failed {failed}, "
-        f"in doubt {in_doubt}{suffix}"
-    )
+    else:
+        suffix = f" (replay id {replay_id})" if replay_id else ""
+        typer.echo(
+            f"selected {selected}, replayed {replayed}, skipped {skipped}, failed {failed}, "
+            f"in doubt {in_doubt}{suffix}"
+        )
+    if interrupted:
+        typer.secho(
+            f"interrupted: replayed {replayed} of {selected}; {remaining} not reached and still "
+            "pending. Run the same command again to replay them (what was replayed is not "
+            "replayed twice).",
+            err=True,
+            fg=typer.colors.YELLOW,
+        )
 
 
 def producer_config(settings: Settings) -> dict[str, Any]:

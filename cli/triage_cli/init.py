@@ -391,7 +391,7 @@ def init(
         if endpoint:
             dead_letters["endpoint_url"] = endpoint
 
-        kafka["partitions"] = _partitions(kafka, partitions, ask)
+        kafka["partitions"], reachable = _partitions(kafka, partitions, ask)
         raw: dict[str, Any] = {
             "kafka": kafka,
             "server": {
@@ -407,18 +407,35 @@ def init(
         if push_table is not None:
             raw["push"] = [push_table]
         backup = write_private(config, render_config(raw), force=force)
+        if reachable:
+            warn_group_in_use(config)
     _print_next(config, raw, token_name, backup)
 
 
-def _partitions(kafka: dict[str, Any], given: int | None, ask: _Asker) -> int:
-    """The broker's answer when it gives one; else the flag or a prompt."""
+def warn_group_in_use(config: Path) -> None:
+    """Warn on stderr when the config's consumer group is in use on the broker already
+    (live members, or committed offsets on the topic): two deployments with one group id
+    and two dead-letter tables are fenced only by the group (kafka/groups.py)."""
+    from triage_proxy.config.settings import load_settings
+    from triage_proxy.kafka.groups import group_in_use
+    from triage_proxy.store.aws import read_secret
+
+    settings = load_settings(config, fetch_secret=read_secret)
+    problem = group_in_use(settings.kafka)
+    if problem is not None:
+        typer.secho(f"warning: {problem}", err=True, fg=typer.colors.YELLOW)
+
+
+def _partitions(kafka: dict[str, Any], given: int | None, ask: _Asker) -> tuple[int, bool]:
+    """The broker's answer when it gives one; else the flag or a prompt. And whether the
+    broker answered with the topic (so its consumer group can be asked about too)."""
     from triage_proxy.errors import ConfigError, UnavailableError
 
     try:
         found = discover_partitions(kafka)
     except UnavailableError as exc:
         _say(f"warning: cannot discover the partition count: {exc}")
-        return ask.number("--partitions", given, "Number of partitions of the topic")
+        return ask.number("--partitions", given, "Number of partitions of the topic"), False
     except ConfigError as exc:  # the broker answered: it has no such topic
         _say(f"warning: {exc.problem}; the proxies will not start until it exists")
         missing = CommandFailed(
@@ -426,7 +443,8 @@ def _partitions(kafka: dict[str, Any], given: int | None, ask: _Asker) -> int:
             f"{exc.problem} ({kafka['bootstrap_servers']}): create it first, or give "
             "--partitions N with --non-interactive",
         )
-        return ask.number("--partitions", given, "Number of partitions of the topic", missing)
+        asked = ask.number("--partitions", given, "Number of partitions of the topic", missing)
+        return asked, False
     if given is not None and given != found:
         raise CommandFailed(
             ExitCode.BAD_INPUT,
@@ -434,7 +452,7 @@ def _partitions(kafka: dict[str, Any], given: int | None, ask: _Asker) -> int:
             f"{kafka['topic']!r} (every partition needs its proxy)",
         )
     _say(f"topic {kafka['topic']!r} has {found} partition(s)")
-    return found
+    return found, True
 
 
 def _print_next(config: Path, raw: dict[str, Any], token_name: str, backup: Path | None) -> None:
@@ -446,16 +464,18 @@ def _print_next(config: Path, raw: dict[str, Any], token_name: str, backup: Path
         f"Wrote {config} (mode 0600).\n"
         f"The consumer token is [auth.tokens] {token_name} in {config}.\n\n"
         "Next:\n"
-        f"  triage config check --config {config} --connect\n"
-        f"  triage deploy --target local --config {config}   # or --target aws\n\n"
+        f"  triage config check --config {config}   # the file, as the proxies will read it\n"
+        f"  triage deploy --target local --config {config}   # creates the table; or --target aws\n"
+        f"  triage status --config {config}\n\n"
         f"{_push_next(config, raw)}"
         f"A consumer (pip install ./proto ./client_lib; export TRIAGE_TOKEN from [auth.tokens]):\n"
         "  import os\n"
         "  from triage_client import Consumer\n"
         "  async def handle(message):  # return = ack, raise = nack\n"
         "      ...\n"
-        f'  Consumer("127.0.0.1:{port}", os.environ["TRIAGE_TOKEN"], handle).run()'
-        f"  # partition p: port {port} + p"
+        f'  Consumer("127.0.0.1:{port}", os.environ["TRIAGE_TOKEN"], handle).run()\n'
+        f"Any proxy's address will do (deploy starts them on ports {port}, {port} + 1, ...): "
+        "the Consumer finds the process serving each partition (Topology) and consumes them all."
     )
 
 
@@ -570,6 +590,11 @@ def _check_connect(settings: Settings) -> None:
             f"reports {found} for {settings.kafka.topic!r}",
         )
     typer.echo(f"  broker         reachable, {settings.kafka.topic!r} has {found} partition(s)")
+    from triage_proxy.kafka.groups import group_in_use
+
+    problem = group_in_use(settings.kafka)
+    if problem is not None:
+        typer.secho(f"warning: {problem}", err=True, fg=typer.colors.YELLOW)
     table = DeadLetterTable(settings.dead_letters, group=settings.kafka.group_id)
     try:
         table.check()  # a missing table: NotFoundError, exit 4

@@ -18,6 +18,7 @@ from triage_cli.deploy import deploy, destroy, supervise
 from triage_cli.dlq import dlq_app
 from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
 from triage_cli.init import config_app, init
+from triage_cli.produce import produce
 from triage_cli.status import status
 
 app = typer.Typer(
@@ -238,6 +239,7 @@ app.command()(deploy)
 app.command()(destroy)
 app.command(hidden=True)(supervise)
 app.command()(status)
+app.command()(produce)
 
 
 def run() -> None:

@@ -94,6 +94,12 @@ def safe_text(text: str) -> str:
     return "".join(out)
 
 
+def one_line(text: str) -> str:
+    """`text` on one line: `safe_text`, and newline and tab escaped too (\\n, \\t), so a
+    reason or a name that holds them stays one visible line in a table or a field."""
+    return safe_text(text).replace("\n", "\\n").replace("\t", "\\t")
+
+
 def hex_dump(data: bytes, width: int = 16) -> str:
     """`xxd`-style lines: offset, hex bytes, printable ASCII (others as '.')."""
     lines = []

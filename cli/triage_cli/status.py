@@ -29,10 +29,17 @@ target per process (a process delivers the records of its own partitions), from 
 /status `push` list: limit, in flight, p50/p99 latency, responses by class, errors, and
 state ("ok", or why delivery waits, e.g. an outage). `--json` has them under `push`.
 
-Exit codes (`exitcodes.ExitCode`): 0 every proxy answered; 1 some proxy is down (the
-report is still printed); 2 bad config or flags; 3 the broker could not be read (what
-could be read is printed: without `kafka.partitions` the partitions are then the proxies
-that answer, 0, 1, ... up to the first that does not; when none answers, no report);
+Only this config's processes count: a process that answers at one of its ports for
+another topic, group or dead-letter table (`/status` names them) is another deployment's,
+and its partition is down; when no process of this deployment answers, the report says
+plainly that nothing is deployed for it (and which deployment answers instead).
+
+Exit codes (`exitcodes.ExitCode`): 0 every proxy answered; 1 some proxy is down, or
+nothing is deployed (the report is still printed); 2 bad config or flags; 3 the broker
+could not be read (what could be read is printed: without `kafka.partitions` the
+partitions are then the proxies that answer, 0, 1, ... up to the first that does not;
+when none answers, no report); 4 the dead-letter table does not exist (the report is
+printed, then what to do: deploy, or fix `dead_letters.table`);
 `--watch` runs until Ctrl-C or SIGTERM and exits 0 (both end it the same way:
 `exit_on_errors` turns SIGTERM into KeyboardInterrupt).
 
@@ -97,6 +104,9 @@ class ProxyView:
     """The /status document."""
     error: str | None = None
     """Why it did not answer."""
+    foreign: str | None = None
+    """Set when a process answered but belongs to another deployment (another topic,
+    group or table): what it serves. Its answer is not this deployment's and is dropped."""
 
 
 @dataclass(frozen=True)
@@ -116,10 +126,22 @@ class Report:
     """The config file, as the migrate hint names it."""
     push: Sequence[dict[str, Any]] = ()
     """One row per push target per process (`push_rows`)."""
+    dead_letters_missing: bool = False
+    """The dead-letter table does not exist (exit 4: nothing was deployed, or the name is
+    wrong)."""
+    foreign: Sequence[str] = ()
+    """Processes that answered at this config's ports for another deployment."""
+    table: str = ""
+    """This config's dead-letter table."""
 
     @property
     def proxies_down(self) -> list[int]:
         return [row["partition"] for row in self.partitions if row["proxy"] == "down"]
+
+    @property
+    def deployed(self) -> bool:
+        """Some process of this deployment answered (or none could be asked: HTTP off)."""
+        return not self.partitions or any(row["proxy"] != "down" for row in self.partitions)
 
     def to_json(self) -> dict[str, Any]:
         def total(key: str) -> int | None:
@@ -133,6 +155,9 @@ class Report:
             "broker_error": self.broker_error,
             "dead_letters_error": self.dead_letters_error,
             "legacy_dead_letters": list(self.legacy_partitions),
+            "deployed": self.deployed,
+            "dead_letters_missing": self.dead_letters_missing,
+            "other_deployments": list(self.foreign),
             "totals": {
                 "lag": total("lag"),
                 "in_flight": total("in_flight"),
@@ -304,12 +329,13 @@ class Sources:
         url = self.proxy_url(partition)
         if url is None:
             return ProxyView(url=None)
-        return fetch_status(url)
+        return mine_only(fetch_status(url), self.settings)
 
-    def dead_letters(self, partitions: int) -> tuple[dict[int, int | None], str | None]:
-        """Pending dead letters per partition (a Query each, status only)."""
+    def dead_letters(self, partitions: int) -> tuple[dict[int, int | None], str | None, bool]:
+        """Pending dead letters per partition (a Query each, status only), why they could
+        not be read, and whether that is because the table does not exist."""
         from triage_proxy.errors import TriageError
-        from triage_proxy.store.query import Filters
+        from triage_proxy.store.query import Filters, TableNotFound
 
         topic = self.settings.kafka.topic
         counts: dict[int, int | None] = {}
@@ -319,9 +345,11 @@ class Sources:
                     Filters(topic=topic, partition=p, status="pending"), attributes=["status"]
                 )
                 counts[p] = sum(1 for _ in items)
+        except TableNotFound as exc:
+            return dict.fromkeys(range(partitions)), missing_table_hint(str(exc), self.config), True
         except TriageError as exc:
-            return dict.fromkeys(range(partitions)), str(exc)
-        return counts, None
+            return dict.fromkeys(range(partitions)), str(exc), False
+        return counts, None, False
 
     def legacy_partitions(self, partitions: int) -> list[int]:
         """Partitions with dead letters from before deployment keys (a Query each, Limit
@@ -346,6 +374,56 @@ def fetch_status(url: str, timeout: float = PROXY_TIMEOUT_S) -> ProxyView:
     if not isinstance(doc, dict):
         return ProxyView(url=url, error="not a status document")
     return ProxyView(url=url, doc=doc)
+
+
+def mine_only(view: ProxyView, settings: Settings) -> ProxyView:
+    """`view` as this deployment sees it (pure): a process that answers for another topic,
+    group or dead-letter table is not one of ours, so it counts as down, with the reason.
+    An older proxy that does not say its group or table is judged by what it says."""
+    doc = view.doc
+    if doc is None:
+        return view
+    mine = {
+        "topic": settings.kafka.topic,
+        "group": settings.kafka.group_id,
+        "table": settings.dead_letters.table,
+    }
+    theirs = {
+        "topic": doc.get("topic"),
+        "group": doc.get("group_id"),
+        "table": doc.get("dead_letter_table"),
+    }
+    if all(not theirs[k] or theirs[k] == mine[k] for k in mine):
+        return view
+    what = ", ".join(f"{k} {theirs[k]!r}" for k in mine if theirs[k])
+    pid = f"pid {doc['pid']} " if doc.get("pid") else ""
+    return ProxyView(
+        url=view.url,
+        error=f"the process there ({pid}{what}) belongs to another deployment",
+        foreign=f"{view.url}: {pid}{what}",
+    )
+
+
+def missing_table_hint(error: str, config: str) -> str:
+    """What to do when the dead-letter table does not exist (pure)."""
+    return (
+        f"{error}: nothing was deployed with this config, or dead_letters.table names "
+        f"another table. `triage deploy --config {config}` creates it; otherwise set "
+        f"dead_letters.table (and dead_letters.region / endpoint_url) to the table the "
+        f"proxies write"
+    )
+
+
+def not_deployed_note(report: Report) -> str:
+    """The plain sentence for a deployment no process of which answers (pure)."""
+    note = (
+        f"nothing is deployed for group {report.group_id!r} (topic {report.topic!r}, table "
+        f"{report.table!r}): no proxy of this deployment answers (or every one is down). "
+        f"Start it with `triage deploy --config {report.config}`"
+    )
+    if report.foreign:
+        note += "; the ports answer for another deployment: " + "; ".join(report.foreign)
+    return note
 
 
 def partition_views(views: Sequence[ProxyView], partitions: int) -> list[ProxyView]:
@@ -396,7 +474,7 @@ def gather(sources: Sources, *, now: Callable[[], float] = time.time) -> Report:
             raise
     asked = sources.ask_proxies(count)
     broker = sources.broker(count)
-    pending, dl_error = sources.dead_letters(count)
+    pending, dl_error, dl_missing = sources.dead_letters(count)
     legacy = sources.legacy_partitions(count) if dl_error is None else []
     answers = [future.result() for future in asked]
     views = partition_views(answers, count)
@@ -411,7 +489,10 @@ def gather(sources: Sources, *, now: Callable[[], float] = time.time) -> Report:
         generated_at=stamp,
         legacy_partitions=legacy,
         config=sources.config,
-        push=push_rows(answers),
+        push=push_rows([a for a in answers if a.doc is not None]),
+        dead_letters_missing=dl_missing,
+        foreign=[a.foreign for a in answers if a.foreign],
+        table=settings.dead_letters.table,
     )
 
 
@@ -479,6 +560,8 @@ def render_table(report: Report) -> Table:
             dead,
         )
     notes = []
+    if not report.deployed:
+        notes.append(not_deployed_note(report))
     endpoints = [
         f"{row['partition']} {row['endpoint']}" for row in report.partitions if row.get("endpoint")
     ]
@@ -662,6 +745,8 @@ def status(
             sources.close()
         if json_:
             print(json.dumps(report.to_json(), indent=2))
+            if not report.deployed:
+                typer.echo(not_deployed_note(report), err=True)
             if report.legacy_partitions:
                 from triage_proxy.store.migrate import legacy_warning
 
@@ -674,6 +759,8 @@ def status(
             console.print(render_report(report))
         if report.broker_error:
             raise typer.Exit(int(ExitCode.UNAVAILABLE))
+        if report.dead_letters_missing:
+            raise CommandFailed(ExitCode.NOT_FOUND, str(report.dead_letters_error))
         if report.proxies_down:
             raise typer.Exit(int(ExitCode.FAILURE))
 

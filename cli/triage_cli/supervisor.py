@@ -137,6 +137,39 @@ class ProjectDir:
     def write_state(self, state: dict[str, Any]) -> None:
         _write_atomic(self.state_file, json.dumps(state, indent=2) + "\n")
 
+    def owners(self) -> set[Path]:
+        """The config files the deployment in this folder was made from: state.json's
+        `config`, and the `--config` of every live triage process its pid files name.
+        More than one, or one that is not the caller's, means the folder is another
+        deployment's (a wrong --state-dir, or two configs sharing `.triage/`)."""
+        found: set[Path] = set()
+        state = self.read_state() or {}
+        if isinstance(state.get("config"), str) and state["config"]:
+            found.add(Path(state["config"]).resolve())
+        for path in [self.supervisor_pid_file, *self.proxy_pid_files()]:
+            pid = self.read_pid(path)
+            config = command_config(pid) if pid is not None and pid_alive(pid) else None
+            if config is not None:
+                found.add(config)
+        return found
+
+    def describe_owner(self) -> str:
+        """What state.json says the deployment is (for messages): config, topic, group,
+        table and supervisor pid, as far as it records them."""
+        state = self.read_state() or {}
+        parts = [
+            f"{name} {state[key]}"
+            for name, key in (
+                ("config", "config"),
+                ("topic", "topic"),
+                ("group", "group_id"),
+                ("table", "dead_letter_table"),
+                ("supervisor pid", "supervisor_pid"),
+            )
+            if state.get(key)
+        ]
+        return ", ".join(parts)
+
 
 def _write_atomic(path: Path, text: str) -> None:
     """Readers (deploy, destroy, status) never see half a file."""
@@ -169,6 +202,21 @@ def pid_alive(pid: int, marker: str | None = None) -> bool:
     except (OSError, IndexError):
         return False
     return marker is None or marker in cmdline
+
+
+def command_config(pid: int) -> Path | None:
+    """The `--config` of a live `triage` process (a supervisor or a proxy), from its
+    command line in /proc; None when it is not one (or there is no /proc to tell)."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    if not any(arg == "triage_cli.main" or Path(arg).name == "triage" for arg in args):
+        return None
+    for flag in ("--config", "-c"):
+        if flag in args[:-1]:
+            return Path(args[args.index(flag) + 1]).resolve()
+    return None
 
 
 def listening_ports(pid: int) -> set[int] | None:
@@ -444,6 +492,8 @@ def describe(supervisor: Supervisor, status: str) -> dict[str, Any]:
         "config": str(supervisor.config),
         "supervisor_pid": os.getpid(),
         "topic": settings.kafka.topic,
+        "group_id": settings.kafka.group_id,
+        "dead_letter_table": settings.dead_letters.table,
         "tls": settings.tls.enabled,
         "token_names": sorted(settings.auth.active()),
         "mode": "fleet" if supervisor.fleet else "pinned",

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from triage_proxy.config.settings import Settings
 from triage_proxy.kafka.client import ConfluentPartition, PartitionLog
+from triage_proxy.kafka.groups import GroupFence
 from triage_proxy.kafka.reader import Reader
 from triage_proxy.pipeline.partition import PartitionParts
 from triage_proxy.store.checkpoints import CheckpointStore, DynamoDBCheckpoints
@@ -72,6 +73,11 @@ class Adapters:
                     settings.dead_letters, settings.kafka.topic, partition, settings.kafka.group_id
                 )
                 made.append(leases.close)
+        fence = None
+        if leases is not None and self._fleet is None and self._log is None:
+            # A pinned process is no member of the group: it yields to the group's live
+            # members, whatever their table (kafka/groups.py).
+            fence = GroupFence(settings.kafka).busy
         checkpoints = self._checkpoints
         if checkpoints is None and settings.commit.encode_settled:
             checkpoints = DynamoDBCheckpoints(
@@ -84,7 +90,7 @@ class Adapters:
                 fn()
 
         return PartitionParts(
-            log, checkpoints, leases, close, commits_apart=self._fleet is not None
+            log, checkpoints, leases, close, commits_apart=self._fleet is not None, fence=fence
         )
 
     def _new_log(self, partition: int) -> PartitionLog:

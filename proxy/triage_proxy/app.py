@@ -298,6 +298,8 @@ class Proxy:
         shown = sorted({*self.pipelines, *(self.pins or ())})
         return ProcessSnapshot(
             topic=self.settings.kafka.topic,
+            group_id=self.settings.kafka.group_id,
+            dead_letter_table=self.settings.dead_letters.table,
             state=self.state.value,
             ready=self.is_ready,
             alive=self.is_alive,

@@ -2,8 +2,8 @@
 Kafka records against one running `triage proxy` (real Tansu, real moto server), the
 proxy's own exit codes for what it refuses at start, and the commands that reach the
 network. The list of what is rejected and how is this module plus
-tests/unit/test_bad_input.py (config files, the command line, the pure pieces); the
-README links both.
+tests/unit/test_bad_input.py (config files, the command line, the pure pieces);
+docs/reference/rejected.md links both.
 
 One proxy serves the whole module. After every gRPC, HTTP and Kafka row the module
 checks that the proxy still serves and that nothing was lost: a fresh record produced
@@ -579,3 +579,50 @@ def test_status_with_the_broker_gone_prints_what_the_proxies_say(stack: Stack) -
     assert doc["broker_error"]
     assert [row["proxy"] for row in doc["partitions"]] == ["running"]
     assert "%3|" not in out.stderr  # librdkafka's raw lines stay off stderr
+
+
+STATUS_CASES: list[tuple[str, dict[str, str], int, list[str]]] = [
+    # this config's ports answer for another deployment (same topic, another group and
+    # table): nothing of this one is deployed, and the other's proxy is not shown as ours
+    (
+        "group-nobody-deployed",
+        {"group_id": "g-never-deployed", "table": "dlq-bad-input"},
+        1,
+        ["nothing is deployed for group 'g-never-deployed'", "triage deploy --config"],
+    ),
+    # the dead-letter table does not exist: exit 4 with what to do
+    (
+        "table-missing",
+        {"table": "no-such-dlq-table"},
+        4,
+        ["'no-such-dlq-table' does not exist", "triage deploy --config", "dead_letters.table"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "change", "code", "names"), STATUS_CASES, ids=[c[0] for c in STATUS_CASES]
+)
+def test_status_counts_only_this_deployment_and_its_table(
+    stack: Stack, case: str, change: dict[str, str], code: int, names: list[str]
+) -> None:
+    raw = json.loads(json.dumps(stack.raw))
+    if "group_id" in change:
+        raw["kafka"]["group_id"] = change["group_id"]
+    raw["dead_letters"]["table"] = change["table"]
+    config = stack.folder / f"status-{case}.toml"
+    write_config(config, raw)
+    out = triage("status", "--config", str(config), "--json")
+    assert out.returncode == code, out.stderr
+    doc = json.loads(out.stdout)
+    for text in names:
+        assert text in out.stderr
+    assert "Traceback" not in out.stderr
+    if case == "group-nobody-deployed":
+        assert [row["proxy"] for row in doc["partitions"]] == ["down"]
+        assert doc["deployed"] is False
+        assert doc["other_deployments"]  # the process that answered, named
+        table = triage("status", "--config", str(config))
+        assert "nothing is deployed for group 'g-never-deployed'" in table.stdout
+    else:
+        assert doc["dead_letters_missing"] is True

@@ -91,6 +91,9 @@ def stack(aws: EmbeddedAWS, broker: EmbeddedBroker, unique_name: str, tmp_path: 
     return Stack(config, settings, topic, broker.bootstrap, dls)
 
 
+TRIAGE_PROCESS = [sys.executable, "-m", "triage_cli.main"]
+
+
 def triage(*args: str | Path) -> Any:
     runner = CliRunner(env={"COLUMNS": "200"})  # rich sizes tables to the terminal
     return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
@@ -192,6 +195,37 @@ def test_show_renders_text_json_and_binary_safely(stack: Stack) -> None:
     assert "value (base64" in big.stdout
 
 
+LONG_REASON = "ValueError: first line\nsecond line\x1b[31m " + "r" * 300 + " END"
+
+
+def test_a_long_multiline_reason_stays_whole_and_on_one_line(stack: Stack) -> None:
+    """Bad-input rows: `dlq list` piped (not a terminal) prints the whole reason, and a
+    newline or an escape in a reason is shown escaped, on one line, in `list` and `show`."""
+    write_dead_letters(
+        stack.settings, [make_dl(stack.topic, 9, reason=LONG_REASON)], f"g-{stack.topic}"
+    )
+    shown = "ValueError: first line\\nsecond line\\x1b[31m " + "r" * 300 + " END"
+    piped = subprocess.run(
+        [sys.executable, "-m", "triage_cli.main", "dlq", "list", "-c", str(stack.config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={k: v for k, v in os.environ.items() if k != "COLUMNS"},
+    )
+    assert piped.returncode == 0, piped.stderr
+    [row] = [line for line in piped.stdout.splitlines() if "first line" in line]
+    assert shown in row
+    assert "second line" not in piped.stdout.replace(row, "")  # no extra line
+    assert "\x1b" not in piped.stdout
+    show = triage("dlq", "show", "--config", stack.config, stack.topic, "0", "9")
+    assert show.exit_code == 0, show.output
+    [line] = [line for line in show.stdout.splitlines() if "first line" in line]
+    assert line.startswith("reason")
+    assert line.endswith(shown)
+    assert "\x1b" not in show.stdout
+
+
 def test_show_json_gives_the_exact_bytes(stack: Stack) -> None:
     import base64
 
@@ -247,6 +281,64 @@ def test_replay_is_byte_exact_and_a_rerun_replays_nothing(stack: Stack) -> None:
         assert copy.headers()[: len(dl.record.headers)] == list(dl.record.headers)
         assert status_of(stack, dl.record.partition, dl.record.offset) == "replayed"
     assert listed(stack, "--status", "replayed") == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0)]
+
+
+def test_sigint_during_replay_says_it_was_interrupted_and_what_remains(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """A bad-input row: Ctrl-C in the middle of a replay of 600 items (chunks of 500). The chunk in
+    flight finishes and is marked; the command exits 130 and says it was interrupted and
+    how many items it did not reach (still pending: a rerun replays them)."""
+    import signal
+
+    from confluent_kafka import Consumer, TopicPartition
+
+    topic = f"{stack.topic}-many"
+    create_topic(stack.bootstrap, topic)
+    many = [make_dl(topic, o, value=b"v%d" % o, reason="boom") for o in range(600)]
+    write_dead_letters(stack.settings, many, f"g-{stack.topic}")
+    proc = subprocess.Popen(
+        [
+            *TRIAGE_PROCESS,
+            "dlq",
+            "replay",
+            "-c",
+            str(stack.config),
+            "--topic",
+            topic,
+            "--partition",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    watcher = Consumer({"bootstrap.servers": stack.bootstrap, "group.id": f"w-{topic}"})
+    watcher.assign([TopicPartition(topic, 0, 0)])
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            message = watcher.poll(0.2)
+            if message is not None and not message.error():
+                break  # the first chunk is being produced: interrupt now
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        watcher.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == ExitCode.INTERRUPTED, err
+    assert "Traceback" not in err
+    summary = [line for line in out.splitlines() if line.startswith("selected ")]
+    assert summary, out
+    replayed = int(summary[0].split("replayed ", 1)[1].split(",")[0])
+    assert 0 < replayed < 600
+    assert f"interrupted: replayed {replayed} of 600; {600 - replayed} not reached" in err
+    assert "Run the same command again" in err
+    with DeadLetterTable(stack.settings, group=f"g-{stack.topic}") as table:
+        assert table.get((topic, 0, 0))["status"]["S"] == "replayed"  # the first chunk
+        assert table.get((topic, 0, 599))["status"]["S"] == "pending"  # not reached
 
 
 def test_replay_one_offset_to_another_topic(stack: Stack) -> None:

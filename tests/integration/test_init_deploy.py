@@ -495,3 +495,43 @@ def test_destroy_aws_asks_before_deleting(tmp_path: Path) -> None:
     )
     assert result.exit_code == 1
     assert "nothing was deleted" in result.output
+
+
+@pytest.mark.slow
+def test_destroy_with_another_deployments_state_dir_refuses_and_stops_nothing(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """A bad-input row: `destroy --config B --state-dir <A's folder>` (and B side by side
+    with A, sharing `.triage/`) must not stop A, delete its state or orphan its proxies:
+    exit 5 naming A and the command that stops it. A's own destroy still works after."""
+    first = run_triage("deploy", *deployment.args())
+    assert first.returncode == 0, first.stderr + first.stdout
+    pids = deployment.pids()
+    supervisor = deployment.supervisor_pid()
+    other = tmp_path / "other" / "other.toml"
+    other.parent.mkdir()
+    other.write_text(deployment.config.read_text())
+    other.chmod(0o600)
+    beside = deployment.config.with_name("beside.toml")  # shares the default .triage/
+    beside.write_text(other.read_text())
+    beside.chmod(0o600)
+    for args in (
+        ["--config", str(other), "--state-dir", str(deployment.project.root)],
+        ["--config", str(beside)],
+    ):
+        out = run_triage("destroy", "--target", "local", *args)
+        assert out.returncode == 5, out.stdout + out.stderr
+        assert "another deployment" in out.stderr
+        assert f"--config {deployment.config.resolve()}" in out.stderr
+        assert "Destroyed" not in out.stdout
+        assert all(_alive(pid) for pid in [supervisor, *pids.values()])
+        assert deployment.pids() == pids
+        assert deployment.project.supervisor_pid_file.exists()
+    # deploying the side-by-side config into the live folder is refused the same way
+    out = run_triage("deploy", "--target", "local", "--config", str(beside))
+    assert out.returncode == 5, out.stdout + out.stderr
+    assert "another deployment" in out.stderr
+    assert deployment.pids() == pids
+    out = run_triage("destroy", *deployment.args())
+    assert out.returncode == 0, out.stderr
+    assert wait_until(lambda: not any(_alive(p) for p in [supervisor, *pids.values()]), 15)

@@ -57,7 +57,7 @@ ODD: list[Message] = [
 
 
 def recover(attrs: dict[str, Any], data: bytes | None) -> Seen:
-    """What docs/push.md tells a receiver to do."""
+    """What docs/guides/push.md tells a receiver to do."""
     key = base64.b64decode(attrs["triagekey"]) if "triagekey" in attrs else None
     rows = json.loads(base64.b64decode(attrs["triageheaders"])) if "triageheaders" in attrs else []
     headers = tuple((n, None if v is None else base64.b64decode(v)) for n, v in rows)

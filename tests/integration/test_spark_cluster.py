@@ -7,9 +7,10 @@ tasks spread over several workers. The cluster is started with the pyspark packa
 `spark-class` (the pip package has no sbin/ scripts), on free ports, each worker with
 one core and its own work directory, where its executors' logs show which tasks it ran.
 
-The commands are the README's cluster instructions (`test_readme_shows_these_commands`
-keeps the two identical); what only a test needs (no driver UI, small heaps, waiting
-for both executors before the first task) lives in a spark-defaults.conf of its own.
+The commands are the cluster instructions of docs/guides/spark-replay.md
+(`test_the_guide_shows_these_commands` keeps the two identical); what only a test needs (no
+driver UI, small heaps, waiting for both executors before the first task) lives in a
+spark-defaults.conf of its own.
 """
 
 from __future__ import annotations
@@ -74,14 +75,14 @@ SUBMIT = (
 TRIAGE = (
     "{bin}/triage dlq replay -c {config} --topic {topic} --spark --master spark://127.0.0.1:{port}"
 )
-README_VALUES = {
+GUIDE_VALUES = {
     "bin": ".venv/bin",
     "port": "7077",
     "config": "triage.toml",
     "topic": "orders",
 }
-"""What the README shows for the values a test picks (free ports, its own paths)."""
-README_WORKERS = [
+"""What the guide shows for the values a test picks (free ports, its own paths)."""
+GUIDE_WORKERS = [
     {"ui": "8081", "work": "/tmp/spark-worker-1"},
     {"ui": "8082", "work": "/tmp/spark-worker-2"},
 ]
@@ -205,7 +206,7 @@ class Cluster:
         )
 
     def run(self, command: list[str], env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
-        """A client command (spark-submit, triage) from the checkout, as the README runs it;
+        """A client command (spark-submit, triage) from the checkout, as the guide runs it;
         its process group (driver JVM and Python) is killed if it outlives RUN_TIMEOUT_S."""
         proc = subprocess.Popen(
             command,
@@ -297,7 +298,7 @@ def test_replay_on_a_standalone_cluster_with_two_workers(
     config = config_file(tmp_path / "triage.toml", broker.bootstrap, table, topic)
     values = {"bin": BIN, "port": cluster.port, "config": config, "topic": topic}
 
-    # spark-submit, with PYSPARK_PYTHON an absolute path as the README exports it
+    # spark-submit, with PYSPARK_PYTHON an absolute path as the guide exports it
     submit_env = {**cluster.env, "PYSPARK_PYTHON": str(BIN / "python")}
     started = time.monotonic()
     submitted = cluster.run(argv(SUBMIT, **values), submit_env)
@@ -348,29 +349,29 @@ def test_replay_on_a_standalone_cluster_with_two_workers(
         assert all(n > 0 for n in per_worker), (app, per_worker, cluster.log_tail())
 
 
-def readme_cluster_block() -> str:
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## Spark replay job") :]
+def guide_cluster_block() -> str:
+    text = (REPO / "docs" / "guides" / "spark-replay.md").read_text()
+    section = text[text.index("## On a standalone cluster") :]
     return section[: section.index("\n## ", 1)]
 
 
-def test_readme_shows_these_commands() -> None:
-    """The README's cluster instructions are the commands the cluster test runs."""
-    block = readme_cluster_block()
+def test_the_guide_shows_these_commands() -> None:
+    """The guide's cluster instructions are the commands the cluster test runs."""
+    block = guide_cluster_block()
     lines = [
         ENVIRONMENT,
-        MASTER.format(**README_VALUES, ui="8080"),
-        *(WORKER.format(**README_VALUES, **worker) for worker in README_WORKERS),
-        SUBMIT.format(**README_VALUES),
-        TRIAGE.format(**README_VALUES),
+        MASTER.format(**GUIDE_VALUES, ui="8080"),
+        *(WORKER.format(**GUIDE_VALUES, **worker) for worker in GUIDE_WORKERS),
+        SUBMIT.format(**GUIDE_VALUES),
+        TRIAGE.format(**GUIDE_VALUES),
     ]
     shown = {" ".join(line.rstrip(" &\\").split()) for line in _joined_lines(block)}
     for line in lines:
-        assert line in shown, f"the README's Spark section lacks: {line}"
+        assert line in shown, f"docs/guides/spark-replay.md's cluster section lacks: {line}"
 
 
 def _joined_lines(block: str) -> Sequence[str]:
-    """The shell lines of a README section, continuation lines joined."""
+    """The shell lines of a docs section, continuation lines joined."""
     out: list[str] = []
     pending = ""
     for raw in block.splitlines():

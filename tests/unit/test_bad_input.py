@@ -10,7 +10,14 @@ tests/unit/test_settings_limits.py (every number: NaN, +-inf, 0, negative, too l
 every reserved `[kafka.client]` property; inline secrets), tests/unit/test_security.py
 (missing and non-PEM TLS files), tests/integration/test_client_input.py (consumer ids,
 unwritable dead letters), tests/integration/test_attempts.py (a flapping fleet, crash
-pills across a kill -9), tests/integration/test_security.py (TLS, mTLS, revocation).
+pills across a kill -9), tests/integration/test_security.py (TLS, mTLS, revocation),
+tests/integration/test_dlq_cli.py (a long reason with a newline in `dlq list` piped and
+`dlq show`; SIGINT during `dlq replay`), tests/unit/test_render.py (control characters
+in a reason),
+tests/integration/test_group_fence.py (two deployments sharing a group id over two
+tables), tests/integration/test_init_deploy.py (destroy given a live deployment's state
+folder), tests/unit/test_init_push.py (init's next steps), tests/unit/test_status_cli.py
+(another deployment's process at this config's ports).
 """
 
 from __future__ import annotations
@@ -678,3 +685,56 @@ def test_revoking_a_name_revokes_its_token_under_every_name() -> None:
         token=shared, tokens={"app": shared, "mirror": shared, "b": other}, revoked=("app",)
     )
     assert auth.active() == {"b": other}
+
+
+def _write(path: Path, raw: dict[str, Any]) -> Path:
+    path.write_text(tomli_w.dumps(raw))
+    path.chmod(0o600)
+    return path
+
+
+@pytest.mark.parametrize("layout", ["state-dir-of-another", "shared-default-folder"])
+def test_destroy_refuses_another_deployments_state_and_touches_nothing(
+    tmp_path: Path, layout: str
+) -> None:
+    """The folder's state.json records another config (a wrong --state-dir, or two configs
+    side by side sharing `.triage/`): destroy exits 5 naming that deployment and the
+    command that stops it, and deletes nothing. (A live one: tests/integration/
+    test_init_deploy.py.)"""
+    other = _write(tmp_path / "other.toml", base_config())
+    mine_raw = base_config()
+    mine_raw["kafka"]["group_id"] = "mine"
+    folder = tmp_path / "mine" if layout == "state-dir-of-another" else tmp_path
+    folder.mkdir(exist_ok=True)
+    mine = _write(folder / "mine.toml", mine_raw)
+    state = tmp_path / ".triage"
+    state.mkdir()
+    (state / "state.json").write_text(
+        f'{{"config": "{other.resolve()}", "topic": "orders", "group_id": "g"}}\n'
+    )
+    (state / "supervisor.pid").write_text("999999999\n")  # dead: still not ours to remove
+    args = ["destroy", "--target", "local", "--config", str(mine)]
+    if layout == "state-dir-of-another":
+        args += ["--state-dir", str(state)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 5, result.output
+    assert "another deployment" in result.output
+    assert f"--config {other.resolve()}" in result.output
+    assert "deleted nothing" in result.output
+    assert (state / "state.json").exists()
+    assert (state / "supervisor.pid").exists()
+
+
+def test_deploy_state_dir_that_is_a_file_is_bad_input(tmp_path: Path) -> None:
+    config = base_config()
+    config["kafka"]["partitions"] = 1
+    config["server"]["port"] = 19999
+    path = _write(tmp_path / "t.toml", config)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    result = CliRunner().invoke(
+        app, ["deploy", "--target", "local", "-c", str(path), "--state-dir", str(afile)]
+    )
+    assert result.exit_code == 2, result.output
+    assert "--state-dir" in result.output
+    assert afile.read_text() == "x"

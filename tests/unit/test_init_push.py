@@ -23,6 +23,8 @@ def no_broker(monkeypatch: pytest.MonkeyPatch) -> None:
         return 3
 
     monkeypatch.setattr(init_module, "discover_partitions", discover)
+    # the group question needs a broker: tests/integration/test_group_fence.py asks one
+    monkeypatch.setattr(init_module, "warn_group_in_use", lambda config: None)
 
 
 def init(tmp_path: Path, *extra: str) -> tuple[Path, Any]:
@@ -53,6 +55,20 @@ def test_without_push_there_is_no_push_table(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "push" not in tomllib.loads(config.read_text())
     assert "POST the records" not in result.stdout
+
+
+def test_the_next_steps_fit_a_fleet_and_come_in_an_order_that_works(tmp_path: Path) -> None:
+    """`config check --connect` fails until deploy creates the table, so init does not send
+    the user there first; a fleet serves every partition behind any process's port, so
+    the consumer hint is not "port + p"."""
+    _, result = init(tmp_path, "--port", "7000")
+    assert result.exit_code == 0, result.output
+    steps = result.stdout.split("Next:", 1)[1]
+    assert "--connect" not in steps
+    assert steps.index("triage config check") < steps.index("triage deploy")
+    assert "+ p" not in steps
+    assert "Any proxy's address will do" in steps
+    assert "127.0.0.1:7000" in steps
 
 
 @pytest.mark.parametrize(

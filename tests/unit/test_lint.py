@@ -30,11 +30,12 @@ def test_mypy_strict() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_the_readme_layout_names_every_package_once() -> None:
-    """The Layout table has one row per package: every package folder appears once, and
-    every path it names exists (a renamed or removed package fails here)."""
-    readme = (ROOT / "README.md").read_text()
-    layout = readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+def test_the_architecture_layout_names_every_package_once() -> None:
+    """The Layout table of docs/architecture.md has one row per package: every package
+    folder appears once, and every path it names exists (a renamed or removed package
+    fails here)."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    layout = page.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `([^`]+)` \|", layout, re.MULTILINE)
     assert len(rows) == len(set(rows)), "a path named twice"
     assert [row for row in rows if not (ROOT / row).exists()] == []

@@ -85,3 +85,62 @@ def test_standby_waits_for_expiry_then_takes_over_and_honours_closing() -> None:
             await standby.acquire(asyncio.Event())
 
     asyncio.run(scenario())
+
+
+def test_the_group_fence_keeps_a_standby_waiting_and_stops_a_holder() -> None:
+    """A pinned process's group fence (kafka/groups.py): while it names a reason the
+    standby takes no lease; once clear it does; a holder whose fence names a reason after
+    a renewal stops at once, and OwnershipLost says why. (The real fence against Tansu:
+    tests/integration/test_group_fence.py.)"""
+
+    async def scenario() -> None:
+        store = MemoryLeases()
+        reason: list[str | None] = ["group 'g' has live members"]
+        asked = asyncio.Event()
+
+        def fence() -> str | None:
+            asked.set()
+            return reason[0]
+
+        holder = Ownership(store, LEASE, fence=fence)
+        acquiring = asyncio.ensure_future(holder.acquire(asyncio.Event()))
+        await asyncio.wait_for(asked.wait(), timeout=2)
+        assert store.lease is None  # fenced: the lease was never taken
+        assert not acquiring.done()
+        reason[0] = None
+        assert await asyncio.wait_for(acquiring, timeout=2)
+        assert holder.holding
+        lost: list[bool] = []
+        keeping = asyncio.ensure_future(holder.keep(asyncio.Event(), lambda: lost.append(True)))
+        reason[0] = "group 'g' has live members (stable)"
+        await asyncio.wait_for(keeping, timeout=2)
+        assert lost == [True]
+        assert not holder.holding
+        assert "group 'g' has live members" in str(holder.lost_error())
+
+    asyncio.run(scenario())
+
+
+def test_a_fence_that_does_not_answer_never_costs_the_lease() -> None:
+    """A broker that does not answer the group question (the fence call hangs): the
+    holder keeps renewing and holding, for several lease lengths."""
+
+    async def scenario() -> None:
+        import threading
+
+        release = threading.Event()
+        holder = Ownership(MemoryLeases(), LEASE, fence=lambda: release.wait(10) and None)
+        try:
+            assert await asyncio.wait_for(holder.acquire(asyncio.Event()), timeout=2)
+            lost: list[bool] = []
+            closing = asyncio.Event()
+            keeping = asyncio.ensure_future(holder.keep(closing, lambda: lost.append(True)))
+            await asyncio.sleep(1.5)  # three lease lengths: only renewals keep it
+            assert holder.holding
+            assert not lost
+            closing.set()
+            await asyncio.wait_for(keeping, timeout=2)
+        finally:
+            release.set()
+
+    asyncio.run(scenario())

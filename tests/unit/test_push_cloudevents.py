@@ -34,7 +34,7 @@ RECORDS = [
 def recover(
     attrs: dict[str, Any], data: bytes | None
 ) -> tuple[bytes | None, bytes | None, Headers]:
-    """What a receiver does (docs/push.md shows the same in TypeScript)."""
+    """What a receiver does (docs/guides/push.md shows the same in TypeScript)."""
     key = base64.b64decode(attrs["triagekey"]) if "triagekey" in attrs else None
     rows = json.loads(base64.b64decode(attrs["triageheaders"])) if "triageheaders" in attrs else []
     headers = tuple((n, None if v is None else base64.b64decode(v)) for n, v in rows)

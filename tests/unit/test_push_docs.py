@@ -1,4 +1,4 @@
-"""docs/push.md against the code it describes: its receiver recipes and signature checks
+"""docs/guides/push.md against the code it describes: its receiver recipes and signature checks
 (Python, and TypeScript compiled with the client package's `tsc` and run by `node`) run
 on what the proxy really sends (push/cloudevents.py, push/signing.py) and recover every
 byte; its config examples load; its tables name every `[[push]]` key with its default,
@@ -48,7 +48,7 @@ from triage_proxy.push.signing import verify as proxy_verify
 from triage_proxy.structs import Record
 
 ROOT = Path(__file__).resolve().parents[2]
-DOC = ROOT / "docs" / "push.md"
+DOC = ROOT / "docs" / "guides" / "push.md"
 TS_PACKAGE = ROOT / "clients" / "typescript"
 
 SHAPE = EventShape(source="triage://billing/orders", type="t.x", content_type="application/x")
@@ -107,7 +107,7 @@ def tagged(tag: str) -> str:
         for block in code_blocks()
         if block.split("\n", 1)[0].strip() in (f"# docs: {tag}", f"// docs: {tag}")
     ]
-    assert len(found) == 1, f"docs/push.md has {len(found)} blocks tagged {tag!r}, want 1"
+    assert len(found) == 1, f"docs/guides/push.md has {len(found)} blocks tagged {tag!r}, want 1"
     return found[0]
 
 
@@ -131,7 +131,7 @@ def run_python(*tags: str) -> dict[str, Any]:
     """Execute the tagged Python blocks, in order, in one namespace (not as __main__)."""
     namespace: dict[str, Any] = {"__name__": "push_docs_recipe"}
     for tag in tags:
-        exec(compile(tagged(tag), f"docs/push.md[{tag}]", "exec"), namespace)
+        exec(compile(tagged(tag), f"docs/guides/push.md[{tag}]", "exec"), namespace)
     return namespace
 
 
@@ -341,7 +341,9 @@ process.stdout.write(
 def tool(name: str) -> str:
     path = shutil.which(name)
     if path is None:
-        pytest.fail(f"`{name}` is not on PATH: docs/push.md's TypeScript is checked with Node 20")
+        pytest.fail(
+            f"`{name}` is not on PATH: docs/guides/push.md's TypeScript is checked with Node 20"
+        )
     return path
 
 
@@ -395,7 +397,7 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> Path:
         timeout=120,
         check=False,
     )
-    assert out.returncode == 0, f"docs/push.md's TypeScript does not compile:\n{out.stdout}"
+    assert out.returncode == 0, f"docs/guides/push.md's TypeScript does not compile:\n{out.stdout}"
     (work / "harness.mjs").write_text(HARNESS)
     return work
 

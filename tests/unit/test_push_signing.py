@@ -1,4 +1,4 @@
-"""The request signature (push/signing.py), checked the way docs/push.md tells a receiver."""
+"""The request signature (push/signing.py), checked the way docs/guides/push.md tells a receiver."""
 
 from __future__ import annotations
 

@@ -10,7 +10,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.samples import item
-from triage_cli.render import hex_dump, item_summary, render_bytes, safe_text, short_text
+from triage_cli.dlq import dead_letter_table
+from triage_cli.render import (
+    hex_dump,
+    item_summary,
+    one_line,
+    render_bytes,
+    safe_text,
+    short_text,
+)
 from triage_proxy.store.items import item_key
 
 
@@ -79,3 +87,28 @@ def test_item_summary_is_json_ready() -> None:
     assert base64.b64decode(summary["key_b64"]) == b"\x00k"
     assert summary["replayed_at"] is None
     assert item_key(item(7, partition=2)) == ("orders", 2, 7)
+
+
+def test_one_line_escapes_newlines_tabs_and_controls_visibly() -> None:
+    assert one_line("boom\nat line 2\tx\x1b[31m\r") == "boom\\nat line 2\\tx\\x1b[31m\\r"
+
+
+def _table_text(width: int, *, full: bool, reason: str) -> str:
+    from rich.console import Console
+
+    console = Console(width=width, record=True, color_system=None)
+    console.print(dead_letter_table([item(7, reason=reason)], "1 dead letter", full=full))
+    return console.export_text()
+
+
+def test_dlq_list_table_is_one_line_per_dead_letter_and_whole_when_not_a_terminal() -> None:
+    reason = "ValueError: first line\nsecond line " + "y" * 200 + " END"
+    whole = _table_text(1_000_000, full=True, reason=reason)
+    row = [line for line in whole.splitlines() if "ValueError" in line]
+    assert len(row) == 1  # the newline did not make a second line
+    assert "first line\\nsecond line" in row[0]
+    assert row[0].rstrip().endswith("END")  # the whole reason, not 80 columns of it
+    cut = _table_text(80, full=False, reason=reason)
+    assert "END" not in cut
+    assert "…" in cut
+    assert max(len(line) for line in cut.splitlines()) <= 80

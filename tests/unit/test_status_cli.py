@@ -14,6 +14,8 @@ from triage_cli.status import (
     Report,
     Sources,
     fetch_status,
+    mine_only,
+    missing_table_hint,
     partition_row,
     render_table,
 )
@@ -197,3 +199,38 @@ def test_each_partition_shows_the_endpoint_its_proxy_advertises() -> None:
     text = " ".join(console.export_text().split())
     assert f"endpoints (partition host:port): 0 {nlb}:7700" in text
     assert "…" not in console.export_text()
+
+
+def test_a_process_of_another_deployment_is_not_shown_as_ours() -> None:
+    """A process at this config's port that serves another group or table counts as down,
+    and the report says plainly that nothing of this deployment is deployed."""
+    settings = make_settings()
+    other = {**RUNNING, "topic": "t", "group_id": "g", "dead_letter_table": "other-dlq", "pid": 7}
+    view = mine_only(ProxyView("http://h:1/status", doc=other), settings)
+    assert view.doc is None
+    assert view.foreign is not None
+    assert "'other-dlq'" in str(view.error)
+    assert "another deployment" in str(view.error)
+    ours = {**RUNNING, "topic": "t", "group_id": "g", "dead_letter_table": "dlq"}
+    assert mine_only(ProxyView("u", doc=ours), settings).doc == ours
+    older = {**RUNNING, "topic": "t"}  # a proxy that does not name its group or table
+    assert mine_only(ProxyView("u", doc=older), settings).doc == older
+    row = partition_row(0, BrokerView(), view, None)
+    assert row["proxy"] == "down"
+    lonely = Report(
+        topic="t", group_id="g", partitions=[row], foreign=[str(view.foreign)], table="dlq"
+    )
+    assert not lonely.deployed
+    assert lonely.to_json()["deployed"] is False
+    console = Console(width=200, record=True, color_system=None)
+    console.print(render_table(lonely))
+    text = console.export_text()
+    assert "nothing is deployed for group 'g'" in text
+    assert "triage deploy --config" in text
+    assert "pid 7" in text
+
+
+def test_a_missing_dead_letter_table_says_what_to_do() -> None:
+    hint = missing_table_hint("table 'dlq' does not exist", "triage.toml")
+    assert "triage deploy --config triage.toml" in hint
+    assert "dead_letters.table" in hint

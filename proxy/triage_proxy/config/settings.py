@@ -7,8 +7,8 @@ Nothing below the CLI reads files or the environment: `load_settings` resolves
                    security_protocol,
                    sasl_mechanism, sasl_username, sasl_password (a reference: "env:VAR" or
                    "secret:NAME", never inline), client (librdkafka extras)
-    [server]       host, port (partition p listens on port + p), max_frame_bytes,
-                   http_port (metrics/health/status; partition p on http_port + p),
+    [server]       host, port (a process listens on port + its slot), max_frame_bytes,
+                   http_port (metrics/health/status; on http_port + the slot),
                    http_host (its own interface, default loopback), http_enabled,
                    advertised_host, advertised_port (what consumers are told to dial;
                    advertised_host "ecs-task-dns"/"ecs-task-ip": the ECS task's own, see
@@ -292,7 +292,8 @@ class ServerSettings:
     host: str = "127.0.0.1"
     """Interface the gRPC listener binds."""
     port: int = _bounded(DEFAULT_PORT, 0, MAX_PORT, why="a TCP port")
-    """Base port: the proxy for partition p listens on port + p."""
+    """Base port: a proxy process listens on port + its slot (the partition when it pins
+    exactly one, else `triage proxy --slot K`, default 0); 0 picks a free port."""
     max_frame_bytes: int = _bounded(
         DEFAULT_MAX_FRAME_BYTES,
         MIN_FRAME_BYTES,
@@ -301,8 +302,9 @@ class ServerSettings:
     )
     """Largest gRPC frame either side may send; bounds one oversized message."""
     http_port: int = _bounded(DEFAULT_HTTP_PORT, 0, MAX_PORT, why="a TCP port")
-    """Base port of the HTTP endpoint (/metrics, /healthz, /readyz, /status): partition p
-    serves on http_port + p; 0 picks a free port. `http_enabled = false` turns it off."""
+    """Base port of the HTTP endpoint (/metrics, /healthz, /readyz, /status): a process
+    serves it on http_port + its slot, as `port`; 0 picks a free port. `http_enabled =
+    false` turns it off."""
     http_host: str = DEFAULT_HTTP_HOST
     """Interface the HTTP endpoint binds: its own, since /status has no token (exposing
     gRPC on a public interface must not expose it too). Default loopback."""
@@ -315,7 +317,7 @@ class ServerSettings:
     is a wildcard (0.0.0.0, :: or empty), since a wildcard cannot be dialled."""
     advertised_port: int | None = _bounded(None, 1, MAX_PORT, why="a TCP port")
     """Base port consumers are given: partition p at advertised_port + p (a load
-    balancer's listeners). Default: the port bound (port + p, or the free one picked when
+    balancer's listeners). Default: the port bound (port + slot, or the free one picked when
     `port` is 0)."""
 
     def http_address(self, partition: int) -> tuple[str, int] | None:

@@ -285,6 +285,11 @@ class ProcessSnapshot:
     """Every partition it should serve is delivering (what /readyz answers)."""
     alive: bool
     """Started and not yet stopped (what /healthz answers)."""
+    group_id: str = ""
+    """The deployment it belongs to (`kafka.group_id`); "" when not known."""
+    dead_letter_table: str = ""
+    """The dead-letter table it writes (`dead_letters.table`); "" when not known.
+    `triage status` shows a process only when topic, group and table are its config's."""
     grpc_port: int = 0
     """The gRPC port bound (0 before it listens)."""
     advertised_endpoint: str = ""
@@ -316,6 +321,8 @@ class ProcessSnapshot:
             doc.update(self.partitions[0].to_json())
         doc.update(
             topic=self.topic,
+            group_id=self.group_id,
+            dead_letter_table=self.dead_letter_table,
             state=self.state,
             ready=self.ready,
             grpc_port=self.grpc_port,

@@ -19,6 +19,18 @@ successful renewal it stops delivering at once (`on_lost`) and the proxy exits w
 OwnershipLost. So the two never deliver at once as long as the hosts' wall clocks differ
 by less than the margin minus the holder's event-loop stalls (NTP keeps clocks within
 milliseconds; the margin is 2 s with the default 10 s lease).
+
+The group fence. The lease item lives in the deployment's own table, so it fences only
+the processes that share it. A pinned proxy, which is no member of the consumer group,
+is also given a `fence` (kafka/groups.py `GroupFence.busy`): while it names a reason (the
+group has live members: a fleet, of whatever table, runs the partitions by the group
+protocol), the standby does not take the lease (it logs why, once, and asks again every
+renew_every_s), and a holder asks it after every renewal and stops delivering at once
+when it answers (`on_lost`, then OwnershipLost naming the reason). A fleet's process is
+a member: the coordinator gives each partition to one member, whatever its table, so it
+gets no fence. The bound: a pinned holder stops at most renew_every_s after the group
+gains a live member (its commits are refused from then on, so nothing is lost; what it
+delivered in that interval may be delivered again).
 """
 
 from __future__ import annotations
@@ -88,10 +100,20 @@ class Ownership:
         *,
         owner: str | None = None,
         endpoint: str = "",
+        fence: Callable[[], str | None] | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         wall_clock_ms: Callable[[], int] = wall_ms,
     ) -> None:
         self.store = store
+        self._fence = fence
+        """Why this process must not deliver now, beyond the lease (the group fence, see
+        the module docstring); None: no fence."""
+        self.lost_reason = ""
+        """Why the lease was given up while held ("" while it was not)."""
+        self._fence_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fence")
+        """The fence's own thread: a broker that does not answer holds it, never a
+        renewal's (the lease threads below)."""
+        self._fence_call: asyncio.Future[str | None] | None = None
         self.owner = owner or new_owner_id()
         self.endpoint = endpoint
         """host:port this process serves consumers at, written with every acquire and
@@ -116,6 +138,24 @@ class Ownership:
 
     async def _call(self, call: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, call, *args)
+
+    async def _fenced(self) -> str | None:
+        """The fence's answer (None: no fence, no reason, or no answer within half a
+        renewal interval: asked again next time, a slow broker never costs the lease)."""
+        if self._fence is None:
+            return None
+        if self._fence_call is None:
+            loop = asyncio.get_running_loop()
+            self._fence_call = loop.run_in_executor(self._fence_pool, self._fence)
+        call = self._fence_call
+        timeout = max(0.0, min(self._renew_every_s / 2, self.valid_for))
+        if self.state is OwnershipState.STANDBY:
+            timeout = self._renew_every_s / 2
+        done, _ = await asyncio.wait({call}, timeout=timeout)
+        if not done:
+            return None
+        self._fence_call = None
+        return call.result()
 
     @property
     def valid_for(self) -> float:
@@ -154,7 +194,23 @@ class Ownership:
             raise StateError(f"ownership already {self.state.value}")
         self.state = OwnershipState.STANDBY
         failures = 0
+        fenced = ""
         while not closing.is_set():
+            if self._fence is not None:
+                reason = await self._fenced() or ""
+                if reason != fenced:
+                    if reason:
+                        logger.warning(
+                            "standby: %s; waiting, asking again every %.1fs",
+                            reason,
+                            self._renew_every_s,
+                        )
+                    else:
+                        logger.info("standby: the group fence is clear; taking the lease")
+                    fenced = reason
+                if reason:
+                    await wait_any(closing, timeout=self._renew_every_s)
+                    continue
             sent, now_ms, until_ms = self._times()
             try:
                 lease = await self._call(
@@ -187,6 +243,7 @@ class Ownership:
             await wait_any(closing, timeout=min(poll_s, max(0.01, lapse_s)))
         self.state = OwnershipState.RELEASED
         self._pool.shutdown(wait=False)
+        self._fence_pool.shutdown(wait=False)
         return False
 
     def _retry_s(self, failures: int) -> float:
@@ -255,8 +312,12 @@ class Ownership:
             failures = 0
             self._held_since(sent)
             next_at = sent + self._renew_every_s
+            reason = await self._fenced()
+            if reason:
+                return self._lose(on_lost, reason)
 
     def _lose(self, on_lost: Callable[[], None], why: str) -> None:
+        self.lost_reason = why
         self.state = OwnershipState.LOST
         self.lost.set()
         logger.error("lease lost (%s): delivering stops now", why)
@@ -276,9 +337,11 @@ class Ownership:
             return
         finally:
             self._pool.shutdown(wait=False)  # what still runs finishes on its own
+            self._fence_pool.shutdown(wait=False)
         logger.debug("lease %s", "released" if done else "was no longer ours to release")
 
     def lost_error(self) -> OwnershipLost:
+        why = f": {self.lost_reason}" if self.lost_reason else ""
         return OwnershipLost(
-            f"lost the partition lease (owner {self.owner}); restart to wait as a standby"
+            f"lost the partition lease (owner {self.owner}){why}; restart to wait as a standby"
         )

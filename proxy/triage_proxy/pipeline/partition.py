@@ -86,6 +86,9 @@ class PartitionParts:
     """The partition's lease item (None: ownership is off)."""
     close: Callable[[], None] = lambda: None
     """Closes what was made for this pipeline (not what a test injected)."""
+    fence: Callable[[], str | None] | None = None
+    """The group fence (`Ownership`'s; a pinned process's `GroupFence.busy`): why it must
+    not deliver now; None: no fence (a fleet member, or ownership off)."""
     commits_apart: bool = False
     """The log commits through another Kafka client (a fleet's group member). Every
     commit waits on a thread of its own, not on the fetch's (see `_serve`), so this
@@ -217,7 +220,11 @@ class PartitionPipeline:
             ownership = None
             if self.parts.leases is not None:
                 self.ownership = ownership = Ownership(
-                    self.parts.leases, settings.ownership, owner=self.owner, endpoint=self.endpoint
+                    self.parts.leases,
+                    settings.ownership,
+                    owner=self.owner,
+                    endpoint=self.endpoint,
+                    fence=self.parts.fence,
                 )
             checkpoints = self.parts.checkpoints if settings.commit.encode_settled else None
             # The fetch has a thread of its own; the commit and the broker queries (log

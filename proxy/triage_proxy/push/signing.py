@@ -5,7 +5,7 @@ forger's and a fresh request from a replayed one.
 
 The timestamp is inside the signed bytes, so a receiver that refuses signatures older than
 a few minutes also refuses replays. A receiver verifies with a constant-time comparison
-(docs/push.md has the ten lines in Python and TypeScript).
+(docs/guides/push.md has the ten lines in Python and TypeScript).
 """
 
 from __future__ import annotations
