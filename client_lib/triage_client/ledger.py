@@ -5,6 +5,9 @@ The handler pool owns the ledger; the streams and the Consumer ask it. A deliver
 sequence of ledger calls:
 
     stream's Deliveries -> pool.submit -> queue()        queued, leased, outstanding
+    (an isolated one)   -> pool.isolate -> hold()        held back (isolation.py), leased,
+                           its turn: pool.run_isolated    outstanding; then queued first
+                           -> admit()
     a slot frees        -> pick()                        running (busy)
     handler done        -> finished() (async handlers)   acks / nacks, no longer outstanding
                            vacate() + collect() (sync handlers: the result reaches the loop
@@ -59,6 +62,7 @@ class Account:
         "busy",
         "dropped",
         "epoch",
+        "held_back",
         "nacks",
         "outstanding",
         "queued",
@@ -78,6 +82,9 @@ class Account:
         """Deliveries of the current epoch queued or running."""
         self.queued: deque[Message] = deque()
         """Deliveries waiting for a handler slot."""
+        self.held_back: list[Message] = []
+        """Isolated deliveries waiting for the process's turn (isolation.py): leased and
+        outstanding, not queued for a slot."""
         self.busy = 0
         """Handlers running in the pool's slots for this stream, any epoch."""
         self.slots = UNCAPPED
@@ -134,6 +141,32 @@ class Ledger:
             self.ready.append(account)
         account.queued.extend(messages)
         self.queued += count
+
+    def hold(self, account: Account, messages: list[Message]) -> None:
+        """A stream's isolated deliveries wait for their turn (isolation.py), leased and
+        outstanding like queued ones, but no slot picks them until `admit`."""
+        count = len(messages)
+        self.outstanding += count
+        account.outstanding += count
+        account.running.update(message.offset for message in messages)
+        account.held_back.extend(messages)
+
+    def admit(self, account: Account, message: Message) -> bool:
+        """An isolated delivery's turn came: it goes first in its stream's queue. False when
+        it is no longer held back (its stream gave it back or its connection ended)."""
+        with self.lock:
+            held_back = account.held_back
+            for i, candidate in enumerate(held_back):
+                if candidate is message:
+                    del held_back[i]
+                    break
+            else:
+                return False
+            if not account.queued:
+                self.ready.append(account)
+            account.queued.appendleft(message)
+            self.queued += 1
+        return True
 
     def pick(self) -> tuple[Account, Message] | None:
         """The next delivery for a free slot, counted as running: from the stream with the
@@ -230,9 +263,10 @@ class Ledger:
     # -- the stream's side -----------------------------------------------------------------
 
     def take_back(self, account: Account, *, next_epoch: bool = False) -> list[Message]:
-        """Remove a stream's queued, unstarted deliveries: at stop(), or, with `next_epoch`,
-        because its connection ended; then, in one step, results of handlers still running
-        on it are marked stale and the next connection gets a fresh lease set."""
+        """Remove a stream's queued and held-back, unstarted deliveries: at stop(), or, with
+        `next_epoch`, because its connection ended; then, in one step, results of handlers
+        still running on it are marked stale and the next connection gets a fresh lease
+        set."""
         with self.lock:
             if next_epoch:
                 account.epoch += 1
@@ -242,6 +276,10 @@ class Ledger:
                 self.queued -= len(taken)
                 account.queued.clear()
                 self.ready.remove(account)
+            if account.held_back:
+                taken.extend(account.held_back)
+                account.held_back = []
+            if taken:
                 account.running.difference_update(message.offset for message in taken)
         self.outstanding -= len(taken)
         # handlers still running belong to the ended epoch now

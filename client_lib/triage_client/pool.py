@@ -182,6 +182,18 @@ class HandlerPool:
         for _ in range(idle):
             self._executor.submit(self._drain)
 
+    def isolate(self, account: Account, messages: list[Message]) -> None:
+        """Hold a stream's isolated deliveries back until their turn (`run_isolated`)."""
+        self.ledger.hold(account, messages)
+
+    def run_isolated(self, account: Account, message: Message) -> bool:
+        """An isolated delivery's turn came and the proxy recorded it started: it takes the
+        next free slot of its stream. False if its stream no longer holds it back."""
+        if not self.ledger.admit(account, message):
+            return False
+        self.kick()
+        return True
+
     def take_back(self, account: Account, *, next_epoch: bool = False) -> list[Message]:
         """Remove a stream's queued, unstarted deliveries (`Ledger.take_back`)."""
         taken = self.ledger.take_back(account, next_epoch=next_epoch)

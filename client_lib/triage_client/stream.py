@@ -29,6 +29,11 @@ it and the writer builds and sends it, so frames never interleave and an offset 
 extended after its settlement was sent. A delivery whose instance dies or hangs its event loop
 stops being extended and is redelivered after the deadline.
 
+Isolated deliveries: the Hello sets `isolation`; a delivery the proxy flags isolated (a
+suspect: its earlier holder vanished) waits for the process's turn (isolation.py), then the
+writer sends Started and, once the proxy answers it, it takes the next handler slot; the
+turn passes on when its Settle is written (or the connection ends).
+
 Credits: the Hello announces the Consumer's split for this stream. When the Welcome says the
 proxy honours Grant frames (`grants`), the Consumer changes them while the stream runs
 (`set_credits`, see credits.py): the writer sends a Grant, and the stream reports what it
@@ -41,7 +46,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -50,7 +55,8 @@ import grpc
 
 from triage_client.credits import StreamLoad
 from triage_client.errors import PartitionError, error_for_status
-from triage_client.message import ConsumerStats, make_message, unpack_messages
+from triage_client.isolation import GATE, Ticket
+from triage_client.message import ConsumerStats, Message, make_message, unpack_messages
 from triage_client.pool import SETTLE_DELAY_S, HandlerPool
 from triage_client.topology import owner_endpoint
 from triage_protocol import triage_pb2
@@ -85,6 +91,9 @@ unless a quarter of the credits is tied up in them or the proxy runs short of cr
 a Settle on every 2 ms tick carried ~2 results, and each gRPC write holds the GIL ~70 us
 (grpc.aio sends inline: sendmsg and an eventfd write), so the writes of 4 streams kept the
 loop thread on the GIL while handler threads waited to wake."""
+TURN_POLL_S = 0.05
+"""How often a stream whose connection ended looks whether its isolated delivery's handler,
+still running, is done (then the process's turn passes on)."""
 CLOSE_TIMEOUT_S = 5.0
 """How long stop() waits for the proxy to end the stream after the half-close."""
 MAX_REDIRECTS = 3
@@ -204,6 +213,8 @@ class PartitionStream:
         self._flush_timer: asyncio.TimerHandle | None = None
         self._ticks_waited = 0  # pool ticks the unsent results have waited (SETTLE_TICKS)
         self._extend_due = False  # the ticker asked the writer for an Extend
+        self._started_due: list[int] = []  # isolated offsets whose Started is to be sent
+        self._turn: Ticket | None = None  # this stream's isolated delivery holding the turn
 
         self.delivered = 0
         self.acked = 0
@@ -248,6 +259,11 @@ class PartitionStream:
     def begin_stop(self) -> tuple[int, int]:
         """Release the queued deliveries and let the writer drain; (in flight, released)."""
         taken = self._ctx.pool.take_back(self.account)
+        turn = self._turn
+        if turn is not None and not turn.started:
+            self._turn = None
+            GATE.leave(turn)  # given back unstarted
+        GATE.drop_waiting(self)
         if taken:
             self._ledger.release(self.account, (message.offset for message in taken))
             self.dropped += len(taken)
@@ -359,10 +375,21 @@ class PartitionStream:
     def _end_stream(self) -> None:
         """Forget what the dead stream held: the proxy redelivers all of it."""
         self.call = None
-        released = len(self._ctx.pool.take_back(self.account, next_epoch=True))
+        leases = self.account.running  # the ended connection's: a handler leaves it when done
+        taken = self._ctx.pool.take_back(self.account, next_epoch=True)
+        released = len(taken)
         unsent = self._ledger.forget(self.account)
         self._release_due = False
         self._extend_due = False
+        self._started_due = []
+        GATE.drop_waiting(self)  # the proxy redelivers them (a pending turn sees its epoch)
+        turn, self._turn = self._turn, None
+        if turn is not None:
+            offset = turn.message.offset
+            if turn.started and offset in leases and all(m is not turn.message for m in taken):
+                self._leave_when_done(turn, leases)  # its handler still runs
+            else:
+                GATE.leave(turn)
         self.dropped += released + unsent
         self._held = 0
         if self._flush_timer is not None:
@@ -403,6 +430,8 @@ class PartitionStream:
                 )
             elif kind == "welcome":
                 self._on_welcome(frame.welcome, deadline_ms)
+            elif kind == "started":
+                self._on_started(frame.started.offsets)
 
     def _on_welcome(self, welcome: triage_pb2.Welcome, deadline_ms: asyncio.Future[int]) -> None:
         ctx = self._ctx
@@ -441,6 +470,7 @@ class PartitionStream:
             credits=self.credits,
             max_frame_bytes=CLIENT_MAX_FRAME_BYTES,
             packed_deliveries=True,
+            isolation=True,
         )
         if self.named and self.partition is not None:
             hello.partition = self.partition
@@ -488,6 +518,9 @@ class PartitionStream:
                 self._flush_wanted.set()
 
     async def _flush(self, call: _Call) -> None:
+        if self._started_due:
+            offsets, self._started_due = self._started_due, []
+            await call.write(triage_pb2.ConsumerFrame(started=triage_pb2.Started(offsets=offsets)))
         if self._grant_due:
             self._grant_due = False
             grant = triage_pb2.Grant(credits=self.credits)
@@ -527,6 +560,12 @@ class PartitionStream:
             raise
         self.acked += len(acks)
         self.nacked += len(nacks)
+        turn = self._turn
+        if turn is not None and turn.started:
+            offset = turn.message.offset
+            if offset in acks or any(nack.offset == offset for nack in nacks):
+                self._turn = None
+                GATE.leave(turn)  # its result is on the wire: the next one's turn
 
     def _on_flush_timer(self) -> None:
         self._flush_timer = None
@@ -586,7 +625,53 @@ class PartitionStream:
             self._ledger.release(self.account, (message.offset for message in messages))
             self._flush_wanted.set()
             return
+        if batch.isolated:
+            self._isolate(messages, batch.isolated)
+            return
         self._ctx.pool.submit(self.account, messages)
+
+    def _isolate(self, messages: list[Message], isolated: Iterable[int]) -> None:
+        """Deliveries of a frame that flags some isolated: those wait for the process's
+        turn (isolation.py), the rest go to the pool as usual."""
+        flagged = set(isolated)
+        held = [m for m in messages if m.offset in flagged]
+        self._ctx.pool.submit(self.account, [m for m in messages if m.offset not in flagged])
+        if not held:
+            return
+        loop = self._loop
+        assert loop is not None
+        self._ctx.pool.isolate(self.account, held)
+        epoch = self.account.epoch
+        for message in held:
+            GATE.enter(Ticket(self, message, epoch, loop, self._on_turn))
+
+    def _on_turn(self, ticket: Ticket) -> None:
+        """`ticket`'s turn came (on the loop): ask the proxy to record it started."""
+        if ticket.epoch != self.account.epoch or self.call is None or self._ctx.stopping.is_set():
+            GATE.leave(ticket)  # its connection ended: the proxy redelivers it
+            return
+        self._turn = ticket
+        self._started_due.append(ticket.message.offset)
+        self._flush_wanted.set()
+
+    def _leave_when_done(self, turn: Ticket, leases: set[int]) -> None:
+        """The turn passes on once `turn`'s handler, still running though its connection
+        ended, is done (its offset leaves the ended connection's lease set): until then it
+        is the process's one started isolated delivery, and may still crash it."""
+        if turn.message.offset not in leases or self._loop is None:
+            GATE.leave(turn)
+            return
+        self._loop.call_later(TURN_POLL_S, self._leave_when_done, turn, leases)
+
+    def _on_started(self, offsets: Iterable[int]) -> None:
+        """The proxy recorded the Started: the delivery takes the next handler slot."""
+        turn = self._turn
+        if turn is None or turn.started or turn.message.offset not in offsets:
+            return
+        turn.started = True
+        if not self._ctx.pool.run_isolated(self.account, turn.message):
+            self._turn = None  # given back meanwhile
+            GATE.leave(turn)
 
     def load(self) -> StreamLoad:
         """What this stream showed since the last call (one rebalance period), for the

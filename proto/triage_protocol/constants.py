@@ -25,6 +25,7 @@ __all__ = [
     "MAX_CONSUMER_ID_CHARS",
     "MAX_CREDITS",
     "MAX_REASON_CHARS",
+    "MAX_STARTED_OFFSETS",
     "MIN_FRAME_BYTES",
     "OWNER_ENDPOINT_METADATA",
     "UINT32_MAX",
@@ -47,6 +48,9 @@ MAX_CONSUMER_ID_CHARS: Final = 2048
 MAX_CREDITS: Final = 100_000
 """Most unsettled deliveries one stream may hold (Hello.credits, Grant.credits), and most
 offsets one Settle may ack (acks and ack_ranges together)."""
+MAX_STARTED_OFFSETS: Final = 1024
+"""Most offsets one Started frame may name (a client sends one at a time); the proxy's
+answer repeats them, so it stays far below any frame limit."""
 UINT32_MAX: Final = 2**32 - 1
 """Largest value of a protobuf uint32 field (the credits a client is configured with in
 total, before they are split over its streams, must fit one)."""

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16triage/v1/triage.proto\x12\ttriage.v1\"\x11\n\x0fTopologyRequest\"\x89\x01\n\rTopologyReply\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x17\n\x0fpartition_count\x18\x02 \x01(\x05\x12-\n\npartitions\x18\x03 \x03(\x0b\x32\x19.triage.v1.PartitionRoute\x12\x10\n\x08\x63omplete\x18\x04 \x01(\x08\x12\x0f\n\x07problem\x18\x05 \x01(\t\"\xc0\x01\n\x0ePartitionRoute\x12\x11\n\tpartition\x18\x01 \x01(\x05\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12.\n\x05state\x18\x03 \x01(\x0e\x32\x1f.triage.v1.PartitionRoute.State\x12\x10\n\x08owner_id\x18\x04 \x01(\t\"G\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x10\n\x0cSTANDBY_ONLY\x10\x02\x12\x08\n\x04NONE\x10\x03\"\xcf\x01\n\rConsumerFrame\x12!\n\x05hello\x18\x01 \x01(\x0b\x32\x10.triage.v1.HelloH\x00\x12#\n\x06settle\x18\x02 \x01(\x0b\x32\x11.triage.v1.SettleH\x00\x12#\n\x06\x65xtend\x18\x03 \x01(\x0b\x32\x11.triage.v1.ExtendH\x00\x12%\n\x07release\x18\x04 \x01(\x0b\x32\x12.triage.v1.ReleaseH\x00\x12!\n\x05grant\x18\x05 \x01(\x0b\x32\x10.triage.v1.GrantH\x00\x42\x07\n\x05\x66rame\"\x92\x01\n\nProxyFrame\x12%\n\x07welcome\x18\x01 \x01(\x0b\x32\x12.triage.v1.WelcomeH\x00\x12+\n\ndeliveries\x18\x02 \x01(\x0b\x32\x15.triage.v1.DeliveriesH\x00\x12\'\n\x08rejected\x18\x03 \x01(\x0b\x32\x13.triage.v1.RejectedH\x00\x42\x07\n\x05\x66rame\"\x87\x01\n\x05Hello\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63redits\x18\x02 \x01(\r\x12\x16\n\tpartition\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\x0fmax_frame_bytes\x18\x04 \x01(\r\x12\x19\n\x11packed_deliveries\x18\x05 \x01(\x08\x42\x0c\n\n_partition\"\x97\x01\n\x07Welcome\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63k_deadline_ms\x18\x03 \x01(\r\x12\x14\n\x0cmax_attempts\x18\x04 \x01(\r\x12\x0e\n\x06grants\x18\x05 \x01(\x08\x12\x17\n\x0fmax_frame_bytes\x18\x06 \x01(\r\x12\x12\n\nack_ranges\x18\x07 \x01(\x08\"3\n\x06Header\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\x05value\x18\x02 \x01(\x0cH\x00\x88\x01\x01\x42\x08\n\x06_value\"\x9d\x01\n\x08\x44\x65livery\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x10\n\x03key\x18\x02 \x01(\x0cH\x00\x88\x01\x01\x12\x12\n\x05value\x18\x03 \x01(\x0cH\x01\x88\x01\x01\x12\"\n\x07headers\x18\x04 \x03(\x0b\x32\x11.triage.v1.Header\x12\x14\n\x0ctimestamp_ms\x18\x05 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\rB\x06\n\x04_keyB\x08\n\x06_value\"\x84\x01\n\nDeliveries\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\'\n\ndeliveries\x18\x03 \x03(\x0b\x32\x13.triage.v1.Delivery\x12+\n\x06packed\x18\x04 \x01(\x0b\x32\x1b.triage.v1.PackedDeliveries\"\x96\x01\n\x10PackedDeliveries\x12\x0f\n\x07offsets\x18\x01 \x01(\x0c\x12\x15\n\rtimestamps_ms\x18\x02 \x01(\x0c\x12\x10\n\x08\x61ttempts\x18\x03 \x01(\x0c\x12\x15\n\rvalue_lengths\x18\x04 \x01(\x0c\x12\x0e\n\x06values\x18\x05 \x01(\x0c\x12\x13\n\x0bkey_lengths\x18\x06 \x01(\x0c\x12\x0c\n\x04keys\x18\x07 \x01(\x0c\"5\n\x04Nack\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05retry\x18\x03 \x01(\x08\"b\n\x06Settle\x12\x0c\n\x04\x61\x63ks\x18\x01 \x03(\x03\x12\x1e\n\x05nacks\x18\x02 \x03(\x0b\x32\x0f.triage.v1.Nack\x12*\n\nack_ranges\x18\x03 \x03(\x0b\x32\x16.triage.v1.OffsetRange\"*\n\x0bOffsetRange\x12\r\n\x05\x66irst\x18\x01 \x01(\x03\x12\x0c\n\x04last\x18\x02 \x01(\x03\"\x19\n\x06\x45xtend\x12\x0f\n\x07offsets\x18\x01 \x03(\x03\"\x1a\n\x07Release\x12\x0f\n\x07offsets\x18\x01 \x03(\x03\"\x18\n\x05Grant\x12\x0f\n\x07\x63redits\x18\x01 \x01(\r\"+\n\x08Rejected\x12\x0f\n\x07offsets\x18\x01 \x03(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t2\x8a\x01\n\x06Triage\x12>\n\x07\x43onsume\x12\x18.triage.v1.ConsumerFrame\x1a\x15.triage.v1.ProxyFrame(\x01\x30\x01\x12@\n\x08Topology\x12\x1a.triage.v1.TopologyRequest\x1a\x18.triage.v1.TopologyReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16triage/v1/triage.proto\x12\ttriage.v1\"\x11\n\x0fTopologyRequest\"\x89\x01\n\rTopologyReply\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x17\n\x0fpartition_count\x18\x02 \x01(\x05\x12-\n\npartitions\x18\x03 \x03(\x0b\x32\x19.triage.v1.PartitionRoute\x12\x10\n\x08\x63omplete\x18\x04 \x01(\x08\x12\x0f\n\x07problem\x18\x05 \x01(\t\"\xc0\x01\n\x0ePartitionRoute\x12\x11\n\tpartition\x18\x01 \x01(\x05\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12.\n\x05state\x18\x03 \x01(\x0e\x32\x1f.triage.v1.PartitionRoute.State\x12\x10\n\x08owner_id\x18\x04 \x01(\t\"G\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x10\n\x0cSTANDBY_ONLY\x10\x02\x12\x08\n\x04NONE\x10\x03\"\xf6\x01\n\rConsumerFrame\x12!\n\x05hello\x18\x01 \x01(\x0b\x32\x10.triage.v1.HelloH\x00\x12#\n\x06settle\x18\x02 \x01(\x0b\x32\x11.triage.v1.SettleH\x00\x12#\n\x06\x65xtend\x18\x03 \x01(\x0b\x32\x11.triage.v1.ExtendH\x00\x12%\n\x07release\x18\x04 \x01(\x0b\x32\x12.triage.v1.ReleaseH\x00\x12!\n\x05grant\x18\x05 \x01(\x0b\x32\x10.triage.v1.GrantH\x00\x12%\n\x07started\x18\x06 \x01(\x0b\x32\x12.triage.v1.StartedH\x00\x42\x07\n\x05\x66rame\"\xb9\x01\n\nProxyFrame\x12%\n\x07welcome\x18\x01 \x01(\x0b\x32\x12.triage.v1.WelcomeH\x00\x12+\n\ndeliveries\x18\x02 \x01(\x0b\x32\x15.triage.v1.DeliveriesH\x00\x12\'\n\x08rejected\x18\x03 \x01(\x0b\x32\x13.triage.v1.RejectedH\x00\x12%\n\x07started\x18\x04 \x01(\x0b\x32\x12.triage.v1.StartedH\x00\x42\x07\n\x05\x66rame\"\x9a\x01\n\x05Hello\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63redits\x18\x02 \x01(\r\x12\x16\n\tpartition\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\x0fmax_frame_bytes\x18\x04 \x01(\r\x12\x19\n\x11packed_deliveries\x18\x05 \x01(\x08\x12\x11\n\tisolation\x18\x06 \x01(\x08\x42\x0c\n\n_partition\"\x97\x01\n\x07Welcome\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63k_deadline_ms\x18\x03 \x01(\r\x12\x14\n\x0cmax_attempts\x18\x04 \x01(\r\x12\x0e\n\x06grants\x18\x05 \x01(\x08\x12\x17\n\x0fmax_frame_bytes\x18\x06 \x01(\r\x12\x12\n\nack_ranges\x18\x07 \x01(\x08\"3\n\x06Header\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\x05value\x18\x02 \x01(\x0cH\x00\x88\x01\x01\x42\x08\n\x06_value\"\x9d\x01\n\x08\x44\x65livery\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x10\n\x03key\x18\x02 \x01(\x0cH\x00\x88\x01\x01\x12\x12\n\x05value\x18\x03 \x01(\x0cH\x01\x88\x01\x01\x12\"\n\x07headers\x18\x04 \x03(\x0b\x32\x11.triage.v1.Header\x12\x14\n\x0ctimestamp_ms\x18\x05 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\rB\x06\n\x04_keyB\x08\n\x06_value\"\x96\x01\n\nDeliveries\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\'\n\ndeliveries\x18\x03 \x03(\x0b\x32\x13.triage.v1.Delivery\x12+\n\x06packed\x18\x04 \x01(\x0b\x32\x1b.triage.v1.PackedDeliveries\x12\x10\n\x08isolated\x18\x05 \x03(\x03\"\x96\x01\n\x10PackedDeliveries\x12\x0f\n\x07offsets\x18\x01 \x01(\x0c\x12\x15\n\rtimestamps_ms\x18\x02 \x01(\x0c\x12\x10\n\x08\x61ttempts\x18\x03 \x01(\x0c\x12\x15\n\rvalue_lengths\x18\x04 \x01(\x0c\x12\x0e\n\x06values\x18\x05 \x01(\x0c\x12\x13\n\x0bkey_lengths\x18\x06 \x01(\x0c\x12\x0c\n\x04keys\x18\x07 \x01(\x0c\"5\n\x04Nack\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05retry\x18\x03 \x01(\x08\"b\n\x06Settle\x12\x0c\n\x04\x61\x63ks\x18\x01 \x03(\x03\x12\x1e\n\x05nacks\x18\x02 \x03(\x0b\x32\x0f.triage.v1.Nack\x12*\n\nack_ranges\x18\x03 \x03(\x0b\x32\x16.triage.v1.OffsetRange\"*\n\x0bOffsetRange\x12\r\n\x05\x66irst\x18\x01 \x01(\x03\x12\x0c\n\x04last\x18\x02 \x01(\x03\"\x19\n\x06\x45xtend\x12\x0f\n\x07offsets\x18\x01 \x03(\x03\"\x1a\n\x07Release\x12\x0f\n\x07offsets\x18\x01 \x03(\x03\"\x18\n\x05Grant\x12\x0f\n\x07\x63redits\x18\x01 \x01(\r\"\x1a\n\x07Started\x12\x0f\n\x07offsets\x18\x01 \x03(\x03\"+\n\x08Rejected\x12\x0f\n\x07offsets\x18\x01 \x03(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t2\x8a\x01\n\x06Triage\x12>\n\x07\x43onsume\x12\x18.triage.v1.ConsumerFrame\x1a\x15.triage.v1.ProxyFrame(\x01\x30\x01\x12@\n\x08Topology\x12\x1a.triage.v1.TopologyRequest\x1a\x18.triage.v1.TopologyReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,35 +41,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PARTITIONROUTE_STATE']._serialized_start=318
   _globals['_PARTITIONROUTE_STATE']._serialized_end=389
   _globals['_CONSUMERFRAME']._serialized_start=392
-  _globals['_CONSUMERFRAME']._serialized_end=599
-  _globals['_PROXYFRAME']._serialized_start=602
-  _globals['_PROXYFRAME']._serialized_end=748
-  _globals['_HELLO']._serialized_start=751
-  _globals['_HELLO']._serialized_end=886
-  _globals['_WELCOME']._serialized_start=889
-  _globals['_WELCOME']._serialized_end=1040
-  _globals['_HEADER']._serialized_start=1042
-  _globals['_HEADER']._serialized_end=1093
-  _globals['_DELIVERY']._serialized_start=1096
-  _globals['_DELIVERY']._serialized_end=1253
-  _globals['_DELIVERIES']._serialized_start=1256
-  _globals['_DELIVERIES']._serialized_end=1388
-  _globals['_PACKEDDELIVERIES']._serialized_start=1391
-  _globals['_PACKEDDELIVERIES']._serialized_end=1541
-  _globals['_NACK']._serialized_start=1543
-  _globals['_NACK']._serialized_end=1596
-  _globals['_SETTLE']._serialized_start=1598
-  _globals['_SETTLE']._serialized_end=1696
-  _globals['_OFFSETRANGE']._serialized_start=1698
-  _globals['_OFFSETRANGE']._serialized_end=1740
-  _globals['_EXTEND']._serialized_start=1742
-  _globals['_EXTEND']._serialized_end=1767
-  _globals['_RELEASE']._serialized_start=1769
-  _globals['_RELEASE']._serialized_end=1795
-  _globals['_GRANT']._serialized_start=1797
-  _globals['_GRANT']._serialized_end=1821
-  _globals['_REJECTED']._serialized_start=1823
-  _globals['_REJECTED']._serialized_end=1866
-  _globals['_TRIAGE']._serialized_start=1869
-  _globals['_TRIAGE']._serialized_end=2007
+  _globals['_CONSUMERFRAME']._serialized_end=638
+  _globals['_PROXYFRAME']._serialized_start=641
+  _globals['_PROXYFRAME']._serialized_end=826
+  _globals['_HELLO']._serialized_start=829
+  _globals['_HELLO']._serialized_end=983
+  _globals['_WELCOME']._serialized_start=986
+  _globals['_WELCOME']._serialized_end=1137
+  _globals['_HEADER']._serialized_start=1139
+  _globals['_HEADER']._serialized_end=1190
+  _globals['_DELIVERY']._serialized_start=1193
+  _globals['_DELIVERY']._serialized_end=1350
+  _globals['_DELIVERIES']._serialized_start=1353
+  _globals['_DELIVERIES']._serialized_end=1503
+  _globals['_PACKEDDELIVERIES']._serialized_start=1506
+  _globals['_PACKEDDELIVERIES']._serialized_end=1656
+  _globals['_NACK']._serialized_start=1658
+  _globals['_NACK']._serialized_end=1711
+  _globals['_SETTLE']._serialized_start=1713
+  _globals['_SETTLE']._serialized_end=1811
+  _globals['_OFFSETRANGE']._serialized_start=1813
+  _globals['_OFFSETRANGE']._serialized_end=1855
+  _globals['_EXTEND']._serialized_start=1857
+  _globals['_EXTEND']._serialized_end=1882
+  _globals['_RELEASE']._serialized_start=1884
+  _globals['_RELEASE']._serialized_end=1910
+  _globals['_GRANT']._serialized_start=1912
+  _globals['_GRANT']._serialized_end=1936
+  _globals['_STARTED']._serialized_start=1938
+  _globals['_STARTED']._serialized_end=1964
+  _globals['_REJECTED']._serialized_start=1966
+  _globals['_REJECTED']._serialized_end=2009
+  _globals['_TRIAGE']._serialized_start=2012
+  _globals['_TRIAGE']._serialized_end=2150
 # @@protoc_insertion_point(module_scope)

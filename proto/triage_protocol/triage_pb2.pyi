@@ -49,42 +49,48 @@ class PartitionRoute(_message.Message):
     def __init__(self, partition: _Optional[int] = ..., endpoint: _Optional[str] = ..., state: _Optional[_Union[PartitionRoute.State, str]] = ..., owner_id: _Optional[str] = ...) -> None: ...
 
 class ConsumerFrame(_message.Message):
-    __slots__ = ("hello", "settle", "extend", "release", "grant")
+    __slots__ = ("hello", "settle", "extend", "release", "grant", "started")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     SETTLE_FIELD_NUMBER: _ClassVar[int]
     EXTEND_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     GRANT_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     settle: Settle
     extend: Extend
     release: Release
     grant: Grant
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., settle: _Optional[_Union[Settle, _Mapping]] = ..., extend: _Optional[_Union[Extend, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., grant: _Optional[_Union[Grant, _Mapping]] = ...) -> None: ...
+    started: Started
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., settle: _Optional[_Union[Settle, _Mapping]] = ..., extend: _Optional[_Union[Extend, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., grant: _Optional[_Union[Grant, _Mapping]] = ..., started: _Optional[_Union[Started, _Mapping]] = ...) -> None: ...
 
 class ProxyFrame(_message.Message):
-    __slots__ = ("welcome", "deliveries", "rejected")
+    __slots__ = ("welcome", "deliveries", "rejected", "started")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     DELIVERIES_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     deliveries: Deliveries
     rejected: Rejected
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., deliveries: _Optional[_Union[Deliveries, _Mapping]] = ..., rejected: _Optional[_Union[Rejected, _Mapping]] = ...) -> None: ...
+    started: Started
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., deliveries: _Optional[_Union[Deliveries, _Mapping]] = ..., rejected: _Optional[_Union[Rejected, _Mapping]] = ..., started: _Optional[_Union[Started, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("consumer_id", "credits", "partition", "max_frame_bytes", "packed_deliveries")
+    __slots__ = ("consumer_id", "credits", "partition", "max_frame_bytes", "packed_deliveries", "isolation")
     CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     PACKED_DELIVERIES_FIELD_NUMBER: _ClassVar[int]
+    ISOLATION_FIELD_NUMBER: _ClassVar[int]
     consumer_id: str
     credits: int
     partition: int
     max_frame_bytes: int
     packed_deliveries: bool
-    def __init__(self, consumer_id: _Optional[str] = ..., credits: _Optional[int] = ..., partition: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., packed_deliveries: _Optional[bool] = ...) -> None: ...
+    isolation: bool
+    def __init__(self, consumer_id: _Optional[str] = ..., credits: _Optional[int] = ..., partition: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., packed_deliveries: _Optional[bool] = ..., isolation: _Optional[bool] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("topic", "partition", "ack_deadline_ms", "max_attempts", "grants", "max_frame_bytes", "ack_ranges")
@@ -129,16 +135,18 @@ class Delivery(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., headers: _Optional[_Iterable[_Union[Header, _Mapping]]] = ..., timestamp_ms: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class Deliveries(_message.Message):
-    __slots__ = ("topic", "partition", "deliveries", "packed")
+    __slots__ = ("topic", "partition", "deliveries", "packed", "isolated")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     DELIVERIES_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    ISOLATED_FIELD_NUMBER: _ClassVar[int]
     topic: str
     partition: int
     deliveries: _containers.RepeatedCompositeFieldContainer[Delivery]
     packed: PackedDeliveries
-    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., deliveries: _Optional[_Iterable[_Union[Delivery, _Mapping]]] = ..., packed: _Optional[_Union[PackedDeliveries, _Mapping]] = ...) -> None: ...
+    isolated: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., deliveries: _Optional[_Iterable[_Union[Delivery, _Mapping]]] = ..., packed: _Optional[_Union[PackedDeliveries, _Mapping]] = ..., isolated: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PackedDeliveries(_message.Message):
     __slots__ = ("offsets", "timestamps_ms", "attempts", "value_lengths", "values", "key_lengths", "keys")
@@ -203,6 +211,12 @@ class Grant(_message.Message):
     CREDITS_FIELD_NUMBER: _ClassVar[int]
     credits: int
     def __init__(self, credits: _Optional[int] = ...) -> None: ...
+
+class Started(_message.Message):
+    __slots__ = ("offsets",)
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Rejected(_message.Message):
     __slots__ = ("offsets", "reason")

@@ -4,7 +4,9 @@ Why in CI: a fleet moves partitions between processes whenever one joins, leaves
 dies, and each move must keep the guarantees (nothing lost, commits reach the end, no
 redelivery beyond what was in flight, no partition long without a process). Same code
 path as `python -m tests.fault.fleet` (`run_fleet`): 3 fleet processes on 6 partitions,
-a 4th joins, one is SIGTERMed, one SIGKILLed, with crash pills killing instances.
+a 4th joins, one is SIGTERMed, one SIGKILLed, with crash pills killing instances: every
+pill is dead-lettered and no healthy message is (an instance process streams several
+partitions, and a pill on one must not cost the others' deliveries an attempt).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def test_a_fleet_that_gains_and_loses_processes_loses_nothing(tmp_path: Path) ->
     assert not report.mismatched, report.mismatched[:5]
     assert report.crash_pills >= 1
     assert report.crash_pills_dead == report.crash_pills, summary
+    assert report.collateral_dead == 0, summary  # crashes cost only the crasher
     assert max(report.per_move.values(), default=0) <= report.window, summary
     assert max(report.gaps.values()) <= MAX_GAP_S, summary
     assert not report.unexpected_exits, summary

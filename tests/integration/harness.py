@@ -171,10 +171,17 @@ class RawConsumer:
         max_frame_bytes: int = 0,
         hello: bool = True,
         packed: bool = False,
+        isolation: bool = False,
     ) -> None:
         self.target = target
         self.hello = hello
         self.packed = packed
+        self.isolation = isolation
+        """Hello.isolation (a newer client): suspects come flagged, see `isolated`."""
+        self.isolated: list[int] = []
+        """Offsets the proxy flagged isolated (Deliveries.isolated), in arrival order."""
+        self.started: list[int] = []
+        """Offsets the proxy answered Started for."""
         """Hello.packed_deliveries (a newer client); packed deliveries are read into
         `deliveries` as Delivery messages, and counted in `packed_received`."""
         self.packed_received = 0
@@ -215,6 +222,7 @@ class RawConsumer:
                         credits=self.credits,
                         max_frame_bytes=self.max_frame_bytes,
                         packed_deliveries=self.packed,
+                        isolation=self.isolation,
                     )
                 )
             )
@@ -254,6 +262,9 @@ class RawConsumer:
                     for m in unpacked
                 )
             self.deliveries.extend(batch.deliveries)
+            self.isolated.extend(batch.isolated)
+        elif kind == "started":
+            self.started.extend(frame.started.offsets)
         elif kind == "rejected":
             self.rejected.extend(frame.rejected.offsets)
         return frame
@@ -281,6 +292,10 @@ class RawConsumer:
             )
         )
         self._outgoing.put_nowait(frame)
+
+    def start(self, offset: int) -> None:
+        """A Started frame for an isolated delivery (the proxy answers with one)."""
+        self._outgoing.put_nowait(pb.ConsumerFrame(started=pb.Started(offsets=[offset])))
 
     async def close(self) -> None:
         """Vanish: cancel the call without settling anything."""

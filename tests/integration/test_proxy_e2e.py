@@ -104,6 +104,46 @@ def test_instance_that_disconnects_mid_batch_has_its_messages_redelivered(
     asyncio.run(scenario())
 
 
+def test_a_lone_delivery_is_blamed_for_an_older_client_and_only_once_started_for_a_new_one(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    """An older client (no Hello.isolation) that vanishes holding one delivery loses it an
+    attempt, as before. An isolating one does not (the crash may have come from another
+    of its process's partitions): the record comes back flagged isolated, and only once its
+    holder reported it Started, and the proxy answered, does vanishing cost an attempt."""
+    settings = settings_for(broker, aws, topic, delivery={"redelivery_span_s": 0.7})
+    produce(broker.bootstrap, topic, plain(2))
+
+    async def scenario() -> None:
+        async with Proxy(settings, 0) as proxy:
+            async with RawConsumer(target(proxy), credits=1) as old:
+                (d,) = await old.receive(1)
+                assert (d.offset, d.attempt) == (0, 1)
+                assert old.isolated == []
+            async with RawConsumer(target(proxy), credits=1, isolation=True) as new:
+                (d,) = await new.receive(1)
+                assert (d.offset, d.attempt) == (0, 2)  # the older client's lone one: blamed
+                assert new.isolated == [0]
+            async with RawConsumer(target(proxy), credits=1, isolation=True) as new:
+                (d,) = await new.receive(1)
+                assert (d.offset, d.attempt) == (0, 2)  # held, never started: not blamed
+                assert new.isolated == [0]
+                new.start(0)
+                async with asyncio.timeout(15):
+                    while new.started != [0]:
+                        await new.read()
+            async with RawConsumer(target(proxy), credits=2, isolation=True) as new:
+                got = await new.receive(2)
+                assert sorted((d.offset, d.attempt) for d in got) == [(0, 3), (1, 1)]
+                assert new.isolated == [0]  # the suspect alone in its frame, flagged
+                new.settle(acks=[0, 1])
+                assert await await_until(
+                    lambda: committed(broker.bootstrap, settings.kafka.group_id, topic) == 2
+                )
+
+    asyncio.run(scenario())
+
+
 def test_forged_and_duplicate_settlements_are_rejected_and_counted(
     broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
 ) -> None:

@@ -16,6 +16,7 @@ from triage_proxy.pipeline.policies import (
     Outcome,
     after_failure,
     backoff,
+    blamed_on_vanish,
     checkpoint_due,
     early_commit_worth,
     held_burst,
@@ -348,3 +349,94 @@ def test_early_commit_worth_a_burst_or_the_tail_of_one(
         assert not worth  # nothing to commit
     else:
         assert worth == (previous >= least)  # a tail after a burst, not a trickle
+
+
+# --- blame when an instance vanishes -------------------------------------------------------
+
+
+def _process_blame(streams: list[list[tuple[bool, bool]]], *, isolating: bool) -> list[list[bool]]:
+    """One consumer process's streams at its crash, each stream's proxy deciding alone:
+    per stream, its held deliveries as (suspect, started)."""
+    return [
+        blamed_on_vanish(
+            [suspect for suspect, _ in held],
+            [began for _, began in held] if isolating else None,
+        )
+        for held in streams
+    ]
+
+
+def test_a_pill_among_16_in_flight_neighbours_across_one_processes_streams_is_blamed_alone() -> (
+    None
+):
+    """A process streams 4 partitions: 16 deliveries in flight on partition 0 with the pill,
+    the isolated delivery it started, among them; partition 1 holds one lone healthy
+    delivery; partition 2 a healthy suspect waiting for the process's turn beside 3 others;
+    partition 3 a lone suspect waiting too. When the pill crashes the process, only the
+    pill is blamed. The older per-stream rule blames three healthy records besides it."""
+    pill = (True, True)
+    healthy = (False, False)
+    waiting_suspect = (True, False)
+    streams = [
+        [healthy] * 7 + [pill] + [healthy] * 8,
+        [healthy],
+        [waiting_suspect, healthy, healthy, healthy],
+        [waiting_suspect],
+    ]
+    assert sum(map(len, streams)) == 22
+    blamed = _process_blame(streams, isolating=True)
+    assert [(i, j) for i, b in enumerate(blamed) for j, x in enumerate(b) if x] == [(0, 7)]
+    old = _process_blame(streams, isolating=False)
+    assert [(i, j) for i, b in enumerate(old) for j, x in enumerate(b) if x] == [
+        (0, 7),
+        (1, 0),
+        (2, 0),
+        (3, 0),
+    ]
+
+
+def test_a_first_crash_before_the_pill_is_isolated_blames_only_the_started_suspect() -> None:
+    """A pill on its first delivery is one of 16 in flight (not a suspect yet): it is not
+    blamed; neither is a lone delivery on another stream; only a suspect the process had
+    started (the coincidence the gate cannot rule out) is."""
+    streams = [[(False, False)] * 16, [(False, False)], [(True, True)]]
+    assert _process_blame(streams, isolating=True) == [[False] * 16, [False], [True]]
+    assert _process_blame([[(False, False)] * 16, [(False, False)]], isolating=True) == [
+        [False] * 16,
+        [False],
+    ]
+
+
+def test_the_older_rule_without_started() -> None:
+    assert blamed_on_vanish([False]) == [True]
+    assert blamed_on_vanish([True]) == [True]
+    assert blamed_on_vanish([False, False]) == [False, False]
+    assert blamed_on_vanish([False, True, False]) == [False, True, False]
+    # Reported started, but no suspect: nothing to blame (a client reports suspects only).
+    assert blamed_on_vanish([False], [True]) == [False]
+
+
+@given(
+    st.lists(
+        st.lists(st.booleans(), min_size=1, max_size=20),  # per stream: which are suspects
+        min_size=1,
+        max_size=8,
+    ),
+    st.data(),
+)
+def test_a_process_with_one_started_isolated_delivery_loses_at_most_one_attempt(
+    suspects: list[list[bool]], data: st.DataObject
+) -> None:
+    """Whatever each stream holds, with at most one started delivery in the process (the
+    client's gate), at most one delivery is blamed, and it is that started suspect."""
+    cells = [(i, j) for i, stream in enumerate(suspects) for j in range(len(stream))]
+    chosen = data.draw(st.none() | st.sampled_from(cells))
+    blamed = [
+        blamed_on_vanish(stream, [(i, j) == chosen for j in range(len(stream))])
+        for i, stream in enumerate(suspects)
+    ]
+    hits = [(i, j) for i, b in enumerate(blamed) for j, x in enumerate(b) if x]
+    assert len(hits) <= 1
+    if hits:
+        assert hits == [chosen]
+        assert suspects[chosen[0]][chosen[1]]

@@ -6,6 +6,9 @@
  * ledger calls:
  *
  *     stream's Deliveries -> pool.submit -> queue()   queued, leased, outstanding
+ *     (an isolated one)   -> pool.isolate -> hold()   held back (isolation.ts), leased,
+ *     its turn            -> pool.runIsolated         outstanding; then queued first
+ *                            -> admit()
  *     a slot frees        -> pick() + take()          running (busy)
  *     handler done        -> finished()               acks / nacks, no longer outstanding
  *     stream's flush      -> takeSettlements() / takeReleases()
@@ -57,6 +60,8 @@ export interface Account {
 class Entry implements Account {
   epoch = 0;
   outstanding = 0;
+  /** Isolated deliveries waiting for the process's turn (isolation.ts): not queued. */
+  heldBack: Message[] = [];
   /** Deliveries waiting for a slot, from `head` on (taken from the front). */
   queue: Message[] = [];
   head = 0;
@@ -119,6 +124,43 @@ export class Ledger {
       leases.add(message.offset);
       queue.push(message);
     }
+  }
+
+  /**
+   * A stream's isolated deliveries wait for their turn (isolation.ts), leased and outstanding
+   * like queued ones, but no slot takes them until `admit`.
+   */
+  hold(account: Account, messages: readonly Message[]): void {
+    const entry = account as Entry;
+    this.outstandingCount += messages.length;
+    entry.outstanding += messages.length;
+    for (const message of messages) {
+      entry.leases.add(message.offset);
+      entry.heldBack.push(message);
+    }
+  }
+
+  /**
+   * An isolated delivery's turn came: it goes first in its stream's queue. False when it is no
+   * longer held back (its stream gave it back or its connection ended).
+   */
+  admit(account: Account, message: Message): boolean {
+    const entry = account as Entry;
+    const index = entry.heldBack.indexOf(message);
+    if (index < 0) {
+      return false;
+    }
+    entry.heldBack.splice(index, 1);
+    if (entry.queued === 0) {
+      this.readyList.push(entry);
+    }
+    if (entry.head > 0) {
+      entry.head -= 1;
+      entry.queue[entry.head] = message;
+    } else {
+      entry.queue.unshift(message);
+    }
+    return true;
   }
 
   /**
@@ -194,7 +236,7 @@ export class Ledger {
   // -- the stream's side ---------------------------------------------------------------------
 
   /**
-   * Remove a stream's queued, unstarted deliveries: at stop(), or, with `nextEpoch`, because
+   * Remove a stream's queued and held-back, unstarted deliveries: at stop(), or, with `nextEpoch`, because
    * its connection ended; then, in one step, results of handlers still running on it are
    * marked stale and the next connection gets a fresh lease set.
    */
@@ -209,9 +251,13 @@ export class Ledger {
       entry.queue = [];
       entry.head = 0;
       this.unready(entry);
-      for (const message of taken) {
-        entry.leases.delete(message.offset);
-      }
+    }
+    if (entry.heldBack.length > 0) {
+      taken.push(...entry.heldBack);
+      entry.heldBack = [];
+    }
+    for (const message of taken) {
+      entry.leases.delete(message.offset);
     }
     this.outstandingCount -= taken.length;
     // handlers still running belong to the ended epoch now

@@ -118,6 +118,23 @@ export class HandlerPool {
     this.pump();
   }
 
+  /** Hold a stream's isolated deliveries back until their turn (`runIsolated`). */
+  isolate(account: Account, messages: Message[]): void {
+    this.ledger.hold(account, messages);
+  }
+
+  /**
+   * An isolated delivery's turn came and the proxy recorded it started: it takes the next free
+   * slot of its stream. False if its stream no longer holds it back.
+   */
+  runIsolated(account: Account, message: Message): boolean {
+    if (!this.ledger.admit(account, message)) {
+      return false;
+    }
+    this.pump();
+    return true;
+  }
+
   /** Remove a stream's queued, unstarted deliveries (`Ledger.takeBack`). */
   takeBack(account: Account, nextEpoch = false): Message[] {
     const taken = this.ledger.takeBack(account, nextEpoch);

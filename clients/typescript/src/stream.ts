@@ -25,6 +25,11 @@
  * its lease and so do the deliveries queued behind it. An offset leaves the lease set before
  * its result joins a batch, so it is never extended after its settlement was sent.
  *
+ * Isolated deliveries: the Hello sets `isolation`; a delivery the proxy flags isolated (a
+ * suspect: its earlier holder vanished) waits for the process's turn (isolation.ts), then
+ * Started is sent and, once the proxy answers it, it takes the next handler slot; the turn
+ * passes on when its Settle is written (or the connection ends).
+ *
  * Shutdown (stop()), per stream: queued deliveries are given back in a Release frame (no
  * attempt used; sent even when empty, since it also stops the proxy sending more) -> running
  * handlers finish and their settlements are sent -> half-close -> the proxy ends the stream
@@ -40,6 +45,7 @@ import {
 } from "@grpc/grpc-js";
 
 import { PartitionError, errorForStatus, statusName } from "./errors";
+import { GATE, Ticket } from "./isolation";
 import type { Account } from "./ledger";
 import type { Logger } from "./log";
 import {
@@ -67,6 +73,25 @@ export const DEFAULT_MAX_BACKOFF_MS = 5000;
 export const INITIAL_BACKOFF_MS = 50;
 /** Settlements sent at once without waiting for the queue to drain. */
 export const SETTLE_BATCH = 256;
+/**
+ * How often a stream whose connection ended looks whether its isolated delivery's handler,
+ * still running, is done (then the process's turn passes on).
+ */
+const TURN_POLL_MS = 50;
+
+/**
+ * The turn passes on once `turn`'s handler, still running though its connection ended, is
+ * done (its offset leaves the ended connection's lease set): until then it is the process's
+ * one started isolated delivery, and may still crash it.
+ */
+function leaveWhenDone(turn: Ticket, leases: ReadonlySet<number>): void {
+  if (!leases.has(turn.message.offset)) {
+    GATE.leave(turn);
+    return;
+  }
+  setTimeout(() => leaveWhenDone(turn, leases), TURN_POLL_MS).unref();
+}
+
 /** Longest a settlement waits for company before it is sent. */
 export const SETTLE_DELAY_MS = 2;
 /** How long stop() waits for the proxy to end the stream after the half-close. */
@@ -199,6 +224,7 @@ export class PartitionStream {
   private call: Call | null = null;
   private batchLimit = 1;
   private held = 0; // delivered on this stream and not yet settled
+  private turn: Ticket | null = null; // this stream's isolated delivery holding the turn
   private overWarned = false;
   private halfClosed = false;
   /**
@@ -272,6 +298,12 @@ export class PartitionStream {
   /** Release the queued deliveries and let the stream drain; [in flight, released]. */
   beginStop(): [number, number] {
     const taken = this.ctx.pool.takeBack(this.account);
+    const turn = this.turn;
+    if (turn !== null && !turn.started) {
+      this.turn = null;
+      GATE.leave(turn); // given back unstarted
+    }
+    GATE.dropWaiting(this);
     this.ctx.pool.ledger.release(this.account, taken);
     this.dropped += taken.length;
     this.releaseDue = this.call !== null;
@@ -415,6 +447,7 @@ export class PartitionStream {
         credits: this.credits,
         max_frame_bytes: ctx.maxFrameBytes,
         packed_deliveries: true,
+        isolation: true,
       };
       if (this.named && this.partition !== null) {
         hello.partition = this.partition;
@@ -436,7 +469,19 @@ export class PartitionStream {
     }
     this.flushTimer = this.extendTimer = this.closeTimer = this.holdTimer = null;
     this.flushSoon = null;
-    const released = this.ctx.pool.takeBack(this.account, true).length;
+    const leases = this.account.leases; // the ended connection's: a handler leaves it when done
+    const taken = this.ctx.pool.takeBack(this.account, true);
+    const released = taken.length;
+    GATE.dropWaiting(this); // the proxy redelivers them (a pending turn sees its epoch)
+    const turn = this.turn;
+    this.turn = null;
+    if (turn !== null) {
+      if (turn.started && leases.has(turn.message.offset) && !taken.includes(turn.message)) {
+        leaveWhenDone(turn, leases); // its handler still runs
+      } else {
+        GATE.leave(turn);
+      }
+    }
     // unsent releases were counted as dropped when they were released
     const unsent = this.ctx.pool.ledger.forget(this.account);
     this.releaseDue = false;
@@ -454,6 +499,8 @@ export class PartitionStream {
       this.onDeliveries(frame.deliveries);
     } else if (frame.welcome !== undefined) {
       this.onWelcome(frame.welcome);
+    } else if (frame.started !== undefined) {
+      this.onStarted(frame.started.offsets ?? []);
     } else if (frame.rejected !== undefined) {
       const count = frame.rejected.offsets?.length ?? 0;
       this.rejected += count;
@@ -564,7 +611,62 @@ export class PartitionStream {
       this.scheduleFlush();
       return;
     }
+    const isolated = batch.isolated;
+    if (isolated !== undefined && isolated.length > 0) {
+      this.isolate(messages, isolated);
+      return;
+    }
     this.ctx.pool.submit(this.account, messages);
+  }
+
+  /**
+   * Deliveries of a frame that flags some isolated: those wait for the process's turn
+   * (isolation.ts), the rest go to the pool as usual.
+   */
+  private isolate(messages: Message[], isolated: readonly number[]): void {
+    const flagged = new Set(isolated);
+    const held = messages.filter((m) => flagged.has(m.offset));
+    this.ctx.pool.submit(
+      this.account,
+      messages.filter((m) => !flagged.has(m.offset)),
+    );
+    if (held.length === 0) {
+      return;
+    }
+    this.ctx.pool.isolate(this.account, held);
+    const epoch = this.account.epoch;
+    for (const message of held) {
+      GATE.enter(new Ticket(this, message, epoch, (ticket) => this.onTurn(ticket)));
+    }
+  }
+
+  /** `ticket`'s turn came: ask the proxy to record it started. */
+  private onTurn(ticket: Ticket): void {
+    const call = this.call;
+    if (
+      ticket.epoch !== this.account.epoch ||
+      call === null ||
+      this.halfClosed ||
+      this.ctx.stopping()
+    ) {
+      GATE.leave(ticket); // its connection ended (the proxy redelivers it), or stop() began
+      return;
+    }
+    this.turn = ticket;
+    call.write({ started: { offsets: [ticket.message.offset] } });
+  }
+
+  /** The proxy recorded the Started: the delivery takes the next handler slot. */
+  private onStarted(offsets: readonly number[]): void {
+    const turn = this.turn;
+    if (turn === null || turn.started || !offsets.includes(turn.message.offset)) {
+      return;
+    }
+    turn.started = true;
+    if (!this.ctx.pool.runIsolated(this.account, turn.message)) {
+      this.turn = null; // given back meanwhile
+      GATE.leave(turn);
+    }
   }
 
   // -- settlements ----------------------------------------------------------------------------
@@ -624,6 +726,14 @@ export class PartitionStream {
       call.write({ settle: this.ackRanges ? settleFrame(acks, nacks) : { acks, nacks } });
       this.acked += acks.length;
       this.nacked += nacks.length;
+      const turn = this.turn;
+      if (turn !== null && turn.started) {
+        const offset = turn.message.offset;
+        if (acks.includes(offset) || nacks.some((n) => n.offset === offset)) {
+          this.turn = null;
+          GATE.leave(turn); // its result is on the wire: the next one's turn
+        }
+      }
     }
     if (
       this.ctx.stopping() &&

@@ -191,12 +191,27 @@ def after_failure(attempt: int, max_attempts: int) -> Outcome:
     return Outcome.DEAD_LETTER if attempt >= max_attempts else Outcome.REDELIVER
 
 
-def blamed_on_vanish(suspects: Sequence[bool]) -> list[bool]:
-    """Which deliveries of an instance that vanished lose an attempt, given which of them
-    were suspects (records whose earlier holder vanished or whose lease lapsed).
+def blamed_on_vanish(suspects: Sequence[bool], started: Sequence[bool] | None = None) -> list[bool]:
+    """Which deliveries of an instance's stream that vanished lose an attempt, given which
+    of them were suspects (records whose earlier holder vanished or whose lease lapsed) and,
+    for an instance that reports it (Hello.isolation), which suspects it said it started.
 
     An instance that crashes while holding many deliveries proves nothing about any one of
-    them, so only the evidence counts:
+    them, so only the evidence counts.
+
+    With `started` (an isolating instance): a suspect goes out flagged isolated, the
+    client runs at most one isolated delivery at a time in its whole process (across all
+    its streams, to every proxy) and reports it Started, and waits for the proxy's answer,
+    before its handler runs. So at any crash the process has at most one started isolated
+    delivery, and only that one is blamed: a delivery held alone, a suspect waiting for its
+    turn, and every delivery on the process's other streams go back as suspects without
+    losing an attempt. A crash-type pill is blamed from its second crash on (its first
+    makes it a suspect), each time it crashes a process as the one isolated delivery
+    running there: `max_attempts + 1` crashes in one proxy run, as below. A healthy record
+    loses an attempt only when a pill on its first delivery (not isolated yet) crashes the
+    process in the moments the healthy one is the process's started isolated delivery.
+
+    Without `started` (an older client), per stream:
 
     - it held one delivery: that one crashed it;
     - it held a suspect (the scheduler gives an instance at most one): the suspect is
@@ -212,6 +227,8 @@ def blamed_on_vanish(suspects: Sequence[bool]) -> list[bool]:
     doing (a pill crashing on its first delivery), which needs `max_attempts` such
     coincidences to dead-letter it.
     """
+    if started is not None:
+        return [suspect and began for suspect, began in zip(suspects, started, strict=True)]
     if len(suspects) == 1:
         return [True]
     return list(suspects)

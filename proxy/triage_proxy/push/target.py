@@ -121,6 +121,9 @@ class Lane:
         self.wake.set()
         return 1, ()
 
+    def send_isolated(self, entry: Entry) -> tuple[int, Sequence[Entry]]:
+        return self.send([entry])  # never called: a push lane is not `isolating`
+
     def fits(self, entry: Entry) -> bool:
         return True
 

@@ -12,8 +12,9 @@ so both places that read (the Hello, then the settlement reader) see the same ru
   partition would never apply);
 - a Grant whose credits are outside the bounds of Hello.credits -> FrameError;
 - a Settle with an ack range that is empty or negative, or settling more than MAX_CREDITS
-  offsets in all (acks, ranges and nacks together), or an Extend or Release naming more
-  than MAX_CREDITS offsets -> FrameError. No stream ever holds more, and each offset is
+  offsets in all (acks, ranges and nacks together), an Extend or Release naming more
+  than MAX_CREDITS offsets, or a Started naming more than MAX_STARTED_OFFSETS (its answer
+  repeats them) -> FrameError. No stream ever holds more, and each offset is
   looked up and possibly Rejected one by one: a longer list is a broken or hostile client,
   and 2,000,000 acks would hold the event loop for seconds.
 
@@ -33,7 +34,7 @@ from collections.abc import AsyncIterator
 from google.protobuf.message import DecodeError
 
 from triage_protocol import triage_pb2 as pb
-from triage_protocol.constants import MAX_CREDITS
+from triage_protocol.constants import MAX_CREDITS, MAX_STARTED_OFFSETS
 from triage_proxy.errors import FrameError
 
 
@@ -62,6 +63,11 @@ async def checked_frames(
             problem = settle_problem(frame.settle)
         elif kind in ("extend", "release"):
             problem = offsets_problem(kind.capitalize(), len(getattr(frame, kind).offsets))
+        elif kind == "started" and len(frame.started.offsets) > MAX_STARTED_OFFSETS:
+            problem = (
+                f"a Started names at most {MAX_STARTED_OFFSETS} offsets (MAX_STARTED_OFFSETS), "
+                f"got {len(frame.started.offsets)}: a client starts one isolated delivery at a time"
+            )
         if problem is not None:
             raise FrameError(f"frame {seen}: {problem}")
         yield frame

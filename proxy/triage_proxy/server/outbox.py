@@ -123,6 +123,15 @@ class Outbox(asyncio.Queue["pb.ProxyFrame | None"]):
                 return 1, _NONE
         return self._send(entries)
 
+    def send_isolated(self, entry: Entry) -> tuple[int, Sequence[Entry]]:
+        """`send` one suspect alone in its frame, its offset in `Deliveries.isolated`."""
+        frames, refused = self.send([entry])
+        if frames:
+            # asyncio.Queue keeps its items in `_queue`: the frame just put is the last.
+            frame = self._queue[-1]  # type: ignore[attr-defined]
+            frame.deliveries.isolated.append(entry.record.offset)
+        return frames, refused
+
     def _send(self, entries: list[Entry]) -> tuple[int, Sequence[Entry]]:
         """`send` one record at a time: several frames, headers, large records."""
         room, target = self._room, self._target

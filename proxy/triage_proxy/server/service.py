@@ -277,7 +277,9 @@ class TriageService(pb_grpc.TriageServicer):
             outbox = Outbox(
                 self._settings.kafka.topic, partition, max_frame, hello.packed_deliveries
             )
-            session = dispatcher.open_session(consumer_id, hello.credits, outbox)
+            session = dispatcher.open_session(
+                consumer_id, hello.credits, outbox, isolating=hello.isolation
+            )
             self._apps[session] = app
             self._dispatcher_of[session] = dispatcher
             reader = asyncio.create_task(self._read(session, dispatcher, outbox, request_iterator))
@@ -383,6 +385,12 @@ class TriageService(pb_grpc.TriageServicer):
                     rejected = dispatcher.release(session, frame.release.offsets)
                 elif kind == "grant":
                     dispatcher.grant(session, frame.grant.credits)  # bounded by checked_frames
+                    continue
+                elif kind == "started":
+                    offsets = frame.started.offsets  # bounded by checked_frames
+                    dispatcher.started(session, offsets)
+                    # Answered only once recorded: the handler runs after this arrives.
+                    outbox.put_nowait(pb.ProxyFrame(started=pb.Started(offsets=offsets)))
                     continue
                 else:
                     if kind == "extend":

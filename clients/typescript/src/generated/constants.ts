@@ -35,6 +35,11 @@ export const MAX_CREDITS = 100000;
  */
 export const MAX_REASON_CHARS = 4000;
 /**
+ * Most offsets one Started frame may name (a client sends one at a time); the proxy's
+ * answer repeats them, so it stays far below any frame limit.
+ */
+export const MAX_STARTED_OFFSETS = 1024;
+/**
  * Smallest non-zero Hello.max_frame_bytes accepted: below it ordinary records (and
  * Rejected frames) would not fit, so a smaller value is refused with INVALID_ARGUMENT.
  */

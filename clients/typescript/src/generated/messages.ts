@@ -45,16 +45,20 @@ export interface ConsumerFrame {
   release?: Release;
   /** Only to a proxy whose Welcome said `grants`; an older proxy ignores it. */
   grant?: Grant;
+  /** Only from a client whose Hello set `isolation`, for offsets in Deliveries.isolated. */
+  started?: Started;
   /** Which field of the oneof `frame` is set. */
-  frame?: "hello" | "settle" | "extend" | "release" | "grant";
+  frame?: "hello" | "settle" | "extend" | "release" | "grant" | "started";
 }
 
 export interface ProxyFrame {
   welcome?: Welcome;
   deliveries?: Deliveries;
   rejected?: Rejected;
+  /** The answer to a Started: the proxy has recorded these offsets as started. */
+  started?: Started;
   /** Which field of the oneof `frame` is set. */
-  frame?: "welcome" | "deliveries" | "rejected";
+  frame?: "welcome" | "deliveries" | "rejected" | "started";
 }
 
 /**
@@ -85,6 +89,13 @@ export interface Hello {
    * an older client): every delivery comes as a repeated Delivery.
    */
   packed_deliveries?: boolean;
+  /**
+   * This client honours Deliveries.isolated (PROTOCOL.md, "Isolated deliveries"): it runs
+   * at most one isolated delivery at a time in its whole process, across all its streams,
+   * and sends Started, waiting for the proxy's answer, before it starts one. Absent (false,
+   * an older client): nothing is flagged, and blame follows the older rule.
+   */
+  isolation?: boolean;
 }
 
 export interface Welcome {
@@ -139,6 +150,11 @@ export interface Deliveries {
   partition?: number;
   deliveries?: Delivery[];
   packed?: PackedDeliveries;
+  /**
+   * Offsets of this frame's deliveries the proxy sends as isolated suspects (only to a
+   * client whose Hello set `isolation`): each comes alone in its frame.
+   */
+  isolated?: number[];
 }
 
 /**
@@ -220,6 +236,15 @@ export interface Release {
  */
 export interface Grant {
   credits?: number;
+}
+
+/**
+ * From a client: it is about to start the handler of these isolated deliveries (one, in
+ * practice). From the proxy: the same offsets, once recorded; only then does the client
+ * start the handler. An instance that vanishes loses an attempt only on a started one.
+ */
+export interface Started {
+  offsets?: number[];
 }
 
 /** Settlements the proxy refused: the instance did not hold these offsets. */

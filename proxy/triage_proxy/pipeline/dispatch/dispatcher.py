@@ -52,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 FRAME_OVERHEAD_BYTES = 64 * 1024
 """Room left in a frame for protobuf framing and headers of a single large record."""
+STARTED_KEPT = 16
+"""Started offsets a session keeps before those it no longer holds are dropped."""
 TICK_S = 0.05
 """How often expired leases and due retries are looked at."""
 
@@ -239,9 +241,12 @@ class Dispatcher:
 
     # --- sessions -------------------------------------------------------------------------
 
-    def open_session(self, consumer_id: str, credits: int, outlet: Outlet) -> Session:
-        """A new instance's session; its deliveries go to `outlet`."""
-        session = self._sessions.open(consumer_id, credits, outlet)
+    def open_session(
+        self, consumer_id: str, credits: int, outlet: Outlet, *, isolating: bool = False
+    ) -> Session:
+        """A new instance's session; its deliveries go to `outlet` (`isolating`: its Hello
+        set `isolation`, see policies.blamed_on_vanish)."""
+        session = self._sessions.open(consumer_id, credits, outlet, isolating=isolating)
         self._scheduler.pump()
         return session
 
@@ -269,7 +274,10 @@ class Dispatcher:
         cause = f"instance {session.consumer_id} disconnected while handling it"
         back: list[Entry] = []
         cleared: list[Entry] = []
-        for entry, guilty in zip(held, blamed_on_vanish([e.suspect for e in held]), strict=True):
+        started = session.started
+        began = [e.record.offset in started for e in held] if session.isolating else None
+        blamed = blamed_on_vanish([e.suspect for e in held], began)
+        for entry, guilty in zip(held, blamed, strict=True):
             if not guilty:
                 cleared.append(entry)
             elif self._redelivery.failed(entry, cause, session.consumer_id):
@@ -330,6 +338,19 @@ class Dispatcher:
         self._window.update_events()
         self._scheduler.pump()
         return rejected
+
+    def started(self, session: Session, offsets: Sequence[int]) -> None:
+        """The instance is about to start these isolated deliveries (a Started frame): a
+        suspect it holds is from now on the one its vanishing would blame."""
+        if not session.isolating:
+            return
+        started, held = session.started, session.held
+        if len(started) >= STARTED_KEPT:
+            started.intersection_update(held)  # settled or lapsed since: no evidence now
+        for offset in offsets:
+            entry = held.get(offset)
+            if entry is not None and entry.suspect:
+                started.add(offset)
 
     def extend(self, session: Session, offsets: Sequence[int]) -> None:
         """The instance is still working on these: push their ack deadlines out."""

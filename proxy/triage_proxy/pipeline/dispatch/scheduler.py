@@ -14,7 +14,10 @@ Suspects: records whose instance vanished or whose lease lapsed while holding th
 of them may be a crash-type poison pill, so an instance holds at most one suspect at a
 time: when the pill crashes it again, the only other suspect it takes down is none, and
 healthy neighbours do not follow the pill from instance to instance until they run out
-of attempts with it.
+of attempts with it. To an `isolating` instance (Hello.isolation) the suspect goes alone in
+a frame flagged isolated (`Outlet.send_isolated`), and the instance's other streams, to
+this proxy or others, see to it that its process runs one such delivery at a time (see
+policies.blamed_on_vanish).
 
 Large records: a delivery over the frame limit of the instance it was about to go to
 waits in `large` for a connected instance whose limit takes it, and is dead-lettered once
@@ -120,7 +123,11 @@ class Scheduler:
                 else:
                     batch = self._take_within_rate(n, bool(suspects) and not session.suspects)
                 if batch:
-                    self._deliver(session, batch)
+                    if batch[0].suspect and session.isolating:
+                        self._deliver(session, batch[:1], isolated=True)
+                        del batch[0]
+                    if batch:
+                        self._deliver(session, batch)
                     delivered = True
             if not delivered:
                 return  # only suspects left, and every instance with credit holds one
@@ -177,15 +184,19 @@ class Scheduler:
             if not open_ or (rate is not None and not rate.admit(entry.size, now)):
                 waiting.append(entry)
                 continue
-            self._deliver(open_[0], [entry])
+            self._deliver(open_[0], [entry], isolated=entry.suspect and open_[0].isolating)
 
-    def _deliver(self, session: Session, batch: list[Entry]) -> None:
-        """Hand `batch` to `session`: held and leased from now, encoded by its outlet.
-        What no frame to it can carry is taken back (`_too_large`)."""
+    def _deliver(self, session: Session, batch: list[Entry], *, isolated: bool = False) -> None:
+        """Hand `batch` to `session`: held and leased from now, encoded by its outlet
+        (`isolated`: one suspect, flagged). What no frame to it can carry is taken back
+        (`_too_large`)."""
         now = self._monotonic()
         deadline = now + self._leases.ack_deadline_s
         leased, redelivered = self._window.hand_out(session, batch, now, deadline)
-        frames, refused = session.outlet.send(batch)
+        if isolated:
+            frames, refused = session.outlet.send_isolated(batch[0])
+        else:
+            frames, refused = session.outlet.send(batch)
         self._counters.frames_out += frames
         if refused:
             self._window.take_back(session, refused)

@@ -33,6 +33,11 @@ class Outlet(Protocol):
         frames queued, the entries no frame to this instance can carry: not sent)."""
         ...
 
+    def send_isolated(self, entry: Entry) -> tuple[int, Sequence[Entry]]:
+        """`send` one suspect alone, flagged isolated (Deliveries.isolated); only to a
+        session that is `isolating`."""
+        ...
+
     def fits(self, entry: Entry) -> bool:
         """Whether a frame to this instance carries `entry`'s next delivery."""
         ...
@@ -53,9 +58,21 @@ class Outlet(Protocol):
 class Session:
     """One connected consumer instance: its credits, what it holds, its outlet."""
 
-    __slots__ = ("closed", "consumer_id", "credits", "held", "outlet", "stopping", "suspects")
+    __slots__ = (
+        "closed",
+        "consumer_id",
+        "credits",
+        "held",
+        "isolating",
+        "outlet",
+        "started",
+        "stopping",
+        "suspects",
+    )
 
-    def __init__(self, consumer_id: str, credits: int, outlet: Outlet) -> None:
+    def __init__(
+        self, consumer_id: str, credits: int, outlet: Outlet, *, isolating: bool = False
+    ) -> None:
         self.consumer_id = consumer_id
         self.credits = credits
         self.outlet = outlet
@@ -64,6 +81,11 @@ class Session:
         self.suspects = 0
         """Suspect records it holds (at most one at a time, see scheduler.py); the
         window's ledger too."""
+        self.isolating = isolating
+        """The instance honours isolated deliveries (Hello.isolation): its suspects go out
+        flagged, alone, and it reports which one it starts (Started)."""
+        self.started: set[int] = set()
+        """Offsets of suspects it reported started (and held then); the blame evidence."""
         self.closed = False
         self.stopping = False
         """It released what it never started: it gets nothing more, whatever its credits."""
@@ -95,8 +117,10 @@ class Sessions:
     def snapshot(self) -> tuple[Session, ...]:
         return tuple(self._sessions)
 
-    def open(self, consumer_id: str, credits: int, outlet: Outlet) -> Session:
-        session = Session(consumer_id, credits, outlet)
+    def open(
+        self, consumer_id: str, credits: int, outlet: Outlet, *, isolating: bool = False
+    ) -> Session:
+        session = Session(consumer_id, credits, outlet, isolating=isolating)
         self._sessions.append(session)
         self._counters.sessions_opened += 1
         logger.info("instance %s connected with %d credits", for_log(consumer_id), credits)

@@ -328,9 +328,10 @@ class Window:
                 redelivered += 1
             entry.state = held_state
             entry.holder = session
+            offset = entry.record[2]
             if entry.suspect:
                 session.suspects += 1
-            offset = entry.record[2]
+                session.started.discard(offset)
             held[offset] = entry
             entry.deadline = deadline
             entry.delivered_at = now

@@ -1,0 +1,164 @@
+"""The client's isolation gate (triage_client.isolation) and the ledger's held-back
+deliveries: one isolated delivery at a time in the whole process, across streams and
+across Consumers on other event loops."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, cast
+
+from triage_client import Message
+from triage_client.isolation import IsolationGate, Ticket
+from triage_client.ledger import Ledger
+
+
+def message(offset: int) -> Message:
+    return Message("t", 0, offset, None, b"", [], 0, 2)
+
+
+def test_one_ticket_at_a_time_across_the_streams_of_a_process() -> None:
+    gate = IsolationGate()
+    turns: list[str] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        owners = ["p0", "p1", "p2"]
+        tickets = [
+            Ticket(owner, message(i), 0, loop, lambda t: turns.append(cast(str, t.owner)))
+            for i, owner in enumerate(owners)
+        ]
+        for ticket in tickets:
+            gate.enter(ticket)
+        await asyncio.sleep(0)
+        assert turns == ["p0"]  # the others wait, unstarted
+        assert gate.holder is tickets[0]
+        assert gate.waiting == 2
+        gate.leave(tickets[1])  # not its turn: only out of the queue
+        await asyncio.sleep(0)
+        assert turns == ["p0"]
+        gate.leave(tickets[0])
+        await asyncio.sleep(0)
+        assert turns == ["p0", "p2"]
+        gate.leave(tickets[2])
+        assert gate.holder is None
+
+    asyncio.run(main())
+
+
+def test_a_stream_that_ended_gives_up_its_turn_and_its_waiting_tickets() -> None:
+    gate = IsolationGate()
+    turns: list[int] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+
+        def on_turn(t: Ticket) -> None:
+            turns.append(t.message.offset)
+
+        a, b = object(), object()
+        gate.enter(Ticket(a, message(1), 0, loop, on_turn))
+        gate.enter(Ticket(a, message(2), 0, loop, on_turn))
+        gate.enter(Ticket(b, message(3), 0, loop, on_turn))
+        await asyncio.sleep(0)
+        assert turns == [1]
+        gate.drop(a)  # its connection ended: holder and waiting ticket go
+        await asyncio.sleep(0)
+        assert turns == [1, 3]
+        gate.enter(Ticket(a, message(4), 0, loop, on_turn))
+        gate.drop_waiting(a)  # stopping: waiting ones go, the holder stays
+        assert gate.waiting == 0
+        holder = gate.holder
+        assert holder is not None
+        assert holder.message.offset == 3
+
+    asyncio.run(main())
+
+
+def test_consumers_on_two_event_loops_never_run_two_isolated_deliveries_at_once() -> None:
+    """Two Consumers of one process, each on its own loop thread, with 20 isolated
+    deliveries each: each runs only in its turn, which passes on when it is done."""
+    gate = IsolationGate()
+    lock = threading.Lock()
+    running = 0
+    most = 0
+    done: list[int] = []
+
+    async def consumer(base: int) -> None:
+        loop = asyncio.get_running_loop()
+        finished = asyncio.Event()
+
+        async def run(ticket: Ticket) -> None:
+            nonlocal running, most
+            with lock:
+                running += 1
+                most = max(most, running)
+            await asyncio.sleep(0.001)  # the handler
+            with lock:
+                running -= 1
+                done.append(ticket.message.offset)
+                if sum(1 for o in done if o // 100 == base // 100) == 20:
+                    finished.set()
+            gate.leave(ticket)
+
+        tasks: set[asyncio.Task[None]] = set()
+
+        def on_turn(ticket: Ticket) -> None:
+            task = loop.create_task(run(ticket))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+        for i in range(20):
+            gate.enter(Ticket(object(), message(base + i), 0, loop, on_turn))
+        await asyncio.wait_for(finished.wait(), 60)
+
+    threads = [threading.Thread(target=asyncio.run, args=(consumer(b),)) for b in (100, 200)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert sorted(done) == [*range(100, 120), *range(200, 220)]
+    assert most == 1
+
+
+def test_a_ticket_whose_loop_closed_passes_the_turn_on() -> None:
+    gate = IsolationGate()
+    dead = asyncio.new_event_loop()
+    dead.close()
+    turns: list[int] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        gate.enter(Ticket(object(), message(1), 0, dead, lambda t: turns.append(1)))
+        gate.enter(Ticket(object(), message(2), 0, loop, lambda t: turns.append(2)))
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert turns == [2]
+
+
+def test_held_back_deliveries_are_leased_and_outstanding_and_go_first_when_admitted() -> None:
+    ledger = Ledger()
+    a = ledger.open(cast(Any, "a"))
+    ledger.queue(a, [message(1), message(2)])
+    held = message(7)
+    ledger.hold(a, [held])
+    assert (ledger.outstanding, a.outstanding, ledger.queued) == (3, 3, 2)
+    assert ledger.leases(a) == [1, 2, 7]
+    assert ledger.admit(a, held)
+    assert not ledger.admit(a, held)  # once
+    picked = ledger.pick()
+    assert picked is not None
+    assert picked[1] is held  # first in its stream's queue
+
+
+def test_a_streams_take_back_includes_what_is_held_back_for_the_turn() -> None:
+    ledger = Ledger()
+    a = ledger.open(cast(Any, "a"))
+    held = message(5)
+    ledger.hold(a, [held])
+    ledger.queue(a, [message(6)])
+    taken = ledger.take_back(a, next_epoch=True)
+    assert sorted(m.offset for m in taken) == [5, 6]
+    assert (ledger.outstanding, a.outstanding, a.running) == (0, 0, set())
+    assert not ledger.admit(a, held)  # given back: its turn passes on

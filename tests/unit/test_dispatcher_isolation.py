@@ -1,0 +1,119 @@
+"""Isolated deliveries (Hello.isolation): the dispatcher's side, with the real Outbox."""
+
+from __future__ import annotations
+
+from tests.unit.test_dispatcher import frames_of, make, records
+from triage_protocol import triage_pb2 as pb
+from triage_proxy.pipeline.dispatch import Dispatcher, Session
+from triage_proxy.server.outbox import Outbox
+
+
+def isolating(d: Dispatcher, consumer_id: str, credits: int) -> Session:
+    """A session as the service opens one for a Hello that set `isolation`."""
+    return d.open_session(
+        consumer_id, credits, Outbox("t", d.partition, 1 << 20, False), isolating=True
+    )
+
+
+def take(session: Session) -> tuple[list[pb.Delivery], list[int]]:
+    """What `session` was sent: the deliveries, and the offsets flagged isolated."""
+    deliveries: list[pb.Delivery] = []
+    flagged: list[int] = []
+    for frame in frames_of(session):
+        assert frame is not None
+        deliveries.extend(frame.deliveries.deliveries)
+        if frame.deliveries.isolated:
+            assert len(frame.deliveries.deliveries) == 1  # alone in its frame
+            flagged.extend(frame.deliveries.isolated)
+    return deliveries, flagged
+
+
+def test_a_suspect_goes_alone_flagged_and_only_a_started_one_is_blamed() -> None:
+    d, _, _ = make(max_attempts=5, span_s=0)
+    d.add(records(0, 4))
+    a = isolating(d, "a", 10)
+    got, flagged = take(a)
+    assert [x.offset for x in got] == [0, 1, 2, 3]
+    assert flagged == []  # first deliveries are not suspects
+    d.close_session(a)  # several held, none started: nobody blamed
+    b = isolating(d, "b", 10)
+    got, flagged = take(b)
+    assert flagged == [0]  # one suspect per instance, alone and flagged
+    assert [x.attempt for x in got if x.offset == 0] == [1]  # the crash cost no attempt
+    d.close_session(b)  # 0 held, flagged but never started: not blamed
+    c = isolating(d, "c", 10)
+    got, flagged = take(c)
+    assert len(flagged) == 1
+    assert [x.attempt for x in got] == [1]
+    d.started(c, flagged)
+    d.close_session(c)  # it started that one: it is blamed, the others are not
+    e = isolating(d, "e", 10)
+    attempts: dict[int, int] = {}
+    while True:  # every record is a suspect now: one at a time
+        got, _ = take(e)
+        if not got:
+            break
+        attempts.update((x.offset, x.attempt) for x in got)
+        d.settle(e, [x.offset for x in got], [])
+    assert attempts == {o: 2 if o == flagged[0] else 1 for o in range(4)}
+
+
+def test_a_lone_delivery_of_an_isolating_instance_is_not_blamed() -> None:
+    """An older client's lone delivery is blamed; an isolating one's is not (it may be the
+    neighbour of a pill on another of its process's streams): it comes back a suspect."""
+    for iso, expected in ((True, 1), (False, 2)):
+        d, _, _ = make(max_attempts=5, span_s=0)
+        d.add(records(0, 1))
+        a = isolating(d, "a", 1) if iso else d.open_session("a", 1, Outbox("t", 0, 1 << 20, False))
+        take(a)
+        d.close_session(a)
+        b = isolating(d, "b", 1)
+        got, flagged = take(b)
+        assert [(x.offset, x.attempt) for x in got] == [(0, expected)]
+        assert flagged == [0]
+
+
+def test_started_is_ignored_for_what_is_not_a_held_suspect() -> None:
+    d, _, _ = make(max_attempts=5, span_s=0)
+    d.add(records(0, 2))
+    a = isolating(d, "a", 10)
+    take(a)
+    d.started(a, [0, 1, 99])  # not suspects (first deliveries), 99 not held
+    assert a.started == set()
+    old = d.open_session("old", 10, Outbox("t", 0, 1 << 20, False))
+    d.started(old, [0])  # an older client's session never isolates
+    assert old.started == set()
+
+
+def test_a_crash_pill_among_16_in_flight_neighbours_of_an_isolating_process() -> None:
+    """Instances crash whenever they start the pill; each reports Started for its isolated
+    delivery before running it. Healthy neighbours are never blamed, the pill is
+    dead-lettered after at most max_attempts + 1 crashes."""
+    d, tracker, dead = make(max_attempts=5, span_s=0)
+    pill = 7
+    d.add(records(0, 16))
+    crashes = 0
+    for turn in range(200):
+        s = isolating(d, f"i{turn}", 16)
+        crashed = False
+        while not crashed:
+            got, flagged = take(s)
+            if not got:
+                break
+            d.started(s, flagged)
+            if any(x.offset == pill for x in got):
+                crashes += 1
+                crashed = True
+                d.close_session(s)
+            else:
+                assert all(x.attempt == 1 for x in got), got
+                d.settle(s, [x.offset for x in got], [])
+        if not crashed:
+            d.close_session(s)
+        if dead:
+            break
+    assert [dl.record.offset for dl in dead] == [pill]
+    assert dead[0].attempts == 5
+    assert crashes <= 5 + 1
+    d.dead_letter_written(dead[0])
+    assert tracker.committable == 16
