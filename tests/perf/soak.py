@@ -14,8 +14,10 @@ handlers' logs and the dead-letter table (tests/fault/verify.py). It prints:
 - duplicates per proxy kill, each kill's own, against the bound (window.max_messages,
   `--window`: a kill redelivers at most the window);
 - the proxy's resident memory, file descriptors and threads at minute 5 (just before the
-  first kill) and at the end (growth of memory <= 10%, descriptors and threads none),
-  and every minute's sample;
+  first kill) and at the end, once production stopped (growth of memory <= 10%,
+  descriptors and threads none; each the median of 5 samples 1 s apart), and every
+  minute's sample. With a kill every 5 minutes both are of a proxy 5 minutes old;
+  what grows across restarts or within a proxy's life shows;
 - the commit lag: every 0.5 s, how long the oldest record not committed yet has been in
   the partition (0 when everything produced is committed), p50 / p99 / max, over the
   whole run and outside the 20 s after each kill.
@@ -73,6 +75,9 @@ AFTER_KILL_S = 20.0
 FINISH_TIMEOUT_S = 300.0
 """Longest wait, once production ended, for the commit to reach the end."""
 MEMORY_GROWTH = 0.10
+SAMPLES = 5
+"""Samples per measuring point (minute 5, the end), SAMPLE_GAP_S apart: their median."""
+SAMPLE_GAP_S = 1.0
 TICK_S = 0.1
 
 
@@ -114,16 +119,31 @@ class TimedProduction(Production):
             self.acked_at[msg.offset()] = time.time()
 
 
-def sample(stack: DevStack, started: float) -> Sample:
-    proc = psutil.Process(stack.proxy_process(0).pid)
-    with proc.oneshot():
-        return Sample(
-            time.time() - started,
-            proc.pid,
-            proc.memory_info().rss / 2**20,
-            proc.num_fds(),
-            proc.num_threads(),
-        )
+def sample(stack: DevStack, started: float, count: int = 1) -> Sample:
+    """The proxy now; with `count` > 1, the median of that many samples SAMPLE_GAP_S apart
+    (a descriptor or thread that comes and goes with one connection is not growth)."""
+    taken = []
+    for i in range(count):
+        if i:
+            time.sleep(SAMPLE_GAP_S)
+        proc = psutil.Process(stack.proxy_process(0).pid)
+        with proc.oneshot():
+            taken.append(
+                Sample(
+                    time.time() - started,
+                    proc.pid,
+                    proc.memory_info().rss / 2**20,
+                    proc.num_fds(),
+                    proc.num_threads(),
+                )
+            )
+    return Sample(
+        taken[-1].at_s,
+        taken[-1].pid,
+        statistics.median(s.rss_mib for s in taken),
+        int(statistics.median(s.fds for s in taken)),
+        int(statistics.median(s.threads for s in taken)),
+    )
 
 
 def commit_lag(producer: TimedProduction, committed: int, now: float) -> float:
@@ -204,14 +224,15 @@ def run(args: argparse.Namespace) -> tuple[Report, Soak]:
                 next_restart += restart_every
                 if fleet.restart_one(rng) is not None:
                     soak.restarts += 1
-            if now_s >= next_kill and now_s < duration_s and not killing.is_alive():
+            sampling_s = (SAMPLES - 1) * SAMPLE_GAP_S  # the kill comes after its samples
+            if now_s >= next_kill - sampling_s and now_s < duration_s and not killing.is_alive():
                 next_kill += kill_every
                 killing = threading.Thread(
                     target=kill_and_restart, args=(stack, soak, started, poller), daemon=True
                 )
                 killing.start()
             if producer.finished.is_set() and soak.last is None:
-                soak.last = sample(stack, started)
+                soak.last = sample(stack, started, SAMPLES)
                 soak.samples.append(soak.last)
                 report.end_offset = max(producer.offsets.values(), default=-1) + 1
             if soak.last is not None and poller.committed >= report.end_offset:
@@ -237,7 +258,7 @@ def run(args: argparse.Namespace) -> tuple[Report, Soak]:
 def kill_and_restart(stack: DevStack, soak: Soak, started: float, poller: CommitPoller) -> None:
     """Sample the proxy, kill -9 it, restart it after PROXY_DOWN_S (its own thread, so the
     lag is still sampled while the new proxy waits for the lease)."""
-    taken = sample(stack, started)
+    taken = sample(stack, started, SAMPLES)
     soak.samples.append(taken)
     soak.first = soak.first or taken
     soak.kills.append(time.time())
