@@ -66,17 +66,25 @@ def test_the_bounded_room_never_lets_the_undurable_records_pass_the_window(
     assert plain == max(0, max_messages - unsettled)
 
 
-@given(room=st.integers(0, 40), settled_waiting=st.integers(0, 40), refill=st.integers(1, 20))
-def test_a_commit_is_forced_only_when_it_would_make_room_for_a_fetch(
-    room: int, settled_waiting: int, refill: int
+@given(
+    room=st.integers(0, 40),
+    settled_waiting=st.integers(0, 40),
+    refill=st.integers(1, 20),
+    extra=st.integers(0, 20),
+)
+def test_a_commit_is_forced_only_when_it_unblocks_a_fetch_or_gives_back_a_refill(
+    room: int, settled_waiting: int, refill: int, extra: int
 ) -> None:
-    due = durability_due(room=room, settled_waiting=settled_waiting, refill=refill)
-    if room >= refill:
-        assert not due  # the fetch goes on anyway: the tick commits
-    elif room + settled_waiting < refill:
+    low = refill + extra  # half the window, at least a refill
+    due = durability_due(room=room, settled_waiting=settled_waiting, refill=refill, low=low)
+    if room + settled_waiting < refill:
         assert not due  # unsettled records hold the room: a commit frees nothing
+    elif room < refill:
+        assert due  # the fetch is held back and the commit lets it go
+    elif room >= low:
+        assert not due  # more than half the window is free: the tick commits
     else:
-        assert due
+        assert due == (settled_waiting >= refill)  # under way early, a refill at least
 
 
 # --- the tracker's record counts ---------------------------------------------------------

@@ -49,8 +49,9 @@ acknowledged and each item written, how many of the run's records that record co
 (`CommitTracker.mark_durable`: the records below the committed offset for Kafka, every
 record settled when the set was encoded for the item; Kafka's metadata is not counted,
 since some brokers drop it), and then the dispatcher (`on_durable`), whose window may
-take records again. When the window holds a fetch back for want of such a record, the
-dispatcher raises `durability` and the committer commits at once, and writes the item at
+take records again. When half the window waits for such a record (or a fetch is held
+back for want of one), the dispatcher raises `durability` (policies.durability_due) and
+the committer commits at once, and writes the item at
 once too if the commit alone did not make room (a head held by a pill or a slow message:
 only the item records what settled above it), past the interval and the limits above. A
 round that recorded nothing more (a broker or table that refuses) is not repeated before

@@ -190,17 +190,23 @@ def window_room(*, max_messages: int, unsettled: int, undurable: int, bounded: b
     return max(0, max_messages - counted)
 
 
-def durability_due(*, room: int, settled_waiting: int, refill: int) -> bool:
-    """Whether the committer records what settled at once instead of at its tick: the
-    window has `room` for less than a worthwhile fetch (`refill` records), and recording
-    the `settled_waiting` records (settled, not durably recorded) would make room for one.
+def durability_due(*, room: int, settled_waiting: int, refill: int, low: int) -> bool:
+    """Whether the committer records what settled at once instead of at its tick: either
+    the window has `room` for less than a worthwhile fetch (`refill` records) and recording
+    the `settled_waiting` records (settled, not durably recorded) would make room for one,
+    or the room fell below `low` (half the window) and recording would give back at least
+    a refill.
 
     Why: with the bounded window (`window_room`) a partition faster than its commit
     interval would otherwise wait for the tick with a full window (at 100k messages/s a
-    10,000-record window fills in 0.1 s). While the room is short because of unsettled
-    records, a commit frees nothing, so none is forced (no loop of useless commits).
+    10,000-record window fills in 0.1 s). Waiting until the fetch is held back makes every
+    commit round trip a stall; from half the window on, the commit is under way while the
+    other half still flows. Each forced commit gives back at least a refill (or lets a
+    held-back fetch go), so they are at most one per `refill` records; while the room is
+    short because of unsettled records, a commit frees nothing and none is forced.
     """
-    return room < refill <= room + settled_waiting
+    blocked = room < refill <= room + settled_waiting
+    return blocked or (room < low and settled_waiting >= refill)
 
 
 def early_commit_worth(*, waiting: int, previous_advance: int, least: int) -> bool:

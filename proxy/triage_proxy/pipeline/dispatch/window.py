@@ -277,6 +277,7 @@ class Window:
                 room=self._room(),
                 settled_waiting=tracker.settled - tracker.durable,
                 refill=self._refill,
+                low=max(self._refill, self._max_messages // 2),
             ):
                 self.durability.set()
         if self._held or self._dead_lettering:
