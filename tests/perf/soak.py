@@ -241,13 +241,14 @@ def run(args: argparse.Namespace) -> tuple[Report, Soak]:
                 if fleet.restart_one(rng) is not None:
                     soak.restarts += 1
             sampling_s = (SAMPLES - 1) * SAMPLE_GAP_S  # the kill comes after its samples
-            if now_s >= next_kill - sampling_s and now_s < duration_s and not killing.is_alive():
+            last_kill = next_kill >= duration_s  # none at the very end: the end is sampled
+            if now_s >= next_kill - sampling_s and not last_kill and not killing.is_alive():
                 next_kill += kill_every
                 killing = threading.Thread(
                     target=kill_and_restart, args=(stack, soak, started, poller), daemon=True
                 )
                 killing.start()
-            if producer.finished.is_set() and soak.last is None:
+            if producer.finished.is_set() and soak.last is None and not killing.is_alive():
                 soak.last = sample(stack, started, SAMPLES)
                 soak.samples.append(soak.last)
                 report.end_offset = max(producer.offsets.values(), default=-1) + 1
