@@ -46,7 +46,9 @@ stricter than `invocations - unique offsets - expected`: a missing expected rede
 cannot hide an unexpected one, and every duplicate has a cause.
 
 Targets: lost == 0 and crash pills exact (exit 1 otherwise); with the encoding,
-duplicates per proxy kill no more than the in-flight window (instances x credits); with
+duplicates per proxy kill no more than the in-flight window (instances x credits, which
+the run sets as the proxy's window.max_messages: with the encoding a kill redelivers at
+most the window, see the README's guarantees); with
 --encode-settled both, at least 5x fewer duplicates per proxy kill with the encoding than
 without (exit 2 when only a figure target fails).
 
@@ -117,9 +119,11 @@ def run_suite(options: Options) -> Report:
     proxy_lock = threading.Lock()
 
     with contextlib.ExitStack() as cleanup:
-        stack = DevStack(
-            topic=TOPIC, state_dir=run_dir / "stack", proxy_overrides=proxy_overrides(options)
-        )
+        overrides = proxy_overrides(options)
+        # The proxy's window is the instances' in-flight window, so that "a kill redelivers
+        # at most the window" (with the encoding) is the suite's target itself.
+        overrides["window"] = {"max_messages": options.in_flight_window}
+        stack = DevStack(topic=TOPIC, state_dir=run_dir / "stack", proxy_overrides=overrides)
         stack.start()
         cleanup.callback(stack.stop)
         target = stack.describe()["proxies"][0]["target"]

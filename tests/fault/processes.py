@@ -254,6 +254,18 @@ class Fleet:
                 os.kill(victim.proc.pid, signal.SIGKILL)
             return victim
 
+    def restart_one(self, rng: random.Random) -> Incarnation | None:
+        """SIGTERM a random live instance, as a deploy would (it releases what it never
+        started and finishes its running handlers); the supervisor starts a new one."""
+        with self._lock:
+            alive = [i for i in self._live.values() if i.proc.poll() is None]
+            if not alive:
+                return None
+            victim = rng.choice(sorted(alive, key=lambda i: i.slot))
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim.proc.pid, signal.SIGTERM)
+            return victim
+
     def stop(self) -> None:
         """SIGTERM every live instance by PID, SIGKILL what outlives the grace; safe twice."""
         with self._lock:

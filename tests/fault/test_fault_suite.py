@@ -39,6 +39,7 @@ def test_kill_9_and_outages_lose_nothing(tmp_path: Path) -> None:
     report = run_suite(options)
     elapsed = time.monotonic() - started
     summary = render([report])
+    print(summary)  # the duplicates per kill, with -s
 
     assert not report.unfinished, summary
     assert report.lost == [], summary

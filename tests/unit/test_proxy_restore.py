@@ -72,10 +72,18 @@ def test_an_item_from_before_the_counts_gives_none() -> None:
     assert restore(store, 10) == ([12], {})
 
 
-def test_commit_metadata_gives_the_settled_set_and_the_item_the_counts() -> None:
+def test_commit_metadata_and_the_item_are_joined_and_the_item_gives_the_counts() -> None:
+    # The item may be ahead of the metadata: written while the offset was held, after the
+    # commit (the bounded window counts on it alone).
     store = checkpoint(10, [13], {11: 4})
     metadata = encode_settled(10, [12])
-    assert restore(store, 10, metadata) == ([12], {11: 4})
+    assert restore(store, 10, metadata) == ([12, 13], {11: 4})
+
+
+def test_a_trailing_item_adds_what_is_above_the_commit_to_its_metadata() -> None:
+    store = checkpoint(8, [9, 14], {})
+    metadata = encode_settled(10, [12])
+    assert restore(store, 10, metadata) == ([12, 14], {})
 
 
 def test_garbled_counts_are_ignored_but_the_settled_set_is_kept(

@@ -524,7 +524,9 @@ class WindowSettings:
     max_messages: int = _bounded(
         DEFAULT_WINDOW_MESSAGES, 1, MAX_WINDOW_MESSAGES, why="held in memory"
     )
-    """Most fetched-but-unsettled messages; fetching pauses beyond it."""
+    """Most fetched-but-unsettled messages; fetching pauses beyond it. With
+    commit.encode_settled, most fetched messages whose settlement no commit or checkpoint
+    recorded yet: what one kill -9 redelivers at most."""
     max_bytes: int = _bounded(DEFAULT_WINDOW_BYTES, 1, MAX_WINDOW_BYTES, why="held in memory")
     """Most fetched-but-unsettled payload bytes; fetching pauses beyond it."""
 

@@ -41,6 +41,21 @@ commit lag after the last ack was 123-228 ms at its 0.1 s interval, a tenth of t
 a partition with a backlog never catches up, so it commits on the interval,
 and a trickle commits early at most once per EARLY_COMMIT_OFFSETS offsets (and once
 more right after a burst, for its tail).
+
+What a kill -9 costs is bounded by the window (with the checkpoint item): the window
+counts a record until a commit or a checkpoint write durably records it as settled
+(policies.window_room). The committer tells the tracker, after each commit Kafka
+acknowledged and each item written, how many of the run's records that record covers
+(`CommitTracker.mark_durable`: the records below the committed offset for Kafka, every
+record settled when the set was encoded for the item; Kafka's metadata is not counted,
+since some brokers drop it), and then the dispatcher (`on_durable`), whose window may
+take records again. When half the window waits for such a record (or a fetch is held
+back for want of one), the dispatcher raises `durability` (policies.durability_due) and
+the committer commits at once, and writes the item at
+once too if the commit alone did not make room (a head held by a pill or a slow message:
+only the item records what settled above it), past the interval and the limits above. A
+round that recorded nothing more (a broker or table that refuses) is not repeated before
+the next poll, so a refusing store is not asked in a loop.
 """
 
 from __future__ import annotations
@@ -129,11 +144,15 @@ class Committer:
         attempts: FailureCounts | None = None,
         ahead: SettledAhead | None = None,
         caught_up: asyncio.Event | None = None,
+        durability: asyncio.Event | None = None,
+        on_durable: Callable[[], None] = lambda: None,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         """`caught_up`: set when everything fetched got settled (the dispatcher's; cleared
         here once looked at), the cue for an early commit; without it, commits go on the
-        interval only."""
+        interval only. `durability`: set when the bounded window waits for a record of
+        what settled (the dispatcher's; cleared here), the cue to commit and write the item
+        at once; `on_durable` is called whenever the tracker's durable mark rose."""
         self._log = log
         self._thread = thread
         self._tracker = tracker
@@ -145,6 +164,14 @@ class Committer:
         self._ahead = ahead
         """A previous run's settled offsets beyond the fetch: they stay in the encoding."""
         self._caught_up = caught_up
+        self._durability = durability
+        self._on_durable = on_durable
+        self._cue_quiet_until = -float("inf")
+        """The durability cue is not taken before this (monotonic): its last round recorded
+        nothing more."""
+        self._metadata_records = 0
+        """How many of the run's records `metadata` (with the committed offset) records:
+        every record settled when it was encoded, or, without it, those below the offset."""
         self._monotonic = monotonic
         """The clock of the interval and the checkpoint interval (a test passes its own)."""
         self._attempted_at = -float("inf")
@@ -184,6 +211,8 @@ class Committer:
         """Checkpoint writes made before the tick: a burst settled above a held offset."""
         self.early_commits = 0
         """Commits made before the tick because the partition caught up."""
+        self.durability_commits = 0
+        """Commits made before the tick because the bounded window waited for one."""
 
     async def run(self) -> None:
         poll_s = self._interval_s
@@ -191,10 +220,19 @@ class Committer:
             poll_s /= CHECKPOINT_POLLS
         while True:
             due = self._monotonic() + self._interval_s
+            urgent = False
             while (left := due - self._monotonic()) > TICK_SLACK_S:
+                if self._cue_taken():
+                    urgent = True
+                    break  # the bounded window waits for a commit: now
                 polling = poll_s < left and self._tracker.pending > 0
                 timeout = poll_s if polling else left
                 events: tuple[asyncio.Event, ...] = (self._closing,)
+                cue = self._durability
+                if cue is not None and self._cue_quiet_until <= self._monotonic():
+                    events = (self._closing, cue)
+                elif cue is not None:
+                    timeout = min(timeout, self._cue_quiet_until - self._monotonic())
                 early = self._early_in()
                 if early is not None:
                     if early <= 0:
@@ -204,8 +242,8 @@ class Committer:
                         break  # caught up: commit now
                     timeout = min(timeout, early)  # the cue stays set: not waited on
                 elif self._caught_up is not None:
-                    events = (self._closing, self._caught_up)
-                await wait_any(*events, timeout=timeout)
+                    events = (*events, self._caught_up)
+                await wait_any(*events, timeout=max(0.0, timeout))
                 if self._closing.is_set():
                     logger.debug("committer stopped")
                     return
@@ -216,8 +254,36 @@ class Committer:
                     self._checkpoint_due = True
                     await self._flush_checkpoint(burst=True)
                     self.burst_writes += 1
-            await self.commit()
+            if urgent:
+                await self._make_room()
+            else:
+                await self.commit()
             await self._flush_checkpoint()
+
+    def _cue_taken(self) -> bool:
+        """Whether the durability cue is set and may be taken now (then it is cleared)."""
+        cue = self._durability
+        if cue is None or not cue.is_set() or self._cue_quiet_until > self._monotonic():
+            return False
+        cue.clear()
+        return True
+
+    async def _make_room(self) -> None:
+        """The bounded window waits for a record of what settled: commit now, and write
+        the item now if the window still waits (what settled above a held offset). A round
+        that recorded nothing more (the broker or the table refused) keeps the cue off for
+        an interval: a frozen store is not asked in a loop."""
+        before = self._tracker.durable
+        self.durability_commits += 1
+        await self.commit()
+        self._on_durable()  # the window looks again: is it still waiting?
+        cue = self._durability
+        if cue is not None and cue.is_set() and self._checkpoints is not None:
+            cue.clear()
+            self._checkpoint_due = True
+            await self._flush_checkpoint(force=True, burst=True)
+        if self._tracker.durable == before:
+            self._cue_quiet_until = self._monotonic() + self._interval_s
 
     def _early_in(self) -> float | None:
         """Seconds until an early commit may go (<= 0: now), None while none is due: the
@@ -250,19 +316,21 @@ class Committer:
             held_offsets=CHECKPOINT_HELD_OFFSETS,
         )
 
-    def _item_settled(self) -> tuple[str, list[int]]:
-        """The settled-above text (and offsets) for the checkpoint item now: while the
-        offset is held and more settled since the latest encoding, what a commit now would
-        carry (its committed offset is Kafka's already, so it holds as is); else what the
-        latest commit carried."""
+    def _item_settled(self) -> tuple[str, list[int], int]:
+        """The settled-above text (and offsets) for the checkpoint item now, and how many of
+        the run's records it records with the committed offset: while the offset is held
+        and more settled since the latest encoding, what a commit now would carry (its
+        committed offset is Kafka's already, so it holds as is; it records every record
+        settled now); else what the latest commit carried."""
         if (
             self._tracker.committable == self.committed
             and self._settled_count() != self._settled_mark
         ):
+            settled = self._tracker.settled
             text = self._encoding(self.committed, count_overflow=False)
             if text is not None:
-                return text, self._encoded
-        return self.metadata or "", self._settled
+                return text, self._encoded, settled
+        return self.metadata or "", self._settled, self._metadata_records
 
     def _encoding(self, offset: int, *, count_overflow: bool = True) -> str | None:
         if self._checkpoints is None:
@@ -284,7 +352,9 @@ class Committer:
 
     async def commit(self) -> bool:
         """Commit if anything changed; False if the broker refused."""
-        offset = self._tracker.committable
+        tracker = self._tracker
+        offset = tracker.committable
+        settled, below = tracker.settled, tracker.below()
         metadata = self._encoding(offset)
         if offset < self.committed or (offset == self.committed and metadata == self.metadata):
             # Nothing settled for a tick: the offset is held, though the commit before this
@@ -307,6 +377,11 @@ class Committer:
         self._held = offset == self.committed
         self._advanced = offset - self.committed
         self.committed, self.metadata, self._settled = offset, metadata, self._encoded
+        # Encoded, the text records every record settled then; else only those below the
+        # offset. Only the offset counts as durable at once (some brokers drop metadata):
+        # the item, once written with this text, records the rest (`_flush_checkpoint`).
+        self._metadata_records = settled if metadata is not None else below
+        self._mark_durable(below)
         self.commits += 1
         if self._checkpoints is not None:
             self._checkpoint_due = True
@@ -330,7 +405,7 @@ class Committer:
         written = self._written
         # After a failed write, only the interval: a frozen table is not asked 5x a second.
         held = (self._held or burst) and written is not None and not self._checkpoint_degraded
-        text, settled = self._item_settled()
+        text, settled, records = self._item_settled()
         # Settled above the committed offset, not in the item (which has what it had then).
         saved = self._written_settled
         unsaved = len(settled) - (len(saved) - bisect.bisect_right(saved, self.committed))
@@ -353,12 +428,19 @@ class Committer:
         self._checkpoint_at = now
         if await self._write_checkpoint(checkpoint):
             self._written_settled = settled
+            self._mark_durable(records)
             logger.debug(
                 "checkpoint written: committed %d, %d offsets settled above it%s",
                 checkpoint.committed,
                 len(settled),
                 " (held)" if held and unsaved >= CHECKPOINT_HELD_OFFSETS else "",
             )
+
+    def _mark_durable(self, records: int) -> None:
+        """`records` of the run's records are durably recorded as settled now."""
+        if records > self._tracker.durable:
+            self._tracker.mark_durable(records)
+            self._on_durable()
 
     async def _write_checkpoint(self, checkpoint: Checkpoint) -> bool:
         """Best effort: a missing or stale checkpoint only means more redeliveries (and a

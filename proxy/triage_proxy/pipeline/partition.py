@@ -291,6 +291,7 @@ class PartitionPipeline:
                 writer.submit,
                 already_settled=settled,
                 prior_failures=failures,
+                bounded=checkpoints is not None,
             )
             fetch_closing = asyncio.Event()
             fetcher = Fetcher(log, thread, dispatcher, settings.kafka.fetch_batch, fetch_closing)
@@ -306,6 +307,8 @@ class PartitionPipeline:
                 attempts=dispatcher,
                 ahead=dispatcher,
                 caught_up=dispatcher.caught_up,
+                durability=dispatcher.durability,
+                on_durable=dispatcher.durable_moved,
             )
             watermarks = LogEndWatcher(log, queries, tracker, fetch_closing)
             self.dispatcher, self.committer, self.fetcher = dispatcher, committer, fetcher
@@ -452,7 +455,7 @@ async def restore(
     settings: Settings, committed: int, metadata: str | None, checkpoints: CheckpointStore | None
 ) -> tuple[list[int], dict[int, int]]:
     """What a previous run left: the offsets it settled above `committed` (from the
-    commit's metadata, else from the checkpoint item) and the failed-delivery counts of
+    commit's metadata and from the checkpoint item, joined) and the failed-delivery counts of
     its unsettled messages (from the item), both unless the item is newer than Kafka's
     commit. Trouble here only costs redeliveries (or attempts counted again), so it is
     logged and ignored."""
@@ -468,13 +471,20 @@ async def restore(
         found = None  # newer than Kafka's commit (the group was rewound): unusable
     # The item may trail Kafka by a commit (it is written just after it). Offsets settled
     # then are still settled now; the ones below Kafka's commit drop out, and so do their
-    # counts.
-    settled: list[int] = []
+    # counts. Both records count, joined: the item may also be ahead of Kafka's metadata
+    # (written while the offset was held, between commits), and the committer counts on
+    # it alone (committer.py: what the bounded window takes as recorded).
+    settled: set[int] = set()
     try:
         if metadata:
-            settled = decode_settled(committed, metadata)
-        elif found is not None:
-            settled = [o for o in decode_settled(found.committed, found.settled) if o >= committed]
+            settled.update(decode_settled(committed, metadata))
+    except CheckpointError as exc:
+        logger.warning("ignoring the settled-above encoding of the commit: %s", exc)
+    try:
+        if found is not None:
+            settled.update(
+                o for o in decode_settled(found.committed, found.settled) if o >= committed
+            )
     except CheckpointError as exc:
         logger.warning("ignoring the settled-above checkpoint: %s", exc)
     failures: dict[int, int] = {}
@@ -484,7 +494,7 @@ async def restore(
             failures = {o: n for o, n in counts.items() if o >= committed}
     except CheckpointError as exc:
         logger.warning("ignoring the failed-delivery counts of the checkpoint: %s", exc)
-    return settled, failures
+    return sorted(settled), failures
 
 
 def _left(deadline: float) -> float:

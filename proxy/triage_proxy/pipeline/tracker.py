@@ -16,6 +16,11 @@ committable offset passes them. Memory is bounded by the window (tracked
 offsets from the committable offset to the last tracked one): about 1.1 bytes
 per offset when offsets are contiguous, at worst one page (~1 KiB) per tracked
 offset when every offset sits alone in its page (a heavily compacted topic).
+It also counts records (not offsets: a compacted topic has gaps) for the bound on what
+a kill -9 can redeliver: how many were tracked, and how many of them the committer says
+are durably recorded as settled (`mark_durable`); the window takes no more records while
+`undurable` fills it (dispatch/window.py, policies.window_room).
+
 This module is pure logic: no I/O, no clock, no logging.
 """
 
@@ -44,7 +49,17 @@ _PENDING_RUN = bytes([_PENDING]) * _PAGE_SIZE
 class CommitTracker:
     """Tracks fetched offsets of one partition and computes the committable offset."""
 
-    __slots__ = ("_head", "_last", "_order", "_pages", "_pending", "_tail", "_tail_no")
+    __slots__ = (
+        "_durable",
+        "_head",
+        "_last",
+        "_order",
+        "_pages",
+        "_pending",
+        "_tail",
+        "_tail_no",
+        "_tracked",
+    )
 
     def __init__(self, start_offset: int) -> None:
         """Start at ``start_offset``, the committed position fetching resumes from."""
@@ -64,6 +79,10 @@ class CommitTracker:
         """The page holding _last (a placeholder when _tail_no is -1)."""
         self._tail_no = -1
         """Page number of _tail, or -1 when no page is live."""
+        self._tracked = 0
+        """Records tracked so far (gaps not counted)."""
+        self._durable = 0
+        """Of those, how many the committer found durably recorded as settled."""
 
     def track(self, offset: int) -> None:
         """Record a fetched offset; offsets must strictly increase."""
@@ -77,6 +96,7 @@ class CommitTracker:
         if not self._pending:
             self._head = offset
         self._pending += 1
+        self._tracked += 1
 
     def _start_page(self, page_no: int) -> None:
         """A new tail page for offsets of `page_no` (once per page, off the per-offset path)."""
@@ -106,6 +126,7 @@ class CommitTracker:
         if not self._pending:
             self._head = first
         self._pending += last - first + 1
+        self._tracked += last - first + 1
         self._last = last
 
     def settle(self, offset: int) -> bool:
@@ -198,6 +219,52 @@ class CommitTracker:
     def pending(self) -> int:
         """Number of tracked offsets not yet settled."""
         return self._pending
+
+    @property
+    def tracked(self) -> int:
+        """Records tracked so far."""
+        return self._tracked
+
+    @property
+    def settled(self) -> int:
+        """Records tracked and settled so far: every one is either pending or settled."""
+        return self._tracked - self._pending
+
+    def settled_above_count(self) -> int:
+        """How many settled records lie above the committable offset: one C-level count
+        per live page, O(window / 1024)."""
+        if not self._pending:
+            return 0
+        order = iter(self._order)
+        _, first = next(order)
+        count = first.count(_SETTLED, self._head & _PAGE_MASK)
+        for _, page in order:
+            count += page.count(_SETTLED)
+        return count
+
+    def below(self) -> int:
+        """Records below the committable offset (all settled): what a plain commit of it
+        records. O(window / 1024)."""
+        return self.settled - self.settled_above_count()
+
+    @property
+    def durable(self) -> int:
+        """Records the committer found durably recorded as settled (`mark_durable`)."""
+        return self._durable
+
+    @property
+    def undurable(self) -> int:
+        """Records tracked whose settlement is not durably recorded yet: the pending ones
+        and the settled ones no commit or checkpoint has recorded. What a kill -9 now could
+        redeliver, at most."""
+        return self._tracked - self._durable
+
+    def mark_durable(self, records: int) -> None:
+        """`records` of the tracked records (a count the committer took with `settled` or
+        `below` when it encoded a commit or checkpoint) are durably recorded now. Counts
+        below the current mark change nothing: the mark only rises."""
+        if records > self._durable:
+            self._durable = min(records, self.settled)
 
     def settled_above(self) -> list[int]:
         """Sorted settled offsets above the committable offset; O(window)."""

@@ -72,7 +72,10 @@ class Dispatcher:
         monotonic: Callable[[], float] = time.monotonic,
         already_settled: Collection[int] = (),
         prior_failures: Mapping[int, int] | None = None,
+        bounded: bool = False,
     ) -> None:
+        """`bounded`: the window counts a record until its settlement is durably recorded
+        (window.py; on when the committer keeps the settled-above checkpoint)."""
         self.partition = partition
         window = settings.window
         delivery = settings.delivery
@@ -88,6 +91,7 @@ class Dispatcher:
             self.counters,
             already_settled=already_settled,
             prior_failures=prior_failures,
+            bounded=bounded,
         )
         self._sessions = Sessions(self.counters)
         self._leases = Leases(
@@ -146,6 +150,17 @@ class Dispatcher:
     def caught_up(self) -> asyncio.Event:
         """Set each time every fetched record got settled (the committer's cue)."""
         return self._window.caught_up
+
+    @property
+    def durability(self) -> asyncio.Event:
+        """Set when a commit now would let the bounded window fetch again (the committer's
+        cue; it clears it)."""
+        return self._window.durability
+
+    def durable_moved(self) -> None:
+        """The committer recorded more settled records durably: the bounded window may
+        have room again."""
+        self._window.update_events()
 
     @property
     def settle_latency(self) -> LatencyHistogram:

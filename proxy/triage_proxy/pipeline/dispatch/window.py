@@ -3,8 +3,13 @@
 The window owns the entries (one per unsettled record, in offset order), their bytes,
 which instance holds each one (`Session.held` and `Session.suspects` are its ledger of
 that instance: written only here), the failed-delivery counts the committer persists,
-what a previous run settled or counted, and the three events the rest of the partition
-waits on (`room`, `quiet`, `caught_up`).
+what a previous run settled or counted, and the four events the rest of the partition
+waits on (`room`, `quiet`, `caught_up`, `durability`).
+
+With `bounded` (the settled-above checkpoint is on) the window counts a record from its
+fetch until a commit or checkpoint durably recorded it as settled, not only until it
+settled (policies.window_room): a kill -9 then redelivers at most `max_messages` records,
+wherever it lands, a restarted proxy's catch-up burst included.
 
 An entry's life, and the part that moves it (the state is `Entry.state`):
 
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from triage_proxy.observe.snapshot import LatencyHistogram
+from triage_proxy.pipeline.policies import durability_due, window_room
 from triage_proxy.pipeline.tracker import CommitTracker
 from triage_proxy.structs import Record
 
@@ -160,8 +166,11 @@ class Window:
         *,
         already_settled: Collection[int] = (),
         prior_failures: Mapping[int, int] | None = None,
+        bounded: bool = False,
     ) -> None:
         self._max_messages = max_messages
+        self._bounded = bounded
+        """Count records until their settlement is durable (module docstring)."""
         self._max_bytes = max_bytes
         self._refill = refill
         """Hysteresis: once full, fetch again only when this many records fit, not for
@@ -202,6 +211,10 @@ class Window:
         waiting for its tick (committer.py)."""
         self._pending = False
         """The tracker had records pending at the last `update_events`."""
+        self.durability = asyncio.Event()
+        """Set when recording what settled (a commit, a checkpoint) would make room for a
+        fetch the bounded window holds back (policies.durability_due); the committer
+        clears it once it looked: its cue to commit without waiting for its tick."""
 
     # --- what the window holds ----------------------------------------------------------
 
@@ -223,7 +236,16 @@ class Window:
         """How many more records the window takes before it is full (0 when full)."""
         if self._bytes >= self._max_bytes:
             return 0
-        return max(0, self._max_messages - len(self._entries))
+        return self._room()
+
+    def _room(self) -> int:
+        """The room by count of records (policies.window_room)."""
+        return window_room(
+            max_messages=self._max_messages,
+            unsettled=len(self._entries),
+            undurable=self._tracker.undurable,
+            bounded=self._bounded,
+        )
 
     @property
     def in_flight(self) -> int:
@@ -256,6 +278,15 @@ class Window:
             self.room.set()
         else:
             self.room.clear()
+        if self._bounded:
+            tracker = self._tracker
+            if durability_due(
+                room=self._room(),
+                settled_waiting=tracker.settled - tracker.durable,
+                refill=self._refill,
+                low=max(self._refill, self._max_messages // 2),
+            ):
+                self.durability.set()
         if self._held or self._dead_lettering:
             self.quiet.clear()
         else:
