@@ -720,7 +720,8 @@ def migrate(
     ] = False,
     json_: JsonOption = False,
 ) -> None:
-    """Move the topic's dead letters written before deployment keys to this deployment.
+    """Move the topic's dead letters written before deployment keys to this deployment,
+    and index the table for paged listing.
 
     Tables written before dead letters were keyed by deployment (group id) hold them
     under the topic and partition only; no command sees them until they are moved. Each
@@ -729,8 +730,12 @@ def migrate(
     already replayed or discarded, are left and reported (exit 1). Stop every proxy that
     predates deployment keys first (it would write more of them); run with --dry-run to
     see the plan.
+
+    Then it adds the by-state index to a table created before it and gives every dead
+    letter (of every deployment) the attribute that index is keyed on; until that is
+    done, listings scan the table. Idempotent and resumable too.
     """
-    from triage_proxy.store.migrate import Migration, Move
+    from triage_proxy.store.migrate import Indexing, Migration, Move
 
     labels = {
         Move.MOVED: "moved",
@@ -750,6 +755,13 @@ def migrate(
         with table, _stop_on_signals() as stop:
             migration = Migration(table, settings.kafka.topic)
             result = migration.run(apply=not dry_run, stop=stop)
+            indexing = Indexing(table).run(apply=not dry_run, stop=stop)
+        index = {
+            "active": indexing.index_active,
+            "indexed": indexing.indexed,
+            "changed": indexing.changed,
+            "complete": indexing.complete,
+        }
         counts = {move.value: result.count(move) for move in Move}
         if json_:
             left = [
@@ -764,7 +776,8 @@ def migrate(
                     "dry_run": dry_run,
                     **counts,
                     "left": left,
-                    "interrupted": result.interrupted,
+                    "index": index,
+                    "interrupted": result.interrupted or indexing.interrupted,
                 }
             )
         else:
@@ -782,7 +795,30 @@ def migrate(
                 f"{what}legacy dead letters of {settings.kafka.topic!r} for group "
                 f"{table.group!r}: {summary}"
             )
-        if result.interrupted:
+            typer.echo(
+                _indexing_summary(indexing, dry_run), err=not dry_run and not indexing.complete
+            )
+        if result.interrupted or indexing.interrupted:
             raise typer.Exit(int(ExitCode.INTERRUPTED))
-        if not dry_run and result.left:
+        if not dry_run and (result.left or not indexing.complete):
             raise typer.Exit(int(ExitCode.FAILURE))
+
+
+def _indexing_summary(indexing: Any, dry_run: bool) -> str:
+    """One line on the by-state index: what was (or would be) indexed, and whether
+    listings use the index now."""
+    from triage_proxy.store.items import STATE_INDEX
+
+    if dry_run:
+        return f"dry run: {indexing.indexed} dead letters would be indexed ({STATE_INDEX})"
+    if indexing.complete:
+        return f"indexed {indexing.indexed} dead letters; listings use the {STATE_INDEX} index"
+    why = (
+        f"{indexing.changed} changed while being indexed"
+        if indexing.changed
+        else f"the {STATE_INDEX} index is not ACTIVE yet"
+    )
+    return (
+        f"indexed {indexing.indexed} dead letters, not complete: {why}; rerun "
+        "(listings scan until it is complete)"
+    )

@@ -159,6 +159,7 @@ def test_a_migrated_item_keeps_every_attribute_and_gains_its_group() -> None:
     new = migrated_item(old, "billing#eu")
     assert new["source"] == {"S": "orders#0#dead#billing#eu"}
     assert new["group"] == {"S": "billing#eu"}
-    assert {k: v for k, v in new.items() if k not in ("source", "group")} == {
-        k: v for k, v in old.items() if k != "source"
+    assert new["dl_state"] == {"S": "replayed#billing#eu"}  # its place in the by-state index
+    assert {k: v for k, v in new.items() if k not in ("source", "group", "dl_state")} == {
+        k: v for k, v in old.items() if k not in ("source", "dl_state")
     }
