@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -48,6 +48,7 @@ from triage_cli.signals import stop_on_signals as _stop_on_signals
 
 if TYPE_CHECKING:
     from triage_proxy.config.settings import Settings
+    from triage_proxy.store.bulk import Count
     from triage_proxy.store.query import DeadLetterTable, Filters
 
 dlq_app = typer.Typer(
@@ -239,11 +240,21 @@ def list_(
     until: UntilOption = None,
     json_: JsonOption = False,
     limit: Annotated[int | None, typer.Option(min=1, help="Show at most this many.")] = None,
+    cursor: Annotated[
+        str | None,
+        typer.Option(help="Go on where a --limit listing stopped (it prints the cursor)."),
+    ] = None,
     group: GroupOption = None,
 ) -> None:
-    """List dead letters (a table, or one JSON object per line with --json)."""
+    """List dead letters (a table, or one JSON object per line with --json).
+
+    Read a page at a time (store/pages.py): by partition in offset order with --topic and
+    --partition, otherwise newest first per status (pending, replayed, discarded) once
+    the table is indexed (`triage dlq migrate` indexes an older table). With --limit, a
+    cursor to the rest is printed on stderr.
+    """
     from triage_cli.render import item_summary
-    from triage_proxy.store.query import LIST_ATTRIBUTES
+    from triage_proxy.store.pages import MAX_PAGE_SIZE, page
 
     with exit_on_errors():
         filters = _filters(
@@ -256,22 +267,35 @@ def list_(
         )
         settings, table = _open(config, group)
         with table:
-            found = table.scan(filters, attributes=LIST_ATTRIBUTES)
-            if json_:
-                for n, item in enumerate(found, 1):
-                    _json_line(item_summary(item))
-                    if limit is not None and n >= limit:
-                        break
-                _warn_legacy(config, settings, table, topic, partition)
-                return
-            items: list[dict[str, Any]] = []
-            for item in found:
-                items.append(item)
-            shown = _sorted(items)[:limit] if limit is not None else _sorted(items)
-            more = f" (first {len(shown)} of {len(items)})" if len(shown) < len(items) else ""
-            _print_table(
-                shown, f"{len(items)} dead letters of {table.group!r} in {table.table}{more}"
-            )
+            rows: list[dict[str, Any]] = []  # for the table; --json streams instead
+            count = 0
+            scanned = False
+            while True:
+                size = MAX_PAGE_SIZE if limit is None else min(MAX_PAGE_SIZE, limit - count)
+                got = page(table, filters, cursor, size)
+                scanned = scanned or got.mode == "scan"
+                cursor = got.next_cursor
+                count += len(got.items)
+                if json_:
+                    for item in got.items:
+                        _json_line(item_summary(item))
+                else:
+                    rows.extend(got.items)
+                if cursor is None or (limit is not None and count >= limit):
+                    break
+            if not json_:
+                more = " (more: see below)" if cursor is not None else ""
+                _print_table(
+                    rows, f"{count} dead letters of {table.group!r} in {table.table}{more}"
+                )
+            if cursor is not None:
+                typer.echo(f"more dead letters: --cursor {cursor}", err=True)
+            if scanned:
+                typer.echo(
+                    "note: this table is not indexed yet, so listing scans it: "
+                    f"triage dlq migrate --config {config}",
+                    err=True,
+                )
             _warn_legacy(config, settings, table, topic, partition)
 
 
@@ -412,36 +436,36 @@ def _show_text(item: dict[str, Any], dl: Any) -> str:
 # --- replay and discard ---------------------------------------------------------------
 
 
-def _select(
-    table: DeadLetterTable, filters: Filters, everything: bool, *, what: str
-) -> list[dict[str, Any]]:
-    """Pending items the arguments select (one `get` for --offset, a scan otherwise)."""
-    import dataclasses
-
-    from triage_proxy.store.items import STATUS_PENDING
-
-    _require_filter(filters, everything, what)
-    if filters.offset is not None:
-        assert filters.topic is not None
-        assert filters.partition is not None
-        item = table.get((filters.topic, filters.partition, filters.offset))
-        status = item["status"]["S"]
-        if status != STATUS_PENDING:
-            typer.echo(f"nothing to {what}: that dead letter is {status}", err=True)
-            return []
-        return [item]
-    pending = dataclasses.replace(filters, status=STATUS_PENDING)
-    return _sorted(list(table.scan(pending, consistent=True)))
-
-
 @contextlib.contextmanager
 def _pending(
     config: Path, filters: Filters, everything: bool, *, what: str, group: str | None
-) -> Iterator[tuple[Settings, DeadLetterTable, list[dict[str, Any]]]]:
-    """The settings, the open table and the pending items that replay and discard act on."""
+) -> Iterator[tuple[Settings, DeadLetterTable, Count]]:
+    """The settings, the open table and how many pending items replay and discard act on
+    (`store.bulk.count_pending`; one `get` first for --offset, to say why not)."""
+    from triage_proxy.store.bulk import Count, count_pending
+    from triage_proxy.store.items import STATUS_PENDING
+
     settings, table = _open(config, group)
     with table:
-        yield settings, table, _select(table, filters, everything, what=what)
+        _require_filter(filters, everything, what)
+        if filters.offset is not None:
+            assert filters.topic is not None
+            assert filters.partition is not None
+            item = table.get((filters.topic, filters.partition, filters.offset))
+            status = item["status"]["S"]
+            if status != STATUS_PENDING:
+                typer.echo(f"nothing to {what}: that dead letter is {status}", err=True)
+                yield settings, table, Count(0, True, frozenset())
+                return
+        yield settings, table, count_pending(table, filters)
+
+
+def _dry_run(table: DeadLetterTable, filters: Filters, json_: bool, would_be: str) -> None:
+    """What a bulk action would act on, listed (sorted by topic, partition, offset)."""
+    from triage_proxy.store.bulk import pending_filters
+    from triage_proxy.store.pages import select
+
+    _show_selection(_sorted(list(select(table, pending_filters(filters)))), json_, would_be)
 
 
 def _coords(key: tuple[str, int, int]) -> str:
@@ -499,8 +523,8 @@ def replay(
     the Spark job (triage_replay) does the same at scale; --dry-run still lists
     without Spark.
     """
+    from triage_proxy.store.bulk import replay_matching
     from triage_proxy.store.replay import new_replay_id
-    from triage_proxy.store.replay import replay as replay_items
 
     with exit_on_errors():
         filters = _filters(
@@ -515,19 +539,28 @@ def replay(
         with _pending(config, filters, everything, what="replay", group=group) as (
             settings,
             table,
-            items,
+            count,
         ):
             if dry_run:
-                _show_selection(items, json_, "replayed")
+                if count.selected:
+                    _dry_run(table, filters, json_, "replayed")
+                else:
+                    _show_selection([], json_, "replayed")
                 return
-            if not items:
+            if not count.selected:
                 _report_replay(None, 0, json_)
                 return
-            producer = _producer(settings, to_topic, items)
+            producer = _producer(settings, to_topic, count.topics)
             replay_id = new_replay_id()
             with _stop_on_signals() as stop:
-                result = replay_items(
-                    table, producer, items, replay_id=replay_id, to_topic=to_topic, stop=stop
+                result = replay_matching(
+                    table,
+                    producer,
+                    filters,
+                    replay_id=replay_id,
+                    to_topic=to_topic,
+                    stop=stop,
+                    expected=count.selected,
                 )
             if not json_:
                 for key in result.replayed:
@@ -538,7 +571,7 @@ def replay(
                     typer.echo(f"FAILED    {_coords(key)}: {why}", err=True)
                 for key, why in result.in_doubt:
                     typer.echo(f"IN DOUBT  {_coords(key)}: {why}", err=True)
-            _report_replay(result, len(items), json_, replay_id)
+            _report_replay(result, count.selected, json_, replay_id)
             if result.interrupted or stop.is_set():
                 raise typer.Exit(int(ExitCode.INTERRUPTED))
             if result.failed or result.in_doubt:
@@ -627,18 +660,18 @@ def producer_config(settings: Settings) -> dict[str, Any]:
     }
 
 
-def _producer(settings: Settings, to_topic: str | None, items: list[dict[str, Any]]) -> Any:
-    """A confluent-kafka producer, after checking the broker answers and the targets exist."""
+def _producer(settings: Settings, to_topic: str | None, topics: Collection[str]) -> Any:
+    """A confluent-kafka producer, after checking the broker answers and the targets
+    (`to_topic`, or the dead letters' source `topics`) exist."""
     from confluent_kafka import Producer
 
     from triage_proxy.kafka.errors import kafka_errors
-    from triage_proxy.store.items import item_key
 
     producer = Producer(producer_config(settings))
     unreachable = f"cannot reach Kafka at {settings.kafka.bootstrap_servers}"
     with kafka_errors(unreachable, lambda why: CommandFailed(ExitCode.UNAVAILABLE, why)):
         metadata = producer.list_topics(timeout=10)
-    wanted = {to_topic} if to_topic else {item_key(i)[0] for i in items}
+    wanted = {to_topic} if to_topic else set(topics)
     missing = sorted(t for t in wanted if t not in metadata.topics)
     if missing:
         raise CommandFailed(ExitCode.NOT_FOUND, f"topic {', '.join(missing)} does not exist")
@@ -671,7 +704,7 @@ def discard(
     group: GroupOption = None,
 ) -> None:
     """Mark pending dead letters discarded (never replayed; expire with TTL if it is on)."""
-    from triage_proxy.store.items import item_key
+    from triage_proxy.store.bulk import discard_matching
 
     with exit_on_errors():
         filters = _filters(
@@ -680,31 +713,32 @@ def discard(
         with _pending(config, filters, everything, what="discard", group=group) as (
             _,
             table,
-            items,
+            count,
         ):
             if dry_run:
-                _show_selection(items, json_, "discarded")
+                if count.selected:
+                    _dry_run(table, filters, json_, "discarded")
+                else:
+                    _show_selection([], json_, "discarded")
                 return
-            discarded = skipped = 0
             with _stop_on_signals() as stop:
-                for item in items:
-                    if stop.is_set():
-                        break
-                    key = item_key(item)
-                    name = _coords(key)
-                    if table.discard(key, item):
-                        discarded += 1
-                        if not json_:
-                            typer.echo(f"discarded {name}")
-                    else:
-                        skipped += 1
-                        if not json_:
-                            typer.echo(f"skipped   {name}: no longer pending, or being replayed")
+                result = (
+                    discard_matching(table, filters, stop=stop, expected=count.selected)
+                    if count.selected
+                    else None
+                )
+            discarded = len(result.discarded) if result else 0
+            skipped = len(result.skipped) if result else 0
+            if result is not None and not json_:
+                for key in result.discarded:
+                    typer.echo(f"discarded {_coords(key)}")
+                for key, why in result.skipped:
+                    typer.echo(f"skipped   {_coords(key)}: {why}")
             if json_:
-                _json_line({"selected": len(items), "discarded": discarded, "skipped": skipped})
+                _json_line({"selected": count.selected, "discarded": discarded, "skipped": skipped})
             else:
-                typer.echo(f"selected {len(items)}, discarded {discarded}, skipped {skipped}")
-            if stop.is_set():
+                typer.echo(f"selected {count.selected}, discarded {discarded}, skipped {skipped}")
+            if stop.is_set() or (result is not None and result.interrupted):
                 raise typer.Exit(int(ExitCode.INTERRUPTED))
 
 

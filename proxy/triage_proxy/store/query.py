@@ -126,6 +126,11 @@ LIST_ATTRIBUTES = (
     CLAIM_UNTIL_ATTR,
 )
 """What listing reads: everything but the value and headers (which may be 400 KB)."""
+BATCH_GET = 100
+"""Most keys one BatchGetItem call takes."""
+BATCH_GET_ROUNDS = 8
+"""Calls `get_many` makes for one batch's unprocessed keys before giving up."""
+BATCH_GET_BACKOFF_S = 0.1
 INDEX_RECHECK_S = 30.0
 """How long a table view trusts "the `by-state` index is not usable yet" before asking
 DynamoDB again (a long-running console sees a migration finish)."""
@@ -480,6 +485,40 @@ class DeadLetterTable:
         if item is None:
             raise DeadLetterNotFound(key)
         return dict(item)
+
+    def get_many(self, keys: Sequence[DeadLetterKey]) -> list[dict[str, Any]]:
+        """The items at `keys` (consistent reads, BatchGetItem, in `keys` order); keys with
+        no item are left out. Raises TableNotFound, DeadLetterUnavailable."""
+        found: dict[tuple[str, str], dict[str, Any]] = {}
+        for start in range(0, len(keys), BATCH_GET):
+            wanted: list[Any] = [
+                dead_letter_table_key(key, self.group)
+                for key in dict.fromkeys(keys[start : start + BATCH_GET])
+                if key[2] >= 0
+            ]
+            for _ in range(BATCH_GET_ROUNDS):
+                if not wanted:
+                    break
+                request: Any = {self.table: {"Keys": wanted, "ConsistentRead": True}}
+                with self.errors("BatchGetItem"):
+                    answer: Any = self._client.batch_get_item(RequestItems=request)
+                for item in answer.get("Responses", {}).get(self.table, []):
+                    found[(item["source"]["S"], item["offset"]["N"])] = dict(item)
+                wanted = answer.get("UnprocessedKeys", {}).get(self.table, {}).get("Keys", [])
+                if wanted:
+                    time.sleep(BATCH_GET_BACKOFF_S)
+            if wanted:
+                raise DeadLetterUnavailable(
+                    f"BatchGetItem on {self.table!r} left {len(wanted)} keys unread "
+                    f"after {BATCH_GET_ROUNDS} tries (throttled?)"
+                )
+        ordered = []
+        for key in keys:
+            topic, partition, offset = key
+            item = found.get((dead_letter_source(topic, partition, self.group), str(offset)))
+            if item is not None:
+                ordered.append(item)
+        return ordered
 
     def load(self, item: Mapping[str, Any]) -> DeadLetter:
         """The dead letter of `item`, byte-exact (payload fetched from S3 if it is there)."""
