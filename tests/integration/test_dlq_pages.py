@@ -25,6 +25,7 @@ from triage_proxy.exitcodes import ExitCode
 from triage_proxy.store.items import STATE_ATTR, item_key
 from triage_proxy.store.pages import (
     CALLS_PER_PAGE,
+    EVALUATE_PER_CALL,
     InvalidCursor,
     Page,
     page,
@@ -191,7 +192,7 @@ def test_a_filter_that_matches_nothing_costs_bounded_calls_per_page(
 ) -> None:
     settings = DeadLetterSettings(table=unique_name, endpoint_url=aws.endpoint_url)
     create_table(settings)
-    many = [sample(n) for n in range(CALLS_PER_PAGE * 500 + 600)]  # more than one page reads
+    many = [sample(n) for n in range(CALLS_PER_PAGE * EVALUATE_PER_CALL + 300)]  # > 1 page
     for item in many:
         item["status"] = {"S": "pending"}
         item[STATE_ATTR] = {"S": f"pending#{GROUP}"}

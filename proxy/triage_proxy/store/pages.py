@@ -72,12 +72,13 @@ DEFAULT_PAGE_SIZE = 50
 """Items per page when the caller does not say."""
 MAX_PAGE_SIZE = 1000
 """Most items one page may hold."""
-CALLS_PER_PAGE = 8
+CALLS_PER_PAGE = 5
 """Most DynamoDB calls one page makes (a selective filter returns a short page and a
 cursor rather than reading on)."""
-EVALUATE_PER_CALL = 500
-"""Items one call evaluates when this module checks part of the filter itself."""
-DEFAULT_COUNT_CAP = 10_000
+EVALUATE_PER_CALL = 200
+"""Items one call evaluates when this module checks part of the filter itself (so a
+page evaluates at most CALLS_PER_PAGE x EVALUATE_PER_CALL = 1,000 items)."""
+DEFAULT_COUNT_CAP = 5_000
 """Items `reason_counts` evaluates at most; beyond that it says "more than"."""
 COUNT_ATTRIBUTES = ("reason",)
 """What counting reads of each item (plus what `matches` needs)."""
@@ -253,7 +254,7 @@ def reason_counts(
     Why counted on demand and not kept as counters: counters would add a second write
     (and its failure cases) to every dead letter, claim and mark, and still need this
     pass to repair them; over the index the default view (pending) costs `cap` items at
-    most, about 5 calls for 10,000, and says "more than" beyond that.
+    most, 5 calls for 5,000, and says "more than" beyond that.
     """
     if cap < 1:
         raise ValueError(f"cap must be >= 1, got {cap}")
