@@ -3,11 +3,12 @@
 Why a CLI next to the Spark job: most incidents are a handful of dead letters that a
 person wants to read, fix the cause of, and replay, using the same config file the
 proxy runs from (the one `triage dev` writes works as is). The selection, rendering
-and replay protocol live in the `triage_proxy.store` package (`query.py`, `replay.py`),
+and replay protocol live in the `triage_proxy.store` package (`query.py`, `replay.py`;
+`pages.py` and `bulk.py` for paged reads and bulk actions; the console uses them too),
 shared with the Spark job, so the two never disagree about which items a filter selects
 or whether an item was replayed; rendering for people is `render.py`.
 
-    triage dlq list    --config F [filters] [--json] [--limit N]
+    triage dlq list    --config F [filters] [--json] [--limit N] [--cursor C]
     triage dlq show    --config F TOPIC PARTITION OFFSET [--json]
     triage dlq replay  --config F (filters | --offset N | --all) [--to-topic T] [--dry-run]
     triage dlq discard --config F (filters | --offset N | --all) [--dry-run]
@@ -24,10 +25,10 @@ pending items), --reason SUBSTRING (case-insensitive), --since/--until (ISO-8601
 age like 30m, 1h, 2d; on dead_lettered_at, since inclusive, until exclusive).
 
 Exit codes (`exitcodes.ExitCode`): 0 ok; 1 some items failed to replay or are in doubt
-(maybe delivered, still claimed); 2 bad config or bad arguments (malformed time range
-...); 3 DynamoDB, S3 or Kafka unreachable; 4 the table or the item does not exist; 130
-interrupted (SIGINT or SIGTERM: a replay finishes and marks the chunk in flight, then
-stops).
+(maybe delivered, still claimed); 2 bad config or bad arguments (malformed time range,
+a cursor this listing did not hand out ...); 3 DynamoDB, S3 or Kafka unreachable; 4 the
+table or the item does not exist; 130 interrupted (SIGINT or SIGTERM: a replay finishes
+and marks the chunk in flight, then stops).
 
 Heavy modules (boto3, confluent-kafka, rich) are imported inside the commands.
 """
