@@ -14,10 +14,15 @@ first page of a filter that matches nothing (bounded calls).
 
 Run as a script: ``.venv/bin/python -m tests.perf.bench_dlq_pages [N] [--old-runs K]``.
 It starts its own moto server (stopped at the end, even on error), writes N dead
-letters (default 100,000; 90% pending, 12 partitions, 4 reasons, a minute apart) with
+letters (default 100,000; 90% pending, 10 partitions, 4 reasons, a minute apart) with
 BatchWriteItem from a few threads, then times each way 5 times (the scan `--old-runs`
 times, default 5) and prints min / median / max and the ratio of the medians. Exits 1
 when the median first page misses TARGET_S.
+
+Ten partitions, not more: moto's Scan resumes from ExclusiveStartKey by comparing
+partition keys as strings while it walks them in insertion order, so with `orders#10`
+inserted after `orders#2` a paginated Scan starts over and never ends (real DynamoDB
+has no such problem). Single-digit partitions keep the two orders equal.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ RUNS = 5
 EXTRA_RUNS = 3
 PAGE = 50
 TARGET_S = 2.0
-PARTITIONS = 12
+PARTITIONS = 10
 REASONS = (
     "ValueError: invalid literal for int()",
     "TimeoutError: downstream took 30 s",
