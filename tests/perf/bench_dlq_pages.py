@@ -19,10 +19,6 @@ BatchWriteItem from a few threads, then times each way 5 times (the scan `--old-
 times, default 5) and prints min / median / max and the ratio of the medians. Exits 1
 when the median first page misses TARGET_S.
 
-Ten partitions, not more: moto's Scan resumes from ExclusiveStartKey by comparing
-partition keys as strings while it walks them in insertion order, so with `orders#10`
-inserted after `orders#2` a paginated Scan starts over and never ends (real DynamoDB
-has no such problem). Single-digit partitions keep the two orders equal.
 """
 
 from __future__ import annotations
