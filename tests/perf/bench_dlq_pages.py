@@ -18,7 +18,6 @@ letters (default 100,000; 90% pending, 10 partitions, 4 reasons, a minute apart)
 BatchWriteItem from a few threads, then times each way 5 times (the scan `--old-runs`
 times, default 5) and prints min / median / max and the ratio of the medians. Exits 1
 when the median first page misses TARGET_S.
-
 """
 
 from __future__ import annotations
