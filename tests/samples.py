@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from triage_proxy.store.deadletter_store import MEMORY_GROUP
-from triage_proxy.store.items import item_from_dead_letter
+from triage_proxy.store.items import STATE_ATTR, item_from_dead_letter, state_key
 from triage_proxy.structs import DeadLetter, Headers, Record
 
 T0 = 1_714_564_800_000  # 2024-05-01T12:00:00Z
@@ -45,4 +45,5 @@ def item(
     """The table item of `make_dl(offset, **fields)` in deployment `group`, with `status`."""
     built = item_from_dead_letter(make_dl(offset, **fields), group)
     built["status"] = {"S": status}
+    built[STATE_ATTR] = {"S": state_key(status, group)}
     return built

@@ -3,11 +3,12 @@
 Why a CLI next to the Spark job: most incidents are a handful of dead letters that a
 person wants to read, fix the cause of, and replay, using the same config file the
 proxy runs from (the one `triage dev` writes works as is). The selection, rendering
-and replay protocol live in the `triage_proxy.store` package (`query.py`, `replay.py`),
+and replay protocol live in the `triage_proxy.store` package (`query.py`, `replay.py`;
+`pages.py` and `bulk.py` for paged reads and bulk actions; the console uses them too),
 shared with the Spark job, so the two never disagree about which items a filter selects
 or whether an item was replayed; rendering for people is `render.py`.
 
-    triage dlq list    --config F [filters] [--json] [--limit N]
+    triage dlq list    --config F [filters] [--json] [--limit N] [--cursor C]
     triage dlq show    --config F TOPIC PARTITION OFFSET [--json]
     triage dlq replay  --config F (filters | --offset N | --all) [--to-topic T] [--dry-run]
     triage dlq discard --config F (filters | --offset N | --all) [--dry-run]
@@ -24,10 +25,10 @@ pending items), --reason SUBSTRING (case-insensitive), --since/--until (ISO-8601
 age like 30m, 1h, 2d; on dead_lettered_at, since inclusive, until exclusive).
 
 Exit codes (`exitcodes.ExitCode`): 0 ok; 1 some items failed to replay or are in doubt
-(maybe delivered, still claimed); 2 bad config or bad arguments (malformed time range
-...); 3 DynamoDB, S3 or Kafka unreachable; 4 the table or the item does not exist; 130
-interrupted (SIGINT or SIGTERM: a replay finishes and marks the chunk in flight, then
-stops).
+(maybe delivered, still claimed); 2 bad config or bad arguments (malformed time range,
+a cursor this listing did not hand out ...); 3 DynamoDB, S3 or Kafka unreachable; 4 the
+table or the item does not exist; 130 interrupted (SIGINT or SIGTERM: a replay finishes
+and marks the chunk in flight, then stops).
 
 Heavy modules (boto3, confluent-kafka, rich) are imported inside the commands.
 """
@@ -37,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -48,6 +49,7 @@ from triage_cli.signals import stop_on_signals as _stop_on_signals
 
 if TYPE_CHECKING:
     from triage_proxy.config.settings import Settings
+    from triage_proxy.store.bulk import Count
     from triage_proxy.store.query import DeadLetterTable, Filters
 
 dlq_app = typer.Typer(
@@ -263,11 +265,21 @@ def list_(
     until: UntilOption = None,
     json_: JsonOption = False,
     limit: Annotated[int | None, typer.Option(min=1, help="Show at most this many.")] = None,
+    cursor: Annotated[
+        str | None,
+        typer.Option(help="Go on where a --limit listing stopped (it prints the cursor)."),
+    ] = None,
     group: GroupOption = None,
 ) -> None:
-    """List dead letters (a table, or one JSON object per line with --json)."""
+    """List dead letters (a table, or one JSON object per line with --json).
+
+    Read a page at a time (store/pages.py): by partition in offset order with --topic and
+    --partition, otherwise newest first per status (pending, replayed, discarded) once
+    the table is indexed (`triage dlq migrate` indexes an older table). With --limit, a
+    cursor to the rest is printed on stderr.
+    """
     from triage_cli.render import item_summary
-    from triage_proxy.store.query import LIST_ATTRIBUTES
+    from triage_proxy.store.pages import MAX_PAGE_SIZE, page
 
     with exit_on_errors():
         filters = _filters(
@@ -280,22 +292,35 @@ def list_(
         )
         settings, table = _open(config, group)
         with table:
-            found = table.scan(filters, attributes=LIST_ATTRIBUTES)
-            if json_:
-                for n, item in enumerate(found, 1):
-                    _json_line(item_summary(item))
-                    if limit is not None and n >= limit:
-                        break
-                _warn_legacy(config, settings, table, topic, partition)
-                return
-            items: list[dict[str, Any]] = []
-            for item in found:
-                items.append(item)
-            shown = _sorted(items)[:limit] if limit is not None else _sorted(items)
-            more = f" (first {len(shown)} of {len(items)})" if len(shown) < len(items) else ""
-            _print_table(
-                shown, f"{len(items)} dead letters of {table.group!r} in {table.table}{more}"
-            )
+            rows: list[dict[str, Any]] = []  # for the table; --json streams instead
+            count = 0
+            scanned = False
+            while True:
+                size = MAX_PAGE_SIZE if limit is None else min(MAX_PAGE_SIZE, limit - count)
+                got = page(table, filters, cursor, size)
+                scanned = scanned or got.mode == "scan"
+                cursor = got.next_cursor
+                count += len(got.items)
+                if json_:
+                    for item in got.items:
+                        _json_line(item_summary(item))
+                else:
+                    rows.extend(got.items)
+                if cursor is None or (limit is not None and count >= limit):
+                    break
+            if not json_:
+                more = " (more: see below)" if cursor is not None else ""
+                _print_table(
+                    rows, f"{count} dead letters of {table.group!r} in {table.table}{more}"
+                )
+            if cursor is not None:
+                typer.echo(f"more dead letters: --cursor {cursor}", err=True)
+            if scanned:
+                typer.echo(
+                    "note: this table is not indexed yet, so listing scans it: "
+                    f"triage dlq migrate --config {config}",
+                    err=True,
+                )
             _warn_legacy(config, settings, table, topic, partition)
 
 
@@ -438,41 +463,36 @@ def _show_text(item: dict[str, Any], dl: Any) -> str:
 # --- replay and discard ---------------------------------------------------------------
 
 
-def _select(
-    table: DeadLetterTable, filters: Filters, everything: bool, *, what: str
-) -> list[dict[str, Any]]:
-    """Pending items the arguments select (one `get` for --offset, a scan otherwise)."""
-    import dataclasses
-
-    from triage_proxy.store.items import STATUS_PENDING
-
-    _require_filter(filters, everything, what)
-    if filters.offset is not None:
-        assert filters.topic is not None
-        assert filters.partition is not None
-        item = table.get((filters.topic, filters.partition, filters.offset))
-        status = item["status"]["S"]
-        if status != STATUS_PENDING:
-            typer.echo(f"nothing to {what}: that dead letter is {status}", err=True)
-            return []
-        return [item]
-    pending = dataclasses.replace(filters, status=STATUS_PENDING)
-    return _sorted(list(table.scan(pending, consistent=True, page_size=SELECT_PAGE)))
-
-
-SELECT_PAGE = 100
-"""Items per Query/Scan call when replay and discard select: one unbounded page (up to
-1 MB) per call outlasted the 5 s read timeout on a slow endpoint (moto with 600 items)."""
-
-
 @contextlib.contextmanager
 def _pending(
     config: Path, filters: Filters, everything: bool, *, what: str, group: str | None
-) -> Iterator[tuple[Settings, DeadLetterTable, list[dict[str, Any]]]]:
-    """The settings, the open table and the pending items that replay and discard act on."""
+) -> Iterator[tuple[Settings, DeadLetterTable, Count]]:
+    """The settings, the open table and how many pending items replay and discard act on
+    (`store.bulk.count_pending`; one `get` first for --offset, to say why not)."""
+    from triage_proxy.store.bulk import Count, count_pending
+    from triage_proxy.store.items import STATUS_PENDING
+
     settings, table = _open(config, group)
     with table:
-        yield settings, table, _select(table, filters, everything, what=what)
+        _require_filter(filters, everything, what)
+        if filters.offset is not None:
+            assert filters.topic is not None
+            assert filters.partition is not None
+            item = table.get((filters.topic, filters.partition, filters.offset))
+            status = item["status"]["S"]
+            if status != STATUS_PENDING:
+                typer.echo(f"nothing to {what}: that dead letter is {status}", err=True)
+                yield settings, table, Count(0, True, frozenset())
+                return
+        yield settings, table, count_pending(table, filters)
+
+
+def _dry_run(table: DeadLetterTable, filters: Filters, json_: bool, would_be: str) -> None:
+    """What a bulk action would act on, listed (sorted by topic, partition, offset)."""
+    from triage_proxy.store.bulk import pending_filters
+    from triage_proxy.store.pages import select
+
+    _show_selection(_sorted(list(select(table, pending_filters(filters)))), json_, would_be)
 
 
 def _coords(key: tuple[str, int, int]) -> str:
@@ -530,8 +550,8 @@ def replay(
     the Spark job (triage_replay) does the same at scale; --dry-run still lists
     without Spark.
     """
+    from triage_proxy.store.bulk import replay_matching
     from triage_proxy.store.replay import new_replay_id
-    from triage_proxy.store.replay import replay as replay_items
 
     with exit_on_errors():
         filters = _filters(
@@ -546,19 +566,28 @@ def replay(
         with _pending(config, filters, everything, what="replay", group=group) as (
             settings,
             table,
-            items,
+            count,
         ):
             if dry_run:
-                _show_selection(items, json_, "replayed")
+                if count.selected:
+                    _dry_run(table, filters, json_, "replayed")
+                else:
+                    _show_selection([], json_, "replayed")
                 return
-            if not items:
+            if not count.selected:
                 _report_replay(None, 0, json_)
                 return
-            producer = _producer(settings, to_topic, items)
+            producer = _producer(settings, to_topic, count.topics)
             replay_id = new_replay_id()
             with _stop_on_signals() as stop:
-                result = replay_items(
-                    table, producer, items, replay_id=replay_id, to_topic=to_topic, stop=stop
+                result = replay_matching(
+                    table,
+                    producer,
+                    filters,
+                    replay_id=replay_id,
+                    to_topic=to_topic,
+                    stop=stop,
+                    expected=count.selected,
                 )
             if not json_:
                 for key in result.replayed:
@@ -570,7 +599,7 @@ def replay(
                 for key, why in result.in_doubt:
                     typer.echo(f"IN DOUBT  {_coords(key)}: {why}", err=True)
             interrupted = result.interrupted or stop.is_set()
-            _report_replay(result, len(items), json_, replay_id, interrupted=interrupted)
+            _report_replay(result, count.selected, json_, replay_id, interrupted=interrupted)
             if interrupted:
                 raise typer.Exit(int(ExitCode.INTERRUPTED))
             if result.failed or result.in_doubt:
@@ -678,18 +707,18 @@ def producer_config(settings: Settings) -> dict[str, Any]:
     }
 
 
-def _producer(settings: Settings, to_topic: str | None, items: list[dict[str, Any]]) -> Any:
-    """A confluent-kafka producer, after checking the broker answers and the targets exist."""
+def _producer(settings: Settings, to_topic: str | None, topics: Collection[str]) -> Any:
+    """A confluent-kafka producer, after checking the broker answers and the targets
+    (`to_topic`, or the dead letters' source `topics`) exist."""
     from confluent_kafka import Producer
 
     from triage_proxy.kafka.errors import kafka_errors
-    from triage_proxy.store.items import item_key
 
     producer = Producer(producer_config(settings))
     unreachable = f"cannot reach Kafka at {settings.kafka.bootstrap_servers}"
     with kafka_errors(unreachable, lambda why: CommandFailed(ExitCode.UNAVAILABLE, why)):
         metadata = producer.list_topics(timeout=10)
-    wanted = {to_topic} if to_topic else {item_key(i)[0] for i in items}
+    wanted = {to_topic} if to_topic else set(topics)
     missing = sorted(t for t in wanted if t not in metadata.topics)
     if missing:
         raise CommandFailed(ExitCode.NOT_FOUND, f"topic {', '.join(missing)} does not exist")
@@ -722,7 +751,7 @@ def discard(
     group: GroupOption = None,
 ) -> None:
     """Mark pending dead letters discarded (never replayed; expire with TTL if it is on)."""
-    from triage_proxy.store.items import item_key
+    from triage_proxy.store.bulk import discard_matching
 
     with exit_on_errors():
         filters = _filters(
@@ -731,31 +760,32 @@ def discard(
         with _pending(config, filters, everything, what="discard", group=group) as (
             _,
             table,
-            items,
+            count,
         ):
             if dry_run:
-                _show_selection(items, json_, "discarded")
+                if count.selected:
+                    _dry_run(table, filters, json_, "discarded")
+                else:
+                    _show_selection([], json_, "discarded")
                 return
-            discarded = skipped = 0
             with _stop_on_signals() as stop:
-                for item in items:
-                    if stop.is_set():
-                        break
-                    key = item_key(item)
-                    name = _coords(key)
-                    if table.discard(key, item):
-                        discarded += 1
-                        if not json_:
-                            typer.echo(f"discarded {name}")
-                    else:
-                        skipped += 1
-                        if not json_:
-                            typer.echo(f"skipped   {name}: no longer pending, or being replayed")
+                result = (
+                    discard_matching(table, filters, stop=stop, expected=count.selected)
+                    if count.selected
+                    else None
+                )
+            discarded = len(result.discarded) if result else 0
+            skipped = len(result.skipped) if result else 0
+            if result is not None and not json_:
+                for key in result.discarded:
+                    typer.echo(f"discarded {_coords(key)}")
+                for key, why in result.skipped:
+                    typer.echo(f"skipped   {_coords(key)}: {why}")
             if json_:
-                _json_line({"selected": len(items), "discarded": discarded, "skipped": skipped})
+                _json_line({"selected": count.selected, "discarded": discarded, "skipped": skipped})
             else:
-                typer.echo(f"selected {len(items)}, discarded {discarded}, skipped {skipped}")
-            if stop.is_set():
+                typer.echo(f"selected {count.selected}, discarded {discarded}, skipped {skipped}")
+            if stop.is_set() or (result is not None and result.interrupted):
                 raise typer.Exit(int(ExitCode.INTERRUPTED))
 
 
@@ -771,7 +801,8 @@ def migrate(
     ] = False,
     json_: JsonOption = False,
 ) -> None:
-    """Move the topic's dead letters written before deployment keys to this deployment.
+    """Move the topic's dead letters written before deployment keys to this deployment,
+    and index the table for paged listing.
 
     Tables written before dead letters were keyed by deployment (group id) hold them
     under the topic and partition only; no command sees them until they are moved. Each
@@ -780,8 +811,12 @@ def migrate(
     already replayed or discarded, are left and reported (exit 1). Stop every proxy that
     predates deployment keys first (it would write more of them); run with --dry-run to
     see the plan.
+
+    Then it adds the by-state index to a table created before it and gives every dead
+    letter (of every deployment) the attribute that index is keyed on; until that is
+    done, listings scan the table. Idempotent and resumable too.
     """
-    from triage_proxy.store.migrate import Migration, Move
+    from triage_proxy.store.migrate import Indexing, Migration, Move
 
     labels = {
         Move.MOVED: "moved",
@@ -801,6 +836,13 @@ def migrate(
         with table, _stop_on_signals() as stop:
             migration = Migration(table, settings.kafka.topic)
             result = migration.run(apply=not dry_run, stop=stop)
+            indexing = Indexing(table).run(apply=not dry_run, stop=stop)
+        index = {
+            "active": indexing.index_active,
+            "indexed": indexing.indexed,
+            "changed": indexing.changed,
+            "complete": indexing.complete,
+        }
         counts = {move.value: result.count(move) for move in Move}
         if json_:
             left = [
@@ -815,7 +857,8 @@ def migrate(
                     "dry_run": dry_run,
                     **counts,
                     "left": left,
-                    "interrupted": result.interrupted,
+                    "index": index,
+                    "interrupted": result.interrupted or indexing.interrupted,
                 }
             )
         else:
@@ -833,7 +876,30 @@ def migrate(
                 f"{what}legacy dead letters of {settings.kafka.topic!r} for group "
                 f"{table.group!r}: {summary}"
             )
-        if result.interrupted:
+            typer.echo(
+                _indexing_summary(indexing, dry_run), err=not dry_run and not indexing.complete
+            )
+        if result.interrupted or indexing.interrupted:
             raise typer.Exit(int(ExitCode.INTERRUPTED))
-        if not dry_run and result.left:
+        if not dry_run and (result.left or not indexing.complete):
             raise typer.Exit(int(ExitCode.FAILURE))
+
+
+def _indexing_summary(indexing: Any, dry_run: bool) -> str:
+    """One line on the by-state index: what was (or would be) indexed, and whether
+    listings use the index now."""
+    from triage_proxy.store.items import STATE_INDEX
+
+    if dry_run:
+        return f"dry run: {indexing.indexed} dead letters would be indexed ({STATE_INDEX})"
+    if indexing.complete:
+        return f"indexed {indexing.indexed} dead letters; listings use the {STATE_INDEX} index"
+    why = (
+        f"{indexing.changed} changed while being indexed"
+        if indexing.changed
+        else f"the {STATE_INDEX} index is not ACTIVE yet"
+    )
+    return (
+        f"indexed {indexing.indexed} dead letters, not complete: {why}; rerun "
+        "(listings scan until it is complete)"
+    )

@@ -17,6 +17,8 @@
     |                                exit, restart as a standby (ownership.py)
     +-- NotFoundError                the table or item asked for does not exist (store/query.py
     |                                has the specific ones: TableNotFound, DeadLetterNotFound)
+    +-- BadInput                     an argument a tool was handed is malformed (store/pages.py:
+    |                                InvalidCursor): fix it, asking again cannot help
     +-- StateError                   a lifecycle method called in the wrong state (a bug)
     +-- DeployError                  `triage deploy/destroy` could not finish: the cloud
                                      refused a call or a stack failed; read why, fix, rerun
@@ -106,6 +108,11 @@ class OwnershipLost(UnavailableError):
 
 class NotFoundError(TriageError):
     """What was asked for does not exist; asking again will not help."""
+
+
+class BadInput(TriageError):
+    """An argument a tool was handed (not a config key) is malformed; the message says
+    what is wrong and what to do."""
 
 
 class StateError(TriageError):

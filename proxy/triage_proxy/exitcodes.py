@@ -33,9 +33,9 @@ def exit_code_for(exc: BaseException) -> ExitCode:
 
     Errors Triage raises on purpose map by their group (errors.py); an interrupt is 130;
     anything else is a plain failure."""
-    from triage_proxy.errors import ConfigError, NotFoundError, UnavailableError
+    from triage_proxy.errors import BadInput, ConfigError, NotFoundError, UnavailableError
 
-    if isinstance(exc, ConfigError):
+    if isinstance(exc, ConfigError | BadInput):
         return ExitCode.BAD_INPUT
     if isinstance(exc, NotFoundError):
         return ExitCode.NOT_FOUND

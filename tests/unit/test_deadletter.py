@@ -100,6 +100,7 @@ def test_item_schema_is_exact() -> None:
         "consumer_id": {"S": "worker-1"},
         "dead_lettered_at": {"S": "2024-05-01T12:00:00.123Z"},
         "status": {"S": "pending"},
+        "dl_state": {"S": f"pending#{GROUP}"},
     }
 
 

@@ -159,6 +159,21 @@ def test_a_migrated_item_keeps_every_attribute_and_gains_its_group() -> None:
     new = migrated_item(old, "billing#eu")
     assert new["source"] == {"S": "orders#0#dead#billing#eu"}
     assert new["group"] == {"S": "billing#eu"}
-    assert {k: v for k, v in new.items() if k not in ("source", "group")} == {
-        k: v for k, v in old.items() if k != "source"
+    assert new["dl_state"] == {"S": "replayed#billing#eu"}  # its place in the by-state index
+    assert {k: v for k, v in new.items() if k not in ("source", "group", "dl_state")} == {
+        k: v for k, v in old.items() if k not in ("source", "dl_state")
     }
+
+
+def test_the_index_projects_everything_a_listing_reads() -> None:
+    """A Query on a global index may only read projected attributes: a listing through
+    `by-state` reads LIST_ATTRIBUTES, so each must be a key or projected."""
+    from triage_proxy.store.items import AT_ATTR, INDEX_PROJECTION, STATE_ATTR
+    from triage_proxy.store.pages import COUNT_ATTRIBUTES
+    from triage_proxy.store.query import LIST_ATTRIBUTES
+
+    keys = {"source", "offset", STATE_ATTR, AT_ATTR}
+    assert set(LIST_ATTRIBUTES) | set(COUNT_ATTRIBUTES) <= keys | set(INDEX_PROJECTION)
+    assert "value" not in INDEX_PROJECTION
+    assert "headers" not in INDEX_PROJECTION
+    assert len(INDEX_PROJECTION) <= 20  # DynamoDB's limit of projected non-key attributes

@@ -13,6 +13,7 @@ negative offsets:
     dead letter   <topic>#<partition>#dead#<group>         the message's (>=0) deadletters.py
     checkpoint    <topic>#<partition>#checkpoint#<group>   -1                  checkpoints.py
     lease         <topic>#<partition>#lease#<group>        -2                  leases.py
+    index marker  triage#index#by-state                    -3                  provisioning.py
 
     overflow bucket object  <table>/<topic>/<partition>/<offset>/<group>   (payload.py)
     holds the key, value and headers of a dead letter too large for one item; its item
@@ -28,14 +29,19 @@ Modules, by role:
     items.py         key formats of all three kinds, attribute names, the dead-letter codec
     payload.py       the S3 payload object's byte format
     aws.py           boto3 clients, and `aws_errors`: the one place botocore errors are caught
-    provisioning.py  create the table (key schema, TTL, point-in-time recovery) and bucket
+    provisioning.py  create the table (key schema, `by-state` index, TTL, point-in-time
+                     recovery) and bucket
     deadletters.py   the dead-letter store the proxy's writer uses (+ in-memory twin)
     checkpoints.py   the commit checkpoint store (+ in-memory twin)
     leases.py        the partition lease store (+ in-memory twin)
     query.py         the tools' view of one deployment: filters, scans, reads, claims, marks,
                      discards
+    pages.py         bounded paged reads with an opaque cursor, and counts by reason
     replay.py        the one replay routine (claim -> produce -> confirm -> mark)
-    migrate.py       moves legacy dead letters to a deployment (`triage dlq migrate`)
+    bulk.py          count, replay or discard every pending item a filter selects, with
+                     progress (`triage dlq replay/discard`, the console)
+    migrate.py       moves legacy dead letters to a deployment and indexes old tables
+                     (`triage dlq migrate`)
 
 The proxy writes (deadletters, checkpoints, leases); the tools (`triage dlq`, `triage
 status`, the Spark job) read and change status (query, replay, migrate).

@@ -39,6 +39,7 @@ Dead-letter item (one per dead message):
 | `consumer_id`      | S    | instance that settled it last (empty if none)                 |
 | `dead_lettered_at` | S    | ISO-8601 UTC with ms and Z, e.g. `2024-05-01T12:00:00.123Z`   |
 | `status`           | S    | `pending` when written; later `replayed` or `discarded`       |
+| `dl_state`         | S    | `<status>#<group>`: partition key of the `by-state` index     |
 | `payload_s3`       | S    | only for large payloads: `s3://bucket/key` of key+value+headers |
 | `payload_bytes`    | N    | only with `payload_s3`: the S3 object's length                |
 
@@ -46,6 +47,16 @@ Replay and discard (`query.py`, `replay.py`) add `replayed_at`, `replayed_to`
 (`<topic>/<partition>/<offset>` of the copy), `replay_count`, `replay_id`,
 `discarded_at`, `expires_at` (TTL) and, while a replay is producing it,
 `replay_claim`/`replay_claim_until`.
+
+The `by-state` global secondary index (`STATE_INDEX`; created by `provisioning.py`,
+added to older tables by `triage dlq migrate`) is keyed `dl_state` (HASH) and
+`dead_lettered_at` (RANGE; ISO-8601 with fixed width sorts as time), so "this
+deployment's pending dead letters, newest first" (and any other status, and a
+`--since/--until` range) is one Query. Checkpoints and leases carry neither attribute,
+so they are not in it. Every write of the status keeps `dl_state` equal to
+`state_key(status, group)`; `pages.py` still checks each item it returns with
+`query.matches`, so an item a tool older than the index marked is never shown
+under the wrong status.
 
 Byte strings may be empty (then present, unlike null); headers keep duplicates and order.
 `dead_letter_from_item` inverts `item_from_dead_letter(dl, group)` exactly (an empty `headers` list
@@ -100,6 +111,40 @@ KINDS = (KIND_DEAD_LETTER, KIND_CHECKPOINT, KIND_LEASE)
 """The third field of every partition key (see the module docstring)."""
 GROUP_ATTR = "group"
 """The deployment (Kafka group id) of a dead-letter item; absent on legacy items."""
+STATE_ATTR = "dl_state"
+"""`<status>#<group>` of a dead-letter item: the partition key of `STATE_INDEX`."""
+AT_ATTR = "dead_lettered_at"
+"""When it was dead-lettered (ISO-8601, fixed width): the sort key of `STATE_INDEX`."""
+STATE_INDEX = "by-state"
+"""The global secondary index (`STATE_ATTR`, `AT_ATTR`) of one deployment's dead letters
+by status, in time order."""
+INDEX_MARKER_SOURCE = "triage#index#by-state"
+"""Partition key of the one item (sort key `INDEX_MARKER_OFFSET`) that says every dead
+letter of the table carries `STATE_ATTR`, so `STATE_INDEX` holds them all."""
+INDEX_MARKER_OFFSET = -3
+INDEX_PROJECTION = (
+    GROUP_ATTR,
+    "topic",
+    "partition",
+    "key",
+    "timestamp_ms",
+    "reason",
+    "attempts",
+    "consumer_id",
+    "status",
+    PAYLOAD_S3_ATTR,
+    PAYLOAD_BYTES_ATTR,
+    "replayed_at",
+    "replayed_to",
+    "replay_count",
+    "replay_id",
+    "discarded_at",
+    EXPIRES_AT_ATTR,
+    CLAIM_ATTR,
+    CLAIM_UNTIL_ATTR,
+)
+"""The attributes `STATE_INDEX` copies besides the keys: everything a listing shows,
+never the value and headers (which may be 400 KB; `get` reads those from the table)."""
 
 DeadLetterKey = tuple[str, int, int]
 """(topic, partition, offset): what identifies a dead letter (and its item) within one
@@ -186,6 +231,12 @@ def dead_letter_key(dl: DeadLetter) -> DeadLetterKey:
 def item_key(item: Mapping[str, Any]) -> DeadLetterKey:
     """(topic, partition, offset) of a low-level dead-letter item."""
     return (item["topic"]["S"], int(item["partition"]["N"]), int(item["offset"]["N"]))
+
+
+def state_key(status: str, group: str) -> str:
+    """`STATE_ATTR` of a dead letter of deployment `group` with `status` (status first:
+    it never holds a `#`, the group may)."""
+    return f"{status}#{group}"
 
 
 def is_dead_letter(item: Mapping[str, Any]) -> bool:
@@ -284,6 +335,7 @@ def _build_item(dl: DeadLetter, group: str) -> dict[str, Any]:
         "consumer_id": {"S": dl.consumer_id},
         "dead_lettered_at": {"S": format_iso_ms(dl.dead_lettered_at_ms)},
         "status": {"S": STATUS_PENDING},
+        STATE_ATTR: {"S": state_key(STATUS_PENDING, group)},
     }
     if record.key is not None:
         item["key"] = {"B": record.key}

@@ -33,6 +33,15 @@ item keeps every attribute, its S3 payload pointer (`payload_s3`, a URL: the obj
 not move) and a stale claim (then it is in doubt, as it was).
 
 Dry run (`apply=False`) reads and plans without writing.
+
+Indexing (`Indexing`, also run by `triage dlq migrate`): tables created before the
+`by-state` index (items.py) get it (UpdateTable, `provisioning.ensure_state_index`), and
+every dead letter of every deployment without the right `dl_state` gets it, one
+conditional UpdateItem each (`status` still as read, `dl_state` still absent or as read,
+so a concurrent mark or discard wins). When a full pass set them all, it writes the
+index marker item, from which on the tools list through the index. Idempotent and
+resumable: a rerun scans again and writes only what is still missing. Stop the proxies
+older than the index first (they write items without `dl_state`), as for the move above.
 """
 
 from __future__ import annotations
@@ -44,19 +53,22 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from triage_proxy.store.aws import CHECK_FAILED, TRANSACTION_CANCELLED
+from triage_proxy.store.aws import CHECK_FAILED, CONDITION_FAILED, TRANSACTION_CANCELLED
 from triage_proxy.store.deadletter_store import writable
 from triage_proxy.store.items import (
     CLAIM_ATTR,
     CLAIM_UNTIL_ATTR,
     GROUP_ATTR,
+    STATE_ATTR,
     DeadLetterKey,
     dead_letter_table_key,
     is_legacy_dead_letter,
     item_key,
     legacy_dead_letter_source,
+    state_key,
     table_key,
 )
+from triage_proxy.store.provisioning import ensure_state_index, mark_indexed
 from triage_proxy.store.query import DeadLetterNotFound, DeadLetterTable
 
 logger = logging.getLogger(__name__)
@@ -125,12 +137,14 @@ def plan_move(legacy: Mapping[str, Any], current: Mapping[str, Any] | None, now_
 
 
 def migrated_item(legacy: Mapping[str, Any], group: str) -> dict[str, Any]:
-    """`legacy` keyed for deployment `group`: every attribute kept, `group` added."""
+    """`legacy` keyed for deployment `group`: every attribute kept, `group` and its
+    `dl_state` (for the `by-state` index) added."""
     topic, partition, offset = item_key(legacy)
     return {
         **legacy,
         **dead_letter_table_key((topic, partition, offset), group),
         GROUP_ATTR: {"S": group},
+        STATE_ATTR: {"S": state_key(legacy["status"]["S"], group)},
     }
 
 
@@ -258,3 +272,111 @@ class Migration:
                 refused.describe(),
             )
         return False
+
+
+# --- indexing -----------------------------------------------------------------------
+
+INDEX_SCAN_PAGE = 1000
+"""Items read per Scan call while indexing (keys, group, status and dl_state only)."""
+
+
+@dataclass
+class IndexingResult:
+    """What indexing did (or, in a dry run, would do)."""
+
+    index_active: bool = False
+    """Whether the `by-state` index is ACTIVE (False in a dry run without it)."""
+    indexed: int = 0
+    """Dead letters given their `dl_state` (or, in a dry run, that lack it)."""
+    changed: int = 0
+    """Dead letters whose status changed under us: the next run indexes them."""
+    complete: bool = False
+    """Every dead letter carries `dl_state` and the marker is written: lists use the index."""
+    interrupted: bool = False
+    """True when `stop` ended the run before every item was seen."""
+
+
+class Indexing:
+    """Gives every dead letter of the table its `dl_state` and the table its `by-state`
+    index (see the module docstring). Works on the whole table (every deployment), since
+    the index does."""
+
+    def __init__(self, table: DeadLetterTable, *, index_timeout_s: float = 600.0) -> None:
+        self.table = table
+        self._index_timeout_s = index_timeout_s
+
+    def run(self, *, apply: bool, stop: threading.Event | None = None) -> IndexingResult:
+        """Add the index (with `apply`), then index every item still missing `dl_state`;
+        `stop` is checked between pages."""
+        result = IndexingResult()
+        if apply:
+            result.index_active = ensure_state_index(
+                self.table.settings, timeout_s=self._index_timeout_s
+            )
+        for item in self._unindexed(stop, result):
+            if not apply or self._index(item):
+                result.indexed += 1
+            else:
+                result.changed += 1
+        if apply and not result.interrupted and not result.changed:
+            with self.table.errors("PutItem"):
+                mark_indexed(self.table.client, self.table.table)
+            result.complete = result.index_active
+        return result
+
+    def _unindexed(
+        self, stop: threading.Event | None, result: IndexingResult
+    ) -> Iterator[dict[str, Any]]:
+        """Every dead letter whose `dl_state` is missing or not its status's."""
+        kwargs: dict[str, Any] = {
+            "TableName": self.table.table,
+            "ConsistentRead": True,
+            "Limit": INDEX_SCAN_PAGE,
+            "FilterExpression": "#o >= :zero AND attribute_exists(#g)",
+            "ProjectionExpression": "#src, #o, #g, #s, #v",
+            "ExpressionAttributeNames": {
+                "#src": "source",
+                "#o": "offset",
+                "#g": GROUP_ATTR,
+                "#s": "status",
+                "#v": STATE_ATTR,
+            },
+            "ExpressionAttributeValues": {":zero": {"N": "0"}},
+        }
+        while True:
+            if stop is not None and stop.is_set():
+                result.interrupted = True
+                return
+            with self.table.errors("Scan"):
+                page: Any = self.table.client.scan(**kwargs)
+            for item in page.get("Items", []):
+                want = state_key(item["status"]["S"], item[GROUP_ATTR]["S"])
+                if item.get(STATE_ATTR, {}).get("S") != want:
+                    yield dict(item)
+            last = page.get("LastEvaluatedKey")
+            if not last:
+                return
+            kwargs["ExclusiveStartKey"] = last
+
+    def _index(self, item: Mapping[str, Any]) -> bool:
+        """Set the item's `dl_state` if its status and `dl_state` are still as read."""
+        names = {"#s": "status", "#v": STATE_ATTR}
+        values: dict[str, Any] = {
+            ":status": item["status"],
+            ":state": {"S": state_key(item["status"]["S"], item[GROUP_ATTR]["S"])},
+        }
+        if STATE_ATTR in item:
+            values[":old"] = item[STATE_ATTR]
+            unchanged = "#v = :old"
+        else:
+            unchanged = "attribute_not_exists(#v)"
+        with self.table.errors("UpdateItem", expect={CONDITION_FAILED}) as refused:
+            self.table.client.update_item(
+                TableName=self.table.table,
+                Key={"source": item["source"], "offset": item["offset"]},
+                UpdateExpression="SET #v = :state",
+                ConditionExpression=f"#s = :status AND {unchanged}",
+                ExpressionAttributeNames=names,
+                ExpressionAttributeValues=values,
+            )
+        return not refused

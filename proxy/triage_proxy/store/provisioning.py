@@ -1,4 +1,4 @@
-"""Creating the table and the overflow bucket: key schema, TTL, point-in-time recovery.
+"""Creating the table and the overflow bucket: key schema, index, TTL, point-in-time recovery.
 
 Why here: the key schema and the TTL attribute are the table's own contract (items.py),
 so the code that creates them sits next to it rather than in the commands that call it
@@ -6,6 +6,13 @@ so the code that creates them sits next to it rather than in the commands that c
 exists, checks it matches, and goes on. Errors: `ConfigError` when what exists does not
 match (another key schema, TTL on another attribute, an invalid bucket name),
 `DeadLetterUnavailable` when DynamoDB or S3 cannot be reached or refuses.
+
+The `by-state` index (`items.STATE_INDEX`): a new table is created with it and with the
+index marker item (an empty table has nothing to backfill). An existing table without
+it gets it from `ensure_state_index` (UpdateTable; `create_table` calls it, so `triage
+deploy` and `triage dev` add it), but the items written before carry no `dl_state`, so
+the marker is only written once `migrate.backfill_states` (`triage dlq migrate`) has
+given them one; until then the tools list by a bounded scan (`pages.py`).
 """
 
 from __future__ import annotations
@@ -18,7 +25,16 @@ from typing import TYPE_CHECKING, Any
 from triage_proxy.config.settings import DeadLetterSettings
 from triage_proxy.errors import ConfigError, DeadLetterUnavailable
 from triage_proxy.store.aws import aws_errors, dynamodb_client, s3_client
-from triage_proxy.store.items import EXPIRES_AT_ATTR
+from triage_proxy.store.items import (
+    AT_ATTR,
+    EXPIRES_AT_ATTR,
+    INDEX_MARKER_OFFSET,
+    INDEX_MARKER_SOURCE,
+    INDEX_PROJECTION,
+    STATE_ATTR,
+    STATE_INDEX,
+    table_key,
+)
 from triage_proxy.store.payload import S3_LIFECYCLE_RULE_ID, S3_SETTLED_TAG
 
 if TYPE_CHECKING:
@@ -32,12 +48,28 @@ KEY_SCHEMA = [("source", "HASH"), ("offset", "RANGE")]
 PITR_TIMEOUT_S = 120.0
 """How long a new table may refuse point-in-time recovery before giving up."""
 PITR_POLL_S = 2.0
+INDEX_POLL_S = 1.0
+STATE_INDEX_SPEC: Any = {
+    "IndexName": STATE_INDEX,
+    "KeySchema": [
+        {"AttributeName": STATE_ATTR, "KeyType": "HASH"},
+        {"AttributeName": AT_ATTR, "KeyType": "RANGE"},
+    ],
+    "Projection": {"ProjectionType": "INCLUDE", "NonKeyAttributes": list(INDEX_PROJECTION)},
+}
+"""The `by-state` global secondary index, as CreateTable and UpdateTable spell it."""
+STATE_INDEX_ATTRIBUTES: list[Any] = [
+    {"AttributeName": STATE_ATTR, "AttributeType": "S"},
+    {"AttributeName": AT_ATTR, "AttributeType": "S"},
+]
 
 
 def create_table(settings: DeadLetterSettings, *, timeout_s: float = 120.0) -> None:
     """Create the table (on-demand) unless it exists; wait until it is ACTIVE.
 
-    With `ttl_days` set it also enables DynamoDB TTL on `expires_at`. Raises ConfigError
+    A new table has the `by-state` index and its marker; an existing one without the
+    index gets it (`ensure_state_index`). With `ttl_days` set it also enables DynamoDB
+    TTL on `expires_at`. Raises ConfigError
     if a table of that name exists with another key schema (or TTL on another
     attribute), and DeadLetterUnavailable if DynamoDB cannot be reached or refuses.
     """
@@ -58,7 +90,9 @@ def create_table(settings: DeadLetterSettings, *, timeout_s: float = 120.0) -> N
                     AttributeDefinitions=[
                         {"AttributeName": "source", "AttributeType": "S"},
                         {"AttributeName": "offset", "AttributeType": "N"},
+                        *STATE_INDEX_ATTRIBUTES,
                     ],
+                    GlobalSecondaryIndexes=[STATE_INDEX_SPEC],
                     BillingMode="PAY_PER_REQUEST",
                 )
             if exists:
@@ -76,10 +110,80 @@ def create_table(settings: DeadLetterSettings, *, timeout_s: float = 120.0) -> N
                     "dead_letters.table",
                     f"table {settings.table!r} has key schema {found}, expected {KEY_SCHEMA}",
                 )
+            if not exists:
+                mark_indexed(client, settings.table)
+            _ensure_state_index(client, settings.table, timeout_s)
             if settings.ttl_days is not None:
                 _enable_ttl(client, settings.table)
     finally:
         client.close()
+
+
+def ensure_state_index(settings: DeadLetterSettings, *, timeout_s: float = 120.0) -> bool:
+    """Add the `by-state` index to an existing table unless it has it; wait up to
+    `timeout_s` for it to be ACTIVE. True when it is ACTIVE (a large table's backfill
+    may take longer: the tools scan meanwhile). Idempotent."""
+    client = dynamodb_client(settings)
+    try:
+        with aws_errors(f"indexing table {settings.table!r}", DeadLetterUnavailable):
+            return _ensure_state_index(client, settings.table, timeout_s)
+    finally:
+        client.close()
+
+
+def state_index_status(client: DynamoDBClient, table: str) -> str | None:
+    """The `IndexStatus` of the table's `by-state` index (ACTIVE, CREATING, ...); None
+    when the table has no such index. Botocore errors pass through (callers wrap)."""
+    described = client.describe_table(TableName=table)["Table"]
+    for index in described.get("GlobalSecondaryIndexes", []):
+        if index.get("IndexName") == STATE_INDEX:
+            return str(index.get("IndexStatus", "ACTIVE"))
+    return None
+
+
+def mark_indexed(client: DynamoDBClient, table: str) -> None:
+    """Write the marker item: every dead letter of `table` carries `dl_state` now."""
+    client.put_item(
+        TableName=table,
+        Item={
+            **table_key(INDEX_MARKER_SOURCE, INDEX_MARKER_OFFSET),
+            "indexed_at_ms": {"N": str(int(time.time() * 1000))},
+        },
+    )
+
+
+def _ensure_state_index(client: DynamoDBClient, table: str, timeout_s: float) -> bool:
+    status = state_index_status(client, table)
+    if status is None:
+        with aws_errors(
+            f"adding index {STATE_INDEX} to {table!r}",
+            DeadLetterUnavailable,
+            expect={"LimitExceededException", "ResourceInUseException"},
+        ) as busy:
+            client.update_table(
+                TableName=table,
+                AttributeDefinitions=STATE_INDEX_ATTRIBUTES,
+                GlobalSecondaryIndexUpdates=[{"Create": STATE_INDEX_SPEC}],
+            )
+        if busy:  # another UpdateTable is running (or a concurrent deploy added it)
+            logger.warning("could not add index %s to %s yet: %s", STATE_INDEX, table, busy)
+            return False
+        logger.info("adding index %s to table %s", STATE_INDEX, table)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = state_index_status(client, table)
+        if status == "ACTIVE":
+            return True
+        if time.monotonic() > deadline:
+            logger.warning(
+                "index %s of %s is %s after %.0f s; the tools scan until it is ACTIVE",
+                STATE_INDEX,
+                table,
+                status,
+                timeout_s,
+            )
+            return False
+        time.sleep(INDEX_POLL_S)
 
 
 def _enable_ttl(client: DynamoDBClient, table: str) -> None:

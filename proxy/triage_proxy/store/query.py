@@ -65,8 +65,11 @@ from triage_proxy.store.items import (
     CLAIM_ATTR,
     CLAIM_UNTIL_ATTR,
     EXPIRES_AT_ATTR,
+    INDEX_MARKER_OFFSET,
+    INDEX_MARKER_SOURCE,
     PAYLOAD_BYTES_ATTR,
     PAYLOAD_S3_ATTR,
+    STATE_ATTR,
     STATUS_DISCARDED,
     STATUS_PENDING,
     STATUS_REPLAYED,
@@ -81,8 +84,11 @@ from triage_proxy.store.items import (
     is_dead_letter,
     item_group,
     parse_iso_ms,
+    state_key,
+    table_key,
 )
 from triage_proxy.store.payload import S3_SETTLED_TAG, parse_s3_url
+from triage_proxy.store.provisioning import state_index_status
 from triage_proxy.structs import DeadLetter
 
 if TYPE_CHECKING:
@@ -107,6 +113,7 @@ LIST_ATTRIBUTES = (
     "consumer_id",
     "dead_lettered_at",
     "status",
+    STATE_ATTR,
     PAYLOAD_S3_ATTR,
     PAYLOAD_BYTES_ATTR,
     "replayed_at",
@@ -119,6 +126,14 @@ LIST_ATTRIBUTES = (
     CLAIM_UNTIL_ATTR,
 )
 """What listing reads: everything but the value and headers (which may be 400 KB)."""
+BATCH_GET = 100
+"""Most keys one BatchGetItem call takes."""
+BATCH_GET_ROUNDS = 8
+"""Calls `get_many` makes for one batch's unprocessed keys before giving up."""
+BATCH_GET_BACKOFF_S = 0.1
+INDEX_RECHECK_S = 30.0
+"""How long a table view trusts "the `by-state` index is not usable yet" before asking
+DynamoDB again (a long-running console sees a migration finish)."""
 
 _RELATIVE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -300,8 +315,33 @@ class DeadLetterTable:
         self._s3 = s3
         self._own_s3 = False
         self._s3_lock = threading.Lock()
+        self._indexed = False
+        self._index_checked: float | None = None
 
     # --- reading ----------------------------------------------------------------------
+
+    def indexed(self) -> bool:
+        """Whether the `by-state` index can answer for every dead letter: it is ACTIVE
+        and the marker item says every item carries `dl_state` (`provisioning.py`).
+        A yes is kept; a no is asked again after INDEX_RECHECK_S. Raises TableNotFound,
+        DeadLetterUnavailable."""
+        if self._indexed:
+            return True
+        now = time.monotonic()
+        if self._index_checked is not None and now - self._index_checked < INDEX_RECHECK_S:
+            return False
+        with self.errors("DescribeTable"):
+            ready = state_index_status(self._client, self.table) == "ACTIVE"
+        if ready:
+            with self.errors("GetItem"):
+                found: Any = self._client.get_item(
+                    TableName=self.table,
+                    Key=table_key(INDEX_MARKER_SOURCE, INDEX_MARKER_OFFSET),
+                    ConsistentRead=True,
+                )
+            ready = "Item" in found
+        self._indexed, self._index_checked = ready, now
+        return ready
 
     def check(self) -> None:
         """Raise TableNotFound or DeadLetterUnavailable unless the table can be used."""
@@ -325,7 +365,42 @@ class DeadLetterTable:
         only segment 0 yields it). Otherwise a Scan, optionally one segment of a parallel
         scan. `attributes` limits what is read (e.g. LIST_ATTRIBUTES); the attributes
         `matches` needs are always read. Raises TableNotFound, DeadLetterUnavailable.
+        (`pages.py` reads the same selection a bounded page at a time.)
         """
+        request = self.request(
+            filters,
+            attributes=attributes,
+            consistent=consistent,
+            segment=segment,
+            total_segments=total_segments,
+            page_size=page_size,
+        )
+        if request is None:
+            return
+        operation, kwargs = request
+        while True:
+            page = self.fetch(operation, kwargs)
+            for item in page.get("Items", []):
+                if matches(item, filters, group=self.group):
+                    yield item
+            last = page.get("LastEvaluatedKey")
+            if not last:
+                return
+            kwargs["ExclusiveStartKey"] = last
+
+    def request(
+        self,
+        filters: Filters,
+        *,
+        attributes: Sequence[str] | None = None,
+        consistent: bool = False,
+        segment: int | None = None,
+        total_segments: int | None = None,
+        page_size: int | None = None,
+    ) -> tuple[str, dict[str, Any]] | None:
+        """(operation, arguments) of the first call `scan` makes for `filters` on the
+        table itself (a Query with topic and partition, a Scan otherwise); None when
+        this scan segment has nothing to read. Pure."""
         names: dict[str, str] = {"#o": "offset"}
         values: dict[str, Any] = {":zero": {"N": "0"}}
         kwargs: dict[str, Any] = {"TableName": self.table, "ConsistentRead": consistent}
@@ -341,7 +416,7 @@ class DeadLetterTable:
             kwargs["ProjectionExpression"] = ", ".join(aliases)
         if filters.topic is not None and filters.partition is not None:
             if segment not in (None, 0):
-                return
+                return None
             names["#src"] = "source"
             values[":src"] = {"S": dead_letter_source(filters.topic, filters.partition, self.group)}
             if filters.offset is not None:
@@ -351,7 +426,11 @@ class DeadLetterTable:
             else:
                 condition = "#src = :src AND #o >= :zero"
             kwargs["KeyConditionExpression"] = condition
-            operation, method = "Query", self._query
+            if filters.status is not None:
+                names["#s"] = "status"
+                values[":status"] = {"S": filters.status}
+                kwargs["FilterExpression"] = "#s = :status"
+            operation = "Query"
         else:
             clauses = ["#o >= :zero", "#g = :group"]
             names["#g"] = "group"
@@ -360,6 +439,10 @@ class DeadLetterTable:
                 names["#t"] = "topic"
                 values[":topic"] = {"S": filters.topic}
                 clauses.append("#t = :topic")
+            if filters.partition is not None:
+                names["#p"] = "partition"
+                values[":partition"] = {"N": str(filters.partition)}
+                clauses.append("#p = :partition")
             if filters.status is not None:
                 names["#s"] = "status"
                 values[":status"] = {"S": filters.status}
@@ -368,19 +451,18 @@ class DeadLetterTable:
             if total_segments is not None:
                 kwargs["Segment"] = segment or 0
                 kwargs["TotalSegments"] = total_segments
-            operation, method = "Scan", self._scan
+            operation = "Scan"
         kwargs["ExpressionAttributeNames"] = names
         kwargs["ExpressionAttributeValues"] = values
-        while True:
-            with self.errors(operation):
-                page: Any = method(**kwargs)
-            for item in page.get("Items", []):
-                if matches(item, filters, group=self.group):
-                    yield item
-            last = page.get("LastEvaluatedKey")
-            if not last:
-                return
-            kwargs["ExclusiveStartKey"] = last
+        return operation, kwargs
+
+    def fetch(self, operation: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """One Query or Scan call (`operation`) with `kwargs`; its answer. Raises
+        TableNotFound, DeadLetterUnavailable."""
+        method = self._query if operation == "Query" else self._scan
+        with self.errors(operation):
+            page: Any = method(**kwargs)
+        return dict(page)
 
     def _query(self, **kwargs: Any) -> Any:
         return self._client.query(**kwargs)
@@ -403,6 +485,40 @@ class DeadLetterTable:
         if item is None:
             raise DeadLetterNotFound(key)
         return dict(item)
+
+    def get_many(self, keys: Sequence[DeadLetterKey]) -> list[dict[str, Any]]:
+        """The items at `keys` (consistent reads, BatchGetItem, in `keys` order); keys with
+        no item are left out. Raises TableNotFound, DeadLetterUnavailable."""
+        found: dict[tuple[str, str], dict[str, Any]] = {}
+        for start in range(0, len(keys), BATCH_GET):
+            wanted: list[Any] = [
+                dead_letter_table_key(key, self.group)
+                for key in dict.fromkeys(keys[start : start + BATCH_GET])
+                if key[2] >= 0
+            ]
+            for _ in range(BATCH_GET_ROUNDS):
+                if not wanted:
+                    break
+                request: Any = {self.table: {"Keys": wanted, "ConsistentRead": True}}
+                with self.errors("BatchGetItem"):
+                    answer: Any = self._client.batch_get_item(RequestItems=request)
+                for item in answer.get("Responses", {}).get(self.table, []):
+                    found[(item["source"]["S"], item["offset"]["N"])] = dict(item)
+                wanted = answer.get("UnprocessedKeys", {}).get(self.table, {}).get("Keys", [])
+                if wanted:
+                    time.sleep(BATCH_GET_BACKOFF_S)
+            if wanted:
+                raise DeadLetterUnavailable(
+                    f"BatchGetItem on {self.table!r} left {len(wanted)} keys unread "
+                    f"after {BATCH_GET_ROUNDS} tries (throttled?)"
+                )
+        ordered = []
+        for key in keys:
+            topic, partition, offset = key
+            item = found.get((dead_letter_source(topic, partition, self.group), str(offset)))
+            if item is not None:
+                ordered.append(item)
+        return ordered
 
     def load(self, item: Mapping[str, Any]) -> DeadLetter:
         """The dead letter of `item`, byte-exact (payload fetched from S3 if it is there)."""
@@ -448,9 +564,10 @@ class DeadLetterTable:
         expires_at; drops the claim. `item` is the item as read (for its S3 payload).
         """
         now = self._clock()
-        names = {"#s": "status", "#c": CLAIM_ATTR, "#cu": CLAIM_UNTIL_ATTR}
+        names = {"#s": "status", "#c": CLAIM_ATTR, "#cu": CLAIM_UNTIL_ATTR, "#v": STATE_ATTR}
         values: dict[str, Any] = {
             ":replayed": {"S": STATUS_REPLAYED},
+            ":state": {"S": state_key(STATUS_REPLAYED, self.group)},
             ":pending": {"S": STATUS_PENDING},
             ":at": {"S": format_iso_ms(int(now * 1000))},
             ":to": {"S": replayed_to},
@@ -459,8 +576,8 @@ class DeadLetterTable:
             ":one": {"N": "1"},
         }
         update = (
-            "SET #s = :replayed, replayed_at = :at, replayed_to = :to, replay_id = :id, "
-            "replay_count = if_not_exists(replay_count, :zero) + :one"
+            "SET #s = :replayed, #v = :state, replayed_at = :at, replayed_to = :to, "
+            "replay_id = :id, replay_count = if_not_exists(replay_count, :zero) + :one"
         )
         update += self._expiry(now, values)
         done = self._update(
@@ -475,16 +592,17 @@ class DeadLetterTable:
         now = self._clock()
         values: dict[str, Any] = {
             ":discarded": {"S": STATUS_DISCARDED},
+            ":state": {"S": state_key(STATUS_DISCARDED, self.group)},
             ":pending": {"S": STATUS_PENDING},
             ":at": {"S": format_iso_ms(int(now * 1000))},
             ":now": {"N": str(int(now * 1000))},
         }
-        update = "SET #s = :discarded, discarded_at = :at" + self._expiry(now, values)
+        update = "SET #s = :discarded, #v = :state, discarded_at = :at" + self._expiry(now, values)
         done = self._update(
             key,
             update + " REMOVE #c, #cu",
             "#s = :pending AND (attribute_not_exists(#c) OR #cu < :now)",
-            {"#s": "status", "#c": CLAIM_ATTR, "#cu": CLAIM_UNTIL_ATTR},
+            {"#s": "status", "#c": CLAIM_ATTR, "#cu": CLAIM_UNTIL_ATTR, "#v": STATE_ATTR},
             values,
         )
         if done and item is not None:

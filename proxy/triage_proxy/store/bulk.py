@@ -1,0 +1,195 @@
+"""Acting on every pending dead letter a filter selects: count first, then replay or
+discard, a page at a time, with progress.
+
+Why a module of its own: `triage dlq replay/discard` and the web console both act on
+"everything matching this filter", and must claim, mark and report exactly alike (one
+routine, never two copies). The steps are:
+
+    count_pending    how many pending items the filter selects now (and their topics):
+                     what a confirmation states and what `triage dlq` checks the broker
+                     for, read with keys only (`pages.select`)
+    replay_matching  page by page (oldest first, `BULK_CHUNK` items): re-read the page's
+                     items in full with consistent reads (`DeadLetterTable.get_many`: the
+                     index is eventually consistent and holds no payloads), then the one
+                     replay routine (`replay.Replayer.replay_chunk`: claim -> produce ->
+                     confirm -> mark, its in-doubt rules unchanged)
+    discard_matching page by page, a conditional discard per item (pending and not
+                     claimed by a live replay, `DeadLetterTable.discard`)
+
+`progress(done, total)` is called after each item or chunk: `done` items have an
+outcome, `total` is what is known so far (the larger of the count handed in as
+`expected` and the items selected so far); the last call has the final numbers. `stop`
+(a threading.Event) is checked between pages for replay (the chunk in hand is settled
+first) and between items for discard; the result then says `interrupted`. Items that
+changed between the count and the action are counted where they end (skipped when no
+longer pending), so a count is a promise of at most, never of exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from triage_proxy.store.items import STATUS_PENDING, DeadLetterKey, item_key
+from triage_proxy.store.pages import MAX_PAGE_SIZE, select
+from triage_proxy.store.query import LIST_ATTRIBUTES, DeadLetterTable, Filters
+from triage_proxy.store.replay import (
+    DEFAULT_CLAIM_LEASE_S,
+    DEFAULT_FLUSH_TIMEOUT_S,
+    Outcome,
+    Producer,
+    Replayer,
+    ReplayResult,
+)
+
+Progress = Callable[[int, int], None]
+"""progress(done, total known so far)."""
+
+BULK_CHUNK = 100
+"""Items re-read (BatchGetItem takes 100 keys) and replayed together."""
+COUNT_ATTRIBUTES = ("topic",)
+"""What counting reads (plus what selection needs)."""
+
+
+def pending_filters(filters: Filters) -> Filters:
+    """`filters` narrowed to what a bulk action acts on: pending items."""
+    return dataclasses.replace(filters, status=STATUS_PENDING)
+
+
+@dataclass(frozen=True)
+class Count:
+    """What a bulk action on a filter would act on now."""
+
+    selected: int
+    """Pending items the filter selects (at least this many when not `complete`)."""
+    complete: bool
+    """False when `cap` stopped counting."""
+    topics: frozenset[str]
+    """Source topics of the counted items."""
+
+
+@dataclass
+class DiscardResult:
+    """What discarding did, item by item."""
+
+    discarded: list[DeadLetterKey] = field(default_factory=list)
+    skipped: list[tuple[DeadLetterKey, str]] = field(default_factory=list)
+    """No longer pending, or claimed by a live replay."""
+    interrupted: bool = False
+    """True when `stop` ended the run before every selected item was tried."""
+
+
+def count_pending(table: DeadLetterTable, filters: Filters, *, cap: int | None = None) -> Count:
+    """How many pending dead letters `filters` selects (stops at `cap` if given)."""
+    selected = 0
+    topics: set[str] = set()
+    for item in select(table, pending_filters(filters), attributes=COUNT_ATTRIBUTES):
+        if cap is not None and selected >= cap:
+            return Count(selected, False, frozenset(topics))
+        selected += 1
+        topics.add(item["topic"]["S"])
+    return Count(selected, True, frozenset(topics))
+
+
+def discard_matching(
+    table: DeadLetterTable,
+    filters: Filters,
+    *,
+    progress: Progress | None = None,
+    stop: threading.Event | None = None,
+    expected: int | None = None,
+) -> DiscardResult:
+    """Discard every pending dead letter `filters` selects (see the module docstring)."""
+    result = DiscardResult()
+    done = 0
+    for item in select(table, pending_filters(filters), limit=MAX_PAGE_SIZE):
+        if stop is not None and stop.is_set():
+            result.interrupted = True
+            break
+        key = item_key(item)
+        if table.discard(key, item):
+            result.discarded.append(key)
+        else:
+            result.skipped.append((key, "no longer pending, or being replayed"))
+        done += 1
+        if progress is not None:
+            progress(done, max(done, expected or 0))
+    if progress is not None:
+        progress(done, done if not result.interrupted else max(done, expected or 0))
+    return result
+
+
+def replay_matching(
+    table: DeadLetterTable,
+    producer: Producer,
+    filters: Filters,
+    *,
+    replay_id: str,
+    to_topic: str | None = None,
+    progress: Progress | None = None,
+    stop: threading.Event | None = None,
+    expected: int | None = None,
+    chunk: int = BULK_CHUNK,
+    flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S,
+    lease_s: float = DEFAULT_CLAIM_LEASE_S,
+) -> ReplayResult:
+    """Replay every pending dead letter `filters` selects, a chunk at a time, oldest
+    first (with --topic and --partition: in offset order); stale claims of dead runs are
+    taken over, as `replay.replay` does. Raises DeadLetterUnavailable if the table stops
+    answering (the chunk in hand is settled first)."""
+    replayer = Replayer(
+        table,
+        producer,
+        replay_id,
+        to_topic=to_topic,
+        lease_s=lease_s,
+        flush_timeout_s=flush_timeout_s,
+        now_ms=table.now_ms,
+    )
+    result = ReplayResult()
+    selected = done = 0
+    batch: list[DeadLetterKey] = []
+    listed = select(
+        table,
+        pending_filters(filters),
+        limit=chunk,
+        attributes=LIST_ATTRIBUTES,
+        newest_first=False,
+    )
+    for item in listed:
+        batch.append(item_key(item))
+        if len(batch) < chunk:
+            continue
+        if stop is not None and stop.is_set():
+            result.interrupted = True
+            break
+        selected += len(batch)
+        done += _replay_batch(table, replayer, batch, result)
+        batch = []
+        if progress is not None:
+            progress(done, max(selected, expected or 0))
+    else:
+        if batch and stop is not None and stop.is_set():
+            result.interrupted = True
+        elif batch:
+            selected += len(batch)
+            done += _replay_batch(table, replayer, batch, result)
+    if progress is not None:
+        progress(done, selected if not result.interrupted else max(selected, expected or 0))
+    return result
+
+
+def _replay_batch(
+    table: DeadLetterTable, replayer: Replayer, keys: list[DeadLetterKey], result: ReplayResult
+) -> int:
+    """Replay the items at `keys` read afresh and in full; how many got an outcome."""
+    keys = sorted(keys)  # a partition's items in offset order
+    items = table.get_many(keys)
+    present = {item_key(item) for item in items}
+    for key in keys:
+        if key not in present:  # deleted meanwhile (TTL)
+            result.add(Outcome.SKIPPED, key, "no longer in the table")
+    replayer.replay_chunk(items, result)
+    return len(keys)
