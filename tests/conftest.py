@@ -5,7 +5,12 @@ the session ends, pass or fail. Every integration test runs with the default por
 (the proxy's gRPC and HTTP ports, Kafka's, moto's) taken, as beside a local
 deployment: a listener a test starts must bind a free port (0 or probed), never a
 default, or it fails here rather than on a user's machine.
-"""
+
+Under pytest-xdist each worker is a session of its own: it starts its own broker and
+moto server (workers share nothing but the machine), puts its worker id in its topic
+and table names, and stops both by PID when it exits. What workers do share (the
+TypeScript package's node_modules and dist/, the CPU a heavy test needs) is taken under
+a file lock (tests/runlock.py)."""
 
 from __future__ import annotations
 
@@ -24,11 +29,13 @@ import itertools
 import signal
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from types import FrameType
 
 import pytest
 from hypothesis import settings as hypothesis_settings
 
+from tests.runlock import shared_lock
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.config.settings import DEFAULT_HTTP_PORT, DEFAULT_PORT
 
@@ -51,6 +58,8 @@ DEFAULT_PORTS = (
 )
 
 _names = itertools.count()
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+"""This process's xdist worker id (gw0, gw1, ...), or "main" when the run is serial."""
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -105,4 +114,21 @@ def aws() -> Iterator[EmbeddedAWS]:
 def unique_name(request: pytest.FixtureRequest) -> str:
     """A topic/table name no other test in this session uses."""
     base = "".join(c if c.isalnum() else "-" for c in request.node.name)[:40]
-    return f"{base}-{next(_names)}"
+    return f"{base}-{WORKER}-{next(_names)}"
+
+
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder every xdist worker of this run shares (the parent of the workers' own
+    temporary folders), or this session's own when the run is serial."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if WORKER != "main" else base
+
+
+@pytest.fixture
+def cpu_heavy(shared_dir: Path) -> Iterator[None]:
+    """For a test that keeps both cores busy for long (a Spark cluster, a fault suite's
+    fleet of processes): no two such tests run at once across xdist workers, so neither
+    misses its deadlines because the other took the CPU. Lighter tests still run beside."""
+    with shared_lock(shared_dir, "cpu-heavy"):
+        yield

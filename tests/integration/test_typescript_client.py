@@ -35,6 +35,7 @@ from tests.integration.harness import (
     target,
     wait_until,
 )
+from tests.runlock import TS_PACKAGE_LOCK, shared_lock
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_conformance.scenarios import SCENARIOS
 from triage_proxy.app import Proxy
@@ -88,15 +89,20 @@ def npm(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
-def built() -> Path:
+def built(shared_dir: Path) -> Path:
     """The package with its dependencies installed (`npm ci` when node_modules is missing)
-    and compiled (dist/)."""
+    and compiled (dist/), once per run: xdist workers take turns (tests/runlock.py), and
+    the first one builds while the others wait, so none reads dist/ while it is written."""
     tool("node")
-    if not (PACKAGE / "node_modules").is_dir():
-        out = npm("ci", timeout=290)
-        assert out.returncode == 0, out.stdout + out.stderr
-    out = npm("run", "build")
-    assert out.returncode == 0, out.stdout + out.stderr
+    with shared_lock(shared_dir, TS_PACKAGE_LOCK):
+        if not (PACKAGE / "node_modules").is_dir():
+            out = npm("ci", timeout=290)
+            assert out.returncode == 0, out.stdout + out.stderr
+        done = shared_dir / "typescript-built"
+        if not done.exists():
+            out = npm("run", "build")
+            assert out.returncode == 0, out.stdout + out.stderr
+            done.touch()
     assert ADAPTER.is_file()
     return PACKAGE
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 
+from tests.runlock import TS_PACKAGE_LOCK, shared_lock
 from triage_proxy.config.push import PushTargetSettings, push_targets
 from triage_proxy.config.secrets import Secrets
 from triage_proxy.observe.metrics import push_families
@@ -346,22 +347,23 @@ def tool(name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def compiled(tmp_path_factory: pytest.TempPathFactory, shared_dir: Path) -> Path:
     """The doc's TypeScript blocks type-checked (strict, against @types/node) and compiled
     with the client package's TypeScript: recover.mjs and verify.mjs to run, and the
     receiver (with recover, as one file) checked only, since it listens when loaded."""
     node = tool("node")
     tsc = TS_PACKAGE / "node_modules" / "typescript" / "bin" / "tsc"
-    if not tsc.is_file():
-        out = subprocess.run(
-            [tool("npm"), "ci", "--no-audit", "--no-fund"],
-            cwd=TS_PACKAGE,
-            capture_output=True,
-            text=True,
-            timeout=290,
-            check=False,
-        )
-        assert out.returncode == 0, out.stdout + out.stderr
+    with shared_lock(shared_dir, TS_PACKAGE_LOCK):  # one `npm ci` per run (tests/runlock.py)
+        if not tsc.is_file():
+            out = subprocess.run(
+                [tool("npm"), "ci", "--no-audit", "--no-fund"],
+                cwd=TS_PACKAGE,
+                capture_output=True,
+                text=True,
+                timeout=290,
+                check=False,
+            )
+            assert out.returncode == 0, out.stdout + out.stderr
     work = tmp_path_factory.mktemp("push_docs_ts")
     src = work / "src"
     src.mkdir()
