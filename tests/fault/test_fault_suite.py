@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CI_BUDGET_S = 150
 
 
+@pytest.mark.usefixtures("cpu_heavy")  # its CI budget assumes the CPU to itself
 def test_kill_9_and_outages_lose_nothing(tmp_path: Path) -> None:
     options = Options(
         messages=3000,

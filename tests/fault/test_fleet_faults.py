@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CI_BUDGET_S = 150
 
 
+@pytest.mark.usefixtures("cpu_heavy")  # its CI budget assumes the CPU to itself
 def test_a_fleet_that_gains_and_loses_processes_loses_nothing(tmp_path: Path) -> None:
     options = FleetOptions(
         messages=2000, duration_s=30.0, seed=5, timeout_s=90.0, work_dir=tmp_path

@@ -236,7 +236,8 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
+def cluster(tmp_path: Path, cpu_heavy: None) -> Iterator[Cluster]:
+    """A master and two workers, started while no other CPU-heavy test runs (conftest)."""
     started = Cluster(tmp_path, workers=2)
     try:
         started.start()
