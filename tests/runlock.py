@@ -25,4 +25,9 @@ def shared_lock(folder: Path, name: str) -> Iterator[None]:
 
 
 TS_PACKAGE_LOCK = "typescript-package"
-"""Held while clients/typescript/node_modules or dist/ may be written (`npm ci`, a build)."""
+"""Held while clients/typescript/node_modules or dist/ is written (`npm ci`, the build):
+once per run, before any test runs what they hold."""
+
+TS_INSTALLED = "typescript-installed"
+"""A file in the shared folder: node_modules is complete for this run (written under the
+lock once `npm ci` ended or was not needed), so a worker that sees it takes no lock."""

@@ -52,7 +52,9 @@ from triage_replay.job import (
 )
 from triage_replay.job import main as job_main
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# One worker runs the module under xdist (--dist loadgroup): one JVM for its tests, not one
+# per worker that would get some of them.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("spark-local")]
 
 BASE_MS = 1_714_564_800_000
 """2024-05-01T12:00:00Z: dead letters are dead-lettered at BASE_MS + offset seconds."""

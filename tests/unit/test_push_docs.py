@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from tests.runlock import TS_PACKAGE_LOCK, shared_lock
+from tests.runlock import TS_INSTALLED, TS_PACKAGE_LOCK, shared_lock
 from triage_proxy.config.push import PushTargetSettings, push_targets
 from triage_proxy.config.secrets import Secrets
 from triage_proxy.observe.metrics import push_families
@@ -50,6 +50,9 @@ from triage_proxy.structs import Record
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "push.md"
+# One worker runs the module under xdist (--dist loadgroup): the TypeScript is compiled once.
+pytestmark = pytest.mark.xdist_group("push-docs-ts")
+
 TS_PACKAGE = ROOT / "clients" / "typescript"
 
 SHAPE = EventShape(source="triage://billing/orders", type="t.x", content_type="application/x")
@@ -353,17 +356,20 @@ def compiled(tmp_path_factory: pytest.TempPathFactory, shared_dir: Path) -> Path
     receiver (with recover, as one file) checked only, since it listens when loaded."""
     node = tool("node")
     tsc = TS_PACKAGE / "node_modules" / "typescript" / "bin" / "tsc"
-    with shared_lock(shared_dir, TS_PACKAGE_LOCK):  # one `npm ci` per run (tests/runlock.py)
-        if not tsc.is_file():
-            out = subprocess.run(
-                [tool("npm"), "ci", "--no-audit", "--no-fund"],
-                cwd=TS_PACKAGE,
-                capture_output=True,
-                text=True,
-                timeout=290,
-                check=False,
-            )
-            assert out.returncode == 0, out.stdout + out.stderr
+    installed = shared_dir / TS_INSTALLED
+    if not installed.exists():
+        with shared_lock(shared_dir, TS_PACKAGE_LOCK):  # one `npm ci` (tests/runlock.py)
+            if not tsc.is_file():
+                out = subprocess.run(
+                    [tool("npm"), "ci", "--no-audit", "--no-fund"],
+                    cwd=TS_PACKAGE,
+                    capture_output=True,
+                    text=True,
+                    timeout=290,
+                    check=False,
+                )
+                assert out.returncode == 0, out.stdout + out.stderr
+            installed.touch()
     work = tmp_path_factory.mktemp("push_docs_ts")
     src = work / "src"
     src.mkdir()
