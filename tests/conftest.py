@@ -72,6 +72,22 @@ def pytest_configure(config: pytest.Config) -> None:
     signal.signal(signal.SIGTERM, _interrupt)
 
 
+FIRST_GROUPS = ("cpu-heavy", "typescript", "spark-local")
+"""xdist groups (each runs on one worker, one test after another) that start the run, the
+longest first: a long chain that started last would end the run alone."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        marker = item.get_closest_marker("xdist_group")
+        if marker is None:
+            return len(FIRST_GROUPS)
+        group = marker.args[0] if marker.args else marker.kwargs.get("name")
+        return FIRST_GROUPS.index(group) if group in FIRST_GROUPS else len(FIRST_GROUPS)
+
+    items.sort(key=rank)  # stable: the order within a rank stays the collection's
+
+
 @pytest.fixture(scope="session")
 def default_ports_taken() -> Iterator[tuple[int, ...]]:
     """Listen on every default port that is free (one already in use, e.g. by a local

@@ -16,7 +16,9 @@ import pytest
 
 from tests.fault.fleet import MAX_GAP_S, FleetOptions, render, run_fleet
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# One xdist worker runs the CPU-heavy tests one after another (--dist loadgroup), while
+# the others go on with the rest; the cpu_heavy lock guards any other --dist mode.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("cpu-heavy")]
 
 CI_BUDGET_S = 150
 

@@ -47,7 +47,9 @@ from triage_proxy.config.settings import DeadLetterSettings
 from triage_proxy.store.provisioning import create_table
 from triage_proxy.structs import DeadLetter
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# One xdist worker runs the CPU-heavy tests one after another (--dist loadgroup), while
+# the others go on with the rest; the cpu_heavy lock guards any other --dist mode.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("cpu-heavy")]
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

@@ -40,7 +40,9 @@ from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_conformance.scenarios import SCENARIOS
 from triage_proxy.app import Proxy
 
-pytestmark = pytest.mark.integration
+# One xdist worker runs the TypeScript tests (--dist loadgroup): it installs and builds the
+# package once while the other workers go on with the rest instead of waiting for it.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("typescript")]
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "clients" / "typescript"

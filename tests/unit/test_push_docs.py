@@ -50,8 +50,9 @@ from triage_proxy.structs import Record
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "push.md"
-# One worker runs the module under xdist (--dist loadgroup): the TypeScript is compiled once.
-pytestmark = pytest.mark.xdist_group("push-docs-ts")
+# The worker that runs the TypeScript client's tests runs these (--dist loadgroup): one
+# `npm ci` (when node_modules is missing), one compile of the doc's TypeScript.
+pytestmark = pytest.mark.xdist_group("typescript")
 
 TS_PACKAGE = ROOT / "clients" / "typescript"
 
