@@ -88,22 +88,42 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=rank)  # stable: the order within a rank stays the collection's
 
 
+def hold_default_ports(held: contextlib.ExitStack) -> None:
+    """Listen on every default port that is free (one already in use, e.g. by a local
+    deployment or by the xdist controller, is taken anyway) until `held` closes."""
+    for port in DEFAULT_PORTS:
+        sock = held.enter_context(socket.socket())
+        # As servers bind: a port left in TIME_WAIT by an earlier test is still held.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            continue
+        sock.listen()
+
+
+_controller_holds = contextlib.ExitStack()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Under xdist the controller holds the default ports from the first test to the last:
+    # a worker that held them would free them when it ends, while others still run.
+    if WORKER == "main" and session.config.getoption("numprocesses", None):
+        hold_default_ports(_controller_holds)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _controller_holds.close()
+
+
 @pytest.fixture(scope="session")
 def default_ports_taken() -> Iterator[tuple[int, ...]]:
-    """Listen on every default port that is free (one already in use, e.g. by a local
-    deployment, is taken anyway); return the ports. Closed at the end of the session."""
+    """Hold every default port (see `hold_default_ports`); return the ports. Closed at
+    the end of the session."""
     with contextlib.ExitStack() as held:
-        for port in DEFAULT_PORTS:
-            sock = held.enter_context(socket.socket())
-            # As servers bind: a port left in TIME_WAIT by an earlier test is still held.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError as exc:
-                if exc.errno != errno.EADDRINUSE:
-                    raise
-                continue
-            sock.listen()
+        hold_default_ports(held)
         yield DEFAULT_PORTS
 
 
