@@ -1101,7 +1101,9 @@ def test_the_default_prefetch_grows_when_the_refill_outlasts_the_local_queue(
     deployment.feed(0, (delivery(o) for o in range(600)))
     handler = sync_handler if kind == "sync" else async_handler
     run = Running(consumer(a, handler, concurrency=2, partitions=[0]))
-    deployment.wait_for(lambda: len(deployment.acked(0)) == 600, "every delivery acked")
+    deployment.wait_for(lambda: a.granted, "a Grant")
+    # 600 round trips of 20 ms and more before the Grant: on 2 loaded cores, more than 5 s.
+    deployment.wait_for(lambda: len(deployment.acked(0)) == 600, "every delivery acked", 60)
     run.stop()
     assert [h.credits for h in a.hellos] == [4], "the Hello: concurrency + concurrency"
     assert a.granted == [(0, 2 * (1 + AUTO_PREFETCH_MAX))]
