@@ -72,7 +72,7 @@ def pytest_configure(config: pytest.Config) -> None:
     signal.signal(signal.SIGTERM, _interrupt)
 
 
-FIRST_GROUPS = ("cpu-heavy", "typescript", "spark-local")
+FIRST_GROUPS = ("cpu-heavy", "typescript")
 """xdist groups (each runs on one worker, one test after another) that start the run, the
 longest first: a long chain that started last would end the run alone."""
 
