@@ -5,7 +5,12 @@ the session ends, pass or fail. Every integration test runs with the default por
 (the proxy's gRPC and HTTP ports, Kafka's, moto's) taken, as beside a local
 deployment: a listener a test starts must bind a free port (0 or probed), never a
 default, or it fails here rather than on a user's machine.
-"""
+
+Under pytest-xdist each worker is a session of its own: it starts its own broker and
+moto server (workers share nothing but the machine), puts its worker id in its topic
+and table names, and stops both by PID when it exits. What workers do share (the
+TypeScript package's node_modules and dist/, the CPU a heavy test needs) is taken under
+a file lock (tests/runlock.py)."""
 
 from __future__ import annotations
 
@@ -24,11 +29,13 @@ import itertools
 import signal
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from types import FrameType
 
 import pytest
 from hypothesis import settings as hypothesis_settings
 
+from tests.runlock import shared_lock
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.config.settings import DEFAULT_HTTP_PORT, DEFAULT_PORT
 
@@ -54,6 +61,8 @@ DEFAULT_PORTS = (
 )
 
 _names = itertools.count()
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+"""This process's xdist worker id (gw0, gw1, ...), or "main" when the run is serial."""
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -66,22 +75,58 @@ def pytest_configure(config: pytest.Config) -> None:
     signal.signal(signal.SIGTERM, _interrupt)
 
 
+FIRST_GROUPS = ("cpu-heavy", "typescript")
+"""xdist groups (each runs on one worker, one test after another) that start the run, the
+longest first: a long chain that started last would end the run alone."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        marker = item.get_closest_marker("xdist_group")
+        if marker is None:
+            return len(FIRST_GROUPS)
+        group = marker.args[0] if marker.args else marker.kwargs.get("name")
+        return FIRST_GROUPS.index(group) if group in FIRST_GROUPS else len(FIRST_GROUPS)
+
+    items.sort(key=rank)  # stable: the order within a rank stays the collection's
+
+
+def hold_default_ports(held: contextlib.ExitStack) -> None:
+    """Listen on every default port that is free (one already in use, e.g. by a local
+    deployment or by the xdist controller, is taken anyway) until `held` closes."""
+    for port in DEFAULT_PORTS:
+        sock = held.enter_context(socket.socket())
+        # As servers bind: a port left in TIME_WAIT by an earlier test is still held.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            continue
+        sock.listen()
+
+
+_controller_holds = contextlib.ExitStack()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Under xdist the controller holds the default ports from the first test to the last:
+    # a worker that held them would free them when it ends, while others still run.
+    if WORKER == "main" and session.config.getoption("numprocesses", None):
+        hold_default_ports(_controller_holds)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _controller_holds.close()
+
+
 @pytest.fixture(scope="session")
 def default_ports_taken() -> Iterator[tuple[int, ...]]:
-    """Listen on every default port that is free (one already in use, e.g. by a local
-    deployment, is taken anyway); return the ports. Closed at the end of the session."""
+    """Hold every default port (see `hold_default_ports`); return the ports. Closed at
+    the end of the session."""
     with contextlib.ExitStack() as held:
-        for port in DEFAULT_PORTS:
-            sock = held.enter_context(socket.socket())
-            # As servers bind: a port left in TIME_WAIT by an earlier test is still held.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError as exc:
-                if exc.errno != errno.EADDRINUSE:
-                    raise
-                continue
-            sock.listen()
+        hold_default_ports(held)
         yield DEFAULT_PORTS
 
 
@@ -108,4 +153,21 @@ def aws() -> Iterator[EmbeddedAWS]:
 def unique_name(request: pytest.FixtureRequest) -> str:
     """A topic/table name no other test in this session uses."""
     base = "".join(c if c.isalnum() else "-" for c in request.node.name)[:40]
-    return f"{base}-{next(_names)}"
+    return f"{base}-{WORKER}-{next(_names)}"
+
+
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder every xdist worker of this run shares (the parent of the workers' own
+    temporary folders), or this session's own when the run is serial."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if WORKER != "main" else base
+
+
+@pytest.fixture
+def cpu_heavy(shared_dir: Path) -> Iterator[None]:
+    """For a test that keeps both cores busy for long (a Spark cluster, a fault suite's
+    fleet of processes): no two such tests run at once across xdist workers, so neither
+    misses its deadlines because the other took the CPU. Lighter tests still run beside."""
+    with shared_lock(shared_dir, "cpu-heavy"):
+        yield

@@ -189,9 +189,9 @@ class Deployment:
                     )
             return reply
 
-    def wait_for(self, predicate: Callable[[], object], what: str) -> None:
+    def wait_for(self, predicate: Callable[[], object], what: str, within: float = WAIT_S) -> None:
         """As FakeProxy.wait_for, over every proxy of the deployment."""
-        deadline = time.monotonic() + WAIT_S
+        deadline = time.monotonic() + within
         with self.cond:
             while not predicate():
                 assert time.monotonic() < deadline, f"timed out waiting for {what}"

@@ -18,11 +18,14 @@ from tests.fault.fault_suite import run_suite
 from tests.fault.report import render
 from tests.fault.scenario import Options
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# One xdist worker runs the CPU-heavy tests one after another (--dist loadgroup), while
+# the others go on with the rest; the cpu_heavy lock guards any other --dist mode.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("cpu-heavy")]
 
 CI_BUDGET_S = 150
 
 
+@pytest.mark.usefixtures("cpu_heavy")  # its CI budget assumes the CPU to itself
 def test_kill_9_and_outages_lose_nothing(tmp_path: Path) -> None:
     options = Options(
         messages=3000,

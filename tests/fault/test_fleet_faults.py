@@ -18,11 +18,14 @@ import pytest
 
 from tests.fault.fleet import MAX_GAP_S, FleetOptions, render, run_fleet
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# One xdist worker runs the CPU-heavy tests one after another (--dist loadgroup), while
+# the others go on with the rest; the cpu_heavy lock guards any other --dist mode.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("cpu-heavy")]
 
 CI_BUDGET_S = 150
 
 
+@pytest.mark.usefixtures("cpu_heavy")  # its CI budget assumes the CPU to itself
 def test_a_fleet_that_gains_and_loses_processes_loses_nothing(tmp_path: Path) -> None:
     options = FleetOptions(
         messages=2000, duration_s=30.0, seed=5, timeout_s=90.0, work_dir=tmp_path

@@ -48,7 +48,9 @@ from triage_proxy.config.settings import DeadLetterSettings
 from triage_proxy.store.provisioning import create_table
 from triage_proxy.structs import DeadLetter
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# One xdist worker runs the CPU-heavy tests one after another (--dist loadgroup), while
+# the others go on with the rest; the cpu_heavy lock guards any other --dist mode.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("cpu-heavy")]
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -237,7 +239,8 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
+def cluster(tmp_path: Path, cpu_heavy: None) -> Iterator[Cluster]:
+    """A master and two workers, started while no other CPU-heavy test runs (conftest)."""
     started = Cluster(tmp_path, workers=2)
     try:
         started.start()

@@ -52,7 +52,9 @@ from triage_replay.job import (
 )
 from triage_replay.job import main as job_main
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# The worker that runs the CPU-heavy tests runs these too (--dist loadgroup): one JVM for
+# the module, never beside the Spark cluster or a fault suite.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("cpu-heavy")]
 
 BASE_MS = 1_714_564_800_000
 """2024-05-01T12:00:00Z: dead letters are dead-lettered at BASE_MS + offset seconds."""

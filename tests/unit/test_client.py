@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import select
 import socket
 import threading
 import time
@@ -283,21 +284,28 @@ def sleeper(kind: str, seconds: dict[int, float]) -> Any:
     return sync_handler if kind == "sync" else async_handler
 
 
-def held(kind: str, offset: int) -> tuple[Any, threading.Event, threading.Event]:
+def held(
+    kind: str, offset: int, seconds: dict[int, float] | None = None
+) -> tuple[Any, threading.Event, threading.Event]:
     """A handler (sync or async) that returns at once except at `offset`: there it sets
-    the first event and waits for the second; returns the handler and both events."""
+    the first event and waits for the second; returns the handler and both events. It
+    takes `seconds[o]` at any other offset `o` listed there, as `sleeper`'s."""
     started = threading.Event()
     release = threading.Event()
+    timed = seconds or {}
 
     def sync_handler(message: Message) -> None:
         if message.offset == offset:
             started.set()
             assert release.wait(WAIT_S)
+        time.sleep(timed.get(message.offset, 0))
 
     async def async_handler(message: Message) -> None:
         if message.offset == offset:
             started.set()
             assert await asyncio.to_thread(release.wait, WAIT_S)
+        if message.offset in timed:
+            await asyncio.sleep(timed[message.offset])
 
     return (sync_handler if kind == "sync" else async_handler), started, release
 
@@ -306,17 +314,21 @@ def held(kind: str, offset: int) -> tuple[Any, threading.Event, threading.Event]
 def test_a_running_handler_is_extended_until_it_finishes(proxy: FakeProxy, kind: str) -> None:
     proxy.ack_deadline_ms = DEADLINE_MS
     proxy.feed(delivery(o) for o in range(4))
-    handler = sleeper(kind, {0: 3 * DEADLINE_MS / 1000})
+    handler = sleeper(kind, {0: 3 * DEADLINE_MS / 1000, 4: 2 * DEADLINE_MS / 1000})
     run = Running(consumer(proxy, handler, concurrency=2))
     proxy.wait_for(lambda: len(proxy.acks) == 4, "4 acks")
-    time.sleep(DEADLINE_MS / 1000)  # room for Extend frames that should not come
+    # Extend ticks after those settlements, shown by the Extends of a handler that runs
+    # now: a settled offset would be listed in them, or sent on its own, by then.
+    proxy.feed([delivery(4)])
+    proxy.wait_for(lambda: any(4 in offsets for _, offsets in proxy.extends), "offset 4 extended")
+    proxy.wait_for(lambda: len(proxy.acks) == 5, "5 acks")
     run.stop()
     frames = [offsets for _, offsets in proxy.extends]
     assert sum(0 in offsets for offsets in frames) >= 2, frames
-    assert all(offsets == [0] for offsets in frames), "only the running handler is extended"
+    assert all(offsets in ([0], [4]) for offsets in frames), "only a running handler is extended"
     assert proxy.stale_extends == [], "extended after its settlement"
     assert proxy.expired == [], "a lease lapsed although its handler was running"
-    assert sorted(proxy.acked()) == [0, 1, 2, 3]
+    assert sorted(proxy.acked()) == [0, 1, 2, 3, 4]
     assert run.consumer.stats.extended == len(frames)
 
 
@@ -366,7 +378,7 @@ def test_queued_deliveries_keep_their_lease_behind_a_slow_handler(
 def test_handlers_of_a_dead_stream_are_not_extended_on_the_next(
     proxy: FakeProxy, kind: str
 ) -> None:
-    handler, _, release = held(kind, 2)
+    handler, _, release = held(kind, 2, {8: 2 * DEADLINE_MS / 1000})
     proxy.ack_deadline_ms = DEADLINE_MS
     proxy.feed(delivery(o) for o in range(5))
     run = Running(consumer(proxy, handler, concurrency=4, max_backoff=0.2))
@@ -374,10 +386,13 @@ def test_handlers_of_a_dead_stream_are_not_extended_on_the_next(
     proxy.stop_server()
     proxy.restart(delivery(o) for o in range(5, 8))
     proxy.wait_for(lambda: len(proxy.acked(stream=2)) == 3, "the second stream's acks")
-    time.sleep(DEADLINE_MS / 1000)  # a few ticks of stream 2 while offset 2 still runs
+    # Ticks of stream 2 while offset 2 still runs, shown by the Extends of a handler that
+    # runs on stream 2 now: offset 2 would be listed in them, or sent on its own, by then.
+    proxy.feed([delivery(8)])
+    proxy.wait_for(lambda: (2, [8]) in proxy.extends, "offset 8 extended on stream 2")
     release.set()
     run.stop()
-    assert [offsets for stream, offsets in proxy.extends if stream == 2] == []
+    assert {tuple(offsets) for stream, offsets in proxy.extends if stream == 2} == {(8,)}
     assert proxy.stale_extends == []
 
 
@@ -396,7 +411,8 @@ def test_stop_from_another_thread_waits_for_running_handlers_and_their_acks(
     proxy.wait_for(lambda: len(started) == 2, "two running handlers")
     run.consumer.stop()
     run.consumer.stop()  # idempotent
-    time.sleep(0.2)
+    # The stop is under way once the queued deliveries are given back; run() stays.
+    proxy.wait_for(lambda: len(proxy.releases) == 2, "the queued ones released")
     assert run.thread.is_alive(), "run() returned while handlers were still running"
     assert proxy.acks == []
     release.set()
@@ -868,7 +884,8 @@ def test_a_partition_whose_proxy_dies_is_followed_to_the_standby_that_takes_it(
     b.stop_server()  # killed: only a standby waits for partition 1 now
     deployment.serve(1, None)
     deployment.feed(1, (delivery(o) for o in range(10, 20)))
-    time.sleep(0.3)
+    reads = deployment.topology_calls
+    deployment.wait_for(lambda: deployment.topology_calls >= reads + 2, "reads naming nobody")
     deployment.serve(1, a)  # the standby took the lease
     deployment.wait_for(lambda: set(deployment.acked(1)) == set(range(20)), "partition 1 on a")
     run.stop()
@@ -886,7 +903,8 @@ def test_a_partition_nobody_serves_at_start_is_consumed_once_a_proxy_takes_it(
     deployment.feed(2, (delivery(o) for o in range(5)))
     run = Running(consumer(a, sleeper("async", {})))
     deployment.wait_for(lambda: len(a.hellos) == 2, "streams for 0 and 1")
-    time.sleep(0.5)  # a few topology reads, all saying nobody serves partition 2
+    reads = deployment.topology_calls  # a few more, all saying nobody serves partition 2:
+    deployment.wait_for(lambda: deployment.topology_calls >= reads + 3, "3 more topology reads")
     deployment.serve(2, a)
     deployment.wait_for(lambda: len(deployment.acked(2)) == 5, "partition 2 consumed")
     run.stop()
@@ -1018,7 +1036,11 @@ def test_stop_drains_every_stream(deployment: Deployment) -> None:
         "all held",
     )
     run.consumer.stop()
-    time.sleep(0.2)
+    # The stop is under way once the queued deliveries are given back; run() stays.
+    deployment.wait_for(
+        lambda: sum(len(fake.releases) for fake in deployment.proxies) == 3,
+        "the queued ones released",
+    )
     assert run.thread.is_alive(), "run() returned while handlers were still running"
     release.set()
     run.join()
@@ -1050,7 +1072,8 @@ def test_stop_while_the_target_does_not_answer_returns_promptly() -> None:
     try:
         target = f"127.0.0.1:{silent.getsockname()[1]}"
         run = Running(Consumer(target, TOKEN, lambda m: None))
-        time.sleep(0.3)
+        readable, _, _ = select.select([silent], [], [], WAIT_S)  # the client's connection
+        assert readable, "the client never connected"
         started = time.monotonic()
         run.stop()
         assert time.monotonic() - started < 2.0
@@ -1078,7 +1101,9 @@ def test_the_default_prefetch_grows_when_the_refill_outlasts_the_local_queue(
     deployment.feed(0, (delivery(o) for o in range(600)))
     handler = sync_handler if kind == "sync" else async_handler
     run = Running(consumer(a, handler, concurrency=2, partitions=[0]))
-    deployment.wait_for(lambda: len(deployment.acked(0)) == 600, "every delivery acked")
+    deployment.wait_for(lambda: a.granted, "a Grant")
+    # 600 round trips of 20 ms and more before the Grant: on 2 loaded cores, more than 5 s.
+    deployment.wait_for(lambda: len(deployment.acked(0)) == 600, "every delivery acked", 60)
     run.stop()
     assert [h.credits for h in a.hellos] == [4], "the Hello: concurrency + concurrency"
     assert a.granted == [(0, 2 * (1 + AUTO_PREFETCH_MAX))]

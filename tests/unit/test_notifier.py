@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from tests import samples
 from tests.samples import T0
+from tests.unit import virtual_time
 from triage_proxy.config.settings import DeadLetterSettings
 from triage_proxy.deadletters.notifier import (
     MAX_TRACKED_REASONS,
@@ -172,7 +173,12 @@ def test_notifier_sends_aggregated_summaries_and_a_final_one_at_stop() -> None:
 
     async def main() -> None:
         notifier = DeadLetterNotifier(
-            [sink], source="orders[0]", table="dlq", interval_s=0.3, gather_s=0.05
+            [sink],
+            source="orders[0]",
+            table="dlq",
+            interval_s=0.3,
+            gather_s=0.05,
+            clock=asyncio.get_running_loop().time,
         )
         async with notifier:
             for i in range(1000):
@@ -191,7 +197,7 @@ def test_notifier_sends_aggregated_summaries_and_a_final_one_at_stop() -> None:
         assert len(sink.summaries) <= 3
         assert notifier.pending == 0
 
-    run(main())
+    virtual_time.run(main())  # the loop's clock, which jumps: each wait is exact
 
 
 def test_notifier_retries_after_a_failed_send() -> None:
@@ -200,7 +206,12 @@ def test_notifier_retries_after_a_failed_send() -> None:
 
     async def main() -> None:
         notifier = DeadLetterNotifier(
-            [sink], source="p", table="dlq", interval_s=0.2, gather_s=0.01
+            [sink],
+            source="p",
+            table="dlq",
+            interval_s=0.2,
+            gather_s=0.01,
+            clock=asyncio.get_running_loop().time,
         )
         async with notifier:
             notifier.record(make_dl(1))
@@ -211,7 +222,7 @@ def test_notifier_retries_after_a_failed_send() -> None:
             await asyncio.sleep(0.3)
             assert [s.count for s in sink.summaries] == [2]
 
-    run(main())
+    virtual_time.run(main())  # the loop's clock, which jumps: each wait is exact
 
 
 def test_notifier_lifecycle() -> None:

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from tests.waiting import eventually
 from triage_proxy.config.settings import OwnershipSettings
 from triage_proxy.errors import OwnershipLost, StateError
 from triage_proxy.pipeline.ownership import Ownership, OwnershipState, wall_ms
@@ -47,8 +48,10 @@ def test_renewal_keeps_it_and_a_takeover_ends_it() -> None:
         holder = Ownership(store, LEASE)
         assert await holder.acquire(asyncio.Event())
         lost: list[bool] = []
+        first_until_ms = store.lease.until_ms if store.lease else 0
         keeping = asyncio.ensure_future(holder.keep(asyncio.Event(), lambda: lost.append(True)))
-        await asyncio.sleep(1.0)  # twice the lease: only renewals keep it
+        # Past the first lease's end (and its margin): only renewals keep it now.
+        await eventually(lambda: wall_ms() > first_until_ms + 100, within=5)
         assert holder.holding
         assert not lost
         store.lease = Lease("someone-else", wall_ms() + 10_000)  # a forged takeover
@@ -74,9 +77,11 @@ def test_standby_waits_for_expiry_then_takes_over_and_honours_closing() -> None:
 
         other = Ownership(store, LEASE)
         closing = asyncio.Event()
+        reads = store.calls
         waiting = asyncio.ensure_future(other.acquire(closing))
-        await asyncio.sleep(0.2)
+        await eventually(lambda: store.calls > reads)  # it read the lease standby holds
         assert other.state is OwnershipState.STANDBY
+        assert not waiting.done()
         closing.set()
         assert await asyncio.wait_for(waiting, timeout=1) is False
         await standby.release()

@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 
+from tests.runlock import TS_INSTALLED, TS_PACKAGE_LOCK, shared_lock
 from triage_proxy.config.push import PushTargetSettings, push_targets
 from triage_proxy.config.secrets import Secrets
 from triage_proxy.observe.metrics import push_families
@@ -49,6 +50,10 @@ from triage_proxy.structs import Record
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "guides" / "push.md"
+# The worker that runs the TypeScript client's tests runs these (--dist loadgroup): one
+# `npm ci` (when node_modules is missing), one compile of the doc's TypeScript.
+pytestmark = pytest.mark.xdist_group("typescript")
+
 TS_PACKAGE = ROOT / "clients" / "typescript"
 
 SHAPE = EventShape(source="triage://billing/orders", type="t.x", content_type="application/x")
@@ -348,22 +353,26 @@ def tool(name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def compiled(tmp_path_factory: pytest.TempPathFactory, shared_dir: Path) -> Path:
     """The doc's TypeScript blocks type-checked (strict, against @types/node) and compiled
     with the client package's TypeScript: recover.mjs and verify.mjs to run, and the
     receiver (with recover, as one file) checked only, since it listens when loaded."""
     node = tool("node")
     tsc = TS_PACKAGE / "node_modules" / "typescript" / "bin" / "tsc"
-    if not tsc.is_file():
-        out = subprocess.run(
-            [tool("npm"), "ci", "--no-audit", "--no-fund"],
-            cwd=TS_PACKAGE,
-            capture_output=True,
-            text=True,
-            timeout=290,
-            check=False,
-        )
-        assert out.returncode == 0, out.stdout + out.stderr
+    installed = shared_dir / TS_INSTALLED
+    if not installed.exists():
+        with shared_lock(shared_dir, TS_PACKAGE_LOCK):  # one `npm ci` (tests/runlock.py)
+            if not tsc.is_file():
+                out = subprocess.run(
+                    [tool("npm"), "ci", "--no-audit", "--no-fund"],
+                    cwd=TS_PACKAGE,
+                    capture_output=True,
+                    text=True,
+                    timeout=290,
+                    check=False,
+                )
+                assert out.returncode == 0, out.stdout + out.stderr
+            installed.touch()
     work = tmp_path_factory.mktemp("push_docs_ts")
     src = work / "src"
     src.mkdir()

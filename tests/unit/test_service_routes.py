@@ -10,6 +10,7 @@ from typing import Any, cast
 
 import pytest
 
+from tests.unit import virtual_time
 from triage_protocol import triage_pb2 as pb
 from triage_proxy.config.settings import Settings, settings_from_dict
 from triage_proxy.errors import FrameError, PartitionNotServed
@@ -60,7 +61,7 @@ def test_a_hello_for_a_starting_partition_waits_until_it_serves() -> None:
         assert await asyncio.wait_for(named, 5) == 1
         assert await asyncio.wait_for(unnamed, 5) == 1  # an old client's Hello
 
-    asyncio.run(run())
+    virtual_time.run(run())  # the 0.05 s pass at once, exactly
 
 
 def test_a_hello_for_a_partition_that_withdraws_instead_is_refused() -> None:
@@ -75,7 +76,7 @@ def test_a_hello_for_a_partition_that_withdraws_instead_is_refused() -> None:
         with pytest.raises(FrameError):
             await asyncio.wait_for(unnamed, 5)
 
-    asyncio.run(run())
+    virtual_time.run(run())  # the 0.05 s pass at once, exactly
 
 
 def test_a_hello_for_a_partition_not_starting_here_does_not_wait() -> None:
