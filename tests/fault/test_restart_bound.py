@@ -29,7 +29,9 @@ from tests.fault.scenario import TOPIC, Options, Workload, proxy_overrides
 from tests.fault.verify import scan_dead_letters, verify
 from triage_cli.devstack import DevStack
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# Kills inside catch-up bursts want the CPU the bursts need: with the other CPU-heavy
+# tests on one worker (--dist loadgroup).
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("cpu-heavy")]
 
 INSTANCES = 2
 CONCURRENCY = 16
@@ -93,6 +95,7 @@ def wait_for(predicate: object, within: float, what: str) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.usefixtures("cpu_heavy")  # kills inside bursts want the CPU to itself
 def test_a_kill_inside_a_reconnection_burst_redelivers_at_most_the_window(
     tmp_path: Path,
 ) -> None:

@@ -250,6 +250,9 @@ def npm(*args: str, cwd: Path, timeout: float = 290) -> str:
     return out.stdout
 
 
+# `npm ci && npm pack` rewrite clients/typescript's node_modules and dist: on the worker
+# that runs the TypeScript client's tests, never beside them (--dist loadgroup).
+@pytest.mark.xdist_group("typescript")
 def test_the_typescript_path_works_as_written(folder: Path) -> None:
     """The package installed from its tarball into another project, as the TypeScript
     guide says; the page's snippet compiled with --strict and run against the stack."""
