@@ -26,7 +26,12 @@ from triage_proxy.config.settings import DeadLetterSettings
 from triage_proxy.deadletters.writer import DeadLetterWriter
 from triage_proxy.errors import ConfigError, DeadLetterUnavailable
 from triage_proxy.store.deadletter_store import DynamoDBStore
-from triage_proxy.store.items import MAX_ITEM_BYTES, dead_letter_from_item, item_size
+from triage_proxy.store.items import (
+    MAX_ITEM_BYTES,
+    dead_letter_from_item,
+    is_dead_letter,
+    item_size,
+)
 from triage_proxy.store.provisioning import create_bucket, create_table
 from triage_proxy.store.query import DeadLetterTable
 from triage_proxy.structs import DeadLetter
@@ -69,7 +74,8 @@ def read_all(client: Any, table: str) -> list[dict[str, Any]]:
 
 
 def read_dead_letters(client: Any, table: str) -> list[DeadLetter]:
-    found = [dead_letter_from_item(i) for i in read_all(client, table)]
+    # Dead letters only: not the by-state index's marker item (offset < 0)
+    found = [dead_letter_from_item(i) for i in read_all(client, table) if is_dead_letter(i)]
     return sorted(found, key=lambda d: (d.record.partition, d.record.offset))
 
 
