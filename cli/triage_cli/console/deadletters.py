@@ -17,11 +17,11 @@ threads; so a test of two consoles at once against moto could see a double.)
 Memory: a page (`page`), a chunk of bulk work (`bulk`, `CHUNK` items) or one item
 (`payload`) at a time; counting (`count`, `reasons`) keeps numbers, not items.
 
-Paging walks the selection in the table's order (offset order for one partition, a
-Query; the Scan's order otherwise) and resumes after the last key shown. Positioning
-ignores the status filter, so an item that changed status between two pages does not
-lose the place. The same door is where a paged query (an index for the default view)
-plugs in: callers see `Page` and never a DynamoDB cursor.
+Reading goes through `store.pages` and `store.bulk`, as `triage dlq` reads: a page of
+the list is one `pages.page` (the by-state index when the table has it, a Query on one
+partition, a bounded scan on a table not indexed yet) with its opaque, checked cursor;
+counts by reason stop at the store's cap and say so; bulk work walks `pages.select`
+oldest first and reads each chunk again in full with consistent reads before replaying.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import itertools
 import json
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -54,18 +53,9 @@ TEXT_LIMIT = 1024 * 1024
 """Characters of the text view."""
 MOST_REASONS = 20
 """Reasons the counts list by name (the rest are summed as "other")."""
-MAX_DISTINCT_REASONS = 10_000
-"""Distinct reasons counted by name at most (more count as "other")."""
 FAILURES_SHOWN = 20
 """Failed or in-doubt items a bulk job names (all are counted)."""
 BROKER_TIMEOUT_S = 10.0
-SCAN_LIMIT = 500
-"""Items one Scan or Query call evaluates (its Limit): the first page needs one or two
-calls, and a call's answer stays small (bulk work holds at most CHUNK full items, not a
-1 MB page of them). On a large table each call still costs what the store's query path
-costs (see docs/console.md, "Large tables")."""
-COUNT_LIMIT = SCAN_LIMIT
-"""The same for counting (by reason, pending), which reads every selected item."""
 
 
 def parse_key(text: str) -> DeadLetterKey:
@@ -94,7 +84,7 @@ class Page:
     items: list[dict[str, Any]]
     """Summaries (`render.item_summary` plus `id`), in the table's order."""
     next: str | None
-    """The id of the last item when more follow (pass it as `after`), else None."""
+    """The cursor of the next page (pass it as `after`), or None after the last."""
 
 
 @dataclass
@@ -200,62 +190,37 @@ class DeadLetters:
             status=state or None,
         )
 
-    def page(
-        self, filters: Filters, *, after: DeadLetterKey | None = None, size: int = PAGE_SIZE
-    ) -> Page:
-        """The `size` items `filters` selects after the item `after` (None: the first)."""
-        from triage_proxy.store.items import item_key
-        from triage_proxy.store.query import LIST_ATTRIBUTES, matches
+    def page(self, filters: Filters, *, after: str | None = None, size: int = PAGE_SIZE) -> Page:
+        """The next `size` items at most that `filters` selects from the cursor `after`
+        (None: the first page), read as `triage dlq list` reads them (`store.pages`: the
+        by-state index when the table has it). A page may hold fewer items and still a
+        cursor: each page costs a bounded number of DynamoDB calls. InvalidCursor for a
+        cursor this listing did not hand out."""
+        from triage_proxy.store.pages import page
 
         size = max(1, min(size, MAX_PAGE_SIZE))
-        walk = self.table.scan(
-            dataclasses.replace(filters, status=None),
-            attributes=LIST_ATTRIBUTES,
-            page_size=SCAN_LIMIT,
-        )
-        items: list[dict[str, Any]] = []
-        found = after is None
-        try:
-            for item in walk:
-                if not found:
-                    found = item_key(item) == after
-                    continue
-                if matches(item, filters, group=self.table.group):
-                    items.append(_summary(item))
-                    if len(items) > size:
-                        break
-        finally:
-            close = getattr(walk, "close", None)  # a generator: end its page walk now
-            if close is not None:
-                close()
-        more = len(items) > size
-        items = items[:size]
-        return Page(items=items, next=items[-1]["id"] if more and items else None)
+        found = page(self.table, filters, after, size)
+        return Page(items=[_summary(item) for item in found.items], next=found.next_cursor)
 
     def reasons(self, filters: Filters) -> dict[str, Any]:
-        """How many items `filters` selects, by reason (the MOST_REASONS commonest)."""
-        counts: Counter[str] = Counter()
-        other = total = 0
-        for item in self.table.scan(filters, attributes=["reason"], page_size=COUNT_LIMIT):
-            total += 1
-            reason = item["reason"]["S"]
-            if reason in counts or len(counts) < MAX_DISTINCT_REASONS:
-                counts[reason] += 1
-            else:
-                other += 1
-        top = counts.most_common(MOST_REASONS)
-        other += sum(counts.values()) - sum(n for _, n in top)
+        """How many items `filters` selects, by reason (the MOST_REASONS commonest), over
+        at most `store.pages.DEFAULT_COUNT_CAP` items (`complete` is False beyond)."""
+        from triage_proxy.store.pages import reason_counts
+
+        counted = reason_counts(self.table, filters)
+        top = counted.by_reason[:MOST_REASONS]
         return {
-            "total": total,
+            "total": counted.counted,
+            "complete": counted.complete,
             "reasons": [{"reason": safe_text(r), "raw": r, "count": n} for r, n in top],
-            "other": other,
+            "other": counted.counted - sum(n for _, n in top),
         }
 
     def count(self, filters: Filters) -> int:
         """Pending items `filters` selects: what a bulk replay or discard would try."""
-        pending = _pending(filters)
-        found = self.table.scan(pending, attributes=["status"], page_size=COUNT_LIMIT)
-        return sum(1 for _ in found)
+        from triage_proxy.store.bulk import count_pending
+
+        return count_pending(self.table, filters).selected
 
     # --- one item ---------------------------------------------------------------------
 
@@ -324,6 +289,7 @@ class DeadLetters:
         """Replay or discard every pending item `filters` selects, CHUNK at a time, with
         the CLI's routines; `progress` is called after each chunk (and once before)."""
         from triage_proxy.store.items import item_key
+        from triage_proxy.store.pages import select
         from triage_proxy.store.replay import new_replay_id, replay
 
         if action not in ("replay", "discard"):
@@ -334,7 +300,8 @@ class DeadLetters:
         producer = None
         if action == "replay":
             result.replay_id = new_replay_id()
-        for chunk in _chunks(self.table.scan(pending, consistent=True, page_size=CHUNK), CHUNK):
+        listed = select(self.table, pending, limit=CHUNK, newest_first=False)
+        for chunk in _chunks(listed, CHUNK):
             if stop is not None and stop.is_set():
                 result.interrupted = True
                 break
@@ -352,9 +319,9 @@ class DeadLetters:
                     producer = self._producer(self.settings.kafka.topic)
                 assert result.replay_id is not None
                 with self._changing:
-                    # A claim seen in the scan may be another job's that has finished
-                    # since: read those items again, so they show as they are now.
-                    chunk = self._fresh(chunk)
+                    # A listing holds no payloads, and the index lags: read the chunk
+                    # again in full, consistently (deleted meanwhile: left out).
+                    chunk = self.table.get_many(sorted(item_key(item) for item in chunk))
                     step = replay(
                         self.table, producer, chunk, replay_id=result.replay_id, chunk=len(chunk)
                     )
@@ -369,24 +336,6 @@ class DeadLetters:
                 result.done += len(chunk)
             progress(result)
         return result
-
-    def _fresh(self, chunk: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The chunk with each item that was claimed when scanned read again (a consistent
-        GetItem); one gone meanwhile is left out. Unclaimed items need no read: the claim
-        is conditional, so one that changed since is skipped by `replay` itself."""
-        from triage_proxy.store.items import CLAIM_ATTR, item_key
-        from triage_proxy.store.query import DeadLetterNotFound
-
-        fresh: list[dict[str, Any]] = []
-        for item in chunk:
-            if CLAIM_ATTR not in item:
-                fresh.append(item)
-                continue
-            try:
-                fresh.append(self.table.get(item_key(item)))
-            except DeadLetterNotFound:
-                continue
-        return fresh
 
     def _producer(self, topic: str) -> Any:
         """The replay producer `triage dlq replay` uses, once the broker answered and

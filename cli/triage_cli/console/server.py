@@ -298,7 +298,7 @@ async def api_list(request: web.Request) -> web.StreamResponse:
     found = await asyncio.to_thread(
         deadletters.page,
         filters,
-        after=parse_key(after) if after else None,
+        after=after or None,
         size=int(size) if size.isdigit() else 50,
     )
     return web.json_response({"items": found.items, "next": found.next, "filters": shown})

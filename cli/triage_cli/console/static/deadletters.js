@@ -67,7 +67,7 @@
     const box = clear(document.getElementById("reasons"));
     if (!answer.ok) { box.append(el("p", { class: "bad", text: answer.data.error })); return; }
     const data = answer.data;
-    box.append(el("p", { class: "muted", text: data.total + " matching" }));
+    box.append(el("p", { class: "muted", text: (data.complete === false ? "more than " : "") + data.total + " matching" }));
     const rows = data.reasons.map((r) => el("tr", {},
       el("td", { class: "num", text: r.count }),
       el("td", {}, el("a", { href: "#", class: "reason-link", text: r.reason, on: { click: (ev) => {
