@@ -62,12 +62,13 @@ from triage_proxy.store.aws import (
     s3_client,
 )
 from triage_proxy.store.items import (
+    AT_ATTR,
     CLAIM_ATTR,
     CLAIM_UNTIL_ATTR,
     EXPIRES_AT_ATTR,
     INDEX_MARKER_OFFSET,
     INDEX_MARKER_SOURCE,
-    PAYLOAD_BYTES_ATTR,
+    INDEX_PROJECTION,
     PAYLOAD_S3_ATTR,
     STATE_ATTR,
     STATUS_DISCARDED,
@@ -100,32 +101,9 @@ logger = logging.getLogger(__name__)
 TABLE_ATTEMPTS = 5
 """botocore attempts per call for the tools (a lost mark would mean a second replay)."""
 
-LIST_ATTRIBUTES = (
-    "source",
-    "offset",
-    "group",
-    "topic",
-    "partition",
-    "key",
-    "timestamp_ms",
-    "reason",
-    "attempts",
-    "consumer_id",
-    "dead_lettered_at",
-    "status",
-    STATE_ATTR,
-    PAYLOAD_S3_ATTR,
-    PAYLOAD_BYTES_ATTR,
-    "replayed_at",
-    "replayed_to",
-    "replay_count",
-    "replay_id",
-    "discarded_at",
-    EXPIRES_AT_ATTR,
-    CLAIM_ATTR,
-    CLAIM_UNTIL_ATTR,
-)
-"""What listing reads: everything but the value and headers (which may be 400 KB)."""
+LIST_ATTRIBUTES = ("source", "offset", AT_ATTR, STATE_ATTR, *INDEX_PROJECTION)
+"""What listing reads: the keys and what the by-state index copies, never the value and
+headers (which may be 400 KB); equal to the index so that a Query on it reads them all."""
 BATCH_GET = 100
 """Most keys one BatchGetItem call takes."""
 BATCH_GET_ROUNDS = 8
