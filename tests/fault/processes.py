@@ -52,13 +52,14 @@ class Production(threading.Thread):
         duration_s: float,
         outage_s: float,
         partitions: int = 1,
+        linger_ms: int = 5,
     ) -> None:
         super().__init__(name="producer", daemon=True)
         patience_ms = int(max(120.0, 3 * outage_s) * 1000)
         self._producer = Producer(
             {
                 "bootstrap.servers": bootstrap,
-                "linger.ms": 5,
+                "linger.ms": linger_ms,
                 # Ride out a SIGSTOPped broker without a timeout-driven resend, which could
                 # write a record twice and move the end of the partition.
                 "request.timeout.ms": patience_ms,

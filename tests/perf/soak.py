@@ -66,6 +66,11 @@ SLOW_SHARE = 0.001
 KILL_EVERY_S = 300.0
 RESTART_EVERY_S = 120.0
 WINDOW = 1000
+LINGER_MS = 50
+"""The producer's linger: ~100 records a batch at 2,000 msg/s. Tansu's in-memory store
+costs each fetch time in proportion to the batches the partition holds (at 5 ms, ~10
+records a batch, 3.6M records are 360,000 batches, and fetching from the middle of them
+slowed to a crawl by minute 20); the soak measures the proxy, not that."""
 """The proxy's window.max_messages: what one kill may redeliver at most."""
 PROXY_DOWN_S = 0.5
 """How long a killed proxy stays down before it is restarted."""
@@ -209,7 +214,9 @@ def run(args: argparse.Namespace) -> tuple[Report, Soak]:
         cleanup.callback(fleet.stop)
         poller = CommitPoller(stack)
         cleanup.callback(poller.stop)
-        producer = TimedProduction(stack.broker.bootstrap, workload, duration_s, 0.0)
+        producer = TimedProduction(
+            stack.broker.bootstrap, workload, duration_s, 0.0, linger_ms=LINGER_MS
+        )
         cleanup.callback(producer.stop)
 
         fleet.start()
