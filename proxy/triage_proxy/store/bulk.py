@@ -163,12 +163,12 @@ def replay_matching(
         (item_key(item) for item in listed),
         replay_id=replay_id,
         to_topic=to_topic,
-        chunk=chunk,
         flush_timeout_s=flush_timeout_s,
         lease_s=lease_s,
-        stop=stop,
+        chunk=chunk,
         read=functools.partial(_read_afresh, table),
         settled=settled,
+        stop=stop,
     )
     if progress is not None:
         progress(done, done if not result.interrupted else max(done, expected or 0))
