@@ -11,11 +11,11 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-import boto3
 import pytest
 from typer.testing import CliRunner
 
 from tests import samples
+from tests.integration.harness import create_unindexed_table, dynamodb
 from tests.samples import GROUP, T0
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS
@@ -40,16 +40,6 @@ TOPIC = "orders"
 MINUTE = 60_000
 REASONS = ("ValueError: bad", "TimeoutError: slow", "KeyError: 'id'")
 STATUSES = ("pending", "pending", "replayed", "pending", "discarded")
-
-
-def dynamodb(aws: EmbeddedAWS) -> Any:
-    return boto3.session.Session().client(
-        "dynamodb",
-        region_name="us-east-1",
-        endpoint_url=aws.endpoint_url,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    )
 
 
 def sample(n: int, group: str = GROUP, *, indexed: bool = True) -> dict[str, Any]:
@@ -109,18 +99,7 @@ def indexed(aws: EmbeddedAWS, unique_name: str) -> Iterator[DeadLetterTable]:
 def unindexed(aws: EmbeddedAWS, unique_name: str) -> Iterator[DeadLetterTable]:
     """A table made before the index: items without dl_state, no marker: scan mode."""
     client = dynamodb(aws)
-    client.create_table(
-        TableName=unique_name,
-        KeySchema=[
-            {"AttributeName": "source", "KeyType": "HASH"},
-            {"AttributeName": "offset", "KeyType": "RANGE"},
-        ],
-        AttributeDefinitions=[
-            {"AttributeName": "source", "AttributeType": "S"},
-            {"AttributeName": "offset", "AttributeType": "N"},
-        ],
-        BillingMode="PAY_PER_REQUEST",
-    )
+    create_unindexed_table(client, unique_name)
     put_all(client, unique_name, [sample(n, indexed=False) for n in range(60)])
     settings = DeadLetterSettings(table=unique_name, endpoint_url=aws.endpoint_url)
     with DeadLetterTable(settings, group=GROUP) as table:
