@@ -35,7 +35,7 @@ from triage_proxy.deadletters.writer import DeadLetterWriter
 from triage_proxy.kafka.client import PartitionLog
 from triage_proxy.store.deadletter_store import DynamoDBStore
 from triage_proxy.store.items import dead_letter_from_item
-from triage_proxy.store.provisioning import create_table
+from triage_proxy.store.provisioning import KEY_ATTRIBUTES, KEY_SCHEMA_SPEC, create_table
 from triage_proxy.structs import DeadLetter, Record
 
 TOKEN = "test-token-0123456789"
@@ -57,6 +57,28 @@ def write_dead_letters(
                 assert writer.too_large == 0
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def dynamodb(aws: EmbeddedAWS) -> Any:
+    """A DynamoDB client of the embedded AWS endpoint (the caller closes it, or not)."""
+    return boto3.session.Session().client(
+        "dynamodb",
+        region_name="us-east-1",
+        endpoint_url=aws.endpoint_url,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+
+
+def create_unindexed_table(client: Any, name: str) -> None:
+    """The dead-letter table as `create_table` made it before the `by-state` index: keys
+    only (what `triage dlq migrate` and the scan read mode are for)."""
+    client.create_table(
+        TableName=name,
+        KeySchema=KEY_SCHEMA_SPEC,
+        AttributeDefinitions=KEY_ATTRIBUTES,
+        BillingMode="PAY_PER_REQUEST",
+    )
 
 
 def create_topic(bootstrap: str, topic: str, partitions: int = 1) -> None:

@@ -7,11 +7,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import boto3
 import pytest
 
 from tests import samples
-from tests.integration.harness import write_dead_letters
+from tests.integration.harness import create_unindexed_table, dynamodb, write_dead_letters
 from tests.samples import GROUP
 from triage_cli.embedded import EmbeddedAWS
 from triage_proxy.config.settings import DeadLetterSettings
@@ -21,32 +20,6 @@ from triage_proxy.store.provisioning import create_table, state_index_status
 from triage_proxy.store.query import DeadLetterTable
 
 pytestmark = pytest.mark.integration
-
-
-def dynamodb(aws: EmbeddedAWS) -> Any:
-    return boto3.session.Session().client(
-        "dynamodb",
-        region_name="us-east-1",
-        endpoint_url=aws.endpoint_url,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    )
-
-
-def create_old_table(client: Any, name: str) -> None:
-    """The table as `create_table` made it before the index: keys only."""
-    client.create_table(
-        TableName=name,
-        KeySchema=[
-            {"AttributeName": "source", "KeyType": "HASH"},
-            {"AttributeName": "offset", "KeyType": "RANGE"},
-        ],
-        AttributeDefinitions=[
-            {"AttributeName": "source", "AttributeType": "S"},
-            {"AttributeName": "offset", "AttributeType": "N"},
-        ],
-        BillingMode="PAY_PER_REQUEST",
-    )
 
 
 def old_item(offset: int, status: str = "pending", group: str = GROUP) -> dict[str, Any]:
@@ -93,7 +66,7 @@ def test_an_old_table_is_migrated_then_indexed_idempotently(
     aws: EmbeddedAWS, unique_name: str
 ) -> None:
     client = dynamodb(aws)
-    create_old_table(client, unique_name)
+    create_unindexed_table(client, unique_name)
     statuses = ["pending", "replayed", "discarded", "pending", "pending"]
     for offset, status in enumerate(statuses):
         client.put_item(TableName=unique_name, Item=old_item(offset, status))

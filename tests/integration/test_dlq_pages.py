@@ -11,11 +11,11 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-import boto3
 import pytest
 from typer.testing import CliRunner
 
 from tests import samples
+from tests.integration.harness import create_unindexed_table, dynamodb
 from tests.samples import GROUP, T0
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS
@@ -40,16 +40,6 @@ TOPIC = "orders"
 MINUTE = 60_000
 REASONS = ("ValueError: bad", "TimeoutError: slow", "KeyError: 'id'")
 STATUSES = ("pending", "pending", "replayed", "pending", "discarded")
-
-
-def dynamodb(aws: EmbeddedAWS) -> Any:
-    return boto3.session.Session().client(
-        "dynamodb",
-        region_name="us-east-1",
-        endpoint_url=aws.endpoint_url,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    )
 
 
 def sample(n: int, group: str = GROUP, *, indexed: bool = True) -> dict[str, Any]:
@@ -109,18 +99,7 @@ def indexed(aws: EmbeddedAWS, unique_name: str) -> Iterator[DeadLetterTable]:
 def unindexed(aws: EmbeddedAWS, unique_name: str) -> Iterator[DeadLetterTable]:
     """A table made before the index: items without dl_state, no marker: scan mode."""
     client = dynamodb(aws)
-    client.create_table(
-        TableName=unique_name,
-        KeySchema=[
-            {"AttributeName": "source", "KeyType": "HASH"},
-            {"AttributeName": "offset", "KeyType": "RANGE"},
-        ],
-        AttributeDefinitions=[
-            {"AttributeName": "source", "AttributeType": "S"},
-            {"AttributeName": "offset", "AttributeType": "N"},
-        ],
-        BillingMode="PAY_PER_REQUEST",
-    )
+    create_unindexed_table(client, unique_name)
     put_all(client, unique_name, [sample(n, indexed=False) for n in range(60)])
     settings = DeadLetterSettings(table=unique_name, endpoint_url=aws.endpoint_url)
     with DeadLetterTable(settings, group=GROUP) as table:
@@ -417,3 +396,49 @@ def test_bulk_replay_goes_through_the_replay_routine_with_progress(
         dl = chosen[offset]
         assert (msg.key(), msg.value()) == (dl.record.key, dl.record.value)
         assert msg.headers()[:2] == list(dl.record.headers)
+
+
+def test_bulk_replay_stops_between_chunks_when_asked(
+    aws: EmbeddedAWS, broker: Any, unique_name: str
+) -> None:
+    """`stop` set during a chunk: that chunk is settled, no other one is started, and the
+    rest stays pending for a rerun, which replays it."""
+    import threading
+
+    from confluent_kafka import Producer
+
+    from tests.integration.harness import create_topic, write_dead_letters
+    from triage_proxy.store.bulk import count_pending, replay_matching
+    from triage_proxy.store.replay import new_replay_id
+
+    settings = DeadLetterSettings(table=unique_name, endpoint_url=aws.endpoint_url)
+    create_table(settings)
+    create_topic(broker.bootstrap, unique_name)
+    write_dead_letters(settings, [samples.make_dl(i, topic=unique_name) for i in range(12)])
+    producer = Producer({"bootstrap.servers": broker.bootstrap, "acks": "all"})
+    stop = threading.Event()
+    calls: list[tuple[int, int]] = []
+
+    def progress(done: int, total: int) -> None:
+        calls.append((done, total))
+        stop.set()  # after the first chunk
+
+    with DeadLetterTable(settings, group=GROUP) as table:
+        cut = replay_matching(
+            table,
+            producer,
+            Filters(),
+            replay_id=new_replay_id(),
+            chunk=5,
+            progress=progress,
+            stop=stop,
+            expected=12,
+        )
+        assert cut.interrupted
+        assert sorted(k[2] for k in cut.replayed) == [0, 1, 2, 3, 4]  # oldest first
+        assert (cut.failed, cut.in_doubt, cut.skipped) == ([], [], [])
+        assert calls == [(5, 12), (5, 12)]  # the chunk, then the end (total as expected)
+        assert count_pending(table, Filters()).selected == 7
+        rest = replay_matching(table, producer, Filters(), replay_id=new_replay_id(), chunk=5)
+        assert not rest.interrupted
+        assert sorted(k[2] for k in rest.replayed) == list(range(5, 12))

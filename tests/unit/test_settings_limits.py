@@ -29,6 +29,7 @@ from triage_proxy.config.settings import (
     settings_from_dict,
 )
 from triage_proxy.errors import ConfigError
+from triage_proxy.kafka.assignment import STRATEGY, Assignment
 from triage_proxy.kafka.client import ConfluentPartition
 from triage_proxy.pipeline.dispatch import FRAME_OVERHEAD_BYTES
 
@@ -269,6 +270,28 @@ def test_extras_never_override_the_proxy_even_unvalidated() -> None:
     assert config["enable.auto.commit"] is False
     assert config["bootstrap.servers"] == "b:9092"
     assert config["group.id"] == "g"
+
+
+def test_the_membership_strategy_is_the_proxys_own_even_unvalidated() -> None:
+    """`partition.assignment.strategy` is refused at load, and a KafkaSettings built in
+    code cannot set it either: the membership's callbacks take whole assignments with
+    assign(), which librdkafka refuses under a cooperative strategy. The session timeout
+    is the group property [kafka.client] may set."""
+    with pytest.raises(ConfigError, match="assigns its partitions itself"):
+        settings_from_dict(client(**{"partition.assignment.strategy": "cooperative-sticky"}), {})
+    kafka = KafkaSettings(
+        "b:9092",
+        "orders",
+        "g",
+        client={"partition.assignment.strategy": "cooperative-sticky", "session.timeout.ms": 30000},
+    )
+    config = Assignment(kafka, "member")._config()
+    assert config["partition.assignment.strategy"] == STRATEGY == "roundrobin"
+    assert config["session.timeout.ms"] == 30000
+    own = Assignment(settings_from_dict(MINIMAL, {}).kafka, "member")._config()
+    # The session timeout is [kafka.client]'s to set; these two the proxy applies last.
+    unreserved = {"session.timeout.ms", "client.id", "heartbeat.interval.ms"}
+    assert set(own) - unreserved <= set(RESERVED_CLIENT_PROPERTIES)
 
 
 def test_inline_sasl_password_is_refused_pointing_to_its_key() -> None:

@@ -11,9 +11,13 @@ split. No hand-made scheme, no election of our own.
 the topic with `kafka.group_id` and the EAGER `roundrobin` strategy, takes each
 assignment with assign() + pause() (so no record is ever fetched here) and is polled by
 one thread of its own to keep the session and to run the rebalance callbacks. Eager,
-because on Tansu 0.6 `cooperative-sticky` never assigned revoked partitions; a real
-Kafka cluster may use `cooperative-sticky` (set `partition.assignment.strategy` in
-[kafka.client]) so a rebalance moves only the partitions that change hands.
+because on Tansu 0.6 `cooperative-sticky` never assigned revoked partitions, and because
+the callbacks below are the eager protocol's: on_assign hands over the whole assignment
+and takes it with assign(), and a revoke takes every partition. Under a cooperative
+strategy librdkafka refuses assign() in the callback (changes must then be made with
+incremental_assign()). So the strategy is the proxy's own: `[kafka.client]` cannot set
+`partition.assignment.strategy` (the loader refuses it, `RESERVED_CLIENT_PROPERTIES` in
+config/settings.py); of the group's properties it may set `session.timeout.ms`.
 
 The callbacks only record what happened; the proxy reads `target()` (app.py `_follow`):
 
@@ -184,12 +188,12 @@ class Assignment:
             "on_commit": self._on_commit,
             "logger": logger,
         }
-        # [kafka.client] may override the strategy and the timeouts (a real cluster may
-        # want cooperative-sticky); the rest is ours.
+        # [kafka.client] may set the session timeout (a longer one rides out a slow
+        # network, a kill moves partitions later); the rest is ours, the strategy above
+        # all: the callbacks follow the eager protocol (see the module docstring).
         client = self._settings.librdkafka_config()
-        for key in ("partition.assignment.strategy", "session.timeout.ms"):
-            if key in client:
-                own[key] = client.pop(key)
+        if "session.timeout.ms" in client:
+            own["session.timeout.ms"] = client.pop("session.timeout.ms")
         return {**client, **own}
 
     async def start(self) -> None:

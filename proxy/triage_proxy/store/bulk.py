@@ -11,8 +11,9 @@ routine, never two copies). The steps are:
     replay_matching  page by page (oldest first, `BULK_CHUNK` items): re-read the page's
                      items in full with consistent reads (`DeadLetterTable.get_many`: the
                      index is eventually consistent and holds no payloads), then the one
-                     replay routine (`replay.Replayer.replay_chunk`: claim -> produce ->
-                     confirm -> mark, its in-doubt rules unchanged)
+                     replay routine (`replay.replay`, chunk by chunk through
+                     `Replayer.replay_chunk`: claim -> produce -> confirm -> mark, its
+                     in-doubt rules unchanged)
     discard_matching page by page, a conditional discard per item (pending and not
                      claimed by a live replay, `DeadLetterTable.discard`)
 
@@ -28,9 +29,11 @@ longer pending), so a count is a promise of at most, never of exactly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from triage_proxy.store.items import STATUS_PENDING, DeadLetterKey, item_key
 from triage_proxy.store.pages import MAX_PAGE_SIZE, select
@@ -40,8 +43,8 @@ from triage_proxy.store.replay import (
     DEFAULT_FLUSH_TIMEOUT_S,
     Outcome,
     Producer,
-    Replayer,
     ReplayResult,
+    replay,
 )
 
 Progress = Callable[[int, int], None]
@@ -139,18 +142,14 @@ def replay_matching(
     first (with --topic and --partition: in offset order); stale claims of dead runs are
     taken over, as `replay.replay` does. Raises DeadLetterUnavailable if the table stops
     answering (the chunk in hand is settled first)."""
-    replayer = Replayer(
-        table,
-        producer,
-        replay_id,
-        to_topic=to_topic,
-        lease_s=lease_s,
-        flush_timeout_s=flush_timeout_s,
-        now_ms=table.now_ms,
-    )
-    result = ReplayResult()
-    selected = done = 0
-    batch: list[DeadLetterKey] = []
+    done = 0
+
+    def settled(keys: list[DeadLetterKey]) -> None:
+        nonlocal done
+        done += len(keys)
+        if progress is not None and len(keys) == chunk:  # the last, short one: below
+            progress(done, max(done, expected or 0))
+
     listed = select(
         table,
         pending_filters(filters),
@@ -158,38 +157,33 @@ def replay_matching(
         attributes=LIST_ATTRIBUTES,
         newest_first=False,
     )
-    for item in listed:
-        batch.append(item_key(item))
-        if len(batch) < chunk:
-            continue
-        if stop is not None and stop.is_set():
-            result.interrupted = True
-            break
-        selected += len(batch)
-        done += _replay_batch(table, replayer, batch, result)
-        batch = []
-        if progress is not None:
-            progress(done, max(selected, expected or 0))
-    else:
-        if batch and stop is not None and stop.is_set():
-            result.interrupted = True
-        elif batch:
-            selected += len(batch)
-            done += _replay_batch(table, replayer, batch, result)
+    result = replay(
+        table,
+        producer,
+        (item_key(item) for item in listed),
+        replay_id=replay_id,
+        to_topic=to_topic,
+        flush_timeout_s=flush_timeout_s,
+        lease_s=lease_s,
+        chunk=chunk,
+        read=functools.partial(_read_afresh, table),
+        settled=settled,
+        stop=stop,
+    )
     if progress is not None:
-        progress(done, selected if not result.interrupted else max(selected, expected or 0))
+        progress(done, done if not result.interrupted else max(done, expected or 0))
     return result
 
 
-def _replay_batch(
-    table: DeadLetterTable, replayer: Replayer, keys: list[DeadLetterKey], result: ReplayResult
-) -> int:
-    """Replay the items at `keys` read afresh and in full; how many got an outcome."""
-    keys = sorted(keys)  # a partition's items in offset order
+def _read_afresh(
+    table: DeadLetterTable, keys: list[DeadLetterKey], result: ReplayResult
+) -> list[dict[str, Any]]:
+    """The items at `keys`, read afresh and in full, a partition's in offset order; the
+    keys with no item any more are added to `result` as skipped."""
+    keys = sorted(keys)
     items = table.get_many(keys)
     present = {item_key(item) for item in items}
     for key in keys:
         if key not in present:  # deleted meanwhile (TTL)
             result.add(Outcome.SKIPPED, key, "no longer in the table")
-    replayer.replay_chunk(items, result)
-    return len(keys)
+    return items

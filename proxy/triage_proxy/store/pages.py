@@ -66,7 +66,13 @@ from triage_proxy.store.items import (
     parse_source,
     state_key,
 )
-from triage_proxy.store.query import LIST_ATTRIBUTES, DeadLetterTable, Filters, matches
+from triage_proxy.store.query import (
+    LIST_ATTRIBUTES,
+    DeadLetterTable,
+    Filters,
+    filter_clauses,
+    matches,
+)
 
 DEFAULT_PAGE_SIZE = 50
 """Items per page when the caller does not say."""
@@ -420,15 +426,7 @@ def _request(
     elif until is not None:
         values[":until"] = {"S": format_iso_ms(until)}
         condition += " AND #at < :until"
-    clauses = []
-    if filters.topic is not None:
-        names["#t"] = "topic"
-        values[":topic"] = {"S": filters.topic}
-        clauses.append("#t = :topic")
-    if filters.partition is not None:
-        names["#p"] = "partition"
-        values[":partition"] = {"N": str(filters.partition)}
-        clauses.append("#p = :partition")
+    clauses = filter_clauses(filters, ("topic", "partition"), names, values)
     aliases = {f"#a{i}": name for i, name in enumerate(dict.fromkeys(wanted))}
     names.update(aliases)
     kwargs: dict[str, Any] = {

@@ -45,6 +45,13 @@ logger = logging.getLogger(__name__)
 
 KEY_SCHEMA = [("source", "HASH"), ("offset", "RANGE")]
 """(attribute, key type) of the table's primary key; see the package docstring."""
+KEY_SCHEMA_SPEC: list[Any] = [{"AttributeName": a, "KeyType": k} for a, k in KEY_SCHEMA]
+"""The primary key, as CreateTable spells it."""
+KEY_ATTRIBUTES: list[Any] = [
+    {"AttributeName": "source", "AttributeType": "S"},
+    {"AttributeName": "offset", "AttributeType": "N"},
+]
+"""The primary key's attribute types, as CreateTable spells them."""
 PITR_TIMEOUT_S = 120.0
 """How long a new table may refuse point-in-time recovery before giving up."""
 PITR_POLL_S = 2.0
@@ -83,15 +90,8 @@ def create_table(settings: DeadLetterSettings, *, timeout_s: float = 120.0) -> N
             ) as exists:
                 client.create_table(
                     TableName=settings.table,
-                    KeySchema=[
-                        {"AttributeName": "source", "KeyType": "HASH"},
-                        {"AttributeName": "offset", "KeyType": "RANGE"},
-                    ],
-                    AttributeDefinitions=[
-                        {"AttributeName": "source", "AttributeType": "S"},
-                        {"AttributeName": "offset", "AttributeType": "N"},
-                        *STATE_INDEX_ATTRIBUTES,
-                    ],
+                    KeySchema=KEY_SCHEMA_SPEC,
+                    AttributeDefinitions=[*KEY_ATTRIBUTES, *STATE_INDEX_ATTRIBUTES],
                     GlobalSecondaryIndexes=[STATE_INDEX_SPEC],
                     BillingMode="PAY_PER_REQUEST",
                 )

@@ -6,7 +6,8 @@ items and change their status the same way, or a rerun of one after the other wo
 replay twice. So everything they share lives here, with no CLI and no Spark in it:
 
 - `Filters` (frozen) and the pure `matches(item, filters)`: the single definition of
-  "selected"; `parse_time` for `--since/--until` (ISO-8601 or relative like `1h`).
+  "selected"; `filter_clauses`, the one way its topic, partition and status become
+  DynamoDB conditions; `parse_time` for `--since/--until` (ISO-8601 or relative like `1h`).
 - `DeadLetterTable`: one deployment's view of the table (`group`, the Kafka group id its
   proxies commit with): paginated Query/Scan (parallel-scan segments for Spark) that
   yields only that deployment's dead letters, never a checkpoint or lease item
@@ -49,7 +50,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from triage_proxy.config.settings import DeadLetterSettings
 from triage_proxy.errors import DeadLetterUnavailable, NotFoundError
@@ -212,6 +213,41 @@ def matches(item: Mapping[str, Any], filters: Filters, *, group: str) -> bool:
         if filters.until_ms is not None and at >= filters.until_ms:
             return False
     return True
+
+
+FilterField = Literal["topic", "partition", "status"]
+"""A `Filters` field that is an attribute of the same name compared for equality."""
+_CLAUSES: Mapping[FilterField, tuple[str, str, str]] = {
+    "topic": ("#t", ":topic", "S"),
+    "partition": ("#p", ":partition", "N"),
+    "status": ("#s", ":status", "S"),
+}
+"""Per field: its attribute-name alias, its value placeholder and its DynamoDB type."""
+
+
+def filter_clauses(
+    filters: Filters,
+    fields: Sequence[FilterField],
+    names: dict[str, str],
+    values: dict[str, Any],
+) -> list[str]:
+    """The DynamoDB conditions `attribute = value` for each of `fields` that `filters`
+    sets, in `fields` order, to be joined with AND (a key condition or a filter
+    expression); their aliases and values are added to `names` and `values`.
+
+    The one place a Query or Scan request (`DeadLetterTable.request`, `pages.py`) turns
+    these fields into a condition; what DynamoDB does not filter, `matches` does.
+    """
+    clauses = []
+    for name in fields:
+        value = getattr(filters, name)
+        if value is None:
+            continue
+        alias, placeholder, kind = _CLAUSES[name]
+        names[alias] = name
+        values[placeholder] = {kind: str(value)}
+        clauses.append(f"{alias} = {placeholder}")
+    return clauses
 
 
 def parse_time(text: str, now_ms: int) -> int:
@@ -404,27 +440,14 @@ class DeadLetterTable:
             else:
                 condition = "#src = :src AND #o >= :zero"
             kwargs["KeyConditionExpression"] = condition
-            if filters.status is not None:
-                names["#s"] = "status"
-                values[":status"] = {"S": filters.status}
-                kwargs["FilterExpression"] = "#s = :status"
+            if clauses := filter_clauses(filters, ("status",), names, values):
+                kwargs["FilterExpression"] = " AND ".join(clauses)
             operation = "Query"
         else:
             clauses = ["#o >= :zero", "#g = :group"]
             names["#g"] = "group"
             values[":group"] = {"S": self.group}
-            if filters.topic is not None:
-                names["#t"] = "topic"
-                values[":topic"] = {"S": filters.topic}
-                clauses.append("#t = :topic")
-            if filters.partition is not None:
-                names["#p"] = "partition"
-                values[":partition"] = {"N": str(filters.partition)}
-                clauses.append("#p = :partition")
-            if filters.status is not None:
-                names["#s"] = "status"
-                values[":status"] = {"S": filters.status}
-                clauses.append("#s = :status")
+            clauses += filter_clauses(filters, ("topic", "partition", "status"), names, values)
             kwargs["FilterExpression"] = " AND ".join(clauses)
             if total_segments is not None:
                 kwargs["Segment"] = segment or 0

@@ -437,10 +437,15 @@ class Replayer:
         return outcomes
 
 
+def _as_scanned(chunk: list[Any], result: ReplayResult) -> list[Any]:
+    """`replay`'s default `read`: the items are scanned items already."""
+    return chunk
+
+
 def replay(
     table: DeadLetterTable,
     producer: Producer,
-    items: Iterable[Mapping[str, Any]],
+    items: Iterable[T],
     *,
     replay_id: str,
     to_topic: str | None = None,
@@ -448,11 +453,20 @@ def replay(
     flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S,
     lease_s: float = DEFAULT_CLAIM_LEASE_S,
     stop: threading.Event | None = None,
+    read: Callable[[list[T], ReplayResult], Sequence[Mapping[str, Any]]] = _as_scanned,
+    settled: Callable[[list[T]], None] | None = None,
 ) -> ReplayResult:
     """Replay `items` (e.g. from `table.scan(..., consistent=True)`) chunk by chunk, one
-    chunk at a time in this thread (`triage dlq replay`); stale claims of dead runs are
-    taken over. `stop` is checked between chunks. Raises DeadLetterUnavailable if the
-    table stops answering (the chunk in hand is settled first)."""
+    chunk at a time in this thread (`triage dlq replay` through `bulk.replay_matching`,
+    the console); stale claims of dead runs are taken over. `stop` is checked between
+    chunks. Raises DeadLetterUnavailable if the table stops answering (the chunk in hand
+    is settled first).
+
+    `read(chunk, result)` turns a chunk of `items` into the scanned items to replay (by
+    default they are those): `bulk.replay_matching` hands keys and reads them afresh,
+    adding to `result` what it no longer finds. `settled(chunk)` is called after each
+    chunk is settled.
+    """
     replayer = Replayer(
         table,
         producer,
@@ -471,7 +485,9 @@ def replay(
         batch = list(itertools.islice(iterator, chunk))
         if not batch:
             return result
-        replayer.replay_chunk(batch, result)
+        replayer.replay_chunk(read(batch, result), result)
+        if settled is not None:
+            settled(batch)
 
 
 def _wall_ms() -> int:
