@@ -11,7 +11,7 @@ import pytest
 from tests.unit import virtual_time
 from triage_client import Message
 from triage_client.pool import SETTLE_DELAY_S, HandlerPool
-from triage_client.stream import LOWERED_GRACE_S, SETTLE_TICKS, PartitionStream, StreamContext
+from triage_client.stream import SETTLE_TICKS, PartitionStream, StreamContext
 
 
 def stream(
@@ -121,26 +121,6 @@ def test_the_pool_keeps_ticking_while_a_stream_waits_for_company() -> None:
         assert s.account.acks == [7]
         assert pool.outstanding == 1
         await pool.close(clean=True)
-
-    virtual_time.run(body())
-
-
-def test_a_lowering_lets_the_old_credits_arrive_for_lowered_grace_s_of_loop_time() -> None:
-    """Deliveries the proxy decided under credits since lowered may still arrive for
-    LOWERED_GRACE_S; after that the stream allows only its credits (the over-credit warning).
-    Measured on the loop's clock, so a virtual one drives it."""
-
-    async def body() -> None:
-        s = stream(credits=8, held=0, results=0)
-        s._loop = asyncio.get_running_loop()
-        s.grants, s.call, s._allowed = True, cast(Any, object()), 8
-        s.set_credits(3)
-        await asyncio.sleep(LOWERED_GRACE_S - 0.001)
-        s.load()
-        assert s._allowed == 8, "the grace ended early"
-        await asyncio.sleep(0.001)
-        s.load()
-        assert s._allowed == 3, "the grace never ended"
 
     virtual_time.run(body())
 
