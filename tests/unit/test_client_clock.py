@@ -37,7 +37,7 @@ def test_a_running_handler_is_extended_every_third_of_the_deadline_and_an_idle_o
         assert s._extend_due, "the next tick did not extend"
         s._extend_due = False
         s.account.running = 0  # the handler finished
-        await asyncio.sleep(3600)
+        await asyncio.sleep(20 * 0.05)  # twenty ticks (each one a loop turn: not an hour)
         assert not s._extend_due, "extended with no handler running"
         ticker.cancel()
 
