@@ -312,8 +312,14 @@ def test_full_window_pauses_fetching_and_stays_bounded(
     async def scenario() -> None:
         async with Proxy(settings, 0) as proxy, RawConsumer(target(proxy), credits=20) as c:
             await c.receive(20)
+            # Paused, the fetcher waits for room in the window: only settlements make it.
             assert await await_until(lambda: proxy.snapshot().fetch_paused)
-            await asyncio.sleep(0.5)
+            # A Settle of an offset never held is answered Rejected on this stream after any
+            # delivery the proxy could send now: none may come before it (20 credits held).
+            c.settle(acks=[10**9])
+            async with asyncio.timeout(15):
+                while 10**9 not in c.rejected:
+                    await c.read()
             assert proxy.snapshot().in_window == 50
             assert proxy.snapshot().counters["fetched"] == 50
             assert len(c.deliveries) == 20  # credits respected while the window is full
