@@ -45,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 from collections.abc import Callable, Iterable
 from contextlib import suppress
 from dataclasses import dataclass
@@ -198,7 +197,7 @@ class PartitionStream:
         self.ack_ranges = False
         """This stream's proxy understands Settle.ack_ranges (its Welcome said so)."""
         self._lowered_from = 0  # credits before a lowering in this rebalance period
-        self._lowered_at = -float("inf")  # time.monotonic() of the last lowering
+        self._lowered_at = -float("inf")  # the loop's time() at the last lowering
         self._allowed = 0  # most the stream may hold: credits, or higher ones just lowered
         self._peak = 0  # most held at once since the last rebalance
         self._grant_due = False  # the writer sends a Grant with `credits`
@@ -685,7 +684,7 @@ class PartitionStream:
             adjustable=connected and self.grants and not self._ctx.stopping.is_set(),
         )
         self._peak = held
-        if time.monotonic() - self._lowered_at >= LOWERED_GRACE_S:
+        if self._now() - self._lowered_at >= LOWERED_GRACE_S:
             # No lowering for LOWERED_GRACE_S: what was on its way under the old credits has
             # arrived, so from now on the proxy sends only while the stream holds fewer.
             self._allowed = self.credits
@@ -704,6 +703,12 @@ class PartitionStream:
             return 0  # its next Hello asks the Consumer for credits again
         return max(self.credits, self._held, self._lowered_from)
 
+    def _now(self) -> float:
+        """The event loop's clock: the one every timer of the client reads (so a test's
+        loop with a virtual clock drives it all). Called on the loop thread."""
+        loop = self._loop or asyncio.get_running_loop()
+        return loop.time()
+
     def set_credits(self, credits: int) -> None:
         """The Consumer's new split gives this stream `credits`: the writer sends a Grant.
         Only for a stream whose proxy honours Grant (`grants`)."""
@@ -711,7 +716,7 @@ class PartitionStream:
             return
         if credits < self.credits:
             self._lowered_from = max(self._lowered_from, self.credits)
-            self._lowered_at = time.monotonic()
+            self._lowered_at = self._now()
         else:
             self._allowed = max(self._allowed, credits)
         self.credits = credits

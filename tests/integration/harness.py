@@ -181,6 +181,10 @@ async def await_until(predicate: Any, timeout: float = 15.0) -> Any:
         await asyncio.sleep(0.02)
 
 
+PROBE_OFFSET = 10**9
+"""An offset no test holds: `RawConsumer.sync` settles it to learn the proxy has read up to it."""
+
+
 class RawConsumer:
     """One Consume stream driven by hand."""
 
@@ -314,6 +318,17 @@ class RawConsumer:
             )
         )
         self._outgoing.put_nowait(frame)
+
+    async def sync(self, timeout: float = 15.0) -> None:
+        """Until the proxy has read every frame written so far: a Settle of an offset never
+        held is answered Rejected on this stream, after what the frames before it caused
+        (the dispatcher hands out deliveries before the answer is queued). It counts as one
+        rejected settlement."""
+        self.settle(acks=[PROBE_OFFSET])
+        async with asyncio.timeout(timeout):
+            seen = self.rejected.count(PROBE_OFFSET)
+            while self.rejected.count(PROBE_OFFSET) == seen:
+                await self.read()
 
     def start(self, offset: int) -> None:
         """A Started frame for an isolated delivery (the proxy answers with one)."""

@@ -9,6 +9,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -110,10 +111,20 @@ def test_sigterm_drains_in_flight_work_commits_and_exits_0(
     path = _config(tmp_path, broker, aws, topic)
     port = int(path.read_text().split("port = ")[1].split()[0])
     proc = subprocess.Popen(
-        [*TRIAGE, "proxy", "--config", str(path), "--partition", "0"],
+        [*TRIAGE, "proxy", "--verbose", "--config", str(path), "--partition", "0"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
+    draining = threading.Event()
+
+    def read_stderr() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if b"fetcher stopped" in line:  # DEBUG: the drain's first step is done
+                draining.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
     try:
         wait_for_port("127.0.0.1", port, 30, proc)  # type: ignore[arg-type]
 
@@ -121,7 +132,15 @@ def test_sigterm_drains_in_flight_work_commits_and_exits_0(
             async with RawConsumer(f"127.0.0.1:{port}", credits=6) as consumer:
                 got = await consumer.receive(6)
                 proc.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.5)
+                # Fetching has stopped, and the stream stays open for the work in flight: a
+                # probe Settle (an offset never held) is still answered, not the stream ended.
+                assert await asyncio.to_thread(draining.wait, 30), "no drain logged"
+                consumer.settle(acks=[10**9])
+                try:
+                    frame = await asyncio.wait_for(consumer.read(), 15)
+                except EOFError:
+                    pytest.fail("the proxy ended the stream while work was in flight")
+                assert list(frame.rejected.offsets) == [10**9]
                 assert proc.poll() is None  # still draining: work is in flight
                 consumer.settle(acks=[d.offset for d in got])
                 for _ in range(100):
@@ -136,6 +155,7 @@ def test_sigterm_drains_in_flight_work_commits_and_exits_0(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        reader.join(10)
         if proc.stderr:
             proc.stderr.close()
 

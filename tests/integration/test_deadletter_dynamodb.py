@@ -56,6 +56,12 @@ def run(coro: Coroutine[Any, Any, None], timeout: float = 30.0) -> None:
 eventually = functools.partial(waiting.eventually, poll_s=0.02)
 
 
+async def several_failures(writer: DeadLetterWriter, count: int = 3) -> None:
+    """Until the writer has failed `count` writes (retries included): what it shows after
+    them (nothing written, everything pending, one warning) holds through retries."""
+    await eventually(lambda: writer._failed_writes >= count, within=20)
+
+
 def raw_client(endpoint_url: str) -> Any:
     return boto3.session.Session().client(
         "dynamodb",
@@ -259,7 +265,7 @@ def test_writer_holds_everything_while_the_endpoint_is_down(
             async with DeadLetterWriter(store, settings, written.append) as writer:
                 for i in range(40):
                     writer.submit(make_dl(i))
-                await asyncio.sleep(1.5)
+                await several_failures(writer)
                 assert writer.degraded
                 assert writer.pending == 40
                 assert not await writer.flush(0.3)
@@ -288,7 +294,7 @@ def test_killed_endpoint_reports_nothing_written(unique_name: str) -> None:
                 async with DeadLetterWriter(store, settings, written.append) as writer:
                     for i in range(1, 30):
                         writer.submit(make_dl(i))
-                    await asyncio.sleep(1.0)
+                    await several_failures(writer)
                     assert writer.pending == 29
                     assert not await writer.flush(0.2)
 
@@ -316,7 +322,7 @@ def test_writer_recovers_when_a_frozen_endpoint_thaws(
                         for dl in dls:
                             writer.submit(dl)
                         await eventually(lambda: writer.degraded)
-                        await asyncio.sleep(1.5)
+                        await several_failures(writer)
                         assert written == []
                         assert writer.pending == len(dls)
                     finally:

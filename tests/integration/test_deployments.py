@@ -17,7 +17,7 @@ from typing import Any
 
 import boto3
 import pytest
-from confluent_kafka import Consumer
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 from typer.testing import CliRunner
 
 from tests import samples
@@ -91,7 +91,14 @@ def listed(config: Path, *args: str) -> dict[int, dict[str, Any]]:
     return {d["offset"]: d for d in json_lines(out.stdout)}
 
 
-def consume_all(bootstrap: str, topic: str, expected: int) -> list[Any]:
+SENTINEL = b"end-of-replays"
+
+
+def consume_all(bootstrap: str, topic: str) -> list[Any]:
+    """Every record the replays wrote to `topic` (they have returned, their producer
+    flushed): a sentinel produced now to each partition comes after all of them, so reading
+    up to the sentinels counts a second replay of anything, without waiting to see whether
+    more arrives."""
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -99,21 +106,28 @@ def consume_all(bootstrap: str, topic: str, expected: int) -> list[Any]:
             "auto.offset.reset": "earliest",
         }
     )
-    consumer.subscribe([topic])
-    got: list[Any] = []
-    deadline = time.monotonic() + 30
     try:
-        while len(got) < expected and time.monotonic() < deadline:
+        partitions = list(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
+        producer = Producer({"bootstrap.servers": bootstrap})
+        for p in partitions:
+            producer.produce(topic, SENTINEL, partition=p)
+        assert producer.flush(30) == 0, "the sentinels were not written"
+        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+        got: list[Any] = []
+        ended: set[int] = set()
+        deadline = time.monotonic() + 30
+        while len(ended) < len(partitions):
+            assert time.monotonic() < deadline, f"sentinels read: {sorted(ended)} of {partitions}"
             msg = consumer.poll(0.5)
-            if msg is not None and msg.error() is None:
+            if msg is None or msg.error() is not None:
+                continue
+            if msg.value() == SENTINEL:
+                ended.add(msg.partition())
+            else:
                 got.append(msg)
-        time.sleep(0.5)  # anything beyond `expected` would be a second replay
-        while (msg := consumer.poll(0.5)) is not None:
-            if msg.error() is None:
-                got.append(msg)
+        return got
     finally:
         consumer.close()
-    return got
 
 
 def replay_of(msg: Any) -> str:
@@ -193,7 +207,7 @@ def test_two_deployments_share_a_topic_and_a_table_without_touching_each_other(
     out = triage("dlq", "replay", "-c", shipping_config, "--all", "--to-topic", target_topic)
     assert out.exit_code == 0, out.output
     assert "replayed 2" in out.stdout
-    copies = consume_all(broker.bootstrap, target_topic, expected=3)
+    copies = consume_all(broker.bootstrap, target_topic)
     assert sorted(replay_of(m) for m in copies) == [f"{topic}/0/2", f"{topic}/0/2", f"{topic}/0/3"]
     assert sorted(m.value() for m in copies) == [b"v2", b"v2", b"v3"]
     assert {o: d["status"] for o, d in listed(shipping_config).items()} == {
@@ -344,7 +358,7 @@ def test_legacy_dead_letters_are_migrated_then_listed_and_replayed(
     out = triage("dlq", "replay", "-c", config, "--all", "--to-topic", f"{topic}-fixed")
     assert out.exit_code == 0, out.output
     assert "replayed 3" in out.stdout
-    copies = consume_all(broker.bootstrap, f"{topic}-fixed", expected=3)
+    copies = consume_all(broker.bootstrap, f"{topic}-fixed")
     assert sorted(replay_of(m) for m in copies) == [f"{topic}/0/{o}" for o in (0, 3, 5)]
     assert [m.value() for m in copies if replay_of(m).endswith("/5")] == [big.record.value]
     dynamodb.close()

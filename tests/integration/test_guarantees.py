@@ -211,7 +211,7 @@ def test_kill_9_loses_nothing_and_settled_offsets_are_not_redelivered(
             while not c.deliveries or c.deliveries[-1].offset != 20:
                 await c.receive(1)
             c.settle(acks=[d.offset for d in c.deliveries])
-            await asyncio.sleep(0.5)  # let the settlement reach the proxy before we vanish
+            await c.sync()  # the proxy has read the settlement before we vanish
             return [d.offset for d in c.deliveries]
 
     proc = _proxy_process(config)

@@ -128,7 +128,8 @@ def test_status_names_the_instances_and_the_oldest_unsettled_age(
             await consumer.receive(3)
             consumer.settle(acks=[1])
             assert await await_until(lambda: high_watermark(proxy) == 3)
-            await asyncio.sleep(0.3)
+            assert await await_until(lambda: proxy.snapshot().counters["acked"] == 1)
+            await asyncio.sleep(0.3)  # the age the status must show, at least
             doc = await status_of(proxy.http_port)
             assert doc["topic"] == topic
             assert doc["partition"] == 0

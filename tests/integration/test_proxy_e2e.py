@@ -39,10 +39,12 @@ def test_out_of_order_acks_commit_only_the_contiguous_prefix(
         async with Proxy(settings, 0) as proxy, RawConsumer(target(proxy)) as consumer:
             got = await consumer.receive(5)
             assert [d.offset for d in got] == [0, 1, 2, 3, 4]
+            commits = proxy.snapshot().counters["commits"]
             consumer.settle(acks=[1, 2, 4])
-            await asyncio.sleep(0.5)  # several commit intervals
-            # Offset 0 may be committed (carrying the settled-above encoding), never past it.
-            assert committed(broker.bootstrap, settings.kafka.group_id, topic) <= 0
+            # The settled-above encoding changes, so the committer commits offset 0 with it:
+            # a commit that has seen these acks, and must not pass the unsettled 0.
+            assert await await_until(lambda: proxy.snapshot().counters["commits"] > commits)
+            assert committed(broker.bootstrap, settings.kafka.group_id, topic) == 0
             consumer.settle(acks=[0])
             assert await await_until(
                 lambda: committed(broker.bootstrap, settings.kafka.group_id, topic) == 3
@@ -86,7 +88,7 @@ def test_instance_that_disconnects_mid_batch_has_its_messages_redelivered(
             async with first:
                 await first.receive(10)
                 first.settle(acks=[0, 1, 2])
-                await asyncio.sleep(0.2)
+                await first.sync()  # the proxy has read the acks before `first` vanishes
             # `first` vanished holding 3..9: seven at once prove nothing about any one of
             # them, so they come back as suspects without using an attempt.
             async with RawConsumer(target(proxy)) as second:
@@ -310,8 +312,11 @@ def test_full_window_pauses_fetching_and_stays_bounded(
     async def scenario() -> None:
         async with Proxy(settings, 0) as proxy, RawConsumer(target(proxy), credits=20) as c:
             await c.receive(20)
+            # Paused, the fetcher waits for room in the window: only settlements make it.
             assert await await_until(lambda: proxy.snapshot().fetch_paused)
-            await asyncio.sleep(0.5)
+            # Any delivery the proxy could send now comes before the answer to this probe:
+            # none may (20 credits, 20 held).
+            await c.sync()
             assert proxy.snapshot().in_window == 50
             assert proxy.snapshot().counters["fetched"] == 50
             assert len(c.deliveries) == 20  # credits respected while the window is full
@@ -337,9 +342,12 @@ def test_nack_is_in_dynamodb_before_the_commit_passes_it(
                 await consumer.receive(4)
                 os.kill(aws.pid, signal.SIGSTOP)  # DynamoDB stops answering
                 try:
+                    commits = proxy.snapshot().counters["commits"]
                     consumer.settle(acks=[1, 2, 3], nacks=[(0, "ValueError: bad")])
-                    await asyncio.sleep(1.5)
-                    assert committed(broker.bootstrap, group, topic) <= 0
+                    # A commit that has seen the settlements (offset 0 with the encoding of
+                    # 1..3 settled above it) while the dead letter of 0 cannot be written:
+                    assert await await_until(lambda: proxy.snapshot().counters["commits"] > commits)
+                    assert committed(broker.bootstrap, group, topic) == 0
                     assert proxy.snapshot().in_window == 1
                 finally:
                     os.kill(aws.pid, signal.SIGCONT)

@@ -195,12 +195,17 @@ def test_a_receiver_that_is_down_then_back_dead_letters_nothing(
 
     async def scenario() -> None:
         url = f"http://127.0.0.1:{port}/"
-        settings = settings_for(broker, aws, topic, push=push_target(url))
+        # Two attempts: were a refused request to use one, the third would dead-letter.
+        delivery = {"max_attempts": 2}
+        settings = settings_for(broker, aws, topic, push=push_target(url), delivery=delivery)
         async with Proxy(settings, 0) as proxy:
             assert await await_until(lambda: proxy.status().push[0].state != "ok", 15)
             assert proxy.status().push[0].state.startswith("outage")
-            await asyncio.sleep(1.0)  # a few pauses; nothing may use an attempt
-            assert proxy.snapshot().counters["dead_lettered"] == 0
+            # Two more refused requests, each after a pause: nothing may use an attempt.
+            refused = proxy.status().push[0].errors
+            assert await await_until(lambda: proxy.status().push[0].errors >= refused + 2, 30)
+            counters = proxy.snapshot().counters
+            assert (counters["dead_lettered"], counters["retried"]) == (0, 0)
             async with receiver(handle, port):
                 group = settings.kafka.group_id
                 assert await await_until(

@@ -307,7 +307,8 @@ def test_sighup_revokes_one_app_and_leaves_the_others_alone(
             # A broken file keeps the tokens as they are.
             proxy_process.config.write_text("[auth\n")
             proxy_process.hangup()
-            await asyncio.sleep(1.0)
+            log = tmp_path / "proxy.log"  # the reload was tried, and failed, once it says so
+            assert await await_until(lambda: "token reload failed" in log.read_text(), 30)
             async with RawConsumer(where, token=ALPHA, hello=False) as still_revoked:
                 assert await _refused(still_revoked) == grpc.StatusCode.UNAUTHENTICATED
             async with RawConsumer(where, token=BETA) as still_fine:

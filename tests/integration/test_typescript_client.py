@@ -490,7 +490,10 @@ def test_a_handler_that_never_settles_is_extended_then_redelivered_after_a_kill(
             first = await NodeProcess.start(str(ADAPTER), env=adapter_env(target(proxy)))
             nodes.append(first)
             assert await await_until(lambda: len(first.started(0)) == 1, timeout=30)
-            await asyncio.sleep(3.5)  # three and a half ack deadlines
+            # Three and a half ack deadlines of Extends (one every third of the deadline):
+            # a lease that lapsed meanwhile is counted expired and its record redelivered.
+            assert await await_until(lambda: proxy.snapshot().counters["extended"] >= 11, 60)
+            assert proxy.snapshot().counters["expired"] == 0
             held = [e["attempt"] for e in first.started(0)]
             first.proc.send_signal(signal.SIGKILL)
             await first.proc.wait()

@@ -8,8 +8,9 @@ from typing import Any, cast
 
 import pytest
 
+from tests.unit import virtual_time
 from triage_client import Message
-from triage_client.pool import HandlerPool
+from triage_client.pool import SETTLE_DELAY_S, HandlerPool
 from triage_client.stream import SETTLE_TICKS, PartitionStream, StreamContext
 
 
@@ -98,7 +99,9 @@ def test_the_count_of_ticks_waited_starts_again_after_a_flush() -> None:
 
 def test_the_pool_keeps_ticking_while_a_stream_waits_for_company() -> None:
     """A result arrives while another handler runs on, and no other result follows: the tick
-    must come back until the stream sends it, or it would wait for that handler."""
+    must come back until the stream sends it, or it would wait for that handler. On a loop
+    whose clock jumps (the client reads only the loop's clock), so the instants are exact:
+    not sent half a tick before the SETTLE_TICKS-th tick, sent half a tick after it."""
 
     async def body() -> None:
         loop = asyncio.get_running_loop()
@@ -110,15 +113,16 @@ def test_the_pool_keeps_ticking_while_a_stream_waits_for_company() -> None:
         pool.ledger.vacate(s.account, s.account.running, 1000)  # offset 7 finished
         pool._results.append((s.account, s.account.epoch, 7, None))  # another runs on
         pool._collect()
-        deadline = loop.time() + 10
-        while not s._flush_wanted.is_set():
-            assert loop.time() < deadline, "the waiting result was never sent"
-            await asyncio.sleep(0.001)
+        await asyncio.sleep((SETTLE_TICKS - 0.5) * SETTLE_DELAY_S)
+        assert not s._flush_wanted.is_set(), "sent before it waited SETTLE_TICKS ticks"
+        assert pool._tick is not None, "the pool stopped ticking for the waiting result"
+        await asyncio.sleep(SETTLE_DELAY_S)
+        assert s._flush_wanted.is_set(), "the waiting result was never sent"
         assert s.account.acks == [7]
         assert pool.outstanding == 1
         await pool.close(clean=True)
 
-    asyncio.run(body())
+    virtual_time.run(body())
 
 
 @pytest.mark.parametrize("batches", [1, 2, 3])

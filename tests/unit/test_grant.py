@@ -20,8 +20,8 @@ from triage_proxy.store.deadletter_store import MemoryStore
 from triage_proxy.store.leases import MemoryLeases
 
 TOKEN = "grant-unit-token-0123456"
-QUIET_S = 0.3
-"""How long a stream must stay quiet to show the proxy sends nothing more."""
+PROBE = 10**9
+"""An offset no stream holds: a Settle of it comes back Rejected (see `Stream.quiet`)."""
 
 
 def make_settings() -> Settings:
@@ -82,9 +82,21 @@ class Stream:
             self.held.extend(d.offset for d in frame.deliveries.deliveries)
 
     async def quiet(self) -> bool:
-        """Nothing more arrives for QUIET_S."""
-        await asyncio.sleep(QUIET_S)
-        return self.frames.empty()
+        """The proxy sent nothing since the last frame read, and sends nothing now.
+
+        Not a wait of some fixed time: a Settle of an offset the stream never held is
+        answered Rejected on the same stream, and the proxy hands out deliveries inside the
+        call that changed credits or settlements (the dispatcher pumps before it returns;
+        the Rejected is queued after that). So every delivery that the frames written so
+        far (this probe included) let it send is queued before the answer: the answer
+        coming first proves there is none."""
+        await self.write(settle=pb.Settle(acks=[PROBE]))
+        frame = await self.next()
+        assert frame is not None, "the stream ended"
+        if frame.WhichOneof("frame") != "rejected":
+            return False
+        assert list(frame.rejected.offsets) == [PROBE]
+        return True
 
 
 def scenario(body: Any, records: int = 50) -> None:

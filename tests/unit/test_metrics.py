@@ -12,6 +12,7 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from tests.waiting import eventually
 from triage_proxy.app import Proxy
 from triage_proxy.config.settings import Settings, settings_from_dict
 from triage_proxy.errors import BrokerUnavailable, ConfigError
@@ -192,12 +193,15 @@ def test_log_end_watcher_stops_when_closing_is_set() -> None:
     async def scenario() -> None:
         closing = asyncio.Event()
         thread = KafkaThread()
-        watcher = LogEndWatcher(MemoryPartition(), thread, CommitTracker(0), closing)
+        watcher = LogEndWatcher(
+            MemoryPartition(), thread, CommitTracker(0), closing, interval_s=3600
+        )
         try:
             task = asyncio.create_task(watcher.run())
-            await asyncio.sleep(0.05)
+            await eventually(lambda: watcher.checked_at is not None)  # it polled: now it waits
+            assert not task.done()
             closing.set()
-            await asyncio.wait_for(task, 2)
+            await asyncio.wait_for(task, 10)  # its next poll is an hour away
             assert watcher.high == 0
         finally:
             thread.shutdown()

@@ -134,13 +134,17 @@ def test_a_fence_that_does_not_answer_never_costs_the_lease() -> None:
         import threading
 
         release = threading.Event()
-        holder = Ownership(MemoryLeases(), LEASE, fence=lambda: release.wait(10) and None)
+        store = MemoryLeases()
+        holder = Ownership(store, LEASE, fence=lambda: release.wait(10) and None)
         try:
             assert await asyncio.wait_for(holder.acquire(asyncio.Event()), timeout=2)
             lost: list[bool] = []
             closing = asyncio.Event()
             keeping = asyncio.ensure_future(holder.keep(closing, lambda: lost.append(True)))
-            await asyncio.sleep(1.5)  # three lease lengths: only renewals keep it
+            # Three lease lengths of renewals (a lost lease renews no more: this fails then).
+            renewals = round(3 * LEASE.lease_s / LEASE.renew_interval_s)
+            calls = store.calls
+            await eventually(lambda: store.calls >= calls + renewals, within=15)
             assert holder.holding
             assert not lost
             closing.set()
