@@ -30,6 +30,7 @@ partition, a bounded scan on a table not indexed yet) with its opaque, checked c
 counts by reason stop at the store's cap and say so; bulk work walks `pages.select`
 oldest first and reads each chunk again in full with consistent reads before replaying.
 """
+
 from __future__ import annotations
 
 import itertools
