@@ -33,6 +33,7 @@ oldest first and reads each chunk again in full with consistent reads before rep
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import threading
@@ -112,29 +113,28 @@ class BulkResult:
     replay_id: str | None = None
     interrupted: bool = False
 
-    def tally_replay(self, result: ReplayResult) -> None:
-        """Take the counts (and the first failures) of `result`, a replay so far."""
-        self.replayed = len(result.replayed)
-        self.skipped = len(result.skipped)
-        self.failed = len(result.failed)
-        self.in_doubt = len(result.in_doubt)
+    def tally(self, outcomes: ReplayResult | DiscardResult) -> None:
+        """Take the counts (and the first failures) of a bulk routine's result so far."""
+        from triage_proxy.store.bulk import DiscardResult
+
+        self.skipped = len(outcomes.skipped)
+        self.interrupted = outcomes.interrupted
+        if isinstance(outcomes, DiscardResult):
+            self.discarded = len(outcomes.discarded)
+            self.done = self.discarded + self.skipped
+            return
+        self.replayed = len(outcomes.replayed)
+        self.failed = len(outcomes.failed)
+        self.in_doubt = len(outcomes.in_doubt)
         self.done = self.replayed + self.skipped + self.failed + self.in_doubt
-        self.interrupted = result.interrupted
         noted = itertools.chain(
-            (("failed", key, why) for key, why in result.failed),
-            (("in doubt", key, why) for key, why in result.in_doubt),
+            (("failed", key, why) for key, why in outcomes.failed),
+            (("in doubt", key, why) for key, why in outcomes.in_doubt),
         )
         self.failures = [
             {"id": key_text(key), "outcome": outcome, "why": why}
             for outcome, key, why in itertools.islice(noted, FAILURES_SHOWN)
         ]
-
-    def tally_discard(self, result: DiscardResult) -> None:
-        """Take the counts of `result`, a discard so far."""
-        self.discarded = len(result.discarded)
-        self.skipped = len(result.skipped)
-        self.done = self.discarded + self.skipped
-        self.interrupted = result.interrupted
 
 
 def blob(data: bytes | None) -> dict[str, Any]:
@@ -327,44 +327,30 @@ class DeadLetters:
         progress(result)
         if not result.selected:
             return result
+        run: Callable[..., object]
+        outcomes: ReplayResult | DiscardResult
         if action == "discard":
-            discarding = DiscardResult()
-
-            def discard_step(done: int, total: int) -> None:
-                result.tally_discard(discarding)
-                progress(result)
-
-            discard_matching(
+            outcomes = DiscardResult()
+            run = functools.partial(discard_matching, self.table, filters, result=outcomes)
+        else:
+            producer = self._producer(self.settings.kafka.topic)
+            result.replay_id = new_replay_id()
+            outcomes = ReplayResult()
+            run = functools.partial(
+                replay_matching,
                 self.table,
+                producer,
                 filters,
-                progress=discard_step,
-                stop=stop,
-                expected=result.selected,
-                hold=self._changing,
-                result=discarding,
+                replay_id=result.replay_id,
+                result=outcomes,
             )
-            result.tally_discard(discarding)
-            return result
-        producer = self._producer(self.settings.kafka.topic)
-        result.replay_id = new_replay_id()
-        replaying = ReplayResult()
 
-        def replay_step(done: int, total: int) -> None:
-            result.tally_replay(replaying)
+        def step(done: int, total: int) -> None:
+            result.tally(outcomes)
             progress(result)
 
-        replay_matching(
-            self.table,
-            producer,
-            filters,
-            replay_id=result.replay_id,
-            progress=replay_step,
-            stop=stop,
-            expected=result.selected,
-            hold=self._changing,
-            result=replaying,
-        )
-        result.tally_replay(replaying)
+        run(progress=step, stop=stop, expected=result.selected, hold=self._changing)
+        result.tally(outcomes)
         return result
 
     def _producer(self, topic: str) -> Any:
