@@ -2,20 +2,27 @@
 
 Everything the console reads or changes in the table goes through `DeadLetters`, and it
 uses only the routines `triage dlq` uses: `store.query` (`DeadLetterTable`, `Filters`,
-`matches`) to select, read and discard, and `store.replay.replay` (claims, in-doubt
-rules, exit states) to replay. Nothing here decides which items a filter selects or how
-a replay is made safe; this module only pages, counts and summarises for the pages.
+`matches`) to select, read and discard one item, `store.replay.replay` (claims, in-doubt
+rules, exit states) to replay one, and `store.bulk` (`count_pending`, `replay_matching`,
+`discard_matching`) for everything a filter selects. Nothing here decides which items a
+filter selects, how a replay is made safe or what counts as skipped; this module only
+pages, counts and summarises for the pages.
 
-Changes (replay, discard) are made one chunk at a time per console process (a lock), so
-two browsers acting on the same items through one console take turns: the second sees the
-first's claims and marks and produces nothing twice. Between processes (a console and
+Changes (replay, discard) are made one at a time per console process (a lock, handed to
+the bulk routines as their `hold`): one item, one chunk of a bulk replay (read afresh,
+claimed, produced and settled), or one item of a bulk discard. So two browsers acting on
+the same items through one console take turns: the second sees the first's claims and
+marks and produces nothing twice, and a single-item action waits for at most one chunk
+of a running bulk job, not for all of it. Between processes (a console and
 `triage dlq`, the Spark job, another console) the claims keep them apart, because
 DynamoDB makes each conditional write atomic. (moto server does not: two claims of one
 item sent at the same instant both succeeded for 39 of 300 items, measured with two
 threads; so a test of two consoles at once against moto could see a double.)
 
-Memory: a page (`page`), a chunk of bulk work (`bulk`, `CHUNK` items) or one item
-(`payload`) at a time; counting (`count`, `reasons`) keeps numbers, not items.
+Memory: a page (`page`), a chunk of bulk work (`store.bulk.BULK_CHUNK` items) or one item
+(`payload`) at a time; counting (`count`, `reasons`) keeps numbers, not items. A running
+bulk job keeps the key of each item it tried (the routines' result, as `triage dlq`
+keeps it); the page sees counts and the first FAILURES_SHOWN failures.
 
 Reading goes through `store.pages` and `store.bulk`, as `triage dlq` reads: a page of
 the list is one `pages.page` (the by-state index when the table has it, a Query on one
@@ -26,12 +33,12 @@ oldest first and reads each chunk again in full with consistent reads before rep
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import itertools
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,14 +46,14 @@ from triage_cli.render import hex_dump, item_summary, render_bytes, safe_text
 
 if TYPE_CHECKING:
     from triage_proxy.config.settings import Settings
+    from triage_proxy.store.bulk import DiscardResult
     from triage_proxy.store.items import DeadLetterKey
     from triage_proxy.store.query import DeadLetterTable, Filters
+    from triage_proxy.store.replay import ReplayResult
 
 PAGE_SIZE = 50
 """Dead letters per page of the list."""
 MAX_PAGE_SIZE = 200
-CHUNK = 100
-"""Dead letters one step of bulk work holds (claimed, produced and marked together)."""
 HEX_LIMIT = 64 * 1024
 """Bytes of a key, value or header the hex view shows (the rest is counted)."""
 TEXT_LIMIT = 1024 * 1024
@@ -106,9 +113,28 @@ class BulkResult:
     replay_id: str | None = None
     interrupted: bool = False
 
-    def note(self, outcome: str, key: DeadLetterKey, why: str) -> None:
-        if len(self.failures) < FAILURES_SHOWN:
-            self.failures.append({"id": key_text(key), "outcome": outcome, "why": why})
+    def tally(self, outcomes: ReplayResult | DiscardResult) -> None:
+        """Take the counts (and the first failures) of a bulk routine's result so far."""
+        from triage_proxy.store.bulk import DiscardResult
+
+        self.skipped = len(outcomes.skipped)
+        self.interrupted = outcomes.interrupted
+        if isinstance(outcomes, DiscardResult):
+            self.discarded = len(outcomes.discarded)
+            self.done = self.discarded + self.skipped
+            return
+        self.replayed = len(outcomes.replayed)
+        self.failed = len(outcomes.failed)
+        self.in_doubt = len(outcomes.in_doubt)
+        self.done = self.replayed + self.skipped + self.failed + self.in_doubt
+        noted = itertools.chain(
+            (("failed", key, why) for key, why in outcomes.failed),
+            (("in doubt", key, why) for key, why in outcomes.in_doubt),
+        )
+        self.failures = [
+            {"id": key_text(key), "outcome": outcome, "why": why}
+            for outcome, key, why in itertools.islice(noted, FAILURES_SHOWN)
+        ]
 
 
 def blob(data: bytes | None) -> dict[str, Any]:
@@ -286,55 +312,45 @@ class DeadLetters:
         progress: Callable[[BulkResult], None] = lambda result: None,
         stop: threading.Event | None = None,
     ) -> BulkResult:
-        """Replay or discard every pending item `filters` selects, CHUNK at a time, with
-        the CLI's routines; `progress` is called after each chunk (and once before)."""
-        from triage_proxy.store.items import item_key
-        from triage_proxy.store.pages import select
-        from triage_proxy.store.replay import new_replay_id, replay
+        """Replay or discard every pending item `filters` selects through the routines
+        `triage dlq replay/discard` use (`store.bulk.replay_matching`, `discard_matching`),
+        so claims, in-doubt rules and outcomes are theirs: an item no longer pending, or no
+        longer in the table, is skipped. `progress` is called once with the count, then
+        whenever the routine reports progress (after each chunk replayed, each item
+        discarded), with the outcomes so far. Nothing is done when the count is 0."""
+        from triage_proxy.store.bulk import DiscardResult, discard_matching, replay_matching
+        from triage_proxy.store.replay import ReplayResult, new_replay_id
 
         if action not in ("replay", "discard"):
             raise ValueError(f"unknown action {action!r} (replay or discard)")
-        pending = _pending(filters)
         result = BulkResult(action=action, selected=self.count(filters))
         progress(result)
-        producer = None
-        if action == "replay":
+        if not result.selected:
+            return result
+        run: Callable[..., object]
+        outcomes: ReplayResult | DiscardResult
+        if action == "discard":
+            outcomes = DiscardResult()
+            run = functools.partial(discard_matching, self.table, filters, result=outcomes)
+        else:
+            producer = self._producer(self.settings.kafka.topic)
             result.replay_id = new_replay_id()
-        listed = select(self.table, pending, limit=CHUNK, newest_first=False)
-        for chunk in _chunks(listed, CHUNK):
-            if stop is not None and stop.is_set():
-                result.interrupted = True
-                break
-            if action == "discard":
-                with self._changing:
-                    for item in chunk:
-                        key = item_key(item)
-                        if self.table.discard(key, item):
-                            result.discarded += 1
-                        else:
-                            result.skipped += 1
-                result.done += len(chunk)
-            else:
-                if producer is None:
-                    producer = self._producer(self.settings.kafka.topic)
-                assert result.replay_id is not None
-                with self._changing:
-                    # A listing holds no payloads, and the index lags: read the chunk
-                    # again in full, consistently (deleted meanwhile: left out).
-                    chunk = self.table.get_many(sorted(item_key(item) for item in chunk))
-                    step = replay(
-                        self.table, producer, chunk, replay_id=result.replay_id, chunk=len(chunk)
-                    )
-                result.replayed += len(step.replayed)
-                result.skipped += len(step.skipped)
-                result.failed += len(step.failed)
-                result.in_doubt += len(step.in_doubt)
-                for key, why in step.failed:
-                    result.note("failed", key, why)
-                for key, why in step.in_doubt:
-                    result.note("in doubt", key, why)
-                result.done += len(chunk)
+            outcomes = ReplayResult()
+            run = functools.partial(
+                replay_matching,
+                self.table,
+                producer,
+                filters,
+                replay_id=result.replay_id,
+                result=outcomes,
+            )
+
+        def step(done: int, total: int) -> None:
+            result.tally(outcomes)
             progress(result)
+
+        run(progress=step, stop=stop, expected=result.selected, hold=self._changing)
+        result.tally(outcomes)
         return result
 
     def _producer(self, topic: str) -> Any:
@@ -356,12 +372,6 @@ class DeadLetters:
         return producer
 
 
-def _pending(filters: Filters) -> Filters:
-    from triage_proxy.store.items import STATUS_PENDING
-
-    return dataclasses.replace(filters, status=STATUS_PENDING)
-
-
 def _summary(item: Mapping[str, Any]) -> dict[str, Any]:
     from triage_proxy.store.items import item_key
 
@@ -377,11 +387,3 @@ def _short_key(item: Mapping[str, Any]) -> str | None:
     if "key" not in item:
         return None
     return short_text(bytes(item["key"]["B"]), 40)
-
-
-def _chunks(items: Iterator[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
-    while True:
-        chunk = list(itertools.islice(items, size))
-        if not chunk:
-            return
-        yield chunk

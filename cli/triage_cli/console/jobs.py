@@ -2,8 +2,9 @@
 
 `Jobs` owns every job's task (a set that `stop()` signals and awaits) and what each
 job reported last (`BulkResult`), which the page polls. A job runs
-`DeadLetters.bulk` in a worker thread; its stop event ends it between chunks (the chunk
-in hand is settled first, as `triage dlq replay` does on Ctrl-C). Finished jobs are
+`DeadLetters.bulk` in a worker thread; its stop event ends it between chunks of a
+replay (the chunk in hand is settled first, as `triage dlq replay` does on Ctrl-C) and
+between items of a discard. Finished jobs are
 kept (the last MAX_KEPT) so a page that reloads still finds its result.
 """
 

@@ -23,11 +23,19 @@ outcome, `total` is what is known so far (the larger of the count handed in as
 (a threading.Event) is checked between pages for replay (the chunk in hand is settled
 first) and between items for discard; the result then says `interrupted`. Items that
 changed between the count and the action are counted where they end (skipped when no
-longer pending), so a count is a promise of at most, never of exactly.
+longer pending, or no longer in the table), so a count is a promise of at most, never of
+exactly.
+
+Two optional arguments serve a caller that runs several actions at once (the console):
+`hold` (e.g. a lock) is held while each chunk is read, claimed, produced and settled
+(replay) or each item is discarded, and released in between, so the caller's other
+changes wait at most that long; `result` is the result to add to (the one returned), so
+`progress` can read the outcomes so far from it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -103,16 +111,20 @@ def discard_matching(
     progress: Progress | None = None,
     stop: threading.Event | None = None,
     expected: int | None = None,
+    hold: contextlib.AbstractContextManager[Any] | None = None,
+    result: DiscardResult | None = None,
 ) -> DiscardResult:
     """Discard every pending dead letter `filters` selects (see the module docstring)."""
-    result = DiscardResult()
+    result = DiscardResult() if result is None else result
     done = 0
     for item in select(table, pending_filters(filters), limit=MAX_PAGE_SIZE):
         if stop is not None and stop.is_set():
             result.interrupted = True
             break
         key = item_key(item)
-        if table.discard(key, item):
+        with hold if hold is not None else contextlib.nullcontext():
+            discarded = table.discard(key, item)
+        if discarded:
             result.discarded.append(key)
         else:
             result.skipped.append((key, "no longer pending, or being replayed"))
@@ -137,6 +149,8 @@ def replay_matching(
     chunk: int = BULK_CHUNK,
     flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S,
     lease_s: float = DEFAULT_CLAIM_LEASE_S,
+    hold: contextlib.AbstractContextManager[Any] | None = None,
+    result: ReplayResult | None = None,
 ) -> ReplayResult:
     """Replay every pending dead letter `filters` selects, a chunk at a time, oldest
     first (with --topic and --partition: in offset order); stale claims of dead runs are
@@ -169,6 +183,8 @@ def replay_matching(
         read=functools.partial(_read_afresh, table),
         settled=settled,
         stop=stop,
+        hold=hold,
+        result=result,
     )
     if progress is not None:
         progress(done, done if not result.interrupted else max(done, expected or 0))

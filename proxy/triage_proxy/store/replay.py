@@ -43,6 +43,7 @@ header lets a consumer drop such a duplicate.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import logging
@@ -455,6 +456,8 @@ def replay(
     stop: threading.Event | None = None,
     read: Callable[[list[T], ReplayResult], Sequence[Mapping[str, Any]]] = _as_scanned,
     settled: Callable[[list[T]], None] | None = None,
+    hold: contextlib.AbstractContextManager[Any] | None = None,
+    result: ReplayResult | None = None,
 ) -> ReplayResult:
     """Replay `items` (e.g. from `table.scan(..., consistent=True)`) chunk by chunk, one
     chunk at a time in this thread (`triage dlq replay` through `bulk.replay_matching`,
@@ -466,6 +469,11 @@ def replay(
     default they are those): `bulk.replay_matching` hands keys and reads them afresh,
     adding to `result` what it no longer finds. `settled(chunk)` is called after each
     chunk is settled.
+
+    `hold` (e.g. a lock) is held while each chunk is read, claimed, produced and settled,
+    and released between chunks (the console serializes its own changes with it).
+    `result` is the result to add to (returned; a new one by default): a caller that
+    reports progress from `settled` reads the outcomes so far from it.
     """
     replayer = Replayer(
         table,
@@ -476,7 +484,7 @@ def replay(
         flush_timeout_s=flush_timeout_s,
         now_ms=table.now_ms,
     )
-    result = ReplayResult()
+    result = ReplayResult() if result is None else result
     iterator = iter(items)
     while True:
         if stop is not None and stop.is_set():
@@ -485,7 +493,8 @@ def replay(
         batch = list(itertools.islice(iterator, chunk))
         if not batch:
             return result
-        replayer.replay_chunk(read(batch, result), result)
+        with hold if hold is not None else contextlib.nullcontext():
+            replayer.replay_chunk(read(batch, result), result)
         if settled is not None:
             settled(batch)
 
