@@ -158,10 +158,13 @@ def first_kill_between(proxy_kills: list[float], since: float, until: float) -> 
 
 
 def expected_budget(behaviour: str, max_attempts: int) -> dict[str, int]:
-    """Redeliveries a behaviour asks for itself, by cause."""
+    """Redeliveries a behaviour asks for itself, by cause. A crash pill: up to
+    `max_attempts` + 1 deliveries in one proxy run (its first crash, before it is a
+    suspect, blames no one: docs/concepts/suspects-and-blame.md), so `max_attempts`
+    redeliveries; one more after a proxy restart or partition move is that event's."""
     return {
         "retry": 1 if behaviour == "retry" else 0,
-        "own crash": max_attempts - 1 if behaviour == "crash" else 0,
+        "own crash": max_attempts if behaviour == "crash" else 0,
         "deadline": 1 if behaviour == "slow" else 0,
     }
 
