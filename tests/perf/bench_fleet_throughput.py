@@ -198,6 +198,11 @@ def main() -> int:
         rows = [
             ("ratios, round by round", ", ".join(f"{r:.2f}" for r in ratios)),
             ("median ratio", f"{ratio:.2f} (target >= {TARGET_RATIO})"),
+            (
+                "rounds at or above 1.0x / 0.9x",
+                f"{sum(r >= 1.0 for r in ratios)} / {sum(r >= 0.9 for r in ratios)} "
+                f"of {len(ratios)}",
+            ),
         ]
     print(table([*rows, ("load average before / after", f"{load} / {after}")]))
     ok = ratio >= TARGET_RATIO
