@@ -108,7 +108,7 @@ class Entry:
         `__init__` sets (a unit test compares every slot)."""
         new = object.__new__
         ready = EntryState.READY
-        out = []
+        out: list[Entry] = []
         append = out.append
         for record in batch:
             entry = new(cls)
