@@ -12,6 +12,7 @@ have settled for a few seconds. Target: ratio <= 2.0.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -24,6 +25,8 @@ from triage_cli.embedded import HOST, free_port_block
 
 PARTITIONS = 16
 TARGET_RATIO = 2.0
+PER_PARTITION_MB = 5.0
+"""Resident memory each partition beyond the first may add (issue 29)."""
 SETTLE_S = 5.0
 
 
@@ -84,11 +87,17 @@ def main() -> int:
             for proc in procs:
                 proc.wait(30)
     ratio = b / a
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(
         table(
             [
+                ("cores, load average", f"{os.cpu_count()}, {load}"),
                 ("RSS, 1 partition (MB)", f"{a:.1f}"),
                 (f"RSS, {PARTITIONS} partitions in one process (MB)", f"{b:.1f}"),
+                (
+                    f"RSS per partition beyond the first (MB; issue 29: <= {PER_PARTITION_MB})",
+                    f"{(b - a) / (PARTITIONS - 1):.2f}",
+                ),
                 ("ratio", f"{ratio:.2f}"),
                 ("target", f"<= {TARGET_RATIO}"),
                 ("met", ratio <= TARGET_RATIO),

@@ -21,7 +21,7 @@ prints their top frames; `--fleet-only` skips the single-partition measurement; 
 repeats the pair N times, alternating which goes first, and judges the median ratio.
 
     .venv/bin/python -m tests.perf.bench_fleet_throughput [--messages N] [--partitions 4]
-        [--profile DIR [--profile-gil]] [--fleet-only] [--rounds N]
+        [--profile DIR [--profile-gil]] [--fleet-only] [--rounds N] [--fleet-first]
 """
 
 from __future__ import annotations
@@ -179,6 +179,12 @@ def main() -> int:
     parser.add_argument("--profile-gil", action="store_true", help="py-spy --gil")
     parser.add_argument("--fleet-only", action="store_true", help="skip the single partition")
     parser.add_argument(
+        "--fleet-first",
+        action="store_true",
+        help="the first round measures the fleet first (rounds alternate from there): "
+        "single rounds run one by one can alternate too",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -190,7 +196,7 @@ def main() -> int:
     print(f"fleet no-op throughput on {os.cpu_count()} cores, load average {load}")
     ratios: list[float] = []
     for n in range(args.rounds):
-        ratios.append(measure_round(args, fleet_first=n % 2 == 1))
+        ratios.append(measure_round(args, fleet_first=(n % 2 == 1) != args.fleet_first))
     after = " ".join(f"{x:.2f}" for x in os.getloadavg())
     ratio = statistics.median(ratios)
     rows = [("ratio", f"{ratio:.2f} (target >= {TARGET_RATIO})")]
@@ -198,6 +204,11 @@ def main() -> int:
         rows = [
             ("ratios, round by round", ", ".join(f"{r:.2f}" for r in ratios)),
             ("median ratio", f"{ratio:.2f} (target >= {TARGET_RATIO})"),
+            (
+                "rounds at or above 1.0x / 0.9x",
+                f"{sum(r >= 1.0 for r in ratios)} / {sum(r >= 0.9 for r in ratios)} "
+                f"of {len(ratios)}",
+            ),
         ]
     print(table([*rows, ("load average before / after", f"{load} / {after}")]))
     ok = ratio >= TARGET_RATIO

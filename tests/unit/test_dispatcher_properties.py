@@ -84,10 +84,18 @@ class DispatcherMachine(RuleBasedStateMachine):
         if not held:
             return
         chosen = data.draw(st.lists(st.sampled_from(held), unique=True, max_size=3))
-        kind = data.draw(st.sampled_from(["ack", "nack", "retry"]))
+        kind = data.draw(st.sampled_from(["ack", "range", "nack", "retry"]))
         if kind == "ack":
             self.d.settle(s, chosen, [])
             self.settled.update(chosen)
+        elif kind == "range" and chosen:
+            # One ack range over them: what it names and `s` does not hold is rejected.
+            first, last = min(chosen), max(chosen)
+            mine = [o for o in range(first, last + 1) if o in s.held]
+            span = pb.OffsetRange(first=first, last=last)
+            rejected = self.d.settle(s, [], [], [span])
+            assert sorted(rejected) == [o for o in range(first, last + 1) if o not in mine]
+            self.settled.update(mine)
         else:
             nacks = [pb.Nack(offset=o, reason="r", retry=kind == "retry") for o in chosen]
             self.d.settle(s, [], nacks)
@@ -151,6 +159,16 @@ class DispatcherMachine(RuleBasedStateMachine):
     @invariant()
     def window_is_bounded(self) -> None:
         assert self.d.in_window <= 40
+
+    @invariant()
+    def window_bytes_are_its_entries(self) -> None:
+        window = self.d._window
+        assert window.bytes == sum(e.size for e in window.entries.values())
+
+    @invariant()
+    def every_settlement_is_in_the_latency_histogram(self) -> None:
+        counters = self.d.counters
+        assert self.d.settle_latency.count == counters.acked + counters.nacked
 
 
 DispatcherMachine.TestCase.settings = hsettings(max_examples=150, stateful_step_count=40)

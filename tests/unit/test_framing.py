@@ -64,6 +64,23 @@ def test_delivery_size_is_exact(
     assert Entry(record).size == record.size  # its inlined copy for records without headers
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    batch=st.lists(st.tuples(BLOB, BLOB, HEADERS), min_size=1, max_size=5),
+    fetched_at=st.floats(min_value=0, max_value=1e9),
+)
+def test_entries_built_in_bulk_are_entries_built_one_by_one(
+    batch: list[tuple[bytes | None, bytes | None, list[tuple[str, bytes | None]]]],
+    fetched_at: float,
+) -> None:
+    """Entry.fetched sets every slot as Entry.__init__ does (it inlines it)."""
+    fetched = [Record("t", 0, n, k, v, tuple(h), 0) for n, (k, v, h) in enumerate(batch)]
+    for bulk, record in zip(Entry.fetched(fetched, fetched_at), fetched, strict=True):
+        one = Entry(record, fetched_at)
+        for name in Entry.__slots__:
+            assert getattr(bulk, name) == getattr(one, name), name
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     offset=st.integers(min_value=0, max_value=2**63 - 1),

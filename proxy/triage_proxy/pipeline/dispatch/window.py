@@ -100,6 +100,35 @@ class Entry:
         self.delivered_at = 0.0
         """When its current delivery went out (monotonic seconds; for the settle latency)."""
 
+    @classmethod
+    def fetched(cls, batch: list[Record], fetched_at: float) -> list[Entry]:
+        """`Entry(record, fetched_at)` for each record of `batch`, built without a call per
+        record: one is built per fetched message, and the call through `type` to
+        `__init__` is 5% of the dispatch path's instructions (bench_dispatch). Sets what
+        `__init__` sets (a unit test compares every slot)."""
+        new = object.__new__
+        ready = EntryState.READY
+        out: list[Entry] = []
+        append = out.append
+        for record in batch:
+            entry = new(cls)
+            entry.record = record
+            _, _, _, key, value, headers, _ = record
+            if headers:
+                entry.size = record.size
+            else:
+                entry.size = (0 if key is None else len(key)) + (0 if value is None else len(value))
+            entry.attempt = 0
+            entry.holder = None
+            entry.state = ready
+            entry.last_cause = ""
+            entry.deadline = 0.0
+            entry.suspect = False
+            entry.fetched_at = fetched_at
+            entry.delivered_at = 0.0
+            append(entry)
+        return out
+
 
 @dataclass
 class Counters:
@@ -311,7 +340,7 @@ class Window:
         ):
             # The common batch: the same steps in bulk (one tracker call, one dict update).
             self._tracker.track_span(first, last)
-            new = [Entry(record, now) for record in batch]
+            new = Entry.fetched(batch, now)
             self._entries.update(zip(range(first, last + 1), new, strict=True))
             self._bytes += sum(map(SIZE, new))
             self._counters.fetched += len(new)
