@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tests.unit.test_dispatcher import connect, make, records
 from triage_protocol import triage_pb2 as pb
 from triage_protocol.constants import DEFAULT_FRAME_BYTES, MIN_FRAME_BYTES
-from triage_proxy.pipeline.dispatch import Entry, Session
+from triage_proxy.pipeline.dispatch import Entry, EntryState, Session
 from triage_proxy.server.encoding import (
     PLAIN_ITEM_MAX_OVERHEAD_BYTES,
     attempt_size,
@@ -61,7 +61,7 @@ def test_delivery_size_is_exact(
     record = Record("t", 0, offset, key, value, tuple(headers), timestamp)
     expected = delivery_of(record, attempt).ByteSize()
     assert delivery_base_size(record) + attempt_size(attempt) == expected
-    assert Entry(record).size == record.size  # its inlined copy for records without headers
+    assert Entry.of(record).size == record.size  # its inlined copy for records without headers
 
 
 @settings(max_examples=100, deadline=None)
@@ -69,16 +69,28 @@ def test_delivery_size_is_exact(
     batch=st.lists(st.tuples(BLOB, BLOB, HEADERS), min_size=1, max_size=5),
     fetched_at=st.floats(min_value=0, max_value=1e9),
 )
-def test_entries_built_in_bulk_are_entries_built_one_by_one(
+def test_entries_built_in_bulk_are_ready_and_fresh(
     batch: list[tuple[bytes | None, bytes | None, list[tuple[str, bytes | None]]]],
     fetched_at: float,
 ) -> None:
-    """Entry.fetched sets every slot as Entry.__init__ does (it inlines it)."""
+    """Entry.fetched sets every slot: the record, its size, READY, nothing delivered yet."""
     fetched = [Record("t", 0, n, k, v, tuple(h), 0) for n, (k, v, h) in enumerate(batch)]
-    for bulk, record in zip(Entry.fetched(fetched, fetched_at), fetched, strict=True):
-        one = Entry(record, fetched_at)
-        for name in Entry.__slots__:
-            assert getattr(bulk, name) == getattr(one, name), name
+    for entry, record in zip(Entry.fetched(fetched, fetched_at), fetched, strict=True):
+        expected = {
+            "record": record,
+            "size": record.size,
+            "attempt": 0,
+            "holder": None,
+            "state": EntryState.READY,
+            "last_cause": "",
+            "deadline": 0.0,
+            "suspect": False,
+            "fetched_at": fetched_at,
+            "delivered_at": 0.0,
+        }
+        assert set(expected) == set(Entry.__slots__)
+        for name, value in expected.items():
+            assert getattr(entry, name) == value, name
 
 
 @settings(max_examples=300, deadline=None)
@@ -105,7 +117,7 @@ def test_the_outbox_sizes_a_delivery_exactly(
     header = frame_header_size("t", 0)
     for room, sent in ((item, 1), (item - 1, 0)):
         limit = next(n for n in range(room, room + 20) if frame_room(n, header) == room)
-        entry = Entry(record)
+        entry = Entry.of(record)
         entry.attempt = attempt
         frames, refused = Outbox("t", 0, limit, packed=False).send([entry])
         assert (frames, len(refused)) == (sent, 1 - sent)

@@ -76,36 +76,34 @@ class Entry:
         "suspect",
     )
 
-    def __init__(self, record: Record, fetched_at: float = 0.0) -> None:
-        self.record = record
-        _, _, _, key, value, headers, _ = record
-        if headers:
-            self.size = record.size
-        else:
-            # Record.size inlined for the common record without headers (one Entry is
-            # built per fetched message).
-            self.size = (0 if key is None else len(key)) + (0 if value is None else len(value))
-        self.attempt = 0
-        """Deliveries so far (the current one included while HELD)."""
-        self.holder: Session | None = None
-        self.state = EntryState.READY
-        self.last_cause = ""
-        self.deadline = 0.0
-        """When the current delivery's lease expires (monotonic seconds)."""
-        self.suspect = False
-        """Its instance vanished (or its lease lapsed) while holding it: maybe a poison pill.
-        Set from then until it is settled or handled (see scheduler.py, `suspects`)."""
-        self.fetched_at = fetched_at
-        """When it entered the window (monotonic seconds; for the oldest unsettled age)."""
-        self.delivered_at = 0.0
-        """When its current delivery went out (monotonic seconds; for the settle latency)."""
+    record: Record
+    size: int
+    """Key + value bytes (Record.size when it has headers)."""
+    attempt: int
+    """Deliveries so far (the current one included while HELD)."""
+    holder: Session | None
+    state: EntryState
+    last_cause: str
+    deadline: float
+    """When the current delivery's lease expires (monotonic seconds)."""
+    suspect: bool
+    """Its instance vanished (or its lease lapsed) while holding it: maybe a poison pill.
+    Set from then until it is settled or handled (see scheduler.py, `suspects`)."""
+    fetched_at: float
+    """When it entered the window (monotonic seconds; for the oldest unsettled age)."""
+    delivered_at: float
+    """When its current delivery went out (monotonic seconds; for the settle latency)."""
+
+    @classmethod
+    def of(cls, record: Record, fetched_at: float = 0.0) -> Entry:
+        """One entry (`fetched` is the one place that builds them)."""
+        return cls.fetched([record], fetched_at)[0]
 
     @classmethod
     def fetched(cls, batch: list[Record], fetched_at: float) -> list[Entry]:
-        """`Entry(record, fetched_at)` for each record of `batch`, built without a call per
-        record: one is built per fetched message, and the call through `type` to
-        `__init__` is 5% of the dispatch path's instructions (bench_dispatch). Sets what
-        `__init__` sets (a unit test compares every slot)."""
+        """An entry for each record of `batch`, READY, built without a call per record:
+        one is built per fetched message, and a call through `type` to an `__init__` was
+        5% of the dispatch path's instructions (bench_dispatch)."""
         new = object.__new__
         ready = EntryState.READY
         out: list[Entry] = []
@@ -360,7 +358,7 @@ class Window:
                 self._tracker.settle(offset)
                 self._counters.skipped_settled += 1
                 continue
-            entry = Entry(record, now)
+            entry = Entry.of(record, now)
             entries[offset] = entry
             size += entry.size
             if prior and offset in prior:
