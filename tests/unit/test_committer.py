@@ -17,6 +17,7 @@ import pytest
 from tests.unit.twins import KAFKA_CALL_S, FlakyPartition, InlineKafkaThread, TimedCheckpoints
 from tests.unit.virtual_time import gaps, run, until
 from triage_proxy.errors import TableUnavailable
+from triage_proxy.pipeline import committer as committer_module
 from triage_proxy.pipeline.committer import (
     CHECKPOINT_HELD_OFFSETS,
     CHECKPOINT_INTERVAL_S,
@@ -25,7 +26,13 @@ from triage_proxy.pipeline.committer import (
     EARLY_COMMITS_PER_INTERVAL,
     Committer,
 )
-from triage_proxy.pipeline.settled import decode_attempts, decode_settled, encode_settled
+from triage_proxy.pipeline.settled import (
+    DEFAULT_LIMIT,
+    ITEM_LIMIT,
+    decode_attempts,
+    decode_settled,
+    encode_settled,
+)
 from triage_proxy.pipeline.tracker import CommitTracker
 
 INTERVAL_S = 1.0
@@ -333,14 +340,38 @@ def test_a_previous_runs_offsets_beyond_the_fetch_stay_in_the_encoding() -> None
     run(main())
 
 
-def test_an_encoding_over_the_limit_commits_the_plain_offset_and_counts_it() -> None:
+def test_an_encoding_over_the_brokers_limit_commits_the_plain_offset_and_the_item_keeps_it() -> (
+    None
+):
     async def main() -> None:
         rig = make(tracked=40_000, encode_settled=True)
         assert rig.checkpoints is not None
         rng = random.Random(7)
         # Half of 40,000 offsets at random: ~1 bit each even compressed, over 4,096 bytes.
         settle(rig.tracker, 0, *(o for o in range(3, 40_000) if rng.random() < 0.5))
-        assert encode_settled(1, rig.tracker.settled_above()) is None
+        above = rig.tracker.settled_above()
+        assert encode_settled(1, above) is None
+        encoded = encode_settled(1, above, limit=ITEM_LIMIT)
+        assert encoded is not None
+        assert await rig.committer.commit()
+        assert rig.partition.commits == [(1, None)]  # Kafka's metadata: over its limit
+        assert rig.committer.metadata_overflows == 1
+        assert rig.checkpoints.value == (1, encoded)  # a restart skips the set still
+        assert decode_settled(1, rig.checkpoints.value[1]) == above
+
+    run(main())
+
+
+def test_an_encoding_over_the_items_limit_is_recorded_nowhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(committer_module, "ITEM_LIMIT", DEFAULT_LIMIT)
+
+    async def main() -> None:
+        rig = make(tracked=40_000, encode_settled=True)
+        assert rig.checkpoints is not None
+        rng = random.Random(7)
+        settle(rig.tracker, 0, *(o for o in range(3, 40_000) if rng.random() < 0.5))
         assert await rig.committer.commit()
         assert rig.partition.commits == [(1, None)]  # at-least-once for the set above
         assert rig.committer.metadata_overflows == 1

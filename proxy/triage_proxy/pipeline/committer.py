@@ -4,7 +4,10 @@ It commits when the committable offset advanced or, with `commit.encode_settled`
 when the set of offsets settled above it changed: that set rides along encoded in
 the commit's metadata (and in a checkpoint item, see store/checkpoints.py) so a
 restarted proxy does not redeliver it. When the encoding does not fit the broker's
-metadata limit it commits the plain offset (at-least-once) and counts the overflow.
+metadata limit it commits the plain offset and counts the overflow; the checkpoint item
+still records the set (up to settled.ITEM_LIMIT), so a restart or a partition move does
+not redeliver it: with crash pills and suspects holding the commit, the set fragments
+and outgrows the broker's 4 KB within a few thousand offsets.
 The set includes what a previous run settled beyond this run's fetch so far
 (`SettledAhead`): a restarted proxy's first commits must not shrink it to the part
 the fetch has reached. A failed commit is retried on the next tick (the offset stays
@@ -70,7 +73,12 @@ from typing import Protocol
 from triage_proxy.errors import BrokerUnavailable, TableUnavailable
 from triage_proxy.kafka.client import KafkaThread, PartitionLog
 from triage_proxy.pipeline.policies import checkpoint_due, early_commit_worth, held_burst
-from triage_proxy.pipeline.settled import encode_attempts, encode_settled
+from triage_proxy.pipeline.settled import (
+    DEFAULT_LIMIT,
+    ITEM_LIMIT,
+    encode_attempts,
+    encode_settled,
+)
 from triage_proxy.pipeline.tracker import CommitTracker
 from triage_proxy.store.checkpoints import Checkpoint, CheckpointStore
 from triage_proxy.waiting import wait_any
@@ -182,7 +190,8 @@ class Committer:
         """How far the latest commit moved the offset: a large move makes its remainder
         worth an early commit (the tail of a burst)."""
         self.metadata: str | None = None
-        """The settled-above encoding committed with it (None: plain commit)."""
+        """The settled-above encoding of the latest commit (None: none fitted even the
+        item); Kafka got it as the commit's metadata only when it fitted DEFAULT_LIMIT."""
         self._settled: list[int] = []
         """The offsets `metadata` holds."""
         self._encoded: list[int] = []
@@ -194,7 +203,8 @@ class Committer:
         self.degraded = False
         self.commits = 0
         self.metadata_overflows = 0
-        """Commits made without the encoding because it did not fit."""
+        """Commits made without the encoding in Kafka's metadata because it did not fit
+        (the item may still hold it)."""
         self._checkpoint_degraded = False
         self._checkpoint_at = -CHECKPOINT_INTERVAL_S
         self._checkpoint_due = False
@@ -343,10 +353,10 @@ class Committer:
         self._encoded = []
         if not settled:
             return ""
-        text = encode_settled(offset, settled)
-        if text is None:
+        text = encode_settled(offset, settled, limit=ITEM_LIMIT)
+        if text is None or len(text) > DEFAULT_LIMIT:
             self.metadata_overflows += count_overflow
-        else:
+        if text is not None:
             self._encoded = settled
         return text
 
@@ -365,7 +375,8 @@ class Committer:
             return True
         self._attempted_at = self._monotonic()
         try:
-            await self._thread.run(self._log.commit, offset, metadata)
+            fits = metadata is not None and len(metadata) <= DEFAULT_LIMIT
+            await self._thread.run(self._log.commit, offset, metadata if fits else None)
         except BrokerUnavailable as exc:
             if not self.degraded:
                 logger.warning("degraded: commit of %d failed (%s); will retry", offset, exc)

@@ -49,6 +49,7 @@ from triage_proxy.errors import TriageError
 
 __all__ = [
     "DEFAULT_LIMIT",
+    "ITEM_LIMIT",
     "MAX_ATTEMPT_ENTRIES",
     "MAX_OFFSETS",
     "CheckpointError",
@@ -60,6 +61,9 @@ __all__ = [
 
 DEFAULT_LIMIT = 4096
 """Broker default of ``offset.metadata.max.bytes``."""
+ITEM_LIMIT = 256 * 1024
+"""Most bytes of the encoding the checkpoint item holds (a DynamoDB item holds 400 KB):
+a set fragmented by pills and suspects outgrows the broker's limit long before this."""
 MAX_OFFSETS = 10_000_000
 """Most offsets one checkpoint may hold; more is refused on both sides."""
 MAX_PAYLOAD = 4 * 1024 * 1024
