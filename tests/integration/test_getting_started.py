@@ -28,6 +28,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.runlock import TS_PACKAGE_LOCK, shared_lock
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -253,16 +255,20 @@ def npm(*args: str, cwd: Path, timeout: float = 290) -> str:
 # `npm ci && npm pack` rewrite clients/typescript's node_modules and dist: on the worker
 # that runs the TypeScript client's tests, never beside them (--dist loadgroup).
 @pytest.mark.xdist_group("typescript")
-def test_the_typescript_path_works_as_written(folder: Path) -> None:
+def test_the_typescript_path_works_as_written(folder: Path, shared_dir: Path) -> None:
     """The package installed from its tarball into another project, as the TypeScript
     guide says; the page's snippet compiled with --strict and run against the stack."""
     guide = (ROOT / "docs" / "guides" / "typescript-consumer.md").read_text()
     assert "cd clients/typescript && npm ci && npm pack" in guide
-    if not (TS_PACKAGE / "node_modules").is_dir():
-        npm("ci", cwd=TS_PACKAGE)
-    tarball = (
-        npm("pack", "--pack-destination", str(folder), cwd=TS_PACKAGE).strip().splitlines()[-1]
-    )
+    # Under the lock the package's other users take (tests/runlock.py): `npm ci` replaces
+    # node_modules and `npm pack` rebuilds dist/, which a build or a test elsewhere may be
+    # reading (a run saw `tsc: not found` in the TypeScript client's build).
+    with shared_lock(shared_dir, TS_PACKAGE_LOCK):
+        if not (TS_PACKAGE / "node_modules" / "typescript" / "bin" / "tsc").is_file():
+            npm("ci", cwd=TS_PACKAGE)
+        tarball = (
+            npm("pack", "--pack-destination", str(folder), cwd=TS_PACKAGE).strip().splitlines()[-1]
+        )
     assert f"npm install /path/to/triage/clients/typescript/{tarball}" in guide
     (folder / "package.json").write_text('{"name": "my-consumer", "private": true}\n')
     npm("install", "--prefer-offline", str(folder / tarball), cwd=folder)

@@ -104,7 +104,7 @@ def built(shared_dir: Path) -> Path:
     done = shared_dir / "typescript-built"
     if not done.exists():
         with shared_lock(shared_dir, TS_PACKAGE_LOCK):
-            if not (PACKAGE / "node_modules").is_dir():
+            if not (PACKAGE / "node_modules" / "typescript" / "bin" / "tsc").is_file():
                 out = npm("ci", timeout=290)
                 assert out.returncode == 0, out.stdout + out.stderr
             (shared_dir / TS_INSTALLED).touch()
