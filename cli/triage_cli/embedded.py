@@ -212,7 +212,7 @@ class EmbeddedAWS(ManagedProcess):
     name = "moto"
 
     def command(self, port: int) -> list[str]:
-        return [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(port)]
+        return [sys.executable, "-m", "triage_cli.motoserver", "-H", self.host, "-p", str(port)]
 
     @property
     def endpoint_url(self) -> str:

@@ -1,6 +1,8 @@
 """How long the console's dead-letter list takes on a large table (moto server).
 
-    python -m tests.perf.bench_console_page 100000
+    python -m tests.perf.bench_console_page 100000            # the embedded endpoint
+    python -m tests.perf.bench_console_page 100000 --plain    # moto.server as released
+    ... --first-pages    # only the first pages (3 rounds each), not the walks and counts
 
 Writes N dead letters over 4 partitions with BatchWriteItem (8 threads), then times
 `triage_cli.console.deadletters.DeadLetters`: the first page unfiltered, pending only and
@@ -22,8 +24,20 @@ from triage_proxy.store.items import item_from_dead_letter
 from triage_proxy.store.provisioning import create_table
 from triage_proxy.structs import DeadLetter, Record
 
+
+class PlainMoto(EmbeddedAWS):
+    """moto.server itself, without the embedded stack's sort keys (triage_cli.motoserver)."""
+
+    def command(self, port: int) -> list[str]:
+        return [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(port)]
+
+
 N = int(sys.argv[1])
-with EmbeddedAWS() as aws:
+ROUNDS = 3
+"""Each first page is timed this many times (the spread is part of the figure)."""
+endpoint = PlainMoto() if "--plain" in sys.argv[2:] else EmbeddedAWS()
+print(f"endpoint: {' '.join(endpoint.command(0)[1:3])}", flush=True)
+with endpoint as aws:
     raw = {
         "kafka": {
             "bootstrap_servers": "127.0.0.1:1",
@@ -63,23 +77,25 @@ with EmbeddedAWS() as aws:
         list(pool.map(write, range(0, N, 25)))
     print(f"wrote {N} in {time.monotonic() - t0:.1f} s", flush=True)
     dls = DeadLetters(settings)
-    from triage_cli.console.deadletters import parse_key
 
     def page_n(n):
         after = None
         for _ in range(n):
             got = dls.page(dls.filters(), after=after)
-            after = parse_key(got.next)
+            after = got.next
         return got
 
-    for label, fn in [
-        ("first page, no filter (Scan)", lambda: dls.page(dls.filters())),
-        ("first page, state=pending (Scan)", lambda: dls.page(dls.filters(state="pending"))),
-        ("first page, partition 2 (Query)", lambda: dls.page(dls.filters(partition="2"))),
+    first_pages = [
+        ("first page, no filter", lambda: dls.page(dls.filters())),
+        ("first page, state=pending", lambda: dls.page(dls.filters(state="pending"))),
+        ("first page, partition 2", lambda: dls.page(dls.filters(partition="2"))),
+    ]
+    walks = [
         ("page 20 (1,000 items in), no filter", lambda: page_n(20)),
         ("counts by reason, no filter", lambda: dls.reasons(dls.filters())),
         ("pending count, no filter", lambda: dls.count(dls.filters())),
-    ]:
+    ]
+    for label, fn in first_pages * ROUNDS + ([] if "--first-pages" in sys.argv[2:] else walks):
         t = time.monotonic()
         try:
             fn()
