@@ -276,7 +276,8 @@ def test_the_membership_strategy_is_the_proxys_own_even_unvalidated() -> None:
     """`partition.assignment.strategy` is refused at load, and a KafkaSettings built in
     code cannot set it either: the membership's callbacks take whole assignments with
     assign(), which librdkafka refuses under a cooperative strategy. The session timeout
-    is the group property [kafka.client] may set."""
+    and heartbeat are the group properties [kafka.client] may set, and its client.id
+    prefixes the member's."""
     with pytest.raises(ConfigError, match="assigns its partitions itself"):
         settings_from_dict(client(**{"partition.assignment.strategy": "cooperative-sticky"}), {})
     kafka = KafkaSettings(
@@ -288,6 +289,17 @@ def test_the_membership_strategy_is_the_proxys_own_even_unvalidated() -> None:
     config = Assignment(kafka, "member")._config()
     assert config["partition.assignment.strategy"] == STRATEGY == "roundrobin"
     assert config["session.timeout.ms"] == 30000
+    named = KafkaSettings(
+        "b:9092",
+        "orders",
+        "g",
+        client={"client.id": "orders-svc", "heartbeat.interval.ms": 3000, "linger.ms": 7},
+    )
+    config = Assignment(named, "m1")._config()
+    assert config["client.id"] == "orders-svc-m1"  # still one id per fleet process
+    assert config["heartbeat.interval.ms"] == 3000
+    assert config["linger.ms"] == 7
+    assert Assignment(kafka, "m1")._config()["client.id"] == "triage-proxy-m1"
     own = Assignment(settings_from_dict(MINIMAL, {}).kafka, "member")._config()
     # The session timeout is [kafka.client]'s to set; these two the proxy applies last.
     unreserved = {"session.timeout.ms", "client.id", "heartbeat.interval.ms"}

@@ -189,11 +189,16 @@ class Assignment:
             "logger": logger,
         }
         # [kafka.client] may set the session timeout (a longer one rides out a slow
-        # network, a kill moves partitions later); the rest is ours, the strategy above
-        # all: the callbacks follow the eager protocol (see the module docstring).
+        # network, a kill moves partitions later) and the heartbeat that goes with it, and
+        # name the client: its client.id prefixes the member id, which tells the fleet's
+        # processes apart in the group. The rest is ours, the strategy above all: the
+        # callbacks follow the eager protocol (see the module docstring).
         client = self._settings.librdkafka_config()
-        if "session.timeout.ms" in client:
-            own["session.timeout.ms"] = client.pop("session.timeout.ms")
+        for name in ("session.timeout.ms", "heartbeat.interval.ms"):
+            if name in client:
+                own[name] = client.pop(name)
+        if "client.id" in client:
+            own["client.id"] = f"{client.pop('client.id')}-{self._member}"
         return {**client, **own}
 
     async def start(self) -> None:
