@@ -22,6 +22,7 @@ from triage_proxy.pipeline.settled import (
     CheckpointError,
     decode_settled,
     encode_settled,
+    kafka_metadata,
 )
 
 UNLIMITED = 10**9
@@ -316,3 +317,10 @@ def test_arbitrary_bytes_never_crash(data: bytes) -> None:
 def test_arbitrary_text_never_crashes(text: str) -> None:
     with contextlib.suppress(CheckpointError):
         decode_settled(0, text)
+
+
+def test_kafka_metadata_passes_what_fits_the_broker_and_nothing_else() -> None:
+    assert kafka_metadata("") == ""
+    assert kafka_metadata("x" * DEFAULT_LIMIT) == "x" * DEFAULT_LIMIT
+    assert kafka_metadata("x" * (DEFAULT_LIMIT + 1)) is None
+    assert kafka_metadata(None) is None

@@ -74,10 +74,10 @@ from triage_proxy.errors import BrokerUnavailable, TableUnavailable
 from triage_proxy.kafka.client import KafkaThread, PartitionLog
 from triage_proxy.pipeline.policies import checkpoint_due, early_commit_worth, held_burst
 from triage_proxy.pipeline.settled import (
-    DEFAULT_LIMIT,
     ITEM_LIMIT,
     encode_attempts,
     encode_settled,
+    kafka_metadata,
 )
 from triage_proxy.pipeline.tracker import CommitTracker
 from triage_proxy.store.checkpoints import Checkpoint, CheckpointStore
@@ -354,7 +354,7 @@ class Committer:
         if not settled:
             return ""
         text = encode_settled(offset, settled, limit=ITEM_LIMIT)
-        if text is None or len(text) > DEFAULT_LIMIT:
+        if kafka_metadata(text) is None:
             self.metadata_overflows += count_overflow
         if text is not None:
             self._encoded = settled
@@ -375,8 +375,7 @@ class Committer:
             return True
         self._attempted_at = self._monotonic()
         try:
-            fits = metadata is not None and len(metadata) <= DEFAULT_LIMIT
-            await self._thread.run(self._log.commit, offset, metadata if fits else None)
+            await self._thread.run(self._log.commit, offset, kafka_metadata(metadata))
         except BrokerUnavailable as exc:
             if not self.degraded:
                 logger.warning("degraded: commit of %d failed (%s); will retry", offset, exc)

@@ -57,6 +57,7 @@ __all__ = [
     "decode_settled",
     "encode_attempts",
     "encode_settled",
+    "kafka_metadata",
 ]
 
 DEFAULT_LIMIT = 4096
@@ -64,6 +65,14 @@ DEFAULT_LIMIT = 4096
 ITEM_LIMIT = 256 * 1024
 """Most bytes of the encoding the checkpoint item holds (a DynamoDB item holds 400 KB):
 a set fragmented by pills and suspects outgrows the broker's limit long before this."""
+
+
+def kafka_metadata(text: str | None) -> str | None:
+    """`text` if a commit may carry it as Kafka metadata (at most DEFAULT_LIMIT bytes),
+    else None: the one place that decides what the broker is sent."""
+    return text if text is not None and len(text) <= DEFAULT_LIMIT else None
+
+
 MAX_OFFSETS = 10_000_000
 """Most offsets one checkpoint may hold; more is refused on both sides."""
 MAX_PAYLOAD = 4 * 1024 * 1024
