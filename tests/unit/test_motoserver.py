@@ -17,7 +17,7 @@ from typing import Any
 import boto3
 import pytest
 from moto import mock_aws
-from moto.core import DEFAULT_ACCOUNT_ID
+from moto.core.models import DEFAULT_ACCOUNT_ID
 from moto.dynamodb.models import dynamodb_backends
 from moto.dynamodb.models.dynamo_type import DynamoType
 from moto.dynamodb.models.table import Table
@@ -44,16 +44,27 @@ def _numbers(rng: random.Random) -> str:
     return rng.choice([str(whole), f"{whole}.{rng.randrange(1, 99)}"])
 
 
-def _dead_letter_like(client: Any, rng: random.Random) -> str:
+def _create(client: Any, name: str, keys: dict[str, str], **more: Any) -> None:
+    """A table keyed by `keys` (attribute -> type, hash first, then range if any)."""
+    kinds = ["HASH", "RANGE"]
     client.create_table(
-        TableName="dl",
-        KeySchema=[
-            {"AttributeName": "source", "KeyType": "HASH"},
-            {"AttributeName": "offset", "KeyType": "RANGE"},
-        ],
+        TableName=name,
+        KeySchema=[{"AttributeName": a, "KeyType": k} for a, k in zip(keys, kinds, strict=False)],
         AttributeDefinitions=[
-            {"AttributeName": "source", "AttributeType": "S"},
-            {"AttributeName": "offset", "AttributeType": "N"},
+            *({"AttributeName": a, "AttributeType": t} for a, t in keys.items()),
+            *more.pop("indexed", ()),
+        ],
+        BillingMode="PAY_PER_REQUEST",
+        **more,
+    )
+
+
+def _dead_letter_like(client: Any, rng: random.Random) -> str:
+    _create(
+        client,
+        "dl",
+        {"source": "S", "offset": "N"},
+        indexed=[
             {"AttributeName": "state", "AttributeType": "S"},
             {"AttributeName": "at", "AttributeType": "S"},
         ],
@@ -67,7 +78,6 @@ def _dead_letter_like(client: Any, rng: random.Random) -> str:
                 "Projection": {"ProjectionType": "ALL"},
             }
         ],
-        BillingMode="PAY_PER_REQUEST",
     )
     for _ in range(400):
         item: dict[str, Any] = {
@@ -82,18 +92,7 @@ def _dead_letter_like(client: Any, rng: random.Random) -> str:
 
 
 def _binary_keys(client: Any, rng: random.Random) -> str:
-    client.create_table(
-        TableName="bin",
-        KeySchema=[
-            {"AttributeName": "h", "KeyType": "HASH"},
-            {"AttributeName": "r", "KeyType": "RANGE"},
-        ],
-        AttributeDefinitions=[
-            {"AttributeName": "h", "AttributeType": "B"},
-            {"AttributeName": "r", "AttributeType": "B"},
-        ],
-        BillingMode="PAY_PER_REQUEST",
-    )
+    _create(client, "bin", {"h": "B", "r": "B"})
     for _ in range(200):
         client.put_item(
             TableName="bin",
@@ -106,12 +105,7 @@ def _binary_keys(client: Any, rng: random.Random) -> str:
 
 
 def _hash_only(client: Any, rng: random.Random) -> str:
-    client.create_table(
-        TableName="flat",
-        KeySchema=[{"AttributeName": "n", "KeyType": "HASH"}],
-        AttributeDefinitions=[{"AttributeName": "n", "AttributeType": "N"}],
-        BillingMode="PAY_PER_REQUEST",
-    )
+    _create(client, "flat", {"n": "N"})
     for _ in range(200):
         client.put_item(TableName="flat", Item={"n": {"N": _numbers(rng)}})
     return "flat"
@@ -130,16 +124,18 @@ def test_sorted_items_is_moto_order_for_an_index(dynamodb: Any) -> None:
     indexed = [i for i in Table.all_items(table) if "state" in i.attrs]
     shuffled = list(indexed)
     random.Random(3).shuffle(shuffled)
-    keys = (["state", "source"], ["at", "offset"])
-    theirs = Table.sorted_items(table, *keys, list(shuffled))
-    ours = motoserver.sorted_items(table, *keys, list(shuffled))
+    hashes: list[str] = ["state", "source"]
+    ranges: list[str | None] = ["at", "offset"]
+    theirs = Table.sorted_items(table, hashes, ranges, list(shuffled))
+    ours = motoserver.sorted_items(table, hashes, ranges, list(shuffled))
     assert [id(i) for i in ours] == [id(i) for i in theirs]
     numbers = [i.attrs["offset"].cast_value for i in ours if i.attrs["state"].value == "pending#g"]
     assert any(isinstance(n, Decimal) for n in numbers)
 
 
 def _pages(client: Any, operation: str, **kwargs: Any) -> list[list[dict[str, Any]]]:
-    pages, start = [], None
+    pages: list[list[dict[str, Any]]] = []
+    start = None
     while len(pages) < 200:  # a wrong order can make pages repeat: fail, do not hang
         if start is not None:
             kwargs["ExclusiveStartKey"] = start
@@ -190,7 +186,7 @@ def test_queries_and_scans_answer_the_same_pages(
 
 
 def test_equality_is_moto_equality() -> None:
-    values = [
+    values: list[dict[str, Any]] = [
         {"S": "a"}, {"S": "1"}, {"S": ""}, {"N": "1"}, {"N": "1.0"}, {"N": "-0"}, {"N": "0"},
         {"B": "YQ=="}, {"B": "MQ=="}, {"NULL": True}, {"BOOL": True}, {"SS": ["a", "b"]},
         {"SS": ["b", "a"]}, {"L": [{"N": "1"}]}, {"L": [{"N": "1.00"}]}, {"M": {"x": {"S": "a"}}},
