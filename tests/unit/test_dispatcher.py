@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 import weakref
 
 import pytest
@@ -9,6 +11,7 @@ import pytest
 from triage_protocol import triage_pb2 as pb
 from triage_proxy.config.settings import Settings, settings_from_dict
 from triage_proxy.pipeline.dispatch import Dispatcher, Session
+from triage_proxy.pipeline.dispatch.scheduler import REFILL_LINGER_S, REFILL_MIN_CREDITS
 from triage_proxy.pipeline.tracker import CommitTracker
 from triage_proxy.server.encoding import DEFAULT_FRAME_BYTES, frame_limit
 from triage_proxy.server.outbox import Outbox
@@ -124,6 +127,60 @@ def test_never_exceeds_credits() -> None:
     assert all(x.attempt == 1 for x in got)
     d.settle(s, [1], [])
     assert [x.offset for x in drain(s)] == [3]
+
+
+def test_a_stream_with_many_credits_is_refilled_half_of_them_at_a_time() -> None:
+    """A settlement that frees fewer than half the stream's credits is held back until
+    another frees the rest of the half: one frame of half the credits, not one per Settle
+    (bench_fleet_throughput: per-frame costs on both sides)."""
+    clock = Clock()
+    d, _, _ = make(clock=clock)
+    credits = REFILL_MIN_CREDITS * 2
+    s = connect(d, "a", credits)
+    d.add(records(0, 1000))
+    assert len(drain(s)) == credits
+    d.settle(s, list(range(credits // 2 - 1)), [])
+    assert frames_of(s) == [], "fewer than half its credits free: held back"
+    d.settle(s, [credits // 2 - 1], [])
+    refill = frames_of(s)
+    assert len(refill) == 1, "one frame"
+    assert refill[0] is not None
+    offsets = [x.offset for x in refill[0].deliveries.deliveries]
+    assert offsets == list(range(credits, credits + credits // 2))
+    d.settle(s, [credits // 2], [])
+    d.tick()
+    assert frames_of(s) == [], "held back while it waited less than the linger"
+    clock.now += REFILL_LINGER_S + 1e-6
+    d.tick()
+    assert [x.offset for x in drain(s)] == [credits + credits // 2], "not longer"
+
+
+def test_a_stream_with_few_credits_is_refilled_as_each_frees() -> None:
+    d, _, _ = make()
+    s = connect(d, "a", REFILL_MIN_CREDITS - 1)
+    d.add(records(0, 1000))
+    assert len(drain(s)) == REFILL_MIN_CREDITS - 1
+    d.settle(s, [0], [])
+    assert [x.offset for x in drain(s)] == [REFILL_MIN_CREDITS - 1]
+
+
+def test_a_held_back_refill_goes_out_after_the_linger_without_a_tick() -> None:
+    """The scheduler's own timer ends the wait: nothing else pumps here."""
+
+    async def scenario() -> list[int]:
+        d, _, _ = make(clock=time.monotonic)  # type: ignore[arg-type]
+        credits = REFILL_MIN_CREDITS * 2
+        s = connect(d, "a", credits)
+        d.add(records(0, 1000))
+        assert len(drain(s)) == credits
+        d.settle(s, [0, 1, 2], [])
+        outbox = s.outlet
+        assert isinstance(outbox, Outbox)
+        frame = await asyncio.wait_for(outbox.get(), timeout=10)
+        assert frame is not None
+        return [x.offset for x in frame.deliveries.deliveries]
+
+    assert asyncio.run(scenario()) == [REFILL_MIN_CREDITS * 2 + i for i in range(3)]
 
 
 def test_even_share_between_instances() -> None:

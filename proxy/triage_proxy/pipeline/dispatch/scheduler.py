@@ -10,6 +10,17 @@ instance's outlet (the server) encodes it into frames, and the leases start:
                                                                  │
                                too large for any frame to it <───┘ (`_too_large`)
 
+Refills: an instance with REFILL_MIN_CREDITS credits or more on this stream gets nothing
+while fewer than half of them are free, for at most REFILL_LINGER_S: it still holds over
+half its credits' worth, and waiting lets one frame carry what several Settles freed.
+Each Deliveries frame (and the Settle the client answers it with) costs a fixed gRPC write
+and read on both sides, and a client spreading its credits over many partitions' streams
+settles each a little at a time: refilled Settle by Settle, a 16-partition process sent
+frames of ~100 records and spent more per message on frames than on records
+(bench_fleet_throughput). A stream with fewer credits (slow handlers, an explicit small
+prefetch) is refilled as each one frees, and a stream that holds less than half its credits
+is refilled at once, so a trickle waits for nothing.
+
 Suspects: records whose instance vanished or whose lease lapsed while holding them. One
 of them may be a crash-type poison pill, so an instance holds at most one suspect at a
 time: when the pill crashes it again, the only other suspect it takes down is none, and
@@ -39,6 +50,12 @@ from triage_proxy.pipeline.dispatch.sessions import Session, Sessions
 from triage_proxy.pipeline.dispatch.window import Counters, Entry, EntryState, Window
 from triage_proxy.pipeline.policies import RateLimit
 
+REFILL_MIN_CREDITS = 128
+"""Sessions with at least this many credits are refilled half their credits at a time
+(see the module docstring); with fewer, as soon as one is free."""
+REFILL_LINGER_S = 0.005
+"""Longest a refill of fewer than half a session's credits is held back."""
+
 DeadLetterEntry = Callable[[Entry, str, str], None]
 """Hands an entry to the dead-letter writer with a reason and the consumer id."""
 
@@ -64,6 +81,8 @@ class Scheduler:
         """The [rate_limit] caps; None (no caps) costs `pump` one attribute test."""
         self._rate_wake: asyncio.TimerHandle | None = None
         """The pending pump for when the caps let the next record go."""
+        self._linger_wake: asyncio.TimerHandle | None = None
+        """The pending pump for a refill held back (`_refillable`)."""
         self._dead_letter = dead_letter
         self._monotonic = monotonic
         self._ready: deque[Entry] = deque()
@@ -108,7 +127,7 @@ class Scheduler:
             self._pump_large()
         ready, suspects = self._ready, self._suspects
         while (ready or suspects) and self._delivering:
-            open_ = self._sessions.with_credit()
+            open_ = self._refillable()
             if not open_:
                 return
             share = -(-(len(ready) + min(len(suspects), len(open_))) // len(open_))
@@ -132,6 +151,46 @@ class Scheduler:
             if not delivered:
                 return  # only suspects left, and every instance with credit holds one
             self._sessions.rotate()
+
+    def _refillable(self) -> list[Session]:
+        """The sessions to hand records to now, in serving order: those with credit, less
+        any with REFILL_MIN_CREDITS or more that have fewer than half of them free, until
+        one has waited REFILL_LINGER_S for more (see the module docstring)."""
+        open_: list[Session] = []
+        now = -1.0
+        for session in self._sessions:
+            credits = session.credits
+            available = credits - len(session.held)
+            if available <= 0:
+                continue
+            if 2 * available >= credits or credits < REFILL_MIN_CREDITS:
+                open_.append(session)
+                continue
+            if now < 0:
+                now = self._monotonic()
+            since = session.short_since
+            if since is None:
+                session.short_since = since = now
+            waited = now - since
+            if waited >= REFILL_LINGER_S:
+                open_.append(session)
+            else:
+                self._linger(REFILL_LINGER_S - waited)
+        return open_
+
+    def _linger(self, delay: float) -> None:
+        """Pump again in `delay` seconds, for a refill held back (once at a time)."""
+        if self._linger_wake is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # unit tests without a loop: the next pump (or tick) does it
+        self._linger_wake = loop.call_later(delay, self._on_linger_wake)
+
+    def _on_linger_wake(self) -> None:
+        self._linger_wake = None
+        self.pump()
 
     def _take_within_rate(self, n: int, suspect_first: bool) -> list[Entry]:
         """`pump`'s batch under `[rate_limit]`: up to `n` records (a suspect first) while
@@ -190,6 +249,7 @@ class Scheduler:
         """Hand `batch` to `session`: held and leased from now, encoded by its outlet
         (`isolated`: one suspect, flagged). What no frame to it can carry is taken back
         (`_too_large`)."""
+        session.short_since = None
         now = self._monotonic()
         deadline = now + self._leases.ack_deadline_s
         leased, redelivered = self._window.hand_out(session, batch, now, deadline)

@@ -65,6 +65,7 @@ class Session:
         "held",
         "isolating",
         "outlet",
+        "short_since",
         "started",
         "stopping",
         "suspects",
@@ -86,6 +87,9 @@ class Session:
         flagged, alone, and it reports which one it starts (Started)."""
         self.started: set[int] = set()
         """Offsets of suspects it reported started (and held then); the blame evidence."""
+        self.short_since: float | None = None
+        """When the scheduler first held back a refill of fewer than half its credits
+        (monotonic); None after each delivery (scheduler.py)."""
         self.closed = False
         self.stopping = False
         """It released what it never started: it gets nothing more, whatever its credits."""
