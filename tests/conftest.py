@@ -44,6 +44,15 @@ from triage_proxy.config.settings import DEFAULT_HTTP_PORT, DEFAULT_PORT
 hypothesis_settings.register_profile("triage", deadline=None)
 hypothesis_settings.load_profile("triage")
 
+SHORT_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+"""For the Spark JVMs the tests start, each alive for seconds on a small data set: the
+C1 compiler alone (C2's compiler threads spend more CPU optimizing than such a JVM gets
+back) and the serial collector (no parallel GC threads). CPU the whole suite shares."""
+# spark-submit's and PySpark's driver JVMs read SPARK_SUBMIT_OPTS, a standalone cluster's
+# master and workers SPARK_DAEMON_JAVA_OPTS (executors: test_spark_cluster's conf).
+os.environ.setdefault("SPARK_SUBMIT_OPTS", SHORT_JVM_OPTIONS)
+os.environ.setdefault("SPARK_DAEMON_JAVA_OPTS", SHORT_JVM_OPTIONS)
+
 DEFAULT_PARTITIONS_HELD = 4
 """Partitions whose default proxy ports are held (tests run at most 2 partitions)."""
 KAFKA_DEFAULT_PORT = 9092
@@ -75,7 +84,7 @@ def pytest_configure(config: pytest.Config) -> None:
     signal.signal(signal.SIGTERM, _interrupt)
 
 
-FIRST_GROUPS = ("cpu-heavy", "typescript")
+FIRST_GROUPS = ("cpu-heavy", "spark-local", "typescript")
 """xdist groups (each runs on one worker, one test after another) that start the run, the
 longest first: a long chain that started last would end the run alone."""
 

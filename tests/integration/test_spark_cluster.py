@@ -32,6 +32,7 @@ import boto3
 import pyspark
 import pytest
 
+from tests.conftest import SHORT_JVM_OPTIONS
 from tests.integration.harness import create_topic
 from tests.integration.test_spark_replay import (
     ALL_BYTES,
@@ -98,6 +99,8 @@ TEST_DEFAULTS = {
     # may take every task, and "both workers ran tasks" would depend on timing.
     "spark.scheduler.minRegisteredResourcesRatio": "1.0",
     "spark.scheduler.maxRegisteredResourcesWaitingTime": "120s",
+    # Executors live for one small job: C1 only, serial GC (tests/conftest.py says why).
+    "spark.executor.extraJavaOptions": SHORT_JVM_OPTIONS,
 }
 START_TIMEOUT_S = 90.0
 RUN_TIMEOUT_S = 240.0

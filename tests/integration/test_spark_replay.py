@@ -52,9 +52,10 @@ from triage_replay.job import (
 )
 from triage_replay.job import main as job_main
 
-# The worker that runs the CPU-heavy tests runs these too (--dist loadgroup): one JVM for
-# the module, never beside the Spark cluster or a fault suite.
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("cpu-heavy")]
+# One xdist worker runs the module (--dist loadgroup), so its one JVM serves every test;
+# a group of its own, not the CPU-heavy one: chained after the Spark cluster and the fault
+# suites on one worker, it made that worker's tests the run's last minutes.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("spark-local")]
 
 BASE_MS = 1_714_564_800_000
 """2024-05-01T12:00:00Z: dead letters are dead-lettered at BASE_MS + offset seconds."""

@@ -95,12 +95,11 @@ def in_package(command: list[str], timeout: float = 240) -> subprocess.Completed
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-@pytest.fixture(scope="module")
-def built(shared_dir: Path) -> Path:
+def build_once(shared_dir: Path) -> None:
     """The package with its dependencies installed (`npm ci` when node_modules is missing)
     and compiled (dist/), once per run: the first xdist worker to need it builds while the
-    others wait (tests/runlock.py), and nothing writes dist/ after that."""
-    tool("node")
+    others wait (tests/runlock.py), and nothing writes dist/ after that. Takes the lock
+    itself: call it without holding TS_PACKAGE_LOCK."""
     done = shared_dir / "typescript-built"
     if not done.exists():
         with shared_lock(shared_dir, TS_PACKAGE_LOCK):
@@ -113,6 +112,13 @@ def built(shared_dir: Path) -> Path:
                 assert out.returncode == 0, out.stdout + out.stderr
                 done.touch()
     assert ADAPTER.is_file()
+
+
+@pytest.fixture(scope="module")
+def built(shared_dir: Path) -> Path:
+    """The package installed and compiled for this run (`build_once`)."""
+    tool("node")
+    build_once(shared_dir)
     return PACKAGE
 
 

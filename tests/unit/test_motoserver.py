@@ -198,3 +198,19 @@ def test_equality_is_moto_equality() -> None:
             assert motoserver.not_equal(a, b) == DynamoType.__ne__(a, b), (a, b)
     assert motoserver.equal(typed[3], typed[4])  # 1 == 1.0, as DynamoDB numbers
     assert not motoserver.equal(typed[1], typed[3])  # "1" is not 1
+
+
+def test_the_module_list_is_read_once_and_is_motos_own() -> None:
+    from moto import backends
+
+    original = backends.list_of_moto_modules
+    own = list(original())
+    try:
+        motoserver.cache_module_list()
+        assert list(backends.list_of_moto_modules()) == own
+        assert "dynamodb" in own
+        first = backends.list_of_moto_modules()
+        motoserver.cache_module_list()  # idempotent
+        assert backends.list_of_moto_modules() is first
+    finally:
+        setattr(backends, "list_of_moto_modules", original)  # noqa: B010
