@@ -124,7 +124,7 @@ class Recorder:
         self.acked: set[int] = set()
 
     async def run(self) -> None:
-        """Until cancelled."""
+        """Until cancelled (a cancellation grpc turns into an error still ends it)."""
         while True:
             try:
                 async with RawConsumer(self.target, credits=50) as c:
@@ -138,6 +138,11 @@ class Recorder:
                             c.settle(acks=[d.offset for d in fresh])
                             self.acked.update(d.offset for d in fresh)
             except (grpc.aio.AioRpcError, EOFError):
+                # grpc may report the task's own cancellation as a CANCELLED call: that
+                # is the stop, not a dead proxy to reconnect to (else gather() waits forever).
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise asyncio.CancelledError from None
                 await asyncio.sleep(0.05)
 
 
