@@ -12,12 +12,14 @@ time.monotonic_ns() at handler start), `returned`
 {index: time.monotonic_ns() when the handler of that probe (phase 99) returned}; through
 Triage also `received` [ns, first offset, last offset, ...]: when the client began unpacking
 each frame of packed deliveries (for the benchmark's decomposition; a wrapper of
-`triage_client.stream.unpack_messages`, nothing on the wire changes).
+`triage_client.stream.unpack_messages`, nothing on the wire changes) and `gc` [ns, pause ns,
+generation, ...]: each collection of the cyclic garbage collector in this process.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -37,6 +39,7 @@ class Recorder:
         self.received: list[int] = []
         self.returned: dict[int, int] = {}
         self.probes: dict[int, int] = {}
+        self.collections: list[int] = []
         self._warm = False
 
     def start(self, value: bytes, offset: int) -> tuple[int, int]:
@@ -59,6 +62,7 @@ class Recorder:
             "returned": self.returned,
             "probes": self.probes,
             "received": self.received,
+            "gc": self.collections,
         }
         print(json.dumps(doc), flush=True)
 
@@ -81,8 +85,23 @@ def trace_receipt(recorder: Recorder) -> None:
     stream.unpack_messages = traced  # type: ignore[attr-defined]
 
 
+def trace_collections(recorder: Recorder) -> None:
+    """Record each collection of the cyclic garbage collector: (start ns, pause ns, gen)."""
+    began = [0]
+    collections = recorder.collections
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = time.monotonic_ns()
+        else:
+            collections.extend((began[0], time.monotonic_ns() - began[0], info["generation"]))
+
+    gc.callbacks.append(on_gc)
+
+
 def through_triage(args: argparse.Namespace, recorder: Recorder) -> None:
     trace_receipt(recorder)
+    trace_collections(recorder)
     handler: Any
     if args.sync:
 
