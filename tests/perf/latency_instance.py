@@ -25,6 +25,7 @@ import os
 import signal
 import threading
 import time
+from array import array
 from typing import Any
 
 from triage_client import Consumer, Message
@@ -35,17 +36,20 @@ PROBE = 99
 
 class Recorder:
     def __init__(self) -> None:
-        self.latencies: list[tuple[int, int, int, int, int]] = []
-        self.received: list[int] = []
+        self.latencies = array("q")
+        """phase, index, ns, offset, start per message, flat: an array holds no objects the
+        garbage collector tracks (a list of 200,000 tuples made this process's collections
+        the bench's own: a full one walked them all, 23 ms)."""
+        self.received = array("q")
         self.returned: dict[int, int] = {}
         self.probes: dict[int, int] = {}
-        self.collections: list[int] = []
+        self.collections = array("q")
         self._warm = False
 
     def start(self, value: bytes, offset: int) -> tuple[int, int]:
         now = time.monotonic_ns()
         phase, index, produced = (int(x) for x in value.split(b":"))
-        self.latencies.append((phase, index, now - produced, offset, now))
+        self.latencies.extend((phase, index, now - produced, offset, now))
         return phase, index
 
     def end(self, phase: int, index: int) -> None:
@@ -58,11 +62,13 @@ class Recorder:
 
     def dump(self) -> None:
         doc = {
-            "latencies": self.latencies,
+            "latencies": [
+                list(self.latencies[k : k + 5]) for k in range(0, len(self.latencies), 5)
+            ],
             "returned": self.returned,
             "probes": self.probes,
-            "received": self.received,
-            "gc": self.collections,
+            "received": list(self.received),
+            "gc": list(self.collections),
         }
         print(json.dumps(doc), flush=True)
 
