@@ -79,7 +79,8 @@ also waits, with its own phase of the fetch wait) and that read -> handler start
 Triage itself adds), itself split into its stages: the fetch thread's hand-off to the
 event loop, the wait for credits, the outbox, the gRPC hop and the client's
 queue. Beside them, the proxy's event-loop lag (how late a 10 ms timer ran), where its
-stalls went (the loop thread's schedstat), and how long the window was full: then the
+stalls went (the loop thread's schedstat), the garbage collector's pauses in the proxy and
+the client (gc.callbacks), and how long the window was full: then the
 fetcher pauses and records wait in librdkafka's queue, which this split counts in the
 broker's part although it is Triage's backpressure.
 `--client PROP=VALUE` sets a librdkafka property on every consumer alike (the proxy's,
@@ -691,6 +692,26 @@ def stall_row(lags: list[float], ran: list[int], waited: list[int]) -> tuple[str
     )
 
 
+def gc_row(who: str, flat: list[int], start: int, end: int) -> tuple[str, str]:
+    """The cyclic garbage collector's pauses in `who` within [start, end] ns, from
+    [ns, pause ns, generation, ...]: count by generation, total, p99 and longest (each
+    stops every thread of the process)."""
+    pauses = [
+        (flat[k + 1] / 1e6, flat[k + 2])
+        for k in range(0, len(flat) - 2, 3)
+        if start <= flat[k] <= end
+    ]
+    if not pauses:
+        return (f"{who} GC pauses: count (gen 0/1/2), total, p99, max", "none")
+    counts = [sum(1 for _, g in pauses if g == gen) for gen in (0, 1, 2)]
+    ms = [p for p, _ in pauses]
+    return (
+        f"{who} GC pauses: count (gen 0/1/2), total, p99, max",
+        f"{len(ms)} ({'/'.join(map(str, counts))}), {sum(ms):.1f} ms, "
+        f"{percentiles(ms)[1]:.2f} ms, {max(ms):.2f} ms",
+    )
+
+
 def paused_ms(flat: list[int], start: int, end: int) -> float:
     """How long, within [start, end] ns, the proxy's fetcher was paused ([ns, 1|0, ...])."""
     total, since = 0, None
@@ -755,6 +776,8 @@ def decompose(
             sched = trace.get("lag_sched", [])
             if len(sched) == len(lag_flat):
                 rows.append(stall_row(lags, sched[0::2][lo:hi], sched[1::2][lo:hi]))
+            rows.append(gc_row("proxy", trace.get("gc", []), start, end))
+            rows.append(gc_row("client", through.get("gc", []), start, end))  # type: ignore[arg-type]
             if "paused" in trace:
                 full = paused_ms(trace["paused"], start, end)
                 rows.append(

@@ -1,5 +1,6 @@
-"""One process of `--consumers` Consumer objects x `--concurrency` SYNC handlers, for
-bench_efficiency, held at a start gate so that every handler slot is busy at time zero.
+"""One process of `--consumers` Consumer objects x `--concurrency` SYNC handlers (`--async`:
+async ones), for bench_efficiency, held at a start gate so that every handler slot is busy
+at time zero.
 
 Why a gate: the first-in-first-out bound assumes every slot is free at time 0. Without
 it, whichever process connects first runs alone for as long as the other takes to
@@ -9,13 +10,15 @@ process prints `ready`; a byte on stdin opens the gate (the parent takes time ze
 it writes it).
 
 Value format: `<kind>:<milliseconds>:<index>`; kind `poison` raises at once (a nack
-without retry: dead-lettered after one delivery), any other kind sleeps that long.
-On SIGTERM every Consumer stops gracefully and one JSON line is printed: per delivery
-[offset, start, finish, thread, consumer index, was-poison], times from time.monotonic()
-(CLOCK_MONOTONIC: one clock for every process on the host). `--shared-loop` runs every
-Consumer in one event loop (`run_async` under one `asyncio.gather`) instead of one
-`run()` thread each (whose Consumers, with sync handlers, share the client's one loop
-thread too since loop.py). `--prefetch N`: Consumer(prefetch=N) instead of the default.
+without retry: dead-lettered after one delivery), any other kind sleeps that long (`await
+asyncio.sleep` in an async handler). On SIGTERM every Consumer stops gracefully and one
+JSON line is printed: per delivery [offset, start, finish, slot, consumer index,
+was-poison] (slot: the handler thread, or for an async handler the pool's worker task),
+times from time.monotonic() (CLOCK_MONOTONIC: one clock for every process on the host).
+`--shared-loop` runs every Consumer in one event loop (`run_async` under one
+`asyncio.gather`) instead of one `run()` thread each (whose Consumers, with sync handlers,
+share the client's one loop thread too since loop.py). `--prefetch N`: Consumer(prefetch=N)
+instead of the default.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ def main() -> None:
     parser.add_argument("--id", default="slots")
     parser.add_argument("--switch-interval-ms", type=float, default=None)
     parser.add_argument("--prefetch", type=int, default=None)
+    parser.add_argument("--async", dest="asynchronous", action="store_true")
     parser.add_argument(
         "--shared-loop",
         action="store_true",
@@ -76,7 +80,35 @@ def main() -> None:
                     (message.offset, start, time.monotonic(), threading.get_ident(), index, poison)
                 )
 
-        return handle
+        async def handle_async(message: Message) -> None:
+            if not gate.is_set():
+                await wait_gate()
+            start = time.monotonic()
+            kind, ms, _ = (message.value or b"::").split(b":", 2)
+            poison = kind == b"poison"
+            try:
+                if poison:
+                    raise ValueError("poison pill")
+                await asyncio.sleep(int(ms) / 1000)
+            finally:
+                slot = id(asyncio.current_task())  # the pool's worker task: one per slot
+                records.append((message.offset, start, time.monotonic(), slot, index, poison))
+
+        return handle_async if args.asynchronous else handle
+
+    events: dict[asyncio.AbstractEventLoop, asyncio.Event] = {}
+    """For async handlers: the gate as an event in each Consumer's loop."""
+
+    async def wait_gate() -> None:
+        loop = asyncio.get_running_loop()
+        with lock:
+            if gate.is_set():
+                return
+            event = events.setdefault(loop, asyncio.Event())
+            waiting[0] += 1
+            if waiting[0] == slots:
+                print("ready", flush=True)
+        await event.wait()
 
     token = os.environ["TRIAGE_TOKEN"]
     consumers = [
@@ -93,7 +125,10 @@ def main() -> None:
 
     def open_gate() -> None:
         sys.stdin.buffer.read(1)
-        gate.set()
+        with lock:
+            gate.set()
+            for loop, event in events.items():
+                loop.call_soon_threadsafe(event.set)
 
     threading.Thread(target=open_gate, daemon=True).start()
     if args.shared_loop:
@@ -107,7 +142,10 @@ def main() -> None:
     done = threading.Event()
 
     def stop(*_: object) -> None:
-        gate.set()
+        with lock:
+            gate.set()
+            for loop, event in events.items():
+                loop.call_soon_threadsafe(event.set)
         for consumer in consumers:
             consumer.stop()
         done.set()

@@ -20,7 +20,9 @@ runnable but waiting for one (/proc/thread-self/schedstat), so a stall can be to
 the proxy's own work, the machine's CPUs, or neither (blocked: the GIL, I/O); and `paused`
 [ns, 1 or 0, ...]: when the fetcher stopped and resumed taking records because the window
 was full (records then wait in librdkafka's queue: Triage's backpressure, which the
-benchmark would otherwise count as the broker's part). On exit the
+benchmark would otherwise count as the broker's part); `gc` [ns, pause ns, generation, ...]:
+each collection of the cyclic garbage collector (gc.callbacks), which stops every thread
+of the proxy while it runs. On exit the
 trace is written as JSON to $TRIAGE_BENCH_TRACE.
 
     TRIAGE_BENCH_TRACE=trace.json python -m tests.perf.traced_proxy proxy --config ...
@@ -29,6 +31,7 @@ trace is written as JSON to $TRIAGE_BENCH_TRACE.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import sys
@@ -46,7 +49,7 @@ LAG_PERIOD_S = 0.01
 
 STAGES = ("fetched", "added", "queued", "sent")
 _trace: dict[str, array[int]] = {
-    name: array("q") for name in (*STAGES, "lag", "lag_sched", "paused")
+    name: array("q") for name in (*STAGES, "lag", "lag_sched", "paused", "gc")
 }
 _now = time.monotonic_ns
 
@@ -105,6 +108,16 @@ def _install() -> None:
             paused_at.extend((_now(), int(paused)))
         set_paused(self, paused)
 
+    collections = _trace["gc"]
+    began = [0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = _now()
+        else:
+            collections.extend((began[0], _now() - began[0], info["generation"]))
+
+    gc.callbacks.append(on_gc)
     fetcher.Fetcher._set_paused = traced_set_paused  # type: ignore[method-assign]
     kafka.ConfluentPartition.fetch = traced_fetch  # type: ignore[method-assign]
     dispatcher.Dispatcher.add = traced_add  # type: ignore[method-assign]

@@ -187,12 +187,13 @@ class ConfluentPartition:
     def fetch(self, max_records: int) -> list[Record]:
         consumer = self._consumer
         with kafka_errors("fetch failed"):
-            messages = consumer.consume(max_records, 0)
-            if not messages:
-                # Idle partition: wait for one message, then take whatever else is queued.
-                messages = consumer.consume(1, FETCH_WAIT_S)
-                if messages and max_records > 1:
-                    messages.extend(consumer.consume(max_records - 1, 0))
+            # Wait for one message (at once when one is queued), then take whatever else is
+            # queued. Not a non-blocking consume first: below the partition's full rate it
+            # finds nothing right after the last batch was taken, and each consume() call
+            # takes the GIL back twice, just when the event loop hands that batch out.
+            messages = consumer.consume(1, FETCH_WAIT_S)
+            if messages and max_records > 1:
+                messages.extend(consumer.consume(max_records - 1, 0))
         records = records_of(self._tp.topic, messages)
         if len(records) != len(messages):
             for m in messages:
