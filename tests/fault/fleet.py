@@ -17,7 +17,9 @@ One run:
    `--crash-share` (0.5%) crash pills (os._exit(1) on every attempt) beside the usual
    nack, retry-then-ok and slow messages; a supervisor restarts any instance that exits.
 3. At 25% of production a new process joins (slot K = processes), at 50% slot 1 is
-   stopped with SIGTERM, at 75% slot 2 is killed with SIGKILL (neither comes back).
+   stopped with SIGTERM, at 75% slot 2 is killed with SIGKILL (neither comes back); each
+   waits until the fleet serves every partition again after the one before (and the
+   joiner serves some), so each partition's longest gap is one move's.
 4. Throughout, every process's /status is read every 0.5 s: which process serves which
    partition, from which the partition moves and each partition's longest time without a
    serving process are taken (a process that refuses the connection serves nothing; one
@@ -55,6 +57,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +88,8 @@ STATUS_POLL_S = 0.5
 STATUS_TIMEOUT_S = 2.0
 STOP_PROXY_S = 30.0
 FLEET_READY_S = 120.0
+SETTLE_WAIT_S = 60.0
+"""Longest an event waits for the fleet to settle after the one before."""
 """Longest wait for the first processes to serve every partition before production."""
 EXPECTED = ("retry", "own crash", "deadline")
 
@@ -249,6 +254,12 @@ class ServingPoller(threading.Thread):
     def all_served(self) -> bool:
         return bool(self.samples) and all(self.samples[-1][1].values())
 
+    def settled(self, pid: int | None = None) -> bool:
+        """Every partition served, and by process `pid` too when given (a joiner)."""
+        if not self.all_served():
+            return False
+        return pid is None or any(pid in pids for pids in self.samples[-1][1].values())
+
     def stop(self) -> None:
         self._halt.set()
         self.join(30)
@@ -302,12 +313,20 @@ class FleetEvent:
 
 
 class Events(threading.Thread):
-    """The join, the SIGTERM and the SIGKILL at 25, 50 and 75% of production."""
+    """The join, the SIGTERM and the SIGKILL at 25, 50 and 75% of production, each once
+    the fleet has settled after the one before (`settled`, waited for at most
+    SETTLE_WAIT_S): on a loaded machine a late start of the joining process put the
+    SIGTERM's hand-over on the member the SIGKILL then removed, so one partition waited
+    through two moves and a session timeout back to back (20.5 s unserved), which says
+    nothing about how long one move takes."""
 
-    def __init__(self, fleet: ProxyFleet, options: FleetOptions) -> None:
+    def __init__(
+        self, fleet: ProxyFleet, options: FleetOptions, settled: Callable[[int | None], bool]
+    ) -> None:
         super().__init__(name="fleet-events", daemon=True)
         self._fleet = fleet
         self._options = options
+        self._settled = settled
         self._halt = threading.Event()
         self.start_at = 0.0
         self.records: list[FleetEvent] = []
@@ -320,16 +339,22 @@ class Events(threading.Thread):
             (0.50, FleetEvent("sigterm", 1)),
             (0.75, FleetEvent("sigkill", 2)),
         ]
+        joined: int | None = None
         try:
             for share, event in plan:
                 wait = self.start_at + share * self._options.duration_s - time.time()
                 if self._halt.wait(max(0.0, wait)):
                     return
+                settle_by = time.monotonic() + SETTLE_WAIT_S
+                while not self._settled(joined) and time.monotonic() < settle_by:
+                    if self._halt.wait(STATUS_POLL_S):
+                        return
                 event.at = time.time()
                 self.records.append(event)
                 if event.kind == "join":
                     self._fleet.start(event.slot)
                     event.detail = f"pid {self._fleet.procs[event.slot].pid}"
+                    joined = self._fleet.procs[event.slot].pid
                     continue
                 proc = self._fleet.procs[event.slot]
                 self._fleet.exits[event.slot] = -1  # told to: not an unexpected exit
@@ -675,7 +700,7 @@ def run_fleet(options: FleetOptions) -> FleetReport:
             stack.broker.bootstrap, workload, options.duration_s, 0.0, options.partitions
         )
         cleanup.callback(producer.stop)
-        events = Events(proxies, options)
+        events = Events(proxies, options, poller.settled)
         cleanup.callback(events.stop)
 
         instances.start()
