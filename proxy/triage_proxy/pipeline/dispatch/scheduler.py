@@ -180,13 +180,7 @@ class Scheduler:
 
     def _linger(self, delay: float) -> None:
         """Pump again in `delay` seconds, for a refill held back (once at a time)."""
-        if self._linger_wake is not None:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return  # unit tests without a loop: the next pump (or tick) does it
-        self._linger_wake = loop.call_later(delay, self._on_linger_wake)
+        self._linger_wake = _wake(self._linger_wake, delay, self._on_linger_wake)
 
     def _on_linger_wake(self) -> None:
         self._linger_wake = None
@@ -211,14 +205,8 @@ class Scheduler:
         return batch
 
     def _pump_after(self, delay: float) -> None:
-        """Pump again in `delay` seconds (once; without a loop, unit tests, tick() pumps)."""
-        if self._rate_wake is not None:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        self._rate_wake = loop.call_later(delay, self._on_rate_wake)
+        """Pump again in `delay` seconds, when the rate caps allow (once at a time)."""
+        self._rate_wake = _wake(self._rate_wake, delay, self._on_rate_wake)
 
     def _on_rate_wake(self) -> None:
         self._rate_wake = None
@@ -293,3 +281,17 @@ class Scheduler:
             session.consumer_id,
         )
         self._window.update_events()
+
+
+def _wake(
+    pending: asyncio.TimerHandle | None, delay: float, callback: Callable[[], None]
+) -> asyncio.TimerHandle | None:
+    """`callback` in `delay` seconds unless `pending` is on its way already. Without a
+    running loop (unit tests) nothing is scheduled: the next pump or tick does it."""
+    if pending is not None:
+        return pending
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+    return loop.call_later(delay, callback)
