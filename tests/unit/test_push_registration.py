@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from triage_proxy.config.push import DEFAULT_ALLOW
@@ -30,6 +31,8 @@ def test_the_default_allow_list_is_loopback_and_private_networks() -> None:
         ({"Authorization": TOKEN}, "127.0.0.1", False, 400, None),
         ({"Authorization": TOKEN, "grpcport": "0"}, "127.0.0.1", False, 400, None),
         ({"Authorization": TOKEN, "grpcport": "x"}, "127.0.0.1", False, 400, None),
+        ({"Authorization": TOKEN, "grpcport": "\u0663"}, "127.0.0.1", False, 400, None),  # "٣"
+        ({"Authorization": TOKEN, "grpcport": "65536"}, "127.0.0.1", False, 400, None),
         ({"Authorization": TOKEN, "grpcport": "50051"}, "8.8.8.8", False, 403, None),
         ({"Authorization": TOKEN, "grpcport": "50051"}, "10.0.0.7", False, 200, "10.0.0.7:50051"),
         (
@@ -66,3 +69,49 @@ def test_registration_answers(
 
     assert asyncio.run(ask()) == status
     assert got == ([registered] if registered else [])
+
+
+def test_header_bytes_that_are_not_utf8_are_refused_not_a_server_error() -> None:
+    """Raw bytes on a loopback socket, as a broken or hostile client sends them: a token
+    that is not UTF-8 is a 401 and a port in another script's digits a 400, never a 500."""
+    got: list[str] = []
+
+    async def register(address: str) -> None:
+        got.append(address)
+
+    async def ask(raw_headers: bytes) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /consumers HTTP/1.1\r\nhost: x\r\nconnection: close\r\n" + raw_headers)
+        writer.write(b"\r\n")
+        answer = await reader.read()
+        writer.close()
+        await writer.wait_closed()
+        return answer.split(b"\r\n", 1)[0]
+
+    async def scenario() -> list[bytes]:
+        nonlocal port
+        registration = Registration(lambda: [TOKEN, "t\u00fcken-non-ascii"], register)
+        app = web.Application()
+        app.router.add_get("/consumers", registration.handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            return [
+                await ask(b"Authorization: \xff\xfe\r\ngrpcport: 50051\r\n"),
+                await ask(b"Authorization: " + TOKEN.encode() + b"\r\ngrpcport: \xd9\xa3\r\n"),
+                await ask("Authorization: t\u00fcken-non-ascii\r\ngrpcport: 50051\r\n".encode()),
+            ]
+        finally:
+            await runner.cleanup()
+
+    port = 0
+    lines = asyncio.run(scenario())
+    assert lines == [
+        b"HTTP/1.1 401 Unauthorized",
+        b"HTTP/1.1 400 Bad Request",
+        b"HTTP/1.1 200 OK",  # a token that is UTF-8 but not ASCII is compared as sent
+    ]
+    assert got == ["127.0.0.1:50051"]

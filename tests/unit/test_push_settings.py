@@ -8,6 +8,7 @@ import pytest
 
 from triage_proxy.config.settings import settings_from_dict
 from triage_proxy.errors import ConfigError
+from triage_proxy.push.targets import http_target
 
 BASE: dict[str, Any] = {
     "kafka": {"bootstrap_servers": "127.0.0.1:9092", "topic": "orders", "group_id": "g"},
@@ -31,6 +32,26 @@ def test_secrets_are_references_resolved_when_asked() -> None:
     table = {"name": "o", "url": "http://h/", "token": "env:PUSH_TOKEN"}
     (target,) = settings_from_dict({**BASE, "push": [table]}, {}).push
     assert target.token == "env:PUSH_TOKEN"
+
+
+def test_a_resolved_secret_is_in_no_repr(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a target is built with shows neither the token nor the signing key, should an
+    error message or a debugger print it."""
+    monkeypatch.setenv("TRIAGE_TEST_PUSH_T", "bearer-secret-1")
+    monkeypatch.setenv("TRIAGE_TEST_PUSH_S", "hmac-secret-2")
+    table = {
+        "name": "o",
+        "url": "http://h/",
+        "token": "env:TRIAGE_TEST_PUSH_T",
+        "signing_secret": "env:TRIAGE_TEST_PUSH_S",
+    }
+    settings = settings_from_dict({**BASE, "push": [table]}, {})
+    target = http_target(settings, settings.push[0])
+    assert target.endpoint.authorization == "Bearer bearer-secret-1"
+    assert target.endpoint.signing_secret == b"hmac-secret-2"
+    for shown in (repr(target.endpoint), repr(settings.push[0]), repr(target.shape)):
+        assert "bearer-secret-1" not in shown
+        assert "hmac-secret-2" not in shown
 
 
 @pytest.mark.parametrize(

@@ -158,13 +158,17 @@ class Registration:
         token = request.headers.get("Authorization")
         if token is None:
             return web.Response(status=400, text="Missing Authorization header")
-        given = token.encode()
+        # Header bytes that are not UTF-8 arrive as surrogates: compare the bytes as sent,
+        # so such a token is refused (401) instead of failing the request (500).
+        given = token.encode("utf-8", "surrogateescape")
         if not any(hmac.compare_digest(given, t.encode()) for t in self._tokens()):
             return web.Response(status=401, text="Malformed or invalid authorization token")
         port_text = request.headers.get("grpcport")
         if port_text is None:
             return web.Response(status=400, text="Missing gRPC port header")
-        port = int(port_text) if port_text.strip().isdigit() else 0
+        digits = port_text.strip()
+        # ASCII digits only: str.isdigit() is true of other scripts' digits too ("٣" is 3).
+        port = int(digits) if digits.isascii() and digits.isdigit() else 0
         if not 1 <= port <= 65535:
             return web.Response(status=400, text="gRPC port must be a number from 1 to 65535")
         host = request.remote or ""

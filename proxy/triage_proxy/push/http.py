@@ -17,7 +17,7 @@ import logging
 import ssl
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 from triage_proxy.push.client import ConnectError, HttpClient
@@ -58,10 +58,10 @@ class HttpEndpoint:
     """Statuses that dead-letter a record at once."""
     max_response_bytes: int
     """Most bytes of a response body read."""
-    authorization: str | None = None
-    """The Authorization header value, when the target has a token."""
-    signing_secret: bytes | None = None
-    """The HMAC key of `triage-signature`, when the target signs."""
+    authorization: str | None = field(default=None, repr=False)
+    """The Authorization header value, when the target has a token (never in a repr)."""
+    signing_secret: bytes | None = field(default=None, repr=False)
+    """The HMAC key of `triage-signature`, when the target signs (never in a repr)."""
     ssl_context: ssl.SSLContext | None = None
     """TLS settings for an https URL (CA bundle, client certificate); None: the default."""
 
