@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import os
 import signal
 import ssl
@@ -429,25 +430,37 @@ def test_a_proxy_killed_mid_run_loses_nothing(
     assert dead_letters(settings_for(broker, aws, topic)) == []
 
 
-def test_https_with_a_private_ca_a_bearer_token_and_a_signature(
-    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str, tmp_path: Path
+def test_https_with_a_private_ca_a_client_certificate_a_bearer_token_and_a_signature(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str, tmp_path: Path, caplog: Any
 ) -> None:
-    """TLS verified against the configured CA, the token and the signing key read from
-    references, and each request signed over its exact body."""
+    """TLS verified against the configured CA, with the client certificate the receiver
+    demands (mutual TLS), the token and the signing key read from references, each
+    request signed over its exact body, and neither secret in any log line or in status."""
+    caplog.set_level(logging.DEBUG)
     messages: list[Message] = [(b"k%d" % i, b"v%d" % i, None) for i in range(20)]
     produce(broker.bootstrap, topic, messages)
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1")
     ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    client = ca.issue_cert("proxy.triage.test")
+    client.cert_chain_pems[0].write_to_path(str(tmp_path / "client.pem"))
+    client.private_key_pem.write_to_path(str(tmp_path / "client.key"))
     server_ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     cert.configure_cert(server_ssl)
+    server_ssl.verify_mode = ssl.CERT_REQUIRED  # no client certificate: no handshake
+    ca.configure_trust(server_ssl)
     checked: list[bool] = []
+    peers: set[str] = set()
+    shown: list[str] = []
 
     async def handle(request: web.Request) -> web.Response:
         body = await request.read()
         signature = request.headers["triage-signature"]
         fresh = verify(b"hmac-key-of-the-test", body, signature, int(time.time()))
         checked.append(fresh and request.headers["authorization"] == "Bearer push-token-1")
+        assert request.transport is not None
+        peer = request.transport.get_extra_info("peercert")
+        peers.update(v for kind, v in peer.get("subjectAltName", ()) if kind == "DNS")
         return web.Response(status=200)
 
     async def scenario() -> None:
@@ -463,14 +476,18 @@ def test_https_with_a_private_ca_a_bearer_token_and_a_signature(
             ca_file=str(tmp_path / "ca.pem"),
             token="env:TEST_PUSH_TOKEN",
             signing_secret="env:TEST_PUSH_HMAC",
+            cert_file=str(tmp_path / "client.pem"),
+            key_file=str(tmp_path / "client.key"),
         )
         try:
             settings = settings_for(broker, aws, topic, push=target)
-            async with Proxy(settings, 0):
+            async with Proxy(settings, 0) as proxy:
                 group = settings.kafka.group_id
                 assert await await_until(
                     lambda: committed(broker.bootstrap, group, topic) == len(messages), 30
                 )
+                shown.append(json.dumps(proxy.status().to_json()))
+                shown.append(repr(proxy.settings))
         finally:
             await runner.cleanup()
 
@@ -482,6 +499,11 @@ def test_https_with_a_private_ca_a_bearer_token_and_a_signature(
         del os.environ["TEST_PUSH_TOKEN"], os.environ["TEST_PUSH_HMAC"]
     assert len(checked) == len(messages)
     assert all(checked)
+    assert peers == {"proxy.triage.test"}
+    logged = [record.getMessage() for record in caplog.records] + shown
+    assert logged
+    for secret in ("push-token-1", "hmac-key-of-the-test"):
+        assert not [line for line in logged if secret in line]
 
 
 def test_per_key_ordering_holds_through_push(

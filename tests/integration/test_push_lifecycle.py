@@ -1,0 +1,356 @@
+"""Push delivery through a target's life: drain on SIGTERM, Retry-After, the rate limits,
+a registered gRPC consumer killed and registering again, and what /metrics shows. A real
+proxy (in process, or `triage proxy` in a subprocess), the real broker and DynamoDB
+endpoint, and real receivers on free loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from tests.integration.harness import (
+    LEASE_S,
+    TOKEN,
+    await_until,
+    committed,
+    dead_letters,
+    kill_processes,
+    produce,
+    settings_for,
+    start_proxy_process,
+)
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port
+from triage_proxy.app import Proxy
+
+pytestmark = pytest.mark.integration
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@asynccontextmanager
+async def receiver(handler: Handler) -> AsyncIterator[str]:
+    app = web.Application()
+    app.router.add_post("/", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}/"
+    finally:
+        await runner.cleanup()
+
+
+def offset_of(request: web.Request) -> int:
+    return int(request.headers["ce-id"].rsplit("/", 1)[1])
+
+
+def records(n: int) -> list[tuple[bytes, bytes, None]]:
+    return [(b"k%d" % i, b"v%d" % i, None) for i in range(n)]
+
+
+def read_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return str(response.read().decode())
+
+
+def read_json(url: str) -> Any:
+    return json.loads(read_text(url))
+
+
+def test_sigterm_lets_requests_in_flight_finish_and_gives_back_the_rest_without_an_attempt(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str, tmp_path: Path
+) -> None:
+    """`triage proxy` gets SIGTERM with 8 requests in flight: the 4 answered during the
+    drain are acked and committed; the 4 still unanswered at `drain_timeout_s` are given
+    back without an attempt, so with `max_attempts = 1` the next process delivers them
+    instead of dead-lettering them. Nothing new is sent once the drain began."""
+    total = 40
+    produce(broker.bootstrap, topic, records(total))
+    answered_in_drain = asyncio.Event()
+    phase = {"n": 1}
+    held: set[int] = set()
+    after_stop: list[int] = []
+    stopping = asyncio.Event()
+    release_first = asyncio.Event()
+    seen: set[int] = set()
+
+    async def handle(request: web.Request) -> web.Response:
+        await request.read()
+        offset = offset_of(request)
+        if phase["n"] == 1:
+            if stopping.is_set():
+                after_stop.append(offset)
+            if offset < 8:
+                held.add(offset)
+                # 0-3 are answered once the drain began; 4-7 never, in this phase.
+                await (release_first if offset < 4 else asyncio.Event()).wait()
+                answered_in_drain.set()
+        seen.add(offset)
+        return web.Response(status=200)
+
+    async def scenario() -> None:
+        async with receiver(handle) as url:
+            settings = settings_for(broker, aws, topic)  # creates the table
+            base: dict[str, Any] = {
+                "kafka": {
+                    "bootstrap_servers": broker.bootstrap,
+                    "topic": topic,
+                    "group_id": settings.kafka.group_id,
+                },
+                "auth": {"token": TOKEN},
+                "dead_letters": {
+                    "table": settings.dead_letters.table,
+                    "endpoint_url": aws.endpoint_url,
+                },
+                "commit": {"interval_s": 0.1},
+                "ownership": {"lease_s": LEASE_S},
+                "shutdown": {"drain_timeout_s": 3},
+                "delivery": {"max_attempts": 1},
+                "push": [
+                    {
+                        "name": "receiver",
+                        "url": url,
+                        "timeout_s": 60,
+                        "max_concurrency": 8,
+                        "initial_concurrency": 8,
+                    }
+                ],
+            }
+            procs: list[subprocess.Popen[bytes]] = []
+            try:
+                proc, _ = start_proxy_process(tmp_path, "first", base, 0)
+                procs.append(proc)
+                assert await await_until(lambda: len(held) == 8, 60)
+                status_url = f"http://127.0.0.1:{first_http_port(tmp_path)}/status"
+                proc.send_signal(signal.SIGTERM)
+
+                def draining() -> bool:
+                    doc = read_json(status_url)
+                    return bool(doc["partitions"]) and doc["partitions"][0]["state"] == "stopping"
+
+                deadline = time.monotonic() + 30
+                while not await asyncio.to_thread(draining):
+                    assert time.monotonic() < deadline, "the partition did not start draining"
+                    await asyncio.sleep(0.02)
+                stopping.set()
+                release_first.set()
+                assert await asyncio.wait_for(asyncio.to_thread(proc.wait), 60) == 0
+                assert answered_in_drain.is_set()
+                assert after_stop == []  # nothing new was sent once the drain began
+                assert seen == {0, 1, 2, 3}
+                group = settings.kafka.group_id
+                assert committed(broker.bootstrap, group, topic) == 4
+
+                phase["n"] = 2
+                proc, _ = start_proxy_process(tmp_path, "second", base, 0)
+                procs.append(proc)
+                assert await await_until(
+                    lambda: committed(broker.bootstrap, group, topic) == total, 90
+                )
+            finally:
+                kill_processes(procs)
+
+    asyncio.run(scenario())
+    assert seen == set(range(total))
+    assert dead_letters(settings_for(broker, aws, topic)) == []
+
+
+def first_http_port(tmp_path: Path) -> int:
+    """The HTTP port `start_proxy_process` wrote into first.toml (partition 0)."""
+    import tomllib
+
+    with open(tmp_path / "first.toml", "rb") as f:
+        return int(tomllib.load(f)["server"]["http_port"])
+
+
+def test_retry_after_is_honoured_and_uses_no_attempt(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    """A 503 with `Retry-After: 2`: the target sends nothing for 2 s, says why in its
+    state, and the record is delivered after it (one attempt allowed, none used)."""
+    total = 10
+    produce(broker.bootstrap, topic, records(total))
+    arrivals: list[float] = []
+    waiting: list[str] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        await request.read()
+        arrivals.append(time.monotonic())
+        if len(arrivals) == 1:
+            return web.Response(status=503, headers={"Retry-After": "2"}, text="busy")
+        return web.Response(status=200)
+
+    async def scenario() -> None:
+        async with receiver(handle) as url:
+            target = [{"name": "r", "url": url, "timeout_s": 5, "max_concurrency": 1}]
+            settings = settings_for(broker, aws, topic, push=target, delivery={"max_attempts": 1})
+            async with Proxy(settings, 0) as proxy:
+                assert await await_until(lambda: len(arrivals) >= 1, 30)
+                assert await await_until(lambda: proxy.status().push[0].state != "ok", 10)
+                waiting.append(proxy.status().push[0].state)
+                group = settings.kafka.group_id
+                assert await await_until(
+                    lambda: committed(broker.bootstrap, group, topic) == total, 30
+                )
+                push = proxy.status().push[0]
+                assert push.records.get("overload") == 1
+                assert push.records.get("ack") == total
+                assert push.state == "ok"
+
+    asyncio.run(scenario())
+    assert waiting[0].startswith("overload: HTTP 503")
+    assert "waiting 2.0 s" in waiting[0]
+    assert arrivals[1] - arrivals[0] >= 1.9  # nothing was sent before Retry-After ran out
+    assert len(arrivals) == total + 1
+    assert dead_letters(settings_for(broker, aws, topic)) == []
+
+
+def test_the_rate_limit_holds_for_pushed_records(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    """`rate_limit.messages_per_s` caps what a push target is handed, as it caps a
+    streaming client: one second's burst, then the cap."""
+    cap, total = 100.0, 300
+    produce(broker.bootstrap, topic, records(total))
+    arrivals: list[float] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        await request.read()
+        arrivals.append(time.monotonic())
+        return web.Response(status=200)
+
+    async def scenario() -> float:
+        async with receiver(handle) as url:
+            target = [{"name": "r", "url": url, "timeout_s": 5, "max_concurrency": 16}]
+            settings = settings_for(
+                broker, aws, topic, push=target, rate_limit={"messages_per_s": cap}
+            )
+            opened = time.monotonic()
+            async with Proxy(settings, 0):
+                group = settings.kafka.group_id
+                assert await await_until(
+                    lambda: committed(broker.bootstrap, group, topic) == total, 60
+                )
+            return opened
+
+    opened = asyncio.run(scenario())
+    assert len(arrivals) == total
+    # One second's burst at once, then `cap` a second: (300 - 100) / 100 = 2 s at least.
+    assert arrivals[-1] - arrivals[0] >= (total - cap) / cap * 0.95
+    # Never more than a burst plus `cap` a second since before the proxy started.
+    for i, t in enumerate(arrivals):
+        assert i + 1 <= cap + cap * (t - opened) + 1
+
+
+class Consumer:
+    """tests/integration/grpc_consumer.py as a child process, killed by PID."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.grpc_consumer", json.dumps(options)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert json.loads(line)["registered"] == 200, line
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def test_a_grpc_consumer_killed_mid_run_loses_nothing_and_may_register_again(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    """The original Triage's consumer is killed -9 with calls in flight: UNAVAILABLE gives
+    its records back without an attempt (one allowed), the proxy forgets it, and once it
+    registers again on the same port it receives the rest."""
+    total = 600
+    produce(broker.bootstrap, topic, records(total))
+    port = free_port()
+    consumers: list[Consumer] = []
+
+    async def scenario() -> None:
+        target = [{"name": "go", "mode": "grpc", "registration": True, "max_concurrency": 8}]
+        settings = settings_for(broker, aws, topic, push=target, delivery={"max_attempts": 1})
+        async with Proxy(settings, 0) as proxy:
+            options = {
+                "port": port,
+                "register": f"http://127.0.0.1:{proxy.http_port}/consumers",
+                "token": TOKEN,
+                "delay_ms": 20,
+            }
+
+            def acked() -> int:
+                return sum(t.records.get("ack", 0) for t in proxy.status().push)
+
+            consumers.append(await asyncio.to_thread(Consumer, options))
+            assert await await_until(lambda: acked() >= 100, 30)
+            consumers[0].kill()  # kill -9 with calls in flight
+            assert await await_until(lambda: proxy.status().push == (), 15)
+            group = settings.kafka.group_id
+            assert committed(broker.bootstrap, group, topic) < total
+            consumers.append(await asyncio.to_thread(Consumer, options))
+            assert await await_until(lambda: committed(broker.bootstrap, group, topic) == total, 60)
+            assert proxy.snapshot().counters["dead_lettered"] == 0
+            (again,) = proxy.status().push
+            assert again.name == f"go@127.0.0.1:{port}"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for consumer in consumers:
+            consumer.kill()
+    assert dead_letters(settings_for(broker, aws, topic)) == []
+
+
+def test_metrics_show_each_target(broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str) -> None:
+    """/metrics of a running proxy: the limit, in-flight, requests by class, records by
+    verdict, errors and the latency histogram, labelled by target."""
+    produce(broker.bootstrap, topic, [*records(5), (b"p", b"poison", None)])
+
+    async def handle(request: web.Request) -> web.Response:
+        if await request.read() == b"poison":
+            return web.Response(status=422, text="no")
+        return web.Response(status=200)
+
+    async def scenario() -> str:
+        async with receiver(handle) as url:
+            target = [{"name": "orders", "url": url, "timeout_s": 5, "max_concurrency": 4}]
+            settings = settings_for(broker, aws, topic, push=target)
+            async with Proxy(settings, 0) as proxy:
+                group = settings.kafka.group_id
+                assert await await_until(lambda: committed(broker.bootstrap, group, topic) == 6, 30)
+                url = f"http://127.0.0.1:{proxy.http_port}/metrics"
+                return await asyncio.to_thread(read_text, url)  # the proxy serves it here
+
+    text = asyncio.run(scenario())
+    lines = set(text.splitlines())
+    assert any(line.startswith('triage_push_limit{target="orders"} ') for line in lines)
+    assert 'triage_push_in_flight{target="orders"} 0.0' in lines
+    assert 'triage_push_paused{target="orders"} 0.0' in lines
+    assert 'triage_push_requests_total{class="2xx",target="orders"} 5.0' in lines
+    assert 'triage_push_requests_total{class="4xx",target="orders"} 1.0' in lines
+    assert 'triage_push_records_total{target="orders",verdict="ack"} 5.0' in lines
+    assert 'triage_push_records_total{target="orders",verdict="nack"} 1.0' in lines
+    assert 'triage_push_errors_total{target="orders"} 0.0' in lines
+    assert 'triage_push_latency_seconds_count{target="orders"} 6.0' in lines
