@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -323,9 +324,46 @@ def test_a_grpc_consumer_killed_mid_run_loses_nothing_and_may_register_again(
     assert dead_letters(settings_for(broker, aws, topic)) == []
 
 
+def test_a_record_that_keeps_failing_is_dead_lettered_after_its_attempts(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    """A 500 uses an attempt each time; after `max_attempts` the record is dead-lettered
+    with the last answer as its reason, and the records around it are acked."""
+    produce(broker.bootstrap, topic, [*records(3), (b"bad", b"always 500", None), *records(3)])
+    tries: list[int] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        if await request.read() == b"always 500":
+            tries.append(len(tries) + 1)
+            return web.Response(status=500, text=f"broken, try {len(tries)}")
+        return web.Response(status=200)
+
+    async def scenario() -> None:
+        async with receiver(handle) as url:
+            settings = settings_for(
+                broker,
+                aws,
+                topic,
+                push=[{"name": "r", "url": url, "timeout_s": 5}],
+                delivery={"max_attempts": 3},
+                retry={"initial_backoff_s": 0.05, "max_backoff_s": 0.1},
+            )
+            async with Proxy(settings, 0) as proxy:
+                group = settings.kafka.group_id
+                assert await await_until(lambda: committed(broker.bootstrap, group, topic) == 7, 30)
+                assert proxy.status().push[0].records == {"ack": 6, "retry": 3}
+
+    asyncio.run(scenario())
+    assert tries == [1, 2, 3]
+    (dl,) = dead_letters(settings_for(broker, aws, topic))
+    assert (dl.record.offset, dl.record.key, dl.record.value) == (3, b"bad", b"always 500")
+    assert dl.reason == "delivery attempts exhausted (3): HTTP 500: broken, try 3"
+
+
 def test_metrics_show_each_target(broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str) -> None:
     """/metrics of a running proxy: the limit, in-flight, requests by class, records by
-    verdict, errors and the latency histogram, labelled by target."""
+    verdict, errors and the latency histogram, labelled by target. Registration is off
+    without a mode "grpc" target: `GET /consumers` is not there."""
     produce(broker.bootstrap, topic, [*records(5), (b"p", b"poison", None)])
 
     async def handle(request: web.Request) -> web.Response:
@@ -340,8 +378,12 @@ def test_metrics_show_each_target(broker: EmbeddedBroker, aws: EmbeddedAWS, topi
             async with Proxy(settings, 0) as proxy:
                 group = settings.kafka.group_id
                 assert await await_until(lambda: committed(broker.bootstrap, group, topic) == 6, 30)
-                url = f"http://127.0.0.1:{proxy.http_port}/metrics"
-                return await asyncio.to_thread(read_text, url)  # the proxy serves it here
+                base = f"http://127.0.0.1:{proxy.http_port}"
+                with pytest.raises(urllib.error.HTTPError) as refused:
+                    await asyncio.to_thread(read_text, f"{base}/consumers")
+                refused.value.close()
+                assert refused.value.code == 404
+                return await asyncio.to_thread(read_text, f"{base}/metrics")  # served here
 
     text = asyncio.run(scenario())
     lines = set(text.splitlines())
