@@ -19,7 +19,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+import trustme
 from aiohttp import web
 
 from tests.integration.harness import (
@@ -34,6 +36,7 @@ from tests.integration.harness import (
     start_proxy_process,
 )
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port
+from triage_protocol import handler_pb2, handler_pb2_grpc
 from triage_proxy.app import Proxy
 
 pytestmark = pytest.mark.integration
@@ -396,3 +399,67 @@ def test_metrics_show_each_target(broker: EmbeddedBroker, aws: EmbeddedAWS, topi
     assert 'triage_push_records_total{target="orders",verdict="nack"} 1.0' in lines
     assert 'triage_push_errors_total{target="orders"} 0.0' in lines
     assert 'triage_push_latency_seconds_count{target="orders"} 6.0' in lines
+
+
+def test_grpc_push_dials_back_over_mutual_tls(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str, tmp_path: Path
+) -> None:
+    """With `ca_file` and `cert_file`/`key_file` on the mode "grpc" table, the proxy dials
+    the registered consumer over TLS, verifies it against the CA and presents its own
+    certificate (the consumer's server demands one)."""
+    total = 20
+    produce(broker.bootstrap, topic, records(total))
+    ca = trustme.CA()
+    server_cert = ca.issue_cert("127.0.0.1")
+    client_cert = ca.issue_cert("proxy.triage.test")
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    client_cert.cert_chain_pems[0].write_to_path(str(tmp_path / "client.pem"))
+    client_cert.private_key_pem.write_to_path(str(tmp_path / "client.key"))
+    bodies: list[str] = []
+
+    class Handler(handler_pb2_grpc.MessageHandlerServicer):  # type: ignore[misc]
+        async def SendMessage(self, request: Any, context: Any) -> Any:
+            bodies.append(request.body)
+            return handler_pb2.MessageResponse(body="ok", status=1)
+
+    async def scenario() -> None:
+        server = grpc.aio.server()
+        handler_pb2_grpc.add_MessageHandlerServicer_to_server(Handler(), server)
+        credentials = grpc.ssl_server_credentials(
+            [(server_cert.private_key_pem.bytes(), server_cert.cert_chain_pems[0].bytes())],
+            root_certificates=ca.cert_pem.bytes(),
+            require_client_auth=True,
+        )
+        port = server.add_secure_port("127.0.0.1:0", credentials)
+        await server.start()
+        table = {
+            "name": "go",
+            "mode": "grpc",
+            "registration": True,
+            "ca_file": str(tmp_path / "ca.pem"),
+            "cert_file": str(tmp_path / "client.pem"),
+            "key_file": str(tmp_path / "client.key"),
+        }
+        settings = settings_for(broker, aws, topic, push=[table])
+        try:
+            async with Proxy(settings, 0) as proxy:
+                url = f"http://127.0.0.1:{proxy.http_port}/consumers"
+                headers = {"Authorization": TOKEN, "grpcport": str(port)}
+                request = urllib.request.Request(url, headers=headers)
+
+                def register() -> int:
+                    with urllib.request.urlopen(request, timeout=10) as response:
+                        return int(response.status)
+
+                assert await asyncio.to_thread(register) == 200
+                group = settings.kafka.group_id
+                assert await await_until(
+                    lambda: committed(broker.bootstrap, group, topic) == total, 30
+                )
+                (target,) = proxy.status().push
+                assert target.records == {"ack": total}
+        finally:
+            await server.stop(None)
+
+    asyncio.run(scenario())
+    assert sorted(bodies) == sorted(f"v{i}" for i in range(total))
