@@ -223,6 +223,48 @@ def test_retry_after_is_honoured_and_uses_no_attempt(
     assert dead_letters(settings_for(broker, aws, topic)) == []
 
 
+def test_an_endpoint_that_sheds_everything_is_backed_off_not_hammered(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    """503 for every request, without Retry-After, for 3 s: the limit falls to its floor,
+    then the target pauses with backoff instead of resending each record as fast as the
+    endpoint answers. No attempt is used (one allowed); everything is delivered after."""
+    total = 10
+    produce(broker.bootstrap, topic, records(total))
+    shed: list[float] = []
+    states: list[str] = []
+    until: list[float] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        await request.read()
+        now = time.monotonic()
+        if not until:
+            until.append(now + 3.0)
+        if now < until[0]:
+            shed.append(now)
+            return web.Response(status=503, text="maintenance")
+        return web.Response(status=200)
+
+    async def scenario() -> None:
+        async with receiver(handle) as url:
+            target = [{"name": "r", "url": url, "timeout_s": 5, "initial_concurrency": 4}]
+            settings = settings_for(broker, aws, topic, push=target, delivery={"max_attempts": 1})
+            async with Proxy(settings, 0) as proxy:
+                assert await await_until(lambda: proxy.status().push[0].state != "ok", 15)
+                states.append(proxy.status().push[0].state)
+                group = settings.kafka.group_id
+                assert await await_until(
+                    lambda: committed(broker.bootstrap, group, topic) == total, 60
+                )
+
+    asyncio.run(scenario())
+    assert states[0].startswith("overload: HTTP 503 (waiting ")
+    # Falling 4 -> 1 (x 0.9 once per round trip) takes some 20 requests; then pauses of
+    # 0.5, 1, 2 s: a few more in 3 s, where resending at once makes thousands on loopback.
+    assert 1 <= len(shed) <= 100
+    assert dead_letters(settings_for(broker, aws, topic)) == []
+
+
 def test_the_rate_limit_holds_for_pushed_records(
     broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
 ) -> None:

@@ -9,7 +9,9 @@
       `triage-action: retry`                 RETRY      used      redelivered after backoff
     429, 503                                 OVERLOAD   none      given back; the limit is
                                                                   lowered; the target waits
-                                                                  Retry-After (or backs off)
+                                                                  Retry-After (without it:
+                                                                  backs off once the limit
+                                                                  is at its floor)
     other 5xx; a timeout; a reset            RETRY      used      redelivered after backoff
     3xx, 401, 403, 404, 405, 407, 421        REFUSED    none      given back; the target
                                                                   pauses with backoff and

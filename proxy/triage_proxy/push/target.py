@@ -11,10 +11,11 @@ What a target owns:
   more than `limit` requests are in flight to the endpoint from this process;
 - one `Lane` per partition it serves: the session in that partition's dispatcher, the
   queue of deliveries not yet sent, and the worker task that sends them;
-- the pause: after an outage (connection refused), a refusal (a 404, a 401) or an
-  overload with Retry-After, no request starts until the pause ends; what the lanes hold
-  goes back to the dispatcher without using an attempt, and their credits drop to 0, so
-  no lease runs out while the endpoint cannot be reached.
+- the pause: after an outage (connection refused), a refusal (a 404, a 401), an
+  overload with Retry-After, or an overload without it once the limit is at its floor
+  (it cannot fall further), no request starts until the pause ends; what the lanes
+  hold goes back to the dispatcher without using an attempt, and their credits drop to
+  0, so no lease runs out while the endpoint cannot be reached.
 
 Credits: each lane gets an even share of `limit x batch` (at least one batch), so the
 records the dispatcher hands over are the ones the requests can carry soon; a record
@@ -368,8 +369,15 @@ class PushTarget:
 
     def _pause(self, outcome: Outcome) -> None:
         """Stop starting requests for a while; what the lanes hold goes back."""
-        if outcome.verdict is Verdict.OVERLOAD and outcome.retry_after_s is None:
-            return  # the limit fell; an overload without Retry-After needs no pause
+        if (
+            outcome.verdict is Verdict.OVERLOAD
+            and outcome.retry_after_s is None
+            and self.limiter.limit > self.shape.limit.min_limit
+        ):
+            # The limit fell, and that is the back-off while it can fall. At its floor an
+            # endpoint that still sheds load (a 503 for every request, say) would get each
+            # record again at once, as fast as it answers: the target pauses instead.
+            return
         now = self._monotonic()
         if self._paused_until > now:
             return
