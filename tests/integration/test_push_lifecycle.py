@@ -6,6 +6,7 @@ endpoint, and real receivers on free loopback ports."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import signal
@@ -263,6 +264,45 @@ def test_an_endpoint_that_sheds_everything_is_backed_off_not_hammered(
     # 0.5, 1, 2 s: a few more in 3 s, where resending at once makes thousands on loopback.
     assert 1 <= len(shed) <= 100
     assert dead_letters(settings_for(broker, aws, topic)) == []
+
+
+def test_a_batch_stays_within_max_batch_bytes_and_a_larger_record_goes_alone(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    """`batch = 50`, `max_batch_bytes = 8192`, records of 1,000 bytes: each request's
+    body fits the bytes (a few records each, never 50), except the one request that
+    carries the 20,000-byte record, alone; every record arrives byte-exact."""
+    values = [bytes([i % 256]) * 1000 for i in range(30)]
+    values.insert(10, b"\xfe" * 20_000)
+    produce(broker.bootstrap, topic, [(b"k%d" % i, v, None) for i, v in enumerate(values)])
+    bodies: list[tuple[int, int]] = []  # (bytes, events) per request
+    got: dict[int, bytes] = {}
+
+    async def handle(request: web.Request) -> web.Response:
+        body = await request.read()
+        events = json.loads(body)
+        bodies.append((len(body), len(events)))
+        for event in events:
+            got[int(event["id"].rsplit("/", 1)[1])] = base64.b64decode(event["data_base64"])
+        return web.Response(status=200)
+
+    async def scenario() -> None:
+        async with receiver(handle) as url:
+            target = [
+                {"name": "r", "url": url, "timeout_s": 5, "batch": 50, "max_batch_bytes": 8192}
+            ]
+            settings = settings_for(broker, aws, topic, push=target)
+            async with Proxy(settings, 0):
+                group = settings.kafka.group_id
+                assert await await_until(
+                    lambda: committed(broker.bootstrap, group, topic) == len(values), 30
+                )
+
+    asyncio.run(scenario())
+    assert got == dict(enumerate(values))
+    assert [n for size, n in bodies if size > 8192] == [1]  # the large record, alone
+    assert all(size <= 8192 for size, n in bodies if n > 1)
+    assert max(n for _, n in bodies) > 1  # batches did form
 
 
 def test_the_rate_limit_holds_for_pushed_records(

@@ -97,6 +97,10 @@ class HttpTarget(PushTarget):
         if self._client is not None:
             self._client.close()
 
+    batch_overhead = 1
+    """A batch body is `[` + the events joined by commas + `]`: with each event counted
+    with a comma (`prepare`), one byte more than their sum."""
+
     def prepare(self, record: Record) -> tuple[object, int]:
         if not self._batched:
             return record, record.size

@@ -152,7 +152,7 @@ class Lane:
             return [entry], [target.prepare(entry.record)[0]]
         taken: list[Entry] = []
         payloads: list[object] = []
-        size = 0
+        size = target.batch_overhead
         while self.queue and len(taken) < shape.batch:
             entry = self.queue[0]
             payload, n = target.prepare(entry.record)
@@ -307,6 +307,9 @@ class PushTarget:
         """A lease must run past this (monotonic) time for a request starting now: past
         its timeout, with a second to settle the answer."""
         return self._monotonic() + self.shape.timeout_s + 1.0
+
+    batch_overhead = 0
+    """Bytes a batched request's body has beyond what `prepare` counts for its records."""
 
     def prepare(self, record: Record) -> tuple[object, int]:
         """`record` as a request carries it, and its bytes there (what `max_batch_bytes`
