@@ -545,3 +545,79 @@ def test_grpc_push_dials_back_over_mutual_tls(
 
     asyncio.run(scenario())
     assert sorted(bodies) == sorted(f"v{i}" for i in range(total))
+
+
+def test_grpc_answers_use_an_attempt_or_not_as_the_table_says(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    """Two attempts allowed. RESOURCE_EXHAUSTED twice in a row uses none (then acked); a
+    status other than 1 or -1, an INTERNAL error and a call past `timeout_s` use one each
+    (then acked at the second); a status 7 every time is dead-lettered after two."""
+    bodies = ["exhausted", "status0", "internal", "slow", "always7", "plain"]
+    produce(broker.bootstrap, topic, [(None, b.encode(), None) for b in bodies])
+    tries: dict[str, int] = {}
+
+    class Handler(handler_pb2_grpc.MessageHandlerServicer):  # type: ignore[misc]
+        async def SendMessage(self, request: Any, context: Any) -> Any:
+            body = request.body
+            n = tries[body] = tries.get(body, 0) + 1
+            if body == "exhausted" and n <= 2:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
+            if body == "status0" and n == 1:
+                return handler_pb2.MessageResponse(body="later", status=0)
+            if body == "internal" and n == 1:
+                await context.abort(grpc.StatusCode.INTERNAL, "oops")
+            if body == "slow" and n == 1:
+                await asyncio.sleep(3)  # past timeout_s: DEADLINE_EXCEEDED at the proxy
+            if body == "always7":
+                return handler_pb2.MessageResponse(body="nope", status=7)
+            return handler_pb2.MessageResponse(body="ok", status=1)
+
+    async def scenario() -> None:
+        server = grpc.aio.server()
+        handler_pb2_grpc.add_MessageHandlerServicer_to_server(Handler(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        table = {"name": "go", "mode": "grpc", "registration": True, "timeout_s": 1}
+        settings = settings_for(
+            broker,
+            aws,
+            topic,
+            push=[table],
+            delivery={"max_attempts": 2},
+            retry={"initial_backoff_s": 0.05, "max_backoff_s": 0.1},
+        )
+        try:
+            async with Proxy(settings, 0) as proxy:
+                url = f"http://127.0.0.1:{proxy.http_port}/consumers"
+                headers = {"Authorization": TOKEN, "grpcport": str(port)}
+                request = urllib.request.Request(url, headers=headers)
+
+                def register() -> int:
+                    with urllib.request.urlopen(request, timeout=10) as response:
+                        return int(response.status)
+
+                assert await asyncio.to_thread(register) == 200
+                group = settings.kafka.group_id
+                assert await await_until(
+                    lambda: committed(broker.bootstrap, group, topic) == len(bodies), 60
+                )
+                (target,) = proxy.status().push
+                assert target.responses.get("exhausted") == 2
+                assert target.responses.get("timeout") == 1
+                assert target.responses.get("internal") == 1
+        finally:
+            await server.stop(None)
+
+    asyncio.run(scenario())
+    assert tries == {
+        "exhausted": 3,
+        "status0": 2,
+        "internal": 2,
+        "slow": 2,
+        "always7": 2,
+        "plain": 1,
+    }
+    (dl,) = dead_letters(settings_for(broker, aws, topic))
+    assert dl.record.value == b"always7"
+    assert dl.reason == "delivery attempts exhausted (2): consumer answered status 7: nope"
