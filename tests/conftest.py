@@ -35,6 +35,7 @@ from types import FrameType
 import pytest
 from hypothesis import settings as hypothesis_settings
 
+from tests.bytecode import compile_ahead
 from tests.runlock import shared_lock
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.config.settings import DEFAULT_HTTP_PORT, DEFAULT_PORT
@@ -82,6 +83,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # A SIGTERM (CI timeout, kill) then tears the fixtures down like Ctrl-C does, so the
     # broker and moto server are stopped by PID instead of outliving the run.
     signal.signal(signal.SIGTERM, _interrupt)
+    if WORKER == "main" and config.getoption("numprocesses", None):
+        # Under xdist, before the workers start: see tests/bytecode.py.
+        compile_ahead(
+            pytest_rewrites=config.getoption("assertmode") == "rewrite"
+            and not config.getini("enable_assertion_pass_hook")
+        )
 
 
 FIRST_GROUPS = ("cpu-heavy", "spark-local", "typescript")

@@ -127,9 +127,96 @@ def cache_module_list() -> None:
     setattr(backends, "list_of_moto_modules", cached)  # noqa: B010
 
 
+NO_BODY_STATUSES = frozenset({204, 304})
+"""Answers that never carry a body, so never a Content-Length of their own."""
+
+
+def keep_alive_handler() -> type[Any]:
+    """moto's request handler (werkzeug's) that keeps a client's connection open between
+    requests instead of closing it after each answer.
+
+    werkzeug's development server answers every request with `Connection: close`: it
+    cannot tell where an unread request body ends, so it drains the socket and closes.
+    Every AWS call of every client then paid a new TCP connection and a new server
+    thread, and the server spent a fifth of its CPU accepting connections and starting
+    threads. This handler reads a request's whole body first (its Content-Length: botocore
+    always sends one, or none for no body), runs moto's WSGI app on that, answers with a
+    Content-Length, and reads the next request from the same connection (HTTP/1.1
+    keep-alive; one thread per connection). A chunked or `Expect: 100-continue` request
+    goes through werkzeug's own path, which closes the connection after it as before.
+    moto's access log (one line per request) is written as before."""
+    import io
+
+    from moto.moto_server.werkzeug_app import MotoRequestHandler
+    from werkzeug.exceptions import InternalServerError
+
+    class KeepAliveHandler(MotoRequestHandler):
+        def run_wsgi(self) -> None:
+            headers = self.headers
+            if "chunked" in headers.get("Transfer-Encoding", "").lower() or headers.get("Expect"):
+                super().run_wsgi()
+                return
+            body = self.rfile.read(int(headers.get("Content-Length") or 0))
+            environ = self.make_environ()
+            environ["wsgi.input"] = io.BytesIO(body)
+            environ["CONTENT_LENGTH"] = str(len(body))
+            self.environ = environ
+            answer: list[Any] = []
+
+            def start_response(status: str, response_headers: Any, exc_info: Any = None) -> Any:
+                answer[:] = [status, response_headers]
+                return lambda data: None  # moto's app returns its body, never writes
+
+            try:
+                chunks = self.server.app(environ, start_response)
+                try:
+                    data = b"".join(chunks)
+                finally:
+                    if hasattr(chunks, "close"):
+                        chunks.close()
+            except Exception as exc:  # noqa: BLE001 (as werkzeug does: log it, answer 500)
+                self.server.log("error", f"Error on request: {exc!r}")
+                chunks = InternalServerError()(environ, start_response)
+                data = b"".join(chunks)
+                self.close_connection = True
+            status, response_headers = answer
+            code_text, _, message = status.partition(" ")
+            code = int(code_text)
+            self.send_response(code, message)
+            sent_length = False
+            for key, value in response_headers:
+                if key.lower() == "connection":
+                    continue
+                sent_length = sent_length or key.lower() == "content-length"
+                self.send_header(key, value)
+            if not sent_length and code >= 200 and code not in NO_BODY_STATUSES:
+                self.send_header("Content-Length", str(len(data)))
+            # Headers and body in one write: a second small write on a kept-alive
+            # connection would wait for the client's delayed ACK (Nagle), ~40 ms a call.
+            self._headers_buffer.append(b"\r\n")
+            if data and self.command != "HEAD":
+                self._headers_buffer.append(data)
+            self.flush_headers()
+
+    return KeepAliveHandler
+
+
+def serve_keep_alive() -> None:
+    """Have moto's server use `keep_alive_handler`, and not wait for the threads of
+    open connections when it stops (in this process only)."""
+    import moto.server
+    from werkzeug.serving import ThreadedWSGIServer
+
+    setattr(moto.server, "MotoRequestHandler", keep_alive_handler())  # noqa: B010
+    # Idle keep-alive connections each hold a thread blocked on a read: a stop must not
+    # wait for them (the threads are daemons; werkzeug's server would join them).
+    setattr(ThreadedWSGIServer, "block_on_close", False)  # noqa: B010
+
+
 def main(argv: list[str] | None = None) -> None:
     install()
     cache_module_list()
+    serve_keep_alive()
     from moto.server import main as moto_main
 
     moto_main(argv if argv is not None else sys.argv[1:])

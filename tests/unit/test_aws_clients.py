@@ -1,4 +1,4 @@
-"""The AWS clients of one process share one boto3 Session (store/aws.py).
+"""The AWS clients of one process share one botocore Session (store/aws.py).
 
 Why: each Session keeps its own copy of botocore's service models, about 10 MB per
 client; a fleet process made two clients per partition, and 16 idle partitions cost

@@ -132,7 +132,8 @@ AWS_EDGE = "proxy/triage_proxy/store/aws.py"
 
 
 def test_only_the_aws_edge_builds_boto3_clients() -> None:
-    """No `import boto3` and no `.client(...)` / `Session(...)` call outside store/aws.py."""
+    """No `import boto3` or `botocore.session` and no `.client(...)` / `Session(...)` /
+    `.create_client(...)` call outside store/aws.py."""
     found = []
     for name, tree in python_files():
         if name == AWS_EDGE:
@@ -147,10 +148,16 @@ def test_only_the_aws_edge_builds_boto3_clients() -> None:
             )
             if any(m == "boto3" or m.startswith("boto3.") for m in imported):
                 found.append(f"{name}:{node.lineno} imports boto3")
+            if any(m == "botocore.session" for m in imported) or (
+                isinstance(node, ast.ImportFrom)
+                and node.module == "botocore"
+                and any(a.name == "session" for a in node.names)
+            ):
+                found.append(f"{name}:{node.lineno} imports botocore.session")
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
-                and node.func.attr in ("client", "Session")
+                and node.func.attr in ("client", "Session", "create_client")
             ):
                 found.append(f"{name}:{node.lineno} calls .{node.func.attr}()")
     assert found == []

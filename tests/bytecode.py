@@ -1,0 +1,168 @@
+"""Compile once, before xdist's workers start, what every process of the run would
+otherwise compile again: the project's own modules and pytest's rewritten test modules.
+
+Where `PYTHONDONTWRITEBYTECODE` is set (as on the development machine, and in many CI
+images), Python never writes a `.pyc` itself. The install compiles what it installs
+(`uv pip install --compile-bytecode`), but the project's packages are installed editable:
+their sources stay in the checkout, so every proxy and CLI process the tests start
+compiled triage_proxy and triage_cli from source (0.15 s of CPU each, hundreds of
+processes a run). And pytest, which rewrites the asserts of test modules, conftests and
+plugins (all of hypothesis) and caches the result in `__pycache__`, writes no cache then
+either: each of the 4 workers rewrote the same ~200 modules, 5 s of CPU each, while the
+run had nothing else to do.
+
+`compile_ahead` writes both kinds of `.pyc` (the caches Python and pytest read whether
+or not they may write) in one process per core, in the controller before the workers
+start. A `.pyc` stays valid while its source's mtime and size are unchanged, as always.
+
+    python -m tests.bytecode plain FILE...     (one process's share)
+    python -m tests.bytecode rewrite FILE...
+"""
+
+from __future__ import annotations
+
+import compileall
+import contextlib
+import os
+import struct
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = (
+    "proxy/triage_proxy",
+    "cli/triage_cli",
+    "client_lib/triage_client",
+    "proto/triage_protocol",
+    "replay/triage_replay",
+    "conformance",
+    "tests",
+)
+"""The project's own modules (editable installs and test helpers), relative to ROOT."""
+
+
+def plain_sources(root: Path = ROOT) -> list[Path]:
+    """Every .py file of PACKAGES (test modules too: harmless, and cheap)."""
+    found: list[Path] = []
+    for package in PACKAGES:
+        found.extend(sorted((root / package).rglob("*.py")))
+    return [path for path in found if "node_modules" not in path.parts]
+
+
+def modules_to_rewrite(root: Path = ROOT) -> list[Path]:
+    """What pytest rewrites under tests/ with the default `python_files`: test_*.py,
+    *_test.py and conftest.py."""
+    tests = root / "tests"
+    found = {
+        *tests.rglob("test_*.py"),
+        *tests.rglob("*_test.py"),
+        *tests.rglob("conftest.py"),
+    }
+    return sorted(found)
+
+
+def rewritten_here() -> list[Path]:
+    """The files of the modules this process loaded through pytest's assert rewriting
+    (the conftests and the plugins, e.g. hypothesis): workers load them the same way."""
+    from _pytest.assertion.rewrite import AssertionRewritingHook
+
+    found = set()
+    for module in list(sys.modules.values()):
+        spec = getattr(module, "__spec__", None)
+        if spec is not None and isinstance(spec.loader, AssertionRewritingHook) and spec.origin:
+            found.add(Path(spec.origin))
+    return sorted(found)
+
+
+def compile_plain(paths: Iterable[Path]) -> None:
+    """A standard `.pyc` for each file (what `import` reads), unless it is current."""
+    for path in paths:
+        with contextlib.suppress(Exception):  # the import then compiles it, as before
+            compileall.compile_file(path, quiet=2)
+
+
+def _current(pyc: Path, source: Path) -> bool:
+    """Whether `pyc` holds the code of `source` as it is now (pytest's test: the mtime
+    and size in its header)."""
+    try:
+        with open(pyc, "rb") as handle:
+            header = handle.read(16)
+        stat = source.stat()
+    except OSError:
+        return False
+    return len(header) == 16 and header[8:16] == struct.pack(
+        "<LL", int(stat.st_mtime) & 0xFFFFFFFF, stat.st_size & 0xFFFFFFFF
+    )
+
+
+def rewrite(paths: Iterable[Path]) -> None:
+    """pytest's rewritten `.pyc` for each file, where pytest reads it (its own cache
+    name, its own format), written atomically as pytest writes it."""
+    from _pytest.assertion.rewrite import (
+        PYC_TAIL,
+        _rewrite_test,
+        _write_pyc_fp,
+        get_cache_dir,
+    )
+
+    for path in paths:
+        cache = get_cache_dir(path)
+        pyc = cache / (path.name[:-3] + PYC_TAIL)
+        if _current(pyc, path):
+            continue
+        try:
+            # config=None: the rewrite without the experimental assertion-pass hook,
+            # which is what pytest does when the ini option is off (compile_ahead checks).
+            stat, code = _rewrite_test(path, None)  # type: ignore[arg-type]
+            cache.mkdir(exist_ok=True)
+            partial = pyc.with_name(f"{pyc.name}.{os.getpid()}")
+            with open(partial, "wb") as handle:
+                _write_pyc_fp(handle, stat, code)
+            os.replace(partial, pyc)
+        except (SyntaxError, OSError):
+            continue  # pytest then rewrites it itself, and reports any error, as before
+
+
+def _shares(paths: Sequence[Path], count: int) -> list[list[Path]]:
+    """`paths` dealt round-robin into `count` lists (biggest first, so shares even out)."""
+    ordered = sorted(paths, key=lambda p: p.stat().st_size, reverse=True)
+    return [ordered[i::count] for i in range(count)]
+
+
+def compile_ahead(pytest_rewrites: bool, root: Path = ROOT) -> None:
+    """Write both kinds of `.pyc`, split over one child process per core; wait for them.
+    `pytest_rewrites`: also pytest's (only where its rewrite is the default one)."""
+    jobs = [("plain", plain_sources(root))]
+    if pytest_rewrites:
+        jobs.append(("rewrite", sorted({*modules_to_rewrite(root), *rewritten_here()})))
+    count = os.cpu_count() or 1
+    children = []
+    for kind, paths in jobs:
+        for share in _shares(paths, count):
+            if share:
+                children.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "tests.bytecode", kind, *map(str, share)],
+                        cwd=root,
+                        stdin=subprocess.DEVNULL,
+                    )
+                )
+    for child in children:
+        child.wait()
+
+
+def main(argv: Sequence[str]) -> None:
+    kind, *files = argv
+    paths = [Path(f) for f in files]
+    if kind == "plain":
+        compile_plain(paths)
+    elif kind == "rewrite":
+        rewrite(paths)
+    else:
+        raise SystemExit(f"unknown kind {kind!r}: plain or rewrite")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,70 @@
+"""The `.pyc` files tests/bytecode.py writes before xdist's workers start are the ones
+pytest and Python read: a rewritten test module keeps pytest's assert explanations, a
+changed source is rewritten again, and the modules pytest rewrote in this process (the
+conftests, the plugins) are found. If a pytest upgrade changed its cache, these fail
+instead of the run silently rewriting everything in every worker again."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+from _pytest.assertion.rewrite import PYC_TAIL, _read_pyc, get_cache_dir
+
+from tests import bytecode
+
+TEST_SOURCE = "def test_it():\n    x = 2\n    assert x == 3\n"
+
+
+def _pyc(source: Path) -> Path:
+    return get_cache_dir(source) / (source.name[:-3] + PYC_TAIL)
+
+
+def test_a_rewritten_module_is_read_by_pytest_and_explains_its_asserts(tmp_path: Path) -> None:
+    source = tmp_path / "test_sample.py"
+    source.write_text(TEST_SOURCE)
+    bytecode.rewrite([source])
+    code = _read_pyc(source, _pyc(source))
+    assert code is not None
+    namespace: dict[str, object] = {}
+    exec(code, namespace)
+    with pytest.raises(AssertionError, match=r"assert 2 == 3"):
+        namespace["test_it"]()  # type: ignore[operator]
+
+
+def test_a_changed_source_is_rewritten_again(tmp_path: Path) -> None:
+    source = tmp_path / "test_sample.py"
+    source.write_text(TEST_SOURCE)
+    bytecode.rewrite([source])
+    source.write_text(TEST_SOURCE.replace("3", "4"))
+    os.utime(source, (1_000_000_000, 1_000_000_000))
+    assert _read_pyc(source, _pyc(source)) is None  # pytest would not use the stale one
+    bytecode.rewrite([source])
+    code = _read_pyc(source, _pyc(source))
+    assert code is not None
+    namespace: dict[str, object] = {}
+    exec(code, namespace)
+    with pytest.raises(AssertionError, match=r"assert 2 == 4"):
+        namespace["test_it"]()  # type: ignore[operator]
+
+
+def test_a_plain_module_gets_the_pyc_import_reads(tmp_path: Path) -> None:
+    source = tmp_path / "helper.py"
+    source.write_text("VALUE = 1\n")
+    bytecode.compile_plain([source])
+    assert Path(importlib.util.cache_from_source(str(source))).is_file()
+
+
+def test_the_modules_pytest_rewrote_in_this_process_are_found() -> None:
+    found = bytecode.rewritten_here()
+    assert bytecode.ROOT / "tests" / "conftest.py" in found
+    assert Path(__file__) in found
+
+
+def test_every_test_module_is_listed_for_rewriting() -> None:
+    listed = bytecode.modules_to_rewrite()
+    assert Path(__file__) in listed
+    assert bytecode.ROOT / "tests" / "conftest.py" in listed
+    assert all(p.name.startswith("test_") or p.name == "conftest.py" for p in listed)
