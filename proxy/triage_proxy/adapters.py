@@ -19,6 +19,7 @@ from triage_proxy.kafka.reader import Reader
 from triage_proxy.pipeline.partition import PartitionParts
 from triage_proxy.store.checkpoints import CheckpointStore, DynamoDBCheckpoints
 from triage_proxy.store.leases import DynamoDBLeases, LeaseStore
+from triage_proxy.structs import Record
 
 if TYPE_CHECKING:
     from triage_proxy.fleet import FleetMembership
@@ -64,7 +65,11 @@ class Adapters:
             return self._parts(partition)
         settings = self._settings
         made: list[Callable[[], None]] = []
-        log = self._log or self._new_log(partition)
+        buffered = None
+        if self._log is not None:
+            log = self._log
+        else:
+            log, buffered = self._new_log(partition)
         leases = None
         if settings.ownership.enabled:
             leases = self._leases
@@ -90,15 +95,25 @@ class Adapters:
                 fn()
 
         return PartitionParts(
-            log, checkpoints, leases, close, commits_apart=self._fleet is not None, fence=fence
+            log,
+            checkpoints,
+            leases,
+            close,
+            buffered=buffered,
+            commits_apart=self._fleet is not None,
+            fence=fence,
         )
 
-    def _new_log(self, partition: int) -> PartitionLog:
+    def _new_log(self, partition: int) -> tuple[PartitionLog, Callable[[int], list[Record]] | None]:
+        """The partition's log, and what takes its already fetched records without
+        waiting (the reader's; None for a log of its own)."""
         log: PartitionLog
+        buffered = None
         if self.reader is not None:
-            log = self.reader.partition(partition)  # the process's one Consumer
+            log = read = self.reader.partition(partition)  # the process's one Consumer
+            buffered = read.take_buffered
         else:
             log = ConfluentPartition(self._settings.kafka, partition)
         if self._fleet is not None:
-            return self._fleet.log_for(log, partition)  # commits as the group's member
-        return log
+            log = self._fleet.log_for(log, partition)  # commits as the group's member
+        return log, buffered

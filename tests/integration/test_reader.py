@@ -58,6 +58,41 @@ def test_partitions_read_through_one_consumer_pause_alone(
         reader.close()
 
 
+def test_takes_without_waiting_and_fetches_interleave_in_order_through_pauses(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, unique_name: str
+) -> None:
+    # What a pipeline does (pipeline/fetcher.py): take what is buffered on its loop, fetch
+    # on its thread when nothing is. Together they read every record once, in order, and a
+    # take without waiting resumes a paused partition as a fetch does.
+    create_topic(broker.bootstrap, unique_name, partitions=1)
+    settings = make_settings(broker.bootstrap, aws.endpoint_url, unique_name, unique_name)
+    n = 3000
+    produce(broker.bootstrap, unique_name, _messages(0, n, pad=1000), partition=0)
+    reader = Reader(settings.kafka, max_bytes=120_000)  # ~100 records of 1 KB
+    try:
+        log = reader.partition(0)
+        assert log.open() == (0, None)
+        got: list[int] = []
+        buffered = 0
+        deadline = time.monotonic() + 60
+        while len(got) < n:
+            assert time.monotonic() < deadline, f"only {len(got)} of {n} records arrived"
+            taken = log.take_buffered(37)
+            buffered += len(taken)
+            if not taken:
+                taken = log.fetch(37)
+            assert len(taken) <= 37
+            got.extend(r.offset for r in taken)
+        assert got == list(range(n))
+        assert buffered > 0, "nothing was ever buffered when asked"
+        # Paused at least once, and read to the end: something resumed it.
+        assert reader.pauses >= 1, "the small buffer never filled up"
+        assert log.take_buffered(10) == []  # nothing more: no wait, nothing invented
+        log.close()
+    finally:
+        reader.close()
+
+
 def test_a_closed_partition_drops_its_buffer_and_reopens_at_its_commit(
     broker: EmbeddedBroker, aws: EmbeddedAWS, unique_name: str
 ) -> None:

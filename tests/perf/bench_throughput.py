@@ -17,7 +17,7 @@ and `--bookkeeping-too` runs each measurement with both, alternating, and prints
 ratio: what the handler's own work costs the end-to-end figure.
 
     .venv/bin/python -m tests.perf.bench_throughput [--messages N] [--runs 5]
-        [--profile DIR [--profile-gil]] [--bookkeeping | --bookkeeping-too]
+        [--profile DIR [--profile-gil] [--profile-native]] [--bookkeeping | --bookkeeping-too]
 """
 
 from __future__ import annotations
@@ -124,7 +124,12 @@ class Measured:
 
 
 def measure(
-    args: argparse.Namespace, profile: Path | None, gil: bool = False, *, lean: bool = True
+    args: argparse.Namespace,
+    profile: Path | None,
+    gil: bool = False,
+    *,
+    lean: bool = True,
+    native: bool = False,
 ) -> Measured:
     messages = args.messages
     overrides = {"commit": {"interval_s": 0.1}}
@@ -141,6 +146,7 @@ def measure(
                 poll_s=0.02,
                 profile=profile,
                 profile_gil=gil,
+                profile_native=native,
                 lean=lean,
             )
         finally:
@@ -191,6 +197,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--profile", type=Path, default=None)
     parser.add_argument("--profile-gil", action="store_true", help="py-spy --gil")
+    parser.add_argument("--profile-native", action="store_true", help="py-spy --native")
     handlers = parser.add_mutually_exclusive_group()
     handlers.add_argument("--bookkeeping", action="store_true", help="the bookkeeping handler")
     handlers.add_argument(
@@ -205,7 +212,15 @@ def main() -> int:
         if args.runs > 1:
             print(f"run {n + 1} of {args.runs}")
         profile = args.profile if n == 0 else None
-        runs.append(measure(args, profile, args.profile_gil, lean=not args.bookkeeping))
+        runs.append(
+            measure(
+                args,
+                profile,
+                args.profile_gil,
+                lean=not args.bookkeeping,
+                native=args.profile_native,
+            )
+        )
         if args.bookkeeping_too:
             kept = measure(args, None, lean=False)
             booked.append(kept)

@@ -155,6 +155,7 @@ def run_instances(
     poll_s: float | None = None,
     profile: Path | None = None,
     profile_gil: bool = False,
+    profile_native: bool = False,
     lean: bool = False,
 ) -> InstancesRun:
     """Start `args.instances` x `args.concurrency` instances, wait until all `args.messages`
@@ -180,7 +181,7 @@ def run_instances(
             time.sleep(0.01)
         pids = {f"proxy-{p}": stack.proxy_process(p).pid for p in range(partitions)}
         pids.update({f"instance-{i}": pid for i, pid in enumerate(instances.pids)})
-        profiler = Profiler(pids, profile, gil=profile_gil)
+        profiler = Profiler(pids, profile, gil=profile_gil, native=profile_native)
     try:
         committed_at = watcher.wait_for(expected, timeout_s=timeout_s, **polling)
     finally:
@@ -214,9 +215,15 @@ class Profiler:
     sample counts per frame: where the time goes, in text a report can quote."""
 
     def __init__(
-        self, pids: dict[str, int], out_dir: Path, rate: int = 200, gil: bool = False
+        self,
+        pids: dict[str, int],
+        out_dir: Path,
+        rate: int = 200,
+        gil: bool = False,
+        native: bool = False,
     ) -> None:
-        """`gil`: sample only the thread holding the GIL (py-spy --gil): where the GIL goes."""
+        """`gil`: sample only the thread holding the GIL (py-spy --gil): where the GIL goes.
+        `native`: with the C frames (py-spy --native): what extension code costs."""
         out_dir.mkdir(parents=True, exist_ok=True)
         spy = Path(sys.executable).parent / "py-spy"
         if not spy.exists():
@@ -234,8 +241,10 @@ class Profiler:
                     "--format",
                     "raw",
                     "--threads",
-                    "--nonblocking",
+                    # --native unwinds C stacks, which needs the process paused.
+                    *([] if native else ["--nonblocking"]),
                     *(["--gil"] if gil else []),
+                    *(["--native"] if native else []),
                     "--output",
                     str(self.files[name]),
                 ],

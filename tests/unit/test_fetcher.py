@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -16,10 +17,11 @@ from tests.unit.test_dispatcher import connect
 from tests.unit.twins import KAFKA_CALL_S, FlakyPartition, InlineKafkaThread
 from tests.unit.virtual_time import gaps, run, until
 from triage_proxy.config.settings import settings_from_dict
+from triage_proxy.errors import BrokerUnavailable
 from triage_proxy.pipeline.dispatch import Dispatcher
 from triage_proxy.pipeline.fetcher import Fetcher
 from triage_proxy.pipeline.tracker import CommitTracker
-from triage_proxy.structs import DeadLetter
+from triage_proxy.structs import DeadLetter, Record
 
 BACKOFFS_S = [0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0]
 """The fetcher's waits after consecutive failed fetches: doubling from 0.1 s, capped at 5 s."""
@@ -39,7 +41,13 @@ class Rig:
             await self.task
 
 
-async def start(*, records: int, max_messages: int = 1000, fetch_batch: int = 100) -> Rig:
+async def start(
+    *,
+    records: int,
+    max_messages: int = 1000,
+    fetch_batch: int = 100,
+    buffered: Callable[[int], list[Record]] | None = None,
+) -> Rig:
     loop = asyncio.get_running_loop()
     settings = settings_from_dict(
         {
@@ -60,7 +68,9 @@ async def start(*, records: int, max_messages: int = 1000, fetch_batch: int = 10
     partition = FlakyPartition(loop.time)
     partition.fill(records)
     closing = asyncio.Event()
-    fetcher = Fetcher(partition, InlineKafkaThread(), dispatcher, fetch_batch, closing)
+    fetcher = Fetcher(
+        partition, InlineKafkaThread(), dispatcher, fetch_batch, closing, buffered=buffered
+    )
     task = asyncio.create_task(fetcher.run())
     return Rig(partition, dispatcher, fetcher, closing, task)
 
@@ -172,5 +182,69 @@ def test_closing_ends_the_loop_whatever_it_waits_on() -> None:
         rig.closing.set()
         await rig.stop()
         assert rig.partition.fetch_times == []
+
+    run(main())
+
+
+class Buffered:
+    """What a process's reader holds for the partition (kafka/reader.py's take_buffered):
+    the records it is given, taken without waiting; `failing` of the next takes raise."""
+
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+        self.takes: list[int] = []
+        """`max_records` of each take that returned records."""
+        self.failing = 0
+
+    def __call__(self, max_records: int) -> list[Record]:
+        if self.failing:
+            self.failing -= 1
+            raise BrokerUnavailable("take failed (twin)")
+        out, self.records = self.records[:max_records], self.records[max_records:]
+        if out:
+            self.takes.append(max_records)
+        return out
+
+
+def test_records_already_buffered_are_taken_on_the_loop_and_the_rest_fetched() -> None:
+    async def main() -> None:
+        buffered = Buffered()
+        rig = await start(records=0, fetch_batch=100, max_messages=1000, buffered=buffered)
+        # Buffered: 250 records at offsets 0-249 (the partition twin's log stays empty).
+        twin = FlakyPartition(asyncio.get_running_loop().time)
+        twin.fill(250)
+        buffered.records = list(twin.log)
+        await until(lambda: rig.dispatcher.in_window == 250)
+        assert buffered.takes == [100, 100, 100]
+        assert rig.partition.fetch_sizes == []  # nothing went to the fetch thread
+
+        # Nothing buffered: the fetch thread's fetch brings what the log has.
+        for offset in range(250, 260):
+            rig.partition.append(b"v", offset=offset)
+        await until(lambda: rig.dispatcher.in_window == 260)
+        assert rig.partition.fetch_sizes != []
+
+        # A failing take is a failing fetch: degraded, backed off, recovered.
+        buffered.failing = 1
+        await until(lambda: rig.fetcher.degraded)
+        await until(lambda: not rig.fetcher.degraded)
+        await rig.stop()
+
+    run(main())
+
+
+def test_a_full_window_takes_nothing_more_from_the_buffer() -> None:
+    async def main() -> None:
+        buffered = Buffered()
+        rig = await start(records=0, max_messages=8, buffered=buffered)
+        twin = FlakyPartition(asyncio.get_running_loop().time)
+        twin.fill(20)
+        buffered.records = list(twin.log)
+        await until(lambda: rig.fetcher.paused)
+        assert rig.dispatcher.in_window == 8
+        assert len(buffered.records) == 12
+        await asyncio.sleep(30)
+        assert len(buffered.records) == 12  # however long it stays full
+        await rig.stop()
 
     run(main())

@@ -15,8 +15,11 @@ consume() with the calls queued for it (open, close), so a call waits at most on
 consume (FETCH_WAIT_S). Commits and the broker queries (log end, metadata) go to a
 second handle on the pipelines' own threads instead (kafka.SideHandle): they wait for
 no consume and hold up no fetch. consume() fills one buffer per
-partition; each pipeline's `ReaderPartition.fetch` (a `PartitionLog`, on the pipeline's
-own KafkaThread) takes from its own buffer only, waiting up to FETCH_WAIT_S when empty.
+partition; each pipeline takes from its own buffer only: on its event loop what is
+there already (`ReaderPartition.take_buffered`, no thread hop: with 16 partitions a
+consume() brings each about a 16th of its records, and a hop to the pipeline's thread and
+back for every such run cost more than the run), else through `ReaderPartition.fetch` (a
+`PartitionLog`, on the pipeline's own KafkaThread), waiting up to FETCH_WAIT_S.
 
 Bounds: a partition's buffer holds at most PREFETCH_KBYTES (kafka/client.py's per-partition
 prefetch cap) of records, counted as their keys and values plus RECORD_OVERHEAD bytes
@@ -89,7 +92,9 @@ class _Buffer:
     __slots__ = ("batches", "cond", "count", "error", "nbytes", "paused", "resume_asked")
 
     def __init__(self) -> None:
-        self.batches: deque[list[Record]] = deque()
+        self.batches: deque[tuple[list[Record], int]] = deque()
+        """Runs of records as the reader sorted them, each with its `_size` (counted once,
+        when it came in)."""
         self.count = 0
         self.nbytes = 0
         self.cond = threading.Condition(threading.Lock())
@@ -187,33 +192,50 @@ class Reader:
         with buffer.cond:
             if not buffer.count and buffer.error is None:
                 buffer.cond.wait(FETCH_WAIT_S)
-            if buffer.error is not None:
-                error, buffer.error = buffer.error, None
-                raise error
-            batches = buffer.batches
-            out: list[Record] = []
-            while batches and len(out) < max_records:
-                batch = batches[0]
-                want = max_records - len(out)
-                if len(batch) <= want:
-                    batches.popleft()
-                    if out:
-                        out.extend(batch)
-                    else:
-                        out = batch
+            return self._take(partition, buffer, max_records)
+
+    def take_buffered(self, partition: int, max_records: int) -> list[Record]:
+        """Up to `max_records` of what `partition`'s buffer holds now, without waiting
+        (none when it is empty): the pipeline calls this on its event loop first, so a
+        partition whose records are already here costs no hop to a thread and back."""
+        buffer = self._buffers.get(partition)
+        if buffer is None:
+            raise BrokerUnavailable(f"partition {partition} is not open")
+        if not buffer.count and buffer.error is None:
+            return []  # unlocked: a batch appended meanwhile is the next call's
+        with buffer.cond:
+            return self._take(partition, buffer, max_records)
+
+    def _take(self, partition: int, buffer: _Buffer, max_records: int) -> list[Record]:
+        """`take` of what `buffer` holds (its lock held)."""
+        if buffer.error is not None:
+            error, buffer.error = buffer.error, None
+            raise error
+        batches = buffer.batches
+        out: list[Record] = []
+        nbytes = 0
+        while batches and len(out) < max_records:
+            batch, size = batches[0]
+            want = max_records - len(out)
+            if len(batch) <= want:
+                batches.popleft()
+                if out:
+                    out.extend(batch)
                 else:
-                    out.extend(batch[:want])
-                    batches[0] = batch[want:]
-            if out:
-                buffer.count -= len(out)
-                buffer.nbytes -= _size(out)
-                if (
-                    buffer.paused
-                    and not buffer.resume_asked
-                    and buffer.nbytes <= self._max_bytes // 2
-                ):
-                    buffer.resume_asked = True
-                    self._resume.put(partition)
+                    out = batch
+                nbytes += size
+            else:
+                part = batch[:want]
+                taken = _size(part)
+                out.extend(part)
+                batches[0] = (batch[want:], size - taken)
+                nbytes += taken
+        if out:
+            buffer.count -= len(out)
+            buffer.nbytes -= nbytes
+            if buffer.paused and not buffer.resume_asked and buffer.nbytes <= self._max_bytes // 2:
+                buffer.resume_asked = True
+                self._resume.put(partition)
         return out
 
     # --- the reader thread -----------------------------------------------------------------
@@ -284,10 +306,11 @@ class Reader:
             buffer = self._buffers.get(partition)
             if buffer is None:
                 continue  # closed meanwhile: never delivered, fetched again by its next owner
+            size = _size(records)
             with buffer.cond:
-                buffer.batches.append(records)
+                buffer.batches.append((records, size))
                 buffer.count += len(records)
-                buffer.nbytes += _size(records)
+                buffer.nbytes += size
                 pause = not buffer.paused and buffer.nbytes >= self._max_bytes
                 if pause:
                     buffer.paused = True
@@ -377,6 +400,11 @@ class ReaderPartition:
 
     def fetch(self, max_records: int) -> list[Record]:
         return self._reader.take(self._partition, max_records)
+
+    def take_buffered(self, max_records: int) -> list[Record]:
+        """What the reader already holds for this partition, without waiting (any thread;
+        the pipeline's event loop calls it before it sends a `fetch` to its thread)."""
+        return self._reader.take_buffered(self._partition, max_records)
 
     def commit(self, offset: int, metadata: str | None = None) -> None:
         self._reader.side().commit(self._partition, offset, metadata)

@@ -1,5 +1,8 @@
 """The fetcher: pulls the partition into the dispatcher's window, never past it.
 
+Each fetch runs on the partition's Kafka thread; with the process's shared reader, what
+the reader already holds for the partition is taken on the event loop instead (`buffered`).
+
 When the window is full it stops taking records (librdkafka's capped prefetch then
 stops fetching from the broker, see kafka/client.py) and waits for room; it never drops.
 Broker trouble is retried with backoff and reported once as degraded, then once as
@@ -10,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from triage_proxy.errors import BrokerUnavailable
 from triage_proxy.kafka.client import KafkaThread, PartitionLog
 from triage_proxy.pipeline.dispatch import Dispatcher
 from triage_proxy.pipeline.policies import backoff
+from triage_proxy.structs import Record
 from triage_proxy.waiting import wait_any
 
 logger = logging.getLogger(__name__)
@@ -34,8 +39,13 @@ class Fetcher:
         dispatcher: Dispatcher,
         batch: int,
         closing: asyncio.Event,
+        buffered: Callable[[int], list[Record]] | None = None,
     ) -> None:
+        """`buffered`: takes up to n records already fetched for the partition, without
+        waiting (the process's reader: kafka/reader.py); tried on the event loop before a
+        fetch goes to `thread`, so records already here cost no hop to a thread and back."""
         self._log = log
+        self._buffered = buffered
         self._thread = thread
         self._dispatcher = dispatcher
         self._batch = batch
@@ -45,6 +55,7 @@ class Fetcher:
 
     async def run(self) -> None:
         dispatcher = self._dispatcher
+        buffered = self._buffered
         failures = 0
         while not self._closing.is_set():
             room = dispatcher.room_for
@@ -53,8 +64,13 @@ class Fetcher:
                 await wait_any(dispatcher.room, self._closing)
                 continue
             self._set_paused(False)
+            want = min(room, self._batch)
+            on_loop = False
             try:
-                records = await self._thread.run(self._log.fetch, min(room, self._batch))
+                records = buffered(want) if buffered is not None else None
+                on_loop = bool(records)
+                if not on_loop:
+                    records = await self._thread.run(self._log.fetch, want)
             except BrokerUnavailable as exc:
                 if not self.degraded:
                     logger.warning("degraded: fetch failing (%s); retrying", exc)
@@ -69,6 +85,10 @@ class Fetcher:
             failures = 0
             if records:
                 dispatcher.add(records)
+            if on_loop:
+                # Taken on the loop: let the other tasks (the streams' reads and writes)
+                # run before the next take, as an awaited fetch would.
+                await asyncio.sleep(0)
         self._set_paused(True)
         logger.debug("fetcher stopped")
 

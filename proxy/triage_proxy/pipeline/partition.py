@@ -58,7 +58,7 @@ from triage_proxy.pipeline.tracker import CommitTracker
 from triage_proxy.store.checkpoints import CheckpointStore
 from triage_proxy.store.deadletter_store import DeadLetterStore
 from triage_proxy.store.leases import LeaseStore
-from triage_proxy.structs import DeadLetter
+from triage_proxy.structs import DeadLetter, Record
 from triage_proxy.waiting import wait_any
 
 logger = logging.getLogger(__name__)
@@ -89,6 +89,9 @@ class PartitionParts:
     fence: Callable[[], str | None] | None = None
     """The group fence (`Ownership`'s; a pinned process's `GroupFence.busy`): why it must
     not deliver now; None: no fence (a fleet member, or ownership off)."""
+    buffered: Callable[[int], list[Record]] | None = None
+    """Takes up to n records the process's reader already fetched for the partition,
+    without waiting (kafka/reader.py; None: every fetch waits on the fetch thread)."""
     commits_apart: bool = False
     """The log commits through another Kafka client (a fleet's group member). Every
     commit waits on a thread of its own, not on the fetch's (see `_serve`), so this
@@ -294,7 +297,14 @@ class PartitionPipeline:
                 bounded=checkpoints is not None,
             )
             fetch_closing = asyncio.Event()
-            fetcher = Fetcher(log, thread, dispatcher, settings.kafka.fetch_batch, fetch_closing)
+            fetcher = Fetcher(
+                log,
+                thread,
+                dispatcher,
+                settings.kafka.fetch_batch,
+                fetch_closing,
+                buffered=self.parts.buffered,
+            )
             commit_closing = asyncio.Event()
             committer = Committer(
                 log,

@@ -224,9 +224,15 @@ class Dispatcher:
         batch = records if isinstance(records, list) else list(records)
         if not batch:
             return
-        resuming = self._window.resuming
-        new = self._window.add(batch, self._monotonic())
-        if new and max(map(SIZE, new)) > self._max_record_bytes:
+        window = self._window
+        resuming = window.resuming
+        before = window.bytes
+        new = window.add(batch, self._monotonic())
+        # No record is larger than the bytes the whole batch added: only a batch that
+        # added more than one frame carries is looked at record by record.
+        if window.bytes - before > self._max_record_bytes and (
+            max(map(SIZE, new)) > self._max_record_bytes
+        ):
             new = self._oversized(new)
         if self._keys is not None:
             new = self._keys.admit(new)
