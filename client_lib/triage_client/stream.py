@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -50,8 +50,8 @@ import grpc
 
 from triage_client.credits import StreamLoad
 from triage_client.errors import PartitionError, error_for_status
-from triage_client.isolation import GATE, Ticket
-from triage_client.message import ConsumerStats, Message, messages_of
+from triage_client.isolation import StreamTurn
+from triage_client.message import ConsumerStats, messages_of
 from triage_client.pool import HandlerPool
 from triage_client.topology import owner_endpoint
 from triage_client.writer import ACK_BATCH, SETTLE_TICKS, Call, StreamWriter, settle_frame
@@ -77,9 +77,6 @@ INITIAL_BACKOFF_S = 0.05
 SETTLE_BATCH = 256
 """Results a handler slot runs (async) or a handler thread hands back (sync) before the loop
 gets a turn: the pool's batch (consumer.py)."""
-TURN_POLL_S = 0.05
-"""How often a stream whose connection ended looks whether its isolated delivery's handler,
-still running, is done (then the process's turn passes on)."""
 MAX_REDIRECTS = 3
 """Owner endpoints followed at once in a row; past that, redirects wait out the backoff too,
 so two proxies that each name the other cannot spin a stream."""
@@ -164,9 +161,10 @@ class PartitionStream:
         self.received = 0
         """Deliveries received on this connection (`held` subtracts what the writer sent)."""
         self._over_warned = False
-        self._turn: Ticket | None = None  # this stream's isolated delivery holding the turn
         self._writer = StreamWriter(self, context)
         """What this stream sends (writer.py)."""
+        self._turn = StreamTurn(self, context, self._writer)
+        """Its isolated deliveries and the process's turn (isolation.py)."""
         self.after_settle = self._writer.after_settle
         """Handlers' results arrived (the pool calls it): send them now or soon."""
 
@@ -216,11 +214,7 @@ class PartitionStream:
     def begin_stop(self) -> tuple[int, int]:
         """Release the queued deliveries and let the writer drain; (in flight, released)."""
         taken = self._ctx.pool.take_back(self.account)
-        turn = self._turn
-        if turn is not None and not turn.started:
-            self._turn = None
-            GATE.leave(turn)  # given back unstarted
-        GATE.drop_waiting(self)
+        self._turn.give_back()
         if taken:
             self._ledger.release(self.account, (message.offset for message in taken))
             self.dropped += len(taken)
@@ -333,14 +327,7 @@ class PartitionStream:
         released = len(taken)
         unsent = self._ledger.forget(self.account)
         self._writer.ended()
-        GATE.drop_waiting(self)  # the proxy redelivers them (a pending turn sees its epoch)
-        turn, self._turn = self._turn, None
-        if turn is not None:
-            offset = turn.message.offset
-            if turn.started and offset in leases and all(m is not turn.message for m in taken):
-                self._leave_when_done(turn, leases)  # its handler still runs
-            else:
-                GATE.leave(turn)
+        self._turn.connection_ended(leases, taken)  # the proxy redelivers what waited
         self.dropped += released + unsent
         self.received = self._writer.settled
         if released or unsent:
@@ -379,7 +366,7 @@ class PartitionStream:
             elif kind == "welcome":
                 self._on_welcome(frame.welcome, deadline_ms)
             elif kind == "started":
-                self._on_started(frame.started.offsets)
+                self._turn.on_started(frame.started.offsets)
 
     def _on_welcome(self, welcome: triage_pb2.Welcome, deadline_ms: asyncio.Future[int]) -> None:
         ctx = self._ctx
@@ -412,13 +399,8 @@ class PartitionStream:
         )
 
     def settlements_sent(self, acks: list[int], nacks: list[triage_pb2.Nack]) -> None:
-        """The writer sent these results: an isolated delivery among them passes its turn."""
-        turn = self._turn
-        if turn is not None and turn.started:
-            offset = turn.message.offset
-            if offset in acks or any(nack.offset == offset for nack in nacks):
-                self._turn = None
-                GATE.leave(turn)  # its result is on the wire: the next one's turn
+        """The writer sent these results (an isolated delivery's passes the turn on)."""
+        self._turn.settled(acks, nacks)
 
     # -- deliveries and settlements ----------------------------------------------------------
 
@@ -445,51 +427,9 @@ class PartitionStream:
             self._writer.wanted.set()
             return
         if batch.isolated:
-            self._isolate(messages, batch.isolated)
+            self._turn.isolate(messages, batch.isolated)
             return
         self._ctx.pool.submit(self.account, messages)
-
-    def _isolate(self, messages: list[Message], isolated: Iterable[int]) -> None:
-        """Deliveries of a frame that flags some isolated: those wait for the process's
-        turn (isolation.py), the rest go to the pool as usual."""
-        flagged = set(isolated)
-        held = [m for m in messages if m.offset in flagged]
-        self._ctx.pool.submit(self.account, [m for m in messages if m.offset not in flagged])
-        if not held:
-            return
-        loop = self.loop
-        assert loop is not None
-        self._ctx.pool.isolate(self.account, held)
-        epoch = self.account.epoch
-        for message in held:
-            GATE.enter(Ticket(self, message, epoch, loop, self._on_turn))
-
-    def _on_turn(self, ticket: Ticket) -> None:
-        """`ticket`'s turn came (on the loop): ask the proxy to record it started."""
-        if ticket.epoch != self.account.epoch or self.call is None or self._ctx.stopping.is_set():
-            GATE.leave(ticket)  # its connection ended: the proxy redelivers it
-            return
-        self._turn = ticket
-        self._writer.started(ticket.message.offset)
-
-    def _leave_when_done(self, turn: Ticket, leases: set[int]) -> None:
-        """The turn passes on once `turn`'s handler, still running though its connection
-        ended, is done (its offset leaves the ended connection's lease set): until then it
-        is the process's one started isolated delivery, and may still crash it."""
-        if turn.message.offset not in leases or self.loop is None:
-            GATE.leave(turn)
-            return
-        self.loop.call_later(TURN_POLL_S, self._leave_when_done, turn, leases)
-
-    def _on_started(self, offsets: Iterable[int]) -> None:
-        """The proxy recorded the Started: the delivery takes the next handler slot."""
-        turn = self._turn
-        if turn is None or turn.started or turn.message.offset not in offsets:
-            return
-        turn.started = True
-        if not self._ctx.pool.run_isolated(self.account, turn.message):
-            self._turn = None  # given back meanwhile
-            GATE.leave(turn)
 
     def load(self) -> StreamLoad:
         """What this stream showed since the last call (one rebalance period), for the
