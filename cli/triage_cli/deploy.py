@@ -525,7 +525,7 @@ def _refuse_foreign(project: ProjectDir, config: Path, command: str, *, live_onl
     """Refuse (exit 5, touching nothing) when the state folder holds another config's
     deployment: state.json records another config, or a live process its pid files name
     runs with another `--config`. Deploy (`live_only`) minds only live ones: a dead
-    deployment's leftovers are cleaned up as before; destroy minds any."""
+    deployment's leftovers are cleaned up as usual; destroy minds any."""
     others = sorted(project.owners() - {config})
     if not others:
         return
