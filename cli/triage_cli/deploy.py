@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
+from triage_cli.init import DEFAULT_CONFIG
 from triage_cli.supervisor import (
     STOP_MARGIN_S,
     ProjectDir,
@@ -63,7 +64,6 @@ if TYPE_CHECKING:
 
     from triage_proxy.config.settings import Settings
 
-DEFAULT_CONFIG = Path("triage.toml")
 READY_TIMEOUT_S = 60.0
 """Plus ownership.lease_s: a proxy may wait out a dead predecessor's lease first."""
 FALLBACK_DRAIN_S = 30.0
