@@ -181,18 +181,6 @@ class Proxy:
             raise StateError("a fleet proxy has no single partition")
         return self.pins[0]
 
-    @property
-    def membership(self) -> Membership | None:
-        """Fleet mode: the group membership (made at start when not injected)."""
-        return None if self._fleet is None else self._fleet.membership
-
-    def pipeline(self, partition: int | None = None) -> PartitionPipeline | None:
-        """The pipeline serving `partition` now (default: the first pin), None when none
-        runs (not started yet, standby to stopping included)."""
-        if partition is None:
-            partition = self.partition
-        return self.pipelines.get(partition)
-
     # --- lifecycle --------------------------------------------------------------------
 
     @property
