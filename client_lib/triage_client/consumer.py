@@ -101,7 +101,7 @@ class Consumer:
     retry=True: the proxy redelivers the message after its backoff (until its attempt limit).
     Any other exception nacks with retry=False: the proxy dead-letters the message now.
     While a delivery is in this instance's hands (running or queued), its lease is extended
-    automatically every third of the proxy's ack deadline (see stream.py).
+    automatically every third of the proxy's ack deadline (see writer.py).
     """
 
     def __init__(

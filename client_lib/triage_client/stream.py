@@ -32,7 +32,7 @@ turn passes on when its Settle is written (or the connection ends).
 
 Credits: the Hello announces the Consumer's split for this stream. When the Welcome says the
 proxy honours Grant frames (`grants`), the Consumer changes them while the stream runs
-(`set_credits`, see credits.py): the writer sends a Grant, and the stream reports what it
+(`set_credits`, rebalancer.py): the writer sends a Grant, and the stream reports what it
 held (`load`) to the next rebalance. Against an older proxy the Hello's credits hold.
 """
 
