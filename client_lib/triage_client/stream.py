@@ -54,17 +54,10 @@ from triage_client.isolation import StreamTurn
 from triage_client.message import ConsumerStats, messages_of
 from triage_client.pool import HandlerPool
 from triage_client.topology import owner_endpoint
-from triage_client.writer import ACK_BATCH, SETTLE_TICKS, Call, StreamWriter, settle_frame
+from triage_client.writer import Call, StreamWriter
 from triage_protocol import triage_pb2
 
-__all__ = [
-    "ACK_BATCH",
-    "SETTLE_TICKS",
-    "PartitionStream",
-    "StreamContext",
-    "backoff_delay",
-    "settle_frame",
-]
+__all__ = ["PartitionStream", "StreamContext", "backoff_delay"]
 
 logger = logging.getLogger(__name__)
 
