@@ -18,7 +18,7 @@ class Channels:
     """Opens a channel to an endpoint when first asked, and closes them all at the end."""
 
     def __init__(self, credentials: grpc.ChannelCredentials | None, max_backoff: float) -> None:
-        self._credentials = credentials
+        self.credentials = credentials
         """TLS credentials; None: plaintext."""
         self._max_backoff = max_backoff
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -40,8 +40,8 @@ class Channels:
                 ("grpc.initial_reconnect_backoff_ms", int(INITIAL_BACKOFF_S * 1000)),
                 ("grpc.max_reconnect_backoff_ms", int(self._max_backoff * 1000)),
             ]
-            if self._credentials is not None:
-                channel = grpc.aio.secure_channel(endpoint, self._credentials, options)
+            if self.credentials is not None:
+                channel = grpc.aio.secure_channel(endpoint, self.credentials, options)
             else:
                 channel = grpc.aio.insecure_channel(endpoint, options)
             self._channels[endpoint] = channel
