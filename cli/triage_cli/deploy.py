@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
+from triage_cli.init import DEFAULT_CONFIG
 from triage_cli.supervisor import (
     STOP_MARGIN_S,
     ProjectDir,
@@ -63,7 +64,6 @@ if TYPE_CHECKING:
 
     from triage_proxy.config.settings import Settings
 
-DEFAULT_CONFIG = Path("triage.toml")
 READY_TIMEOUT_S = 60.0
 """Plus ownership.lease_s: a proxy may wait out a dead predecessor's lease first."""
 FALLBACK_DRAIN_S = 30.0
@@ -525,7 +525,7 @@ def _refuse_foreign(project: ProjectDir, config: Path, command: str, *, live_onl
     """Refuse (exit 5, touching nothing) when the state folder holds another config's
     deployment: state.json records another config, or a live process its pid files name
     runs with another `--config`. Deploy (`live_only`) minds only live ones: a dead
-    deployment's leftovers are cleaned up as before; destroy minds any."""
+    deployment's leftovers are cleaned up as usual; destroy minds any."""
     others = sorted(project.owners() - {config})
     if not others:
         return

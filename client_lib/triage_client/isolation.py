@@ -24,12 +24,22 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import suppress
+from typing import TYPE_CHECKING
 
 from triage_client.message import Message
 
-__all__ = ["GATE", "IsolationGate", "Ticket"]
+if TYPE_CHECKING:
+    from triage_client.stream import PartitionStream, StreamContext
+    from triage_client.writer import StreamWriter
+    from triage_protocol import triage_pb2
+
+__all__ = ["GATE", "IsolationGate", "StreamTurn", "Ticket"]
+
+TURN_POLL_S = 0.05
+"""How often a stream whose connection ended looks whether its isolated delivery's handler,
+still running, is done (then the process's turn passes on)."""
 
 
 class Ticket:
@@ -126,3 +136,97 @@ class IsolationGate:
 
 GATE = IsolationGate()
 """The process's gate, shared by every Consumer in it."""
+
+
+class StreamTurn:
+    """One stream's side of the gate: its isolated deliveries wait here for the process's
+    turn, then the writer sends Started; the turn passes on when its Settle is written, or
+    when the connection ends (once a handler still running on it is done)."""
+
+    def __init__(self, stream: PartitionStream, context: StreamContext, writer: StreamWriter):
+        self._stream = stream
+        self._ctx = context
+        self._writer = writer
+        self._turn: Ticket | None = None
+        """This stream's isolated delivery holding the turn."""
+
+    def isolate(self, messages: list[Message], isolated: Iterable[int]) -> None:
+        """Deliveries of a frame that flags some isolated: those wait for the process's
+        turn, the rest go to the pool as usual."""
+        stream = self._stream
+        pool = self._ctx.pool
+        flagged = set(isolated)
+        held = [m for m in messages if m.offset in flagged]
+        pool.submit(stream.account, [m for m in messages if m.offset not in flagged])
+        if not held:
+            return
+        loop = stream.loop
+        assert loop is not None
+        pool.isolate(stream.account, held)
+        epoch = stream.account.epoch
+        for message in held:
+            GATE.enter(Ticket(stream, message, epoch, loop, self._on_turn))
+
+    def _on_turn(self, ticket: Ticket) -> None:
+        """`ticket`'s turn came (on the loop): ask the proxy to record it started."""
+        stream = self._stream
+        if (
+            ticket.epoch != stream.account.epoch
+            or stream.call is None
+            or self._ctx.stopping.is_set()
+        ):
+            GATE.leave(ticket)  # its connection ended: the proxy redelivers it
+            return
+        self._turn = ticket
+        self._writer.started(ticket.message.offset)
+
+    def on_started(self, offsets: Iterable[int]) -> None:
+        """The proxy recorded the Started: the delivery takes the next handler slot."""
+        turn = self._turn
+        if turn is None or turn.started or turn.message.offset not in offsets:
+            return
+        turn.started = True
+        if not self._ctx.pool.run_isolated(self._stream.account, turn.message):
+            self._turn = None  # given back meanwhile
+            GATE.leave(turn)
+
+    def settled(self, acks: list[int], nacks: list[triage_pb2.Nack]) -> None:
+        """The writer sent these results: an isolated delivery among them passes its turn
+        on."""
+        turn = self._turn
+        if turn is not None and turn.started:
+            offset = turn.message.offset
+            if offset in acks or any(nack.offset == offset for nack in nacks):
+                self._turn = None
+                GATE.leave(turn)  # its result is on the wire: the next one's turn
+
+    def give_back(self) -> None:
+        """stop() began: a turn not started yet, and the tickets waiting, go."""
+        turn = self._turn
+        if turn is not None and not turn.started:
+            self._turn = None
+            GATE.leave(turn)  # given back unstarted
+        GATE.drop_waiting(self._stream)
+
+    def connection_ended(self, leases: set[int], taken: list[Message]) -> None:
+        """The connection ended (`leases`: its running offsets, `taken`: the queued ones
+        taken back): the proxy redelivers the waiting tickets; a started turn passes on
+        once its handler, if it still runs, is done."""
+        GATE.drop_waiting(self._stream)  # a pending turn sees its epoch
+        turn, self._turn = self._turn, None
+        if turn is not None:
+            offset = turn.message.offset
+            if turn.started and offset in leases and all(m is not turn.message for m in taken):
+                self._leave_when_done(turn, leases)  # its handler still runs
+            else:
+                GATE.leave(turn)
+
+    def _leave_when_done(self, turn: Ticket, leases: set[int]) -> None:
+        """The turn passes on once `turn`'s handler, still running though its connection
+        ended, is done (its offset leaves the ended connection's lease set): until then it
+        is the process's one started isolated delivery, and may still crash it."""
+        loop = self._stream.loop
+        if turn.message.offset not in leases or loop is None:
+            GATE.leave(turn)
+            return
+        loop.call_later(TURN_POLL_S, self._leave_when_done, turn, leases)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from triage_protocol import triage_pb2
 
-__all__ = ["ConsumerStats", "Headers", "Message", "unpack_messages"]
+__all__ = ["ConsumerStats", "Headers", "Message", "messages_of", "unpack_messages"]
 
 Headers = list[tuple[str, bytes | None]]
 """Kafka headers in broker order, as confluent-kafka gives them (a list, so it can be passed
@@ -146,6 +146,43 @@ def unpack_messages(
     run(map(set_headers, messages, [[] for _ in range(count)]))
     run(map(set_ts, messages, timestamps))
     run(map(set_att, messages, attempts))
+    return messages
+
+
+def messages_of(batch: triage_pb2.Deliveries) -> list[Message]:
+    """The Messages of a Deliveries frame: its packed columns (from a proxy that read the
+    Hello's packed_deliveries), then any repeated Delivery (records with headers, large
+    ones, or an older proxy's)."""
+    topic, partition = batch.topic, batch.partition
+    messages = unpack_messages(topic, partition, batch.packed) if batch.HasField("packed") else []
+    if not batch.deliveries:
+        return messages
+    append = messages.append
+    make = make_message
+    has = type(batch.deliveries[0]).HasField
+    for d in batch.deliveries:
+        # Presence is asked only of an empty key or value (None and b"" differ); a
+        # non-empty one is present.
+        key: bytes | None = d.key
+        if not key and not has(d, "key"):
+            key = None
+        value: bytes | None = d.value
+        if not value and not has(d, "value"):
+            value = None
+        hs = d.headers
+        append(
+            make(
+                topic,
+                partition,
+                d.offset,
+                key,
+                value,
+                # iterating an empty repeated field costs microseconds: skip it
+                [(h.key, h.value if h.HasField("value") else None) for h in hs] if hs else [],
+                d.timestamp_ms,
+                d.attempt,
+            )
+        )
     return messages
 
 

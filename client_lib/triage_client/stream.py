@@ -5,14 +5,11 @@ How a delivery flows:
     reader  --Deliveries-->  this stream's local queue  -->  the Consumer's shared handler pool
     handler returns / raises  -->  this stream's ack / nack batch  --Settle-->  proxy (writer)
 
-Settlements go out when the batch is large, after a short delay, or when this stream's local
-queue drains while the proxy may send fewer than half the credits (the moment its next batch
-is needed). When the Welcome says the proxy
-understands them (`ack_ranges`), runs of consecutive acks go as offset ranges
-(`settle_frame`); against an older proxy, as plain acks. The Hello asks for packed
-deliveries (`packed_deliveries`): a proxy that knows them sends most records as columns,
-decoded without a protobuf object per delivery (`message.unpack_messages`); a proxy
-without them sends repeated Delivery messages, which are read as well.
+The Hello asks for packed deliveries (`packed_deliveries`): a proxy that knows them sends
+most records as columns, decoded without a protobuf object per delivery
+(`message.messages_of`); a proxy without them sends repeated Delivery messages, which
+are read as well. What the stream sends (Hello, batched settlements, Extend, Grant, Started,
+Release) is writer.py's: this module reads frames and keeps the connection.
 
 A broken stream is reopened with capped, jittered backoff, at the endpoint the topology names
 for its partition then: a proxy that refuses the Hello with FAILED_PRECONDITION and names the
@@ -24,10 +21,9 @@ redelivers whatever the broken stream held.
 Leases: the proxy redelivers a delivery left unsettled for the Welcome's `ack_deadline_ms`.
 Every third of that deadline one Extend frame lists the offsets this stream holds right then
 (running or queued for a handler slot, not yet settled), so long work keeps its lease and so do
-the deliveries queued behind it (as Pub/Sub's client does); a per-stream ticker task asks for
-it and the writer builds and sends it, so frames never interleave and an offset is never
-extended after its settlement was sent. A delivery whose instance dies or hangs its event loop
-stops being extended and is redelivered after the deadline.
+the deliveries queued behind it (as Pub/Sub's client does): writer.py. A delivery whose
+instance dies or hangs its event loop stops being extended and is redelivered after the
+deadline.
 
 Isolated deliveries: the Hello sets `isolation`; a delivery the proxy flags isolated (a
 suspect: its earlier holder vanished) waits for the process's turn (isolation.py), then the
@@ -36,7 +32,7 @@ turn passes on when its Settle is written (or the connection ends).
 
 Credits: the Hello announces the Consumer's split for this stream. When the Welcome says the
 proxy honours Grant frames (`grants`), the Consumer changes them while the stream runs
-(`set_credits`, see credits.py): the writer sends a Grant, and the stream reports what it
+(`set_credits`, rebalancer.py): the writer sends a Grant, and the stream reports what it
 held (`load`) to the next rebalance. Against an older proxy the Hello's credits hold.
 """
 
@@ -45,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -54,19 +50,17 @@ import grpc
 
 from triage_client.credits import StreamLoad
 from triage_client.errors import PartitionError, error_for_status
-from triage_client.isolation import GATE, Ticket
-from triage_client.message import ConsumerStats, Message, make_message, unpack_messages
-from triage_client.pool import SETTLE_DELAY_S, HandlerPool
+from triage_client.isolation import StreamTurn
+from triage_client.message import ConsumerStats, messages_of
+from triage_client.pool import HandlerPool
 from triage_client.topology import owner_endpoint
+from triage_client.writer import Call, StreamWriter
 from triage_protocol import triage_pb2
-from triage_protocol.constants import CLIENT_MAX_FRAME_BYTES
 
-__all__ = ["PartitionStream", "StreamContext", "backoff_delay", "settle_frame"]
+__all__ = ["PartitionStream", "StreamContext", "backoff_delay"]
 
 logger = logging.getLogger(__name__)
 
-# grpc.aio's classes are generic only in the type stubs, hence the string.
-_Call: TypeAlias = "grpc.aio.StreamStreamCall[triage_pb2.ConsumerFrame, triage_pb2.ProxyFrame]"
 Consume: TypeAlias = (
     "grpc.aio.StreamStreamMultiCallable[triage_pb2.ConsumerFrame, triage_pb2.ProxyFrame]"
 )
@@ -76,25 +70,6 @@ INITIAL_BACKOFF_S = 0.05
 SETTLE_BATCH = 256
 """Results a handler slot runs (async) or a handler thread hands back (sync) before the loop
 gets a turn: the pool's batch (consumer.py)."""
-ACK_BATCH = 1024
-"""Settlements that are sent at once without waiting for the queue to drain (or the
-stream's credits, when fewer). Measured: one Settle per drained batch beats sending
-half-batches early, which costs CPU for no gain; and 1,024 rather than 256 halves the
-Settle and Deliveries frames of a backlog (the proxy refills what a Settle frees in one
-frame), each a gRPC write and read with fixed costs on both sides (bench_throughput: about
-0.5 us per message less in the proxy and in the instances)."""
-SETTLE_TICKS = 3
-"""Most pool ticks (SETTLE_DELAY_S each) results wait for company before they are sent,
-unless a quarter of the credits is tied up in them or the proxy runs short of credits
-(`after_settle`). Measured (bench_efficiency, 1 process x 4 Consumers x 8 sync handlers):
-a Settle on every 2 ms tick carried ~2 results, and each gRPC write holds the GIL ~70 us
-(grpc.aio sends inline: sendmsg and an eventfd write), so the writes of 4 streams kept the
-loop thread on the GIL while handler threads waited to wake."""
-TURN_POLL_S = 0.05
-"""How often a stream whose connection ended looks whether its isolated delivery's handler,
-still running, is done (then the process's turn passes on)."""
-CLOSE_TIMEOUT_S = 5.0
-"""How long stop() waits for the proxy to end the stream after the half-close."""
 MAX_REDIRECTS = 3
 """Owner endpoints followed at once in a row; past that, redirects wait out the backoff too,
 so two proxies that each name the other cannot spin a stream."""
@@ -117,33 +92,6 @@ def backoff_delay(
     with jitter over the upper half so many instances do not reconnect in lockstep."""
     ceiling = min(cap, initial * 2.0 ** min(failures, 32))
     return ceiling / 2 + ceiling / 2 * rand()
-
-
-def settle_frame(acks: list[int], nacks: list[triage_pb2.Nack]) -> triage_pb2.Settle:
-    """A Settle for a proxy that understands ack ranges: runs of consecutive offsets (most
-    acks are: handlers finish in about delivery order) become `ack_ranges`, the rest stay
-    plain acks. A duplicate ack stays a separate plain ack, so the proxy rejects it
-    as it rejects any duplicate ack."""
-    if not acks:
-        return triage_pb2.Settle(nacks=nacks)
-    ordered = sorted(acks)
-    singles: list[int] = []
-    ranges: list[triage_pb2.OffsetRange] = []
-    first = prev = ordered[0]
-    for offset in ordered[1:]:
-        if offset == prev + 1:
-            prev = offset
-            continue
-        if prev > first:
-            ranges.append(triage_pb2.OffsetRange(first=first, last=prev))
-        else:
-            singles.append(first)
-        first = prev = offset
-    if prev > first:
-        ranges.append(triage_pb2.OffsetRange(first=first, last=prev))
-    else:
-        singles.append(first)
-    return triage_pb2.Settle(acks=singles, nacks=nacks, ack_ranges=ranges)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -183,7 +131,8 @@ class PartitionStream:
         self.endpoint = endpoint
         """Where the next connection goes; None while nobody serves the partition."""
         self._wake = asyncio.Event()  # a new endpoint, or stop(): cut a backoff short
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        """The event loop the stream runs on (once it runs)."""
 
         self.account = context.pool.ledger.open(self)
         """This stream's deliveries in hand: queued, running, results to send (ledger.py)."""
@@ -200,28 +149,22 @@ class PartitionStream:
         self._lowered_at = -float("inf")  # the loop's time() at the last lowering
         self._allowed = 0  # most the stream may hold: credits, or higher ones just lowered
         self._peak = 0  # most held at once since the last rebalance
-        self._grant_due = False  # the writer sends a Grant with `credits`
-        self._batch_limit = 1
-        self.call: _Call | None = None
+        self.call: Call | None = None
         self.established = False
-        self._held = 0  # delivered on this stream and not yet settled
+        self.received = 0
+        """Deliveries received on this connection (`held` subtracts what the writer sent)."""
         self._over_warned = False
-        self._release_due = False
-        """stop() began on an established stream: the next flush sends a Release, even empty."""
-        self._flush_wanted = asyncio.Event()
-        self._flush_timer: asyncio.TimerHandle | None = None
-        self._ticks_waited = 0  # pool ticks the unsent results have waited (SETTLE_TICKS)
-        self._extend_due = False  # the ticker asked the writer for an Extend
-        self._started_due: list[int] = []  # isolated offsets whose Started is to be sent
-        self._turn: Ticket | None = None  # this stream's isolated delivery holding the turn
+        self._writer = StreamWriter(self, context)
+        """What this stream sends (writer.py)."""
+        self._turn = StreamTurn(self, context, self._writer)
+        """Its isolated deliveries and the process's turn (isolation.py)."""
+        self.after_settle = self._writer.after_settle
+        """Handlers' results arrived (the pool calls it): send them now or soon."""
 
         self.delivered = 0
-        self.acked = 0
-        self.nacked = 0
         self.rejected = 0
         self.dropped = 0
         self.opened = 0
-        self.extended = 0
 
     @property
     def label(self) -> str:
@@ -230,15 +173,21 @@ class PartitionStream:
             return "the proxy's only partition"
         return f"partition {self.partition}"
 
+    @property
+    def held(self) -> int:
+        """Delivered on this connection and not yet settled or released."""
+        return self.received - self._writer.settled
+
     def stats(self) -> ConsumerStats:
+        writer = self._writer
         return ConsumerStats(
             delivered=self.delivered,
-            acked=self.acked,
-            nacked=self.nacked,
+            acked=writer.acked,
+            nacked=writer.nacked,
             rejected=self.rejected,
-            dropped=self.dropped + self.account.dropped,
+            dropped=self.dropped + writer.dropped + self.account.dropped,
             reconnects=max(0, self.opened - 1),
-            extended=self.extended,
+            extended=writer.extended,
         )
 
     def move(self, endpoint: str) -> None:
@@ -258,20 +207,13 @@ class PartitionStream:
     def begin_stop(self) -> tuple[int, int]:
         """Release the queued deliveries and let the writer drain; (in flight, released)."""
         taken = self._ctx.pool.take_back(self.account)
-        turn = self._turn
-        if turn is not None and not turn.started:
-            self._turn = None
-            GATE.leave(turn)  # given back unstarted
-        GATE.drop_waiting(self)
+        self._turn.give_back()
         if taken:
             self._ledger.release(self.account, (message.offset for message in taken))
             self.dropped += len(taken)
-        # Sent even when empty: the Release ends the stream's credits, else the proxy refills
-        # what the last Settle frees and holds that at the half-close (an attempt each).
-        self._release_due = self.call is not None and self.established
+        self._writer.release_all(self.call is not None and self.established)
         if self.call is not None and not self.established:
             self.call.cancel()  # nothing to settle yet: do not wait for a slow connect
-        self._flush_wanted.set()
         self._wake.set()
         return self.account.outstanding, len(taken)
 
@@ -280,7 +222,7 @@ class PartitionStream:
     async def run(self) -> None:
         """Consume until stop(); raises a StreamError the proxy means for good."""
         ctx = self._ctx
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         failures = 0
         redirects = 0
         while not ctx.stopping.is_set():
@@ -343,17 +285,16 @@ class PartitionStream:
         self.opened += 1
         self.established = False
         self._over_warned = False
-        self._flush_wanted.clear()
         self.credits = self._allowed = self._ctx.credits(self)
-        self.grants = self._grant_due = self.ack_ranges = False
-        self._lowered_from = self._peak = 0
-        self._batch_limit = min(ACK_BATCH, self.credits)
+        self.grants = self.ack_ranges = False
+        self._lowered_from = self._peak = self.received = 0
+        self._writer.connecting(self.credits)
         call = consume(metadata=self._ctx.metadata)
         self.call = call
         loop = asyncio.get_running_loop()
         deadline_ms: asyncio.Future[int] = loop.create_future()  # the Welcome's ack deadline
-        writer = loop.create_task(self._write_loop(call), name="triage-writer")
-        ticker = loop.create_task(self._extend_loop(deadline_ms), name="triage-extender")
+        writer = loop.create_task(self._writer.run(call), name="triage-writer")
+        ticker = loop.create_task(self._writer.extend_loop(deadline_ms), name="triage-extender")
         try:
             await self._read_loop(call, deadline_ms)
         finally:
@@ -378,22 +319,10 @@ class PartitionStream:
         taken = self._ctx.pool.take_back(self.account, next_epoch=True)
         released = len(taken)
         unsent = self._ledger.forget(self.account)
-        self._release_due = False
-        self._extend_due = False
-        self._started_due = []
-        GATE.drop_waiting(self)  # the proxy redelivers them (a pending turn sees its epoch)
-        turn, self._turn = self._turn, None
-        if turn is not None:
-            offset = turn.message.offset
-            if turn.started and offset in leases and all(m is not turn.message for m in taken):
-                self._leave_when_done(turn, leases)  # its handler still runs
-            else:
-                GATE.leave(turn)
+        self._writer.ended()
+        self._turn.connection_ended(leases, taken)  # the proxy redelivers what waited
         self.dropped += released + unsent
-        self._held = 0
-        if self._flush_timer is not None:
-            self._flush_timer.cancel()
-            self._flush_timer = None
+        self.received = self._writer.settled
         if released or unsent:
             logger.debug(
                 "consumer %s: %s: dropped %d queued deliveries and %d unsent settlements",
@@ -403,7 +332,7 @@ class PartitionStream:
                 unsent,
             )
 
-    async def _read_loop(self, call: _Call, deadline_ms: asyncio.Future[int]) -> None:
+    async def _read_loop(self, call: Call, deadline_ms: asyncio.Future[int]) -> None:
         task = asyncio.current_task()
         while True:
             try:
@@ -430,7 +359,7 @@ class PartitionStream:
             elif kind == "welcome":
                 self._on_welcome(frame.welcome, deadline_ms)
             elif kind == "started":
-                self._on_started(frame.started.offsets)
+                self._turn.on_started(frame.started.offsets)
 
     def _on_welcome(self, welcome: triage_pb2.Welcome, deadline_ms: asyncio.Future[int]) -> None:
         ctx = self._ctx
@@ -462,221 +391,44 @@ class PartitionStream:
             welcome.max_attempts,
         )
 
-    async def _write_loop(self, call: _Call) -> None:
-        ctx = self._ctx
-        hello = triage_pb2.Hello(
-            consumer_id=ctx.consumer_id,
-            credits=self.credits,
-            max_frame_bytes=CLIENT_MAX_FRAME_BYTES,
-            packed_deliveries=True,
-            isolation=True,
-        )
-        if self.named and self.partition is not None:
-            hello.partition = self.partition
-        try:
-            await call.write(triage_pb2.ConsumerFrame(hello=hello))
-            while True:
-                await self._flush_wanted.wait()
-                self._flush_wanted.clear()
-                await self._flush(call)
-                account = self.account
-                if ctx.stopping.is_set() and not account.outstanding:
-                    while account.acks or account.nacks or account.releases:
-                        await self._flush(call)
-                    await call.done_writing()
-                    logger.debug(
-                        "consumer %s: %s: final settlements sent, half-closed",
-                        ctx.consumer_id,
-                        self.label,
-                    )
-                    await asyncio.sleep(CLOSE_TIMEOUT_S)
-                    logger.warning(
-                        "consumer %s: proxy did not end the stream for %s %.0f s after half-close",
-                        ctx.consumer_id,
-                        self.label,
-                        CLOSE_TIMEOUT_S,
-                    )
-                    call.cancel()
-                    return
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            raise  # the call is over and its status is known: the reader reports it
-        except BaseException:
-            call.cancel()  # wake the reader, which reports how the stream ended
-            raise
-
-    async def _extend_loop(self, deadline_ms: asyncio.Future[int]) -> None:
-        """The stream's ticker: every third of the ack deadline, while handlers run, ask the
-        writer for an Extend (a deadline of 0 means leases never lapse: nothing to do)."""
-        interval = (await deadline_ms) / 3000
-        if not interval:
-            return
-        while True:
-            await asyncio.sleep(interval)
-            if self.account.running:
-                self._extend_due = True
-                self._flush_wanted.set()
-
-    async def _flush(self, call: _Call) -> None:
-        if self._started_due:
-            offsets, self._started_due = self._started_due, []
-            await call.write(triage_pb2.ConsumerFrame(started=triage_pb2.Started(offsets=offsets)))
-        if self._grant_due:
-            self._grant_due = False
-            grant = triage_pb2.Grant(credits=self.credits)
-            await call.write(triage_pb2.ConsumerFrame(grant=grant))
-        if self._extend_due:
-            # Listed at send time, before any settlement that follows it: a handler that has
-            # finished is out of the set before its result can be settled, so the proxy never
-            # sees an offset extended after it was settled.
-            self._extend_due = False
-            offsets = self._ledger.leases(self.account)
-            if offsets:
-                extend = triage_pb2.Extend(offsets=offsets)
-                await call.write(triage_pb2.ConsumerFrame(extend=extend))
-                self.extended += len(offsets)
-        account = self.account
-        if account.releases or self._release_due:
-            self._release_due = False
-            releases = self._ledger.take_releases(account)
-            self._held -= len(releases)
-            await call.write(triage_pb2.ConsumerFrame(release=triage_pb2.Release(offsets=releases)))
-        if not account.acks and not account.nacks:
-            return
-        acks, nacks = self._ledger.take_settlements(account)
-        self._ticks_waited = 0
-        if self._flush_timer is not None:
-            self._flush_timer.cancel()
-            self._flush_timer = None
-        self._held -= len(acks) + len(nacks)
-        if self.ack_ranges and len(acks) > 1:
-            settle = settle_frame(acks, nacks)
-        else:
-            settle = triage_pb2.Settle(acks=acks, nacks=nacks)
-        try:
-            await call.write(triage_pb2.ConsumerFrame(settle=settle))
-        except BaseException:
-            self.dropped += len(acks) + len(nacks)
-            raise
-        self.acked += len(acks)
-        self.nacked += len(nacks)
-        turn = self._turn
-        if turn is not None and turn.started:
-            offset = turn.message.offset
-            if offset in acks or any(nack.offset == offset for nack in nacks):
-                self._turn = None
-                GATE.leave(turn)  # its result is on the wire: the next one's turn
-
-    def _on_flush_timer(self) -> None:
-        self._flush_timer = None
-        self._flush_wanted.set()
+    def settlements_sent(self, acks: list[int], nacks: list[triage_pb2.Nack]) -> None:
+        """The writer sent these results (an isolated delivery's passes the turn on)."""
+        self._turn.settled(acks, nacks)
 
     # -- deliveries and settlements ----------------------------------------------------------
 
     def _on_deliveries(self, batch: triage_pb2.Deliveries) -> None:
-        topic, partition = batch.topic, batch.partition
-        # Packed columns (from a proxy that read our Hello's packed_deliveries), then any
-        # repeated Delivery (records with headers, large ones, or an older proxy's).
-        messages = (
-            unpack_messages(topic, partition, batch.packed) if batch.HasField("packed") else []
-        )
-        append = messages.append
-        make = make_message
-        has = triage_pb2.Delivery.HasField
-        for d in batch.deliveries if batch.deliveries else ():
-            # Presence is asked only of an empty key or value (None and b"" differ); a
-            # non-empty one is present.
-            key: bytes | None = d.key
-            if not key and not has(d, "key"):
-                key = None
-            value: bytes | None = d.value
-            if not value and not has(d, "value"):
-                value = None
-            hs = d.headers
-            append(
-                make(
-                    topic,
-                    partition,
-                    d.offset,
-                    key,
-                    value,
-                    # iterating an empty repeated field costs microseconds: skip it
-                    [(h.key, h.value if h.HasField("value") else None) for h in hs] if hs else [],
-                    d.timestamp_ms,
-                    d.attempt,
-                )
-            )
+        messages = messages_of(batch)
         count = len(messages)
         self.established = True
         self.delivered += count
-        self._held += count
-        if self._held > self._peak:
-            self._peak = self._held
-        if self._held > self._allowed and not self._over_warned:
+        self.received += count
+        held = self.received - self._writer.settled
+        if held > self._peak:
+            self._peak = held
+        if held > self._allowed and not self._over_warned:
             self._over_warned = True
             logger.warning(
                 "consumer %s: proxy sent %d unsettled deliveries, more than the %d credits",
                 self._ctx.consumer_id,
-                self._held,
+                held,
                 self._allowed,
             )
         if self._ctx.stopping.is_set():
             self.dropped += count  # released: the proxy redelivers them
             self._ledger.release(self.account, (message.offset for message in messages))
-            self._flush_wanted.set()
+            self._writer.wanted.set()
             return
         if batch.isolated:
-            self._isolate(messages, batch.isolated)
+            self._turn.isolate(messages, batch.isolated)
             return
         self._ctx.pool.submit(self.account, messages)
-
-    def _isolate(self, messages: list[Message], isolated: Iterable[int]) -> None:
-        """Deliveries of a frame that flags some isolated: those wait for the process's
-        turn (isolation.py), the rest go to the pool as usual."""
-        flagged = set(isolated)
-        held = [m for m in messages if m.offset in flagged]
-        self._ctx.pool.submit(self.account, [m for m in messages if m.offset not in flagged])
-        if not held:
-            return
-        loop = self._loop
-        assert loop is not None
-        self._ctx.pool.isolate(self.account, held)
-        epoch = self.account.epoch
-        for message in held:
-            GATE.enter(Ticket(self, message, epoch, loop, self._on_turn))
-
-    def _on_turn(self, ticket: Ticket) -> None:
-        """`ticket`'s turn came (on the loop): ask the proxy to record it started."""
-        if ticket.epoch != self.account.epoch or self.call is None or self._ctx.stopping.is_set():
-            GATE.leave(ticket)  # its connection ended: the proxy redelivers it
-            return
-        self._turn = ticket
-        self._started_due.append(ticket.message.offset)
-        self._flush_wanted.set()
-
-    def _leave_when_done(self, turn: Ticket, leases: set[int]) -> None:
-        """The turn passes on once `turn`'s handler, still running though its connection
-        ended, is done (its offset leaves the ended connection's lease set): until then it
-        is the process's one started isolated delivery, and may still crash it."""
-        if turn.message.offset not in leases or self._loop is None:
-            GATE.leave(turn)
-            return
-        self._loop.call_later(TURN_POLL_S, self._leave_when_done, turn, leases)
-
-    def _on_started(self, offsets: Iterable[int]) -> None:
-        """The proxy recorded the Started: the delivery takes the next handler slot."""
-        turn = self._turn
-        if turn is None or turn.started or turn.message.offset not in offsets:
-            return
-        turn.started = True
-        if not self._ctx.pool.run_isolated(self.account, turn.message):
-            self._turn = None  # given back meanwhile
-            GATE.leave(turn)
 
     def load(self) -> StreamLoad:
         """What this stream showed since the last call (one rebalance period), for the
         Consumer's split; starts the next period."""
         connected = self.call is not None and self.established
-        held = self._held
+        held = self.held
         load = StreamLoad(
             credits=self.credits if connected else 0,
             peak=max(self._peak, held),
@@ -694,19 +446,19 @@ class PartitionStream:
     def backlogged(self) -> bool:
         """This period the stream held more than half its credits at once (credits.grown's
         sign of a backlog at its proxy)."""
-        return self.established and 2 * max(self._peak, self._held) > self.credits
+        return self.established and 2 * max(self._peak, self.held) > self.credits
 
     def committed(self) -> int:
         """Most unsettled deliveries this stream may come to hold without a new Grant: its
         credits, what it holds, and what a lowering in this period may still bring."""
         if self.call is None:
             return 0  # its next Hello asks the Consumer for credits again
-        return max(self.credits, self._held, self._lowered_from)
+        return max(self.credits, self.held, self._lowered_from)
 
     def _now(self) -> float:
         """The event loop's clock: the one every timer of the client reads (so a test's
         loop with a virtual clock drives it all). Called on the loop thread."""
-        loop = self._loop or asyncio.get_running_loop()
+        loop = self.loop or asyncio.get_running_loop()
         return loop.time()
 
     def set_credits(self, credits: int) -> None:
@@ -720,41 +472,4 @@ class PartitionStream:
         else:
             self._allowed = max(self._allowed, credits)
         self.credits = credits
-        self._batch_limit = min(ACK_BATCH, credits)
-        self._grant_due = True
-        self._flush_wanted.set()
-
-    def after_settle(self, queue_drained: bool, *, due: bool = False, timer: bool = True) -> bool:
-        """Send now if the batch is full, or if nobody is queued behind it while the proxy
-        may send fewer than half the credits (the freed ones are needed); else within
-        SETTLE_DELAY_S (by a timer of its own, unless the pool's tick will ask: `timer`
-        False). On a pool tick (`due`) results are sent once they tie up a quarter of the
-        credits or have waited SETTLE_TICKS ticks; True: they wait for a later tick (the
-        pool keeps ticking for this stream).
-
-        While the proxy may still send half the credits, its next deliveries are on their
-        way or it has none: a drained queue then waits for company instead of costing a
-        Settle frame per few results (each a gRPC write, a proxy wake-up and a loop turn on
-        both sides)."""
-        account = self.account
-        pending = len(account.acks) + len(account.nacks)
-        if not pending:
-            if self._ctx.stopping.is_set() and not account.outstanding:
-                self._flush_wanted.set()  # let the writer half-close
-            return False
-        if pending >= self._batch_limit or (
-            queue_drained and 2 * (self.credits - self._held) < self.credits
-        ):
-            self._flush_wanted.set()
-        elif due:
-            self._ticks_waited += 1
-            if (
-                self._ticks_waited < SETTLE_TICKS
-                and 4 * pending < self.credits
-                and not self._ctx.stopping.is_set()
-            ):
-                return True
-            self._flush_wanted.set()
-        elif timer and self._flush_timer is None and self._loop is not None:
-            self._flush_timer = self._loop.call_later(SETTLE_DELAY_S, self._on_flush_timer)
-        return False
+        self._writer.grant(credits)

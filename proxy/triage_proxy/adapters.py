@@ -1,5 +1,6 @@
 """What each partition's pipeline talks to: its Kafka log, its lease item and its
-checkpoint item, built for real or taken from the twins a test injects.
+checkpoint item, and what the process shares (the dead-letter store, every partition's
+lease for Topology), built for real or taken from the twins a test injects.
 
 One place decides it, so `Proxy` keeps only the process's lifecycle: a process that may
 serve several partitions reads them all through one Kafka Consumer (kafka/reader.py,
@@ -9,7 +10,8 @@ pipeline opens its own. In fleet mode the log commits as the group's member.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from triage_proxy.config.settings import Settings
@@ -18,7 +20,16 @@ from triage_proxy.kafka.groups import GroupFence
 from triage_proxy.kafka.reader import Reader
 from triage_proxy.pipeline.partition import PartitionParts
 from triage_proxy.store.checkpoints import CheckpointStore, DynamoDBCheckpoints
-from triage_proxy.store.leases import DynamoDBLeases, LeaseStore
+from triage_proxy.store.deadletter_store import DeadLetterStore, DynamoDBStore
+from triage_proxy.store.leases import (
+    DynamoDBLeaseReader,
+    DynamoDBLeases,
+    LeaseReader,
+    LeaseStore,
+    MemoryLeaseReader,
+)
+from triage_proxy.store.migrate import LegacyCheck
+from triage_proxy.store.query import DeadLetterTable
 from triage_proxy.structs import Record
 
 if TYPE_CHECKING:
@@ -42,6 +53,8 @@ class Adapters:
         leases: LeaseStore | None = None,
         checkpoints: CheckpointStore | None = None,
         parts: PartsFactory | None = None,
+        store: DeadLetterStore | None = None,
+        lease_reader: LeaseReader | None = None,
     ) -> None:
         self._settings = settings
         self._fleet = fleet
@@ -51,6 +64,10 @@ class Adapters:
         """Injected (single-partition) twins are the caller's to close; the ones made here
         are closed by the pipeline."""
         self._parts = parts
+        self._store = store
+        self._lease_reader = lease_reader
+        """Every partition's lease, for Topology; with `leases` injected and this not,
+        only that store is read (a twin's world)."""
         self.reader: Reader | None = None
         """The process's one Kafka Consumer, when it may serve several partitions."""
 
@@ -58,6 +75,39 @@ class Adapters:
     def real(self) -> bool:
         """Whether Kafka is reached for real (no twin log, no injected parts)."""
         return self._log is None and self._parts is None
+
+    def open_store(
+        self, stack: contextlib.ExitStack | contextlib.AsyncExitStack
+    ) -> tuple[DeadLetterStore, LegacyCheck | None]:
+        """The dead-letter store every pipeline writes to, and the look for legacy dead
+        letters (None with an injected store); what is made here `stack` closes."""
+        if self._store is not None:
+            return self._store, None
+        settings = self._settings
+        group = settings.kafka.group_id
+        store = DynamoDBStore(settings.dead_letters, group=group)
+        stack.callback(store.close)
+        view = DeadLetterTable(settings.dead_letters, group=group)
+        stack.callback(view.close)
+        return store, LegacyCheck(view, settings.kafka.topic)
+
+    def open_lease_reader(
+        self,
+        stack: contextlib.ExitStack | contextlib.AsyncExitStack,
+        pins: Sequence[int] | None,
+    ) -> LeaseReader | None:
+        """Every partition's lease, for Topology (None with ownership off)."""
+        settings = self._settings
+        reader = self._lease_reader
+        if settings.ownership.enabled and reader is None:
+            if self._leases is not None and pins:
+                reader = MemoryLeaseReader({pins[0]: self._leases})
+            else:
+                reader = DynamoDBLeaseReader(
+                    settings.dead_letters, settings.kafka.topic, settings.kafka.group_id
+                )
+                stack.callback(reader.close)
+        return reader
 
     def for_partition(self, partition: int) -> PartitionParts:
         """The real adapters of `partition` (or the injected twins)."""

@@ -81,16 +81,15 @@ from triage_proxy.pipeline.partition import (
 )
 from triage_proxy.push.targets import PushTargets
 from triage_proxy.server.service import TriageService, create_server, server_credentials
+from triage_proxy.server.tokens import Tokens
 from triage_proxy.server.topology import Topology
 from triage_proxy.store.checkpoints import CheckpointStore
-from triage_proxy.store.deadletter_store import DeadLetterStore, DynamoDBStore
+from triage_proxy.store.deadletter_store import DeadLetterStore
 from triage_proxy.store.leases import (
-    DynamoDBLeaseReader,
     LeaseReader,
     LeaseStore,
-    MemoryLeaseReader,
 )
-from triage_proxy.store.query import DeadLetterTable
+from triage_proxy.store.migrate import LegacyCheck
 from triage_proxy.waiting import wait_any
 
 if TYPE_CHECKING:
@@ -140,12 +139,6 @@ class Proxy:
         """The pinned partitions; None: fleet mode (the group assigns them)."""
         self.slot = slot if slot is not None else (self.pins[0] if self.pins else 0)
         """Offset of this process's ports from server.port and server.http_port."""
-        self._store = store
-        self._leases = leases
-        """An injected twin (the caller's to close), also read for Topology."""
-        self._lease_reader = lease_reader
-        """Every partition's lease, for Topology; with `leases` injected and this not,
-        only that store is read (a twin's world)."""
         self.endpoint = ""
         """host:port consumers are given for every partition served here (once it listens)."""
         self.topology: Topology | None = None
@@ -154,9 +147,6 @@ class Proxy:
         """The gRPC port actually bound (known once it listens)."""
         self.ready = asyncio.Event()
         """Set once every partition it should serve at start delivers."""
-        self._auth_source = auth_source
-        """Re-reads the [auth] section (the config file) when `reload_auth()` is called."""
-        self._reload_wanted = asyncio.Event()
         self._closing = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.pipelines: dict[int, PartitionPipeline] = {}
@@ -165,16 +155,22 @@ class Proxy:
         self._service: TriageService | None = None
         self.http_port: int | None = None
         """The HTTP (metrics/health/status) port bound; None when off or not started."""
-        self._legacy_view: DeadLetterTable | None = None
-        """Reads the table for legacy dead letters (None with injected twins)."""
-        self._legacy_checked: set[int] = set()
-        """Partitions whose legacy dead letters were looked for (once per process)."""
-        self._tokens = settings.auth.active()
-        """The tokens accepted now (name -> token): the service's, and push registration's."""
-        self.push = PushTargets(settings, lambda: self._tokens.values())
+        self._legacy: LegacyCheck | None = None
+        """Looks for legacy dead letters (None with injected twins)."""
+        self._tokens = Tokens(settings.auth, auth_source)
+        """The tokens accepted now: the service's, and push registration's; re-read from
+        the config file when `reload_auth()` is called (server/tokens.py)."""
+        self.push = PushTargets(settings, self._tokens.values)
         """The `[[push]]` targets: each takes from every partition served here."""
         self._adapters = Adapters(
-            settings, self._fleet, log=log, leases=leases, checkpoints=checkpoints, parts=parts
+            settings,
+            self._fleet,
+            log=log,
+            leases=leases,
+            checkpoints=checkpoints,
+            parts=parts,
+            store=store,
+            lease_reader=lease_reader,
         )
         """What each pipeline talks to: Kafka, its lease and checkpoint items."""
 
@@ -184,18 +180,6 @@ class Proxy:
         if not self.pins:
             raise StateError("a fleet proxy has no single partition")
         return self.pins[0]
-
-    @property
-    def membership(self) -> Membership | None:
-        """Fleet mode: the group membership (made at start when not injected)."""
-        return None if self._fleet is None else self._fleet.membership
-
-    def pipeline(self, partition: int | None = None) -> PartitionPipeline | None:
-        """The pipeline serving `partition` now (default: the first pin), None when none
-        runs (not started yet, standby to stopping included)."""
-        if partition is None:
-            partition = self.partition
-        return self.pipelines.get(partition)
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -220,7 +204,7 @@ class Proxy:
 
     def reload_auth(self) -> None:
         """Ask for the tokens to be re-read (SIGHUP; safe from a signal handler)."""
-        self._reload_wanted.set()
+        self._tokens.reload()
 
     def stop(self) -> None:
         """Signal shutdown (safe from a signal handler, safe twice)."""
@@ -342,23 +326,8 @@ class Proxy:
         if (warning := overflow_warning(settings.dead_letters)) is not None:
             logger.warning("%s", warning)
         async with contextlib.AsyncExitStack() as stack:
-            store = self._store
-            if store is None:
-                store = DynamoDBStore(settings.dead_letters, group=settings.kafka.group_id)
-                stack.callback(store.close)
-                self._legacy_view = DeadLetterTable(
-                    settings.dead_letters, group=settings.kafka.group_id
-                )
-                stack.callback(self._legacy_view.close)
-            reader = self._lease_reader
-            if settings.ownership.enabled and reader is None:
-                if self._leases is not None and self.pins:
-                    reader = MemoryLeaseReader({self.pins[0]: self._leases})
-                else:
-                    reader = DynamoDBLeaseReader(
-                        settings.dead_letters, settings.kafka.topic, settings.kafka.group_id
-                    )
-                    stack.callback(reader.close)
+            store, self._legacy = self._adapters.open_store(stack)
+            reader = self._adapters.open_lease_reader(stack, self.pins)
             topology = Topology(
                 settings, self.owner, leases=reader, partition_count=self._partition_count
             )
@@ -379,8 +348,8 @@ class Proxy:
                 assert self._pinned is not None
                 await self._pinned.check()
             async with asyncio.TaskGroup() as tasks:
-                if self._auth_source is not None:
-                    tasks.create_task(self._reload_tokens(service, self._auth_source))
+                if self._tokens.source is not None:
+                    tasks.create_task(self._tokens.follow(service.update_tokens, self._closing))
 
                 def launch(partition: int) -> PartitionPipeline:
                     return self._launch(tasks, partition, store)
@@ -449,26 +418,9 @@ class Proxy:
         )
         self.pipelines[partition] = pipeline
         tasks.create_task(self._run_pipeline(pipeline), name=f"partition-{partition}")
-        if self._legacy_view is not None and partition not in self._legacy_checked:
-            self._legacy_checked.add(partition)
-            tasks.create_task(self._warn_legacy(partition), name=f"legacy-{partition}")
+        if self._legacy is not None and self._legacy.due(partition):
+            tasks.create_task(self._legacy.warn(partition), name=f"legacy-{partition}")
         return pipeline
-
-    async def _warn_legacy(self, partition: int) -> None:
-        """One WARNING when the partition still has dead letters from before deployment
-        keys: this version neither shows nor replays them until `triage dlq migrate`."""
-        from triage_proxy.store.migrate import legacy_partitions, legacy_warning
-
-        view = self._legacy_view
-        assert view is not None
-        topic = self.settings.kafka.topic
-        try:
-            found = await asyncio.to_thread(legacy_partitions, view, topic, [partition])
-        except TriageError as exc:
-            logger.debug("partition %d: legacy dead letters not looked for: %s", partition, exc)
-            return
-        if found:
-            logger.warning("%s", legacy_warning(topic, found))
 
     async def _run_pipeline(self, pipeline: PartitionPipeline) -> None:
         """One pipeline's task: its failure stops a pinned process (and is what serve()
@@ -534,23 +486,6 @@ class Proxy:
             (p := self.pipelines.get(n)) is not None and p.state is PipelineState.RUNNING
             for n in wanted
         )
-
-    async def _reload_tokens(
-        self, service: TriageService, source: Callable[[], AuthSettings]
-    ) -> None:
-        """On each reload_auth() until stop(): read [auth] again (in a thread: it may ask
-        Secrets Manager) and apply it; a bad file keeps the current tokens."""
-        while await wait_any(self._reload_wanted, self._closing):
-            if self._closing.is_set():
-                return
-            self._reload_wanted.clear()
-            try:
-                auth = await asyncio.to_thread(source)
-            except (TriageError, OSError) as exc:
-                logger.error("token reload failed, keeping the current tokens: %s", exc)  # noqa: TRY400 - the message is the whole story
-                continue
-            self._tokens = auth.active()
-            service.update_tokens(self._tokens)
 
 
 class _Routes:

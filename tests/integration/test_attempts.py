@@ -85,7 +85,7 @@ def test_a_flapping_fleet_dead_letters_no_healthy_message(
 
     async def scenario() -> None:
         async with Proxy(settings, 0) as proxy:
-            pipeline = proxy.pipeline()
+            pipeline = proxy.pipelines.get(proxy.partition)
             assert pipeline is not None
             dispatcher = pipeline.dispatcher
             assert dispatcher is not None

@@ -48,7 +48,7 @@ async def scrape(port: int | None) -> dict[str, float]:
 
 def high_watermark(proxy: Proxy) -> int | None:
     """The partition's high watermark as the pipeline last read it (None: not yet)."""
-    pipeline = proxy.pipeline()
+    pipeline = proxy.pipelines.get(proxy.partition)
     if pipeline is None or pipeline.watermarks is None:
         return None
     return pipeline.watermarks.high

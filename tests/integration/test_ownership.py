@@ -236,7 +236,7 @@ def test_holder_cut_off_from_dynamodb_stops_delivering_and_exits_before_expiry(
             proxy = Proxy(settings, 0)
             await proxy.start()
             try:
-                pipeline = proxy.pipeline()
+                pipeline = proxy.pipelines.get(proxy.partition)
                 assert pipeline is not None
                 ownership = pipeline.ownership
                 assert ownership is not None

@@ -110,9 +110,10 @@ def test_a_lone_delivery_is_blamed_for_an_older_client_and_only_once_started_for
     broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
 ) -> None:
     """An older client (no Hello.isolation) that vanishes holding one delivery loses it an
-    attempt, as before. An isolating one does not (the crash may have come from another
-    of its process's partitions): the record comes back flagged isolated, and only once its
-    holder reported it Started, and the proxy answered, does vanishing cost an attempt."""
+    attempt, as any vanished holder does. An isolating one does not (the crash may have
+    come from another of its process's partitions): the record comes back flagged
+    isolated, and only once its holder reported it Started, and the proxy answered, does
+    vanishing cost an attempt."""
     settings = settings_for(broker, aws, topic, delivery={"redelivery_span_s": 0.7})
     produce(broker.bootstrap, topic, plain(2))
 

@@ -12,7 +12,7 @@ time.monotonic_ns() at handler start), `returned`
 {index: time.monotonic_ns() when the handler of that probe (phase 99) returned}; through
 Triage also `received` [ns, first offset, last offset, ...]: when the client began unpacking
 each frame of packed deliveries (for the benchmark's decomposition; a wrapper of
-`triage_client.stream.unpack_messages`, nothing on the wire changes) and `gc` [ns, pause ns,
+`triage_client.message.unpack_messages`, nothing on the wire changes) and `gc` [ns, pause ns,
 generation, ...]: each collection of the cyclic garbage collector in this process.
 """
 
@@ -75,10 +75,11 @@ class Recorder:
 
 def trace_receipt(recorder: Recorder) -> None:
     """Stamp when the client unpacks each frame of deliveries (before the pool queues
-    them for a handler): a wrapper of the stream module's unpack_messages."""
-    from triage_client import stream
+    them for a handler): a wrapper of the message module's unpack_messages (which
+    `messages_of` calls for a frame's packed columns)."""
+    from triage_client import message
 
-    unpack = stream.unpack_messages
+    unpack = message.unpack_messages
     received = recorder.received
 
     def traced(topic: str, partition: int, packed: Any) -> Any:
@@ -88,7 +89,7 @@ def trace_receipt(recorder: Recorder) -> None:
             received.extend((now, messages[0].offset, messages[-1].offset))
         return messages
 
-    stream.unpack_messages = traced  # type: ignore[attr-defined]
+    message.unpack_messages = traced
 
 
 def trace_collections(recorder: Recorder) -> None:

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from tests.unit.test_dispatcher import connect, drain, make, records
-from triage_client.stream import settle_frame
+from triage_client.writer import settle_frame
 from triage_protocol import triage_pb2 as pb
 from triage_protocol.constants import MAX_CREDITS
 from triage_proxy.pipeline.tracker import CommitTracker

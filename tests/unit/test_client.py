@@ -689,7 +689,9 @@ def test_one_consumer_consumes_every_partition_with_one_pool(
         1: (60, 60),
         2: (60, 60),
     }
-    assert sorted(run.consumer._channels) == sorted([a.target, b.target]), "one per endpoint"
+    assert sorted(run.consumer._channels.endpoints()) == sorted([a.target, b.target]), (
+        "one per endpoint"
+    )
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
@@ -1116,7 +1118,7 @@ def test_the_default_prefetch_grows_before_the_first_rebalance_period_ends(
     """The first slot that runs dry grows the prefetch at once, even before any rebalance
     has seen that the proxy takes Grants (a run's first period is when the queue runs dry
     first): with a period longer than the test, only that can send the Grant."""
-    monkeypatch.setattr("triage_client.consumer.REBALANCE_INTERVAL_S", 3600.0)
+    monkeypatch.setattr("triage_client.rebalancer.REBALANCE_INTERVAL_S", 3600.0)
     a = deployment.proxy()
     a.grants = True
     a.delay_s = 0.02

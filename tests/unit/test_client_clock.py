@@ -23,22 +23,22 @@ def test_a_running_handler_is_extended_every_third_of_the_deadline_and_an_idle_o
         s = stream(credits=8, held=1, results=0)
         deadline = loop.create_future()
         deadline.set_result(150)  # ms: an Extend every 50 ms while a handler runs
-        ticker = asyncio.create_task(s._extend_loop(deadline))
+        ticker = asyncio.create_task(s._writer.extend_loop(deadline))
         await asyncio.sleep(0.049)
         finish(s, [], running=1)
         await asyncio.sleep(0.0005)
-        assert not s._extend_due, "extended before a third of the deadline"
+        assert not s._writer.extend_due, "extended before a third of the deadline"
         await asyncio.sleep(0.001)
-        assert s._extend_due, "not extended at a third of the deadline"
-        s._extend_due = False
+        assert s._writer.extend_due, "not extended at a third of the deadline"
+        s._writer.extend_due = False
         await asyncio.sleep(0.049)
-        assert not s._extend_due
+        assert not s._writer.extend_due
         await asyncio.sleep(0.002)
-        assert s._extend_due, "the next tick did not extend"
-        s._extend_due = False
+        assert s._writer.extend_due, "the next tick did not extend"
+        s._writer.extend_due = False
         s.account.running = 0  # the handler finished
         await asyncio.sleep(20 * 0.05)  # twenty ticks (each one a loop turn: not an hour)
-        assert not s._extend_due, "extended with no handler running"
+        assert not s._writer.extend_due, "extended with no handler running"
         ticker.cancel()
 
     virtual_time.run(body())
@@ -51,10 +51,10 @@ def test_without_an_ack_deadline_nothing_is_ever_extended() -> None:
         finish(s, [], running=1)
         deadline = loop.create_future()
         deadline.set_result(0)  # the Welcome sets no deadline: leases never lapse
-        ticker = asyncio.create_task(s._extend_loop(deadline))
+        ticker = asyncio.create_task(s._writer.extend_loop(deadline))
         await asyncio.sleep(24 * 3600)  # a handler running for a day
         assert ticker.done(), "a ticker runs with nothing to extend"
-        assert not s._extend_due
+        assert not s._writer.extend_due
 
     virtual_time.run(body())
 
@@ -66,7 +66,7 @@ def test_a_lowering_lets_the_old_credits_arrive_for_lowered_grace_s_of_loop_time
 
     async def body() -> None:
         s = stream(credits=8, held=0, results=0)
-        s._loop = asyncio.get_running_loop()
+        s.loop = asyncio.get_running_loop()
         s.grants, s.call, s._allowed = True, cast(Any, object()), 8
         s.set_credits(3)
         await asyncio.sleep(LOWERED_GRACE_S - 0.001)

@@ -11,7 +11,8 @@ import pytest
 from tests.unit import virtual_time
 from triage_client import Message
 from triage_client.pool import SETTLE_DELAY_S, HandlerPool
-from triage_client.stream import SETTLE_TICKS, PartitionStream, StreamContext
+from triage_client.stream import PartitionStream, StreamContext
+from triage_client.writer import SETTLE_TICKS
 
 
 def stream(
@@ -37,7 +38,7 @@ def stream(
     if stopping:
         ctx.stopping.set()
     s = PartitionStream(ctx, 0, "localhost:1")
-    s.credits, s._held, s._batch_limit = credits, held, credits
+    s.credits, s.received, s._writer.batch_limit = credits, held, credits
     finish(s, list(range(results)))
     return s
 
@@ -58,7 +59,7 @@ def finish(s: PartitionStream, offsets: list[int], *, running: int = 0) -> None:
 def ticks_until_sent(s: PartitionStream, *, queue_drained: bool = False) -> int:
     for tick in range(1, 100):
         waits = s.after_settle(queue_drained, due=True)
-        if s._flush_wanted.is_set():
+        if s._writer.wanted.is_set():
             assert not waits
             return tick
         assert waits, "a result neither sent nor waiting for a tick would be stranded"
@@ -76,13 +77,13 @@ def test_results_tying_up_a_quarter_of_the_credits_go_on_the_next_tick() -> None
 def test_results_the_proxy_needs_credits_from_go_at_once() -> None:
     s = stream(credits=16, held=9, results=1)  # the proxy may send 7 more: under half
     assert s.after_settle(True) is False
-    assert s._flush_wanted.is_set()
+    assert s._writer.wanted.is_set()
 
 
 def test_a_full_batch_goes_at_once() -> None:
     s = stream(credits=16, held=16, results=16)
     assert s.after_settle(False) is False
-    assert s._flush_wanted.is_set()
+    assert s._writer.wanted.is_set()
 
 
 def test_nothing_waits_once_stop_began() -> None:
@@ -92,8 +93,8 @@ def test_nothing_waits_once_stop_began() -> None:
 def test_the_count_of_ticks_waited_starts_again_after_a_flush() -> None:
     s = stream(credits=40, held=30, results=2)
     assert ticks_until_sent(s) == SETTLE_TICKS
-    s._flush_wanted.clear()
-    s._ticks_waited = 0  # what _flush does when it sends
+    s._writer.wanted.clear()
+    s._writer.ticks_waited = 0  # what _flush does when it sends
     assert ticks_until_sent(s) == SETTLE_TICKS
 
 
@@ -108,16 +109,16 @@ def test_the_pool_keeps_ticking_while_a_stream_waits_for_company() -> None:
         s = stream(credits=40, held=1, results=0)
         pool = s._ctx.pool
         pool._loop = loop
-        s._loop = loop
+        s.loop = loop
         finish(s, [], running=2)
         pool.ledger.vacate(s.account, s.account.running, 1000)  # offset 7 finished
         pool._results.append((s.account, s.account.epoch, 7, None))  # another runs on
         pool._collect()
         await asyncio.sleep((SETTLE_TICKS - 0.5) * SETTLE_DELAY_S)
-        assert not s._flush_wanted.is_set(), "sent before it waited SETTLE_TICKS ticks"
+        assert not s._writer.wanted.is_set(), "sent before it waited SETTLE_TICKS ticks"
         assert pool._tick is not None, "the pool stopped ticking for the waiting result"
         await asyncio.sleep(SETTLE_DELAY_S)
-        assert s._flush_wanted.is_set(), "the waiting result was never sent"
+        assert s._writer.wanted.is_set(), "the waiting result was never sent"
         assert s.account.acks == [7]
         assert pool.outstanding == 1
         await pool.close(clean=True)
@@ -141,7 +142,7 @@ def test_a_slot_that_runs_dry_after_whole_batches_counts_as_idle(batches: int) -
 
         pool = HandlerPool(handler, 1, (), 4)
         s = stream(credits=64, held=0, results=0, pool=pool)
-        s._loop = loop
+        s.loop = loop
         pool.start(loop)
         count = 4 * batches
         pool.submit(s.account, [Message("t", 0, i, None, b"", [], 0, 1) for i in range(count)])

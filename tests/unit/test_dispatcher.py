@@ -796,7 +796,7 @@ def test_the_count_of_failures_stays_bounded_without_readers() -> None:
             got = drain(t)
             d.settle(t, [x.offset for x in got], [])  # ...and is acked next
         d.close_session(t)
-    assert len(d._window._failures) <= 2048
+    assert len(d._window.carryover.counts) <= 2048
     assert d.failures() == {}
 
 

@@ -127,7 +127,7 @@ def test_a_restarted_proxy_continues_the_counts(caplog: pytest.LogCaptureFixture
 
     async def scenario() -> None:
         async with proxy:
-            pipeline = proxy.pipeline()
+            pipeline = proxy.pipelines.get(proxy.partition)
             assert pipeline is not None
             dispatcher = pipeline.dispatcher
             assert dispatcher is not None
@@ -162,7 +162,7 @@ def test_the_first_commits_keep_what_the_previous_run_settled_beyond_the_window(
 
     async def scenario() -> None:
         async with proxy:
-            pipeline = proxy.pipeline()
+            pipeline = proxy.pipelines.get(proxy.partition)
             assert pipeline is not None
             committer = pipeline.committer
             assert committer is not None

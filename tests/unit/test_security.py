@@ -119,9 +119,9 @@ def test_client_tls_options() -> None:
     with pytest.raises(ValueError, match="together"):
         Consumer("h:1", "t", handler, certificate_chain=b"pem")
     # Plaintext by default; any TLS option turns TLS on.
-    assert Consumer("h:1", "t", handler)._credentials is None
-    assert Consumer("h:1", "t", handler, root_certificates=b"ca")._credentials is not None
-    assert Consumer("h:1", "t", handler, secure=True)._credentials is not None
+    assert Consumer("h:1", "t", handler)._channels.credentials is None
+    assert Consumer("h:1", "t", handler, root_certificates=b"ca")._channels.credentials is not None
+    assert Consumer("h:1", "t", handler, secure=True)._channels.credentials is not None
 
 
 def test_service_errors_map_to_the_status_codes_clients_see() -> None:

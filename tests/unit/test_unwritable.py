@@ -199,7 +199,7 @@ async def consume(proxy: Proxy, count: int, nack: set[int]) -> list[int]:
         acks = [o for o in got if o not in nack]
         nacks = [pb.Nack(offset=o, reason="ValueError: bad") for o in got if o in nack]
         await call.write(pb.ConsumerFrame(settle=pb.Settle(acks=acks, nacks=nacks)))
-        pipeline = proxy.pipeline()
+        pipeline = proxy.pipelines.get(proxy.partition)
         assert pipeline is not None
         dispatcher = pipeline.dispatcher
         assert dispatcher is not None

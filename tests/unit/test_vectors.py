@@ -13,12 +13,8 @@ import pytest
 from triage_client.credits import credit_share
 from triage_client.message import unpack_messages
 from triage_client.pool import nack_reason
-from triage_client.stream import (
-    DEFAULT_MAX_BACKOFF_S,
-    INITIAL_BACKOFF_S,
-    backoff_delay,
-    settle_frame,
-)
+from triage_client.stream import DEFAULT_MAX_BACKOFF_S, INITIAL_BACKOFF_S, backoff_delay
+from triage_client.writer import settle_frame
 from triage_protocol import triage_pb2 as pb
 from triage_protocol.constants import DEFAULT_FRAME_BYTES, MAX_REASON_CHARS, MIN_FRAME_BYTES
 from triage_proxy.server.encoding import (

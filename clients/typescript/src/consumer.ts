@@ -16,6 +16,9 @@
  *                          ^                                            |
  *                          +------------- acks / nacks (per stream) ----+
  *
+ * The Consumer owns the lifecycle; following the topology is in follower.ts, the gRPC clients
+ * per endpoint in channels.ts, stream mechanics in stream.ts, the handler pool in pool.ts.
+ *
  * Credits: the proxy lets a stream hold at most the credits its Hello announced, so they are
  * static per stream: `concurrency + prefetch` split evenly over the partition streams
  * (`creditShare`); the sum stays within `concurrency + prefetch` (a stream gets at least 1).
@@ -29,45 +32,22 @@
 
 import * as os from "node:os";
 
-import {
-  Client,
-  Metadata,
-  credentials as grpcCredentials,
-  status as Status,
-  type ChannelCredentials,
-  type ServiceError,
-} from "@grpc/grpc-js";
+import { Metadata, credentials as grpcCredentials } from "@grpc/grpc-js";
 
-import {
-  EndpointError,
-  PartitionError,
-  StateError,
-  errorForStatus,
-  speaksGrpc,
-  statusName,
-} from "./errors";
+import { Channels } from "./channels";
+import { StateError } from "./errors";
+import { Flag } from "./flag";
+import { TopologyFollower } from "./follower";
 import { AUTHORIZATION_METADATA, BEARER_PREFIX, CLIENT_MAX_FRAME_BYTES, UINT32_MAX } from "./generated/constants";
 import { DEFAULT_LOGGER, type Logger } from "./log";
 import { emptyStats, type ConsumerStats, type PartitionStats } from "./message";
 import { HandlerPool, type ErrorClass, type Handler } from "./pool";
-import {
-  DEFAULT_MAX_BACKOFF_MS,
-  INITIAL_BACKOFF_MS,
-  PartitionStream,
-  backoffDelay,
-  type StreamContext,
-} from "./stream";
-import { creditShare, fetchLayout, type Layout } from "./topology";
+import { DEFAULT_MAX_BACKOFF_MS, PartitionStream, type StreamContext } from "./stream";
+import { creditShare } from "./topology";
 
 export const DEFAULT_CONCURRENCY = 16;
 /** How often a running Consumer reads the topology again when nothing asks sooner. */
 export const DEFAULT_TOPOLOGY_INTERVAL_MS = 30_000;
-/** Longest wait for one Topology answer. */
-export const TOPOLOGY_TIMEOUT_MS = 5000;
-/** Longest wait between topology reads while a wanted partition has no serving proxy. */
-export const REFRESH_SOON_MAX_MS = 1000;
-/** Shortest gap between two topology reads, however many streams ask. */
-export const REFRESH_MIN_GAP_MS = 100;
 
 export interface ConsumerOptions {
   /** Any proxy of the deployment, `host:port` (an older proxy without Topology: its only partition). */
@@ -123,55 +103,6 @@ function deferred<T>(): Deferred<T> {
   return { promise, resolve, reject };
 }
 
-/** A flag that can be awaited, with a timeout: the consumer's events (stopping, refresh). */
-class Flag {
-  private value = false;
-  private waiters: (() => void)[] = [];
-
-  get isSet(): boolean {
-    return this.value;
-  }
-
-  set(): void {
-    this.value = true;
-    const waiters = this.waiters;
-    this.waiters = [];
-    for (const wake of waiters) {
-      wake();
-    }
-  }
-
-  clear(): void {
-    this.value = false;
-  }
-
-  /** Resolves when set, or after `ms`. */
-  wait(ms = Infinity): Promise<void> {
-    if (this.value) {
-      return Promise.resolve();
-    }
-    return new Promise((resolve) => {
-      const done = (): void => {
-        if (timer !== null) {
-          clearTimeout(timer);
-        }
-        // set() has already taken the list it wakes; a timeout leaves the current one.
-        const index = this.waiters.indexOf(done);
-        if (index >= 0) {
-          this.waiters.splice(index, 1);
-        }
-        resolve();
-      };
-      const timer = ms === Infinity ? null : setTimeout(done, ms);
-      this.waiters.push(done);
-    });
-  }
-}
-
-function isServiceError(error: unknown): error is ServiceError {
-  return error instanceof Error && typeof (error as { code?: unknown }).code === "number";
-}
-
 function byPartition(a: number | null, b: number | null): number {
   return (a ?? -1) - (b ?? -1);
 }
@@ -185,23 +116,21 @@ function byPartition(a: number | null, b: number | null): number {
 export class Consumer {
   private readonly endpoint: string;
   private readonly wanted: readonly number[] | null;
-  private readonly metadata: Metadata;
   private readonly budget: number;
   private readonly id: string;
-  private readonly channelCredentials: ChannelCredentials;
-  private readonly maxBackoffMs: number;
-  private readonly topologyIntervalMs: number;
   private readonly logger: Logger;
   private readonly concurrency: number;
   private readonly pool: HandlerPool;
   private readonly context: StreamContext;
+  /** One gRPC client per endpoint (channels.ts). */
+  private readonly channels: Channels;
+  /** Which partitions to consume and where each is served (follower.ts). */
+  private readonly topology: TopologyFollower;
 
   private state: State = "idle";
   private readonly stopping = new Flag();
-  private readonly refreshWanted = new Flag(); // also set by stop(), to end the topology loop
   private readonly streams = new Map<number | null, PartitionStream>();
   private readonly tasks: Promise<void>[] = [];
-  private readonly clients = new Map<string, Client>();
   private failure: Error | null = null;
   private readonly started = deferred<void>();
   private readonly finished = deferred<void>();
@@ -271,7 +200,6 @@ export class Consumer {
 
     this.endpoint = endpoint;
     this.wanted = wanted;
-    this.metadata = metadata;
     this.concurrency = concurrency;
     this.budget = concurrency + prefetch;
     this.id = options.consumerId || `${os.hostname()}-${process.pid}`;
@@ -279,17 +207,29 @@ export class Consumer {
       options.secure === true ||
       options.rootCertificates !== undefined ||
       options.certificateChain !== undefined;
-    this.channelCredentials = tls
+    const channelCredentials = tls
       ? grpcCredentials.createSsl(
           options.rootCertificates ?? null,
           options.privateKey ?? null,
           options.certificateChain ?? null,
         )
       : grpcCredentials.createInsecure();
-    this.maxBackoffMs = maxBackoffMs;
-    this.topologyIntervalMs = topologyIntervalMs;
+    this.channels = new Channels(channelCredentials, maxBackoffMs);
     this.logger = options.logger ?? DEFAULT_LOGGER;
     this.pool = new HandlerPool(handler, concurrency, retryOn);
+    this.topology = new TopologyFollower({
+      consumerId: this.id,
+      endpoint,
+      wanted,
+      metadata,
+      channels: this.channels,
+      streams: this.streams,
+      addStreams: (endpoints) => this.addStreams(endpoints),
+      stopping: this.stopping,
+      maxBackoffMs,
+      intervalMs: topologyIntervalMs,
+      logger: this.logger,
+    });
     this.context = {
       consumerId: this.id,
       metadata,
@@ -297,9 +237,9 @@ export class Consumer {
       stopping: () => this.stopping.isSet,
       maxBackoffMs,
       allowed: wanted === null ? null : new Set(wanted),
-      client: (target) => this.client(target),
+      client: (target) => this.channels.client(target),
       credits: (stream) => this.creditsFor(stream),
-      refresh: () => this.refreshWanted.set(),
+      refresh: () => this.topology.wake(),
       maxFrameBytes: CLIENT_MAX_FRAME_BYTES,
       logger: this.logger,
     };
@@ -393,13 +333,13 @@ export class Consumer {
   private async main(): Promise<void> {
     let topology: Promise<void> | null = null;
     try {
-      const layout = await this.discover();
+      const layout = await this.topology.discover();
       if (!this.stopping.isSet) {
         if (layout === null) {
           this.addStreams(new Map([[null, this.endpoint]]));
         } else {
-          this.apply(layout);
-          topology = this.guarded(this.topologyLoop(this.trouble(layout)));
+          this.topology.apply(layout);
+          topology = this.guarded(this.topology.run(this.topology.trouble(layout)));
         }
       }
       this.started.resolve();
@@ -414,9 +354,7 @@ export class Consumer {
       this.beginStop();
       await Promise.all(this.tasks);
     } finally {
-      for (const client of this.clients.values()) {
-        client.close();
-      }
+      this.channels.close();
       this.state = "stopped";
       const failure = this.failure;
       if (failure !== null) {
@@ -436,7 +374,7 @@ export class Consumer {
       return;
     }
     this.stopping.set();
-    this.refreshWanted.set();
+    this.topology.wake();
     let inFlight = 0;
     let released = 0;
     for (const stream of this.streams.values()) {
@@ -459,121 +397,7 @@ export class Consumer {
     }
   }
 
-  // -- channels -------------------------------------------------------------------------------
-
-  /** The one client (channel) to `target`, shared by its streams and topology reads. */
-  private client(target: string): Client {
-    let client = this.clients.get(target);
-    if (client === undefined) {
-      client = new Client(target, this.channelCredentials, {
-        "grpc.max_receive_message_length": CLIENT_MAX_FRAME_BYTES,
-        "grpc.max_send_message_length": CLIENT_MAX_FRAME_BYTES,
-        // gRPC's own reconnect backoff defaults to 1 s growing to 120 s; keep it in step
-        // with ours so a restarted proxy is found again within maxBackoffMs.
-        "grpc.initial_reconnect_backoff_ms": INITIAL_BACKOFF_MS,
-        "grpc.max_reconnect_backoff_ms": this.maxBackoffMs,
-      });
-      this.clients.set(target, client);
-    }
-    return client;
-  }
-
-  // -- topology -------------------------------------------------------------------------------
-
-  /** `fetch`'s answer, or null when stop() comes first. */
-  private untilStopped(fetch: Promise<Layout>): Promise<Layout | null> {
-    return Promise.race([fetch, this.stopping.wait().then(() => null)]);
-  }
-
-  /**
-   * The first topology, from the endpoint; null for a proxy without Topology (an older one:
-   * consume its only partition) or when stop() came first. Transient failures (the proxy not
-   * up yet) are retried; an endpoint that is not a Triage proxy rejects.
-   */
-  private async discover(): Promise<Layout | null> {
-    let failures = 0;
-    const target = this.endpoint;
-    while (!this.stopping.isSet) {
-      let problem: string;
-      try {
-        const layout = await this.untilStopped(
-          fetchLayout(this.client(target), this.metadata, TOPOLOGY_TIMEOUT_MS),
-        );
-        if (layout === null) {
-          break;
-        }
-        if (layout.partitionCount > 0) {
-          this.checkPartitions(layout);
-          return layout;
-        }
-        problem = `its topology lists no partitions (${layout.problem || "no reason"})`;
-      } catch (error) {
-        if (!isServiceError(error)) {
-          throw error;
-        }
-        const { code, details } = error;
-        if (!speaksGrpc(details)) {
-          throw new EndpointError(target, code, details, "it does not speak gRPC (a wrong port?)");
-        }
-        if (code === Status.UNIMPLEMENTED) {
-          // An older proxy, or a gRPC server that is no proxy: Consume tells which.
-          this.logger.info(
-            `consumer ${this.id}: ${target} does not answer Topology: consuming its only partition, as with an older proxy`,
-          );
-          return null;
-        }
-        const fatal = errorForStatus(code, details, target);
-        if (fatal !== null) {
-          throw fatal;
-        }
-        problem = `${statusName(code)}: ${details}`;
-      }
-      const delay = backoffDelay(failures, { cap: this.maxBackoffMs });
-      failures += 1;
-      this.logger.warn(
-        `consumer ${this.id}: no topology from ${target} (${problem}); retrying in ${Math.round(delay)} ms`,
-      );
-      await this.stopping.wait(delay);
-    }
-    return null;
-  }
-
-  private checkPartitions(layout: Layout): void {
-    const count = layout.partitionCount;
-    const missing = (this.wanted ?? []).filter((p) => p >= count);
-    if (missing.length > 0) {
-      throw new PartitionError(
-        missing,
-        `partitions [${missing.join(", ")}] are not in topic '${layout.topic}', which has ` +
-          `${count} partition${count === 1 ? "" : "s"} (0 to ${count - 1})`,
-      );
-    }
-  }
-
-  /** Open streams for wanted partitions new to this Consumer; point the others at their endpoints now. */
-  private apply(layout: Layout): void {
-    const count = layout.partitionCount;
-    const wanted = this.wanted ?? Array.from({ length: count }, (_, p) => p);
-    const fresh = new Map<number | null, string | null>();
-    for (const p of wanted) {
-      if (p >= count) {
-        continue;
-      }
-      const endpoint = layout.endpoints.get(p) ?? null;
-      const stream = this.streams.get(p);
-      if (stream === undefined) {
-        fresh.set(p, endpoint);
-      } else if (endpoint !== null) {
-        stream.move(endpoint);
-      }
-    }
-    if (fresh.size > 0 && this.streams.size > 0) {
-      this.logger.info(
-        `consumer ${this.id}: partitions [${[...fresh.keys()].join(", ")}] of '${layout.topic}' are new: consuming them too`,
-      );
-    }
-    this.addStreams(fresh);
-  }
+  // -- streams ------------------------------------------------------------------------------
 
   private addStreams(endpoints: Map<number | null, string | null>): void {
     if (this.stopping.isSet) {
@@ -598,100 +422,5 @@ export class Consumer {
     const order = [...this.streams.keys()].sort(byPartition);
     const key = stream.named ? stream.partition : null;
     return creditShare(this.budget, order.length, order.indexOf(key));
-  }
-
-  /** What in a topology answer calls for asking again soon ("" for nothing). */
-  private trouble(layout: Layout): string {
-    if (!layout.complete) {
-      return `the topology of '${layout.topic}' is incomplete (${layout.problem})`;
-    }
-    const unserved = [...this.streams.keys()]
-      .filter((p): p is number => p !== null && !layout.endpoints.has(p))
-      .sort((a, b) => a - b);
-    if (unserved.length > 0) {
-      return `nobody serves partitions [${unserved.join(", ")}] of '${layout.topic}' now`;
-    }
-    return "";
-  }
-
-  /**
-   * Reads the topology every `topologyIntervalMs`, at once when a stream asks, and every
-   * second or so while a wanted partition has no serving proxy, no proxy answered, or a
-   * stream is reconnecting, until stop(). Trouble is logged when it starts or changes.
-   */
-  private async topologyLoop(initialTrouble: string): Promise<void> {
-    let trouble = initialTrouble;
-    let last = Date.now();
-    let failures = trouble ? 1 : 0;
-    if (trouble) {
-      this.logger.warn(`consumer ${this.id}: ${trouble}; asking again soon`);
-    }
-    while (!this.stopping.isSet) {
-      const wait =
-        failures > 0
-          ? backoffDelay(failures - 1, { initial: 100, cap: REFRESH_SOON_MAX_MS })
-          : this.topologyIntervalMs;
-      await this.refreshWanted.wait(wait);
-      const gap = REFRESH_MIN_GAP_MS - (Date.now() - last);
-      if (gap > 0 && !this.stopping.isSet) {
-        await this.stopping.wait(gap);
-      }
-      if (this.stopping.isSet) {
-        return;
-      }
-      this.refreshWanted.clear();
-      last = Date.now();
-      const [layout, fetchProblem] = await this.fetchAny();
-      if (this.stopping.isSet) {
-        return;
-      }
-      let problem = fetchProblem;
-      if (layout !== null) {
-        this.apply(layout);
-        problem = this.trouble(layout);
-      }
-      if (problem && problem !== trouble) {
-        this.logger.warn(`consumer ${this.id}: ${problem}; asking again soon`);
-      } else if (trouble && !problem) {
-        this.logger.info(`consumer ${this.id}: every partition is served again`);
-      }
-      trouble = problem;
-      // A stream that is reconnecting (its proxy died, say) may wait out a long backoff;
-      // asking again soon lets a standby's endpoint wake it at once.
-      const reconnecting = [...this.streams.values()].some(
-        (s) => s.endpoint !== null && !s.established,
-      );
-      failures = problem || reconnecting ? failures + 1 : 0;
-    }
-  }
-
-  /** The topology from the endpoint, else from any endpoint a stream uses (any proxy answers). */
-  private async fetchAny(): Promise<[Layout | null, string]> {
-    const candidates = [this.endpoint];
-    for (const stream of this.streams.values()) {
-      if (stream.endpoint !== null && !candidates.includes(stream.endpoint)) {
-        candidates.push(stream.endpoint);
-      }
-    }
-    const problems: string[] = [];
-    for (const endpoint of candidates) {
-      if (this.stopping.isSet) {
-        break;
-      }
-      let layout: Layout | null;
-      try {
-        layout = await this.untilStopped(
-          fetchLayout(this.client(endpoint), this.metadata, TOPOLOGY_TIMEOUT_MS),
-        );
-      } catch (error) {
-        problems.push(`${endpoint}: ${isServiceError(error) ? statusName(error.code) : String(error)}`);
-        continue;
-      }
-      if (layout !== null && layout.partitionCount > 0) {
-        return [layout, ""];
-      }
-      problems.push(`${endpoint}: no partitions`);
-    }
-    return [null, `no proxy answered Topology (${problems.join(", ")})`];
   }
 }

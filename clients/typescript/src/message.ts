@@ -1,6 +1,6 @@
 /** The message a handler receives, and the consumer's counters. */
 
-import type { PackedDeliveries } from "./proto";
+import type { Deliveries, PackedDeliveries } from "./proto";
 
 /** Kafka headers in broker order; a header value may be null. Names may repeat. */
 export type Headers = [name: string, value: Buffer | null][];
@@ -127,6 +127,44 @@ export function unpackMessages(topic: string, partition: number, packed: PackedD
       timestampMs: timestamps[i]!,
       attempt: attemptBytes.length === 0 ? 1 : attemptBytes.readUInt32LE(4 * i),
     };
+  }
+  return messages;
+}
+
+/**
+ * The Messages of a Deliveries frame: the packed ones first, then the repeated ones
+ * appended, as the Python client's `messages_of` does (a frame from a current proxy is all
+ * packed, and its array is used as it is).
+ */
+export function messagesOf(batch: Deliveries): Message[] {
+  const topic = batch.topic ?? "";
+  const partition = batch.partition ?? 0;
+  const deliveries = batch.deliveries ?? [];
+  const messages: Message[] =
+    batch.packed == null ? [] : unpackMessages(topic, partition, batch.packed);
+  for (let i = 0; i < deliveries.length; i++) {
+    const d = deliveries[i]!;
+    const hs = d.headers;
+    let headers: Headers;
+    if (hs === undefined || hs.length === 0) {
+      headers = [];
+    } else {
+      headers = new Array(hs.length);
+      for (let j = 0; j < hs.length; j++) {
+        const h = hs[j]!;
+        headers[j] = [h.key ?? "", h.value ?? null];
+      }
+    }
+    messages.push({
+      topic,
+      partition,
+      offset: d.offset ?? 0,
+      key: d.key ?? null,
+      value: d.value ?? null,
+      headers,
+      timestampMs: d.timestamp_ms ?? 0,
+      attempt: d.attempt ?? 0,
+    });
   }
   return messages;
 }

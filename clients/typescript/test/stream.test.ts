@@ -10,7 +10,7 @@ import * as grpc from "@grpc/grpc-js";
 
 import { Consumer, Retry, type ConsumerOptions, type Message } from "../src/index.js";
 import { CLIENT_MAX_FRAME_BYTES } from "../src/generated/constants.js";
-import { SETTLE_BATCH, STOP_CONNECT_GRACE_MS } from "../src/stream.js";
+import { SETTLE_BATCH, STOP_CONNECT_GRACE_MS } from "../src/writer.js";
 import {
   FakeProxy,
   STOP_LIMIT_MS,

@@ -9,7 +9,8 @@ import { Consumer, MAX_REASON_CHARS, Retry } from "../src/index.js";
 import { type Message, unpackMessages } from "../src/message.js";
 import { nackReason } from "../src/pool.js";
 import { CONSUME, PROTO_PATH, type PackedDeliveries, type ProxyFrame } from "../src/proto.js";
-import { DEFAULT_MAX_BACKOFF_MS, INITIAL_BACKOFF_MS, backoffDelay, settleFrame } from "../src/stream.js";
+import { DEFAULT_MAX_BACKOFF_MS, INITIAL_BACKOFF_MS, backoffDelay } from "../src/stream.js";
+import { settleFrame } from "../src/writer.js";
 import { creditShare, layoutFromReply } from "../src/topology.js";
 
 const PACKAGE = path.resolve(__dirname, "..", "..");

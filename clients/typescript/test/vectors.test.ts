@@ -17,7 +17,8 @@ import type { Delivery, PackedDeliveries, ProxyFrame } from "../src/generated/me
 import { unpackMessages } from "../src/message.js";
 import { nackReason } from "../src/pool.js";
 import { CONSUME } from "../src/proto.js";
-import { DEFAULT_MAX_BACKOFF_MS, INITIAL_BACKOFF_MS, backoffDelay, settleFrame } from "../src/stream.js";
+import { DEFAULT_MAX_BACKOFF_MS, INITIAL_BACKOFF_MS, backoffDelay } from "../src/stream.js";
+import { settleFrame } from "../src/writer.js";
 import { creditShare } from "../src/topology.js";
 
 type Pieces = [string, number][];

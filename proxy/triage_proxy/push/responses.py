@@ -46,6 +46,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from triage_protocol.constants import MAX_REASON_CHARS
+from triage_proxy.config import push as push_config
 
 __all__ = [
     "DEFAULT_NACK_STATUSES",
@@ -57,8 +58,9 @@ __all__ = [
     "retry_after_s",
 ]
 
-DEFAULT_NACK_STATUSES = frozenset({400, 422})
-"""Statuses that dead-letter the record at once, unless a target names its own."""
+DEFAULT_NACK_STATUSES = frozenset(push_config.DEFAULT_NACK_STATUSES)
+"""Statuses that dead-letter the record at once, unless a target names its own (the
+`[[push]]` setting's default)."""
 REFUSED_STATUSES = frozenset({401, 403, 404, 405, 407, 421})
 """4xx answers that are about the endpoint's configuration, not the record."""
 OVERLOAD_STATUSES = frozenset({429, 503})

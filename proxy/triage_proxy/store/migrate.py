@@ -46,6 +46,7 @@ older than the index first (they write items without `dl_state`), as for the mov
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import threading
@@ -53,6 +54,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from triage_proxy.errors import TriageError
 from triage_proxy.store.aws import CHECK_FAILED, CONDITION_FAILED, TRANSACTION_CANCELLED
 from triage_proxy.store.deadletter_store import writable
 from triage_proxy.store.items import (
@@ -107,6 +109,36 @@ def legacy_warning(topic: str, partitions: Sequence[int], config: str = "<config
         f"dead letters of {topic!r} written before deployment keys (partition{many} {where}) "
         f"are not shown or replayed until moved: {MIGRATE_HINT.format(config=config)}"
     )
+
+
+class LegacyCheck:
+    """A proxy's look for legacy dead letters: once per partition it starts to serve, one
+    WARNING when that partition still has some (it neither shows nor replays them until
+    `triage dlq migrate`)."""
+
+    def __init__(self, table: DeadLetterTable, topic: str) -> None:
+        self._table = table
+        self._topic = topic
+        self._checked: set[int] = set()
+        """Partitions looked at (once per process)."""
+
+    def due(self, partition: int) -> bool:
+        """True the first time `partition` is asked about (then `warn` looks)."""
+        if partition in self._checked:
+            return False
+        self._checked.add(partition)
+        return True
+
+    async def warn(self, partition: int) -> None:
+        """Look (in a thread: a DynamoDB Query) and warn if any are left."""
+        topic = self._topic
+        try:
+            found = await asyncio.to_thread(legacy_partitions, self._table, topic, [partition])
+        except TriageError as exc:
+            logger.debug("partition %d: legacy dead letters not looked for: %s", partition, exc)
+            return
+        if found:
+            logger.warning("%s", legacy_warning(topic, found))
 
 
 class Move(enum.Enum):

@@ -4,6 +4,7 @@ It wires the parts of one partition's dispatch together and turns each call into
 parts' per-batch steps; it owns no state of its own but the settings they share:
 
     window.py      the records from fetch to settle, who holds each, the events
+    carryover.py   what crosses a restart: settled-above offsets, failure counts
     sessions.py    the connected instances (and the Outlet each one's frames go to)
     scheduler.py   the queues, fair hand-out by credit, rate caps, large records
     leases.py      ack deadlines, Extend, which deliveries lapsed
@@ -203,15 +204,15 @@ class Dispatcher:
     @property
     def failures_version(self) -> int:
         """Moves whenever a count in `failures` went up (the committer's cue to write it)."""
-        return self._window.failures_version
+        return self._window.carryover.failures_version
 
     def failures(self) -> dict[int, int]:
         """Failed deliveries by offset of the unsettled records (what the committer keeps)."""
-        return self._window.failures()
+        return self._window.carryover.failures()
 
     def settled_ahead(self) -> list[int]:
         """A previous run's settled offsets this run has not fetched yet (sorted)."""
-        return self._window.settled_ahead()
+        return self._window.carryover.settled_ahead()
 
     def stop_delivering(self) -> None:
         """Shutdown: hand out nothing new; what is held may still be settled."""
@@ -225,7 +226,7 @@ class Dispatcher:
         if not batch:
             return
         window = self._window
-        resuming = window.resuming
+        resuming = window.carryover.resuming
         before = window.bytes
         new = window.add(batch, self._monotonic())
         # No record is larger than the bytes the whole batch added: only a batch that

@@ -10,7 +10,7 @@ with the last cause. A retry nack waits `retry_delay` in BACKOFF; a vanished ins
 a lapsed lease waits `redelivery_delay` (the first time not at all, then gaps that add
 up to `delivery.redelivery_span_s`, so a fleet in a crash loop cannot use up a healthy
 message's attempts in seconds) and goes out as a suspect (scheduler.py gives each
-instance at most one). The failed counts are the window's (`Window.count_failure`); a
+instance at most one). The failed counts are the window's (`Carryover.count_failure`); a
 restarted proxy continues them (`resume`), so a crash-type pill reaches its limit across
 restarts.
 
@@ -77,7 +77,7 @@ class Redelivery:
         """A delivery of `entry` failed: True to redeliver, False if it was dead-lettered."""
         entry.holder = None
         entry.last_cause = cause
-        self._window.count_failure(entry)
+        self._window.carryover.count_failure(entry)
         if after_failure(entry.attempt, self._max_attempts) is Outcome.DEAD_LETTER:
             self.dead_letter(
                 entry, f"delivery attempts exhausted ({entry.attempt}): {cause}", consumer_id

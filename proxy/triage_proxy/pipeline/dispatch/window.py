@@ -3,7 +3,7 @@
 The window owns the entries (one per unsettled record, in offset order), their bytes,
 which instance holds each one (`Session.held` and `Session.suspects` are its ledger of
 that instance: written only here), the failed-delivery counts the committer persists,
-what a previous run settled or counted, and the four events the rest of the partition
+what a previous run settled or counted (carryover.py), and the four events the rest of the partition
 waits on (`room`, `quiet`, `caught_up`, `durability`).
 
 With `bounded` (the settled-above checkpoint is on) the window counts a record from its
@@ -28,7 +28,6 @@ Nothing here does I/O or decides a policy; the loops over a batch are written ou
 from __future__ import annotations
 
 import asyncio
-import bisect
 import enum
 import operator
 from collections.abc import Collection, Mapping, Sequence
@@ -36,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from triage_proxy.observe.snapshot import LatencyHistogram
+from triage_proxy.pipeline.dispatch.carryover import Carryover
 from triage_proxy.pipeline.policies import durability_due, window_room
 from triage_proxy.pipeline.tracker import CommitTracker
 from triage_proxy.structs import Record
@@ -210,20 +210,9 @@ class Window:
         """Entries in some session's `held`."""
         self._dead_lettering = 0
         """Entries handed to the dead-letter writer, not durable yet."""
-        self._skip = set(already_settled)
-        """Offsets a previous run settled above its committed offset (commit metadata)."""
-        self._skip_sorted = sorted(self._skip)
-        """The same, in order, for `settled_ahead` (the part not fetched yet)."""
-        self._prior = {o: n for o, n in (prior_failures or {}).items() if o not in self._skip}
-        """Failed deliveries a previous run counted (checkpoint item), by offset, until the
-        offset is fetched again; its entry then continues from there."""
-        self._failures: dict[int, int] = {}
-        """Failed deliveries by offset, of entries that failed at least once. Written only
-        when a delivery fails; offsets settled since are dropped when it is read
-        (`failures`) or grows past `_failures_cap`, so settling costs nothing here."""
-        self._failures_cap = 1024
-        self.failures_version = 0
-        """Moves whenever a count in `failures` went up (the committer's cue to write it)."""
+        self.carryover = Carryover(tracker, self._entries, already_settled, prior_failures)
+        """What a previous run left and this run leaves: settled-above offsets, failure
+        counts (carryover.py)."""
         self.settle_latency = LatencyHistogram()
         """Delivery -> ack/nack, per settled delivery (see metrics.py for its cost)."""
         self.room = asyncio.Event()
@@ -295,11 +284,6 @@ class Window:
             return entry
         return None
 
-    @property
-    def resuming(self) -> bool:
-        """A previous run's failure counts wait for offsets not fetched again yet."""
-        return bool(self._prior)
-
     def update_events(self) -> None:
         if self.room_for >= self._refill:
             self.room.set()
@@ -333,7 +317,7 @@ class Window:
         first, last = batch[0].offset, batch[-1].offset
         if (
             last - first + 1 == len(batch)
-            and not (self._skip or self._prior)
+            and not (self.carryover.skip or self.carryover.prior)
             and list(map(_OFFSET, batch)) == list(range(first, last + 1))
         ):
             # The common batch: the same steps in bulk (one tracker call, one dict update).
@@ -344,8 +328,9 @@ class Window:
             self._counters.fetched += len(new)
             return new
         track = self._tracker.track
-        skip = self._skip
-        prior = self._prior
+        carryover = self.carryover
+        skip = carryover.skip
+        prior = carryover.prior
         entries = self._entries
         new = []
         size = 0
@@ -362,7 +347,7 @@ class Window:
             entries[offset] = entry
             size += entry.size
             if prior and offset in prior:
-                entry.attempt = self._failures[offset] = prior.pop(offset)
+                entry.attempt = carryover.counts[offset] = prior.pop(offset)
             new.append(entry)
         self._bytes += size
         self._counters.fetched += len(new)
@@ -599,40 +584,3 @@ class Window:
         entry.state = EntryState.UNWRITABLE
         self._dead_lettering -= 1
         return True
-
-    # --- what outlives this run -----------------------------------------------------------
-
-    def count_failure(self, entry: Entry) -> None:
-        """A delivery of `entry` failed: its count (`attempt`) is what the committer keeps."""
-        failures = self._failures
-        failures[entry.record.offset] = entry.attempt  # every counted delivery failed
-        self.failures_version += 1
-        if len(failures) > self._failures_cap:
-            self._prune_failures()
-
-    def failures(self) -> dict[int, int]:
-        """Failed deliveries by offset of the unsettled records that failed at least once,
-        including a previous run's counts for offsets not fetched again yet (what the
-        committer persists; see `prior_failures`)."""
-        self._prune_failures()
-        return {**self._prior, **self._failures}
-
-    def settled_ahead(self) -> list[int]:
-        """Offsets a previous run settled that this run has not fetched yet (sorted, all at
-        or above where fetching continues): still settled, so the committer keeps them in
-        what it records. Without them a restarted proxy's first commits would record only
-        the part of that run's set its fetch had reached (the window may hold it back for
-        long), and a kill then would redeliver the rest."""
-        ahead = self._skip_sorted
-        if not ahead:
-            return []
-        start = bisect.bisect_left(ahead, self._tracker.next_offset)
-        if start == len(ahead):
-            self._skip_sorted = []  # all fetched: nothing to look at again
-            return []
-        return ahead[start:]
-
-    def _prune_failures(self) -> None:
-        entries = self._entries
-        self._failures = {o: n for o, n in self._failures.items() if o in entries}
-        self._failures_cap = max(1024, 2 * len(self._failures))
