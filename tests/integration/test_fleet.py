@@ -31,7 +31,7 @@ from tests.integration.harness import (
     wait_until,
 )
 from triage_cli.devstack import write_config
-from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, free_port_block
 from triage_client import Consumer, Message
 from triage_proxy.app import Proxy
 
@@ -127,7 +127,10 @@ def fleet_config(
 ) -> Path:
     settings = settings_for(broker, aws, topic)  # creates the table
     config = tmp_path / "fleet.toml"
-    base = free_port()
+    # Process `slot` listens on base + slot and http + slot: probe every port of both
+    # blocks, or another test's server may hold http + 1 and answer the status poll.
+    base = free_port_block(processes)
+    http = free_port_block(processes)
     write_config(
         config,
         {
@@ -136,7 +139,7 @@ def fleet_config(
                 "topic": topic,
                 "group_id": settings.kafka.group_id,
             },
-            "server": {"host": "127.0.0.1", "port": base, "http_port": free_port()},
+            "server": {"host": "127.0.0.1", "port": base, "http_port": http},
             "auth": {"token": TOKEN},
             "dead_letters": {
                 "table": settings.dead_letters.table,
@@ -160,13 +163,15 @@ def start_fleet_process(config: Path, slot: int, log: Path) -> subprocess.Popen[
 
 
 def served_by(http_port: int) -> list[int] | None:
+    """The partitions the fleet process on `http_port` serves; None when none answers."""
+    import http.client
     import json
     import urllib.request
 
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=2) as r:
             doc = json.loads(r.read())
-    except OSError:
+    except (OSError, http.client.HTTPException):
         return None
     return list(doc["served"])
 
