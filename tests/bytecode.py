@@ -79,7 +79,9 @@ def rewritten_here() -> list[Path]:
 def compile_plain(paths: Iterable[Path]) -> None:
     """A standard `.pyc` for each file (what `import` reads), unless it is current."""
     for path in paths:
-        with contextlib.suppress(Exception):  # the import then compiles it, as before
+        # A file that cannot be compiled here is compiled by the import that needs it,
+        # which also reports its error where the test that imports it can show it.
+        with contextlib.suppress(Exception):
             compileall.compile_file(path, quiet=2)
 
 
@@ -122,7 +124,7 @@ def rewrite(paths: Iterable[Path]) -> None:
                 _write_pyc_fp(handle, stat, code)
             os.replace(partial, pyc)
         except (SyntaxError, OSError):
-            continue  # pytest then rewrites it itself, and reports any error, as before
+            continue  # pytest rewrites it itself at import, and reports the error there
 
 
 def _shares(paths: Sequence[Path], count: int) -> list[list[Path]]:

@@ -550,6 +550,7 @@ def replay(
     the Spark job (triage_replay) does the same at scale; --dry-run still lists
     without Spark.
     """
+    from triage_proxy.kafka.producer import never_written
     from triage_proxy.store.bulk import replay_matching
     from triage_proxy.store.replay import new_replay_id
 
@@ -585,6 +586,7 @@ def replay(
                     producer,
                     filters,
                     replay_id=replay_id,
+                    never_written=never_written,
                     to_topic=to_topic,
                     stop=stop,
                     expected=count.selected,

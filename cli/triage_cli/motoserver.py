@@ -137,14 +137,15 @@ def keep_alive_handler() -> type[Any]:
 
     werkzeug's development server answers every request with `Connection: close`: it
     cannot tell where an unread request body ends, so it drains the socket and closes.
-    Every AWS call of every client then paid a new TCP connection and a new server
-    thread, and the server spent a fifth of its CPU accepting connections and starting
+    Left so, every AWS call of every client pays a new TCP connection and a new server
+    thread, and the server spends a fifth of its CPU accepting connections and starting
     threads. This handler reads a request's whole body first (its Content-Length: botocore
     always sends one, or none for no body), runs moto's WSGI app on that, answers with a
     Content-Length, and reads the next request from the same connection (HTTP/1.1
     keep-alive; one thread per connection). A chunked or `Expect: 100-continue` request
-    goes through werkzeug's own path, which closes the connection after it as before.
-    moto's access log (one line per request) is written as before."""
+    has no length to read up to, so it goes through werkzeug's own path, which closes the
+    connection after it. Answers go out through `send_response`, which writes the access
+    log line of each request, as moto's own handler does."""
     import io
 
     from moto.moto_server.werkzeug_app import MotoRequestHandler

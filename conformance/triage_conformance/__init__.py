@@ -74,3 +74,6 @@ The reference receivers, each passing every push scenario in both modes:
 `python -m triage_conformance.python_receiver` (aiohttp and the `cloudevents` SDK) and
 `node conformance/receivers/receiver.js` (Node's `http` module, no dependency).
 """
+
+ACTION_HEADER = "x-triage-action"
+"""The header whose value says what a client's handler or a push receiver does."""

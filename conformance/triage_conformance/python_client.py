@@ -20,8 +20,8 @@ import sys
 from typing import Any
 
 from triage_client import AuthenticationError, Consumer, Message, Retry, TriageClientError
+from triage_conformance import ACTION_HEADER
 
-ACTION_HEADER = "x-triage-action"
 RETRY_UNTIL_ATTEMPT = 3
 """`retry` raises Retry while the attempt is below this, then acks."""
 

@@ -23,8 +23,9 @@ from typing import Any
 from aiohttp import web
 from cloudevents.v1.http import from_http, from_json
 
+from triage_conformance import ACTION_HEADER
+
 Headers = tuple[tuple[str, bytes | None], ...]
-ACTION_HEADER = "x-triage-action"
 RETRY_HEADER = "triage-action"
 NACK_STATUS = 400
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from triage_cli.devstack import DevStack
 from triage_cli.embedded import HOST, free_port
+from triage_conformance import ACTION_HEADER
 from triage_proxy.structs import DeadLetter
 
 TOPIC = "conformance"
@@ -58,7 +59,7 @@ class Produced:
     @property
     def action(self) -> str:
         for name, value in self.headers:
-            if name == "x-triage-action" and value is not None:
+            if name == ACTION_HEADER and value is not None:
                 return value.decode()
         return "ack"
 
@@ -69,7 +70,7 @@ class Message:
 
     value: bytes | None
     action: str | None = None
-    """The `x-triage-action` header (None: no header, which means ack)."""
+    """The ACTION_HEADER value (None: no header, which means ack)."""
     key: bytes | None = b"k"
     headers: tuple[tuple[str, bytes | None], ...] = ()
     """Headers besides the action header (which goes first when set)."""
@@ -228,5 +229,5 @@ class Stack:
 
 
 def headers_of(message: Message) -> tuple[tuple[str, bytes | None], ...]:
-    action = () if message.action is None else (("x-triage-action", message.action.encode()),)
+    action = () if message.action is None else ((ACTION_HEADER, message.action.encode()),)
     return (*action, *message.headers)

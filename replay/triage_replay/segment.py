@@ -41,7 +41,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from triage_proxy.config.settings import DeadLetterSettings
-from triage_proxy.kafka.producer import replay_producer_config
+from triage_proxy.kafka.producer import never_written, replay_producer_config
 from triage_proxy.store.aws import dynamodb_client
 from triage_proxy.store.query import TABLE_ATTEMPTS, DeadLetterTable
 from triage_proxy.store.replay import Outcome, Producer, Replayer, ReplayResult
@@ -242,6 +242,7 @@ class SegmentReplayer:
                 tasktable.table,
                 self._producer(),
                 job.replay_id,
+                never_written=never_written,
                 to_topic=job.options.to_topic,
                 lease_s=job.options.claim_lease_s,
                 flush_timeout_s=job.options.delivery_timeout_s + 5,

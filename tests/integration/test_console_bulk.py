@@ -17,6 +17,7 @@ from tests.samples import GROUP, T0
 from triage_cli.console.deadletters import BulkResult, DeadLetters
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.config.settings import Settings, settings_from_dict
+from triage_proxy.kafka.producer import never_written
 from triage_proxy.store.bulk import BULK_CHUNK, replay_matching
 from triage_proxy.store.items import DeadLetterKey, dead_letter_table_key
 from triage_proxy.store.provisioning import create_table
@@ -106,7 +107,13 @@ def test_bulk_replay_counts_an_item_gone_since_the_count_as_skipped_as_the_cli_d
 
         # The CLI's routine, the same window on the same table: the same counts.
         producer = deadletters._producer(topic)
-        cli = replay_matching(table, producer, Filters(reason="cli"), replay_id=new_replay_id())
+        cli = replay_matching(
+            table,
+            producer,
+            Filters(reason="cli"),
+            replay_id=new_replay_id(),
+            never_written=never_written,
+        )
         assert table.deleted == [gone, gone_cli]
         assert (len(cli.replayed), len(cli.skipped)) == (2, 1)
         assert cli.skipped[0][0] == gone_cli

@@ -22,6 +22,7 @@ from triage_cli.embedded import EmbeddedAWS
 from triage_cli.main import app
 from triage_proxy.config.settings import DeadLetterSettings
 from triage_proxy.exitcodes import ExitCode
+from triage_proxy.kafka.producer import never_written
 from triage_proxy.store.items import STATE_ATTR, item_key
 from triage_proxy.store.pages import (
     CALLS_PER_PAGE,
@@ -366,6 +367,7 @@ def test_bulk_replay_goes_through_the_replay_routine_with_progress(
             producer,
             Filters(reason="boom"),
             replay_id=new_replay_id(),
+            never_written=never_written,
             chunk=5,
             progress=lambda d, t: calls.append((d, t)),
             expected=count.selected,
@@ -375,7 +377,13 @@ def test_bulk_replay_goes_through_the_replay_routine_with_progress(
         assert calls[-1] == (len(chosen), len(chosen))
         assert all(t == len(chosen) for _, t in calls)
         assert [d for d, _ in calls] == sorted(d for d, _ in calls)
-        again = replay_matching(table, producer, Filters(reason="boom"), replay_id=new_replay_id())
+        again = replay_matching(
+            table,
+            producer,
+            Filters(reason="boom"),
+            replay_id=new_replay_id(),
+            never_written=never_written,
+        )
         assert again.replayed == []  # a rerun replays nothing twice
     consumer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": unique_name})
     consumer.assign([TopicPartition(unique_name, 0, 0)])
@@ -429,6 +437,7 @@ def test_bulk_replay_stops_between_chunks_when_asked(
             producer,
             Filters(),
             replay_id=new_replay_id(),
+            never_written=never_written,
             chunk=5,
             progress=progress,
             stop=stop,
@@ -439,6 +448,13 @@ def test_bulk_replay_stops_between_chunks_when_asked(
         assert (cut.failed, cut.in_doubt, cut.skipped) == ([], [], [])
         assert calls == [(5, 12), (5, 12)]  # the chunk, then the end (total as expected)
         assert count_pending(table, Filters()).selected == 7
-        rest = replay_matching(table, producer, Filters(), replay_id=new_replay_id(), chunk=5)
+        rest = replay_matching(
+            table,
+            producer,
+            Filters(),
+            replay_id=new_replay_id(),
+            never_written=never_written,
+            chunk=5,
+        )
         assert not rest.interrupted
         assert sorted(k[2] for k in rest.replayed) == list(range(5, 12))

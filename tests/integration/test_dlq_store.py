@@ -25,6 +25,7 @@ from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.config.settings import DeadLetterSettings
 from triage_proxy.deadletters.notifier import notifier_from_settings
 from triage_proxy.deadletters.writer import DeadLetterWriter
+from triage_proxy.kafka.producer import never_written
 from triage_proxy.store.aws import s3_client
 from triage_proxy.store.checkpoints import DynamoDBCheckpoints
 from triage_proxy.store.deadletter_store import DynamoDBStore
@@ -267,10 +268,11 @@ def test_replay_is_byte_exact_with_provenance_and_a_rerun_replays_nothing(
     replay_id = new_replay_id()
     kafka = producer(broker)
     items = list(table.scan(Filters(topic=unique_name), consistent=True))
-    result = replay(table, kafka, items, replay_id=replay_id)
+    result = replay(table, kafka, items, replay_id=replay_id, never_written=never_written)
     assert sorted(result.replayed) == [(unique_name, 0, i) for i in range(6)]
     assert result.failed == []
-    rerun = replay(table, kafka, list(table.scan(Filters(topic=unique_name))), replay_id="again")
+    rescan = list(table.scan(Filters(topic=unique_name)))
+    rerun = replay(table, kafka, rescan, replay_id="again", never_written=never_written)
     assert rerun.replayed == []
     assert len(rerun.skipped) == 6
     kafka.flush(10)
@@ -335,7 +337,15 @@ def test_concurrent_replays_produce_every_item_once(
 
     def run() -> None:
         with DeadLetterTable(settings, group=GROUP) as own:
-            results.append(replay(own, producer(broker), items, replay_id=new_replay_id(), chunk=7))
+            replayed = replay(
+                own,
+                producer(broker),
+                items,
+                replay_id=new_replay_id(),
+                never_written=never_written,
+                chunk=7,
+            )
+            results.append(replayed)
 
     threads = [threading.Thread(target=run) for _ in range(3)]
     for thread in threads:
@@ -384,14 +394,18 @@ def test_a_failed_delivery_releases_the_claim_for_a_later_replay(
     create_topic(broker.bootstrap, unique_name)
     write_dead_letters(settings, [make_dl(i, topic=unique_name) for i in range(3)])
     items = list(table.scan(Filters(topic=unique_name), consistent=True))
-    failed = replay(table, RefusingProducer(), items, replay_id="doomed")
+    failed = replay(
+        table, RefusingProducer(), items, replay_id="doomed", never_written=never_written
+    )
     assert len(failed.failed) == 3
     assert all("Unknown topic" in why for _, why in failed.failed)
     for offset in range(3):
         item = table.get((unique_name, 0, offset))
         assert item["status"] == {"S": "pending"}
         assert "replay_claim" not in item
-    retried = replay(table, producer(broker), items, replay_id=new_replay_id())
+    retried = replay(
+        table, producer(broker), items, replay_id=new_replay_id(), never_written=never_written
+    )
     assert len(retried.replayed) == 3
 
 

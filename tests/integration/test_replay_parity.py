@@ -37,6 +37,7 @@ from tests.integration.harness import create_topic
 from tests.samples import GROUP
 from triage_cli.dlq import producer_config
 from triage_proxy.config.settings import DeadLetterSettings, settings_from_dict
+from triage_proxy.kafka.producer import never_written
 from triage_proxy.store.deadletter_store import MAX_BATCH, DynamoDBStore
 from triage_proxy.store.provisioning import create_table
 from triage_proxy.store.query import DeadLetterTable, Filters
@@ -218,6 +219,7 @@ def run_path(
                 make_producer(cli_producer_config(bootstrap)),
                 items,
                 replay_id=new_replay_id(),
+                never_written=never_written,
                 to_topic=to_topic,
                 chunk=chunk,
             )

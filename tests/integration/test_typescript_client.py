@@ -37,6 +37,7 @@ from tests.integration.harness import (
 )
 from tests.runlock import TS_INSTALLED, TS_PACKAGE_LOCK, shared_lock
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
+from triage_conformance import ACTION_HEADER
 from triage_conformance.scenarios import SCENARIOS
 from triage_proxy.app import Proxy
 
@@ -48,7 +49,6 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "clients" / "typescript"
 ADAPTER = PACKAGE / "dist" / "conformance.js"
 EXAMPLE = PACKAGE / "examples" / "consumer.js"
-ACTION = "x-triage-action"
 
 
 def tool(name: str) -> str:
@@ -287,7 +287,7 @@ def workload(partition: int, n: int) -> list[Any]:
         value: bytes | None = None if i % 4 == 2 and action == b"ack" else b"v\xff\x00-%d" % i
         if action == b"fail":
             value = "poison \u00e9 %d-%d".encode() % (partition, i)
-        headers = [(ACTION, action), ("bin", bytes([0, 1, 255, i % 256])), ("none", None)]
+        headers = [(ACTION_HEADER, action), ("bin", bytes([0, 1, 255, i % 256])), ("none", None)]
         out.append((key, value, headers))
     return out
 
@@ -489,7 +489,7 @@ def test_a_handler_that_never_settles_is_extended_then_redelivered_after_a_kill(
     it no attempt: it was not an isolated delivery the process had reported started (the
     client's Hello sets `isolation`), so it comes back a suspect with attempt 1 again."""
     settings = settings_for(broker, aws, topic, delivery={"ack_deadline_s": 1.0})
-    produce(broker.bootstrap, topic, [(None, b"hangs", [(ACTION, b"hang")])])
+    produce(broker.bootstrap, topic, [(None, b"hangs", [(ACTION_HEADER, b"hang")])])
 
     async def scenario() -> tuple[list[int], list[int]]:
         async with Proxy(settings, 0) as proxy:

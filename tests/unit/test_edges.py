@@ -25,6 +25,7 @@ from triage_proxy.kafka.errors import (
     kafka_warnings,
     opening_errors,
 )
+from triage_proxy.kafka.producer import NOT_SENT_ERRORS, never_written
 from triage_proxy.store.aws import read_secret
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,6 +99,19 @@ def test_kafka_errors_become_the_proxys_own() -> None:
     assert info.value.__cause__ is down
     with kafka_errors("not raised"):
         pass
+
+
+def test_only_delivery_errors_that_prove_nothing_was_written_release_a_replay_claim() -> None:
+    for name in NOT_SENT_ERRORS:  # real librdkafka names, spelled as KafkaError.name() does
+        assert KafkaError(getattr(KafkaError, name)).name() == name
+        assert never_written(KafkaError(getattr(KafkaError, name)))
+    for code in (KafkaError._MSG_TIMED_OUT, KafkaError._PURGE_INFLIGHT, KafkaError._TIMED_OUT):
+        assert not never_written(KafkaError(code))  # maybe written: keep the claim
+    assert not never_written(KafkaError(KafkaError.REQUEST_TIMED_OUT))
+    for code in (KafkaError.UNKNOWN, KafkaError._FAIL, KafkaError.NOT_ENOUGH_REPLICAS):
+        assert not never_written(KafkaError(code))  # unknown: may have been written too
+    assert not never_written("SOMETHING_NEWER")
+    assert never_written("_PURGE_QUEUE")  # without name(), its text is read as the name
 
 
 def test_kafka_warnings_log_and_carry_on(caplog: pytest.LogCaptureFixture) -> None:

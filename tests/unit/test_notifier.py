@@ -18,6 +18,7 @@ from tests.unit import virtual_time
 from triage_proxy.config.settings import DeadLetterSettings
 from triage_proxy.deadletters.notifier import (
     MAX_TRACKED_REASONS,
+    SUMMARY_REASON_CHARS,
     Aggregator,
     DeadLetterNotifier,
     MemorySink,
@@ -154,6 +155,19 @@ def test_distinct_reasons_are_bounded() -> None:
     assert summary is not None
     assert summary.count == MAX_TRACKED_REASONS + 50
     assert summary.other_reasons == summary.count - len(summary.top_reasons)
+
+
+def test_summary_reasons_are_cut_at_summary_reason_chars() -> None:
+    """Reasons that differ only past the cut are one reason in the summary."""
+    aggregator = Aggregator("p", "dlq", interval_s=1.0)
+    head = "r" * SUMMARY_REASON_CHARS
+    aggregator.record(make_dl(1, reason=head + " request id 1"), 0.0)
+    aggregator.record(make_dl(2, reason=head + " request id 2"), 0.0)
+    aggregator.record(make_dl(3, reason=head[:-1]), 0.0)
+    summary = aggregator.take(10.0)
+    assert summary is not None
+    assert summary.top_reasons == ((head, 2), (head[:-1], 1))
+    assert summary.to_json()["top_reasons"][0] == {"reason": head, "count": 2}
 
 
 def test_interval_must_be_positive() -> None:

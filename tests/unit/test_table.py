@@ -23,14 +23,12 @@ from triage_proxy.store.items import (
 from triage_proxy.store.payload import decode_payload, encode_payload, payload_size
 from triage_proxy.store.query import Filters, load_dead_letter, matches, parse_time
 from triage_proxy.store.replay import (
-    NOT_SENT_ERRORS,
     REPLAY_ID_HEADER,
     REPLAY_OF_HEADER,
     REPLAY_REASON_HEADER,
     Outcome,
     ReplayResult,
     before_claim,
-    certainly_not_sent,
     replay_headers,
 )
 from triage_proxy.structs import DeadLetter, Headers, Record
@@ -261,18 +259,6 @@ def test_a_timeout_without_a_response_is_translated_not_crashed() -> None:
 
 
 # --- the replay policy ----------------------------------------------------------------
-
-
-def test_only_errors_that_prove_nothing_was_sent_release_a_claim() -> None:
-    from confluent_kafka import KafkaError
-
-    for name in NOT_SENT_ERRORS:  # real librdkafka names, spelled as KafkaError.name() does
-        assert KafkaError(getattr(KafkaError, name)).name() == name
-        assert certainly_not_sent(name)
-    for name in ("_MSG_TIMED_OUT", "_PURGE_INFLIGHT", "_TIMED_OUT", "REQUEST_TIMED_OUT"):
-        assert not certainly_not_sent(name)  # maybe written: keep the claim
-    for name in ("UNKNOWN", "_FAIL", "NOT_ENOUGH_REPLICAS", "SOMETHING_NEWER", ""):
-        assert not certainly_not_sent(name)  # unknown: may have been written too
 
 
 @pytest.mark.parametrize(

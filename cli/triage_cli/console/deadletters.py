@@ -270,6 +270,7 @@ class DeadLetters:
     def replay_one(self, key: DeadLetterKey) -> dict[str, Any]:
         """Replay one item through `store.replay.replay`; an item that is not pending is
         left as it is (outcome "skipped", with its status)."""
+        from triage_proxy.kafka.producer import never_written
         from triage_proxy.store.items import STATUS_PENDING
         from triage_proxy.store.replay import new_replay_id, replay
 
@@ -279,7 +280,14 @@ class DeadLetters:
             if status != STATUS_PENDING:
                 return self._answer(key, "skipped", f"already {status}; nothing changed")
             producer = self._producer(key[0])
-            result = replay(self.table, producer, [item], replay_id=new_replay_id(), chunk=1)
+            result = replay(
+                self.table,
+                producer,
+                [item],
+                replay_id=new_replay_id(),
+                never_written=never_written,
+                chunk=1,
+            )
         for outcome in ("skipped", "failed", "in_doubt"):
             for _, why in getattr(result, outcome):
                 return self._answer(key, outcome, why)
@@ -318,6 +326,7 @@ class DeadLetters:
         longer in the table, is skipped. `progress` is called once with the count, then
         whenever the routine reports progress (after each chunk replayed, each item
         discarded), with the outcomes so far. Nothing is done when the count is 0."""
+        from triage_proxy.kafka.producer import never_written
         from triage_proxy.store.bulk import DiscardResult, discard_matching, replay_matching
         from triage_proxy.store.replay import ReplayResult, new_replay_id
 
@@ -342,6 +351,7 @@ class DeadLetters:
                 producer,
                 filters,
                 replay_id=result.replay_id,
+                never_written=never_written,
                 result=outcomes,
             )
 

@@ -61,8 +61,8 @@ TOP_REASONS = 5
 """Reasons listed in a summary, most frequent first."""
 MAX_TRACKED_REASONS = 1000
 """Distinct reasons counted per summary; more are counted as `other_reasons`."""
-MAX_REASON_CHARS = 300
-"""Reasons are cut to this length before counting (they may hold ids, traces)."""
+SUMMARY_REASON_CHARS = 300
+"""Reasons are counted by this prefix, so ids and traces at their end do not split a cause."""
 MESSAGE_TYPE = "triage.dead_letters"
 
 
@@ -189,7 +189,7 @@ class Window:
         stats.count += 1
         stats.first = min(stats.first, record.offset)
         stats.last = max(stats.last, record.offset)
-        reason = dl.reason[:MAX_REASON_CHARS]
+        reason = dl.reason[:SUMMARY_REASON_CHARS]
         if reason in self.reasons or len(self.reasons) < MAX_TRACKED_REASONS:
             self.reasons[reason] += 1
         else:

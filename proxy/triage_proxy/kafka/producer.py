@@ -8,8 +8,13 @@ partitioner: a key lands where a Java (or Kafka Streams, or Connect) producer pu
 which is what users of a Kafka tool expect. A replay back to its source topic names the
 source partition itself (store/replay.py), so the partitioner decides only `--to-topic`.
 
+`never_written` reads a failed delivery report for the replay: which librdkafka errors
+prove the message never reached the broker is a rule about librdkafka, so it lives here,
+at the Kafka edge, and the replay (store/, which knows no Kafka) is handed it.
+
 No confluent-kafka import here: the Spark executors import this module, and load the
-client only when a segment produces.
+client only when a segment produces. Errors are read by `KafkaError.name()`, which needs
+no import either.
 """
 
 from __future__ import annotations
@@ -24,6 +29,19 @@ REPLAY_DELIVERY_TIMEOUT_S = 60.0
 a message it gives up on is in doubt (store/replay.py)."""
 LINGER_MS = 5
 """A replay sends chunks of messages: a short linger batches them."""
+NOT_SENT_ERRORS = frozenset(
+    {
+        "_PURGE_QUEUE",
+        "_UNKNOWN_TOPIC",
+        "_UNKNOWN_PARTITION",
+        "_INVALID_ARG",
+        "UNKNOWN_TOPIC_OR_PART",
+        "MSG_SIZE_TOO_LARGE",
+        "TOPIC_AUTHORIZATION_FAILED",
+    }
+)
+"""librdkafka delivery errors (by `KafkaError.name()`) that guarantee the message was never
+written; every other error may have written it."""
 
 
 def replay_producer_config(
@@ -41,3 +59,11 @@ def replay_producer_config(
         "message.timeout.ms": int(delivery_timeout_s * 1000),
         "partitioner": REPLAY_PARTITIONER,
     }
+
+
+def never_written(err: object) -> bool:
+    """Whether a delivery report's error (a `KafkaError`, read by its `name()`) proves the
+    broker never took the message. Anything unknown may have been written: a replay must
+    keep its claim."""
+    name = getattr(err, "name", None)
+    return str(name() if callable(name) else err) in NOT_SENT_ERRORS

@@ -49,6 +49,7 @@ from triage_proxy.store.query import LIST_ATTRIBUTES, DeadLetterTable, Filters
 from triage_proxy.store.replay import (
     DEFAULT_CLAIM_LEASE_S,
     DEFAULT_FLUSH_TIMEOUT_S,
+    NeverWritten,
     Outcome,
     Producer,
     ReplayResult,
@@ -142,6 +143,7 @@ def replay_matching(
     filters: Filters,
     *,
     replay_id: str,
+    never_written: NeverWritten,
     to_topic: str | None = None,
     progress: Progress | None = None,
     stop: threading.Event | None = None,
@@ -155,7 +157,8 @@ def replay_matching(
     """Replay every pending dead letter `filters` selects, a chunk at a time, oldest
     first (with --topic and --partition: in offset order); stale claims of dead runs are
     taken over, as `replay.replay` does. Raises DeadLetterUnavailable if the table stops
-    answering (the chunk in hand is settled first)."""
+    answering (the chunk in hand is settled first). `never_written` is
+    `replay.Replayer`'s."""
     done = 0
 
     def settled(keys: list[DeadLetterKey]) -> None:
@@ -176,6 +179,7 @@ def replay_matching(
         producer,
         (item_key(item) for item in listed),
         replay_id=replay_id,
+        never_written=never_written,
         to_topic=to_topic,
         flush_timeout_s=flush_timeout_s,
         lease_s=lease_s,

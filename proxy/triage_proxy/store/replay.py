@@ -25,9 +25,10 @@ One chunk, step by step:
         delivered                                marked    replayed (`replayed_to` =
                                                            "<topic>/<partition>/<offset>")
         certainly not sent: never handed to the  released  failed (pending again: a rerun
-        producer, or NOT_SENT_ERRORS (purged in            replays it)
-        queue, unknown topic or partition, too
-        large, not authorized, invalid argument)
+        producer, or `never_written` says so               replays it)
+        (purged in queue, unknown topic or
+        partition, too large, not authorized,
+        invalid argument)
         any other error (timed out, purged in    kept      in doubt (it may be in Kafka)
         flight, an error librdkafka adds later),
         or no report at all
@@ -39,12 +40,17 @@ meanwhile is counted replayed and not marked (a warning says so). The windows le
 second copy: a process killed between a confirmed delivery and its mark, and a stale
 claim taken over (`take_over_stale`) whose first copy did arrive. The `triage-replay-of`
 header lets a consumer drop such a duplicate.
+
+Which delivery errors prove nothing was written is librdkafka's rule, kept at the Kafka
+edge (`triage_proxy.kafka.producer.never_written`): the store imports no Kafka, so the
+callers hand it in as `never_written`, next to the producer it reads the reports of.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import itertools
 import logging
 import threading
@@ -82,19 +88,6 @@ DEFAULT_FLUSH_TIMEOUT_S = 30.0
 """How long `replay` waits for the broker to confirm one chunk."""
 PURGED_FLUSH_S = 5.0
 """After a flush timed out and the queue was purged: how long to wait for the reports."""
-NOT_SENT_ERRORS = frozenset(
-    {
-        "_PURGE_QUEUE",
-        "_UNKNOWN_TOPIC",
-        "_UNKNOWN_PARTITION",
-        "_INVALID_ARG",
-        "UNKNOWN_TOPIC_OR_PART",
-        "MSG_SIZE_TOO_LARGE",
-        "TOPIC_AUTHORIZATION_FAILED",
-    }
-)
-"""librdkafka delivery errors (by `KafkaError.name()`) that guarantee the message was never
-written; every other error may have written it."""
 
 T = TypeVar("T")
 
@@ -114,12 +107,6 @@ class Outcome(enum.Enum):
     IN_DOUBT = "in_doubt"
     """Claimed and maybe delivered; the claim is kept, so no replay produces it again
     until it goes stale."""
-
-
-def certainly_not_sent(error_name: str) -> bool:
-    """Whether a delivery error (its `KafkaError.name()`) proves the broker never took the
-    message. Anything unknown may have been written: the claim must be kept."""
-    return error_name in NOT_SENT_ERRORS
 
 
 def before_claim(
@@ -165,6 +152,11 @@ def replay_headers(dl: DeadLetter, replay_id: str) -> list[tuple[str, bytes | No
 
 
 # --- the routine ------------------------------------------------------------------------
+
+
+NeverWritten = Callable[[Any], bool]
+"""Whether a delivery report's error proves the message was never written
+(`triage_proxy.kafka.producer.never_written`)."""
 
 
 class Producer(Protocol):
@@ -238,16 +230,14 @@ class _Copy:
     replayed_to: str = ""
     why: str = ""
 
-    def on_delivery(self, err: Any, msg: Any) -> None:
+    def on_delivery(self, never_written: NeverWritten, err: Any, msg: Any) -> None:
         """The producer's delivery report (on the thread that polls or flushes)."""
         if err is None:
             self.state = _State.DELIVERED
             self.replayed_to = f"{msg.topic()}/{msg.partition()}/{msg.offset()}"
             return
-        name = getattr(err, "name", None)
         self.why = str(err)
-        certain = certainly_not_sent(str(name() if callable(name) else err))
-        self.state = _State.NOT_SENT if certain else _State.MAYBE
+        self.state = _State.NOT_SENT if never_written(err) else _State.MAYBE
 
 
 class _NotTried:
@@ -260,6 +250,7 @@ _NOT_TRIED = _NotTried()
 class Replayer:
     """Replays chunks of scanned items through one producer (see the module docstring).
 
+    `never_written` reads `producer`'s failed delivery reports (which release a claim).
     `pool` runs the conditional writes of a chunk in parallel (Spark); without one they
     run one after the other (the CLI). `flush_timeout_s` bounds the wait for a chunk's
     delivery reports; `now_ms` is the wall clock that judges claims stale.
@@ -271,6 +262,7 @@ class Replayer:
         producer: Producer,
         replay_id: str,
         *,
+        never_written: NeverWritten,
         to_topic: str | None = None,
         lease_s: float = DEFAULT_CLAIM_LEASE_S,
         flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S,
@@ -281,6 +273,7 @@ class Replayer:
         self.table = table
         self.producer = producer
         self.replay_id = replay_id
+        self._never_written = never_written
         self._to_topic = to_topic
         self._lease_s = lease_s
         self._flush_timeout_s = flush_timeout_s
@@ -355,7 +348,7 @@ class Replayer:
                 "key": record.key,
                 "value": record.value,
                 "headers": replay_headers(copy.dl, self.replay_id),
-                "on_delivery": copy.on_delivery,
+                "on_delivery": functools.partial(copy.on_delivery, self._never_written),
             }
             if topic == record.topic:  # back where it came from: same partition
                 kwargs["partition"] = record.partition
@@ -449,6 +442,7 @@ def replay(
     items: Iterable[T],
     *,
     replay_id: str,
+    never_written: NeverWritten,
     to_topic: str | None = None,
     chunk: int = DEFAULT_REPLAY_CHUNK,
     flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S,
@@ -463,7 +457,7 @@ def replay(
     chunk at a time in this thread (`triage dlq replay` through `bulk.replay_matching`,
     the console); stale claims of dead runs are taken over. `stop` is checked between
     chunks. Raises DeadLetterUnavailable if the table stops answering (the chunk in hand
-    is settled first).
+    is settled first). `never_written` is `Replayer`'s.
 
     `read(chunk, result)` turns a chunk of `items` into the scanned items to replay (by
     default they are those): `bulk.replay_matching` hands keys and reads them afresh,
@@ -479,6 +473,7 @@ def replay(
         table,
         producer,
         replay_id,
+        never_written=never_written,
         to_topic=to_topic,
         lease_s=lease_s,
         flush_timeout_s=flush_timeout_s,
