@@ -8,8 +8,6 @@ import asyncio
 import json
 import signal
 import subprocess
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +16,7 @@ import pytest
 from aiohttp import web
 
 from tests.integration.harness import await_until, produce
+from tests.integration.receivers import Handler, receiver
 from tests.integration.test_cli import TRIAGE, run_triage
 
 pytestmark = pytest.mark.integration
@@ -25,24 +24,14 @@ pytestmark = pytest.mark.integration
 PER_PARTITION = 5
 
 
-@asynccontextmanager
-async def receiver(seen: dict[str, bytes]) -> AsyncIterator[str]:
-    """A CloudEvents binary-mode receiver that acks everything, keyed by `ce-id`."""
+def acking(seen: dict[str, bytes]) -> Handler:
+    """A CloudEvents binary-mode handler that acks everything, keyed by `ce-id`."""
 
     async def handle(request: web.Request) -> web.Response:
         seen[request.headers["ce-id"]] = await request.read()
         return web.Response(status=204)
 
-    app = web.Application()
-    app.router.add_post("/", handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}/"
-    finally:
-        await runner.cleanup()
+    return handle
 
 
 def status_json(config: str) -> dict[str, Any]:
@@ -65,7 +54,7 @@ def test_dev_push_delivers_to_the_url_and_status_shows_the_target(tmp_path: Path
     log = open(tmp_path / "dev.stderr", "wb")  # noqa: SIM115  (closed in finally)
 
     async def scenario() -> None:
-        async with receiver(seen) as url:
+        async with receiver(acking(seen)) as url:
             proc = await asyncio.create_subprocess_exec(
                 *TRIAGE,
                 *("dev", "--json", "--partitions", "2", "--state-dir", str(tmp_path / "s")),

@@ -13,8 +13,6 @@ import signal
 import ssl
 import subprocess
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +35,7 @@ from tests.integration.harness import (
     settings_for,
     start_proxy_process,
 )
+from tests.integration.receivers import receiver
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port
 from triage_protocol import handler_pb2, handler_pb2_grpc
 from triage_proxy.app import Proxy
@@ -69,24 +68,6 @@ def recover(attrs: dict[str, Any], data: bytes | None) -> Seen:
 def expected(message: Message) -> Seen:
     key, value, headers = message
     return key, value, tuple(headers or ())
-
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-@asynccontextmanager
-async def receiver(handler: Handler, port: int = 0) -> AsyncIterator[str]:
-    app = web.Application()
-    app.router.add_post("/", handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", port)
-    await site.start()
-    bound = runner.addresses[0][1]
-    try:
-        yield f"http://127.0.0.1:{bound}/"
-    finally:
-        await runner.cleanup()
 
 
 def push_target(url: str, **extra: Any) -> list[dict[str, Any]]:
@@ -464,22 +445,15 @@ def test_https_with_a_private_ca_a_client_certificate_a_bearer_token_and_a_signa
         return web.Response(status=200)
 
     async def scenario() -> None:
-        app = web.Application()
-        app.router.add_post("/", handle)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_ssl)
-        await site.start()
-        port = runner.addresses[0][1]
-        target = push_target(
-            f"https://127.0.0.1:{port}/",
-            ca_file=str(tmp_path / "ca.pem"),
-            token="env:TEST_PUSH_TOKEN",
-            signing_secret="env:TEST_PUSH_HMAC",
-            cert_file=str(tmp_path / "client.pem"),
-            key_file=str(tmp_path / "client.key"),
-        )
-        try:
+        async with receiver(handle, ssl_context=server_ssl) as url:
+            target = push_target(
+                url,
+                ca_file=str(tmp_path / "ca.pem"),
+                token="env:TEST_PUSH_TOKEN",
+                signing_secret="env:TEST_PUSH_HMAC",
+                cert_file=str(tmp_path / "client.pem"),
+                key_file=str(tmp_path / "client.key"),
+            )
             settings = settings_for(broker, aws, topic, push=target)
             async with Proxy(settings, 0) as proxy:
                 group = settings.kafka.group_id
@@ -488,8 +462,6 @@ def test_https_with_a_private_ca_a_client_certificate_a_bearer_token_and_a_signa
                 )
                 shown.append(json.dumps(proxy.status().to_json()))
                 shown.append(repr(proxy.settings))
-        finally:
-            await runner.cleanup()
 
     os.environ["TEST_PUSH_TOKEN"] = "push-token-1"
     os.environ["TEST_PUSH_HMAC"] = "hmac-key-of-the-test"

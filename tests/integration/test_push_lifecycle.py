@@ -15,8 +15,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,27 +34,12 @@ from tests.integration.harness import (
     settings_for,
     start_proxy_process,
 )
+from tests.integration.receivers import receiver, register
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port
 from triage_protocol import handler_pb2, handler_pb2_grpc
 from triage_proxy.app import Proxy
 
 pytestmark = pytest.mark.integration
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-@asynccontextmanager
-async def receiver(handler: Handler) -> AsyncIterator[str]:
-    app = web.Application()
-    app.router.add_post("/", handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}/"
-    finally:
-        await runner.cleanup()
 
 
 def offset_of(request: web.Request) -> int:
@@ -529,15 +512,7 @@ def test_grpc_push_dials_back_over_mutual_tls(
         settings = settings_for(broker, aws, topic, push=[table])
         try:
             async with Proxy(settings, 0) as proxy:
-                url = f"http://127.0.0.1:{proxy.http_port}/consumers"
-                headers = {"Authorization": TOKEN, "grpcport": str(port)}
-                request = urllib.request.Request(url, headers=headers)
-
-                def register() -> int:
-                    with urllib.request.urlopen(request, timeout=10) as response:
-                        return int(response.status)
-
-                assert await asyncio.to_thread(register) == 200
+                assert await register(proxy.http_port, TOKEN, port) == 200
                 group = settings.kafka.group_id
                 assert await await_until(
                     lambda: committed(broker.bootstrap, group, topic) == total, 30
@@ -593,15 +568,7 @@ def test_grpc_answers_use_an_attempt_or_not_as_the_table_says(
         )
         try:
             async with Proxy(settings, 0) as proxy:
-                url = f"http://127.0.0.1:{proxy.http_port}/consumers"
-                headers = {"Authorization": TOKEN, "grpcport": str(port)}
-                request = urllib.request.Request(url, headers=headers)
-
-                def register() -> int:
-                    with urllib.request.urlopen(request, timeout=10) as response:
-                        return int(response.status)
-
-                assert await asyncio.to_thread(register) == 200
+                assert await register(proxy.http_port, TOKEN, port) == 200
                 group = settings.kafka.group_id
                 assert await await_until(
                     lambda: committed(broker.bootstrap, group, topic) == len(bodies), 60
