@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from triage_cli.motoserver import NO_ACCESS_LOG
 from triage_proxy.errors import StateError, UnavailableError
 
 logger = logging.getLogger(__name__)
@@ -212,7 +213,10 @@ class EmbeddedAWS(ManagedProcess):
     name = "moto"
 
     def command(self, port: int) -> list[str]:
-        return [sys.executable, "-m", "triage_cli.motoserver", "-H", self.host, "-p", str(port)]
+        command = [sys.executable, "-m", "triage_cli.motoserver"]
+        if self._log_path is None:  # its output is discarded: no access log to write
+            command.append(NO_ACCESS_LOG)
+        return [*command, "-H", self.host, "-p", str(port)]
 
     @property
     def endpoint_url(self) -> str:

@@ -1,6 +1,7 @@
 """moto server for the embedded stack, with item ordering that does not grow slower per item.
 
-    python -m triage_cli.motoserver -H 127.0.0.1 -p PORT     (moto.server's arguments)
+    python -m triage_cli.motoserver [--no-access-log] -H 127.0.0.1 -p PORT
+                                    (then moto.server's arguments)
 
 moto answers every DynamoDB Query and Scan by sorting the whole table in Python, and it
 sorts with `DynamoType` objects as keys: each comparison builds `Decimal`s for numbers
@@ -9,7 +10,8 @@ page took 3-9 s, most of it in those comparisons. This launcher replaces the two
 keys (`Table.all_items` and `Table.sorted_items`) with the comparable values themselves
 (`DynamoType.cast_value`, which is what `DynamoType`'s comparisons compare), so Python
 sorts plain strings and Decimals in C. It also reads moto's list of its own modules once
-(`cache_module_list`) instead of on every request. Nothing else about moto changes: the same items
+(`cache_module_list`), and each response class's method names once (`cache_method_names`),
+instead of on every request. Nothing else about moto changes: the same items
 come back in the same order (tests/unit/test_motoserver.py checks both against moto's own
 keys), and the embedded stack still speaks DynamoDB's HTTP API through moto.
 
@@ -127,11 +129,28 @@ def cache_module_list() -> None:
     setattr(backends, "list_of_moto_modules", cached)  # noqa: B010
 
 
+def cache_method_names() -> None:
+    """moto lists a response class's methods (`inspect.getmembers`, every attribute of the
+    class and its bases) on every request, to see whether the action is one of them: a
+    twentieth of its CPU per DynamoDB call. Classes do not change while the server runs,
+    so each class's list is made once (in this process only); idempotent."""
+    import functools
+
+    from moto.core import responses
+
+    listed = responses.method_names_from_class
+    if getattr(listed, "_triage_cached", False):
+        return
+    cached = functools.cache(listed)
+    setattr(cached, "_triage_cached", True)  # noqa: B010
+    setattr(responses, "method_names_from_class", cached)  # noqa: B010
+
+
 NO_BODY_STATUSES = frozenset({204, 304})
 """Answers that never carry a body, so never a Content-Length of their own."""
 
 
-def keep_alive_handler() -> type[Any]:
+def keep_alive_handler(access_log: bool = True) -> type[Any]:
     """moto's request handler (werkzeug's) that keeps a client's connection open between
     requests instead of closing it after each answer.
 
@@ -145,7 +164,8 @@ def keep_alive_handler() -> type[Any]:
     keep-alive; one thread per connection). A chunked or `Expect: 100-continue` request
     has no length to read up to, so it goes through werkzeug's own path, which closes the
     connection after it. Answers go out through `send_response`, which writes the access
-    log line of each request, as moto's own handler does."""
+    log line of each request, as moto's own handler does, unless `access_log` is False
+    (formatting and writing each line is a tenth of moto's CPU per DynamoDB call)."""
     import io
 
     from moto.moto_server.werkzeug_app import MotoRequestHandler
@@ -154,6 +174,10 @@ def keep_alive_handler() -> type[Any]:
     # moto is not followed by mypy (pyproject.toml: ~700 modules per run), so its base
     # class is Any here.
     class KeepAliveHandler(MotoRequestHandler):  # type: ignore[misc]
+        def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+            if access_log:
+                super().log_request(code, size)
+
         def run_wsgi(self) -> None:
             headers = self.headers
             if "chunked" in headers.get("Transfer-Encoding", "").lower() or headers.get("Expect"):
@@ -204,25 +228,34 @@ def keep_alive_handler() -> type[Any]:
     return KeepAliveHandler
 
 
-def serve_keep_alive() -> None:
+def serve_keep_alive(access_log: bool = True) -> None:
     """Have moto's server use `keep_alive_handler`, and not wait for the threads of
     open connections when it stops (in this process only)."""
     import moto.server
     from werkzeug.serving import ThreadedWSGIServer
 
-    setattr(moto.server, "MotoRequestHandler", keep_alive_handler())  # noqa: B010
+    setattr(moto.server, "MotoRequestHandler", keep_alive_handler(access_log))  # noqa: B010
     # Idle keep-alive connections each hold a thread blocked on a read: a stop must not
     # wait for them (the threads are daemons; werkzeug's server would join them).
     setattr(ThreadedWSGIServer, "block_on_close", False)  # noqa: B010
 
 
+NO_ACCESS_LOG = "--no-access-log"
+"""This launcher's own option (the rest are moto.server's): write no line per request, for
+a server whose output nobody reads."""
+
+
 def main(argv: list[str] | None = None) -> None:
+    args = list(argv if argv is not None else sys.argv[1:])
+    access_log = NO_ACCESS_LOG not in args
+    args = [a for a in args if a != NO_ACCESS_LOG]
     install()
     cache_module_list()
-    serve_keep_alive()
+    cache_method_names()
+    serve_keep_alive(access_log)
     from moto.server import main as moto_main
 
-    moto_main(argv if argv is not None else sys.argv[1:])
+    moto_main(args)
 
 
 if __name__ == "__main__":

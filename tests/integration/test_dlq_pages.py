@@ -86,20 +86,38 @@ def read_all(table: DeadLetterTable, filters: Filters, limit: int) -> list[Page]
 ITEMS = [sample(n) for n in range(60)] + [sample(n, "shipping") for n in range(10)]
 
 
-@pytest.fixture
-def indexed(aws: EmbeddedAWS, unique_name: str) -> Iterator[DeadLetterTable]:
-    settings = DeadLetterSettings(table=unique_name, endpoint_url=aws.endpoint_url)
+def indexed_table(aws: EmbeddedAWS, name: str) -> Iterator[DeadLetterTable]:
+    """A table of ITEMS, made the way the proxy makes it (with the index)."""
+    settings = DeadLetterSettings(table=name, endpoint_url=aws.endpoint_url)
     create_table(settings)
-    put_all(dynamodb(aws), unique_name, ITEMS)
+    put_all(dynamodb(aws), name, ITEMS)
     with DeadLetterTable(settings, group=GROUP) as table:
         assert table.indexed()
         yield table
 
 
 @pytest.fixture
-def unindexed(aws: EmbeddedAWS, unique_name: str) -> Iterator[DeadLetterTable]:
-    """A table made before the index: items without dl_state, no marker: scan mode."""
+def indexed(aws: EmbeddedAWS, unique_name: str) -> Iterator[DeadLetterTable]:
+    """A fresh indexed table of ITEMS, for a test that changes it."""
+    yield from indexed_table(aws, unique_name)
+
+
+# The tests that only read share one table per module (on each xdist worker): the
+# paging cases alone would otherwise make and fill 30 tables in moto.
+
+
+@pytest.fixture(scope="module")
+def read_only(aws: EmbeddedAWS) -> Iterator[DeadLetterTable]:
+    """An indexed table of ITEMS that no test changes."""
+    yield from indexed_table(aws, "dlq-pages-read-only")
+
+
+@pytest.fixture(scope="module")
+def unindexed(aws: EmbeddedAWS) -> Iterator[DeadLetterTable]:
+    """A table made before the index: items without dl_state, no marker: scan mode. No
+    test changes it."""
     client = dynamodb(aws)
+    unique_name = "dlq-pages-unindexed"
     create_unindexed_table(client, unique_name)
     put_all(client, unique_name, [sample(n, indexed=False) for n in range(60)])
     settings = DeadLetterSettings(table=unique_name, endpoint_url=aws.endpoint_url)
@@ -109,10 +127,10 @@ def unindexed(aws: EmbeddedAWS, unique_name: str) -> Iterator[DeadLetterTable]:
 
 
 def test_the_default_view_is_pending_newest_first_each_item_once(
-    indexed: DeadLetterTable,
+    read_only: DeadLetterTable,
 ) -> None:
     pending = Filters(status="pending")
-    pages = read_all(indexed, pending, 7)
+    pages = read_all(read_only, pending, 7)
     assert {p.mode for p in pages} == {"index"}
     keys = [item_key(i) for p in pages for i in p.items]
     assert len(keys) == len(set(keys))
@@ -142,13 +160,13 @@ def test_the_default_view_is_pending_newest_first_each_item_once(
 )
 @pytest.mark.parametrize("limit", [1, 4, 50])
 def test_paging_returns_each_selected_item_exactly_once(
-    indexed: DeadLetterTable, filters: Filters, limit: int
+    read_only: DeadLetterTable, filters: Filters, limit: int
 ) -> None:
-    pages = read_all(indexed, filters, limit)
+    pages = read_all(read_only, filters, limit)
     keys = [item_key(i) for p in pages for i in p.items]
     assert len(keys) == len(set(keys))
     assert set(keys) == expected(ITEMS, filters)
-    assert sorted(keys) == sorted(map(item_key, indexed.scan(filters)))  # the one selection
+    assert sorted(keys) == sorted(map(item_key, read_only.scan(filters)))  # the one selection
 
 
 @pytest.mark.parametrize(
@@ -191,9 +209,9 @@ def forge(body: dict[str, Any]) -> str:
     return base64.urlsafe_b64encode(json.dumps(body).encode()).decode().rstrip("=")
 
 
-def test_a_forged_or_foreign_cursor_is_refused_clearly(indexed: DeadLetterTable) -> None:
+def test_a_forged_or_foreign_cursor_is_refused_clearly(read_only: DeadLetterTable) -> None:
     pending = Filters(status="pending")
-    good = page(indexed, pending, limit=3).next_cursor
+    good = page(read_only, pending, limit=3).next_cursor
     assert good is not None
     body = json.loads(base64.urlsafe_b64decode(good + "=" * (-len(good) % 4)))
     other_group = dict(body["k"], source={"S": f"{TOPIC}#0#dead#shipping"})
@@ -214,31 +232,38 @@ def test_a_forged_or_foreign_cursor_is_refused_clearly(indexed: DeadLetterTable)
     ]
     for cursor in bad:
         with pytest.raises(InvalidCursor, match="start again from the first page"):
-            page(indexed, pending, cursor, 3)
+            page(read_only, pending, cursor, 3)
     with pytest.raises(InvalidCursor, match="another filter or deployment"):
-        page(indexed, Filters(status="replayed"), good, 3)
+        page(read_only, Filters(status="replayed"), good, 3)
     with (
-        DeadLetterTable(indexed.settings, group="shipping") as other,
+        DeadLetterTable(read_only.settings, group="shipping") as other,
         pytest.raises(InvalidCursor, match="another filter or deployment"),
     ):
         page(other, pending, good, 3)
     with pytest.raises(ValueError, match=r"1\.\.1000"):
-        page(indexed, pending, None, 0)
-    assert page(indexed, pending, good, 3).items  # the real one still works
+        page(read_only, pending, None, 0)
+    assert page(read_only, pending, good, 3).items  # the real one still works
 
 
 def test_the_cli_lists_by_pages_and_refuses_a_bad_cursor(
-    indexed: DeadLetterTable, tmp_path: Any
+    read_only: DeadLetterTable, tmp_path: Any
 ) -> None:
     config = tmp_path / "triage.toml"
     write_config(
         config,
         {
-            "kafka": {"bootstrap_servers": "127.0.0.1:1", "topic": TOPIC, "group_id": GROUP},
+            # The partition count given: `dlq list` need not ask the (absent) broker,
+            # 3 s for each of the four calls below.
+            "kafka": {
+                "bootstrap_servers": "127.0.0.1:1",
+                "topic": TOPIC,
+                "group_id": GROUP,
+                "partitions": 3,
+            },
             "auth": {"token": "t" * 32},
             "dead_letters": {
-                "table": indexed.table,
-                "endpoint_url": indexed.settings.endpoint_url,
+                "table": read_only.table,
+                "endpoint_url": read_only.settings.endpoint_url,
             },
         },
     )
@@ -267,19 +292,19 @@ def test_the_cli_lists_by_pages_and_refuses_a_bad_cursor(
 
 
 def test_counts_by_reason_are_exact_under_the_cap_and_say_more_beyond(
-    indexed: DeadLetterTable,
+    read_only: DeadLetterTable,
 ) -> None:
     pending = Filters(status="pending")
     want = Counter(i["reason"]["S"] for i in ITEMS if matches(i, pending, group=GROUP))
-    counts = reason_counts(indexed, pending)
+    counts = reason_counts(read_only, pending)
     assert counts.complete
     assert dict(counts.by_reason) == dict(want)
     assert counts.counted == sum(want.values())
     assert [n for _, n in counts.by_reason] == sorted(want.values(), reverse=True)
-    capped = reason_counts(indexed, dataclasses.replace(pending), cap=1)
+    capped = reason_counts(read_only, dataclasses.replace(pending), cap=1)
     assert not capped.complete
     assert 0 < capped.counted < counts.counted
-    assert reason_counts(indexed, Filters(reason="nothing like it")).by_reason == []
+    assert reason_counts(read_only, Filters(reason="nothing like it")).by_reason == []
 
 
 # --- bulk actions -----------------------------------------------------------------------

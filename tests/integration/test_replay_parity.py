@@ -204,10 +204,17 @@ def run_path(
     wrap: Callable[[Any], Any],
     to_topic: str | None = None,
     chunk: int = CHUNK,
+    configs: list[dict[str, Any]] | None = None,
 ) -> Counts:
     """Replay every dead letter of `topic` the way `path` does, through `wrap`'s producer
-    (to `to_topic` when given)."""
-    make_producer: MakeProducer = lambda config: wrap(Producer(config))  # noqa: E731
+    (to `to_topic` when given); the producer configuration `path` builds is appended to
+    `configs` when given."""
+
+    def make_producer(config: dict[str, Any]) -> Any:
+        if configs is not None:
+            configs.append(config)
+        return wrap(Producer(config))
+
     if path == "cli":
         with DeadLetterTable(settings, group=GROUP) as table:
             items = sorted(
@@ -370,6 +377,9 @@ def test_crash_between_produce_and_mark(
 # --- partitioning ---------------------------------------------------------------------
 
 KEYS = 1000
+"""Keys produced with each path's producer configuration."""
+REPLAYED_KEYS = 24
+"""Dead letters each path replays end to end (DynamoDB calls are what a replay costs)."""
 TARGET_PARTITIONS = 6
 
 
@@ -402,27 +412,62 @@ def test_java_partition_matches_kafkas_own_vectors() -> None:
         assert java_partition(key, 2**31 - 1) == (signed & 0x7FFFFFFF) % (2**31 - 1)
 
 
+def partitions_of(config: dict[str, Any], topic: str, keys: list[bytes]) -> dict[bytes, int]:
+    """Produce each of `keys` to `topic` with a producer of `config`; the partition the
+    broker acknowledged for each."""
+    landed: dict[bytes, int] = {}
+
+    def report(err: Any, msg: Any) -> None:
+        assert err is None, err
+        landed[msg.key()] = msg.partition()
+
+    producer = Producer(config)
+    for key in keys:
+        producer.produce(topic, key=key, value=b"v", on_delivery=report)
+        producer.poll(0)
+    assert producer.flush(30) == 0
+    return landed
+
+
 def test_a_key_lands_on_one_partition_from_either_tool(
     settings: DeadLetterSettings, broker: EmbeddedBroker, unique_name: str
 ) -> None:
-    """1,000 dead letters replayed --to-topic by each path (a topic of several partitions
-    each): every key lands on the same partition from both, the Java client's."""
-    target: dict[str, dict[int, int]] = {}
+    """Each path replays a few dead letters --to-topic (a topic of several partitions) with
+    the producer configuration it builds, recorded as it builds it; 1,000 keys produced with
+    each recorded configuration then land, like the replayed ones, on the Java client's
+    partition from both paths."""
+    configs: dict[str, list[dict[str, Any]]] = {}
+    replayed: dict[str, dict[int, int]] = {}
     for path in PATHS:
         source, to_topic = f"{unique_name}-{path}", f"{unique_name}-{path}-to"
-        dead_letters(settings, broker.bootstrap, source, items=KEYS)
+        dead_letters(settings, broker.bootstrap, source, items=REPLAYED_KEYS)
         create_topic(broker.bootstrap, to_topic, partitions=TARGET_PARTITIONS)
+        configs[path] = []
         counts = run_path(
-            path, settings, broker.bootstrap, source, Passthrough, to_topic=to_topic, chunk=500
+            path,
+            settings,
+            broker.bootstrap,
+            source,
+            Passthrough,
+            to_topic=to_topic,
+            configs=configs[path],
         )
-        assert counts == (KEYS, 0, 0, 0), path
+        assert counts == (REPLAYED_KEYS, 0, 0, 0), path
         with DeadLetterTable(settings, group=GROUP) as table:
-            target[path] = {
+            replayed[path] = {
                 int(item["offset"]["N"]): int(item["replayed_to"]["S"].split("/")[1])
                 for item in table.scan(Filters(topic=source), consistent=True)
             }
-    assert len(target["cli"]) == KEYS
-    assert target["cli"] == target["spark"]
-    java = {o: java_partition(b"k%d" % o, TARGET_PARTITIONS) for o in range(KEYS)}
-    assert target["cli"] == java
+    java_replayed = {o: java_partition(b"k%d" % o, TARGET_PARTITIONS) for o in range(REPLAYED_KEYS)}
+    assert replayed["cli"] == replayed["spark"] == java_replayed
+
+    keys = [b"k%d" % o for o in range(KEYS)]
+    landed: dict[str, dict[bytes, int]] = {}
+    for path in PATHS:
+        assert len(configs[path]) == 1, path
+        topic = f"{unique_name}-{path}-keys"
+        create_topic(broker.bootstrap, topic, partitions=TARGET_PARTITIONS)
+        landed[path] = partitions_of(configs[path][0], topic, keys)
+    java = {key: java_partition(key, TARGET_PARTITIONS) for key in keys}
+    assert landed["cli"] == landed["spark"] == java
     assert set(java.values()) == set(range(TARGET_PARTITIONS))

@@ -214,3 +214,29 @@ def test_the_module_list_is_read_once_and_is_motos_own() -> None:
         assert backends.list_of_moto_modules() is first
     finally:
         setattr(backends, "list_of_moto_modules", original)  # noqa: B010
+
+
+def test_a_response_class_s_method_names_are_listed_once_and_are_moto_s_own() -> None:
+    from moto.core import responses
+    from moto.dynamodb.responses import DynamoHandler
+
+    original = responses.method_names_from_class
+    own = original(DynamoHandler)
+    try:
+        motoserver.cache_method_names()
+        first = responses.method_names_from_class(DynamoHandler)
+        assert first == own
+        assert "update_item" in first
+        motoserver.cache_method_names()  # idempotent
+        assert responses.method_names_from_class(DynamoHandler) is first
+    finally:
+        setattr(responses, "method_names_from_class", original)  # noqa: B010
+
+
+def test_the_embedded_server_writes_no_access_log_only_when_its_output_is_discarded(
+    tmp_path: Any,
+) -> None:
+    from triage_cli.embedded import EmbeddedAWS
+
+    assert motoserver.NO_ACCESS_LOG in EmbeddedAWS().command(5000)
+    assert motoserver.NO_ACCESS_LOG not in EmbeddedAWS(tmp_path / "moto.log").command(5000)
