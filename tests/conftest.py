@@ -83,6 +83,13 @@ def pytest_configure(config: pytest.Config) -> None:
     # A SIGTERM (CI timeout, kill) then tears the fixtures down like Ctrl-C does, so the
     # broker and moto server are stopped by PID instead of outliving the run.
     signal.signal(signal.SIGTERM, _interrupt)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # Started as a background job by a non-interactive shell (`.ci/run &`, a CI step),
+        # the run inherits SIGINT ignored, and so would every process a test starts: the
+        # tests that stop one with Ctrl-C (the getting-started page's receiver) then
+        # waited their whole bound and killed it. A handled signal is reset to the default
+        # in a child at exec; an ignored one is not.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if WORKER == "main" and config.getoption("numprocesses", None):
         # Under xdist, before the workers start: see tests/bytecode.py.
         compile_ahead(
