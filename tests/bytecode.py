@@ -8,7 +8,7 @@ their sources stay in the checkout, so every proxy and CLI process the tests sta
 compiled triage_proxy and triage_cli from source (0.15 s of CPU each, hundreds of
 processes a run). And pytest, which rewrites the asserts of test modules, conftests and
 plugins (all of hypothesis) and caches the result in `__pycache__`, writes no cache then
-either: each of the 4 workers rewrote the same ~200 modules, 5 s of CPU each, while the
+either: each of the workers rewrote the same ~200 modules, 5 s of CPU each, while the
 run had nothing else to do.
 
 `compile_ahead` writes both kinds of `.pyc` (the caches Python and pytest read whether
