@@ -168,7 +168,7 @@ test("a failed stream asks for the topology at once and follows the partition to
     await b.setTopology(FakeProxy.serving("t", [b.endpoint]));
     a.onStream = (s) => s.fail(grpc.status.UNAVAILABLE, "going away");
     a.streams[0]!.fail(grpc.status.UNAVAILABLE, "going away");
-    await until(() => b.streams.length === 1, 3000, "the stream at the new endpoint");
+    await until(() => b.streams.length === 1, 10_000, "the stream at the new endpoint");
     assert.ok(a.topologyCalls.length > reads, "the failure asked for the topology");
     await stopped(c);
   });
@@ -181,7 +181,7 @@ test("the topology is read again periodically and a partition added to the topic
     await c.start();
     await until(() => a.streams.length === 1);
     await a.setTopology(FakeProxy.serving("t", [a.endpoint, a.endpoint]));
-    await until(() => a.streams.some((s) => s.hello?.partition === 1), 3000, "partition 1's stream");
+    await until(() => a.streams.some((s) => s.hello?.partition === 1), 10_000, "partition 1's stream");
     assert.ok(a.topologyCalls.length >= 2);
     await stopped(c);
   });

@@ -26,8 +26,9 @@ export interface Received {
   frame: ConsumerFrame;
 }
 
-/** Poll `predicate` until it holds (or fail after `ms`). */
-export async function until(predicate: () => boolean, ms = 5000, what = "condition"): Promise<void> {
+/** Poll `predicate` until it holds (or fail after `ms`). The bound is generous: these wait
+ * for events that must come, and the suite shares 2 busy cores with the rest of CI. */
+export async function until(predicate: () => boolean, ms = 10_000, what = "condition"): Promise<void> {
   const deadline = Date.now() + ms;
   while (!predicate()) {
     if (Date.now() > deadline) {

@@ -274,7 +274,7 @@ test("stop(): Release the unstarted, settle the running, half-close, wait for th
       stopped = true;
     });
     const stream = proxy.streams[0]!;
-    await until(() => stream.frames("release").length === 1, 2000, "Release");
+    await until(() => stream.frames("release").length === 1, 10_000, "Release");
     assert.deepEqual(stream.frames("release")[0]!.value.offsets, [2, 3, 4]);
     await sleep(50);
     assert.equal(stream.halfClosedAt, null, "no half-close while handlers run");
@@ -312,7 +312,7 @@ test("stop() with nothing queued still sends a Release, before the last Settle",
     await until(() => started.length === 2);
     const stopping = c.stop();
     const stream = proxy.streams[0]!;
-    await until(() => stream.frames("release").length === 1, 2000, "Release");
+    await until(() => stream.frames("release").length === 1, 10_000, "Release");
     assert.deepEqual(stream.frames("release")[0]!.value.offsets ?? [], []);
     running.open();
     await within(stopping, STOP_LIMIT_MS, "stop()");
@@ -333,7 +333,7 @@ test("stop() while a stream connects: Release, wait for the Welcome, release wha
     };
     const c = consumer(proxy, { handler: () => assert.fail("nothing starts after stop()") });
     await c.start();
-    await until(() => stream?.hello !== undefined && stream?.hello !== null, 2000, "Hello");
+    await until(() => stream?.hello !== undefined && stream?.hello !== null, 10_000, "Hello");
     const stopping = c.stop();
     await sleep(100);
     const s = stream!;
@@ -371,9 +371,9 @@ test("stop() while a stream connects ends even if the wall clock steps back afte
     };
     const c = consumer(proxy, { logger });
     await c.start();
-    await until(() => stream?.hello !== undefined && stream?.hello !== null, 2000, "Hello");
+    await until(() => stream?.hello !== undefined && stream?.hello !== null, 10_000, "Hello");
     const stopping = c.stop();
-    await until(() => stream!.frames("release").length === 1, 2000, "the Release sent at stop()");
+    await until(() => stream!.frames("release").length === 1, 10_000, "the Release sent at stop()");
     stream!.welcome();
     await within(stopping, STOP_LIMIT_MS, "stop() after a Welcome and a clock step");
     assert.ok(stepped, "the clock stepped back after the Welcome was handled");
@@ -389,11 +389,11 @@ test("stop() cancels a stream whose Welcome never comes, after a grace", async (
     };
     const c = consumer(proxy, {});
     await c.start();
-    await until(() => stream !== null, 2000, "a stream");
+    await until(() => stream !== null, 10_000, "a stream");
     const began = Date.now();
     await stopped(c);
     assert.ok(Date.now() - began >= STOP_CONNECT_GRACE_MS - 50);
-    await until(() => stream!.cancelled, 2000, "cancelled");
+    await until(() => stream!.cancelled, 10_000, "cancelled");
   });
 });
 
@@ -439,7 +439,7 @@ test("deliveries that arrive while stopping are released, not handled", async ()
     const stopping = c.stop();
     const stream = proxy.streams[0]!;
     stream.deliver([7, 8]);
-    await until(() => stream.frames("release").some((r) => (r.value.offsets ?? []).includes(7)), 2000, "Release 7, 8");
+    await until(() => stream.frames("release").some((r) => (r.value.offsets ?? []).includes(7)), 10_000, "Release 7, 8");
     running.open();
     await within(stopping, STOP_LIMIT_MS, "stop()");
     assert.deepEqual(handled, [0]);
@@ -460,7 +460,7 @@ test("a handler that outlives its broken stream is not settled on the next strea
     await until(() => proxy.streams[0]?.received.length === 1);
     await sleep(50);
     proxy.streams[0]!.fail(grpc.status.UNAVAILABLE, "proxy restarting");
-    await until(() => proxy.streams.length === 2 && proxy.streams[1]!.received.length === 1, 3000, "reconnect");
+    await until(() => proxy.streams.length === 2 && proxy.streams[1]!.received.length === 1, 10_000, "reconnect");
     slow.open();
     await sleep(100);
     assert.deepEqual(proxy.streams[1]!.settled(), [], "a stale result never reaches the new stream");
