@@ -51,17 +51,15 @@ def test_messages_per_second_cap_holds_and_no_cap_is_much_faster(
     )
     _, free = _arrivals(settings_for(broker, aws, free_topic))
 
-    start = limited[0]
-    elapsed = limited[-1] - start
-    # One second's burst at once, then CAP a second: (600 - 200) / 200 = 2 s at least.
+    # Every bound is counted from `opened`, before the consumer connected, so a reading
+    # loop that falls behind on a loaded machine (and reads frames sent apart at one
+    # instant) only loosens it. A full bucket of CAP, then CAP a second: the last of
+    # MESSAGES arrives (600 - 200) / 200 = 2 s after the first could at the earliest.
+    elapsed = limited[-1] - opened
     assert elapsed >= (MESSAGES - CAP) / CAP * 0.95
-    after_burst = [t for t in limited if t >= start + 1.0]
-    span = limited[-1] - (start + 1.0)
-    assert len(after_burst) / span <= CAP * 1.2
-    # Never more than a burst plus CAP a second in any prefix of the run, counted from
-    # before the consumer connected: arrival times are when this loop read a frame, and a
-    # loop that fell behind on a loaded machine reads frames sent apart at one instant.
+    # Never more than a burst plus CAP a second in any prefix of the run.
     for i, t in enumerate(limited):
         assert i + 1 <= CAP + CAP * (t - opened) + 1
+    # Uncapped, the same run takes well under half what the cap forces.
     free_elapsed = free[-1] - free[0]
-    assert free_elapsed < elapsed / 4
+    assert free_elapsed < (MESSAGES - CAP) / CAP / 2
