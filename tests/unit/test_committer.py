@@ -516,6 +516,34 @@ def test_a_burst_above_a_held_commit_is_written_within_a_poll_not_at_the_tick() 
     run(main())
 
 
+def test_a_partition_moving_past_the_commit_is_not_polled_between_ticks() -> None:
+    # Only a held offset can make a burst due, and a head that moved past Kafka's
+    # committed offset stays past it until the next commit: a fleet process's 16 busy
+    # partitions were woken CHECKPOINT_POLLS times an interval each for nothing.
+    async def main() -> None:
+        rig = make(tracked=3000, interval_s=1.0, encode_settled=True)
+        assert rig.checkpoints is not None
+        checkpoints = rig.checkpoints
+        rig.start()
+        await until(lambda: checkpoints.puts == 1)  # the run's first commit and write
+        looks = 0
+        held_burst = rig.committer._held_burst
+
+        def counted() -> bool:
+            nonlocal looks
+            looks += 1
+            return held_burst()
+
+        rig.committer._held_burst = counted  # type: ignore[method-assign]
+        settle(rig.tracker, *range(0, 10))  # the head moves to 10, past Kafka's 0
+        await asyncio.sleep(0.5)  # four polls' worth, well inside the interval
+        assert looks <= 1  # the poll under way when it moved
+        await rig.stop()
+        assert rig.committer.committed == 10
+
+    run(main())
+
+
 def test_a_burst_reaches_the_item_without_waiting_for_kafkas_commit() -> None:
     # The fault suite's kill 6 (second run): a restarted proxy's first Kafka commit took
     # 160 ms (the group coordinator), its instances settled 1,135 offsets above the held
