@@ -23,7 +23,7 @@ partition that filled its credits (a backlog) an even share of the budget beside
 backlogs plus what the others leave, and shrinks an idle one to a small prefetch; raises come
 only out of credits no stream may hold, so total unsettled deliveries stay within
 `concurrency + prefetch` (a stream keeps at least 1, so more partitions than that exceed it
-by design; the default prefetch grows with the number of backlogged partitions, up to 4
+by design; the default prefetch grows with the number of backlogged partitions, up to 16
 single-stream caps, none of them given more than one: credits.py). The same rebalance caps
 how many handler slots each backlogged partition may run
 (an even share of `concurrency`), and the shared pool gives a free slot to the stream with
@@ -132,7 +132,7 @@ class Consumer:
             for a round trip (default: concurrency, raised to AUTO_PREFETCH_MAX x concurrency
             once handler slots run out of queued work while the proxy has a backlog, against
             a proxy that honours Grant; with several partitions backlogged at once, that
-            much more for each, up to 4, while no partition's stream gets more than one
+            much more for each, up to 16, while no partition's stream gets more than one
             stream's share: see credits.py); credits = concurrency + prefetch, split
             over the partitions' streams.
         partitions: consume only these partitions (default: every partition of the topic,

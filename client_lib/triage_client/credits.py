@@ -49,8 +49,9 @@ only their sum grows. Why: a stream is refilled one Deliveries frame per Settle,
 a gRPC write and read with fixed costs on both sides, and a budget split 4 ways settles and
 refills each partition a quarter as much at a time (bench_fleet_throughput, 4 partitions
 under one Consumer: ~2.3x the frames of one partition and ~1.5x the instances' CPU per
-message at a single stream's cap). Kafka's own client keeps its prefetch per partition too
-(librdkafka's queued.min.messages).
+message at a single stream's cap; 16 partitions under a cap of 4 streams: 5-6x the
+frames). Kafka's own client keeps its prefetch per partition too (librdkafka's
+queued.min.messages).
 
 Every stream keeps at least 1 credit (the protocol's minimum), so more streams than the
 budget exceed it by design, as in the static split.
@@ -78,10 +79,15 @@ REBALANCE_INTERVAL_S = 0.1
 """How often a Consumer with several streams re-splits its credits and slots."""
 IDLE_CREDITS = 2
 """Credits an idle stream keeps: a small prefetch, so its first deliveries need no Grant."""
-STREAM_CAPS_MAX = 4
+STREAM_CAPS_MAX = 16
 """Most single-stream caps the default prefetch grows to, when that many streams show a
 backlog at once (`grown_cap`): a bound on the instance's memory however many partitions it
-consumes."""
+consumes. 16, not 4: a budget of 4 caps split over 16 backlogged partitions gave each a
+quarter of a lone stream's credits, so each Deliveries frame (half a stream's credits) and
+the Settle answering it carried a quarter as many records: bench_fleet_throughput with 16
+partitions sent ~1,100-1,300 frames each way for 200,000 messages against ~200 for one
+partition, and its fleet process delivered less than one partition. At 16 caps: ~450-800
+frames (see docs/benchmarks.md)."""
 
 
 def credit_share(budget: int, streams: int, index: int) -> int:

@@ -190,7 +190,8 @@ def test_the_prefetch_cap_is_one_stream_cap_per_backlogged_stream_up_to_four() -
     assert grown_cap(1280, 100_000, [idle] * 4) == 1280, "no backlog: one stream's cap"
     assert grown_cap(1280, 100_000, [backlog, idle, idle]) == 1280
     assert grown_cap(1280, 100_000, [backlog, backlog, backlog, idle]) == 3 * 1280
-    assert grown_cap(1280, 100_000, [backlog] * 6) == STREAM_CAPS_MAX * 1280
+    assert grown_cap(1280, 100_000, [backlog] * 6) == 6 * 1280
+    assert grown_cap(1280, 100_000, [backlog] * (STREAM_CAPS_MAX + 2)) == STREAM_CAPS_MAX * 1280
     assert grown_cap(1280, 3000, [backlog] * 4) == 3000, "never past the largest Grant"
     assert grown_cap(1280, 1000, [backlog] * 4) == 1280, "nor below one stream's cap"
     # Measured by what was held, not credits: half of them at once is a backlog on its way.
