@@ -46,7 +46,7 @@ def test_expired_lease_is_redelivered_with_the_next_attempt(
         async with Proxy(settings, 0) as proxy, RawConsumer(target(proxy), credits=1) as c:
             (first,) = await c.receive(1)
             assert first.attempt == 1
-            (again,) = await c.receive(1, timeout=5)  # no ack, no extend: it expires
+            (again,) = await c.receive(1, timeout=15)  # no ack, no extend: it expires
             assert (again.offset, again.attempt) == (0, 2)
             c.settle(acks=[0])
             assert await await_until(lambda: proxy.snapshot().committed_offset == 1)
@@ -56,7 +56,9 @@ def test_expired_lease_is_redelivered_with_the_next_attempt(
 
 
 def test_extend_keeps_a_slow_delivery(broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str) -> None:
-    settings = settings_for(broker, aws, topic, delivery={"ack_deadline_s": 0.5})
+    # Extends every 0.25 s against a 1.5 s deadline: a loop descheduled for a second
+    # between two of them (a loaded machine) still extends in time. (0.5 s left 0.25 s.)
+    settings = settings_for(broker, aws, topic, delivery={"ack_deadline_s": 1.5})
     produce(broker.bootstrap, topic, plain(1))
 
     async def scenario() -> None:
@@ -64,7 +66,7 @@ def test_extend_keeps_a_slow_delivery(broker: EmbeddedBroker, aws: EmbeddedAWS, 
 
         async with Proxy(settings, 0) as proxy, RawConsumer(target(proxy), credits=1) as c:
             await c.receive(1)
-            for _ in range(6):  # 1.5 s of work, three deadlines' worth
+            for _ in range(18):  # 4.5 s of work, three deadlines' worth
                 await asyncio.sleep(0.25)
                 c._outgoing.put_nowait(pb.ConsumerFrame(extend=pb.Extend(offsets=[0])))
             c.settle(acks=[0])
