@@ -27,6 +27,8 @@ from tests.integration.harness import (
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
 from triage_proxy.app import Proxy
+from triage_proxy.pipeline.settled import decode_settled
+from triage_proxy.store.checkpoints import DynamoDBCheckpoints
 
 pytestmark = pytest.mark.integration
 
@@ -223,6 +225,21 @@ def test_kill_9_loses_nothing_and_settled_offsets_are_not_redelivered(
     try:
         wait_for_port("127.0.0.1", port, 30, proc)  # type: ignore[arg-type]
         asyncio.run(first_run())
+        if encode:
+            # What keeps 1..19 from redelivery: the checkpoint item, written at most once
+            # a second. Waited for, as a loaded machine may take longer than the 1.5 s.
+            checkpoints = DynamoDBCheckpoints(
+                settings.dead_letters, topic, 0, settings.kafka.group_id
+            )
+            try:
+
+                def settled() -> list[int]:
+                    found = checkpoints.get()
+                    return [] if found is None else decode_settled(found.committed, found.settled)
+
+                assert wait_until(lambda: settled() == list(range(1, 20)), timeout=30), settled()
+            finally:
+                checkpoints.close()
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         assert committed(broker.bootstrap, settings.kafka.group_id, topic) <= 0
