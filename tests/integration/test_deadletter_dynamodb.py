@@ -11,7 +11,7 @@ import asyncio
 import functools
 import logging
 import signal
-import time
+import socket
 from collections.abc import Coroutine, Iterator
 from typing import Any
 
@@ -19,6 +19,7 @@ import boto3
 import pytest
 
 from tests import samples, waiting
+from tests.integration.harness import wait_until
 from tests.samples import GROUP, T0
 from triage_cli.embedded import EmbeddedAWS, free_port
 from triage_protocol.constants import MAX_CONSUMER_ID_CHARS, MAX_REASON_CHARS
@@ -276,6 +277,14 @@ def test_writer_holds_everything_while_the_endpoint_is_down(
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
 
 
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
 def test_killed_endpoint_reports_nothing_written(unique_name: str) -> None:
     written: list[DeadLetter] = []
     with EmbeddedAWS() as aws:
@@ -286,7 +295,9 @@ def test_killed_endpoint_reports_nothing_written(unique_name: str) -> None:
         with DynamoDBStore(settings, **FAST, group=GROUP) as store:
             assert store.put_batch([make_dl(0)]) == []
             aws.signal(signal.SIGKILL)
-            time.sleep(0.2)
+            # Gone, not just signalled: its port refuses. (A fixed 0.2 s could end before a
+            # loaded machine ran the kill, and the write below would reach a live server.)
+            assert wait_until(lambda: not _accepts(aws.port), timeout=30)
             with pytest.raises(DeadLetterUnavailable):
                 store.put_batch([make_dl(1)])
 

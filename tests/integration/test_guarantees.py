@@ -27,6 +27,8 @@ from tests.integration.harness import (
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
 from triage_proxy.app import Proxy
+from triage_proxy.pipeline.settled import decode_settled
+from triage_proxy.store.checkpoints import DynamoDBCheckpoints
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +48,7 @@ def test_expired_lease_is_redelivered_with_the_next_attempt(
         async with Proxy(settings, 0) as proxy, RawConsumer(target(proxy), credits=1) as c:
             (first,) = await c.receive(1)
             assert first.attempt == 1
-            (again,) = await c.receive(1, timeout=5)  # no ack, no extend: it expires
+            (again,) = await c.receive(1, timeout=15)  # no ack, no extend: it expires
             assert (again.offset, again.attempt) == (0, 2)
             c.settle(acks=[0])
             assert await await_until(lambda: proxy.snapshot().committed_offset == 1)
@@ -56,7 +58,9 @@ def test_expired_lease_is_redelivered_with_the_next_attempt(
 
 
 def test_extend_keeps_a_slow_delivery(broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str) -> None:
-    settings = settings_for(broker, aws, topic, delivery={"ack_deadline_s": 0.5})
+    # Extends every 0.25 s against a 1.5 s deadline: a loop descheduled for a second
+    # between two of them (a loaded machine) still extends in time. (0.5 s left 0.25 s.)
+    settings = settings_for(broker, aws, topic, delivery={"ack_deadline_s": 1.5})
     produce(broker.bootstrap, topic, plain(1))
 
     async def scenario() -> None:
@@ -64,7 +68,7 @@ def test_extend_keeps_a_slow_delivery(broker: EmbeddedBroker, aws: EmbeddedAWS, 
 
         async with Proxy(settings, 0) as proxy, RawConsumer(target(proxy), credits=1) as c:
             await c.receive(1)
-            for _ in range(6):  # 1.5 s of work, three deadlines' worth
+            for _ in range(18):  # 4.5 s of work, three deadlines' worth
                 await asyncio.sleep(0.25)
                 c._outgoing.put_nowait(pb.ConsumerFrame(extend=pb.Extend(offsets=[0])))
             c.settle(acks=[0])
@@ -94,19 +98,22 @@ def test_retry_waits_out_backoff_then_dead_letters_at_the_limit(
         async with Proxy(settings, 0) as proxy, RawConsumer(target(proxy)) as c:
             await c.receive(2)
             c.settle(acks=[1])
+            # (attempt, seconds from just before its nack went out to the redelivery read):
+            # the backoff starts when the proxy has the nack, after that moment, so a
+            # reading loop that falls behind on a loaded machine only lengthens each gap.
             seen: list[tuple[int, float]] = []
-            started = time.monotonic()
             for attempt in (1, 2, 3):
                 frame = pb.ConsumerFrame(
                     settle=pb.Settle(nacks=[pb.Nack(offset=0, reason="busy", retry=True)])
                 )
+                nacked = time.monotonic()
                 c._outgoing.put_nowait(frame)
                 if attempt < 3:
-                    (d,) = await c.receive(1, timeout=5)
-                    seen.append((d.attempt, time.monotonic() - started))
+                    (d,) = await c.receive(1, timeout=15)
+                    seen.append((d.attempt, time.monotonic() - nacked))
             assert [a for a, _ in seen] == [2, 3]
             assert seen[0][1] >= 0.25  # first backoff 0.3 s
-            assert seen[1][1] - seen[0][1] >= 0.5  # second backoff 0.6 s
+            assert seen[1][1] >= 0.5  # second backoff 0.6 s
             assert await await_until(lambda: proxy.snapshot().committed_offset == 2)
         (dl,) = dead_letters(settings)
         assert (dl.record.offset, dl.attempts) == (0, 3)
@@ -218,6 +225,21 @@ def test_kill_9_loses_nothing_and_settled_offsets_are_not_redelivered(
     try:
         wait_for_port("127.0.0.1", port, 30, proc)  # type: ignore[arg-type]
         asyncio.run(first_run())
+        if encode:
+            # What keeps 1..19 from redelivery: the checkpoint item, written at most once
+            # a second. Waited for, as a loaded machine may take longer than the 1.5 s.
+            checkpoints = DynamoDBCheckpoints(
+                settings.dead_letters, topic, 0, settings.kafka.group_id
+            )
+            try:
+
+                def settled() -> list[int]:
+                    found = checkpoints.get()
+                    return [] if found is None else decode_settled(found.committed, found.settled)
+
+                assert wait_until(lambda: settled() == list(range(1, 20)), timeout=30), settled()
+            finally:
+                checkpoints.close()
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         assert committed(broker.bootstrap, settings.kafka.group_id, topic) <= 0

@@ -377,7 +377,9 @@ def test_a_taken_port_fails_the_start_and_releases_everything(
     import socket
     import threading
 
-    settings = settings_for(broker, aws, topic)
+    # A long lease: a lease not given back makes the second start wait it out (30 s), far
+    # past the bound below, which leaves a whole proxy start on a loaded machine room.
+    settings = settings_for(broker, aws, topic, ownership={"lease_s": 30.0})
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()

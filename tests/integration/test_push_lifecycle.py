@@ -322,9 +322,11 @@ def test_the_rate_limit_holds_for_pushed_records(
 
     opened = asyncio.run(scenario())
     assert len(arrivals) == total
-    # One second's burst at once, then `cap` a second: (300 - 100) / 100 = 2 s at least.
-    assert arrivals[-1] - arrivals[0] >= (total - cap) / cap * 0.95
-    # Never more than a burst plus `cap` a second since before the proxy started.
+    # Every bound is counted from `opened`, before the proxy started, so a handler that
+    # records an arrival late on a loaded machine only loosens it. A full bucket of `cap`,
+    # then `cap` a second: the last arrives (300 - 100) / 100 = 2 s after the first could.
+    assert arrivals[-1] - opened >= (total - cap) / cap * 0.95
+    # Never more than a burst plus `cap` a second in any prefix of the run.
     for i, t in enumerate(arrivals):
         assert i + 1 <= cap + cap * (t - opened) + 1
 

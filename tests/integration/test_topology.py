@@ -228,6 +228,12 @@ def test_a_table_that_does_not_answer_gives_what_the_proxy_knows_and_complete_fa
                 os.kill(aws.pid, signal.SIGSTOP)
                 try:
                     reply = await topology(here)
+                    # A Hello for partition 1 meanwhile (the failed read is what is known
+                    # for a second): refused, and no owner named rather than a stale one.
+                    # Still frozen, so that a Hello that comes after that second (a loop
+                    # descheduled on a loaded machine) meets a failed read too, not a
+                    # fresh good one.
+                    refused, trailers = await refused_hello(here, 1)
                 finally:
                     os.kill(aws.pid, signal.SIGCONT)
                 assert not reply.complete
@@ -235,9 +241,6 @@ def test_a_table_that_does_not_answer_gives_what_the_proxy_knows_and_complete_fa
                 assert routes(reply) == [(0, here, SERVING), (1, "", NONE)]
                 assert reply.partitions[0].owner_id == proxy.owner
 
-                # A Hello for partition 1 meanwhile (the failed read is what is known for
-                # a second): refused, and no owner named rather than a stale one.
-                refused, trailers = await refused_hello(here, 1)
                 assert refused.code() is grpc.StatusCode.FAILED_PRECONDITION
                 assert OWNER_ENDPOINT_METADATA not in trailers
 

@@ -28,6 +28,8 @@ from triage_client import (
     PartitionError,
     Retry,
     StateError,
+    follower,
+    writer,
 )
 from triage_client.consumer import AUTO_PREFETCH_MAX
 from triage_client.credits import IDLE_CREDITS, credit_share
@@ -1067,7 +1069,13 @@ def test_credits_are_split_evenly_and_within_the_budget(budget: int, streams: in
     assert sum(shares) == max(budget, streams), "the budget, unless a stream needs its 1"
 
 
-def test_stop_while_the_target_does_not_answer_returns_promptly() -> None:
+def test_stop_while_the_target_does_not_answer_returns_promptly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The waits a stop could be stuck in, a minute each: a stop that sat one out would
+    # take that long, far past the bound, which leaves a loaded machine seconds of room.
+    monkeypatch.setattr(follower, "TOPOLOGY_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(writer, "CLOSE_TIMEOUT_S", 60.0)
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen()  # connections complete in the kernel; nothing ever answers
@@ -1078,7 +1086,7 @@ def test_stop_while_the_target_does_not_answer_returns_promptly() -> None:
         assert readable, "the client never connected"
         started = time.monotonic()
         run.stop()
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < 10
     finally:
         silent.close()
 

@@ -25,7 +25,8 @@ def test_timers_pass_at_once_and_exactly() -> None:
 
     started = time.monotonic()
     assert run(main()) == [0.25, 5, 3600]
-    assert time.monotonic() - started < 2
+    # An hour of timers in seconds of real time (a loaded machine's, too): they jumped.
+    assert time.monotonic() - started < 30
 
 
 def test_a_call_out_in_a_thread_holds_the_clock() -> None:
