@@ -11,11 +11,13 @@ that backlog, a restart, a kill -9 as soon as they completed a few records, a re
 Each burst kill must find the backlog not yet committed. Then every produced record must
 be acked or dead-lettered (2% are nacked) and each
 kill's duplicates (tests/fault/verify.py: every handler invocation after an offset's
-first, charged to the kill between the two) at most window.max_messages.
+first, charged to the kill between the two, each kill once per offset, and only what its
+replacement delivered: verify.kill_redelivering) at most window.max_messages.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from pathlib import Path
@@ -118,6 +120,14 @@ def test_a_kill_inside_a_reconnection_burst_redelivers_at_most_the_window(
     offsets: dict[int, int] = {}
     kills: list[float] = []
     committed_at_kill: list[int] = []
+    restarts: list[tuple[float, float]] = []
+    """Per kill: when its replacement was started, when it listened (verify.py)."""
+
+    def restart() -> None:
+        started = time.time()
+        restart_proxy(stack)
+        restarts.append((started, time.time()))
+
     stack = DevStack(topic=TOPIC, state_dir=tmp_path / "stack", proxy_overrides=overrides)
     stack.start()
     try:
@@ -139,7 +149,7 @@ def test_a_kill_inside_a_reconnection_burst_redelivers_at_most_the_window(
 
             kill()  # idle: the backlog builds up behind it
             produce(stack.broker.bootstrap, workload, range(WARM_UP, WARM_UP + BACKLOG), offsets)
-            restart_proxy(stack)
+            restart()
             restarted = time.time()
             wait_for(
                 lambda: logs.done_since(restarted) >= 2 * WINDOW,
@@ -149,7 +159,7 @@ def test_a_kill_inside_a_reconnection_burst_redelivers_at_most_the_window(
             kill()  # deep in the burst
 
             produce(stack.broker.bootstrap, workload, range(WARM_UP + BACKLOG, messages), offsets)
-            restart_proxy(stack)
+            restart()
             restarted = time.time()
             wait_for(
                 lambda: logs.done_since(restarted) >= WINDOW // 4,
@@ -157,7 +167,7 @@ def test_a_kill_inside_a_reconnection_burst_redelivers_at_most_the_window(
                 "the instances completing a few records after the restart",
             )
             kill()  # at the start of the burst
-            restart_proxy(stack)
+            restart()
 
             wait_for(lambda: poller.committed >= messages, FINISH_S, "everything committed")
             report.committed = poller.committed
@@ -169,7 +179,8 @@ def test_a_kill_inside_a_reconnection_burst_redelivers_at_most_the_window(
         stack.stop()
 
     report.proxy_kills = len(kills)
-    verify(report, workload, offsets, fleet.history, dead, kills)
+    (tmp_path / "kills.json").write_text(json.dumps({"kills": kills, "restarts": restarts}))
+    verify(report, workload, offsets, fleet.history, dead, kills, restarts)
     per_kill = [report.per_kill[i] for i in range(len(kills))]
     summary = (
         f"duplicates per kill {per_kill} (window {WINDOW}); by cause "
