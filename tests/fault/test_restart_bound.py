@@ -123,10 +123,12 @@ def test_a_kill_inside_a_reconnection_burst_redelivers_at_most_the_window(
     restarts: list[tuple[float, float]] = []
     """Per kill: when its replacement was started, when it listened (verify.py)."""
 
-    def restart() -> None:
+    def restart() -> float:
+        """Restart the proxy; returns when the replacement listened."""
         started = time.time()
         restart_proxy(stack)
         restarts.append((started, time.time()))
+        return restarts[-1][1]
 
     stack = DevStack(topic=TOPIC, state_dir=tmp_path / "stack", proxy_overrides=overrides)
     stack.start()
@@ -149,8 +151,7 @@ def test_a_kill_inside_a_reconnection_burst_redelivers_at_most_the_window(
 
             kill()  # idle: the backlog builds up behind it
             produce(stack.broker.bootstrap, workload, range(WARM_UP, WARM_UP + BACKLOG), offsets)
-            restart()
-            restarted = time.time()
+            restarted = restart()
             wait_for(
                 lambda: logs.done_since(restarted) >= 2 * WINDOW,
                 BURST_WAIT_S,
@@ -159,8 +160,7 @@ def test_a_kill_inside_a_reconnection_burst_redelivers_at_most_the_window(
             kill()  # deep in the burst
 
             produce(stack.broker.bootstrap, workload, range(WARM_UP + BACKLOG, messages), offsets)
-            restart()
-            restarted = time.time()
+            restarted = restart()
             wait_for(
                 lambda: logs.done_since(restarted) >= WINDOW // 4,
                 BURST_WAIT_S,

@@ -124,17 +124,15 @@ def redelivery_cause(
     cur: Invocation,
     proxy_kills: list[float],
     proxy_exits: list[float],
-    restarts: list[tuple[float, float]] | None = None,
-    charged: Collection[int] = (),
+    kill: int | None,
 ) -> str:
-    """Why `cur` followed `prev` for the same offset (see the module docstring; `restarts`
-    and `charged` as in `kill_redelivering`)."""
+    """Why `cur` followed `prev` for the same offset (see the module docstring); `kill` is
+    the proxy kill that can explain it (`kill_redelivering`), if any."""
     if prev.plan == "retry":
         return "retry"
     if prev.plan == "crash":
         return "own crash"
     candidates: list[tuple[float, str]] = []
-    kill = kill_redelivering(proxy_kills, prev.t, cur.t, restarts, charged)
     if kill is not None:
         candidates.append((proxy_kills[kill], "proxy kill"))
     exit_ = first_kill_between(proxy_exits, prev.t, cur.t)
@@ -212,9 +210,9 @@ def offset_causes(
     causes: list[str] = []
     charged: list[int] = []
     for a, b in itertools.pairwise(invs):
-        cause = redelivery_cause(a, b, proxy_kills, proxy_exits, restarts, charged)
-        causes.append(cause)
         kill = kill_redelivering(proxy_kills, a.t, b.t, restarts, charged)
+        cause = redelivery_cause(a, b, proxy_kills, proxy_exits, kill)
+        causes.append(cause)
         if cause == "proxy kill" and kill is not None:
             charged.append(kill)
     return causes, charged
