@@ -248,7 +248,7 @@ class Committer:
                 timeout = poll_s if polling else left
                 events: tuple[asyncio.Event, ...] = (self._closing,)
                 cue = self._durability
-                if cue is not None and self._cue_quiet_until <= self._monotonic():
+                if cue is not None and not self._cue_quiet():
                     events = (self._closing, cue)
                 elif cue is not None:
                     timeout = min(timeout, self._cue_quiet_until - self._monotonic())
@@ -279,10 +279,15 @@ class Committer:
                 await self.commit()
             await self._flush_checkpoint()
 
+    def _cue_quiet(self) -> bool:
+        """Whether the durability cue is still kept off (with the tick's float slack: a
+        wait of 1e-16 s is no wait on a clock at 2.363)."""
+        return self._cue_quiet_until - self._monotonic() > TICK_SLACK_S
+
     def _cue_taken(self) -> bool:
         """Whether the durability cue is set and may be taken now (then it is cleared)."""
         cue = self._durability
-        if cue is None or not cue.is_set() or self._cue_quiet_until > self._monotonic():
+        if cue is None or not cue.is_set() or self._cue_quiet():
             return False
         cue.clear()
         return True
