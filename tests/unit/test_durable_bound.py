@@ -14,6 +14,8 @@ at once, and a refusing broker is not asked in a loop.
 from __future__ import annotations
 
 import asyncio
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -445,3 +447,101 @@ def test_a_frozen_table_is_asked_once_an_interval_at_most() -> None:
         await task
 
     run(main())
+
+
+def recorded(rig: Rig, tracked: Sequence[int]) -> int:
+    """How many of `tracked` a restart would find settled: below Kafka's committed offset,
+    or in the item's set (as partition.restore joins them; Tansu drops the metadata)."""
+    kafka = rig.partition.committed
+    item = rig.checkpoints.get()
+    above: set[int] = set()
+    if item is not None and item.committed <= kafka and item.settled:
+        above = {o for o in decode_settled(item.committed, item.settled) if o >= kafka}
+    return sum(1 for o in tracked if o < kafka or o in above)
+
+
+def test_an_item_written_during_a_commit_is_not_rewritten_with_the_commit_s_older_set() -> None:
+    """The cue's round: the commit encodes what settled so far (1..40), more settle while
+    Kafka answers (41..80), the item written after it records all 80 and the mark says
+    so; the round's forced write must not then put the commit's 40 back: a kill would
+    redeliver 40 records the window had taken as recorded (twice the window in the fault
+    suite)."""
+
+    async def main() -> None:
+        rig = make()
+        thread = rig.committer._thread
+        assert isinstance(thread, InlineKafkaThread)
+        rig.committer._on_durable = rig.cue.set  # the window still waits, each time it looks
+        task = asyncio.create_task(rig.committer.run())
+        await asyncio.sleep(0.3)
+        rig.tracker.settle_span(1, 40)  # offset 0 holds the head
+        calls = thread.calls
+        rig.cue.set()
+        await until(lambda: thread.calls > calls, poll=KAFKA_CALL_S / 10)
+        rig.tracker.settle_span(41, 80)  # while Kafka answers the cue's commit
+        await until(lambda: rig.committer.durability_commits >= 1 and rig.checkpoints.puts)
+        await asyncio.sleep(0.05)  # the rest of the round
+        item = rig.checkpoints.get()
+        assert item is not None
+        assert decode_settled(item.committed, item.settled) == list(range(1, 81))
+        assert rig.tracker.durable == 80
+        assert rig.tracker.durable <= recorded(rig, range(100))
+        rig.closing.set()
+        await task
+
+    run(main())
+
+
+class _Counts:
+    """The dispatcher's failed-delivery counts, as the committer reads them."""
+
+    def __init__(self) -> None:
+        self.failures_version = 0
+        self.counts: dict[int, int] = {}
+
+    def failures(self) -> dict[int, int]:
+        return dict(self.counts)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_mark_never_passes_what_a_restart_would_find(seed: int) -> None:
+    """Random rounds of fetches, settles (the head often held), cues, failed counts, and
+    refusing brokers and tables against the real committer: after every step the durable
+    mark is at most what Kafka's offset and the item record (the kill bound rests on it)."""
+    rng = random.Random(seed)
+    broken: list[str] = []
+
+    async def main() -> None:
+        rig = make()
+        counts = _Counts()
+        rig.committer._attempts = counts
+        tracked: list[int] = list(range(100))
+        task = asyncio.create_task(rig.committer.run())
+        for step in range(300):
+            pending = [o for o in tracked if rig.tracker.is_pending(o)]
+            roll = rng.random()
+            if roll < 0.2:
+                first = tracked[-1] + 1
+                rig.tracker.track_span(first, first + rng.randint(0, 19))
+                tracked.extend(range(first, rig.tracker.next_offset))
+            elif roll < 0.6 and pending:
+                held = pending[1:] if len(pending) > 1 and rng.random() < 0.8 else pending
+                for offset in rng.sample(held, min(len(held), rng.randint(1, 10))):
+                    rig.tracker.settle(offset)
+            elif roll < 0.7:
+                rig.cue.set()
+            elif roll < 0.75:
+                rig.partition.failing_commits += 1
+            elif roll < 0.8:
+                rig.checkpoints.refusing += 1
+            elif roll < 0.85 and pending:
+                counts.counts[pending[0]] = counts.counts.get(pending[0], 0) + 1
+                counts.failures_version += 1
+            await asyncio.sleep(rng.choice([0, 0, 0.001, 0.005, 0.02, 0.1]))
+            if rig.tracker.durable > recorded(rig, tracked):
+                broken.append(f"step {step}: {rig.tracker.durable} > {recorded(rig, tracked)}")
+        rig.closing.set()
+        await task
+
+    run(main())
+    assert not broken, broken[:3]

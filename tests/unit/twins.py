@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from triage_proxy.errors import BrokerUnavailable
+from triage_proxy.errors import BrokerUnavailable, TableUnavailable
 from triage_proxy.kafka.client import KafkaThread, MemoryPartition
 from triage_proxy.store.checkpoints import MemoryCheckpoints
 from triage_proxy.structs import Record
@@ -91,13 +91,20 @@ class FlakyPartition(MemoryPartition):
 
 
 class TimedCheckpoints(MemoryCheckpoints):
-    """`MemoryCheckpoints` that notes when each write came, on the clock it is given."""
+    """`MemoryCheckpoints` that notes when each write came, on the clock it is given, and
+    refuses the next N writes as the real table does (`TableUnavailable`)."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         super().__init__()
         self._clock = clock
         self.put_times: list[float] = []
+        """When each write came, refused ones included."""
+        self.refusing = 0
+        """How many of the next writes raise."""
 
     def put(self, committed: int, settled: str, attempts: str = "") -> None:
         self.put_times.append(self._clock())
+        if self.refusing:
+            self.refusing -= 1
+            raise TableUnavailable("checkpoint write refused (twin)")
         super().put(committed, settled, attempts)

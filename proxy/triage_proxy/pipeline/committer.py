@@ -178,9 +178,6 @@ class Committer:
         self._cue_quiet_until = -float("inf")
         """The durability cue is not taken before this (monotonic): its last round recorded
         nothing more."""
-        self._metadata_records = 0
-        """How many of the run's records `metadata` (with the committed offset) records:
-        every record settled when it was encoded, or, without it, those below the offset."""
         self._monotonic = monotonic
         """The clock of the interval and the checkpoint interval (a test passes its own)."""
         self._attempted_at = -float("inf")
@@ -193,8 +190,13 @@ class Committer:
         self.metadata: str | None = None
         """The settled-above encoding of the latest commit (None: none fitted even the
         item); Kafka got it as the commit's metadata only when it fitted DEFAULT_LIMIT."""
-        self._settled: list[int] = []
-        """The offsets `metadata` holds."""
+        self._record: tuple[str, list[int], int] | None = None
+        """The newest settled-above record at the committed offset (the latest commit's
+        encoding, or a newer one made for the item while the offset was held): its text,
+        its offsets and how many of the run's records it records with the committed offset
+        (every one settled when it was encoded; without an encoding, those below the
+        offset). None until this run made one. The item is only ever written from it, so
+        no write records less than an earlier one did."""
         self._encoded: list[int] = []
         """The offsets the latest `_encoding` holds (none when it did not fit)."""
         self._held = False
@@ -340,12 +342,14 @@ class Committer:
             held_offsets=CHECKPOINT_HELD_OFFSETS,
         )
 
-    def _item_settled(self) -> tuple[str, list[int], int]:
+    def _item_settled(self) -> tuple[str, list[int], int] | None:
         """The settled-above text (and offsets) for the checkpoint item now, and how many of
         the run's records it records with the committed offset: while the offset is held
         and more settled since the latest encoding, what a commit now would carry (its
         committed offset is Kafka's already, so it holds as is; it records every record
-        settled now); else what the latest commit carried."""
+        settled now); else the newest record (`_record`), never the latest commit's when
+        the item was written since with more (that rewrite let a kill redeliver what the
+        window took as recorded: twice the window in the fault suite)."""
         if (
             self._tracker.committable == self.committed
             and self._settled_count() != self._settled_mark
@@ -353,8 +357,8 @@ class Committer:
             settled = self._tracker.settled
             text = self._encoding(self.committed, count_overflow=False)
             if text is not None:
-                return text, self._encoded, settled
-        return self.metadata or "", self._settled, self._metadata_records
+                self._record = (text, self._encoded, settled)
+        return self._record
 
     def _encoding(self, offset: int, *, count_overflow: bool = True) -> str | None:
         if self._checkpoints is None:
@@ -400,11 +404,11 @@ class Committer:
             self.degraded = False
         self._held = offset == self.committed
         self._advanced = offset - self.committed
-        self.committed, self.metadata, self._settled = offset, metadata, self._encoded
+        self.committed, self.metadata = offset, metadata
         # Encoded, the text records every record settled then; else only those below the
         # offset. Only the offset counts as durable at once (some brokers drop metadata):
         # the item, once written with this text, records the rest (`_flush_checkpoint`).
-        self._metadata_records = settled if metadata is not None else below
+        self._record = (metadata or "", self._encoded, settled if metadata is not None else below)
         self._mark_durable(below)
         self.commits += 1
         if self._checkpoints is not None:
@@ -429,7 +433,10 @@ class Committer:
         written = self._written
         # After a failed write, only the interval: a frozen table is not asked 5x a second.
         held = (self._held or burst) and written is not None and not self._checkpoint_degraded
-        text, settled, records = self._item_settled()
+        record = self._item_settled()
+        if record is None:
+            return  # nothing of this run's yet: the item keeps the previous run's record
+        text, settled, records = record
         # Settled above the committed offset, not in the item (which has what it had then).
         saved = self._written_settled
         unsaved = len(settled) - (len(saved) - bisect.bisect_right(saved, self.committed))
