@@ -396,6 +396,31 @@ def test_a_held_offset_gets_the_item_written_at_once_with_every_settled_record()
     run(main())
 
 
+def test_a_cue_with_nothing_left_to_record_does_not_quiet_the_next_one() -> None:
+    """A cue the tick's commit already answered (set before the tick, taken after it)
+    records nothing, but nothing was refused either: the next cue must still commit at
+    once. Quieted for an interval, the cue was only ever taken right after a tick, found
+    nothing again, and a bounded window of 64 crawled at one window per interval."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        rig = make()
+        task = asyncio.create_task(rig.committer.run())
+        rig.cue.set()  # nothing settled: nothing to record
+        await until(lambda: rig.committer.durability_commits == 1)
+        await asyncio.sleep(0.2)
+        rig.tracker.settle_span(0, 59)
+        cued_at = loop.time()
+        rig.cue.set()
+        await until(lambda: rig.tracker.durable == 60)
+        assert loop.time() - cued_at < 3 * KAFKA_CALL_S  # not at the tick (INTERVAL_S)
+        assert rig.committer.durability_commits == 2
+        rig.closing.set()
+        await task
+
+    run(main())
+
+
 def test_a_refusing_broker_is_not_asked_in_a_loop() -> None:
     async def main() -> None:
         rig = make()

@@ -297,9 +297,12 @@ class Committer:
     async def _make_room(self) -> None:
         """The bounded window waits for a record of what settled: commit now, and write
         the item now if the window still waits (what settled above a held offset). A round
-        that recorded nothing more (the broker or the table refused) keeps the cue off for
-        an interval: a frozen store is not asked in a loop."""
+        that recorded nothing of what waited (the broker or the table refused) keeps the
+        cue off for an interval: a frozen store is not asked in a loop. One that found
+        nothing waiting (the tick had just recorded it) does not: quieted, the next cue
+        waited for the tick too, and so on, a window per interval."""
         before = self._tracker.durable
+        waiting = self._tracker.settled > before
         self.durability_commits += 1
         await self.commit()
         self._on_durable()  # the window looks again: is it still waiting?
@@ -308,7 +311,7 @@ class Committer:
             cue.clear()
             self._checkpoint_due = True
             await self._flush_checkpoint(force=True, burst=True)
-        if self._tracker.durable == before:
+        if waiting and self._tracker.durable == before:
             self._cue_quiet_until = self._monotonic() + self._interval_s
 
     def _early_in(self) -> float | None:
