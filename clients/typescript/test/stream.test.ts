@@ -230,8 +230,12 @@ test("Extend every third of the ack deadline lists running AND queued deliveries
         assert.ok(index < settledAt.get(offset)!, `offset ${offset} extended after its settlement`);
       }
     });
+    // A third of the deadline apart (100 ms), judged by the median: one gap stretches past
+    // the deadline whenever a busy machine stalls this process (346 ms was seen), which no
+    // timer can prevent; Extends sent at half the deadline (150 ms) or later fail it.
     const gaps = extends_.slice(1).map((e, i) => e.at - extends_[i]!.at);
-    assert.ok(Math.max(...gaps) < 300, `Extend gaps ${gaps.join(", ")} ms stay under the deadline`);
+    const median = [...gaps].sort((a, b) => a - b)[Math.floor(gaps.length / 2)]!;
+    assert.ok(median < 125, `Extend gaps ${gaps.join(", ")} ms: a third of the deadline apart`);
     await stopped(c);
     assert.ok(c.stats.extended >= 6);
   });
