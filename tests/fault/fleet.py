@@ -42,7 +42,6 @@ first move of the message's partition between the two invocations.
 from __future__ import annotations
 
 import argparse
-import bisect
 import contextlib
 import itertools
 import json
@@ -68,10 +67,10 @@ from tests.fault.instance import plan_for
 from tests.fault.processes import TICK_S, Fleet, Incarnation, Production
 from tests.fault.scenario import DEFAULT_SHARES, TOPIC, Options, Workload, proxy_overrides
 from tests.fault.verify import (
-    PROXY_KILL_SLACK_S,
     SETTLE_SLACK_S,
     Invocation,
     expected_budget,
+    first_kill_between,
     mark_acks_sent,
     read_invocations,
     scan_dead_letters,
@@ -411,11 +410,6 @@ class FleetReport:
     crashes of the instance they were in flight at): reported, not judged."""
 
 
-def first_between(times: list[float], since: float, until: float) -> int | None:
-    i = bisect.bisect_right(times, since - PROXY_KILL_SLACK_S)
-    return i if i < len(times) and times[i] <= until else None
-
-
 def cause_of(prev: Invocation, cur: Invocation, move_times: list[float]) -> str:
     """Why `cur` followed `prev` for the same message (verify.redelivery_cause, with the
     partition's moves in place of proxy kills)."""
@@ -424,7 +418,7 @@ def cause_of(prev: Invocation, cur: Invocation, move_times: list[float]) -> str:
     if prev.plan == "crash":
         return "own crash"
     candidates: list[tuple[float, str]] = []
-    move = first_between(move_times, prev.t, cur.t)
+    move = first_kill_between(move_times, prev.t, cur.t)
     if move is not None:
         candidates.append((move_times[move], "partition move"))
     inc = prev.incarnation
@@ -558,7 +552,7 @@ def verify_fleet(
             cause = cause_of(a, b, move_times)
             causes.append(cause)
             if cause == "partition move":
-                move = first_between(move_times, a.t, b.t)
+                move = first_kill_between(move_times, a.t, b.t)
                 assert move is not None
                 key = (partition, move)
                 report.per_move[key] = report.per_move.get(key, 0) + 1
@@ -570,7 +564,7 @@ def verify_fleet(
             if not excess:
                 continue
             # e.g. a crash pill starting its attempts again on the partition's new process
-            move = first_between(move_times, invs[0].t, invs[-1].t)
+            move = first_kill_between(move_times, invs[0].t, invs[-1].t)
             if move is None:
                 report.causes["other"] += excess
             else:

@@ -185,7 +185,7 @@ def test_the_grown_budget_never_shrinks_nor_passes_its_cap(
     assert grown(budget, cap, loads, idled) in (budget, cap)
 
 
-def test_the_prefetch_cap_is_one_stream_cap_per_backlogged_stream_up_to_four() -> None:
+def test_the_prefetch_cap_is_one_stream_cap_per_backlogged_stream_up_to_the_most() -> None:
     idle, backlog = load(320, 0), load(320, 320)
     assert grown_cap(1280, 100_000, [idle] * 4) == 1280, "no backlog: one stream's cap"
     assert grown_cap(1280, 100_000, [backlog, idle, idle]) == 1280
