@@ -104,10 +104,14 @@ longest first: a long chain that started last would end the run alone."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The groups' order, which pyproject's `--no-loadscope-reorder` keeps: FIRST_GROUPS,
+    then the other groups (modules whose module fixture is costly), then every other test
+    one at a time, which fill in behind them."""
+
     def rank(item: pytest.Item) -> int:
         marker = item.get_closest_marker("xdist_group")
         if marker is None:
-            return len(FIRST_GROUPS)
+            return len(FIRST_GROUPS) + 1
         group = marker.args[0] if marker.args else marker.kwargs.get("name")
         return FIRST_GROUPS.index(group) if group in FIRST_GROUPS else len(FIRST_GROUPS)
 

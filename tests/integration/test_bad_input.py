@@ -45,7 +45,8 @@ from triage_protocol import triage_pb2_grpc as pb_grpc
 from triage_proxy.config.settings import DeadLetterSettings
 from triage_proxy.store.provisioning import create_table
 
-pytestmark = pytest.mark.integration
+# On one worker (--dist loadgroup): the module's proxy starts once.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("bad-input")]
 
 TRIAGE = [sys.executable, "-m", "triage_cli.main"]
 TOPIC = "bad-input"

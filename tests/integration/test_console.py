@@ -37,7 +37,9 @@ from triage_proxy.config.settings import DeadLetterSettings
 from triage_proxy.store.provisioning import create_bucket, create_table
 from triage_proxy.structs import DeadLetter, Record
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# On one worker (--dist loadgroup): the module's stack (a proxy, the console, their topic
+# and tables) and its browser start once, not on every worker its tests would spread over.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("console")]
 
 CHROMIUM = os.environ.get("TRIAGE_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [

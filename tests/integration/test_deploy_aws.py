@@ -47,7 +47,9 @@ from triage_proxy.config.settings import load_settings, settings_from_dict
 from triage_proxy.errors import ConfigError, DeployError
 from triage_proxy.store.aws import read_secret
 
-pytestmark = pytest.mark.integration
+# On one worker (--dist loadgroup): that worker's moto server alone loads its CloudFormation
+# backend (which imports most of moto: 2 s of CPU), not every worker's.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("aws-stack")]
 
 TOKENS = {"billing": "billing-token-0123456789abcdef", "audit": "audit-token-0123456789abcdef"}
 REVOKED = "old-token-0123456789abcdef"

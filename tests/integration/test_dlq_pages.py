@@ -35,7 +35,8 @@ from triage_proxy.store.pages import (
 from triage_proxy.store.provisioning import create_table
 from triage_proxy.store.query import DeadLetterTable, Filters, matches
 
-pytestmark = pytest.mark.integration
+# On one worker (--dist loadgroup): the module's tables are made and filled once.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("dlq-pages")]
 
 TOPIC = "orders"
 MINUTE = 60_000

@@ -19,6 +19,8 @@ from triage_proxy.kafka import client as kafka
 from triage_proxy.kafka.client import ConfluentPartition
 from triage_proxy.structs import Record
 
+pytestmark = pytest.mark.integration
+
 IDLE_FETCH_S = 10.0
 """How long the idle fetch waits: far longer than a commit takes on a busy machine."""
 

@@ -16,6 +16,8 @@ from triage_proxy.kafka import reader as reader_module
 from triage_proxy.kafka.client import FETCH_WAIT_S
 from triage_proxy.kafka.reader import Reader
 
+pytestmark = pytest.mark.integration
+
 IDLE_CONSUME_S = 10.0
 """How long the reader's idle consume waits: far longer than a commit on a busy machine."""
 
