@@ -54,6 +54,40 @@ def test_help_is_instant() -> None:
     assert (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime) < 5
 
 
+def test_a_command_parses_its_options_without_pydantic(tmp_path: Path) -> None:
+    """typer 0.29 builds a pydantic TypeAdapter per option at every start, about 0.1 s of
+    CPU before a command or a proxy does its work (tests/perf/bench_start.py), which is
+    why pyproject.toml keeps typer below it: a typer that does so again fails here."""
+    config = tmp_path / "triage.toml"
+    write_config(
+        config,
+        {
+            "kafka": {"bootstrap_servers": "127.0.0.1:9", "topic": "t", "group_id": "g"},
+            "auth": {"token": TOKEN},
+            "dead_letters": {"table": "dlq", "endpoint_url": "http://127.0.0.1:9"},
+        },
+    )
+    config.chmod(0o600)
+    script = (
+        "import runpy, sys\n"
+        "sys.argv = ['triage', 'config', 'check', '--config', sys.argv[1]]\n"
+        "try:\n"
+        "    runpy.run_module('triage_cli.main', run_name='__main__')\n"
+        "except SystemExit as stop:\n"
+        "    print('exit', stop.code, file=sys.stderr)\n"
+        "print('pydantic' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert "exit 0" in out.stderr, out.stdout + out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout + out.stderr
+
+
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
