@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import yaml
-from cfnlint.api import ManualArgs, lint
 
 from triage_cli.aws import _repository_arn, stack_name
 from triage_cli.awsstack import (
@@ -25,14 +24,21 @@ from triage_proxy.errors import ConfigError
 
 
 def lint_errors(text: str) -> list[str]:
+    # Imported here, not at the top: cfn-lint imports sympy and networkx, 1.3 s of CPU that
+    # every xdist worker paid while collecting; only the worker running these tests pays it.
+    from cfnlint.api import ManualArgs, lint
+
     return [str(m) for m in lint(text, config=ManualArgs(regions=["us-east-1"]))]
 
 
+# One worker imports cfn-lint for the three tests that lint.
+@pytest.mark.xdist_group("cfn-lint")
 @pytest.mark.parametrize("http_port", [9700, None])
 def test_rendered_template_passes_cfn_lint(http_port: int | None) -> None:
     assert lint_errors(render(7700, http_port)) == []
 
 
+@pytest.mark.xdist_group("cfn-lint")
 def test_cfn_lint_does_catch_a_broken_template() -> None:
     broken = render(7700, 9700).replace("Protocol: TCP\n", "Protocol: TLZ\n")
     assert broken != render(7700, 9700)
