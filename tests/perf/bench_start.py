@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.perf.common import stop_process
 from triage_cli.devstack import DevStack
 from triage_cli.embedded import wait_for_port
 
@@ -83,12 +83,7 @@ def proxy_start(python: str, config: Path, port: int, log: Path) -> tuple[float,
         wall = time.perf_counter() - started
         cpu = process_cpu(proc.pid)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 30)
     return cpu, wall
 
 

@@ -27,7 +27,14 @@ import time
 import tomllib
 
 from tests.commit_watcher import CommitWatcher
-from tests.perf.common import InstanceResult, Instances, bench_arguments, produce_values, table
+from tests.perf.common import (
+    InstanceResult,
+    Instances,
+    bench_arguments,
+    produce_values,
+    stop_process,
+    table,
+)
 from triage_cli.demo import Kind, Workload, count_dead_letters, run_serial_baseline
 from triage_cli.devstack import DevStack, write_config
 from triage_cli.embedded import HOST, free_port_block, wait_for_port
@@ -108,13 +115,8 @@ def main() -> int:
             if standby is not None:
                 wait_for_port(HOST, int(standby_at.rsplit(":", 1)[1]), 1, standby)
         finally:
-            if standby is not None and standby.poll() is None:
-                standby.send_signal(signal.SIGTERM)
-                try:
-                    standby.wait(15)
-                except subprocess.TimeoutExpired:
-                    standby.kill()
-                    standby.wait()
+            if standby is not None:
+                stop_process(standby, 15)
     return report(
         args.instances * args.concurrency,
         workload,
