@@ -116,7 +116,7 @@ from typing import Any
 from confluent_kafka import Producer
 
 from tests.commit_watcher import CommitWatcher
-from tests.perf.common import ROOT, table
+from tests.perf.common import ROOT, stop_process, table
 from triage_cli.devstack import DevStack
 from triage_cli.embedded import HOST, wait_for_port
 from triage_cli.supervisor import proxy_command
@@ -522,7 +522,7 @@ def run_stack(
             baseline = plain.stop()
             second = control.stop()
             watcher.close()
-            stop_proxy(proxy)
+            stop_process(proxy, PROXY_STOP_S)  # it drains, commits, writes its trace
     trace = read_trace(trace_path)
     docs = (through, baseline, second)
     return Run(phases, probed, docs, producer.acked, producer.failed, trace)
@@ -543,20 +543,9 @@ def start_proxy(stack: DevStack, env: dict[str, str], trace: str | None) -> subp
     try:
         wait_for_port(HOST, load_settings(stack.config_path).server.port, PROXY_START_S, proc)
     except BaseException:
-        stop_proxy(proc)
+        stop_process(proc, PROXY_STOP_S)
         raise
     return proc
-
-
-def stop_proxy(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM by PID (it drains, commits and writes its trace), SIGKILL if it hangs."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(PROXY_STOP_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def read_trace(path: str) -> dict[str, list[int]]:
