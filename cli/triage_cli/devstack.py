@@ -28,6 +28,7 @@ from triage_cli.embedded import (
     EmbeddedAWS,
     EmbeddedBroker,
     free_port_block,
+    stop_process,
     wait_for_port,
 )
 from triage_cli.signals import stop_on_signals
@@ -215,13 +216,7 @@ class DevStack:
         proc, self._console = self._console, None
         if proc is None:
             return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(PROXY_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, PROXY_STOP_TIMEOUT_S)
         if proc.stdout is not None:
             proc.stdout.close()
 

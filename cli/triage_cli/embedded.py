@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from triage_cli.motoserver import NO_ACCESS_LOG
 from triage_proxy.errors import StateError, UnavailableError
@@ -109,6 +110,18 @@ def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen[b
             return
         time.sleep(0.05)
     raise UnavailableError(f"nothing listening on {host}:{port} after {timeout}s")
+
+
+def stop_process(proc: subprocess.Popen[Any], grace_s: float) -> None:
+    """SIGTERM `proc` by PID (a proxy drains and commits), then SIGKILL it if it has not
+    exited within `grace_s`; reaped either way."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 class ManagedProcess:

@@ -116,9 +116,9 @@ from typing import Any
 from confluent_kafka import Producer
 
 from tests.commit_watcher import CommitWatcher
-from tests.perf.common import ROOT, stop_process, table
+from tests.perf.common import ROOT, table
 from triage_cli.devstack import DevStack
-from triage_cli.embedded import HOST, wait_for_port
+from triage_cli.embedded import HOST, stop_process, wait_for_port
 from triage_cli.supervisor import proxy_command
 from triage_proxy.config.settings import load_settings
 

@@ -29,9 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.perf.common import stop_process
 from triage_cli.devstack import DevStack
-from triage_cli.embedded import wait_for_port
+from triage_cli.embedded import stop_process, wait_for_port
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 PROXY_READY_TIMEOUT_S = 60.0

@@ -32,12 +32,11 @@ from tests.perf.common import (
     Instances,
     bench_arguments,
     produce_values,
-    stop_process,
     table,
 )
 from triage_cli.demo import Kind, Workload, count_dead_letters, run_serial_baseline
 from triage_cli.devstack import DevStack, write_config
-from triage_cli.embedded import HOST, free_port_block, wait_for_port
+from triage_cli.embedded import HOST, free_port_block, stop_process, wait_for_port
 from triage_cli.supervisor import proxy_command
 
 TARGET_SPEEDUP = 20.0

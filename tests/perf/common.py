@@ -130,18 +130,6 @@ class Instances:
         return results
 
 
-def stop_process(proc: subprocess.Popen[Any], grace_s: float) -> None:
-    """SIGTERM `proc` (a drain and a commit, as in production), then SIGKILL it if it has
-    not exited within `grace_s`; reaped either way."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def table(rows: list[tuple[str, Any]]) -> str:
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
