@@ -1,7 +1,7 @@
 """Start-up cost: the CPU a `triage` command, and a proxy until it listens, spend.
 
 Why: every command a user types and every proxy a fleet starts (a rollout, a failover,
-the test suite's ~70 proxies and ~150 commands) pays it before doing any work. Measured:
+the test suite's ~70 proxies and ~80 commands) pays it before doing any work. Measured:
 
 - `triage --help` (imports and the command tree);
 - `triage config check -c FILE` (a command that parses its options and reads a config);
@@ -14,7 +14,17 @@ e.g. two virtual environments holding different dependency versions), the rounds
 alternate between them on one dev stack (A B, then B A, ...) and the ratios are printed:
 side by side, as the shared machine's speed moves.
 
-    .venv/bin/python -m tests.perf.bench_start [--rounds 9] [--python A --python B]
+    .venv/bin/python -m tests.perf.bench_start [--rounds 9] [--python A --python B] [--verbose]
+
+A second environment that differs in one package, e.g. typer 0.29.2, layered over this
+one (its own site-packages first, then the project's .venv):
+
+    python3 -m venv --without-pip /tmp/typer029
+    echo "import site; site.addsitedir('$PWD/.venv/lib/python3.11/site-packages')" \
+        > /tmp/typer029/lib/python3.11/site-packages/zz_project.pth
+    .venv/bin/uv pip install --python /tmp/typer029/bin/python --no-deps typer==0.29.2
+    .venv/bin/python -m tests.perf.bench_start --rounds 12 \
+        --python /tmp/typer029/bin/python --python .venv/bin/python
 """
 
 from __future__ import annotations
@@ -45,13 +55,16 @@ class Figures:
     proxy_cpu: list[float] = field(default_factory=list)
     proxy_wall: list[float] = field(default_factory=list)
 
-    def medians(self) -> dict[str, float]:
+    def samples(self) -> dict[str, list[float]]:
         return {
-            "triage --help, CPU": statistics.median(self.help_cpu),
-            "triage config check, CPU": statistics.median(self.check_cpu),
-            "proxy start -> listening, CPU": statistics.median(self.proxy_cpu),
-            "proxy start -> listening, wall": statistics.median(self.proxy_wall),
+            "triage --help, CPU": self.help_cpu,
+            "triage config check, CPU": self.check_cpu,
+            "proxy start -> listening, CPU": self.proxy_cpu,
+            "proxy start -> listening, wall": self.proxy_wall,
         }
+
+    def medians(self) -> dict[str, float]:
+        return {name: statistics.median(values) for name, values in self.samples().items()}
 
 
 def command_cpu(argv: list[str]) -> float:
@@ -117,26 +130,18 @@ def main() -> int:
                 cpu, wall = proxy_start(python, config, port, log)
                 seen.proxy_cpu.append(cpu)
                 seen.proxy_wall.append(wall)
-    names = list(figures[pythons[0]].medians())
     for python in pythons:
         print(f"\n{python}")
-        seen = figures[python]
-        spreads = {
-            names[0]: seen.help_cpu,
-            names[1]: seen.check_cpu,
-            names[2]: seen.proxy_cpu,
-            names[3]: seen.proxy_wall,
-        }
-        for name, median in seen.medians().items():
-            low, high = min(spreads[name]), max(spreads[name])
+        for name, values in figures[python].samples().items():
+            median, low, high = statistics.median(values), min(values), max(values)
             print(f"  {name:<34} {median * 1000:6.0f} ms  ({low * 1000:.0f}-{high * 1000:.0f})")
             if args.verbose:
-                print("    " + " ".join(f"{x * 1000:.0f}" for x in spreads[name]))
+                print("    " + " ".join(f"{x * 1000:.0f}" for x in values))
     if len(pythons) == 2:
         first, second = (figures[p].medians() for p in pythons)
         print("\nfirst / second (medians)")
-        for name in names:
-            print(f"  {name:<34} {first[name] / second[name]:.2f}x")
+        for name, value in first.items():
+            print(f"  {name:<34} {value / second[name]:.2f}x")
     return 0
 
 
