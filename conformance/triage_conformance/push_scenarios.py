@@ -128,7 +128,10 @@ def push_restart(ctx: PushContext, outcome: Outcome) -> None:
     """The receiver is killed -9 with requests in flight and started again on the same
     port: what it held is delivered again, nothing is lost, nothing healthy is
     dead-lettered (a reset uses an attempt, a refused connection none)."""
-    messages = [Message(b"job %d" % i, "sleep:200") for i in range(24)]
+    # Each record keeps the receiver busy 1 s: the kill lands while requests are in flight
+    # even when the kit sees the fourth record late (at 200 ms a loaded machine once saw
+    # the first receiver finish all 24 before the kill).
+    messages = [Message(b"job %d" % i, "sleep:1000") for i in range(24)]
     first = ctx.spawn("restart")
     produced = ctx.stack.produce(messages)
     if not first.wait_for("received", 4, START_TIMEOUT_S):
