@@ -39,10 +39,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.perf.cpumeter import cpu_seconds
 from triage_cli.devstack import DevStack
 from triage_cli.embedded import stop_process, wait_for_port
 
-TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 PROXY_READY_TIMEOUT_S = 60.0
 
 
@@ -77,13 +77,6 @@ def command_cpu(argv: list[str]) -> float:
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def process_cpu(pid: int) -> float:
-    """CPU seconds so far of a running process, every thread (/proc/PID/stat)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS_PER_S
-
-
 def proxy_start(python: str, config: Path, port: int, log: Path) -> tuple[float, float]:
     """Start a proxy for partition 0, wait until it listens; (CPU, wall) seconds to that."""
     argv = [python, "-m", "triage_cli.main", "proxy", "--config", str(config), "-p", "0"]
@@ -93,7 +86,7 @@ def proxy_start(python: str, config: Path, port: int, log: Path) -> tuple[float,
     try:
         wait_for_port("127.0.0.1", port, PROXY_READY_TIMEOUT_S, proc)
         wall = time.perf_counter() - started
-        cpu = process_cpu(proc.pid)
+        cpu = cpu_seconds(proc.pid)  # every thread's, from /proc
     finally:
         stop_process(proc, 30)
     return cpu, wall

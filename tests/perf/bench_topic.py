@@ -27,13 +27,7 @@ import time
 import tomllib
 
 from tests.commit_watcher import CommitWatcher
-from tests.perf.common import (
-    InstanceResult,
-    Instances,
-    bench_arguments,
-    produce_values,
-    table,
-)
+from tests.perf.common import InstanceResult, Instances, bench_arguments, produce_values, table
 from triage_cli.demo import Kind, Workload, count_dead_letters, run_serial_baseline
 from triage_cli.devstack import DevStack, write_config
 from triage_cli.embedded import HOST, free_port_block, stop_process, wait_for_port
