@@ -35,6 +35,7 @@ from types import FrameType
 import pytest
 from hypothesis import settings as hypothesis_settings
 
+from tests import leftovers
 from tests.bytecode import compile_ahead
 from tests.runlock import shared_lock
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
@@ -71,6 +72,8 @@ DEFAULT_PORTS = (
 )
 
 _names = itertools.count()
+_run_marker = pytest.StashKey[str]()
+"""The controller's marker for the processes this run starts (tests/leftovers.py)."""
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
 """This process's xdist worker id (gw0, gw1, ...), or "main" when the run is serial."""
 
@@ -90,6 +93,9 @@ def pytest_configure(config: pytest.Config) -> None:
         # waited their whole bound and killed it. A handled signal is reset to the default
         # in a child at exec; an ignored one is not.
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if WORKER == "main":
+        # Before the first process the run starts (xdist's workers too): see leftovers.py.
+        config.stash[_run_marker] = leftovers.mark_this_run()
     if WORKER == "main" and config.getoption("numprocesses", None):
         # Under xdist, before the workers start: see tests/bytecode.py.
         compile_ahead(
@@ -144,8 +150,20 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         hold_default_ports(_controller_holds)
 
 
+@pytest.hookimpl(trylast=True)  # after xdist's, which stops the workers
 def pytest_sessionfinish(session: pytest.Session) -> None:
     _controller_holds.close()
+    marker = session.config.stash.get(_run_marker, None)
+    left = leftovers.sweep(marker) if marker else []
+    if left:
+        # A worker that died ran no teardown; otherwise a test or fixture leaked these.
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        lines = [f"killed {len(left)} process(es) the run left running:"]
+        lines += [f"  pid {p.pid}: {p.command[:200]}" for p in left]
+        if reporter is not None:
+            reporter.write_line("\n".join(lines), red=True)
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

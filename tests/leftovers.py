@@ -1,0 +1,61 @@
+"""Processes a test run started and left running: found by a marker in their environment,
+killed by PID when the run ends, and named so the run fails.
+
+Fixtures stop what they start, but a worker that dies (a segfault) runs no teardown: its
+broker, moto server and whatever its test had started are reparented to init and outlive
+the run. Every process the run starts inherits `RUN_MARKER` from the controller (unless
+it was given an environment of its own), so `/proc/PID/environ` tells which ones are the
+run's, wherever they were reparented.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+RUN_MARKER = "TRIAGE_TEST_RUN"
+
+
+def mark_this_run() -> str:
+    """A new marker in this process's environment, inherited by what it starts from now
+    on; a nested run (a test that runs pytest) gets its own and sweeps only its own."""
+    marker = uuid.uuid4().hex
+    os.environ[RUN_MARKER] = marker
+    return marker
+
+
+@dataclass(frozen=True)
+class Leftover:
+    pid: int
+    command: str
+
+
+def marked(marker: str, proc: Path = Path("/proc")) -> list[Leftover]:
+    """The live processes, other than this one, whose environment carries `marker`."""
+    needle = f"{RUN_MARKER}={marker}".encode()
+    found = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            command = (entry / "cmdline").read_bytes()
+        except OSError:  # gone, or not ours to read
+            continue
+        if needle in environ.split(b"\0"):
+            text = command.replace(b"\0", b" ").decode(errors="replace").strip()
+            found.append(Leftover(int(entry.name), text))
+    return found
+
+
+def sweep(marker: str) -> list[Leftover]:
+    """Kill (SIGKILL) every process `marked(marker)`; return what was killed."""
+    left = marked(marker)
+    for process in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGKILL)
+    return left
