@@ -158,10 +158,11 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if left:
         # A worker that died ran no teardown; otherwise a test or fixture leaked these.
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        lines = [f"killed {len(left)} process(es) the run left running:"]
-        lines += [f"  pid {p.pid}: {p.command[:200]}" for p in left]
         if reporter is not None:
-            reporter.write_line("\n".join(lines), red=True)
+            reporter.ensure_newline()
+            reporter.write_sep("=", f"killed {len(left)} process(es) the run left running")
+            for process in left:
+                reporter.write_line(f"pid {process.pid}: {process.command[:200]}", red=True)
         if session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

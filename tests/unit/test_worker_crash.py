@@ -53,7 +53,13 @@ def test_a_dead_worker_fails_the_run_within_its_bound(tmp_path: Path) -> None:
             str(tmp_path / "test_crashing.py"),
         ],
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "CHILD_PID_FILE": str(tmp_path / "child.pid")},
+        env={
+            # not an xdist worker's environment, which would make the nested run's
+            # controller take itself for a worker (tests/conftest.py's WORKER)
+            **{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},
+            "PYTHONPATH": str(ROOT),
+            "CHILD_PID_FILE": str(tmp_path / "child.pid"),
+        },
         capture_output=True,
         text=True,
         timeout=120,  # the stuck run waited forever; a run that ends takes seconds
