@@ -55,8 +55,9 @@ def test_a_dead_worker_fails_the_run_within_its_bound(tmp_path: Path) -> None:
         cwd=tmp_path,
         env={
             # not an xdist worker's environment, which would make the nested run's
-            # controller take itself for a worker (tests/conftest.py's WORKER)
-            **{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},
+            # controller take itself for a worker (tests/conftest.py's WORKER), nor the
+            # options given to this run (PYTEST_ADDOPTS)
+            **{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")},
             "PYTHONPATH": str(ROOT),
             "CHILD_PID_FILE": str(tmp_path / "child.pid"),
         },
