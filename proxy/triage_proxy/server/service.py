@@ -510,6 +510,21 @@ def _register(service: TriageService, server: grpc.aio.Server) -> None:
 
 SERVICE = "triage.v1.Triage"
 
+GRPC_CYTHON_LOGGER = "grpc._cython.cygrpc"
+
+
+def keep_grpc_deallocation_log_off() -> None:
+    """Keep gRPC's Cython logger at INFO or above (unless it is set higher already).
+
+    Why: gRPC's aio server (grpcio 1.85) logs itself at DEBUG from its own deallocator when
+    it was never started or never finished stopping, e.g. a server whose port was taken
+    (`create_server` raises, the server is dropped). A handler that keeps log records (a
+    test's log capture, a queue handler) then holds an object that has been freed, and
+    the process segfaults when that record goes."""
+    grpc_logger = logging.getLogger(GRPC_CYTHON_LOGGER)
+    if grpc_logger.level < logging.INFO:  # NOTSET too: it would inherit the root's DEBUG
+        grpc_logger.setLevel(logging.INFO)
+
 
 def create_server(
     settings: Settings,
@@ -522,6 +537,7 @@ def create_server(
     `credentials` (from `server_credentials`) makes the listener TLS; when not given they
     are read from `settings.tls` here."""
     limit = settings.server.max_frame_bytes
+    keep_grpc_deallocation_log_off()
     server = grpc.aio.server(
         interceptors=[service.auth],
         options=[
