@@ -189,15 +189,8 @@ class DevStack:
     def stop_proxy(self, partition: int, sig: int = signal.SIGTERM) -> int | None:
         """Signal the proxy by PID and wait for it; SIGKILL after the grace period."""
         proc = self._proxies[partition]
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, sig)
-            try:
-                proc.wait(PROXY_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                logger.warning("proxy %d did not stop in time; killing it", partition)
-                proc.kill()
-                proc.wait()
+        if stop_process(proc, PROXY_STOP_TIMEOUT_S, signum=sig):
+            logger.warning("proxy %d did not stop in time; killed it", partition)
         return proc.returncode
 
     def start_console(self, port: int) -> str:

@@ -112,16 +112,28 @@ def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen[b
     raise UnavailableError(f"nothing listening on {host}:{port} after {timeout}s")
 
 
-def stop_process(proc: subprocess.Popen[Any], grace_s: float) -> None:
-    """SIGTERM `proc` by PID (a proxy drains and commits), then SIGKILL it if it has not
-    exited within `grace_s`; reaped either way."""
+def stop_process(
+    proc: subprocess.Popen[Any],
+    grace_s: float,
+    *,
+    signum: int = signal.SIGTERM,
+    resume: bool = False,
+) -> bool:
+    """Send `signum` to `proc` by PID (SIGTERM: a proxy drains and commits), then SIGKILL
+    it if it has not exited within `grace_s`; reaped either way. `resume`: SIGCONT first,
+    for a process a fault test stopped (a stopped process acts on SIGTERM only once
+    resumed). Returns whether it had to be killed."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+        if resume:
+            proc.send_signal(signal.SIGCONT)
+        proc.send_signal(signum)
     try:
         proc.wait(grace_s)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+        return True
+    return False
 
 
 class ManagedProcess:
@@ -172,14 +184,7 @@ class ManagedProcess:
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGCONT)
-            proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout, resume=True)
         logger.info("%s stopped pid=%d", self.name, proc.pid)
 
     def __enter__(self) -> ManagedProcess:
