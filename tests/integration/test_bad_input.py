@@ -39,7 +39,7 @@ from tests.integration.harness import (
     wait_until,
 )
 from triage_cli.devstack import write_config
-from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, stop_process, wait_for_port
 from triage_protocol import triage_pb2 as pb
 from triage_protocol import triage_pb2_grpc as pb_grpc
 from triage_proxy.config.settings import DeadLetterSettings
@@ -111,12 +111,7 @@ def stack(
         wait_for_port("127.0.0.1", port, 60, proc)
         yield Stack(broker, raw, f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}", folder, proc)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 30)
     text = (folder / "proxy.log").read_text()
     assert "Traceback" not in text  # no bad input made the proxy log a traceback
 

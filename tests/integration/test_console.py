@@ -32,7 +32,7 @@ import pytest
 
 from tests.integration.harness import TOKEN, create_topic, produce, write_dead_letters
 from triage_cli.devstack import write_config
-from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port_block
+from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port_block, stop_process
 from triage_proxy.config.settings import DeadLetterSettings
 from triage_proxy.store.provisioning import create_bucket, create_table
 from triage_proxy.structs import DeadLetter, Record
@@ -103,16 +103,6 @@ def _dl(topic: str, offset: int, value: bytes | None, reason: str, **kw: Any) ->
         consumer_id="test-consumer",
         dead_lettered_at_ms=int(time.time() * 1000),
     )
-
-
-def _stop(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 20) -> None:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -188,11 +178,11 @@ def stack(
             shots=shots,
         )
     finally:
-        _stop(console)
+        stop_process(console, 20)
         if console.stdout is not None:
             console.stdout.close()
         console_log.close()
-        _stop(proxy)
+        stop_process(proxy, 20)
         assert console.returncode == 0, (tmp / "console.log").read_text()
 
 

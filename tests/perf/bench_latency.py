@@ -103,7 +103,6 @@ import json
 import os
 import queue
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -173,13 +172,7 @@ class Reader:
         return self.warm
 
     def stop(self) -> dict[str, object]:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, 60)
         self._thread.join(10)
         last = ""
         while not self.lines.empty():
