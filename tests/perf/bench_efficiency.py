@@ -14,6 +14,14 @@ the workload's exact durations on the 32 slots) and the run start together. Meas
 opened -> last handler returned. Target: bound / measured >= 90% in every arrangement
 (`--target`, in percent: 95 for the short-work case).
 
+Beside each arrangement, in the same dev stack just before the instances start, the
+same handlers run the same workload under a perfect in-process FIFO dispatcher
+(tests/perf/fifo_ideal.py: the arrangement's slots as threads, or as tasks in one event
+loop for async handlers; no Kafka, no proxy, no client): Python's own floor on this
+machine at that moment. Printed: its efficiency against the bound, and Triage's makespan
+against its (ideal / measured), which is Triage's own share of the distance (`--no-ideal`
+skips it).
+
 Also printed, to say where the rest goes: the bound over the handlers' MEASURED durations
 (what is left is slots idle, not handlers overrunning their sleeps), the idle gap between a
 handler thread's return and its next start (hand-off: settle, credit, delivery, thread
@@ -109,6 +117,25 @@ def workload(count: int, seed: int = 7, work_ms: int = ORDINARY_MS) -> list[tupl
     return kinds
 
 
+@dataclass(frozen=True)
+class Ideal:
+    """The workload under a perfect in-process FIFO dispatcher (fifo_ideal.py)."""
+
+    makespan: float
+    records: list[list[float]]
+    """[offset, start, finish] per message."""
+
+
+def run_ideal(arr: Arrangement, kinds: list[tuple[str, int]]) -> Ideal:
+    argv = [sys.executable, str(ROOT / "tests" / "perf" / "fifo_ideal.py")]
+    argv += ["--slots", str(arr.slots), *(["--async"] if arr.asynchronous else [])]
+    done = subprocess.run(
+        argv, input=json.dumps(kinds).encode(), capture_output=True, timeout=300, check=True
+    )
+    out = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    return Ideal(float(out["makespan"]), out["records"])
+
+
 @dataclass
 class Run:
     arrangement: Arrangement
@@ -121,6 +148,7 @@ class Run:
     cpu: dict[str, float]
     """CPU seconds (user + system) each process spent from the gate to everything committed:
     a figure the load of other work on the machine barely moves."""
+    ideal: Ideal | None = None
 
 
 @dataclass(frozen=True)
@@ -211,6 +239,7 @@ def run_arrangement(
     profile: Path | None,
     gil: bool = False,
     options: Options = Options(),
+    ideal: bool = True,
 ) -> Run:
     overrides = {"commit": {"interval_s": 0.1}}
     name = f"bench-eff-{arr.processes}x{arr.consumers}x{arr.handlers}"
@@ -219,6 +248,7 @@ def run_arrangement(
         values = (f"{k}:{ms}:{i}".encode() for i, (k, ms) in enumerate(kinds))
         produce_values(stack.broker.bootstrap, stack.topic, values)
         watcher = CommitWatcher(stack.broker.bootstrap, stack.group_id, stack.topic, 1)
+        floor = run_ideal(arr, kinds) if ideal else None
         procs = start_instances(stack, arr, options)
         profiler = None
         try:
@@ -255,7 +285,7 @@ def run_arrangement(
         dead = count_dead_letters(stack.aws.endpoint_url, stack.table)
     if profiler is not None:
         frames = {name: top_frames(path) for name, path in profiler.files.items()}
-    return Run(arr, t0, committed, records, dead, frames, cpu)
+    return Run(arr, t0, committed, records, dead, frames, cpu, floor)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -289,6 +319,26 @@ def report(run: Run, kinds: list[tuple[str, int]], target: float = TARGET_EFFICI
         if o in first and kind == "ordinary"
     ]
     lost = len(kinds) - len(first)
+    ideal_rows: list[tuple[str, object]] = []
+    if run.ideal is not None:
+        ideal = run.ideal
+        ideal_overrun = [
+            (finish - start) - kinds[int(offset)][1] / 1000
+            for offset, start, finish in ideal.records
+            if kinds[int(offset)][0] == "ordinary"
+        ]
+        ideal_rows = [
+            (
+                "ideal in-process FIFO (no Kafka, no Triage): makespan, bound / it",
+                f"{ideal.makespan:.3f} s, {efficiency(bound, ideal.makespan):.1%}",
+            ),
+            (
+                "  its ordinary handlers' overrun, p50 / p99",
+                f"{percentile(ideal_overrun, 0.5) * 1000:.2f} / "
+                f"{percentile(ideal_overrun, 0.99) * 1000:.2f} ms",
+            ),
+            ("Triage against the ideal (ideal / measured)", f"{ideal.makespan / makespan:.1%}"),
+        ]
     pills = sum(1 for k, _ in kinds if k == "poison")
     eff = efficiency(bound, makespan)
     ok = eff >= target and lost == 0 and run.dead == pills
@@ -303,6 +353,7 @@ def report(run: Run, kinds: list[tuple[str, int]], target: float = TARGET_EFFICI
                     "efficiency (bound / measured)",
                     f"{eff:.1%} (target >= {target:.0%})",
                 ),
+                *ideal_rows,
                 ("FIFO bound, measured handler durations", f"{measured_bound:.3f} s"),
                 ("efficiency against that bound", f"{efficiency(measured_bound, makespan):.1%}"),
                 (
@@ -348,6 +399,12 @@ def main() -> int:
     parser.add_argument("--messages", type=int, default=4000)
     parser.add_argument("--arrangements", default="1x4x8,2x1x16")
     parser.add_argument("--profile", type=Path, default=None)
+    parser.add_argument(
+        "--no-ideal",
+        dest="ideal",
+        action="store_false",
+        help="skip the in-process FIFO run beside each arrangement",
+    )
     parser.add_argument("--profile-gil", action="store_true", help="py-spy --gil")
     parser.add_argument(
         "--switch-interval-ms",
@@ -385,7 +442,7 @@ def main() -> int:
     for arr in arrangements:
         ok = (
             report(
-                run_arrangement(arr, kinds, args.profile, args.profile_gil, options),
+                run_arrangement(arr, kinds, args.profile, args.profile_gil, options, args.ideal),
                 kinds,
                 args.target / 100,
             )

@@ -1,0 +1,108 @@
+"""The workload of bench_efficiency run by a perfect in-process FIFO dispatcher: the
+runtime's own floor, with no Kafka, no proxy and no client.
+
+Why: the FIFO bound (fifo_bound.py) counts each handler's work exactly as prescribed, but
+a handler's `time.sleep(0.001)` or `await asyncio.sleep(0.001)` takes longer than 1 ms
+(timer slack, thread wake-ups, the GIL; asyncio waits in epoll, whose timeout is whole
+milliseconds, rounded up). This process runs the same handlers on `--slots` threads (or
+async tasks in one event loop, `--async`), each taking the next message in offset order
+the moment it frees (list scheduling, exactly the bound's schedule), so its makespan is
+what Python itself needs for the workload on this machine at this moment. Measured beside
+a Triage run, it splits Triage's distance from the bound into the runtime's share and
+Triage's own.
+
+Reads the workload as JSON on stdin (`[[kind, ms], ...]`); prints one JSON line:
+`{"makespan": s, "records": [[offset, start, finish], ...]}`, times from time.monotonic().
+A `poison` message raises at once, like slots_instance.py's handler.
+
+    python tests/perf/fifo_ideal.py --slots 32 [--async] < workload.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import threading
+import time
+
+
+def work(kind: str, ms: int) -> None:
+    """slots_instance.py's sync handler: a pill raises at once, the rest sleep."""
+    if kind == "poison":
+        raise ValueError("poison pill")
+    time.sleep(ms / 1000)
+
+
+async def work_async(kind: str, ms: int) -> None:
+    """slots_instance.py's async handler."""
+    if kind == "poison":
+        raise ValueError("poison pill")
+    await asyncio.sleep(ms / 1000)
+
+
+def run_threads(kinds: list[tuple[str, int]], slots: int) -> tuple[float, list[list[float]]]:
+    """`slots` threads, each taking the next offset under one lock as it frees."""
+    lock = threading.Lock()
+    offsets = iter(range(len(kinds)))
+    records: list[list[float]] = []
+    start_line = threading.Barrier(slots + 1)
+
+    def slot() -> None:
+        start_line.wait()
+        while True:
+            with lock:
+                offset = next(offsets, None)
+            if offset is None:
+                return
+            kind, ms = kinds[offset]
+            start = time.monotonic()
+            with contextlib.suppress(ValueError):
+                work(kind, ms)
+            records.append([offset, start, time.monotonic()])
+
+    threads = [threading.Thread(target=slot) for _ in range(slots)]
+    for thread in threads:
+        thread.start()
+    start_line.wait()
+    t0 = time.monotonic()
+    for thread in threads:
+        thread.join()
+    return max(r[2] for r in records) - t0, records
+
+
+async def run_tasks(kinds: list[tuple[str, int]], slots: int) -> tuple[float, list[list[float]]]:
+    """`slots` tasks in one event loop, each taking the next offset as it frees."""
+    offsets = iter(range(len(kinds)))
+    records: list[list[float]] = []
+
+    async def slot() -> None:
+        for offset in offsets:  # one loop thread: no lock needed
+            kind, ms = kinds[offset]
+            start = time.monotonic()
+            with contextlib.suppress(ValueError):
+                await work_async(kind, ms)
+            records.append([offset, start, time.monotonic()])
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(slot() for _ in range(slots)))
+    return max(r[2] for r in records) - t0, records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--slots", type=int, required=True)
+    parser.add_argument("--async", dest="asynchronous", action="store_true")
+    args = parser.parse_args()
+    kinds = [(str(kind), int(ms)) for kind, ms in json.load(sys.stdin)]
+    if args.asynchronous:
+        makespan, records = asyncio.run(run_tasks(kinds, args.slots))
+    else:
+        makespan, records = run_threads(kinds, args.slots)
+    print(json.dumps({"makespan": makespan, "records": records}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
