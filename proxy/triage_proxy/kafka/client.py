@@ -50,6 +50,9 @@ FETCH_WAIT_S = 0.05
 or a close queued behind it waits at most this long)."""
 PREFETCH_MESSAGES = 10_000
 PREFETCH_KBYTES = 16_384
+FETCH_QUEUE_BACKOFF_MS = 20
+"""How long librdkafka postpones the next fetch once its queue is over the caps above
+(its default, 1 s, stalls a partition read faster than the caps refill)."""
 BROKER_TIMEOUT_S = 10.0
 WATERMARK_TIMEOUT_S = 1.0
 """Longest a log-end or metadata query may hold the query thread (the next query queues
@@ -243,9 +246,8 @@ def consumer_config(settings: KafkaSettings) -> dict[str, Any]:
         # Bound librdkafka's own prefetch so a full window really stops fetching.
         "queued.min.messages": PREFETCH_MESSAGES,
         "queued.max.messages.kbytes": PREFETCH_KBYTES,
-        # librdkafka postpones the next fetch by this much once its queue is over the
-        # caps (default 1 s): short, so the queue refills as soon as we drain it.
-        "fetch.queue.backoff.ms": 20,
+        # Short, so the queue refills as soon as we drain it.
+        "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
         "fetch.wait.max.ms": settings.fetch_wait_ms,
         # error_cb and logger: reported once per cause, never raw on stderr.
         **KafkaLog(settings.topic).config(),
