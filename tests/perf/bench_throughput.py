@@ -56,7 +56,8 @@ class CpuSampler:
 
     INTERVAL_S = 0.05
 
-    def __init__(self, proxy_pid: int, broker_pid: int) -> None:
+    def __init__(self, proxy_pid: int, broker_pid: int, instances: int) -> None:
+        self.instances = instances
         self._proxy = proxy_pid
         self._broker = broker_pid
         self.samples: list[tuple[float, float, float, float]] = []
@@ -80,10 +81,16 @@ class CpuSampler:
         return found
 
     def _run(self) -> None:
-        pids: list[int] = []
+        # Each instance's last reading: one that exits keeps its CPU in the sum (a gone
+        # process reads 0, which made the window's instance CPU negative), and instances
+        # are looked for again until every one the run starts has been seen.
+        last: dict[int, float] = {}
         while not self._stop.wait(self.INTERVAL_S):
-            pids = pids or self._instances()
-            inst = sum(cpu_seconds(pid) for pid in pids)
+            if len(last) < self.instances:
+                last.update((pid, 0.0) for pid in self._instances() if pid not in last)
+            for pid in last:
+                last[pid] = cpu_seconds(pid) or last[pid]
+            inst = sum(last.values())
             proxy, broker = cpu_seconds(self._proxy), cpu_seconds(self._broker)
             self.samples.append((time.time(), proxy, inst, broker))
 
@@ -155,7 +162,7 @@ def measure(
         bootstrap = stack.broker.bootstrap
         produce_values(bootstrap, stack.topic, (b"x" * 100 for _ in range(messages)))
         plain_s = plain_read(bootstrap, stack.topic, messages)
-        sampler = CpuSampler(stack.proxy_process(0).pid, stack.broker.pid)
+        sampler = CpuSampler(stack.proxy_process(0).pid, stack.broker.pid, args.instances)
         try:
             run = run_instances(
                 stack,
