@@ -109,9 +109,11 @@ class CpuSampler:
         return a[1] - b[1], a[2] - b[2], a[3] - b[3]
 
 
-def plain_read(bootstrap: str, topic: str, count: int) -> float:
-    """Seconds a plain confluent-kafka consumer takes to read `count` records of partition 0,
-    with the proxy's prefetch properties: librdkafka's default `fetch.queue.backoff.ms` (1 s)
+def plain_read(bootstrap: str, topic: str, count: int) -> tuple[float, float]:
+    """(Seconds, CPU seconds of this process, librdkafka's threads included) a plain
+    confluent-kafka consumer takes to read `count` records of partition 0 and look at each:
+    the least any consumer of the partition pays per message. With the proxy's prefetch
+    properties: librdkafka's default `fetch.queue.backoff.ms` (1 s)
     stalls such a read once its queue is over `queued.min.messages`, and made this ceiling
     read 160-180k msg/s where the proxy's own settings give 460k-1M."""
     from confluent_kafka import Consumer, TopicPartition
@@ -132,12 +134,12 @@ def plain_read(bootstrap: str, topic: str, count: int) -> float:
         }
     )
     consumer.assign([TopicPartition(topic, 0, 0)])
-    seen, started = 0, time.perf_counter()
+    seen, started, cpu = 0, time.perf_counter(), time.process_time()
     while seen < count:
         seen += sum(1 for m in consumer.consume(5000, 1.0) if not m.error())
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
     consumer.close()
-    return elapsed
+    return elapsed, cpu
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,10 @@ class Measured:
     """Triage messages/s, first handled -> all committed."""
     plain_rate: float
     """The raw confluent-kafka read of the same partition, same run."""
+    proxy_us: float
+    """The proxy's CPU per message, microseconds."""
+    plain_us: float
+    """The raw read's CPU per message, microseconds."""
 
 
 def measure(
@@ -161,7 +167,7 @@ def measure(
     with DevStack(topic="bench-throughput", proxy_overrides=overrides) as stack:
         bootstrap = stack.broker.bootstrap
         produce_values(bootstrap, stack.topic, (b"x" * 100 for _ in range(messages)))
-        plain_s = plain_read(bootstrap, stack.topic, messages)
+        plain_s, plain_cpu = plain_read(bootstrap, stack.topic, messages)
         sampler = CpuSampler(stack.proxy_process(0).pid, stack.broker.pid, args.instances)
         try:
             run = run_instances(
@@ -194,7 +200,11 @@ def measure(
                 ("Triage first -> last handled", f"{last - first:.2f} s"),
                 ("commit lag after last handled", f"{(committed_at - last) * 1000:.0f} ms"),
                 ("per instance handled", ", ".join(str(r.handled) for r in results)),
-                ("plain confluent-kafka read, same run", f"{messages / plain_s:,.0f}/s"),
+                (
+                    "plain confluent-kafka read, same run",
+                    f"{messages / plain_s:,.0f}/s, {plain_cpu / messages * 1e6:.1f} us of CPU "
+                    "per message",
+                ),
                 (
                     "CPU in that window: proxy / all instances",
                     f"{proxy_cpu:.2f} s / {instances_cpu:.2f} s = "
@@ -214,7 +224,9 @@ def measure(
         )
     )
     print_frames(run.frames)
-    return Measured(rate, messages / plain_s)
+    return Measured(
+        rate, messages / plain_s, proxy_cpu / messages * 1e6, plain_cpu / messages * 1e6
+    )
 
 
 def main() -> int:
@@ -263,6 +275,10 @@ def main() -> int:
         print(
             "runs, Triage / raw read msg/s: "
             + ", ".join(f"{r.rate:,.0f} / {r.plain_rate:,.0f}" for r in runs)
+        )
+        print(
+            "runs, CPU per message, proxy / raw read: "
+            + ", ".join(f"{r.proxy_us:.1f} / {r.plain_us:.1f} us" for r in runs)
         )
         reached = sum(r.rate >= GOAL_PER_S for r in runs)
         needed = math.ceil(GOAL_SHARE * args.runs)
