@@ -274,7 +274,7 @@ def test_dev_console_serves_the_stack_and_stops_with_it(tmp_path: Path) -> None:
 
         opener = urllib.request.build_opener(NoRedirect)
         with pytest.raises(urllib.error.HTTPError) as login:
-            opener.open(url, timeout=10)
+            opener.open(url, timeout=60)
         assert login.value.code == 302
         cookie = login.value.headers["Set-Cookie"]
         login.value.close()
@@ -284,11 +284,11 @@ def test_dev_console_serves_the_stack_and_stops_with_it(tmp_path: Path) -> None:
             url.split("/?", 1)[0] + "/api/overview",
             headers={"Cookie": cookie.split(";", 1)[0]},
         )
-        with urllib.request.urlopen(overview, timeout=10) as answer:
+        with urllib.request.urlopen(overview, timeout=60) as answer:
             assert json.loads(answer.read())["deployment"]["topic"] == info["topic"]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-        assert wait_until(lambda: not any(c.is_running() for c in children), timeout=10)
+        assert wait_until(lambda: not any(c.is_running() for c in children), timeout=60)
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
