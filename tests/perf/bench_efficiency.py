@@ -122,6 +122,8 @@ class Ideal:
     """The workload under a perfect in-process FIFO dispatcher (fifo_ideal.py)."""
 
     makespan: float
+    cpu: float
+    """Its process's CPU seconds over the run: the handlers' own work and the runtime's."""
     records: list[list[float]]
     """[offset, start, finish] per message."""
 
@@ -133,7 +135,7 @@ def run_ideal(arr: Arrangement, kinds: list[tuple[str, int]]) -> Ideal:
         argv, input=json.dumps(kinds).encode(), capture_output=True, timeout=300, check=True
     )
     out = json.loads(done.stdout.decode().strip().splitlines()[-1])
-    return Ideal(float(out["makespan"]), out["records"])
+    return Ideal(float(out["makespan"]), float(out["cpu"]), out["records"])
 
 
 @dataclass
@@ -338,6 +340,10 @@ def report(run: Run, kinds: list[tuple[str, int]], target: float = TARGET_EFFICI
                 f"{percentile(ideal_overrun, 0.99) * 1000:.2f} ms",
             ),
             ("Triage against the ideal (ideal / measured)", f"{ideal.makespan / makespan:.1%}"),
+            (
+                "  its CPU (the handlers' own work and Python's)",
+                f"{ideal.cpu:.2f} s ({ideal.cpu / len(kinds) * 1e6:.0f} us per message)",
+            ),
         ]
     pills = sum(1 for k, _ in kinds if k == "poison")
     eff = efficiency(bound, makespan)

@@ -12,7 +12,8 @@ a Triage run, it splits Triage's distance from the bound into the runtime's shar
 Triage's own.
 
 Reads the workload as JSON on stdin (`[[kind, ms], ...]`); prints one JSON line:
-`{"makespan": s, "records": [[offset, start, finish], ...]}`, times from time.monotonic().
+`{"makespan": s, "cpu": s, "records": [[offset, start, finish], ...]}`, times from
+time.monotonic(), `cpu` the process's CPU seconds over the run (every thread).
 A `poison` message raises at once, like slots_instance.py's handler.
 
     python tests/perf/fifo_ideal.py --slots 32 [--async] < workload.json
@@ -97,11 +98,13 @@ def main() -> None:
     parser.add_argument("--async", dest="asynchronous", action="store_true")
     args = parser.parse_args()
     kinds = [(str(kind), int(ms)) for kind, ms in json.load(sys.stdin)]
+    cpu = time.process_time()
     if args.asynchronous:
         makespan, records = asyncio.run(run_tasks(kinds, args.slots))
     else:
         makespan, records = run_threads(kinds, args.slots)
-    print(json.dumps({"makespan": makespan, "records": records}), flush=True)
+    cpu = time.process_time() - cpu
+    print(json.dumps({"makespan": makespan, "cpu": cpu, "records": records}), flush=True)
 
 
 if __name__ == "__main__":
