@@ -8,6 +8,7 @@ import weakref
 
 import pytest
 
+from tests.waiting import eventually
 from triage_protocol import triage_pb2 as pb
 from triage_proxy.config.settings import Settings, settings_from_dict
 from triage_proxy.pipeline.dispatch import Dispatcher, Session
@@ -885,3 +886,28 @@ def test_a_crash_pill_among_16_in_flight_neighbours_costs_them_no_attempt() -> N
     assert crashes <= 5 + 1
     d.dead_letter_written(dead[0])
     assert tracker.committable == 16
+
+
+def test_the_timers_sleep_while_the_window_is_empty_and_tick_once_records_come() -> None:
+    """An idle partition costs no timer wake-ups: with nothing in the window nothing can come
+    due, so `run_timers` waits for `add`; with records in it, leases expire on the tick."""
+    clock = Clock()
+    d, _, _ = make(clock=clock)
+    a = connect(d, "a", 10)
+
+    async def scenario() -> None:
+        closing = asyncio.Event()
+        timers = asyncio.create_task(d.run_timers(closing))
+        await eventually(lambda: d.timers_asleep)
+        d.add(records(0, 1))
+        assert [x.offset for x in drain(a)] == [0]
+        await eventually(lambda: not d.timers_asleep)
+        assert d.settle(a, [0], []) == []
+        await eventually(lambda: d.timers_asleep)  # empty again: asleep again
+        d.add(records(1, 2))  # held, never settled: its lease must still expire
+        clock.now += 11  # past the 10 s ack deadline
+        await eventually(lambda: d.counters.expired == 1)
+        closing.set()
+        await asyncio.wait_for(timers, 10)
+
+    asyncio.run(scenario())
