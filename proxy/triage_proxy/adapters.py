@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from triage_proxy.config.settings import Settings
 from triage_proxy.kafka.client import ConfluentPartition, PartitionLog
 from triage_proxy.kafka.groups import GroupFence
-from triage_proxy.kafka.reader import Reader
+from triage_proxy.kafka.reader import Reader, ReaderPartition
 from triage_proxy.pipeline.partition import PartitionParts
 from triage_proxy.store.checkpoints import CheckpointStore, DynamoDBCheckpoints
 from triage_proxy.store.deadletter_store import DeadLetterStore, DynamoDBStore
@@ -30,7 +30,6 @@ from triage_proxy.store.leases import (
 )
 from triage_proxy.store.migrate import LegacyCheck
 from triage_proxy.store.query import DeadLetterTable
-from triage_proxy.structs import Record
 
 if TYPE_CHECKING:
     from triage_proxy.fleet import FleetMembership
@@ -115,11 +114,11 @@ class Adapters:
             return self._parts(partition)
         settings = self._settings
         made: list[Callable[[], None]] = []
-        buffered = None
+        read = None
         if self._log is not None:
             log = self._log
         else:
-            log, buffered = self._new_log(partition)
+            log, read = self._new_log(partition)
         leases = None
         if settings.ownership.enabled:
             leases = self._leases
@@ -149,21 +148,21 @@ class Adapters:
             checkpoints,
             leases,
             close,
-            buffered=buffered,
+            buffered=None if read is None else read.take_buffered,
+            arm=None if read is None else read.arm,
             commits_apart=self._fleet is not None,
             fence=fence,
         )
 
-    def _new_log(self, partition: int) -> tuple[PartitionLog, Callable[[int], list[Record]] | None]:
-        """The partition's log, and what takes its already fetched records without
-        waiting (the reader's; None for a log of its own)."""
+    def _new_log(self, partition: int) -> tuple[PartitionLog, ReaderPartition | None]:
+        """The partition's log, and the process's reader for it, which holds its already
+        fetched records (None for a log of its own)."""
         log: PartitionLog
-        buffered = None
+        read = None
         if self.reader is not None:
             log = read = self.reader.partition(partition)  # the process's one Consumer
-            buffered = read.take_buffered
         else:
             log = ConfluentPartition(self._settings.kafka, partition)
         if self._fleet is not None:
             log = self._fleet.log_for(log, partition)  # commits as the group's member
-        return log, buffered
+        return log, read

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -155,3 +156,48 @@ def test_commits_and_queries_do_not_wait_for_an_idle_consume(
     finally:
         reader.close()
     assert committed(broker.bootstrap, settings.kafka.group_id, unique_name) == n
+
+
+def test_an_armed_partition_is_woken_once_when_its_records_come_and_when_it_closes(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, unique_name: str
+) -> None:
+    # How a pipeline waits on its event loop for an empty buffer (pipeline/fetcher.py):
+    # the reader thread calls the waker once records come in, or once the partition
+    # closes; `arm` refuses while records wait already, so none is missed.
+    create_topic(broker.bootstrap, unique_name, partitions=1)
+    settings = make_settings(broker.bootstrap, aws.endpoint_url, unique_name, unique_name)
+    reader = Reader(settings.kafka)
+    try:
+        log = reader.partition(0)
+        assert log.open() == (0, None)
+        woken: list[threading.Event] = [threading.Event(), threading.Event()]
+        calls = [0, 0]
+
+        def waker(n: int) -> Callable[[], None]:
+            def wake() -> None:
+                calls[n] += 1
+                woken[n].set()
+
+            return wake
+
+        assert log.arm(waker(0))  # nothing buffered: armed
+        produce(broker.bootstrap, unique_name, _messages(0, 3), partition=0)
+        assert woken[0].wait(60), "the reader never called the waker"
+        deadline = time.monotonic() + 60
+        while reader_buffered(reader, 0) < 3:
+            assert time.monotonic() < deadline, "the records never reached the buffer"
+            time.sleep(0.01)
+        assert not log.arm(waker(1))  # records wait: take them, no call will come
+        assert [r.value for r in log.take_buffered(10)] == [b"p0-v0", b"p0-v1", b"p0-v2"]
+        assert log.arm(waker(1))
+        log.close()  # closing wakes a waiting pipeline too
+        assert woken[1].wait(10)
+        assert calls == [1, 1]  # once each
+    finally:
+        reader.close()
+
+
+def reader_buffered(reader: Reader, partition: int) -> int:
+    """Records the reader holds for `partition` (its buffer's count)."""
+    buffer = reader._buffers.get(partition)
+    return 0 if buffer is None else buffer.count

@@ -47,6 +47,7 @@ async def start(
     max_messages: int = 1000,
     fetch_batch: int = 100,
     buffered: Callable[[int], list[Record]] | None = None,
+    arm: Callable[[Callable[[], None]], bool] | None = None,
 ) -> Rig:
     loop = asyncio.get_running_loop()
     settings = settings_from_dict(
@@ -69,7 +70,13 @@ async def start(
     partition.fill(records)
     closing = asyncio.Event()
     fetcher = Fetcher(
-        partition, InlineKafkaThread(), dispatcher, fetch_batch, closing, buffered=buffered
+        partition,
+        InlineKafkaThread(),
+        dispatcher,
+        fetch_batch,
+        closing,
+        buffered=buffered,
+        arm=arm,
     )
     task = asyncio.create_task(fetcher.run())
     return Rig(partition, dispatcher, fetcher, closing, task)
@@ -246,5 +253,52 @@ def test_a_full_window_takes_nothing_more_from_the_buffer() -> None:
         await asyncio.sleep(30)
         assert len(buffered.records) == 12  # however long it stays full
         await rig.stop()
+
+    run(main())
+
+
+class ArmedBuffer(Buffered):
+    """A reader's buffer that also wakes a waiting pipeline (kafka/reader.py's `arm`): the
+    waker is called once when records come (`deliver`), as the reader thread does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waker: Callable[[], None] | None = None
+        self.armed = 0
+
+    def arm(self, wake: Callable[[], None]) -> bool:
+        if self.records or self.failing:
+            return False
+        self.waker = wake
+        self.armed += 1
+        return True
+
+    def deliver(self, records: list[Record]) -> None:
+        self.records += records
+        waker, self.waker = self.waker, None
+        if waker is not None:
+            waker()
+
+
+def test_an_empty_buffer_is_waited_for_on_the_loop_not_on_the_fetch_thread() -> None:
+    async def main() -> None:
+        buffer = ArmedBuffer()
+        rig = await start(records=0, buffered=buffer, arm=buffer.arm)
+        await until(lambda: buffer.waker is not None)
+        twin = FlakyPartition(asyncio.get_running_loop().time)
+        twin.fill(30)
+        buffer.deliver(list(twin.log)[:10])
+        await until(lambda: rig.dispatcher.in_window == 10)
+        await until(lambda: buffer.waker is not None)  # empty again: armed again
+        buffer.deliver(list(twin.log)[10:])
+        await until(lambda: rig.dispatcher.in_window == 30)
+        # A failed take (the reader's error) is a failing fetch, as before.
+        buffer.failing = 1
+        buffer.deliver([])
+        await until(lambda: rig.fetcher.degraded)
+        await until(lambda: not rig.fetcher.degraded)
+        assert rig.partition.fetch_sizes == []  # nothing ever went to the fetch thread
+        await until(lambda: buffer.waker is not None)
+        await rig.stop()  # closing ends a wait for records
 
     run(main())

@@ -15,11 +15,13 @@ consume() with the calls queued for it (open, close), so a call waits at most on
 consume (FETCH_WAIT_S). Commits and the broker queries (log end, metadata) go to a
 second handle on the pipelines' own threads instead (kafka.SideHandle): they wait for
 no consume and hold up no fetch. consume() fills one buffer per
-partition; each pipeline takes from its own buffer only: on its event loop what is
-there already (`ReaderPartition.take_buffered`, no thread hop: with 16 partitions a
-consume() brings each about a 16th of its records, and a hop to the pipeline's thread and
-back for every such run cost more than the run), else through `ReaderPartition.fetch` (a
-`PartitionLog`, on the pipeline's own KafkaThread), waiting up to FETCH_WAIT_S.
+partition; each pipeline takes from its own buffer only, on its event loop
+(`ReaderPartition.take_buffered`, no thread hop: with 16 partitions a consume() brings
+each about a 16th of its records, and a hop to the pipeline's thread and back for every
+such run cost more than the run). When its buffer is empty the pipeline waits on its
+loop too (`ReaderPartition.arm`: the reader thread wakes it when records or an error come
+in), so an idle partition costs no wake-ups; `ReaderPartition.fetch` (a `PartitionLog`,
+waiting up to FETCH_WAIT_S on a thread) serves a caller without a loop.
 
 Bounds: a partition's buffer holds at most PREFETCH_KBYTES (kafka/client.py's per-partition
 prefetch cap) of records, counted as their keys and values plus RECORD_OVERHEAD bytes
@@ -89,7 +91,16 @@ FAILED_CONSUME_WAIT_S = 0.1
 class _Buffer:
     """What the reader fetched for one partition and its pipeline has not taken yet."""
 
-    __slots__ = ("batches", "cond", "count", "error", "nbytes", "paused", "resume_asked")
+    __slots__ = (
+        "batches",
+        "cond",
+        "count",
+        "error",
+        "nbytes",
+        "paused",
+        "resume_asked",
+        "waker",
+    )
 
     def __init__(self) -> None:
         self.batches: deque[tuple[list[Record], int]] = deque()
@@ -103,6 +114,14 @@ class _Buffer:
         self.paused = False
         """Paused in librdkafka because the buffer is over a cap."""
         self.resume_asked = False
+        self.waker: Callable[[], None] | None = None
+        """Its pipeline waits on its event loop for records (`Reader.arm`): called once,
+        from the reader thread, when records or an error come in."""
+
+    def fire(self) -> Callable[[], None] | None:
+        """The waker to call (after the lock is released), cleared (its lock held)."""
+        waker, self.waker = self.waker, None
+        return waker
 
 
 class Reader:
@@ -206,6 +225,20 @@ class Reader:
         with buffer.cond:
             return self._take(partition, buffer, max_records)
 
+    def arm(self, partition: int, wake: Callable[[], None]) -> bool:
+        """Have `wake` called once, from the reader thread, when `partition`'s buffer gets
+        records or an error; False (and no call) if it holds either already. So a pipeline
+        whose buffer is empty waits on its own event loop, with no thread to wake it every
+        FETCH_WAIT_S (any thread)."""
+        buffer = self._buffers.get(partition)
+        if buffer is None:
+            raise BrokerUnavailable(f"partition {partition} is not open")
+        with buffer.cond:
+            if buffer.count or buffer.error is not None:
+                return False
+            buffer.waker = wake
+            return True
+
     def _take(self, partition: int, buffer: _Buffer, max_records: int) -> list[Record]:
         """`take` of what `buffer` holds (its lock held)."""
         if buffer.error is not None:
@@ -269,6 +302,9 @@ class Reader:
             with buffer.cond:
                 buffer.error = BrokerUnavailable("the Kafka reader has stopped")
                 buffer.cond.notify_all()
+                waker = buffer.fire()
+            if waker is not None:
+                waker()
         self._buffers.clear()
         self._jobs.refuse("the Kafka reader has stopped")  # what came after the close
 
@@ -315,6 +351,9 @@ class Reader:
                 if pause:
                     buffer.paused = True
                 buffer.cond.notify()
+                waker = buffer.fire()
+            if waker is not None:
+                waker()
             if pause:
                 self.pauses += 1
                 with kafka_warnings("pausing partition %d", partition, log=logger):
@@ -331,6 +370,9 @@ class Reader:
             with buffer.cond:
                 buffer.error = error
                 buffer.cond.notify()
+                waker = buffer.fire()
+            if waker is not None:
+                waker()
 
     # --- the calls (on the reader thread) ----------------------------------------------
 
@@ -365,6 +407,9 @@ class Reader:
             buffer.count = buffer.nbytes = 0
             buffer.error = BrokerUnavailable(f"partition {partition} is closed")
             buffer.cond.notify_all()
+            waker = buffer.fire()
+        if waker is not None:
+            waker()
         with kafka_warnings("unassigning partition %d", partition, log=logger):
             self._consumer.incremental_unassign([TopicPartition(self._topic, partition)])
         logger.info(
@@ -405,6 +450,10 @@ class ReaderPartition:
         """What the reader already holds for this partition, without waiting (any thread;
         the pipeline's event loop calls it before it sends a `fetch` to its thread)."""
         return self._reader.take_buffered(self._partition, max_records)
+
+    def arm(self, wake: Callable[[], None]) -> bool:
+        """`Reader.arm` for this partition: False if records (or an error) wait already."""
+        return self._reader.arm(self._partition, wake)
 
     def commit(self, offset: int, metadata: str | None = None) -> None:
         self._reader.side().commit(self._partition, offset, metadata)

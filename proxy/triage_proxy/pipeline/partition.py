@@ -92,6 +92,9 @@ class PartitionParts:
     buffered: Callable[[int], list[Record]] | None = None
     """Takes up to n records the process's reader already fetched for the partition,
     without waiting (kafka/reader.py; None: every fetch waits on the fetch thread)."""
+    arm: Callable[[Callable[[], None]], bool] | None = None
+    """With `buffered`: has the reader call a function once records come in, so an empty
+    buffer is waited for on the event loop (`ReaderPartition.arm`)."""
     commits_apart: bool = False
     """The log commits through another Kafka client (a fleet's group member). Every
     commit waits on a thread of its own, not on the fetch's (see `_serve`), so this
@@ -304,6 +307,7 @@ class PartitionPipeline:
                 settings.kafka.fetch_batch,
                 fetch_closing,
                 buffered=self.parts.buffered,
+                arm=self.parts.arm,
             )
             commit_closing = asyncio.Event()
             committer = Committer(
