@@ -4,13 +4,16 @@ partitions vs one serving 1 (without fleet processes a 64-partition topic needs 
 Both processes run on the dev stack's broker and DynamoDB endpoint (DevStack with 17
 partitions and no proxies of its own), each pinned with
 `--partition`, idle (nothing produced). RSS is read from /proc once both are ready and
-have settled for a few seconds. Target: ratio <= 2.0.
+have settled for a few seconds. Target: ratio <= 2.0. Then, side by side over the same
+`--idle-seconds` (default 20), the CPU each idle process uses (every thread, from /proc):
+what a standby or quiet process costs the machine for nothing.
 
-    .venv/bin/python -m tests.perf.bench_fleet_memory
+    .venv/bin/python -m tests.perf.bench_fleet_memory [--idle-seconds 20]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -20,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 from tests.perf.common import table
+from tests.perf.cpumeter import cpu_seconds
 from triage_cli.devstack import DevStack, write_config
 from triage_cli.embedded import HOST, free_port_block
 
@@ -62,6 +66,9 @@ def start(stack: DevStack, name: str, partitions: list[int]) -> tuple[subprocess
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--idle-seconds", type=float, default=20.0)
+    args = parser.parse_args()
     # One partition more than the big process serves: the small one pins it, so neither
     # waits for the other's lease.
     with DevStack(
@@ -81,6 +88,12 @@ def main() -> int:
                 time.sleep(0.5)
             time.sleep(SETTLE_S)
             a, b = rss_mb(one.pid), rss_mb(many.pid)
+            cpu0 = (cpu_seconds(one.pid), cpu_seconds(many.pid))
+            started = time.monotonic()
+            time.sleep(args.idle_seconds)  # what is measured: the CPU idle processes use
+            spent = time.monotonic() - started
+            idle_one = (cpu_seconds(one.pid) - cpu0[0]) / spent * 100
+            idle_many = (cpu_seconds(many.pid) - cpu0[1]) / spent * 100
         finally:
             for proc in procs:
                 proc.terminate()
@@ -99,6 +112,10 @@ def main() -> int:
                     f"{(b - a) / (PARTITIONS - 1):.2f}",
                 ),
                 ("ratio", f"{ratio:.2f}"),
+                (
+                    f"idle CPU over {spent:.0f} s, 1 / {PARTITIONS} partitions (% of a core)",
+                    f"{idle_one:.2f} / {idle_many:.2f}",
+                ),
                 ("target", f"<= {TARGET_RATIO}"),
                 ("met", ratio <= TARGET_RATIO),
             ]
