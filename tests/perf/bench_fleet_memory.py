@@ -25,7 +25,7 @@ from pathlib import Path
 from tests.perf.common import table
 from tests.perf.cpumeter import cpu_seconds
 from triage_cli.devstack import DevStack, write_config
-from triage_cli.embedded import HOST, free_port_block
+from triage_cli.embedded import HOST, free_port_block, stop_process
 
 PARTITIONS = 16
 TARGET_RATIO = 2.0
@@ -96,9 +96,7 @@ def main() -> int:
             idle_many = (cpu_seconds(many.pid) - cpu0[1]) / spent * 100
         finally:
             for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                proc.wait(30)
+                stop_process(proc, 30)
     ratio = b / a
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(

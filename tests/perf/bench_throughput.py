@@ -118,19 +118,13 @@ def plain_read(bootstrap: str, topic: str, count: int) -> tuple[float, float]:
     read 160-180k msg/s where the proxy's own settings give 460k-1M."""
     from confluent_kafka import Consumer, TopicPartition
 
-    from triage_proxy.kafka.client import (
-        FETCH_QUEUE_BACKOFF_MS,
-        PREFETCH_KBYTES,
-        PREFETCH_MESSAGES,
-    )
+    from triage_proxy.kafka.client import prefetch_config
 
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
             "group.id": f"plain-{time.time_ns()}",
-            "queued.min.messages": PREFETCH_MESSAGES,
-            "queued.max.messages.kbytes": PREFETCH_KBYTES,
-            "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
+            **prefetch_config(),
         }
     )
     consumer.assign([TopicPartition(topic, 0, 0)])

@@ -232,6 +232,18 @@ class ConfluentPartition:
             side.close()
 
 
+def prefetch_config() -> dict[str, Any]:
+    """librdkafka's prefetch as a fetching consumer of the proxy sets it (also what a
+    benchmark's plain consumer must set to read a partition the way the proxy does)."""
+    return {
+        # Bound librdkafka's own prefetch so a full window really stops fetching.
+        "queued.min.messages": PREFETCH_MESSAGES,
+        "queued.max.messages.kbytes": PREFETCH_KBYTES,
+        # Short, so the queue refills as soon as we drain it.
+        "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
+    }
+
+
 def consumer_config(settings: KafkaSettings) -> dict[str, Any]:
     """The librdkafka properties of a fetching consumer (ConfluentPartition, reader.py)."""
     # What the guarantees rest on: every key here is in settings.RESERVED_CLIENT_PROPERTIES,
@@ -243,11 +255,7 @@ def consumer_config(settings: KafkaSettings) -> dict[str, Any]:
         "auto.offset.reset": "earliest",
         "enable.partition.eof": False,
         "isolation.level": "read_committed",  # librdkafka's default, stated
-        # Bound librdkafka's own prefetch so a full window really stops fetching.
-        "queued.min.messages": PREFETCH_MESSAGES,
-        "queued.max.messages.kbytes": PREFETCH_KBYTES,
-        # Short, so the queue refills as soon as we drain it.
-        "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
+        **prefetch_config(),
         "fetch.wait.max.ms": settings.fetch_wait_ms,
         # error_cb and logger: reported once per cause, never raw on stderr.
         **KafkaLog(settings.topic).config(),
