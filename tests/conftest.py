@@ -104,6 +104,11 @@ def pytest_configure(config: pytest.Config) -> None:
         )
 
 
+LEFTOVER_GRACE = 15.0
+"""Seconds the run's processes get to end on their own after the last test (see
+`leftovers.sweep`) before they are killed and named; a fixture's broker never ends alone,
+so this is what a real leak costs the run."""
+
 FIRST_GROUPS = ("cpu-heavy", "spark-local", "typescript")
 """xdist groups (each runs on one worker, one test after another) that start the run, the
 longest first: a long chain that started last would end the run alone."""
@@ -154,7 +159,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     _controller_holds.close()
     marker = session.config.stash.get(_run_marker, None)
-    left = leftovers.sweep(marker) if marker else []
+    left = leftovers.sweep(marker, grace=LEFTOVER_GRACE) if marker else []
     if left:
         # A worker that died ran no teardown; otherwise a test or fixture leaked these.
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")

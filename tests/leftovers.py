@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,9 +53,19 @@ def marked(marker: str, proc: Path = Path("/proc")) -> list[Leftover]:
     return found
 
 
-def sweep(marker: str) -> list[Leftover]:
-    """Kill (SIGKILL) every process `marked(marker)`; return what was killed."""
+def sweep(marker: str, grace: float = 0.0) -> list[Leftover]:
+    """Kill (SIGKILL) every process `marked(marker)` that is still running `grace` seconds
+    on; return what was killed.
+
+    The grace is for processes that end on their own once the run's workers have: a
+    multiprocessing resource tracker exits when its worker's end of the pipe closes,
+    which may be just after the controller stops waiting for the worker.
+    """
+    deadline = time.monotonic() + grace
     left = marked(marker)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = marked(marker)
     for process in left:
         with contextlib.suppress(ProcessLookupError):
             os.kill(process.pid, signal.SIGKILL)

@@ -44,3 +44,21 @@ def test_a_run_marks_what_it_starts() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_process_that_ends_within_the_grace_is_neither_killed_nor_named() -> None:
+    """Like a multiprocessing resource tracker that exits just after its worker: only the
+    process still running when the grace ends is a leftover."""
+    marker = "a-test-marker-of-the-grace"
+    env = {**os.environ, leftovers.RUN_MARKER: marker}
+    ending = subprocess.Popen(["sleep", "0.2"], env=env)
+    staying = subprocess.Popen(SLEEPER, env=env)
+    try:
+        killed = leftovers.sweep(marker, grace=5.0)
+        assert [p.pid for p in killed] == [staying.pid]
+        assert ending.wait(timeout=30) == 0
+        assert staying.wait(timeout=30) == -9
+    finally:
+        for proc in (ending, staying):
+            proc.kill()
+            proc.wait()
