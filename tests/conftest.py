@@ -105,9 +105,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 LEFTOVER_GRACE = 15.0
-"""Seconds the run's processes get to end on their own after the last test (see
-`leftovers.sweep`) before they are killed and named; a fixture's broker never ends alone,
-so this is what a real leak costs the run."""
+"""Seconds a helper that ends by itself (`leftovers.ends_alone`) gets to exit after the
+last test before it is killed and named."""
 
 FIRST_GROUPS = ("cpu-heavy", "spark-local", "typescript")
 """xdist groups (each runs on one worker, one test after another) that start the run, the

@@ -53,20 +53,36 @@ def marked(marker: str, proc: Path = Path("/proc")) -> list[Leftover]:
     return found
 
 
-def sweep(marker: str, grace: float = 0.0) -> list[Leftover]:
-    """Kill (SIGKILL) every process `marked(marker)` that is still running `grace` seconds
-    on; return what was killed.
+ENDS_ALONE = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+"""Helpers that exit by themselves once the last process holding their pipe has: a
+multiprocessing resource tracker started by a worker (a test spawned a child) reads EOF
+when the worker exits, which may be just after xdist's controller stops waiting for it."""
 
-    The grace is for processes that end on their own once the run's workers have: a
-    multiprocessing resource tracker exits when its worker's end of the pipe closes,
-    which may be just after the controller stops waiting for the worker.
+
+def ends_alone(process: Leftover) -> bool:
+    return any(f"from {module} import main" in process.command for module in ENDS_ALONE)
+
+
+def sweep(marker: str, grace: float = 0.0) -> list[Leftover]:
+    """Kill (SIGKILL) every process `marked(marker)`; return what was killed.
+
+    Those that `ends_alone` get up to `grace` seconds to exit first; the others, a
+    fixture's broker or a test's proxy, never end by themselves and are killed at once.
     """
-    deadline = time.monotonic() + grace
     left = marked(marker)
-    while left and time.monotonic() < deadline:
+    killed = [p for p in left if not ends_alone(p)]
+    waiting = [p for p in left if ends_alone(p)]
+    _kill(killed)
+    deadline = time.monotonic() + grace
+    while waiting and time.monotonic() < deadline:
         time.sleep(0.05)
-        left = marked(marker)
-    for process in left:
+        alive = {p.pid for p in marked(marker)}
+        waiting = [p for p in waiting if p.pid in alive]
+    _kill(waiting)
+    return killed + waiting
+
+
+def _kill(processes: list[Leftover]) -> None:
+    for process in processes:
         with contextlib.suppress(ProcessLookupError):
             os.kill(process.pid, signal.SIGKILL)
-    return left

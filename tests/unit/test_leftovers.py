@@ -46,19 +46,43 @@ def test_a_run_marks_what_it_starts() -> None:
         child.wait()
 
 
-def test_a_process_that_ends_within_the_grace_is_neither_killed_nor_named() -> None:
-    """Like a multiprocessing resource tracker that exits just after its worker: only the
-    process still running when the grace ends is a leftover."""
+TRACKER = "from multiprocessing.resource_tracker import main"
+
+
+def test_a_helper_that_ends_within_the_grace_is_neither_killed_nor_named() -> None:
+    """A multiprocessing resource tracker exits once its worker has, maybe just after the
+    run's last test: it gets the grace. A process that is no such helper does not."""
     marker = "a-test-marker-of-the-grace"
     env = {**os.environ, leftovers.RUN_MARKER: marker}
-    ending = subprocess.Popen(["sleep", "0.2"], env=env)
-    staying = subprocess.Popen(SLEEPER, env=env)
+    ending = subprocess.Popen(
+        [sys.executable, "-c", f"import time; time.sleep(0.5)  # {TRACKER}"], env=env
+    )
+    staying = subprocess.Popen(
+        [sys.executable, "-c", f"import time; time.sleep(120)  # {TRACKER}"], env=env
+    )
+    other = subprocess.Popen(SLEEPER, env=env)
     try:
-        killed = leftovers.sweep(marker, grace=5.0)
-        assert [p.pid for p in killed] == [staying.pid]
+        started = time.monotonic()
+        killed = leftovers.sweep(marker, grace=10.0)
+        assert sorted(p.pid for p in killed) == sorted([staying.pid, other.pid])
+        assert time.monotonic() - started >= 10.0  # the helper that stays had the grace
         assert ending.wait(timeout=30) == 0
         assert staying.wait(timeout=30) == -9
+        assert other.wait(timeout=30) == -9
     finally:
-        for proc in (ending, staying):
+        for proc in (ending, staying, other):
             proc.kill()
             proc.wait()
+
+
+def test_a_process_that_is_no_helper_is_killed_at_once() -> None:
+    marker = "a-test-marker-of-no-grace"
+    other = subprocess.Popen(SLEEPER, env={**os.environ, leftovers.RUN_MARKER: marker})
+    try:
+        started = time.monotonic()
+        assert [p.pid for p in leftovers.sweep(marker, grace=60.0)] == [other.pid]
+        assert time.monotonic() - started < 30.0
+        assert other.wait(timeout=30) == -9
+    finally:
+        other.kill()
+        other.wait()
