@@ -75,7 +75,7 @@ def sweep(marker: str, grace: float = 0.0) -> list[Leftover]:
     _kill(killed)
     deadline = time.monotonic() + grace
     while waiting and time.monotonic() < deadline:
-        time.sleep(0.05)
+        time.sleep(0.2)  # each look reads every process's environment
         alive = {p.pid for p in marked(marker)}
         waiting = [p for p in waiting if p.pid in alive]
     _kill(waiting)
