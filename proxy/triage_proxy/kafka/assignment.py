@@ -392,7 +392,8 @@ def topic_partitions(settings: KafkaSettings, admin: Any = None) -> int:
     metadata (BrokerUnavailable: no answer; ConfigError: no such topic)."""
     if settings.partitions is not None:
         return settings.partitions
-    admin = admin or AdminClient(settings.librdkafka_config())
+    if admin is None:  # not `admin or`: an AdminClient is falsy (its len() is 0)
+        admin = AdminClient(settings.librdkafka_config())
     topic = settings.topic
     with kafka_errors(f"reading the metadata of {topic} ({settings.bootstrap_servers})"):
         meta = admin.list_topics(topic, timeout=COORDINATOR_TIMEOUT_S)

@@ -68,7 +68,8 @@ class GroupView:
 
 def describe_group(settings: KafkaSettings, admin: Any = None) -> GroupView:
     """The group's state and members (BrokerUnavailable: no answer)."""
-    admin = admin or AdminClient(settings.librdkafka_config())
+    if admin is None:  # not `admin or`: an AdminClient is falsy (its len() is 0)
+        admin = AdminClient(settings.librdkafka_config())
     group = settings.group_id
     what = f"describing group {group!r} ({settings.bootstrap_servers})"
     try:
@@ -88,7 +89,8 @@ def describe_group(settings: KafkaSettings, admin: Any = None) -> GroupView:
 
 def committed_partitions(settings: KafkaSettings, admin: Any = None) -> list[int]:
     """Partitions of the topic the group has committed offsets on (BrokerUnavailable)."""
-    admin = admin or AdminClient(settings.librdkafka_config())
+    if admin is None:  # not `admin or`: an AdminClient is falsy (its len() is 0)
+        admin = AdminClient(settings.librdkafka_config())
     group = settings.group_id
     what = f"listing the offsets of group {group!r} ({settings.bootstrap_servers})"
     try:
