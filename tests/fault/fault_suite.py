@@ -45,7 +45,8 @@ restarted proxy) count as duplicates of the proxy kill that reset its attempts. 
 stricter than `invocations - unique offsets - expected`: a missing expected redelivery
 cannot hide an unexpected one, and every duplicate has a cause.
 
-Targets: lost == 0 and crash pills exact (exit 1 otherwise); with the encoding,
+Targets: lost == 0, crash pills exact and no proxy exit but a lease lost in the DynamoDB
+outage (exit 1 otherwise); with the encoding,
 duplicates per proxy kill no more than the in-flight window (instances x credits, which
 the run sets as the proxy's window.max_messages: with the encoding a kill redelivers at
 most the window, see the README's guarantees); with

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import cast
 
 from tests.fault.processes import Incarnation
+from tests.fault.report import Report, checks
+from tests.fault.scenario import Options
 from tests.fault.verify import Invocation, kill_redelivering, offset_causes
 
 KILLS = [10.0, 20.0]
@@ -64,3 +66,19 @@ def test_every_kill_between_two_deliveries_can_be_charged_only_once_each() -> No
     assert kill_redelivering(KILLS, 9.0, 25.0, RESTARTS, charged=[0]) == 1
     assert kill_redelivering(KILLS, 9.0, 25.0, RESTARTS, charged=[0, 1]) is None
     assert kill_redelivering(KILLS, 12.0, 15.0, RESTARTS) is None
+
+
+def test_a_proxy_that_exited_on_its_own_fails_the_run_but_a_lost_lease_does_not() -> None:
+    def failed(report: Report) -> list[str]:
+        return [name for name, passed, correctness in checks([report]) if not passed]
+
+    clean = Report(Options(encode_settled=False), Path("/nowhere"))
+    clean.lease_losses.append("pid 2 exited with 3")
+    assert failed(clean) == []
+    crashed = Report(Options(encode_settled=False), Path("/nowhere"))
+    crashed.unexpected_proxy_exits.append("pid 1 exited with -6")
+    assert [name for name in failed(crashed) if "exited on its own" in name] == [
+        "[encode off] the proxy never exited on its own, but for a lease lost in the "
+        "DynamoDB outage (1)"
+    ]
+    assert all(c for name, _, c in checks([crashed]) if "exited on its own" in name)
