@@ -69,6 +69,9 @@ class Adapters:
         only that store is read (a twin's world)."""
         self.reader: Reader | None = None
         """The process's one Kafka Consumer, when it may serve several partitions."""
+        self._fence: GroupFence | None = None
+        """The group fence every pinned partition asks: the group is the process's, and so
+        is the one admin client that asks."""
 
     @property
     def real(self) -> bool:
@@ -131,7 +134,9 @@ class Adapters:
         if leases is not None and self._fleet is None and self._log is None:
             # A pinned process is no member of the group: it yields to the group's live
             # members, whatever their table (kafka/groups.py).
-            fence = GroupFence(settings.kafka).busy
+            if self._fence is None:
+                self._fence = GroupFence(settings.kafka)
+            fence = self._fence.busy
         checkpoints = self._checkpoints
         if checkpoints is None and settings.commit.encode_settled:
             checkpoints = DynamoDBCheckpoints(
