@@ -298,13 +298,7 @@ class Reader:
         self._jobs.run()
         with kafka_warnings("closing the Kafka reader", log=logger):
             consumer.close()
-        for buffer in self._buffers.values():
-            with buffer.cond:
-                buffer.error = BrokerUnavailable("the Kafka reader has stopped")
-                buffer.cond.notify_all()
-                waker = buffer.fire()
-            if waker is not None:
-                waker()
+        self._fail_all(BrokerUnavailable("the Kafka reader has stopped"))
         self._buffers.clear()
         self._jobs.refuse("the Kafka reader has stopped")  # what came after the close
 
@@ -366,10 +360,11 @@ class Reader:
                 logger.warning("fetch: %s", err.str())
 
     def _fail_all(self, error: BrokerUnavailable) -> None:
+        """Every buffer answers `error` from now on; whoever waits on one is woken."""
         for buffer in self._buffers.values():
             with buffer.cond:
                 buffer.error = error
-                buffer.cond.notify()
+                buffer.cond.notify_all()
                 waker = buffer.fire()
             if waker is not None:
                 waker()
