@@ -104,11 +104,11 @@ def main() -> None:
     kinds = [(str(kind), int(ms)) for kind, ms in json.load(sys.stdin)]
     cpu = time.process_time()
     if args.asynchronous:
-        makespan, records = asyncio.run(run_tasks(kinds, args.slots))
+        span, records = asyncio.run(run_tasks(kinds, args.slots))
     else:
-        makespan, records = run_threads(kinds, args.slots)
+        span, records = run_threads(kinds, args.slots)
     cpu = time.process_time() - cpu
-    print(json.dumps({"makespan": makespan, "cpu": cpu, "records": records}), flush=True)
+    print(json.dumps({"makespan": span, "cpu": cpu, "records": records}), flush=True)
 
 
 if __name__ == "__main__":
