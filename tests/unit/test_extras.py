@@ -4,12 +4,16 @@ says which extra to install instead of failing deep inside."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import resource
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
 
 from triage_cli.embedded import LOCAL_EXTRA, LOCAL_MODULES
 from triage_proxy.exitcodes import ExitCode
@@ -88,3 +92,23 @@ def test_the_readme_demo_installs_the_local_extra() -> None:
     demo = [line for line in readme.splitlines() if "triage dev --demo" in line and "pip" in line]
     assert demo, "the README's demo command is gone?"
     assert all("'.[local]'" in line for line in demo)
+
+
+def test_the_static_metadata_uv_is_given_is_what_the_package_declares() -> None:
+    """pyproject.toml gives uv pyspark's metadata so that it does not download the sdist to
+    read it; wrong metadata would install the wrong dependencies, silently."""
+    entries = PYPROJECT["tool"]["uv"]["dependency-metadata"]
+    assert entries, "the dependency-metadata table is gone?"
+    for entry in entries:
+        name = entry["name"]
+        installed = importlib.metadata.metadata(name)
+        if installed["Version"] != entry["version"]:
+            pytest.skip(
+                f"{name} {installed['Version']} is installed and pyproject.toml describes "
+                f"{entry['version']}: copy the new version's metadata into the entry"
+            )
+        assert set(map(Requirement, entry["requires-dist"])) == set(
+            map(Requirement, importlib.metadata.requires(name) or [])
+        )
+        assert entry["requires-python"] == installed["Requires-Python"]
+        assert entry["provides-extras"] == installed.get_all("Provides-Extra")
