@@ -185,6 +185,136 @@ def test_queries_and_scans_answer_the_same_pages(
     assert all(len(pages) > 2 for pages in ours)
 
 
+def test_a_projection_is_moto_projection() -> None:
+    from moto.dynamodb.models.dynamo_type import Item
+
+    attrs: dict[str, Any] = {
+        "source": {"S": "t#0"}, "offset": {"N": "10.50"}, "key": {"B": "YQ=="},
+        "headers": {"L": [{"M": {"k": {"S": "a"}, "v": {"B": "Yg=="}}}, {"NULL": True}]},
+        "meta": {"M": {"n": {"N": "-0"}, "tags": {"SS": ["b", "a"]}, "ok": {"BOOL": True}}},
+        "nums": {"NS": ["1", "2.0"]},
+    }  # fmt: skip
+    item = Item(hash_key=DynamoType(attrs["source"]), range_key=None, attrs=attrs)
+    projections = [
+        [["source"], ["offset"]],
+        [["meta"], ["headers"], ["key"], ["nums"]],
+        [["offset"], ["missing"], ["offset"], ["source"]],  # order, duplicates, absent names
+        [["missing"]],
+        [["meta", "n"], ["meta"]],  # nested paths: moto's own
+        [["headers[0]"], ["source"]],  # a list element: moto's own
+    ]
+    for paths in projections:
+        ours = motoserver.project(item, paths)
+        theirs = Item.project(item, paths)
+        assert ours.to_json() == theirs.to_json(), paths
+        assert list(ours.attrs) == list(theirs.attrs), paths
+
+
+def _rich_value(rng: random.Random, depth: int = 0) -> dict[str, Any]:
+    """A random AttributeValue of every member type, maps and lists nested."""
+    kinds = ["S", "N", "B", "Bytes", "SS", "NS", "BS", "NULL", "BOOL"]
+    kinds += ["M", "L"] if depth < 3 else []
+    kind = rng.choice(kinds)
+    if kind == "S":
+        return {"S": rng.choice(["", "plain", "ünïcode ✓", 'quote " and \\ slash'])}
+    if kind == "N":
+        return {"N": _numbers(rng)}
+    if kind == "B":
+        return {"B": rng.choice(["YQ==", "", "AAEC"])}
+    if kind == "Bytes":
+        return {"B": rng.randbytes(rng.randrange(0, 5))}
+    if kind == "SS":
+        return {"SS": [f"s{i}" for i in range(rng.randrange(1, 4))]}
+    if kind == "NS":
+        return {"NS": [_numbers(rng) for _ in range(rng.randrange(1, 4))]}
+    if kind == "BS":
+        return {"BS": [rng.choice(["YQ==", b"\x00\x01"]) for _ in range(rng.randrange(1, 3))]}
+    if kind == "NULL":
+        return {"NULL": True}
+    if kind == "BOOL":
+        return {"BOOL": rng.random() < 0.5}
+    if kind == "M":
+        return {"M": {f"k{i}": _rich_value(rng, depth + 1) for i in range(rng.randrange(0, 4))}}
+    return {"L": [_rich_value(rng, depth + 1) for _ in range(rng.randrange(0, 4))]}
+
+
+def _serialized(operation: str, result: dict[str, Any]) -> str:
+    from moto.core.serialize import JSONSerializer, XFormedAttributePicker
+    from moto.core.utils import get_service_model
+
+    model = get_service_model("dynamodb").operation_model(operation)
+    serializer = JSONSerializer(
+        operation_model=model, pretty_print=False, value_picker=XFormedAttributePicker()
+    )
+    return str(serializer.serialize(result)["body"])
+
+
+def test_answers_are_serialized_as_moto_serializes_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moto.core.serialize import BaseJSONSerializer
+
+    rng = random.Random(13)
+    items = [{f"a{i}": _rich_value(rng) for i in range(rng.randrange(1, 9))} for _ in range(300)]
+    odd = [
+        {"x": {"S": 5}},  # not a string: moto's own path
+        {"x": {"s": "lower-case member"}},
+        {"x": {"M": {"y": {"N": "1"}, "z": None}}},
+        {"x": {"L": [{"S": "a"}, {"Q": "unknown member"}]}},
+        {"x": {"NULL": 1}},
+    ]
+    items.append({"x": {"S": "a", "N": "1"}})  # two members: both written, in model order
+    results = {
+        "Query": {"Items": items + odd, "Count": 306, "ScannedCount": 307,
+                  "LastEvaluatedKey": {"source": {"S": "t#0"}, "offset": {"N": "7"}}},
+        "GetItem": {"Item": items[0]},
+        "BatchGetItem": {"Responses": {"dl": items[:50]}, "UnprocessedKeys": {}},
+    }  # fmt: skip
+    theirs = {op: _serialized(op, result) for op, result in results.items()}
+    own = BaseJSONSerializer._serialize_type_structure
+    monkeypatch.setattr(BaseJSONSerializer, "_serialize_type_structure", own)  # restored after
+    motoserver.fast_attribute_values()
+    assert BaseJSONSerializer._serialize_type_structure is not own
+    ours = {op: _serialized(op, result) for op, result in results.items()}
+    assert ours == theirs
+    assert '"B": "WVE9PQ=="' in theirs["Query"]  # blobs go through moto's base64 both ways
+    written = [motoserver.attribute_value_json(lambda b: "", v) for i in odd for v in i.values()]
+    assert written == [None] * len(odd)  # every odd value took moto's own path
+
+
+def test_an_item_is_made_and_refused_as_moto_makes_and_refuses_it() -> None:
+    from moto.dynamodb.exceptions import ItemSizeTooLarge
+    from moto.dynamodb.models.dynamo_type import Item
+
+    rng = random.Random(17)
+    key = DynamoType({"S": "t#0"})
+    for _ in range(50):
+        attrs = {f"a{i}": _rich_value(rng) for i in range(rng.randrange(0, 12))}
+        ours = Item.__new__(Item)
+        motoserver.item_init(ours, key, None, attrs)
+        theirs = Item(key, None, attrs)
+        assert ours.to_json() == theirs.to_json()
+        assert type(ours.attrs) is type(theirs.attrs)
+        assert ours.size() == theirs.size()
+
+    def refused(make: Any, attrs: dict[str, Any]) -> bool:
+        try:
+            make(attrs)
+        except ItemSizeTooLarge:
+            return True
+        return False
+
+    def make_ours(attrs: dict[str, Any]) -> None:
+        motoserver.item_init(Item.__new__(Item), key, None, attrs)
+
+    def make_theirs(attrs: dict[str, Any]) -> None:
+        Item(key, None, attrs)
+
+    for extra in (-1, 0, 1):
+        # names "a" and "b" (1 byte each), values of 200,000 bytes and the rest to the limit
+        attrs = {"a": {"S": "x" * 200_000}, "b": {"S": "y" * (204_998 + extra)}}
+        assert refused(make_ours, attrs) == refused(make_theirs, attrs), extra
+        assert refused(make_ours, attrs) == (extra > 0)
+
+
 def test_equality_is_moto_equality() -> None:
     values: list[dict[str, Any]] = [
         {"S": "a"}, {"S": "1"}, {"S": ""}, {"N": "1"}, {"N": "1.0"}, {"N": "-0"}, {"N": "0"},
