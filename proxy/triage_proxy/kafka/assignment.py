@@ -212,12 +212,16 @@ class Assignment:
         await asyncio.to_thread(check_group, self._settings)
         with kafka_errors(f"joining group {self._settings.group_id!r}"):
             consumer = Consumer(self._config())
-            consumer.subscribe(
-                [self._settings.topic],
-                on_assign=self._on_assign,
-                on_revoke=self._on_revoke,
-                on_lost=self._on_lost,
-            )
+            try:
+                consumer.subscribe(
+                    [self._settings.topic],
+                    on_assign=self._on_assign,
+                    on_revoke=self._on_revoke,
+                    on_lost=self._on_lost,
+                )
+            except BaseException:
+                consumer.close()  # its threads and broker connections, not left to the GC
+                raise
         self._consumer = consumer
         self._thread = threading.Thread(target=self._poll, name="membership", daemon=True)
         self._thread.start()
