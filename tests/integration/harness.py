@@ -226,6 +226,8 @@ class RawConsumer:
         self._outgoing: asyncio.Queue[pb.ConsumerFrame | None] = asyncio.Queue()
         self._channel: grpc.aio.Channel | None = None
         self._call: Any = None
+        self._reading: asyncio.Future[pb.ProxyFrame] | None = None
+        """The call's read in flight, kept when a caller stops waiting for it (`read`)."""
         self.deliveries: list[pb.Delivery] = []
         self.rejected: list[int] = []
         self.welcome: pb.Welcome | None = None
@@ -266,6 +268,20 @@ class RawConsumer:
             yield frame
 
     async def read(self) -> pb.ProxyFrame:
+        """The next frame. A caller that stops waiting (a timeout, a cancel) leaves the
+        call's read running for the next `read`: cancelling the read itself would cancel
+        the whole call (grpc.aio), and a receive with a short timeout in a loop then
+        ended the stream the first time no frame came in time."""
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._read_frame())
+        reading = self._reading
+        try:
+            return await asyncio.shield(reading)
+        finally:
+            if reading.done():
+                self._reading = None
+
+    async def _read_frame(self) -> pb.ProxyFrame:
         frame = await self._call.read()
         if frame is grpc.aio.EOF:
             raise EOFError
@@ -336,6 +352,11 @@ class RawConsumer:
 
     async def close(self) -> None:
         """Vanish: cancel the call without settling anything."""
+        reading, self._reading = self._reading, None
+        if reading is not None:
+            if reading.done() and not reading.cancelled():
+                reading.exception()  # retrieved: the call ends here either way
+            reading.cancel()
         if self._call is not None:
             self._call.cancel()
             self._call = None

@@ -57,6 +57,30 @@ def test_out_of_order_acks_commit_only_the_contiguous_prefix(
     asyncio.run(scenario())
 
 
+def test_a_receive_that_times_out_leaves_the_stream_open(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    """The test client's own contract (tests/integration/harness.py): giving up on a read
+    must not cancel the call, or a test polling with a short timeout loses its stream the
+    first time nothing comes in time (a push test failed so on a slow machine)."""
+    settings = settings_for(broker, aws, topic)
+
+    async def scenario() -> None:
+        async with Proxy(settings, 0) as proxy, RawConsumer(target(proxy)) as consumer:
+            for _ in range(3):  # nothing produced yet: each read is given up
+                with pytest.raises(TimeoutError):
+                    await consumer.receive(1, timeout=0.05)
+            produce(broker.bootstrap, topic, plain(2))
+            got = await consumer.receive(2)
+            assert [d.offset for d in got] == [0, 1]
+            consumer.settle(acks=[0, 1])
+            assert await await_until(
+                lambda: committed(broker.bootstrap, settings.kafka.group_id, topic) == 2
+            )
+
+    asyncio.run(scenario())
+
+
 def test_wrong_or_missing_token_gets_unauthenticated_and_no_data(
     broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
 ) -> None:
