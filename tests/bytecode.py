@@ -1,33 +1,39 @@
 """Compile once, before xdist's workers start, what every process of the run would
-otherwise compile again: the project's own modules and pytest's rewritten test modules.
+otherwise compile again: the project's own modules, pytest's rewritten test modules, and
+the installed modules every worker imports at collection.
 
 Where `PYTHONDONTWRITEBYTECODE` is set (as on the development machine, and in many CI
-images), Python never writes a `.pyc` itself. The install compiles what it installs
-(`uv pip install --compile-bytecode`), but the project's packages are installed editable:
-their sources stay in the checkout, so every proxy and CLI process the tests start
-compiled triage_proxy and triage_cli from source (0.15 s of CPU each, hundreds of
-processes a run). And pytest, which rewrites the asserts of test modules, conftests and
-plugins (all of hypothesis) and caches the result in `__pycache__`, writes no cache then
-either: each of the workers rewrote the same ~200 modules, 5 s of CPU each, while the
-run had nothing else to do.
+images), Python never writes a `.pyc` itself, and pytest, which rewrites the asserts of
+test modules, conftests and plugins (all of hypothesis) and caches the result in
+`__pycache__`, writes no cache either. Every process the run starts (hundreds: proxies,
+CLI calls, moto servers, the workers) then compiled every module it imported from
+source. Compiling all of site-packages at install instead (`uv pip install
+--compile-bytecode`) costs 16 s before the first test, most of it for modules no test
+imports (sympy, pip, moto's 150 other services).
 
-`compile_ahead` writes both kinds of `.pyc` (the caches Python and pytest read whether
-or not they may write) in one process per core, in the controller before the workers
-start. A `.pyc` stays valid while its source's mtime and size are unchanged, as always.
+So the run writes what it imports: `allow_writes` lets the controller and every process
+it starts write the `.pyc` of what they import, into the run's own `.venv` and checkout,
+once. What would otherwise be compiled by all the workers at the same moment, at the
+start of the run, `compile_ahead` writes first, in one process per core: the project's
+own modules, pytest's rewrites, and the imports of collection and of a session's moto
+server. A `.pyc` stays valid while its source's mtime and size are unchanged, as always.
 
     python -m tests.bytecode plain FILE...     (one process's share)
     python -m tests.bytecode rewrite FILE...
+    python -m tests.bytecode imports MODULE...
 """
 
 from __future__ import annotations
 
 import compileall
 import contextlib
+import importlib
 import os
 import struct
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
+from importlib.machinery import SourceFileLoader
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +47,42 @@ PACKAGES = (
     "tests",
 )
 """The project's own modules (editable installs and test helpers), relative to ROOT."""
+
+SERVER_IMPORTS = (
+    "triage_cli.motoserver",
+    "moto.server",
+    "moto.dynamodb.models",
+    "moto.dynamodb.responses",
+    "werkzeug.serving",
+    "triage_cli.main",
+    "triage_proxy.app",
+)
+"""Besides collection's: what each worker's session moto server (the launcher, its first
+DynamoDB request) and a proxy process import, at about the same time in every worker."""
+
+
+def allow_writes() -> None:
+    """Let this process, and every process it starts from now on, write the `.pyc` of
+    what it imports (see the module's docstring)."""
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
+
+
+def collected_modules(root: Path = ROOT) -> list[str]:
+    """The dotted names of the modules collection imports (every module pytest
+    rewrites is under `tests`, a package)."""
+    return [
+        ".".join(path.relative_to(root).with_suffix("").parts) for path in modules_to_rewrite(root)
+    ]
+
+
+def import_all(names: Iterable[str]) -> None:
+    """Import each module, writing the `.pyc` of everything it imports; one that fails
+    to import is left to the test that imports it, which reports the error."""
+    sys.dont_write_bytecode = False
+    for name in names:
+        with contextlib.suppress(BaseException):  # pytest's Skipped is a BaseException
+            importlib.import_module(name)
 
 
 def plain_sources(root: Path = ROOT) -> list[Path]:
@@ -72,6 +114,17 @@ def rewritten_here() -> list[Path]:
     for module in list(sys.modules.values()):
         spec = getattr(module, "__spec__", None)
         if spec is not None and isinstance(spec.loader, AssertionRewritingHook) and spec.origin:
+            found.add(Path(spec.origin))
+    return sorted(found)
+
+
+def imported_here() -> list[Path]:
+    """The source files of the modules this process imported the ordinary way (pytest,
+    its plugins and what the conftests import): workers import them too."""
+    found = set()
+    for module in list(sys.modules.values()):
+        spec = getattr(module, "__spec__", None)
+        if spec is not None and isinstance(spec.loader, SourceFileLoader) and spec.origin:
             found.add(Path(spec.origin))
     return sorted(found)
 
@@ -134,13 +187,24 @@ def _shares(paths: Sequence[Path], count: int) -> list[list[Path]]:
 
 
 def compile_ahead(pytest_rewrites: bool, root: Path = ROOT) -> None:
-    """Write both kinds of `.pyc`, split over one child process per core; wait for them.
-    `pytest_rewrites`: also pytest's (only where its rewrite is the default one)."""
-    jobs = [("plain", plain_sources(root))]
+    """Write the `.pyc` of the project's modules split over one child process per core,
+    and of collection's imports in one more; wait for them. `pytest_rewrites`: also
+    pytest's (only where its rewrite is the default one)."""
+    jobs = [("plain", sorted({*plain_sources(root), *imported_here()}))]
     if pytest_rewrites:
         jobs.append(("rewrite", sorted({*modules_to_rewrite(root), *rewritten_here()})))
     count = os.cpu_count() or 1
-    children = []
+    imports = [*collected_modules(root), *SERVER_IMPORTS]
+    children = [
+        # One process: importing is not split without importing the shared part twice.
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.bytecode", "imports", *imports],
+            cwd=root,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    ]
     for kind, paths in jobs:
         for share in _shares(paths, count):
             if share:
@@ -158,12 +222,14 @@ def compile_ahead(pytest_rewrites: bool, root: Path = ROOT) -> None:
 def main(argv: Sequence[str]) -> None:
     kind, *files = argv
     paths = [Path(f) for f in files]
-    if kind == "plain":
+    if kind == "imports":
+        import_all(files)
+    elif kind == "plain":
         compile_plain(paths)
     elif kind == "rewrite":
         rewrite(paths)
     else:
-        raise SystemExit(f"unknown kind {kind!r}: plain or rewrite")
+        raise SystemExit(f"unknown kind {kind!r}: plain, rewrite or imports")
 
 
 if __name__ == "__main__":

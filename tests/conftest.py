@@ -36,7 +36,7 @@ import pytest
 from hypothesis import settings as hypothesis_settings
 
 from tests import leftovers
-from tests.bytecode import compile_ahead
+from tests.bytecode import allow_writes, compile_ahead
 from tests.runlock import shared_lock
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.config.settings import DEFAULT_HTTP_PORT, DEFAULT_PORT
@@ -96,6 +96,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if WORKER == "main":
         # Before the first process the run starts (xdist's workers too): see leftovers.py.
         config.stash[_run_marker] = leftovers.mark_this_run()
+        allow_writes()  # every process the run starts writes what it compiles: bytecode.py
     if WORKER == "main" and config.getoption("numprocesses", None):
         # Under xdist, before the workers start: see tests/bytecode.py.
         compile_ahead(

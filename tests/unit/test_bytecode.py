@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,57 @@ def test_every_test_module_is_listed_for_rewriting() -> None:
     assert Path(__file__) in listed
     assert bytecode.ROOT / "tests" / "conftest.py" in listed
     assert all(p.name.startswith("test_") or p.name == "conftest.py" for p in listed)
+
+
+def test_the_imports_job_writes_the_pyc_of_what_it_imports_where_writes_are_off(
+    tmp_path: Path,
+) -> None:
+    """`python -m tests.bytecode imports` writes the `.pyc` of each module and of what it
+    imports, with PYTHONDONTWRITEBYTECODE set; a module that fails to import (pytest's
+    Skipped, an error) stops nothing after it."""
+    (tmp_path / "skips.py").write_text(
+        "import pytest\npytest.skip('no', allow_module_level=True)\n"
+    )
+    (tmp_path / "broken.py").write_text("raise RuntimeError('at import')\n")
+    (tmp_path / "inner.py").write_text("VALUE = 1\n")
+    (tmp_path / "outer.py").write_text("import inner\n")
+    env = {
+        **os.environ,
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(bytecode.ROOT)]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.bytecode", "imports", "skips", "broken", "outer"],
+        cwd=bytecode.ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    for name in ("outer", "inner"):
+        assert Path(importlib.util.cache_from_source(str(tmp_path / f"{name}.py"))).is_file()
+
+
+def test_the_modules_this_process_imported_are_found() -> None:
+    found = bytecode.imported_here()
+    assert Path(pytest.__file__) in found  # pytest itself, imported the ordinary way
+    assert Path(__file__) not in found  # pytest rewrote this one: the rewrite job's
+
+
+def test_allow_writes_reaches_the_processes_started_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    bytecode.allow_writes()
+    assert not sys.dont_write_bytecode
+    child = subprocess.run(
+        [sys.executable, "-c", "import sys; print(sys.dont_write_bytecode)"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert child.stdout.strip() == "False"

@@ -133,7 +133,7 @@ def test_the_readme_is_short_and_runs_what_the_tests_run() -> None:
         "python3 -m venv .venv && .venv/bin/pip install -q -e ./proto -e ./client_lib "
         "-e '.[local]' && .venv/bin/triage dev --demo",
         "python3 -m venv .venv && .venv/bin/pip install -q uv && .venv/bin/uv pip install -q "
-        "--compile-bytecode --python .venv/bin/python -e ./proto -e ./client_lib -e '.[dev]' && "
+        "--python .venv/bin/python -e ./proto -e ./client_lib -e '.[dev]' && "
         "scripts/ensure-chromium && .venv/bin/pytest",
     ]
     assert [line for line in setup[2:] if line.strip() not in started] == []
