@@ -408,9 +408,12 @@ a server whose output nobody reads."""
 
 
 def main(argv: list[str] | None = None) -> None:
+    from triage_proxy.gctuning import freeze_startup_heap, set_collection_policy
+
     args = list(argv if argv is not None else sys.argv[1:])
     access_log = NO_ACCESS_LOG not in args
     args = [a for a in args if a != NO_ACCESS_LOG]
+    set_collection_policy()  # the proxy's (gctuning.py): this server keeps every item too
     install()
     cache_module_list()
     cache_method_names()
@@ -418,6 +421,7 @@ def main(argv: list[str] | None = None) -> None:
     serve_keep_alive(access_log)
     from moto.server import main as moto_main
 
+    freeze_startup_heap()
     moto_main(args)
 
 
