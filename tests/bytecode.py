@@ -8,7 +8,7 @@ test modules, conftests and plugins (all of hypothesis) and caches the result in
 `__pycache__`, writes no cache either. Every process the run starts (hundreds: proxies,
 CLI calls, moto servers, the workers) then compiled every module it imported from
 source. Compiling all of site-packages at install instead (`uv pip install
---compile-bytecode`) costs 16 s before the first test, most of it for modules no test
+--compile-bytecode`) costs 15-18 s before the first test, most of it for modules no test
 imports (sympy, pip, moto's 150 other services).
 
 So the run writes what it imports: `allow_writes` lets the controller and every process
