@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 30.0
+PORT_ATTEMPTS = 3
+"""Ports a managed process is given in turn when another process binds the one probed
+free before it does (see wait_for_port)."""
 
 
 LOCAL_EXTRA = "triage[local]"
@@ -101,15 +104,72 @@ def free_port_block(count: int, host: str = HOST) -> int:
 
 
 def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen[bytes]) -> None:
-    """Block until something accepts on host:port, or raise if `proc` died first."""
+    """Block until `proc` (or a process it started) accepts on host:port; raise if it
+    died first. A listener of another process on the port is not taken for it (a port
+    probed free can be bound by someone else before `proc` binds it): `proc` then fails
+    to bind and exits, and this raises PortTaken."""
     deadline = time.monotonic() + timeout
+    foreign = False
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            if foreign:
+                raise PortTaken(f"another process listens on {host}:{port}", port)
             raise UnavailableError(f"process {proc.args!r} exited with {proc.returncode}")
         with contextlib.suppress(OSError), socket.create_connection((host, port), 0.2):
-            return
+            owners = listeners(port)
+            if owners is None or not owners or any(descends(pid, proc.pid) for pid in owners):
+                return
+            foreign = True
         time.sleep(0.05)
     raise UnavailableError(f"nothing listening on {host}:{port} after {timeout}s")
+
+
+class PortTaken(UnavailableError):
+    """The port a process was to listen on was taken by another one first."""
+
+    def __init__(self, message: str, port: int) -> None:
+        super().__init__(message)
+        self.port = port
+
+
+def listeners(port: int) -> set[int] | None:
+    """The processes listening on TCP `port` (any address), from Linux's /proc; None
+    where /proc cannot say (another system). Processes of other users are not seen."""
+    inodes: set[str] = set()
+    try:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with contextlib.suppress(FileNotFoundError), open(table) as rows:
+                for row in list(rows)[1:]:
+                    fields = row.split()
+                    # local address "ADDR:PORT" in hex, state 0A = LISTEN, inode
+                    if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(f"socket:[{fields[9]}]")
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return None
+    found: set[int] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fds = f"/proc/{pid}/fd"
+            if any(os.readlink(f"{fds}/{fd}") in inodes for fd in os.listdir(fds)):
+                found.add(pid)
+    return found
+
+
+def descends(pid: int, ancestor: int) -> bool:
+    """Whether process `pid` is `ancestor` or was started by it, from Linux's /proc (True
+    where /proc cannot say, as for a process gone meanwhile)."""
+    for _ in range(1000):  # a parent chain is far shorter; never loop forever
+        if pid == ancestor:
+            return True
+        if pid <= 1:
+            return False
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                pid = int(stat.read().rsplit(")", 1)[1].split()[1])  # the parent's pid
+        except (OSError, ValueError, IndexError):
+            return True
+    return False
 
 
 def stop_process(
@@ -159,11 +219,28 @@ class ManagedProcess:
     def start(self) -> None:
         if self._proc is not None:
             raise StateError(f"{self.name} already started")
-        self.port = free_port()
+        for attempt in range(PORT_ATTEMPTS):
+            self.port = free_port()
+            self._proc = self._spawn(self.port)
+            try:
+                wait_for_port(self.host, self.port, START_TIMEOUT_S, self._proc)
+            except PortTaken:
+                self._proc = None  # it exited: the port was bound first by another process
+                if attempt + 1 == PORT_ATTEMPTS:
+                    raise
+                continue
+            except BaseException:
+                proc, self._proc = self._proc, None
+                stop_process(proc, 5.0)
+                raise
+            break
+        logger.info("%s started pid=%d port=%d", self.name, self.pid, self.port)
+
+    def _spawn(self, port: int) -> subprocess.Popen[bytes]:
         log = open(self._log_path, "ab") if self._log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
-            self._proc = subprocess.Popen(
-                self.command(self.port),
+            return subprocess.Popen(
+                self.command(port),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
@@ -172,8 +249,6 @@ class ManagedProcess:
         finally:
             if log is not subprocess.DEVNULL:
                 log.close()  # type: ignore[union-attr]
-        wait_for_port(self.host, self.port, START_TIMEOUT_S, self._proc)
-        logger.info("%s started pid=%d port=%d", self.name, self._proc.pid, self.port)
 
     def signal(self, signum: int) -> None:
         """Send a signal (tests use SIGSTOP/SIGCONT/SIGKILL for faults)."""
