@@ -124,3 +124,10 @@ def test_allow_writes_reaches_the_processes_started_after_it(
         check=True,
     )
     assert child.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name", bytecode.SERVER_IMPORTS)
+def test_every_module_the_imports_job_warms_exists(name: str) -> None:
+    """The imports job skips a module that fails to import: a renamed one would only
+    cost CPU, silently."""
+    assert importlib.util.find_spec(name) is not None
