@@ -110,21 +110,21 @@ def rewritten_here() -> list[Path]:
     (the conftests and the plugins, e.g. hypothesis): workers load them the same way."""
     from _pytest.assertion.rewrite import AssertionRewritingHook
 
-    found = set()
-    for module in list(sys.modules.values()):
-        spec = getattr(module, "__spec__", None)
-        if spec is not None and isinstance(spec.loader, AssertionRewritingHook) and spec.origin:
-            found.add(Path(spec.origin))
-    return sorted(found)
+    return _loaded_here(AssertionRewritingHook)
 
 
 def imported_here() -> list[Path]:
     """The source files of the modules this process imported the ordinary way (pytest,
     its plugins and what the conftests import): workers import them too."""
+    return _loaded_here(SourceFileLoader)
+
+
+def _loaded_here(loader: type) -> list[Path]:
+    """The files of the modules in sys.modules that a `loader` loaded."""
     found = set()
     for module in list(sys.modules.values()):
         spec = getattr(module, "__spec__", None)
-        if spec is not None and isinstance(spec.loader, SourceFileLoader) and spec.origin:
+        if spec is not None and isinstance(spec.loader, loader) and spec.origin:
             found.add(Path(spec.origin))
     return sorted(found)
 
