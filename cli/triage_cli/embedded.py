@@ -117,7 +117,7 @@ def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen[b
             raise UnavailableError(f"process {proc.args!r} exited with {proc.returncode}")
         with contextlib.suppress(OSError), socket.create_connection((host, port), 0.2):
             owners = listeners(port)
-            if owners is None or not owners or any(descends(pid, proc.pid) for pid in owners):
+            if not owners or any(descends(pid, proc.pid) for pid in owners):
                 return
             foreign = True
         time.sleep(0.05)
