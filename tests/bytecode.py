@@ -79,7 +79,7 @@ def collected_modules(root: Path = ROOT) -> list[str]:
 def import_all(names: Iterable[str]) -> None:
     """Import each module, writing the `.pyc` of everything it imports; one that fails
     to import is left to the test that imports it, which reports the error."""
-    sys.dont_write_bytecode = False
+    allow_writes()
     for name in names:
         with contextlib.suppress(BaseException):  # pytest's Skipped is a BaseException
             importlib.import_module(name)

@@ -23,7 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-TICKS = os.sysconf("SC_CLK_TCK")
+from tests.perf.cpumeter import command_line, proc_stat
 
 KINDS: tuple[tuple[str, str], ...] = (
     (r"exec\(eval\(sys\.stdin", "pytest worker (tests in-process)"),
@@ -61,26 +61,9 @@ class Seen:
     cpu: float = 0.0
 
 
-def _stat(pid: str) -> tuple[int, int, float] | None:
-    """(parent pid, start time in ticks, CPU seconds) of a live process."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return None
-    return int(fields[1]), int(fields[19]), (int(fields[11]) + int(fields[12])) / TICKS
-
-
-def _command(pid: str) -> str:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return ""
-    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
-
-
 def sample(root: int, seen: dict[tuple[int, int], Seen], tracked: set[int]) -> None:
     """One reading: each descendant of `root` (a process is one once its parent is)."""
-    found = [(int(p), s) for p in os.listdir("/proc") if p.isdigit() and (s := _stat(p))]
+    found = [(int(p), s) for p in os.listdir("/proc") if p.isdigit() and (s := proc_stat(p))]
     found.sort(key=lambda item: item[1][1])  # parents start before their children
     for pid, (ppid, started, cpu) in found:
         if pid != root and ppid not in tracked and pid not in tracked:
@@ -88,7 +71,7 @@ def sample(root: int, seen: dict[tuple[int, int], Seen], tracked: set[int]) -> N
         tracked.add(pid)
         entry = seen.get((pid, started))
         if entry is None:
-            entry = seen[(pid, started)] = Seen(_command(str(pid)))
+            entry = seen[(pid, started)] = Seen((command_line(pid) or "").strip())
         entry.cpu = max(entry.cpu, cpu)
 
 

@@ -26,26 +26,37 @@ def _role(cmdline: str) -> str | None:
     return None
 
 
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rpartition(")")[2].split()[1])
-        tree.setdefault(ppid, []).append(int(entry.name))
-    return tree
-
-
-def _cpu(pid: int) -> float | None:
+def proc_stat(pid: int | str) -> tuple[int, int, float] | None:
+    """(parent pid, start time in clock ticks, user + system CPU seconds) of a live process
+    (Linux /proc); None once gone. The start time tells a process from a later one given
+    the same pid."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / TICKS
+    return int(fields[1]), int(fields[19]), (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def command_line(pid: int | str) -> str | None:
+    """A live process's command line, its arguments joined by spaces; None once gone."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return raw.replace(b"\0", b" ").decode(errors="replace")
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := proc_stat(entry.name)) is not None:
+            tree.setdefault(stat[0], []).append(int(entry.name))
+    return tree
+
+
+def _cpu(pid: int) -> float | None:
+    stat = proc_stat(pid)
+    return None if stat is None else stat[2]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -82,11 +93,9 @@ class CpuMeter:
                 pid = todo.pop()
                 todo.extend(tree.get(pid, []))
                 if pid not in roles:
-                    try:
-                        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-                    except OSError:
+                    if (cmd := command_line(pid)) is None:
                         continue
-                    roles[pid] = _role(cmd.decode(errors="replace"))
+                    roles[pid] = _role(cmd)
                 role = roles[pid]
                 if role is not None and (cpu := _cpu(pid)) is not None:
                     found[pid] = (role, cpu)
