@@ -8,6 +8,7 @@ caller that goes past an edge fails here rather than in a review.
 from __future__ import annotations
 
 import ast
+import concurrent.futures
 import logging
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from confluent_kafka import KafkaError, KafkaException
 from triage_proxy.config.settings import KafkaSettings, settings_from_dict
 from triage_proxy.errors import BrokerUnavailable, ConfigError, UnavailableError
 from triage_proxy.kafka.errors import (
+    admin_answer,
     client_config_errors,
     kafka_errors,
     kafka_warnings,
@@ -99,6 +101,23 @@ def test_kafka_errors_become_the_proxys_own() -> None:
     assert info.value.__cause__ is down
     with kafka_errors("not raised"):
         pass
+
+
+def test_an_admin_answer_is_its_result_or_the_proxys_own_error() -> None:
+    answered: concurrent.futures.Future[str] = concurrent.futures.Future()
+    answered.set_result("stable")
+    assert admin_answer(answered, "describing group 'g'", 1.0) == "stable"
+
+    down = KafkaException(KafkaError(KafkaError._TRANSPORT, "broker down"))
+    failed: concurrent.futures.Future[str] = concurrent.futures.Future()
+    failed.set_exception(down)
+    with pytest.raises(BrokerUnavailable, match=r"^describing group 'g': broker down$") as info:
+        admin_answer(failed, "describing group 'g'", 1.0)
+    assert info.value.__cause__ is down
+
+    silent: concurrent.futures.Future[str] = concurrent.futures.Future()  # never answered
+    with pytest.raises(BrokerUnavailable, match=r"^describing group 'g': no answer in 0.05s$"):
+        admin_answer(silent, "describing group 'g'", 0.05)
 
 
 def test_only_delivery_errors_that_prove_nothing_was_written_release_a_replay_claim() -> None:

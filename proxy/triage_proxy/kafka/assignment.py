@@ -60,12 +60,12 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from confluent_kafka import Consumer, TopicPartition
-from confluent_kafka.admin import AdminClient
 
 from triage_proxy.config.settings import KafkaSettings
 from triage_proxy.errors import BrokerUnavailable, ConfigError
 from triage_proxy.kafka.client import PartitionLog, count_partitions
-from triage_proxy.kafka.errors import describe, kafka_errors, kafka_warnings
+from triage_proxy.kafka.errors import admin_answer, describe, kafka_errors, kafka_warnings
+from triage_proxy.kafka.groups import admin_client
 from triage_proxy.kafka.jobs import ThreadJobs
 from triage_proxy.structs import Record
 
@@ -379,15 +379,12 @@ def _on_error(err: Any) -> None:
 def check_group(settings: KafkaSettings) -> None:
     """Raise BrokerUnavailable unless the group coordinator answers, ConfigError unless
     the topic exists (what a fleet process checks before it joins)."""
-    admin = AdminClient(settings.librdkafka_config())
+    admin = admin_client(settings)
     group = settings.group_id
     what = f"cannot reach the group coordinator of group {group!r} ({settings.bootstrap_servers})"
-    try:
-        with kafka_errors(what):
-            futures = admin.describe_consumer_groups([group], request_timeout=COORDINATOR_TIMEOUT_S)
-            futures[group].result(COORDINATOR_TIMEOUT_S + 1)
-    except concurrent.futures.TimeoutError as exc:
-        raise BrokerUnavailable(f"{what}: no answer in {COORDINATOR_TIMEOUT_S + 1:g}s") from exc
+    with kafka_errors(what):
+        futures = admin.describe_consumer_groups([group], request_timeout=COORDINATOR_TIMEOUT_S)
+    admin_answer(futures[group], what, COORDINATOR_TIMEOUT_S + 1)
     topic_partitions(settings, admin)
 
 
@@ -396,8 +393,7 @@ def topic_partitions(settings: KafkaSettings, admin: Any = None) -> int:
     metadata (BrokerUnavailable: no answer; ConfigError: no such topic)."""
     if settings.partitions is not None:
         return settings.partitions
-    if admin is None:  # not `admin or`: an AdminClient is falsy (its len() is 0)
-        admin = AdminClient(settings.librdkafka_config())
+    admin = admin_client(settings, admin)
     topic = settings.topic
     with kafka_errors(f"reading the metadata of {topic} ({settings.bootstrap_servers})"):
         meta = admin.list_topics(topic, timeout=COORDINATOR_TIMEOUT_S)

@@ -11,6 +11,8 @@ raise `KafkaException` runs inside one of these:
     with kafka_errors("reading the metadata", UnavailableError):   # any error type
         admin.list_topics(...)
 
+    found = admin_answer(futures[group], "describing the group", 6.0)  # an admin call's future
+
     with kafka_warnings("pausing partition %d", partition):  # logged, not raised
         consumer.pause(...)
 
@@ -24,10 +26,11 @@ and `is_gone`, so no caller outside `kafka/` imports its type either.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from confluent_kafka import KafkaError, KafkaException
 
@@ -35,6 +38,8 @@ from triage_proxy.config.settings import KafkaSettings, client_key
 from triage_proxy.errors import BrokerUnavailable, ConfigError, NotFoundError, TriageError
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 GONE_CODES = frozenset(
     {
@@ -120,6 +125,16 @@ class kafka_warnings:  # lower case: used as a context manager (`with`)
             self._log.warning(self._what + ": %s", *self._args, describe(exc))
             return True
         return False
+
+
+def admin_answer(future: concurrent.futures.Future[T], what: str, timeout_s: float) -> T:
+    """The result of an AdminClient call's future: its KafkaException becomes
+    BrokerUnavailable("<what>: <cause>"), as does no answer in `timeout_s`."""
+    try:
+        with kafka_errors(what):
+            return future.result(timeout_s)
+    except concurrent.futures.TimeoutError as exc:
+        raise BrokerUnavailable(f"{what}: no answer in {timeout_s:g}s") from exc
 
 
 def refused_property(client: Mapping[str, object], exc: BaseException) -> ConfigError:

@@ -28,7 +28,6 @@ are no members).
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +37,7 @@ from confluent_kafka.admin import AdminClient
 
 from triage_proxy.config.settings import KafkaSettings
 from triage_proxy.errors import BrokerUnavailable
-from triage_proxy.kafka.errors import kafka_errors
+from triage_proxy.kafka.errors import admin_answer, kafka_errors
 
 logger = logging.getLogger(__name__)
 
@@ -66,18 +65,20 @@ class GroupView:
     """Its members as "client-id@host" (empty when the broker does not list them)."""
 
 
+def admin_client(settings: KafkaSettings, admin: Any = None) -> Any:
+    """`admin` when given, else a new AdminClient for `settings`. (Not `admin or ...`: an
+    AdminClient is falsy, its len() is 0, so that idiom made a second client every time.)"""
+    return admin if admin is not None else AdminClient(settings.librdkafka_config())
+
+
 def describe_group(settings: KafkaSettings, admin: Any = None) -> GroupView:
     """The group's state and members (BrokerUnavailable: no answer)."""
-    if admin is None:  # not `admin or`: an AdminClient is falsy (its len() is 0)
-        admin = AdminClient(settings.librdkafka_config())
+    admin = admin_client(settings, admin)
     group = settings.group_id
     what = f"describing group {group!r} ({settings.bootstrap_servers})"
-    try:
-        with kafka_errors(what):
-            future = admin.describe_consumer_groups([group], request_timeout=CALL_TIMEOUT_S)
-            found = future[group].result(CALL_TIMEOUT_S + 1)
-    except concurrent.futures.TimeoutError as exc:
-        raise BrokerUnavailable(f"{what}: no answer in {CALL_TIMEOUT_S + 1:g}s") from exc
+    with kafka_errors(what):
+        futures = admin.describe_consumer_groups([group], request_timeout=CALL_TIMEOUT_S)
+    found = admin_answer(futures[group], what, CALL_TIMEOUT_S + 1)
     members = tuple(f"{m.client_id}@{m.host}".strip("@") for m in found.members or ())
     state = found.state
     return GroupView(
@@ -89,18 +90,14 @@ def describe_group(settings: KafkaSettings, admin: Any = None) -> GroupView:
 
 def committed_partitions(settings: KafkaSettings, admin: Any = None) -> list[int]:
     """Partitions of the topic the group has committed offsets on (BrokerUnavailable)."""
-    if admin is None:  # not `admin or`: an AdminClient is falsy (its len() is 0)
-        admin = AdminClient(settings.librdkafka_config())
+    admin = admin_client(settings, admin)
     group = settings.group_id
     what = f"listing the offsets of group {group!r} ({settings.bootstrap_servers})"
-    try:
-        with kafka_errors(what):
-            futures = admin.list_consumer_group_offsets(
-                [ConsumerGroupTopicPartitions(group)], request_timeout=CALL_TIMEOUT_S
-            )
-            found = futures[group].result(CALL_TIMEOUT_S + 1)
-    except concurrent.futures.TimeoutError as exc:
-        raise BrokerUnavailable(f"{what}: no answer in {CALL_TIMEOUT_S + 1:g}s") from exc
+    with kafka_errors(what):
+        futures = admin.list_consumer_group_offsets(
+            [ConsumerGroupTopicPartitions(group)], request_timeout=CALL_TIMEOUT_S
+        )
+    found = admin_answer(futures[group], what, CALL_TIMEOUT_S + 1)
     parts: list[TopicPartition] = list(found.topic_partitions or ())
     return sorted(
         tp.partition
@@ -114,7 +111,7 @@ def group_in_use(settings: KafkaSettings, *, offsets: bool = True) -> str | None
     the broker cannot say: the caller has its own check of the broker). `offsets` False:
     live members only (a redeploy finds its own earlier commits)."""
     group, topic = settings.group_id, settings.topic
-    admin = AdminClient(settings.librdkafka_config())
+    admin = admin_client(settings)
     try:
         view = describe_group(settings, admin)
         committed = [] if view.live or not offsets else committed_partitions(settings, admin)
@@ -143,7 +140,7 @@ class GroupFence:
 
     def __init__(self, settings: KafkaSettings) -> None:
         self._settings = settings
-        self._admin: Any = AdminClient(settings.librdkafka_config())
+        self._admin: Any = admin_client(settings)
 
     def busy(self) -> str | None:
         """Why this process must not deliver the group's partitions now (the group has
