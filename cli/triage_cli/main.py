@@ -7,6 +7,7 @@ same graceful path everywhere.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 from pathlib import Path
@@ -251,6 +252,23 @@ app.command(hidden=True)(supervise)
 app.command()(status)
 app.command()(produce)
 app.command()(console)
+
+
+def summaries_on_one_line(typer_app: typer.Typer) -> None:
+    """Each command's summary in a `--help` list is its docstring's first paragraph on one
+    line. typer's rich help prints that paragraph's line breaks as they are, so a
+    docstring wrapped at 90 columns cut its summary mid-sentence; rich wraps the one line
+    to the terminal instead. Sub-apps (`dlq`, `config`) too."""
+    for info in typer_app.registered_commands:
+        doc = info.help or (info.callback.__doc__ if info.callback is not None else None)
+        if info.short_help is None and doc:
+            info.short_help = " ".join(inspect.cleandoc(doc).split("\n\n")[0].split())
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            summaries_on_one_line(group.typer_instance)
+
+
+summaries_on_one_line(app)
 
 
 def run() -> None:
