@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -254,21 +255,35 @@ app.command()(produce)
 app.command()(console)
 
 
-def summaries_on_one_line(typer_app: typer.Typer) -> None:
-    """Each command's summary in a `--help` list is its docstring's first paragraph on one
-    line. typer's rich help prints that paragraph's line breaks as they are, so a
-    docstring wrapped at 90 columns cut its summary mid-sentence; rich wraps the one line
-    to the terminal instead. Sub-apps (`dlq`, `config`) too."""
+VERBATIM = re.compile(r"^(\s|[-*] |\d+[.)] |\x08)", re.MULTILINE)
+"""A paragraph with a line like these (indented, a list item, click's \\b) keeps its line
+breaks in `--help`."""
+
+
+def reflowed(doc: str) -> str:
+    """`doc` with each paragraph's line breaks made spaces (but VERBATIM paragraphs')."""
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(p if VERBATIM.search(p) else " ".join(p.split()) for p in paragraphs)
+
+
+def reflow_help(typer_app: typer.Typer) -> None:
+    """Every command's `--help`, and its summary in the commands list, is its docstring
+    with each paragraph on one line, which rich wraps to the terminal. typer's rich help
+    prints a docstring's line breaks as they are: a docstring wrapped at 90 columns came
+    out ragged on an 80-column terminal, and summaries were cut mid-sentence. Sub-apps
+    (`dlq`, `config`) too."""
     for info in typer_app.registered_commands:
         doc = info.help or (info.callback.__doc__ if info.callback is not None else None)
-        if info.short_help is None and doc:
-            info.short_help = " ".join(inspect.cleandoc(doc).split("\n\n")[0].split())
+        if doc:
+            info.help = reflowed(doc)
+            if info.short_help is None:
+                info.short_help = info.help.split("\n\n")[0]
     for group in typer_app.registered_groups:
         if group.typer_instance is not None:
-            summaries_on_one_line(group.typer_instance)
+            reflow_help(group.typer_instance)
 
 
-summaries_on_one_line(app)
+reflow_help(app)
 
 
 def run() -> None:
