@@ -32,6 +32,8 @@ library: the CLI and the Spark executors share it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class TriageError(Exception):
     """Root of every error Triage raises on purpose."""
@@ -46,6 +48,18 @@ class ConfigError(TriageError):
         super().__init__(f"config key {key!r}: {problem}")
         self.key = key
         self.problem = problem
+
+    @classmethod
+    def unknown(cls, key: str, what: str, known: Sequence[str]) -> ConfigError:
+        """`key` (its last dotted part) is no known `what` ("key", "section"): the
+        problem lists the known ones, and names the closest first when it looks like a
+        typo of one (`group_idd`: did you mean 'group_id'?)."""
+        import difflib
+
+        name = key.rsplit(".", 1)[-1]
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        return cls(key, f"unknown {what} ({hint}known: {', '.join(known)})")
 
 
 class AuthError(TriageError):

@@ -85,6 +85,7 @@ def test_a_resolved_secret_is_in_no_repr(monkeypatch: pytest.MonkeyPatch) -> Non
         ({"name": "o", "url": "http://h/", "token": "inline-secret"}, "push.o.token", "reference"),
         ({"name": "o", "url": "http://h/", "cert_file": "c.pem"}, "push.o.key_file", "together"),
         ({"name": "o", "url": "http://h/", "colour": "red"}, "push.o.colour", "unknown key"),
+        ({"name": "o", "url": "http://h/", "batchh": 5}, "push.o.batchh", "did you mean 'batch'?"),
         ({"name": "g", "mode": "grpc"}, "push.g.registration", "registration = true"),
         (
             {"name": "g", "mode": "grpc", "registration": True, "url": "http://h/"},

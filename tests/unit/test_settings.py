@@ -74,6 +74,25 @@ def test_bad_values_name_the_key(raw: dict[str, object], key: str) -> None:
     assert key in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("raw", "key", "problem"),
+    [
+        (with_("kafka", group_idd="g"), "kafka.group_idd", "unknown key (did you mean 'group_id'?"),
+        (with_("window", max_mesages=3), "window.max_mesages", "unknown key (did you mean 'max_m"),
+        ({**MINIMAL, "kafak": {}}, "kafak", "unknown section (did you mean 'kafka'? known: kafka,"),
+        (with_("kafka", colour="red"), "kafka.colour", "unknown key (known: bootstrap_servers,"),
+        ({**MINIMAL, "extra": {}}, "extra", "unknown section (known: kafka, server,"),
+    ],
+)
+def test_an_unknown_name_lists_the_known_ones_and_the_one_it_looks_like(
+    raw: dict[str, object], key: str, problem: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        settings_from_dict(raw, {})
+    assert info.value.key == key
+    assert info.value.problem.startswith(problem), info.value.problem
+
+
 def test_malformed_toml_is_a_config_error(tmp_path: Path) -> None:
     path = tmp_path / "triage.toml"
     path.write_text("[kafka\nbootstrap_servers = 1")

@@ -274,7 +274,7 @@ def _target(
     value: Any
     for key, value in table.items():
         if key not in known:
-            raise ConfigError(f"{label}.{key}", f"unknown key (known: {', '.join(sorted(known))})")
+            raise ConfigError.unknown(f"{label}.{key}", "key", sorted(known))
         kind = _KINDS[key]
         if isinstance(value, bool) and kind is not bool:
             raise ConfigError(f"{label}.{key}", f"must be {_kind_name(kind)}, got a boolean")

@@ -917,8 +917,7 @@ def settings_from_dict(
     secrets = Secrets(env, fetch_secret)
     for name in raw:
         if name not in _SECTIONS and name != "push":
-            known = ", ".join((*_SECTIONS, "push"))
-            raise ConfigError(name, f"unknown section (known: {known})")
+            raise ConfigError.unknown(name, "section", (*_SECTIONS, "push"))
     sections: dict[str, Any] = {}
     for name, cls in _SECTIONS.items():
         table = raw.get(name, {})
@@ -965,7 +964,7 @@ def _build(section: str, cls: type[Any], table: Mapping[str, Any]) -> Any:
     known = {f.name: f for f in dataclasses.fields(cls) if f.metadata.get("config_key", True)}
     for key in table:
         if key not in known:
-            raise ConfigError(f"{section}.{key}", f"unknown key (known: {', '.join(known)})")
+            raise ConfigError.unknown(f"{section}.{key}", "key", list(known))
     values: dict[str, Any] = {}
     for name, f in known.items():
         dotted = f"{section}.{name}"
