@@ -130,7 +130,8 @@ def configuration() -> str:
         "One TOML file configures a deployment: the proxy, `triage status`, `triage dlq`, "
         "the Spark job and `triage deploy` all read it through the same loader. A malformed "
         "file, an unknown key, a value of the wrong type or one outside its range is refused "
-        "with an error that names the key (exit 2). `triage config check -c FILE` checks a "
+        "with an error that names the key (exit 2); for an unknown key or section it also "
+        "names the known one it looks like. `triage config check -c FILE` checks a "
         "file without starting anything. How the values are used is explained in "
         "[Concepts](../concepts/index.md); this page lists every key.\n\n",
         "Durations are in seconds unless the key says otherwise. A duration is at least "
