@@ -17,7 +17,8 @@ handlers' logs and the dead-letter table (tests/fault/verify.py). It prints:
   first kill) and at the end, once production stopped (growth of memory <= 10%,
   descriptors and threads none; each the median of 5 samples 1 s apart), and every
   minute's sample. With a kill every 5 minutes both are of a proxy 5 minutes old;
-  what grows across restarts or within a proxy's life shows;
+  what grows across restarts or within a proxy's life shows; then the threads by name
+  and the descriptors by kind that differ between the first and the last sample;
 - the commit lag: every 0.5 s, how long the oldest record not committed yet has been in
   the partition (0 when everything produced is committed), p50 / p99 / max, over the
   whole run and outside the 20 s after each kill.
@@ -41,12 +42,14 @@ import bisect
 import contextlib
 import os
 import random
+import re
 import signal
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,6 +102,10 @@ class Sample:
     rss_mib: float
     fds: int
     threads: int
+    thread_names: Counter[str] = field(default_factory=Counter)
+    """Threads by name (librdkafka's `rdk:*`, gRPC's `event_engine`, Python's `python`)."""
+    fd_kinds: Counter[str] = field(default_factory=Counter)
+    """Descriptors by what they point at, numbers blanked (`socket:[N]`, `pipe:[N]`)."""
 
 
 @dataclass
@@ -142,7 +149,30 @@ def sample(stack: DevStack, started: float, count: int = 1) -> Sample:
         statistics.median(s.rss_mib for s in taken),
         int(statistics.median(s.fds for s in taken)),
         int(statistics.median(s.threads for s in taken)),
+        taken[-1].thread_names,
+        taken[-1].fd_kinds,
     )
+
+
+def kinds(pid: int) -> tuple[Counter[str], Counter[str]]:
+    """The process's threads by name and descriptors by kind, from /proc (best effort: a
+    thread or descriptor that goes while they are read is skipped)."""
+    names: Counter[str] = Counter()
+    fds: Counter[str] = Counter()
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                names[Path(f"/proc/{pid}/task/{task}/comm").read_text().strip()] += 1
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                fds[re.sub(r"\d+", "N", os.readlink(f"/proc/{pid}/fd/{fd}"))] += 1
+    return names, fds
+
+
+def differences(first: Counter[str], last: Counter[str]) -> str:
+    """ "name a -> b" for each name whose count differs, or "none"."""
+    changed = sorted(k for k in first.keys() | last.keys() if first[k] != last[k])
+    return ", ".join(f"{k} {first[k]} -> {last[k]}" for k in changed) or "none"
 
 
 def _one_sample(stack: DevStack, started: float) -> Sample:
@@ -159,6 +189,7 @@ def _one_sample(stack: DevStack, started: float) -> Sample:
                     proc.memory_info().rss / 2**20,
                     proc.num_fds(),
                     proc.num_threads(),
+                    *kinds(proc.pid),
                 )
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             if time.monotonic() > deadline:
@@ -327,6 +358,11 @@ def summarize(report: Report, soak: Soak, window: int) -> list[tuple[str, bool, 
     for s in soak.samples:
         print(f"  {s.at_s / 60:5.1f}  {s.pid:>7}  {s.rss_mib:7.1f}  {s.fds:4d}  {s.threads:3d}")
     first, last = soak.first, soak.last
+    if first is not None and last is not None:
+        threads = differences(first.thread_names, last.thread_names)
+        descriptors = differences(first.fd_kinds, last.fd_kinds)
+        print(f"proxy threads by name, first -> last: {threads}")
+        print(f"proxy descriptors by kind, first -> last: {descriptors}")
     lags = [lag for _, lag in soak.lag_s]
     quiet = [lag for t, lag in soak.lag_s if not _after_kill(kills, t)]
     print(
