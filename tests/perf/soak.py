@@ -137,7 +137,8 @@ class TimedProduction(Production):
 
 def sample(stack: DevStack, started: float, count: int = 1) -> Sample:
     """The proxy now; with `count` > 1, the median of that many samples SAMPLE_GAP_S apart
-    (a descriptor or thread that comes and goes with one connection is not growth)."""
+    (a descriptor or thread that comes and goes with one connection is not growth), and
+    the last one's threads by name and descriptors by kind."""
     taken = []
     for i in range(count):
         if i:
@@ -170,7 +171,7 @@ def kinds(pid: int) -> tuple[Counter[str], Counter[str]]:
 
 
 def differences(first: Counter[str], last: Counter[str]) -> str:
-    """ "name a -> b" for each name whose count differs, or "none"."""
+    """Each name whose count differs, as "name a -> b"; "none" when no count differs."""
     changed = sorted(k for k in first.keys() | last.keys() if first[k] != last[k])
     return ", ".join(f"{k} {first[k]} -> {last[k]}" for k in changed) or "none"
 

@@ -1,0 +1,36 @@
+"""The soak's breakdown of a process's threads by name and descriptors by kind
+(tests/perf/soak.py), read from this process's own /proc entries."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter
+
+from tests.perf.soak import differences, kinds
+
+
+def test_a_named_thread_and_an_open_pipe_are_counted_by_kind() -> None:
+    names, fds = kinds(os.getpid())
+    read, write = os.pipe()
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait)
+    worker.start()
+    try:
+        with open(f"/proc/self/task/{worker.native_id}/comm", "w") as comm:
+            comm.write("soak-probe")
+        more_names, more_fds = kinds(os.getpid())
+    finally:
+        stop.set()
+        worker.join()
+        os.close(read)
+        os.close(write)
+    assert more_names["soak-probe"] == names["soak-probe"] + 1
+    assert more_fds["pipe:[N]"] == fds["pipe:[N]"] + 2
+
+
+def test_differences_name_each_count_that_changed() -> None:
+    first = Counter({"event_engine": 5, "python": 10, "rdk:main": 3})
+    last = Counter({"event_engine": 4, "python": 11, "rdk:main": 3, "grpc": 1})
+    assert differences(first, last) == "event_engine 5 -> 4, grpc 0 -> 1, python 10 -> 11"
+    assert differences(first, Counter(first)) == "none"
