@@ -16,9 +16,11 @@ handlers' logs and the dead-letter table (tests/fault/verify.py). It prints:
 - the proxy's resident memory, file descriptors and threads at minute 5 (just before the
   first kill) and at the end, once production stopped (growth of memory <= 10%,
   descriptors and threads none; each the median of 5 samples 1 s apart), and every
-  minute's sample. With a kill every 5 minutes both are of a proxy 5 minutes old;
-  what grows across restarts or within a proxy's life shows; then the threads by name
-  and the descriptors by kind that differ between the first and the last sample;
+  minute's sample with the threads by name and descriptors by kind that changed since
+  the same proxy's previous sample. With a kill every 5 minutes both are of a proxy 5
+  minutes old; what grows across restarts or within a proxy's life shows; then the
+  threads by name and the descriptors by kind that differ between the first and the
+  last sample;
 - the commit lag: every 0.5 s, how long the oldest record not committed yet has been in
   the partition (0 when everything produced is committed), p50 / p99 / max, over the
   whole run and outside the 20 s after each kill.
@@ -174,6 +176,24 @@ def differences(first: Counter[str], last: Counter[str]) -> str:
     """Each name whose count differs, as "name a -> b"; "none" when no count differs."""
     changed = sorted(k for k in first.keys() | last.keys() if first[k] != last[k])
     return ", ".join(f"{k} {first[k]} -> {last[k]}" for k in changed) or "none"
+
+
+def changes(samples: list[Sample]) -> list[str]:
+    """For each sample, the threads by name and descriptors by kind that changed since the
+    previous sample of the same process ("" for a process's first): growth within one
+    proxy's life, which comparing the first and the last proxy cannot show."""
+    previous: dict[int, Sample] = {}
+    out = []
+    for s in samples:
+        before = previous.get(s.pid)
+        previous[s.pid] = s
+        if before is None:
+            out.append("")
+            continue
+        threads = differences(before.thread_names, s.thread_names)
+        fds = differences(before.fd_kinds, s.fd_kinds)
+        out.append(f"threads: {threads}; fds: {fds}")
+    return out
 
 
 def _one_sample(stack: DevStack, started: float) -> Sample:
@@ -355,9 +375,12 @@ def summarize(report: Report, soak: Soak, window: int) -> list[tuple[str, bool, 
     print(f"consumer restarts {soak.restarts}; duplicates by cause: {causes or 'none'}")
     if soak.unexpected_exits:
         print(f"proxy exits on its own: {soak.unexpected_exits}")
-    print("proxy samples (minute, pid, RSS MiB, fds, threads):")
-    for s in soak.samples:
-        print(f"  {s.at_s / 60:5.1f}  {s.pid:>7}  {s.rss_mib:7.1f}  {s.fds:4d}  {s.threads:3d}")
+    print("proxy samples (minute, pid, RSS MiB, fds, threads; what changed since its last):")
+    for s, change in zip(soak.samples, changes(soak.samples), strict=True):
+        print(
+            f"  {s.at_s / 60:5.1f}  {s.pid:>7}  {s.rss_mib:7.1f}  {s.fds:4d}  {s.threads:3d}"
+            f"  {change}"
+        )
     first, last = soak.first, soak.last
     if first is not None and last is not None:
         threads = differences(first.thread_names, last.thread_names)

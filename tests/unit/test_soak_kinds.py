@@ -7,7 +7,7 @@ import os
 import threading
 from collections import Counter
 
-from tests.perf.soak import differences, kinds
+from tests.perf.soak import Sample, changes, differences, kinds
 
 
 def test_a_named_thread_and_an_open_pipe_are_counted_by_kind() -> None:
@@ -34,3 +34,24 @@ def test_differences_name_each_count_that_changed() -> None:
     last = Counter({"event_engine": 4, "python": 11, "rdk:main": 3, "grpc": 1})
     assert differences(first, last) == "event_engine 5 -> 4, grpc 0 -> 1, python 10 -> 11"
     assert differences(first, Counter(first)) == "none"
+
+
+def sample(at_s: float, pid: int, threads: dict[str, int], fds: dict[str, int]) -> Sample:
+    return Sample(
+        at_s, pid, 50.0, sum(fds.values()), sum(threads.values()), Counter(threads), Counter(fds)
+    )
+
+
+def test_changes_compare_each_sample_with_the_same_process_previous_one() -> None:
+    samples = [
+        sample(60, 1, {"python": 10}, {"socket:[N]": 5}),
+        sample(120, 1, {"python": 11}, {"socket:[N]": 5}),
+        sample(180, 2, {"python": 9}, {"socket:[N]": 7}),  # a new proxy: nothing to compare
+        sample(240, 2, {"python": 9}, {"socket:[N]": 8, "pipe:[N]": 1}),
+    ]
+    assert changes(samples) == [
+        "",
+        "threads: python 10 -> 11; fds: none",
+        "",
+        "threads: none; fds: pipe:[N] 0 -> 1, socket:[N] 7 -> 8",
+    ]
