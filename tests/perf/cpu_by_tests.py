@@ -14,6 +14,7 @@ command below adds them up by module or by test.
 (`python -m pytest`, not `.venv/bin/pytest`: the plugin is imported from the checkout,
 before any conftest puts it on the path.) Each pytest process that ran tests (each xdist
 worker) writes its own file into DIR.
+
 The teardown that ends a module (its module fixtures: a JVM, a compiled package) or the
 session (a worker's moto server) runs inside the last test's teardown; it is recorded
 apart, as "MODULE (teardown)" and "(session teardown)", not charged to that test. A child
