@@ -37,6 +37,8 @@ from pathlib import Path
 import pytest
 
 SESSION_TEARDOWN = "(session teardown)"
+MODULE_TEARDOWN = " (teardown)"
+"""After a module's name: the row of the teardown that ends that module."""
 
 
 @dataclass
@@ -83,7 +85,7 @@ def teardown_name(test: str, next_test: str | None) -> str | None:
     if next_test is None:
         return SESSION_TEARDOWN
     if module_of(next_test) != module_of(test):
-        return f"{module_of(test)} (teardown)"
+        return module_of(test) + MODULE_TEARDOWN
     return None
 
 
@@ -152,16 +154,24 @@ def read(folder: Path) -> list[Row]:
     return rows
 
 
+def is_teardown(name: str) -> bool:
+    return name == SESSION_TEARDOWN or name.endswith(MODULE_TEARDOWN)
+
+
+def group_of(name: str, by: str) -> str:
+    """A row's group: its module ("module"; a teardown's row stays apart) or its test
+    with the parameters left out ("test")."""
+    if by == "module" and not is_teardown(name):
+        return module_of(name)
+    return name.split("[", 1)[0]
+
+
 def totals(rows: Iterable[Row], by: str) -> list[Row]:
     """Rows added up by module (a teardown row stays apart) or by test (parameters
     together), costliest first."""
     summed: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
     for row in rows:
-        if by == "module" and not row.name.endswith(")"):
-            key = module_of(row.name)
-        else:
-            key = row.name.split("[", 1)[0]
-        sums = summed[key]
+        sums = summed[group_of(row.name, by)]
         sums[0] += row.own_s
         sums[1] += row.children_s
         sums[2] += row.wall_s
