@@ -5,10 +5,10 @@ that it scales with cores (target: at least TARGET_RATIO from local[1] to local[
 
 What it can and cannot show on one machine: the table is moto server, ONE Python
 process (so at most one core), sharing the machine with Spark's JVM, its Python
-workers and the broker. moto is slow per item: measured on the 2-core development
-machine, a Scan returns ~270 items/s and a conditional UpdateItem costs ~5-10 ms of
-moto's CPU, and a replay is a scan plus two conditional updates per item (claim, then
-mark after the broker's ack): ~20 ms of moto CPU per item, so ~45-55 items/s at most.
+workers and the broker. moto is slow per item: a replay is a scan plus two conditional
+updates per item (claim, then mark after the broker's ack), which cost the embedded
+launcher (`triage_cli/motoserver.py`) 8-10 ms of CPU per item on the 2-core development
+machine, so ~100-120 items/s at most (2026-12-07, `71b4d26`).
 So the script measures, and prints side by side:
 1. seeding: plain BatchWriteItem (no read-before-write as the proxy's store does) from
    SEED_THREADS threads, the fast path into moto: 1,300 items/s from one thread,
@@ -30,22 +30,21 @@ core of the job could drive if the table kept up. When moto is nearly a full cor
 already in the 1-core run, the ratio measures moto, not the job, and the verdict says
 so. Against DynamoDB, which scales with the cluster, the job's tasks are the limit.
 
-Why moto costs ~20 ms per replayed item (profiled with py-spy): a replay makes ~2
+Why moto costs milliseconds per replayed item (profiled with py-spy): a replay makes ~2
 requests per item (a conditional UpdateItem to claim, one to mark; the scan adds one
-request per page of SCAN_PAGE), and moto's server spends ~4 ms of CPU on any request
-before DynamoDB work starts (werkzeug's HTTP handling and access log, routing the
-request to a backend, Flask, its generic response serializer; no signature checking:
-moto does no auth by default), then parses and validates the update and condition
-expressions (a mark, with five SETs, if_not_exists and a REMOVE, costs ~1.5x a
-claim). Batching claims and marks would cut requests on DynamoDB but not on moto:
-moto's TransactWriteItems deep-copies the whole table per call (measured ~190 ms of
-CPU per item at 2,000 items) and its BatchExecuteStatement converts every item of
-every table to JSON per statement, so per-item UpdateItem is moto's cheapest
-conditional write.
+request per page of SCAN_PAGE), and moto's server spends milliseconds of CPU on any
+request before DynamoDB work starts (werkzeug's HTTP handling, routing the request to a
+backend, Flask, its generic response serializer; no signature checking: moto does no
+auth by default), then parses and validates the update and condition expressions (a
+mark, with five SETs, if_not_exists and a REMOVE, costs ~1.5x a claim). Batching claims
+and marks would cut requests on DynamoDB but not on moto: moto's TransactWriteItems
+deep-copies the whole table per call (measured ~190 ms of CPU per item at 2,000 items)
+and its BatchExecuteStatement converts every item of every table to JSON per statement,
+so per-item UpdateItem is moto's cheapest conditional write.
 
 Run: ``.venv/bin/python -m tests.perf.bench_spark_replay [--items N]``. The default N
-is DEFAULT_ITEMS, not 100,000: at moto's ~45-55 items/s two replays of 100,000 take
-over an hour (the script prints its estimate from the moto-only rate it measured);
+is DEFAULT_ITEMS, not 100,000: at moto's ~100 items/s two replays of 100,000 take
+over half an hour (the script prints its estimate from the moto-only rate it measured);
 ``--items 100000`` runs them anyway. It starts its own moto server and
 broker (stopped at the end, even on error; the Spark JVMs too) and exits 1 when the
 replay misses the target ratio.
