@@ -1,10 +1,10 @@
 """`tests.perf.bench_deadletter` at a small size against this worker's moto server.
 
-Why: a benchmark nobody runs rots unseen; this one's count check once expected one item
-besides the dead letters when a new table holds two (the warm-up's and the index marker),
-and the script failed before it measured anything. Each case below must store exactly
-the dead letters it wrote (`measure` counts the table before and after, and raises
-otherwise) and report a rate.
+Why: the perf scripts are run by hand, so nothing else notices when one stops working,
+and this one's check depends on what a new table holds before the first write (its index
+marker, the warm-up's item). Each case below must store exactly the dead letters it
+wrote (`measure` counts the table before and after, and raises otherwise) and report a
+rate.
 """
 
 from __future__ import annotations

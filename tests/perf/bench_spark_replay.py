@@ -11,8 +11,8 @@ launcher (`triage_cli/motoserver.py`) 8-10 ms of CPU per item on the 2-core deve
 machine, so ~100-120 items/s at most (2026-12-07, `71b4d26`).
 So the script measures, and prints side by side:
 1. seeding: plain BatchWriteItem (no read-before-write as the proxy's store does) from
-   SEED_THREADS threads, the fast path into moto: 1,300 items/s from one thread,
-   1,800 from eight, so 100,000 items take about a minute per table;
+   SEED_THREADS threads, the fast path into moto: about 3,300 items/s from eight
+   (2026-12-07), so 100,000 items take about half a minute per table;
 2. moto-only: the same table work as a replay (parallel scan, claim, mark) with plain
    boto3 threads and no Spark or Kafka;
 3. the replay itself (scan -> claim -> produce to Tansu -> mark) of N items in
