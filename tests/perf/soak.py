@@ -196,22 +196,23 @@ def changes(samples: list[Sample]) -> list[str]:
     return out
 
 
+def process_sample(pid: int, at_s: float) -> Sample:
+    """One process's sample. Its counts are the sums of its breakdown, from the same read
+    of /proc, so the two never disagree about one moment."""
+    rss_mib = psutil.Process(pid).memory_info().rss / 2**20
+    names, fds = kinds(pid)
+    if not names:  # it went while /proc was read: a live process has a thread
+        raise psutil.NoSuchProcess(pid)
+    return Sample(at_s, pid, rss_mib, sum(fds.values()), sum(names.values()), names, fds)
+
+
 def _one_sample(stack: DevStack, started: float) -> Sample:
     """One sample of the live proxy; while it is being restarted (it exited on its own),
     the next one's, within PROXY_GONE_S."""
     deadline = time.monotonic() + PROXY_GONE_S
     while True:
         try:
-            proc = psutil.Process(stack.proxy_process(0).pid)
-            with proc.oneshot():
-                return Sample(
-                    time.time() - started,
-                    proc.pid,
-                    proc.memory_info().rss / 2**20,
-                    proc.num_fds(),
-                    proc.num_threads(),
-                    *kinds(proc.pid),
-                )
+            return process_sample(stack.proxy_process(0).pid, time.time() - started)
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             if time.monotonic() > deadline:
                 raise

@@ -4,10 +4,15 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from collections import Counter
 
-from tests.perf.soak import Sample, changes, differences, kinds
+import psutil
+import pytest
+
+from tests.perf.soak import Sample, changes, differences, kinds, process_sample
 
 
 def test_a_named_thread_and_an_open_pipe_are_counted_by_kind() -> None:
@@ -55,3 +60,21 @@ def test_changes_compare_each_sample_with_the_same_process_previous_one() -> Non
         "",
         "threads: none; fds: pipe:[N] 0 -> 1, socket:[N] 7 -> 8",
     ]
+
+
+def test_a_process_sample_counts_what_its_breakdown_shows() -> None:
+    taken = process_sample(os.getpid(), 1.0)
+    assert taken.threads == sum(taken.thread_names.values()) >= 1
+    assert taken.fds == sum(taken.fd_kinds.values()) >= 3  # stdin, stdout, stderr at least
+    assert taken.rss_mib > 0
+
+
+def test_a_process_that_is_gone_is_no_sample() -> None:
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    with pytest.raises(psutil.NoSuchProcess):
+        process_sample(int(gone.stdout), 1.0)
