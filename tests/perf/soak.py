@@ -199,7 +199,10 @@ def changes(samples: list[Sample]) -> list[str]:
 def process_sample(pid: int, at_s: float) -> Sample:
     """One process's sample. Its counts are the sums of its breakdown, from the same read
     of /proc, so the two never disagree about one moment."""
-    rss_mib = psutil.Process(pid).memory_info().rss / 2**20
+    proc = psutil.Process(pid)
+    if proc.status() == psutil.STATUS_ZOMBIE:  # exited, not yet waited for: no descriptors
+        raise psutil.ZombieProcess(pid)
+    rss_mib = proc.memory_info().rss / 2**20
     names, fds = kinds(pid)
     if not names:  # it went while /proc was read: a live process has a thread
         raise psutil.NoSuchProcess(pid)

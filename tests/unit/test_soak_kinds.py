@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 
 import psutil
@@ -78,3 +79,20 @@ def test_a_process_that_is_gone_is_no_sample() -> None:
     )
     with pytest.raises(psutil.NoSuchProcess):
         process_sample(int(gone.stdout), 1.0)
+
+
+def test_a_process_that_exited_unreaped_is_no_sample() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        wait_for_zombie(child.pid)
+        with pytest.raises(psutil.ZombieProcess):
+            process_sample(child.pid, 1.0)
+    finally:
+        child.wait()
+
+
+def wait_for_zombie(pid: int, bound_s: float = 30.0) -> None:
+    deadline = time.monotonic() + bound_s
+    while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, f"{pid} still running after {bound_s} s"
+        time.sleep(0.01)
