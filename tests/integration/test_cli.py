@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from tests.integration.harness import (
     produce,
     wait_until,
 )
+from tests.perf.cpumeter import reaped_children_cpu
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
 from triage_protocol import triage_pb2 as pb
@@ -45,13 +45,13 @@ def run_triage(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[s
 def test_help_is_instant() -> None:
     # The child's CPU time, not the wall clock: on 2 loaded cores (4 test workers beside
     # other work) a child can wait for a core longer than it runs.
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    before = reaped_children_cpu()
     out = run_triage("--help")
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    used = reaped_children_cpu() - before
     assert out.returncode == 0
     assert "proxy" in out.stdout
     assert "dev" in out.stdout
-    assert (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime) < 5
+    assert used < 5
 
 
 def test_a_command_parses_its_options_without_pydantic(tmp_path: Path) -> None:

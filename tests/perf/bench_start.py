@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -39,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.perf.cpumeter import cpu_seconds
+from tests.perf.cpumeter import cpu_seconds, reaped_children_cpu
 from triage_cli.devstack import DevStack
 from triage_cli.embedded import stop_process, wait_for_port
 
@@ -69,12 +68,12 @@ class Figures:
 
 def command_cpu(argv: list[str]) -> float:
     """CPU seconds (user + system) of one run of `argv`, which must succeed."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    before = reaped_children_cpu()
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    used = reaped_children_cpu() - before
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} exited {done.returncode}: {done.stderr[-2000:]}")
-    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return used
 
 
 def proxy_start(python: str, config: Path, port: int, log: Path) -> tuple[float, float]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import time
 from collections import defaultdict
 from collections.abc import Generator, Iterable
@@ -35,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.perf.cpumeter import reaped_children_cpu
 
 SESSION_TEARDOWN = "(session teardown)"
 MODULE_TEARDOWN = " (teardown)"
@@ -55,22 +56,18 @@ class Row:
         return self.own_s + self.children_s
 
 
-def children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 class _Meter:
     """CPU and wall time since it was made."""
 
     def __init__(self) -> None:
-        self.own, self.children, self.wall = time.process_time(), children_cpu(), time.time()
+        self.own, self.children = time.process_time(), reaped_children_cpu()
+        self.wall = time.time()
 
     def row(self, name: str) -> Row:
         return Row(
             name,
             time.process_time() - self.own,
-            children_cpu() - self.children,
+            reaped_children_cpu() - self.children,
             time.time() - self.wall,
         )
 

@@ -9,6 +9,7 @@ reports nothing.
 from __future__ import annotations
 
 import os
+import resource
 import threading
 import time
 from pathlib import Path
@@ -57,6 +58,14 @@ def _children() -> dict[int, list[int]]:
 def _cpu(pid: int) -> float | None:
     stat = proc_stat(pid)
     return None if stat is None else stat[2]
+
+
+def reaped_children_cpu() -> float:
+    """User + system CPU seconds of this process's children that have been waited for,
+    with their own reaped children's (getrusage RUSAGE_CHILDREN): the difference around a
+    `subprocess.run` is that command's CPU, whatever it waited for on a loaded machine."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def cpu_seconds(pid: int) -> float:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-import resource
 import subprocess
 import sys
 import tomllib
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from tests.perf.cpumeter import reaped_children_cpu
 from triage_cli.embedded import LOCAL_EXTRA, LOCAL_MODULES
 from triage_proxy.exitcodes import ExitCode
 
@@ -61,10 +61,9 @@ def test_help_works_without_the_local_extra_and_imports_nothing_heavy() -> None:
     report = "print('LOADED', *sorted({m.split('.')[0] for m, v in sys.modules.items() if v}))"
     # The child's CPU time, not the wall clock: on 2 loaded cores (4 test workers beside
     # other work) a child can wait for a core longer than it runs.
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    before = reaped_children_cpu()
     done = without_local_extra("--help", after=report)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    elapsed = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    elapsed = reaped_children_cpu() - before
     assert done.returncode == 0, done.stderr
     assert "dev" in done.stdout
     loaded = set(done.stdout.split("LOADED", 1)[1].split())
