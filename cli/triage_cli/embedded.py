@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 from triage_cli.motoserver import NO_ACCESS_LOG
 from triage_proxy.errors import StateError, UnavailableError
@@ -262,7 +262,7 @@ class ManagedProcess:
         stop_process(proc, timeout, resume=True)
         logger.info("%s stopped pid=%d", self.name, proc.pid)
 
-    def __enter__(self) -> ManagedProcess:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
