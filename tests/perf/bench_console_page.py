@@ -12,11 +12,13 @@ fails prints why (e.g. the table does not answer within the read timeout).
 
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import boto3
 
-from triage_cli.console.deadletters import DeadLetters
+from triage_cli.console.deadletters import DeadLetters, Page
 from triage_cli.embedded import EmbeddedAWS
 from triage_proxy.config.settings import settings_from_dict
 from triage_proxy.errors import TriageError
@@ -59,11 +61,11 @@ with endpoint as aws:
     )
     now = int(time.time() * 1000)
 
-    def write(start):
-        batch = []
+    def write(start: int) -> None:
+        batch: list[Any] = []  # BatchWriteItem's requests, as the dead-letter writer builds them
         for o in range(start, min(N, start + 25)):
             dl = DeadLetter(
-                Record("bench", o % 4, o, b"k%d" % o, b'{"n": %d}' % o, [("h", b"v")], now),
+                Record("bench", o % 4, o, b"k%d" % o, b'{"n": %d}' % o, (("h", b"v"),), now),
                 f"reason {o % 7}",
                 3,
                 "c",
@@ -78,19 +80,19 @@ with endpoint as aws:
     print(f"wrote {N} in {time.monotonic() - t0:.1f} s", flush=True)
     dls = DeadLetters(settings)
 
-    def page_n(n):
+    def page_n(n: int) -> Page:
         after = None
         for _ in range(n):
             got = dls.page(dls.filters(), after=after)
             after = got.next
         return got
 
-    first_pages = [
+    first_pages: list[tuple[str, Callable[[], object]]] = [
         ("first page, no filter", lambda: dls.page(dls.filters())),
         ("first page, state=pending", lambda: dls.page(dls.filters(state="pending"))),
         ("first page, partition 2", lambda: dls.page(dls.filters(partition="2"))),
     ]
-    walks = [
+    walks: list[tuple[str, Callable[[], object]]] = [
         ("page 20 (1,000 items in), no filter", lambda: page_n(20)),
         ("counts by reason, no filter", lambda: dls.reasons(dls.filters())),
         ("pending count, no filter", lambda: dls.count(dls.filters())),

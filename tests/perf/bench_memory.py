@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import psutil  # type: ignore[import-untyped]
+import psutil
 
 from tests.commit_watcher import CommitWatcher
 from tests.perf.common import Instances, status, table

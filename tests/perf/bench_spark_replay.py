@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -398,14 +399,14 @@ def bench(workdir: Path) -> int:
                     log,
                     f"replay {n:,} to Kafka",
                     (jvm, ()),
-                    lambda o=replay, s=spark: run_job(s, o),
+                    functools.partial(run_job, spark, replay),
                 )
                 phases[f"export-{cores}"] = timed(
                     aws,
                     log,
                     f"export {n:,} (read)",
                     (jvm, ()),
-                    lambda o=export, s=spark: run_job(s, o),
+                    functools.partial(run_job, spark, export),
                 )
             finally:
                 stop_session(spark)

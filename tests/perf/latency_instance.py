@@ -149,7 +149,9 @@ def plain(args: argparse.Namespace, recorder: Recorder) -> None:
         message = consumer.poll(0.1)
         if message is None or message.error():
             continue
-        recorder.end(*recorder.start(message.value() or b"", message.offset()))
+        offset = message.offset()
+        assert offset is not None  # a message without an error has one
+        recorder.end(*recorder.start(message.value() or b"", offset))
     consumer.close()
 
 

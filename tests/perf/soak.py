@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil  # type: ignore[import-untyped]
+import psutil
 
 from tests.fault.processes import CommitPoller, Fleet, Production, restart_proxy
 from tests.fault.report import Report

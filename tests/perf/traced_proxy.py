@@ -79,10 +79,12 @@ def _install() -> None:
 
     deliver = scheduler.Scheduler._deliver
 
-    def traced_deliver(self: Any, session: Any, batch: list[Any]) -> None:
+    def traced_deliver(
+        self: Any, session: Any, batch: list[Any], *, isolated: bool = False
+    ) -> None:
         if batch:
             _stamp(queued, batch[0].record[2], batch[-1].record[2])
-        deliver(self, session, batch)
+        deliver(self, session, batch, isolated=isolated)
 
     get = outbox.Outbox.get
 
