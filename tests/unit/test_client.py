@@ -780,11 +780,11 @@ def test_the_pool_skips_a_stream_at_its_slot_cap_even_with_a_free_slot() -> None
     ledger.queue(fast, [make_message("t", 1, 0, None, None, [], 0, 1)])
     picked = ledger.pick()
     assert picked is not None
-    assert picked[0].stream == "fast"
+    assert picked[0] is fast
     ledger.set_slots([slow, fast], [4, 2])  # the next rebalance lifted the cap (fast went idle)
     picked = ledger.pick()
     assert picked is not None
-    assert picked[0].stream == "slow"
+    assert picked[0] is slow
     assert slow.busy == 3
 
 

@@ -5,16 +5,18 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
+from collections.abc import Callable
 
 import pytest
 
 from tests.waiting import eventually
 from triage_protocol import triage_pb2 as pb
+from triage_protocol.constants import DEFAULT_FRAME_BYTES
 from triage_proxy.config.settings import Settings, settings_from_dict
 from triage_proxy.pipeline.dispatch import Dispatcher, Session
 from triage_proxy.pipeline.dispatch.scheduler import REFILL_LINGER_S, REFILL_MIN_CREDITS
 from triage_proxy.pipeline.tracker import CommitTracker
-from triage_proxy.server.encoding import DEFAULT_FRAME_BYTES, frame_limit
+from triage_proxy.server.encoding import frame_limit
 from triage_proxy.server.outbox import Outbox
 from triage_proxy.structs import DeadLetter, Record
 
@@ -41,7 +43,7 @@ def make(
     max_attempts: int = 3,
     max_frame_bytes: int = 1 << 20,
     ordering: str = "none",
-    clock: Clock | None = None,
+    clock: Callable[[], float] | None = None,
     already_settled: tuple[int, ...] = (),
     span_s: float = 60.0,
     prior_failures: dict[int, int] | None = None,
@@ -93,10 +95,16 @@ def connect(
     return d.open_session(consumer_id, credits, Outbox("t", d.partition, limit, packed))
 
 
-def frames_of(session: Session) -> list[pb.ProxyFrame | None]:
-    """Everything queued for `session` (None: its stream ends)."""
+def outbox_of(session: Session) -> Outbox:
+    """`session`'s outlet, which `connect` made an Outbox."""
     outbox = session.outlet
     assert isinstance(outbox, Outbox)
+    return outbox
+
+
+def frames_of(session: Session) -> list[pb.ProxyFrame | None]:
+    """Everything queued for `session` (None: its stream ends)."""
+    outbox = outbox_of(session)
     out: list[pb.ProxyFrame | None] = []
     while not outbox.empty():
         out.append(outbox.get_nowait())
@@ -169,15 +177,13 @@ def test_a_held_back_refill_goes_out_after_the_linger_without_a_tick() -> None:
     """The scheduler's own timer ends the wait: nothing else pumps here."""
 
     async def scenario() -> list[int]:
-        d, _, _ = make(clock=time.monotonic)  # type: ignore[arg-type]
+        d, _, _ = make(clock=time.monotonic)
         credits = REFILL_MIN_CREDITS * 2
         s = connect(d, "a", credits)
         d.add(records(0, 1000))
         assert len(drain(s)) == credits
         d.settle(s, [0, 1, 2], [])
-        outbox = s.outlet
-        assert isinstance(outbox, Outbox)
-        frame = await asyncio.wait_for(outbox.get(), timeout=10)
+        frame = await asyncio.wait_for(outbox_of(s).get(), timeout=10)
         assert frame is not None
         return [x.offset for x in frame.deliveries.deliveries]
 
@@ -364,9 +370,7 @@ def test_large_batches_split_into_frames_within_budget() -> None:
     d, _, _ = make(max_frame_bytes=64 << 20)
     s = connect(d, "a", 100)
     d.add(records(0, 10, value=b"x" * (1 << 20)))
-    frames = []
-    while not s.outlet.empty():
-        frames.append(s.outlet.get_nowait())
+    frames = frames_of(s)
     assert len(frames) >= 3
     assert sum(len(f.deliveries.deliveries) for f in frames if f) == 10
 
@@ -428,8 +432,9 @@ def test_ending_a_session_now_gives_back_only_what_never_left_its_outbox() -> No
     assert [x.offset for x in drain(a)] == [0, 1]  # these reached the wire
     d.add(records(2, 4))  # these wait in a's outbox
     d.end_session_now(a)  # its token was revoked
-    assert a.outlet.get_nowait() is None
-    assert a.outlet.empty()
+    outbox = outbox_of(a)
+    assert outbox.get_nowait() is None
+    assert outbox.empty()
     d.close_session(a)  # the stream ends holding two: neither is blamed (no attempt used)
     b = connect(d, "b", 4)
     assert [(x.offset, x.attempt) for x in drain(b)] == [(0, 1), (2, 1), (3, 1)]

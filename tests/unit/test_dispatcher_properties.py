@@ -6,7 +6,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tests.unit.test_dispatcher import connect
+from tests.unit.test_dispatcher import connect, frames_of
 from triage_protocol import triage_pb2 as pb
 from triage_proxy.config.settings import settings_from_dict
 from triage_proxy.pipeline.dispatch import Dispatcher, Session
@@ -52,8 +52,7 @@ class DispatcherMachine(RuleBasedStateMachine):
 
     def _drain(self) -> None:
         for s in self.sessions:
-            while not s.outlet.empty():
-                frame = s.outlet.get_nowait()
+            for frame in frames_of(s):
                 if frame is None:
                     continue
                 for d in frame.deliveries.deliveries:

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tests.unit.test_committer import Counts
-from tests.unit.test_dispatcher import connect
+from tests.unit.test_dispatcher import connect, frames_of
 from tests.unit.twins import KAFKA_CALL_S, FlakyPartition, InlineKafkaThread, TimedCheckpoints
 from tests.unit.virtual_time import run, until
 from triage_protocol import triage_pb2 as pb
@@ -178,8 +178,7 @@ class KillCostMachine(RuleBasedStateMachine):
 
     def _drain(self) -> None:
         for i, s in enumerate(self.sessions):
-            while not s.outlet.empty():
-                frame = s.outlet.get_nowait()
+            for frame in frames_of(s):
                 if frame is None:
                     continue
                 for delivery in frame.deliveries.deliveries:

@@ -172,21 +172,20 @@ def test_only_the_aws_edge_builds_boto3_clients() -> None:
         if name == AWS_EDGE:
             continue
         for node in ast.walk(tree):
-            imported = (
-                [a.name for a in node.names]
-                if isinstance(node, ast.Import)
-                else [node.module or ""]
-                if isinstance(node, ast.ImportFrom)
-                else []
-            )
-            if any(m == "boto3" or m.startswith("boto3.") for m in imported):
-                found.append(f"{name}:{node.lineno} imports boto3")
-            if any(m == "botocore.session" for m in imported) or (
-                isinstance(node, ast.ImportFrom)
-                and node.module == "botocore"
-                and any(a.name == "session" for a in node.names)
-            ):
-                found.append(f"{name}:{node.lineno} imports botocore.session")
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                imported = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                )
+                if any(m == "boto3" or m.startswith("boto3.") for m in imported):
+                    found.append(f"{name}:{node.lineno} imports boto3")
+                if any(m == "botocore.session" for m in imported) or (
+                    isinstance(node, ast.ImportFrom)
+                    and node.module == "botocore"
+                    and any(a.name == "session" for a in node.names)
+                ):
+                    found.append(f"{name}:{node.lineno} imports botocore.session")
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.unit.test_dispatcher import connect, make, records
+from tests.unit.test_dispatcher import connect, frames_of, make, records
 from triage_protocol import triage_pb2 as pb
 from triage_protocol.constants import DEFAULT_FRAME_BYTES, MIN_FRAME_BYTES
 from triage_proxy.pipeline.dispatch import Entry, EntryState, Session
@@ -185,8 +185,7 @@ def test_frame_limit_policy() -> None:
 
 def frames(session: Session) -> list[pb.ProxyFrame]:
     out = []
-    while not session.outlet.empty():
-        frame = session.outlet.get_nowait()
+    for frame in frames_of(session):
         assert frame is not None
         out.append(frame)
     return out

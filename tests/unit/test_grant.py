@@ -115,8 +115,9 @@ def scenario(body: Any, records: int = 50) -> None:
 def test_grants_raise_and_lower_a_streams_credits() -> None:
     async def body(stream: Stream) -> None:
         await stream.write(hello=pb.Hello(consumer_id="g", credits=2))
-        welcome = (await stream.next()).welcome
-        assert welcome.grants, "this proxy honours Grant"
+        frame = await stream.next()
+        assert frame is not None, "the stream ended"
+        assert frame.welcome.grants, "this proxy honours Grant"
         await stream.receive(2)
         assert await stream.quiet()
         await stream.write(grant=pb.Grant(credits=6))
@@ -138,7 +139,9 @@ def test_grants_raise_and_lower_a_streams_credits() -> None:
 def test_an_older_client_keeps_its_hello_credits() -> None:
     async def body(stream: Stream) -> None:
         await stream.write(hello=pb.Hello(consumer_id="old", credits=4))  # no partition
-        assert (await stream.next()).welcome.partition == 0
+        frame = await stream.next()
+        assert frame is not None, "the stream ended"
+        assert frame.welcome.partition == 0
         await stream.receive(4)
         assert await stream.quiet()
         await stream.write(settle=pb.Settle(acks=[0, 1]))

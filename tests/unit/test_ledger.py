@@ -66,12 +66,12 @@ def test_the_stream_with_the_fewest_running_goes_first_and_ties_go_round_robin()
     a, b = opened(ledger, "a"), opened(ledger, "b")
     ledger.queue(a, messages(0, 1, 2, 3))
     ledger.queue(b, messages(10, 11, 12, 13))
-    order = []
+    order: list[Account] = []  # accounts: their `stream` is a stand-in name (`opened`)
     for _ in range(4):
         picked = ledger.pick()
         assert picked is not None
-        order.append(picked[0].stream)
-    assert order == ["a", "b", "a", "b"]
+        order.append(picked[0])
+    assert order == [a, b, a, b]
     assert (a.busy, b.busy) == (2, 2)
     ledger.finished(b, b.epoch, b.running, 10, None)
     picked = ledger.pick()

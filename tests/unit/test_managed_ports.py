@@ -80,7 +80,7 @@ def test_a_listener_of_a_process_the_started_one_started_is_its_own() -> None:
     port = free_port()
     proc = subprocess.Popen(["sh", "-c", f"\"{sys.executable}\" -c '{SERVER}' {port}; true"])
     try:
-        wait_for_port("127.0.0.1", port, 30, proc)  # type: ignore[arg-type]
+        wait_for_port("127.0.0.1", port, 30, proc)
         (owner,) = listeners(port) or {0}
         assert owner != proc.pid  # the shell's child listens, not the shell
     finally:

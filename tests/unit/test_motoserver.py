@@ -254,7 +254,7 @@ def test_answers_are_serialized_as_moto_serializes_them(monkeypatch: pytest.Monk
 
     rng = random.Random(13)
     items = [{f"a{i}": _rich_value(rng) for i in range(rng.randrange(1, 9))} for _ in range(300)]
-    odd = [
+    odd: list[dict[str, Any]] = [
         {"x": {"S": 5}},  # not a string: moto's own path
         {"x": {"s": "lower-case member"}},
         {"x": {"M": {"y": {"N": "1"}, "z": None}}},
@@ -262,7 +262,7 @@ def test_answers_are_serialized_as_moto_serializes_them(monkeypatch: pytest.Monk
         {"x": {"NULL": 1}},
     ]
     items.append({"x": {"S": "a", "N": "1"}})  # two members: both written, in model order
-    results = {
+    results: dict[str, dict[str, Any]] = {
         "Query": {"Items": items + odd, "Count": 306, "ScannedCount": 307,
                   "LastEvaluatedKey": {"source": {"S": "t#0"}, "offset": {"N": "7"}}},
         "GetItem": {"Item": items[0]},

@@ -139,15 +139,20 @@ def test_a_fence_that_does_not_answer_never_costs_the_lease() -> None:
         import threading
 
         release = threading.Event()
+
+        def hanging_fence() -> str | None:
+            release.wait(10)
+            return None  # no reason, if it ever answers
+
         store = MemoryLeases()
-        holder = Ownership(store, LEASE, fence=lambda: release.wait(10) and None)
+        holder = Ownership(store, LEASE, fence=hanging_fence)
         try:
             assert await asyncio.wait_for(holder.acquire(asyncio.Event()), timeout=2)
             lost: list[bool] = []
             closing = asyncio.Event()
             keeping = asyncio.ensure_future(holder.keep(closing, lambda: lost.append(True)))
             # Three lease lengths of renewals (a lost lease renews no more: this fails then).
-            renewals = round(3 * LEASE.lease_s / LEASE.renew_interval_s)
+            renewals = round(3 * LEASE.lease_s / LEASE.renew_every_s)
             calls = store.calls
             await eventually(lambda: store.calls >= calls + renewals, within=15)
             assert holder.holding

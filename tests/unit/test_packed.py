@@ -10,10 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.unit.test_dispatcher import connect, make
+from tests.unit.test_dispatcher import connect, frames_of, make
 from triage_client.message import Message, unpack_messages
 from triage_protocol import triage_pb2 as pb
 from triage_protocol.constants import MIN_FRAME_BYTES
+from triage_proxy.pipeline.dispatch import Session
 from triage_proxy.server.encoding import PACKED_MAX_RECORD_BYTES, fill_packed
 from triage_proxy.structs import Record
 
@@ -28,15 +29,18 @@ RECORD = st.tuples(
 """key, value, headers, timestamp, and a size of padding added to the value (to cross the
 packed size bound and the frame limit)."""
 
+Row = tuple[int, bytes | None, bytes | None, tuple[tuple[str, bytes | None], ...], int, int]
+"""A delivery as the client reads it: offset, key, value, headers, timestamp, attempt."""
 
-def received(frame: pb.ProxyFrame) -> list[tuple[object, ...]]:
+
+def received(frame: pb.ProxyFrame) -> list[Row]:
     """Every delivery of `frame` as the client reads it, both forms."""
     batch = frame.deliveries
     out: list[Message | pb.Delivery] = []
     if batch.HasField("packed"):
         out.extend(unpack_messages(batch.topic, batch.partition, batch.packed))
     out.extend(batch.deliveries)
-    rows: list[tuple[object, ...]] = []
+    rows: list[Row] = []
     for d in out:
         if isinstance(d, Message):
             rows.append((d.offset, d.key, d.value, tuple(d.headers), d.timestamp, d.attempt))
@@ -48,11 +52,9 @@ def received(frame: pb.ProxyFrame) -> list[tuple[object, ...]]:
     return rows
 
 
-def outbox(session: object) -> list[pb.ProxyFrame]:
+def outbox(session: Session) -> list[pb.ProxyFrame]:
     frames = []
-    box = session.outlet  # type: ignore[attr-defined]
-    while not box.empty():
-        frame = box.get_nowait()
+    for frame in frames_of(session):
         assert frame is not None
         frames.append(frame)
     return frames
@@ -95,7 +97,7 @@ def test_packed_frames_carry_every_record_byte_exact_within_the_limit(
         fresh = [row for f in outbox(again) for row in received(f)]
         assert fresh
         got.extend(fresh)
-        d.settle(again, [int(row[0]) for row in fresh], [])  # type: ignore[call-overload]
+        d.settle(again, [row[0] for row in fresh], [])
     got.sort()
     assert [row[5] for row in got] == [2 if len(batch) == 1 else 1] * len(batch)
     assert [row[:5] for row in got] == [e[:5] for e in expected]

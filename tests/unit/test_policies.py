@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import TypedDict
 
 import pytest
 from hypothesis import given
@@ -299,14 +300,21 @@ def test_gaps_double_after_the_first_non_zero_one(max_attempts: int, span_s: flo
 # --- checkpoint_due ---------------------------------------------------------------------
 
 
+class Due(TypedDict):
+    """checkpoint_due's settings, passed as keywords."""
+
+    interval_s: float
+    held_offsets: int
+
+
 def test_a_checkpoint_waits_out_the_interval_while_the_commit_moves() -> None:
-    due = {"interval_s": 1.0, "held_offsets": 100}
+    due: Due = {"interval_s": 1.0, "held_offsets": 100}
     assert not checkpoint_due(0.2, held=False, unsaved=10_000, **due)
     assert checkpoint_due(1.0, held=False, unsaved=0, **due)
 
 
 def test_a_held_commit_writes_the_checkpoint_once_enough_settled_above_it() -> None:
-    due = {"interval_s": 1.0, "held_offsets": 100}
+    due: Due = {"interval_s": 1.0, "held_offsets": 100}
     assert not checkpoint_due(0.2, held=True, unsaved=99, **due)  # a trickle waits
     assert checkpoint_due(0.2, held=True, unsaved=100, **due)
     assert checkpoint_due(0.0, held=True, unsaved=5_000, **due)
@@ -439,4 +447,5 @@ def test_a_process_with_one_started_isolated_delivery_loses_at_most_one_attempt(
     assert len(hits) <= 1
     if hits:
         assert hits == [chosen]
+        assert chosen is not None  # a hit is a chosen cell
         assert suspects[chosen[0]][chosen[1]]

@@ -26,7 +26,7 @@ TOKEN = "restore-test-token-0123"
 def make_settings(
     *, encode_settled: bool = True, window: int | None = None, commit_s: float | None = None
 ) -> Settings:
-    raw = {
+    raw: dict[str, dict[str, object]] = {
         "kafka": {"bootstrap_servers": "127.0.0.1:1", "topic": "orders", "group_id": "g"},
         "auth": {"token": TOKEN},
         "dead_letters": {"table": "dlq", "flush_interval_ms": 1},

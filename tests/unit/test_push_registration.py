@@ -75,6 +75,7 @@ def test_header_bytes_that_are_not_utf8_are_refused_not_a_server_error() -> None
     """Raw bytes on a loopback socket, as a broken or hostile client sends them: a token
     that is not UTF-8 is a 401 and a port in another script's digits a 400, never a 500."""
     got: list[str] = []
+    port = 0  # the server's, once `scenario` started it (bound before `nonlocal port`)
 
     async def register(address: str) -> None:
         got.append(address)
@@ -107,7 +108,6 @@ def test_header_bytes_that_are_not_utf8_are_refused_not_a_server_error() -> None
         finally:
             await runner.cleanup()
 
-    port = 0
     lines = asyncio.run(scenario())
     assert lines == [
         b"HTTP/1.1 401 Unauthorized",

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.unit.test_dispatcher import BASE, Clock, connect, drain, records
+from tests.unit.test_dispatcher import BASE, Clock, connect, drain, outbox_of, records
 from triage_proxy.config.settings import RateLimitSettings, settings_from_dict
 from triage_proxy.errors import ConfigError
 from triage_proxy.pipeline.dispatch import Dispatcher
@@ -160,7 +160,7 @@ async def _wakes_itself() -> None:
     # No tick runs here: only the scheduled wake-up can deliver the rest.
     got = 0
     while got < 10:
-        frame = await asyncio.wait_for(s.outlet.get(), 10)
+        frame = await asyncio.wait_for(outbox_of(s).get(), 10)
         assert frame is not None
         got += len(frame.deliveries.deliveries)
     # 10 more at 50/s: ~0.2 s, never sooner. Without the wake-up none would come at all;

@@ -14,7 +14,7 @@ from triage_proxy.errors import AuthError, ConfigError, FrameError, ShuttingDown
 from triage_proxy.server.service import TokenInterceptor, server_credentials
 from triage_proxy.server.status import grpc_status
 
-BASE = {
+BASE: dict[str, dict[str, object]] = {
     "kafka": {"bootstrap_servers": "b", "topic": "t", "group_id": "g"},
     "auth": {"token": "unit-test-token-0123"},
     "dead_letters": {"table": "dlq"},
@@ -91,12 +91,12 @@ def test_interceptor_names_the_app_and_follows_replacements() -> None:
 
 
 def test_revoked_names_are_not_active() -> None:
-    raw = {
+    raw: dict[str, dict[str, object]] = {
         **BASE,
         "auth": {"tokens": {"a": "a-token-0123456789ab", "b": "b-token-0123456789ab"}},
     }
     assert set(settings_from_dict(raw, {}).auth.active()) == {"a", "b"}
-    raw["auth"]["revoked"] = ["a"]  # type: ignore[index]
+    raw["auth"]["revoked"] = ["a"]
     assert set(settings_from_dict(raw, {}).auth.active()) == {"b"}
 
 
@@ -105,7 +105,7 @@ def test_revoked_names_are_not_active() -> None:
     [("auth", "token", 12345678901234567890), ("kafka", "sasl_password", 987654321)],
 )
 def test_a_secret_of_the_wrong_type_is_not_quoted(section: str, key: str, value: int) -> None:
-    raw = {name: dict(table) for name, table in BASE.items()}
+    raw: dict[str, dict[str, object]] = {name: dict(table) for name, table in BASE.items()}
     raw[section][key] = value
     with pytest.raises(ConfigError, match=f"{section}.{key}") as info:
         settings_from_dict(raw, {})

@@ -15,7 +15,7 @@ MINIMAL = {
 
 
 def with_(section: str, **values: object) -> dict[str, dict[str, object]]:
-    raw = {k: dict(v) for k, v in MINIMAL.items()}
+    raw: dict[str, dict[str, object]] = {k: dict(v) for k, v in MINIMAL.items()}
     raw.setdefault(section, {}).update(values)
     return raw
 

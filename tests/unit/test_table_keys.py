@@ -9,13 +9,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.samples import GROUP, item, make_dl
+from triage_proxy.config.settings import MAX_GROUP_BYTES
 from triage_proxy.errors import ConfigError
 from triage_proxy.store.deadletter_store import MemoryStore
 from triage_proxy.store.items import (
     KIND_CHECKPOINT,
     KIND_DEAD_LETTER,
     KIND_LEASE,
-    MAX_GROUP_BYTES,
     check_group,
     checkpoint_source,
     dead_letter_source,

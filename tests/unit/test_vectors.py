@@ -39,7 +39,7 @@ def load(name: str) -> dict[str, Any]:
     return data
 
 
-def named(cases: list[dict[str, Any]]) -> Any:
+def named(cases: list[dict[str, Any]]) -> pytest.MarkDecorator:
     return pytest.mark.parametrize(
         "case", cases, ids=[c.get("name", str(i)) for i, c in enumerate(cases)]
     )

@@ -50,7 +50,7 @@ async def consume_call(proxy: Proxy, token: str) -> AsyncIterator[Any]:
 async def hello(call: Any, credits: int = 10, consumer_id: str = "i1") -> pb.Welcome:
     """Say Hello with `credits`; the Welcome (the test fails if another frame comes)."""
     await call.write(pb.ConsumerFrame(hello=pb.Hello(consumer_id=consumer_id, credits=credits)))
-    frame = await asyncio.wait_for(call.read(), READ_TIMEOUT_S)
+    frame: pb.ProxyFrame = await asyncio.wait_for(call.read(), READ_TIMEOUT_S)
     assert frame.HasField("welcome"), frame
     return frame.welcome
 
