@@ -16,12 +16,14 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import boto3
 import grpc
 from confluent_kafka import Consumer, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka import Message as KafkaMessage
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewTopic  # confluent_kafka.admin does not re-export it
 
 from tests.samples import GROUP
 from triage_cli.devstack import write_config
@@ -36,6 +38,7 @@ from triage_proxy.kafka.client import PartitionLog
 from triage_proxy.store.deadletter_store import DynamoDBStore
 from triage_proxy.store.items import dead_letter_from_item
 from triage_proxy.store.provisioning import KEY_ATTRIBUTES, KEY_SCHEMA_SPEC, create_table
+from triage_proxy.store.replay import Producer as ReplayProducer
 from triage_proxy.structs import DeadLetter, Record
 
 TOKEN = "test-token-0123456789"
@@ -81,6 +84,25 @@ def create_unindexed_table(client: Any, name: str) -> None:
     )
 
 
+def as_replay_producer(producer: Producer) -> ReplayProducer:
+    """`producer` as replay's Producer protocol, which it is at runtime: it takes every
+    keyword replay passes. mypy cannot see that: the protocol declares produce(topic,
+    **kwargs), which the stub's named parameters do not satisfy."""
+    return cast(ReplayProducer, producer)
+
+
+def headers_of(msg: KafkaMessage) -> list[tuple[str, bytes | None]]:
+    """A consumed message's headers ([] for none). librdkafka hands them as a list of
+    (name, bytes or None); the stub's type also allows a dict and str values (a produce)."""
+    headers = msg.headers() or []
+    assert isinstance(headers, list), headers
+    out: list[tuple[str, bytes | None]] = []
+    for name, value in headers:
+        assert value is None or isinstance(value, bytes), (name, value)
+        out.append((name, value))
+    return out
+
+
 def create_topic(bootstrap: str, topic: str, partitions: int = 1) -> None:
     admin = AdminClient({"bootstrap.servers": bootstrap})
     for future in admin.create_topics([NewTopic(topic, partitions, 1)]).values():
@@ -92,7 +114,9 @@ def produce(bootstrap: str, topic: str, messages: Iterable[Message], partition: 
     producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 2})
     n = 0
     for key, value, headers in messages:
-        producer.produce(topic, value=value, key=key, headers=headers, partition=partition)
+        # a copy typed as the stub's list (invariant) of str or bytes values; ours are bytes
+        wire: list[tuple[str, str | bytes | None]] | None = None if headers is None else [*headers]
+        producer.produce(topic, value=value, key=key, headers=wire, partition=partition)
         n += 1
     assert producer.flush(30) == 0
     return n
@@ -225,7 +249,7 @@ class RawConsumer:
         self.consumer_id = f"raw-{id(self)}"
         self._outgoing: asyncio.Queue[pb.ConsumerFrame | None] = asyncio.Queue()
         self._channel: grpc.aio.Channel | None = None
-        self._call: Any = None
+        self._call: grpc.aio.StreamStreamCall[pb.ConsumerFrame, pb.ProxyFrame] | None = None
         self._reading: asyncio.Future[pb.ProxyFrame] | None = None
         """The call's read in flight, kept when a caller stops waiting for it (`read`)."""
         self.deliveries: list[pb.Delivery] = []
@@ -240,7 +264,8 @@ class RawConsumer:
             self._channel = grpc.aio.insecure_channel(self.target, options)
         else:
             self._channel = grpc.aio.secure_channel(self.target, self.credentials, options)
-        stub = pb_grpc.TriageStub(self._channel)
+        # the generated *_pb2_grpc modules have no stubs (proto/ checks only *_pb2 .pyi)
+        stub = pb_grpc.TriageStub(self._channel)  # type: ignore[no-untyped-call]
         metadata = [("authorization", f"Bearer {self.token}")] if self.token else []
         if self.hello:
             self._outgoing.put_nowait(
@@ -282,9 +307,11 @@ class RawConsumer:
                 self._reading = None
 
     async def _read_frame(self) -> pb.ProxyFrame:
+        assert self._call is not None, "read before __aenter__ or after close"
         frame = await self._call.read()
         if frame is grpc.aio.EOF:
             raise EOFError
+        assert isinstance(frame, pb.ProxyFrame), frame  # the stub types EOF as object
         kind = frame.WhichOneof("frame")
         if kind == "welcome":
             self.welcome = frame.welcome
@@ -375,9 +402,10 @@ def target(proxy: Proxy) -> str:
 
 
 def start_proxy_process(
-    tmp_path: Path, name: str, base: dict[str, dict[str, Any]], partition: int
+    tmp_path: Path, name: str, base: dict[str, Any], partition: int
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """`triage proxy` for `partition` on its own fixed port; returns (process, endpoint)."""
+    """`triage proxy` for `partition` on its own fixed port; returns (process, endpoint).
+    `base`: the config's sections, tables or arrays of tables ([[push]]), but `server`."""
     port = free_port()
     config = tmp_path / f"{name}.toml"
     server = {"host": "127.0.0.1", "port": port - partition, "http_port": free_port() - partition}

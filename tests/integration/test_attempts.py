@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -55,10 +56,10 @@ WAIT_S = 60.0
 """Bound of every wait on an event (generous: a loaded machine is slow, not wrong)."""
 
 
-async def _poll(predicate: object, timeout: float = WAIT_S) -> None:
+async def _poll(predicate: Callable[[], bool], timeout: float = WAIT_S) -> None:
     """Wait until `predicate()` holds, looking every millisecond (the storm is fast)."""
     deadline = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
+    while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.001)
 
@@ -190,7 +191,7 @@ def test_a_crash_pill_reaches_its_limit_across_a_proxy_kill_9(
 
     proc = _proxy_process(config)
     try:
-        wait_for_port("127.0.0.1", port, 30, proc)  # type: ignore[arg-type]
+        wait_for_port("127.0.0.1", port, 30, proc)
         before = asyncio.run(crashes(BEFORE_KILL))
         assert before == [1, 2]
         # The pill at the head holds the commit at 0, yet its count reaches the item.
@@ -200,7 +201,7 @@ def test_a_crash_pill_reaches_its_limit_across_a_proxy_kill_9(
         proc.wait(10)
 
         proc = _proxy_process(config)
-        wait_for_port("127.0.0.1", port, 30, proc)  # type: ignore[arg-type]
+        wait_for_port("127.0.0.1", port, 30, proc)
         after = asyncio.run(crashes(MAX_ATTEMPTS - BEFORE_KILL))
         assert after == [3, 4, 5]  # the count went on; it did not start again at 1
         assert len(before) + len(after) == MAX_ATTEMPTS

@@ -160,7 +160,7 @@ def test_sigterm_drains_in_flight_work_commits_and_exits_0(
     reader = threading.Thread(target=read_stderr, daemon=True)
     reader.start()
     try:
-        wait_for_port("127.0.0.1", port, 30, proc)  # type: ignore[arg-type]
+        wait_for_port("127.0.0.1", port, 30, proc)
 
         async def scenario() -> None:
             async with RawConsumer(f"127.0.0.1:{port}", credits=6) as consumer:
@@ -230,6 +230,7 @@ def test_dev_json_prints_one_line_and_stops_everything_on_sigterm(tmp_path: Path
                 assert (await c.read()).WhichOneof("frame") == "welcome"
             # The one endpoint finds every partition's proxy.
             async with grpc.aio.insecure_channel(info["endpoint"]) as channel:
+                # the generated *_pb2_grpc modules have no stubs (proto/ checks only *_pb2 .pyi)
                 stub = pb_grpc.TriageStub(channel)  # type: ignore[no-untyped-call]
                 auth = [("authorization", f"Bearer {info['token']}")]
                 reply = await stub.Topology(pb.TopologyRequest(), metadata=auth)

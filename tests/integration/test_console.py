@@ -251,7 +251,7 @@ def page(browser: Any, stack: Stack) -> Iterator[Watched]:
 def _api(page: Any, method: str, path: str, body: dict[str, Any] | None = None,
          csrf: bool = True) -> dict[str, Any]:  # fmt: skip
     """A request from the page itself (its cookie; the CSRF token from its meta tag)."""
-    return page.evaluate(
+    answer: dict[str, Any] = page.evaluate(  # the script's {status, body}
         """async ([method, path, body, csrf]) => {
             const headers = {"Content-Type": "application/json"};
             const meta = document.querySelector('meta[name="csrf-token"]');
@@ -262,6 +262,7 @@ def _api(page: Any, method: str, path: str, body: dict[str, Any] | None = None,
         }""",
         [method, path, body, csrf],
     )
+    return answer
 
 
 @contextlib.contextmanager
@@ -457,7 +458,9 @@ def test_a_hostile_dead_letter_runs_nothing(stack: Stack, page: Watched) -> None
     p.click("#view-text")
     assert p.locator("#payload-value").inner_text() == HOSTILE_VALUE.decode()
     assert p.locator("#payload-key").inner_text() == HOSTILE_KEY.decode()
-    assert p.locator("#payload-header-0").inner_text() == HOSTILE_HEADERS[0][1].decode()  # type: ignore[union-attr]
+    header_value = HOSTILE_HEADERS[0][1]
+    assert header_value is not None
+    assert p.locator("#payload-header-0").inner_text() == header_value.decode()
     assert p.locator("dd[data-field='reason']").inner_text() == HOSTILE_REASON
     assert (
         p.evaluate("() => document.querySelectorAll('main img, main svg, main script').length") == 0

@@ -13,7 +13,7 @@ import logging
 import signal
 import socket
 from collections.abc import Coroutine, Iterator
-from typing import Any
+from typing import Any, TypedDict
 
 import boto3
 import pytest
@@ -40,7 +40,17 @@ from triage_proxy.structs import DeadLetter
 pytestmark = pytest.mark.integration
 
 LOGGER = "triage_proxy.deadletters.writer"
-FAST = {"connect_timeout_s": 0.5, "read_timeout_s": 0.5, "max_attempts": 1}
+
+
+class StoreOptions(TypedDict):
+    """DynamoDBStore's client options, typed one by one for `**` (max_attempts is an int)."""
+
+    connect_timeout_s: float
+    read_timeout_s: float
+    max_attempts: int
+
+
+FAST: StoreOptions = {"connect_timeout_s": 0.5, "read_timeout_s": 0.5, "max_attempts": 1}
 """Store options that make a dead or frozen endpoint fail within about a second."""
 
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import boto3
 import pytest
-from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, Producer, TopicPartition
 from typer.testing import CliRunner
 
 from tests import samples
@@ -27,6 +28,7 @@ from tests.integration.harness import (
     await_until,
     committed,
     create_topic,
+    headers_of,
     produce,
     settings_for,
     target,
@@ -122,7 +124,9 @@ def consume_all(bootstrap: str, topic: str) -> list[Any]:
             if msg is None or msg.error() is not None:
                 continue
             if msg.value() == SENTINEL:
-                ended.add(msg.partition())
+                partition = msg.partition()
+                assert partition is not None  # a consumed message has one
+                ended.add(partition)
             else:
                 got.append(msg)
         return got
@@ -130,8 +134,10 @@ def consume_all(bootstrap: str, topic: str) -> list[Any]:
         consumer.close()
 
 
-def replay_of(msg: Any) -> str:
-    return dict(msg.headers())["triage-replay-of"].decode()
+def replay_of(msg: Message) -> str:
+    origin = dict(headers_of(msg))["triage-replay-of"]
+    assert origin is not None
+    return origin.decode()
 
 
 # --- two deployments side by side -------------------------------------------------------
@@ -385,17 +391,18 @@ def test_a_move_is_all_or_nothing_and_a_rerun_continues(
         assert not migration.move(first, Move.MOVED)
         assert list(table.scan(Filters(), consistent=True)) == []  # no copy written
 
-        class StopAfter:
+        class StopAfter(threading.Event):
             """A stop event that is set once the run looked at `n` items."""
 
             def __init__(self, n: int) -> None:
+                super().__init__()
                 self.n = n
 
             def is_set(self) -> bool:
                 self.n -= 1
                 return self.n < 0
 
-        stopped = migration.run(apply=True, stop=StopAfter(2))  # type: ignore[arg-type]
+        stopped = migration.run(apply=True, stop=StopAfter(2))
         assert stopped.interrupted
         assert stopped.count(Move.MOVED) == 2
         moved = {int(i["offset"]["N"]) for i in table.scan(Filters(), consistent=True)}

@@ -319,7 +319,7 @@ def test_bulk_discard_counts_first_reports_progress_and_acts_once(
     timeouts = Filters(reason="timeout")
     want = expected(ITEMS, dataclasses.replace(timeouts, status="pending"))
     count = count_pending(indexed, timeouts)
-    assert (count.selected, count.complete, count.topics) == (len(want), True, {TOPIC})
+    assert (count.selected, count.complete, count.topics) == (len(want), True, frozenset({TOPIC}))
     assert count_pending(indexed, timeouts, cap=2) == dataclasses.replace(
         count, selected=2, complete=False
     )
@@ -363,7 +363,12 @@ def test_bulk_replay_goes_through_the_replay_routine_with_progress(
 ) -> None:
     from confluent_kafka import Consumer, Producer, TopicPartition
 
-    from tests.integration.harness import create_topic, write_dead_letters
+    from tests.integration.harness import (
+        as_replay_producer,
+        create_topic,
+        headers_of,
+        write_dead_letters,
+    )
     from triage_proxy.store.bulk import count_pending, replay_matching
     from triage_proxy.store.replay import REPLAY_OF_HEADER, new_replay_id
 
@@ -383,7 +388,7 @@ def test_bulk_replay_goes_through_the_replay_routine_with_progress(
     ]
     write_dead_letters(settings, dls)
     chosen = {dl.record.offset: dl for dl in dls if dl.reason == "boom"}
-    producer = Producer({"bootstrap.servers": broker.bootstrap, "acks": "all"})
+    producer = as_replay_producer(Producer({"bootstrap.servers": broker.bootstrap, "acks": "all"}))
     calls: list[tuple[int, int]] = []
     with DeadLetterTable(settings, group=GROUP) as table:
         count = count_pending(table, Filters(reason="boom"))
@@ -421,8 +426,9 @@ def test_bulk_replay_goes_through_the_replay_routine_with_progress(
         while len(copies) < len(chosen) and time.monotonic() < deadline:
             msg = consumer.poll(0.5)
             if msg is not None and not msg.error():
-                origin = dict(msg.headers())[REPLAY_OF_HEADER].decode()
-                copies[int(origin.rsplit("/", 1)[1])] = msg
+                origin = dict(headers_of(msg))[REPLAY_OF_HEADER]
+                assert origin is not None
+                copies[int(origin.decode().rsplit("/", 1)[1])] = msg
     finally:
         consumer.close()
     assert sorted(copies) == sorted(chosen)
@@ -441,7 +447,7 @@ def test_bulk_replay_stops_between_chunks_when_asked(
 
     from confluent_kafka import Producer
 
-    from tests.integration.harness import create_topic, write_dead_letters
+    from tests.integration.harness import as_replay_producer, create_topic, write_dead_letters
     from triage_proxy.store.bulk import count_pending, replay_matching
     from triage_proxy.store.replay import new_replay_id
 
@@ -449,7 +455,7 @@ def test_bulk_replay_stops_between_chunks_when_asked(
     create_table(settings)
     create_topic(broker.bootstrap, unique_name)
     write_dead_letters(settings, [samples.make_dl(i, topic=unique_name) for i in range(12)])
-    producer = Producer({"bootstrap.servers": broker.bootstrap, "acks": "all"})
+    producer = as_replay_producer(Producer({"bootstrap.servers": broker.bootstrap, "acks": "all"}))
     stop = threading.Event()
     calls: list[tuple[int, int]] = []
 

@@ -12,14 +12,14 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
 
 import boto3
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from tests import samples
-from tests.integration.harness import create_topic, write_dead_letters
+from tests.integration.harness import as_replay_producer, create_topic, write_dead_letters
 from tests.samples import GROUP, T0
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.config.settings import DeadLetterSettings
@@ -40,7 +40,12 @@ from triage_proxy.store.replay import (
     new_replay_id,
     replay,
 )
+from triage_proxy.store.replay import Producer as ReplayProducer
 from triage_proxy.structs import DeadLetter
+
+if TYPE_CHECKING:
+    from mypy_boto3_dynamodb.client import DynamoDBClient
+    from mypy_boto3_s3.client import S3Client
 
 pytestmark = pytest.mark.integration
 
@@ -56,7 +61,13 @@ def bucket_for(name: str) -> str:
     return name.lower().replace("_", "-")[:55].strip("-") + "-b"
 
 
-def boto(aws: EmbeddedAWS, service: str) -> Any:
+@overload
+def boto(aws: EmbeddedAWS, service: Literal["dynamodb"]) -> DynamoDBClient: ...
+@overload
+def boto(aws: EmbeddedAWS, service: Literal["s3"]) -> S3Client: ...
+@overload
+def boto(aws: EmbeddedAWS, service: Literal["sns", "sqs"]) -> Any: ...  # no mypy_boto3_sns/sqs
+def boto(aws: EmbeddedAWS, service: Literal["dynamodb", "s3", "sns", "sqs"]) -> Any:
     return boto3.session.Session().client(
         service,
         region_name="us-east-1",
@@ -86,9 +97,9 @@ def table(settings: DeadLetterSettings) -> Iterator[DeadLetterTable]:
         yield opened
 
 
-def producer(broker: EmbeddedBroker) -> Producer:
-    return Producer(
-        {"bootstrap.servers": broker.bootstrap, "acks": "all", "enable.idempotence": True}
+def producer(broker: EmbeddedBroker) -> ReplayProducer:
+    return as_replay_producer(
+        Producer({"bootstrap.servers": broker.bootstrap, "acks": "all", "enable.idempotence": True})
     )
 
 
@@ -191,12 +202,14 @@ def test_ttl_is_enabled_and_set_when_items_settle(
 ) -> None:
     create_table(settings)  # again: idempotent with TTL on
     create_bucket(settings)
+    bucket = settings.overflow_bucket
+    assert bucket is not None  # the fixture's settings have one
     dynamodb = boto(aws, "dynamodb")
     s3 = boto(aws, "s3")
     try:
         ttl = dynamodb.describe_time_to_live(TableName=settings.table)["TimeToLiveDescription"]
         assert ttl == {"TimeToLiveStatus": "ENABLED", "AttributeName": "expires_at"}
-        rules = s3.get_bucket_lifecycle_configuration(Bucket=settings.overflow_bucket)["Rules"]
+        rules = s3.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]
         assert [r["ID"] for r in rules] == ["triage-expire-settled-payloads"]
         big = make_dl(1, value=os.urandom(MAX_ITEM_BYTES))
         write_dead_letters(settings, [big, make_dl(2)])
@@ -210,7 +223,7 @@ def test_ttl_is_enabled_and_set_when_items_settle(
             expires = int(table.get(("orders", 0, offset))["expires_at"]["N"])
             assert before + week - 1 <= expires <= time.time() + week
         key = f"{settings.table}/orders/0/1/{GROUP}"
-        tags = s3.get_object_tagging(Bucket=settings.overflow_bucket, Key=key)["TagSet"]
+        tags = s3.get_object_tagging(Bucket=bucket, Key=key)["TagSet"]
         assert tags == [{"Key": "triage-status", "Value": "settled"}]
     finally:
         dynamodb.close()

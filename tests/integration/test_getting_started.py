@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import psutil
@@ -56,14 +56,14 @@ def shown(command: str) -> str:
 class Lines:
     """A process's output, read by a thread, waited on line by line with a bound."""
 
-    def __init__(self, stream: object) -> None:
+    def __init__(self, stream: Iterable[str]) -> None:
         self.seen: list[str] = []
         self._queue: queue.Queue[str] = queue.Queue()
         self.thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
         self.thread.start()
 
-    def _read(self, stream: object) -> None:
-        for line in stream:  # type: ignore[attr-defined]
+    def _read(self, stream: Iterable[str]) -> None:
+        for line in stream:
             self._queue.put(line.rstrip("\n"))
 
     def wait_for(self, pattern: str, timeout: float = WAIT_S) -> re.Match[str]:
@@ -229,7 +229,9 @@ def test_the_push_path_works_as_written(folder: Path) -> None:
             folder,
             env,
         )
-        topic, partition, offset = re.fullmatch(r"(.*)\[(\d+)\]@(\d+)\n", landed).groups()  # type: ignore[union-attr]
+        where = re.fullmatch(r"(.*)\[(\d+)\]@(\d+)\n", landed)
+        assert where is not None, landed  # `triage produce` prints where it landed
+        topic, partition, offset = where.groups()
         got.wait_for(rf"^{topic}/{partition}/{offset}: b'hello'$")
 
 

@@ -35,7 +35,7 @@ def counted_admins(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     every one is built by kafka/groups.py (`admin_client`)."""
     made: list[dict[str, Any]] = []
 
-    class Counted(AdminClient):  # type: ignore[misc]
+    class Counted(AdminClient):
         def __init__(self, config: dict[str, Any]) -> None:
             made.append(config)
             super().__init__(config)

@@ -223,7 +223,7 @@ def test_kill_9_loses_nothing_and_settled_offsets_are_not_redelivered(
 
     proc = _proxy_process(config)
     try:
-        wait_for_port("127.0.0.1", port, 30, proc)  # type: ignore[arg-type]
+        wait_for_port("127.0.0.1", port, 30, proc)
         asyncio.run(first_run())
         if encode:
             # What keeps 1..19 from redelivery: the checkpoint item, written at most once
@@ -245,7 +245,7 @@ def test_kill_9_loses_nothing_and_settled_offsets_are_not_redelivered(
         assert committed(broker.bootstrap, settings.kafka.group_id, topic) <= 0
         produce(broker.bootstrap, topic, [(None, b"sentinel", None)])
         proc = _proxy_process(config)
-        wait_for_port("127.0.0.1", port, 30, proc)  # type: ignore[arg-type]
+        wait_for_port("127.0.0.1", port, 30, proc)
         again = asyncio.run(second_run())
         if encode:
             assert again == [0, 20]  # 1..19 were settled: not redelivered

@@ -447,8 +447,8 @@ def test_destroy_cleans_up_after_a_dead_supervisor(deployment: Deployment) -> No
 def test_deploy_reports_a_proxy_that_cannot_start(deployment: Deployment) -> None:
     """A proxy that exits on a config error is given up at once (no restart loop); deploy
     says so, exits 3 and leaves nothing running."""
-    with deployment.config.open("a") as out:
-        out.write('\n[tls]\ncert_file = "/nonexistent/c.pem"\nkey_file = "/nonexistent/k.pem"\n')
+    with deployment.config.open("a") as config:
+        config.write('\n[tls]\ncert_file = "/nonexistent/c.pem"\nkey_file = "/nonexistent/k.pem"\n')
     out = run_triage("deploy", "--target", "local", "--config", str(deployment.config))
     assert out.returncode == 3, out.stderr
     assert "given up" in out.stderr

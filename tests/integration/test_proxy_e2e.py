@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from tests.integration.harness import (
+    Message,
     RawConsumer,
     await_until,
     committed,
@@ -254,7 +255,7 @@ def test_packed_and_repeated_deliveries_side_by_side_are_byte_exact(
     """A client that asks for packed deliveries and one that does not (an older client)
     share one proxy: each gets its records byte-exact, the first mostly packed (records with
     headers stay repeated), the second never packed; together they settle everything."""
-    records = [
+    records: list[Message] = [
         (b"k%d" % i if i % 3 else None, None if i % 7 == 0 else b"v" * (i % 5), None)
         for i in range(40)
     ]

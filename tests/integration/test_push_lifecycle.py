@@ -488,14 +488,15 @@ def test_grpc_push_dials_back_over_mutual_tls(
     client_cert.private_key_pem.write_to_path(str(tmp_path / "client.key"))
     bodies: list[str] = []
 
-    class Handler(handler_pb2_grpc.MessageHandlerServicer):  # type: ignore[misc]
+    class Handler(handler_pb2_grpc.MessageHandlerServicer):
         async def SendMessage(self, request: Any, context: Any) -> Any:
             bodies.append(request.body)
             return handler_pb2.MessageResponse(body="ok", status=1)
 
     async def scenario() -> None:
         server = grpc.aio.server()
-        handler_pb2_grpc.add_MessageHandlerServicer_to_server(Handler(), server)
+        # the generated *_pb2_grpc modules have no stubs (proto/ checks only *_pb2 .pyi)
+        handler_pb2_grpc.add_MessageHandlerServicer_to_server(Handler(), server)  # type: ignore[no-untyped-call]
         credentials = grpc.ssl_server_credentials(
             [(server_cert.private_key_pem.bytes(), server_cert.cert_chain_pems[0].bytes())],
             root_certificates=ca.cert_pem.bytes(),
@@ -514,6 +515,7 @@ def test_grpc_push_dials_back_over_mutual_tls(
         settings = settings_for(broker, aws, topic, push=[table])
         try:
             async with Proxy(settings, 0) as proxy:
+                assert proxy.http_port is not None  # set once the proxy has started
                 assert await register(proxy.http_port, TOKEN, port) == 200
                 group = settings.kafka.group_id
                 assert await await_until(
@@ -538,7 +540,7 @@ def test_grpc_answers_use_an_attempt_or_not_as_the_table_says(
     produce(broker.bootstrap, topic, [(None, b.encode(), None) for b in bodies])
     tries: dict[str, int] = {}
 
-    class Handler(handler_pb2_grpc.MessageHandlerServicer):  # type: ignore[misc]
+    class Handler(handler_pb2_grpc.MessageHandlerServicer):
         async def SendMessage(self, request: Any, context: Any) -> Any:
             body = request.body
             n = tries[body] = tries.get(body, 0) + 1
@@ -556,7 +558,8 @@ def test_grpc_answers_use_an_attempt_or_not_as_the_table_says(
 
     async def scenario() -> None:
         server = grpc.aio.server()
-        handler_pb2_grpc.add_MessageHandlerServicer_to_server(Handler(), server)
+        # the generated *_pb2_grpc modules have no stubs (proto/ checks only *_pb2 .pyi)
+        handler_pb2_grpc.add_MessageHandlerServicer_to_server(Handler(), server)  # type: ignore[no-untyped-call]
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         table = {"name": "go", "mode": "grpc", "registration": True, "timeout_s": 1}
@@ -570,6 +573,7 @@ def test_grpc_answers_use_an_attempt_or_not_as_the_table_says(
         )
         try:
             async with Proxy(settings, 0) as proxy:
+                assert proxy.http_port is not None  # set once the proxy has started
                 assert await register(proxy.http_port, TOKEN, port) == 200
                 group = settings.kafka.group_id
                 assert await await_until(

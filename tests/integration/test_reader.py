@@ -11,11 +11,19 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.integration.harness import committed, create_topic, make_settings, produce, take
+from tests.integration.harness import (
+    Message,
+    committed,
+    create_topic,
+    make_settings,
+    produce,
+    take,
+)
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.kafka import reader as reader_module
 from triage_proxy.kafka.client import FETCH_WAIT_S
 from triage_proxy.kafka.reader import Reader
+from triage_proxy.structs import Record
 
 pytestmark = pytest.mark.integration
 
@@ -23,10 +31,14 @@ IDLE_CONSUME_S = 10.0
 """How long the reader's idle consume waits: far longer than a commit on a busy machine."""
 
 
-def _messages(
-    partition: int, n: int, pad: int = 0
-) -> list[tuple[bytes, bytes, list[tuple[str, bytes]]]]:
+def _messages(partition: int, n: int, pad: int = 0) -> list[Message]:
     return [(f"k{i}".encode(), f"p{partition}-v{i}".encode() + b"." * pad, []) for i in range(n)]
+
+
+def _unpadded(record: Record) -> bytes:
+    """The value `_messages` wrote, without its padding."""
+    assert record.value is not None
+    return record.value.split(b".")[0]
 
 
 def test_partitions_read_through_one_consumer_pause_alone(
@@ -47,12 +59,12 @@ def test_partitions_read_through_one_consumer_pause_alone(
         # buffer pauses it alone, and partition 0 pauses and resumes many times.
         got = take(logs[0], n, 30)
         assert [r.offset for r in got] == list(range(n))
-        assert [r.value.split(b".")[0] for r in got] == [f"p0-v{i}".encode() for i in range(n)]
+        assert [_unpadded(r) for r in got] == [f"p0-v{i}".encode() for i in range(n)]
         assert {r.partition for r in got} == {0}
         assert reader.pauses >= 3, "the small buffers never filled up"
         rest = take(logs[1], n, 70)
         assert [r.offset for r in rest] == list(range(n))
-        assert [r.value.split(b".")[0] for r in rest] == [f"p1-v{i}".encode() for i in range(n)]
+        assert [_unpadded(r) for r in rest] == [f"p1-v{i}".encode() for i in range(n)]
         assert 0 < logs[0].log_end() <= n  # Tansu's high watermark may trail (logend.py)
         assert logs[0].partition_count() == 2
         for log in logs:

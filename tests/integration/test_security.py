@@ -11,7 +11,7 @@ import logging
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,7 +204,7 @@ def test_no_token_password_or_payload_in_the_debug_log(
 # --- named tokens revoked by SIGHUP, in a real `triage proxy` --------------------------
 
 
-def write_toml(path: Path, values: dict[str, dict[str, object]]) -> None:
+def write_toml(path: Path, values: Mapping[str, Mapping[str, object]]) -> None:
     """Sections of scalars, string lists and tables of strings (inline), mode 0600."""
 
     def value(v: object) -> str:

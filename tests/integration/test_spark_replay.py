@@ -28,7 +28,7 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
 
 from tests import samples
-from tests.integration.harness import TOKEN, create_topic
+from tests.integration.harness import TOKEN, create_topic, headers_of
 from tests.samples import GROUP
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
@@ -186,7 +186,7 @@ def consume(
 
 
 def header(msg: Message, name: str) -> bytes | None:
-    values = [v for k, v in msg.headers() or [] if k == name]
+    values = [v for k, v in headers_of(msg) if k == name]
     assert len(values) == 1, (name, msg.headers())
     return values[0]
 
