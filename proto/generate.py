@@ -6,8 +6,9 @@ Sources, each written once:
                                          module: see its docstring)
 
 Outputs:
-  proto/triage_protocol/triage_pb2.py, triage_pb2.pyi, triage_pb2_grpc.py
-      protoc's Python modules and stubs (grpcio-tools, a dev dependency), with
+  proto/triage_protocol/triage_pb2.py, triage_pb2.pyi, triage_pb2_grpc.py, triage_pb2_grpc.pyi
+      protoc's Python modules and stubs (grpcio-tools and, for the gRPC stubs,
+      mypy-protobuf's protoc-gen-mypy_grpc: dev dependencies), with
       package-relative imports so they live inside `triage_protocol` and nothing imports a
       top-level `proto` or `triage` package.
   clients/typescript/src/generated/messages.ts
@@ -111,6 +112,9 @@ def _protoc(sources: list[str]) -> tuple[dict[str, str], bytes]:
             f"--python_out={tmp}",
             f"--pyi_out={tmp}",
             f"--grpc_python_out={tmp}",
+            # typed stubs of the *_pb2_grpc modules (mypy-protobuf, a dev-only dependency)
+            f"--plugin=protoc-gen-mypy_grpc={Path(sys.executable).parent / 'protoc-gen-mypy_grpc'}",
+            f"--mypy_grpc_out={tmp}",
             f"--descriptor_set_out={descriptor_set}",
             "--include_source_info",
             *sources,

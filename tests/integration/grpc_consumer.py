@@ -37,8 +37,7 @@ def register(url: str, token: str, port: int) -> int:
 async def main(options: dict[str, Any]) -> None:
     server = grpc.aio.server()
     handler = Handler(options.get("delay_ms", 0) / 1000)
-    # the generated *_pb2_grpc modules have no stubs (proto/ checks only *_pb2 .pyi)
-    handler_pb2_grpc.add_MessageHandlerServicer_to_server(handler, server)  # type: ignore[no-untyped-call]
+    handler_pb2_grpc.add_MessageHandlerServicer_to_server(handler, server)
     port = server.add_insecure_port(f"127.0.0.1:{options['port']}")
     await server.start()
     status = await asyncio.to_thread(register, options["register"], options["token"], port)

@@ -264,8 +264,7 @@ class RawConsumer:
             self._channel = grpc.aio.insecure_channel(self.target, options)
         else:
             self._channel = grpc.aio.secure_channel(self.target, self.credentials, options)
-        # the generated *_pb2_grpc modules have no stubs (proto/ checks only *_pb2 .pyi)
-        stub = pb_grpc.TriageStub(self._channel)  # type: ignore[no-untyped-call]
+        stub = pb_grpc.TriageStub(self._channel)
         metadata = [("authorization", f"Bearer {self.token}")] if self.token else []
         if self.hello:
             self._outgoing.put_nowait(

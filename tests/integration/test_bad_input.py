@@ -295,8 +295,7 @@ def test_a_second_hello_right_behind_the_first_ends_the_stream(stack: Stack) -> 
 def test_topology_with_a_wrong_token_is_unauthenticated(stack: Stack) -> None:
     async def ask() -> grpc.StatusCode:
         async with grpc.aio.insecure_channel(stack.target) as channel:
-            # the generated *_pb2_grpc modules have no stubs (proto/ checks only *_pb2 .pyi)
-            stub = pb_grpc.TriageStub(channel)  # type: ignore[no-untyped-call]
+            stub = pb_grpc.TriageStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.Topology(pb.TopologyRequest(), metadata=[("authorization", "Bearer x")])
             return info.value.code()

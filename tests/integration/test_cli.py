@@ -230,8 +230,7 @@ def test_dev_json_prints_one_line_and_stops_everything_on_sigterm(tmp_path: Path
                 assert (await c.read()).WhichOneof("frame") == "welcome"
             # The one endpoint finds every partition's proxy.
             async with grpc.aio.insecure_channel(info["endpoint"]) as channel:
-                # the generated *_pb2_grpc modules have no stubs (proto/ checks only *_pb2 .pyi)
-                stub = pb_grpc.TriageStub(channel)  # type: ignore[no-untyped-call]
+                stub = pb_grpc.TriageStub(channel)
                 auth = [("authorization", f"Bearer {info['token']}")]
                 reply = await stub.Topology(pb.TopologyRequest(), metadata=auth)
             assert reply.complete, reply.problem

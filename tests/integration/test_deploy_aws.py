@@ -535,8 +535,7 @@ def test_container_entrypoint_runs_a_fleet_member_with_tls_from_the_deployed_sta
             # client's Hello write can race the refusal and end the call INTERNAL
             # ("Failed execute_batch"), a client-side artefact, not the proxy's answer.
             async with grpc.aio.secure_channel(f"127.0.0.1:{port}", mtls) as channel:
-                # the generated *_pb2_grpc modules have no stubs (proto/ checks only *_pb2 .pyi)
-                stub = pb_grpc.TriageStub(channel)  # type: ignore[no-untyped-call]
+                stub = pb_grpc.TriageStub(channel)
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
                     await stub.Topology(
                         pb.TopologyRequest(), metadata=[("authorization", f"Bearer {REVOKED}")]

@@ -256,8 +256,7 @@ def test_grpc_push_registers_like_the_original_consumers(
 
     async def scenario() -> None:
         server = grpc.aio.server()
-        # the generated *_pb2_grpc modules have no stubs (proto/ checks only *_pb2 .pyi)
-        handler_pb2_grpc.add_MessageHandlerServicer_to_server(handler, server)  # type: ignore[no-untyped-call]
+        handler_pb2_grpc.add_MessageHandlerServicer_to_server(handler, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         target = [{"name": "go", "mode": "grpc", "registration": True}]

@@ -495,8 +495,7 @@ def test_grpc_push_dials_back_over_mutual_tls(
 
     async def scenario() -> None:
         server = grpc.aio.server()
-        # the generated *_pb2_grpc modules have no stubs (proto/ checks only *_pb2 .pyi)
-        handler_pb2_grpc.add_MessageHandlerServicer_to_server(Handler(), server)  # type: ignore[no-untyped-call]
+        handler_pb2_grpc.add_MessageHandlerServicer_to_server(Handler(), server)
         credentials = grpc.ssl_server_credentials(
             [(server_cert.private_key_pem.bytes(), server_cert.cert_chain_pems[0].bytes())],
             root_certificates=ca.cert_pem.bytes(),
@@ -558,8 +557,7 @@ def test_grpc_answers_use_an_attempt_or_not_as_the_table_says(
 
     async def scenario() -> None:
         server = grpc.aio.server()
-        # the generated *_pb2_grpc modules have no stubs (proto/ checks only *_pb2 .pyi)
-        handler_pb2_grpc.add_MessageHandlerServicer_to_server(Handler(), server)  # type: ignore[no-untyped-call]
+        handler_pb2_grpc.add_MessageHandlerServicer_to_server(Handler(), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         table = {"name": "go", "mode": "grpc", "registration": True, "timeout_s": 1}

@@ -39,8 +39,7 @@ NONE = pb.PartitionRoute.NONE
 
 async def topology(endpoint: str, token: str | None = TOKEN) -> pb.TopologyReply:
     async with grpc.aio.insecure_channel(endpoint) as channel:
-        # the generated *_pb2_grpc modules have no stubs (proto/ checks only *_pb2 .pyi)
-        stub = pb_grpc.TriageStub(channel)  # type: ignore[no-untyped-call]
+        stub = pb_grpc.TriageStub(channel)
         metadata = [("authorization", f"Bearer {token}")] if token else []
         reply: pb.TopologyReply = await stub.Topology(
             pb.TopologyRequest(), metadata=metadata, timeout=10
@@ -57,8 +56,7 @@ async def refused_hello(
 ) -> tuple[grpc.aio.AioRpcError, dict[str, Any]]:
     """Open a stream whose Hello names `partition`; return the refusal and its trailers."""
     async with grpc.aio.insecure_channel(endpoint) as channel:
-        # the generated *_pb2_grpc modules have no stubs (proto/ checks only *_pb2 .pyi)
-        stub = pb_grpc.TriageStub(channel)  # type: ignore[no-untyped-call]
+        stub = pb_grpc.TriageStub(channel)
         call = stub.Consume(metadata=[("authorization", f"Bearer {TOKEN}")])
         hello = pb.Hello(consumer_id="lost", credits=5, partition=partition)
         await call.write(pb.ConsumerFrame(hello=hello))

@@ -108,7 +108,7 @@ def test_a_scripted_stream_gets_what_the_test_writes_and_reports_what_it_sent(
     frames: queue.Queue[pb.ConsumerFrame | None] = queue.Queue()
     frames.put(pb.ConsumerFrame(hello=pb.Hello(consumer_id="c", credits=4, partition=0)))
     with grpc.insecure_channel(control.ready["endpoints"][1]) as channel:
-        stub = pb_grpc.TriageStub(channel)  # type: ignore[no-untyped-call]
+        stub = pb_grpc.TriageStub(channel)
         call = stub.Consume(iter(frames.get, None), metadata=AUTH)
         assert control.seen(1) == ["stream"]
         hello = control.events[0]
@@ -144,7 +144,7 @@ def test_a_scripted_stream_gets_what_the_test_writes_and_reports_what_it_sent(
 def test_topology_answers_and_a_failed_stream_carry_what_the_test_set(control: Control) -> None:
     endpoint = control.ready["endpoints"][0]
     with grpc.insecure_channel(endpoint) as channel:
-        stub = pb_grpc.TriageStub(channel)  # type: ignore[no-untyped-call]
+        stub = pb_grpc.TriageStub(channel)
         with pytest.raises(grpc.RpcError) as older:
             stub.Topology(pb.TopologyRequest(), metadata=AUTH)
         assert older.value.code() is grpc.StatusCode.UNIMPLEMENTED

@@ -419,7 +419,7 @@ def proxy_of_twins(
 
 async def topology_call(target: str, token: str | None = TOKEN) -> pb.TopologyReply:
     async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.TriageStub(channel)  # type: ignore[no-untyped-call]
+        stub = pb_grpc.TriageStub(channel)
         metadata = [("authorization", f"Bearer {token}")] if token else []
         reply: pb.TopologyReply = await stub.Topology(pb.TopologyRequest(), metadata=metadata)
         return reply
@@ -428,7 +428,7 @@ async def topology_call(target: str, token: str | None = TOKEN) -> pb.TopologyRe
 async def hello(target: str, partition: int | None) -> tuple[Any, Any]:
     """Open a stream with one Hello; return (first frame or the error, the call)."""
     channel = grpc.aio.insecure_channel(target)
-    stub = pb_grpc.TriageStub(channel)  # type: ignore[no-untyped-call]
+    stub = pb_grpc.TriageStub(channel)
     call = stub.Consume(metadata=[("authorization", f"Bearer {TOKEN}")])
     frame = pb.Hello(consumer_id="unit", credits=5)
     if partition is not None:

@@ -39,7 +39,7 @@ async def consume_call(proxy: Proxy, token: str) -> AsyncIterator[Any]:
     """A Consume stream to `proxy` with `token`; cancelled and its channel closed on the
     way out."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
-        stub = pb_grpc.TriageStub(channel)  # type: ignore[no-untyped-call]
+        stub = pb_grpc.TriageStub(channel)
         call = stub.Consume(metadata=[("authorization", f"Bearer {token}")])
         try:
             yield call

@@ -87,14 +87,14 @@ class GrpcTarget(PushTarget):
         self._credentials = credentials
         self._on_gone = on_gone
         self._channel: grpc.aio.Channel | None = None
-        self._stub: handler_pb2_grpc.MessageHandlerStub | None = None
+        self._stub: handler_pb2_grpc.MessageHandlerAsyncStub | None = None
 
     async def start(self) -> None:
         if self._credentials is None:
             self._channel = grpc.aio.insecure_channel(self.address)
         else:
             self._channel = grpc.aio.secure_channel(self.address, self._credentials)
-        self._stub = handler_pb2_grpc.MessageHandlerStub(self._channel)  # type: ignore[no-untyped-call]
+        self._stub = handler_pb2_grpc.MessageHandlerStub(self._channel)
 
     async def aclose(self) -> None:
         await super().aclose()
