@@ -38,6 +38,7 @@ from confluent_kafka.admin import AdminClient
 from triage_proxy.config.settings import KafkaSettings
 from triage_proxy.errors import BrokerUnavailable
 from triage_proxy.kafka.errors import admin_answer, kafka_errors
+from triage_proxy.kafka.logs import KafkaLog
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,17 @@ class GroupView:
 
 def admin_client(settings: KafkaSettings, admin: Any = None) -> Any:
     """`admin` when given, else a new AdminClient for `settings`. (Not `admin or ...`: an
-    AdminClient is falsy, its len() is 0, so that idiom made a second client every time.)"""
-    return admin if admin is not None else AdminClient(settings.librdkafka_config())
+    AdminClient is falsy, its len() is 0, so that idiom made a second client every time.)
+
+    Its librdkafka reports go through `KafkaLog`, quietly: every caller reports a call
+    that failed itself (BrokerUnavailable), and without it librdkafka printed its own
+    `%3|...|FAIL|...` line to stderr at every refused connect, into a pinned proxy's log
+    and under `triage init`'s and `triage deploy`'s output."""
+    if admin is not None:
+        return admin
+    return AdminClient(
+        {**settings.librdkafka_config(), **KafkaLog(settings.topic, quiet=True).config()}
+    )
 
 
 def describe_group(settings: KafkaSettings, admin: Any = None) -> GroupView:
