@@ -8,6 +8,7 @@ descriptor 2 from its threads, where no capture inside this process sees them.
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,12 @@ import textwrap
 import pytest
 
 from triage_cli.embedded import free_port
+from triage_proxy.config.settings import KafkaSettings
+from triage_proxy.kafka.groups import GroupFence
+from triage_proxy.kafka.logs import logger as kafka_log
+
+KAFKA_LOG = kafka_log.name
+"""triage_proxy.kafka.logs: KafkaLog's error reports, and its librdkafka lines below it."""
 
 CHILD = """
 import logging, sys, threading, time
@@ -68,3 +75,18 @@ def test_a_client_whose_broker_refuses_reports_through_logging_not_stderr(client
     assert f"127.0.0.1:{port}" in out.stdout, out.stdout  # the refusal, through KafkaLog
     assert "|FAIL|" not in out.stderr, out.stderr
     assert "rdkafka#" not in out.stderr, out.stderr
+
+
+def test_the_group_fence_serves_its_clients_reports_at_each_call(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The fence's AdminClient lives as long as its process and only the fence uses it:
+    unless the fence polls it, each refused connect's report waits in the client's queue
+    for as long as the broker stays down."""
+    port = free_port()
+    fence = GroupFence(KafkaSettings(f"127.0.0.1:{port}", "t", "g"))
+    with caplog.at_level(logging.DEBUG, logger="triage_proxy.kafka"):
+        assert fence.busy() is None  # no answer (after its call timeout): no reason
+    # KafkaLog's loggers: the client's own reports, not the fence's note of the failure
+    reports = [r.getMessage() for r in caplog.records if r.name.startswith(KAFKA_LOG)]
+    assert any(f"127.0.0.1:{port}" in m for m in reports), caplog.text

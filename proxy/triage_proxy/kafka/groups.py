@@ -160,6 +160,11 @@ class GroupFence:
         except BrokerUnavailable as exc:
             logger.debug("group fence: %s", exc)
             return None
+        finally:
+            # Serve the client's queued reports (`admin_client`: KafkaLog). Nothing else
+            # polls this long-lived client, and a broker that stays down queues a report
+            # or two every second until something does.
+            self._admin.poll(0)
         if not view.live:
             return None
         who = f": {', '.join(view.members)}" if view.members else ""
