@@ -2,7 +2,7 @@
 with librdkafka's own `%3|...|FAIL|...` lines on stderr: those land, unformatted and at
 every refused connect, in a proxy's log and under a command's output.
 
-Each case runs in a child process, since librdkafka writes its own lines to file
+The stderr cases run in a child process, since librdkafka writes its own lines to file
 descriptor 2 from its threads, where no capture inside this process sees them.
 """
 

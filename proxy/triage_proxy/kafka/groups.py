@@ -70,10 +70,11 @@ def admin_client(settings: KafkaSettings, admin: Any = None) -> Any:
     """`admin` when given, else a new AdminClient for `settings`. (Not `admin or ...`: an
     AdminClient is falsy, its len() is 0, so that idiom made a second client every time.)
 
-    Its librdkafka reports go through `KafkaLog`, quietly: every caller reports a call
-    that failed itself (BrokerUnavailable), and without it librdkafka printed its own
+    Its librdkafka reports go through `KafkaLog`, quietly, since every caller reports a
+    failed call itself (BrokerUnavailable). Without it librdkafka printed its own
     `%3|...|FAIL|...` line to stderr at every refused connect, into a pinned proxy's log
-    and under `triage init`'s and `triage deploy`'s output."""
+    and under `triage init`'s and `triage deploy`'s output. The reports wait in the client
+    until it is polled: a client kept for long must be polled (`GroupFence.busy`)."""
     if admin is not None:
         return admin
     return AdminClient(
