@@ -286,7 +286,7 @@ class SegmentReplayer:
         else:
             from confluent_kafka import Producer as KafkaProducer
 
-            producer = cast("Producer", KafkaProducer(self._producer_config()))
+            producer = KafkaProducer(self._producer_config())
         fault = self._job.options.fault
         return producer if fault is None else _FaultyProducer(producer, fault)
 

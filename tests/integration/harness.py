@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import boto3
 import grpc
@@ -38,7 +38,6 @@ from triage_proxy.kafka.client import PartitionLog
 from triage_proxy.store.deadletter_store import DynamoDBStore
 from triage_proxy.store.items import dead_letter_from_item
 from triage_proxy.store.provisioning import KEY_ATTRIBUTES, KEY_SCHEMA_SPEC, create_table
-from triage_proxy.store.replay import Producer as ReplayProducer
 from triage_proxy.structs import DeadLetter, Record
 
 TOKEN = "test-token-0123456789"
@@ -82,13 +81,6 @@ def create_unindexed_table(client: Any, name: str) -> None:
         AttributeDefinitions=KEY_ATTRIBUTES,
         BillingMode="PAY_PER_REQUEST",
     )
-
-
-def as_replay_producer(producer: Producer) -> ReplayProducer:
-    """`producer` as replay's Producer protocol, which it is at runtime: it takes every
-    keyword replay passes. mypy cannot see that: the protocol declares produce(topic,
-    **kwargs), which the stub's named parameters do not satisfy."""
-    return cast(ReplayProducer, producer)
 
 
 def headers_of(msg: KafkaMessage) -> list[tuple[str, bytes | None]]:

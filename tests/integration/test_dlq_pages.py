@@ -364,7 +364,6 @@ def test_bulk_replay_goes_through_the_replay_routine_with_progress(
     from confluent_kafka import Consumer, Producer, TopicPartition
 
     from tests.integration.harness import (
-        as_replay_producer,
         create_topic,
         headers_of,
         write_dead_letters,
@@ -388,7 +387,7 @@ def test_bulk_replay_goes_through_the_replay_routine_with_progress(
     ]
     write_dead_letters(settings, dls)
     chosen = {dl.record.offset: dl for dl in dls if dl.reason == "boom"}
-    producer = as_replay_producer(Producer({"bootstrap.servers": broker.bootstrap, "acks": "all"}))
+    producer = Producer({"bootstrap.servers": broker.bootstrap, "acks": "all"})
     calls: list[tuple[int, int]] = []
     with DeadLetterTable(settings, group=GROUP) as table:
         count = count_pending(table, Filters(reason="boom"))
@@ -447,7 +446,7 @@ def test_bulk_replay_stops_between_chunks_when_asked(
 
     from confluent_kafka import Producer
 
-    from tests.integration.harness import as_replay_producer, create_topic, write_dead_letters
+    from tests.integration.harness import create_topic, write_dead_letters
     from triage_proxy.store.bulk import count_pending, replay_matching
     from triage_proxy.store.replay import new_replay_id
 
@@ -455,7 +454,7 @@ def test_bulk_replay_stops_between_chunks_when_asked(
     create_table(settings)
     create_topic(broker.bootstrap, unique_name)
     write_dead_letters(settings, [samples.make_dl(i, topic=unique_name) for i in range(12)])
-    producer = as_replay_producer(Producer({"bootstrap.servers": broker.bootstrap, "acks": "all"}))
+    producer = Producer({"bootstrap.servers": broker.bootstrap, "acks": "all"})
     stop = threading.Event()
     calls: list[tuple[int, int]] = []
 

@@ -19,7 +19,7 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from tests import samples
-from tests.integration.harness import as_replay_producer, create_topic, write_dead_letters
+from tests.integration.harness import create_topic, write_dead_letters
 from tests.samples import GROUP, T0
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_proxy.config.settings import DeadLetterSettings
@@ -98,8 +98,8 @@ def table(settings: DeadLetterSettings) -> Iterator[DeadLetterTable]:
 
 
 def producer(broker: EmbeddedBroker) -> ReplayProducer:
-    return as_replay_producer(
-        Producer({"bootstrap.servers": broker.bootstrap, "acks": "all", "enable.idempotence": True})
+    return Producer(
+        {"bootstrap.servers": broker.bootstrap, "acks": "all", "enable.idempotence": True}
     )
 
 

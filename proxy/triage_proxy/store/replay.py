@@ -159,10 +159,24 @@ NeverWritten = Callable[[Any], bool]
 (`triage_proxy.kafka.producer.never_written`)."""
 
 
-class Producer(Protocol):
-    """The part of confluent_kafka.Producer that replay uses."""
+WireHeaders = list[tuple[str, str | bytes | None]] | dict[str, str | bytes | None]
+"""The headers confluent_kafka's Producer.produce takes (its stub's HeadersType)."""
 
-    def produce(self, topic: str, **kwargs: Any) -> None: ...
+
+class Producer(Protocol):
+    """The part of confluent_kafka.Producer that replay uses (keyword-only here: the real
+    one takes more, in another order)."""
+
+    def produce(
+        self,
+        topic: str,
+        *,
+        value: bytes | None = None,
+        key: bytes | None = None,
+        partition: int = -1,
+        on_delivery: Callable[..., Any] | None = None,
+        headers: WireHeaders | None = None,
+    ) -> None: ...
 
     def poll(self, timeout: float) -> int: ...
 
