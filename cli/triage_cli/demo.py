@@ -79,7 +79,9 @@ def produce(bootstrap: str, topic: str, workload: Workload, partitions: int = 1)
     """Produce the workload, spread round-robin over the partitions, and wait for acks."""
     from confluent_kafka import Producer
 
-    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
+    from triage_proxy.kafka.logs import KafkaLog
+
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, **KafkaLog().config()})
     for i in range(len(workload.kinds)):
         producer.produce(
             topic, value=workload.value(i), key=str(i).encode(), partition=i % partitions
@@ -100,12 +102,15 @@ def run_serial_baseline(
     """
     from confluent_kafka import Consumer, TopicPartition
 
+    from triage_proxy.kafka.logs import KafkaLog
+
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
             "group.id": f"serial-baseline-{time.time_ns()}",
             "enable.auto.commit": False,
             "auto.offset.reset": "earliest",
+            **KafkaLog().config(),
         }
     )
     consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
@@ -235,7 +240,10 @@ def run_through_triage(
 def committed_offsets(bootstrap: str, group_id: str, topic: str, partitions: int) -> list[int]:
     from confluent_kafka import Consumer, TopicPartition
 
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group_id})
+    from triage_proxy.kafka.logs import KafkaLog
+
+    config = {"bootstrap.servers": bootstrap, "group.id": group_id, **KafkaLog().config()}
+    consumer = Consumer(config)
     try:
         found = consumer.committed([TopicPartition(topic, p) for p in range(partitions)], 10)
         return [tp.offset for tp in found]

@@ -144,7 +144,12 @@ class DevStack:
         from confluent_kafka.admin import AdminClient
         from confluent_kafka.cimpl import NewTopic
 
-        admin = AdminClient({"bootstrap.servers": self.broker.bootstrap})
+        from triage_proxy.kafka.logs import KafkaLog
+
+        # quiet: a failure raises from the future below, and is reported once, there
+        admin = AdminClient(
+            {"bootstrap.servers": self.broker.bootstrap, **KafkaLog(quiet=True).config()}
+        )
         futures = admin.create_topics([NewTopic(self.topic, self.partitions, 1)])
         for future in futures.values():
             future.result(timeout=30)

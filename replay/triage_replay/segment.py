@@ -282,19 +282,13 @@ class SegmentReplayer:
 
     def _producer(self) -> Producer:
         if self._make_producer is not None:
-            producer = self._make_producer(self._producer_config())
+            producer = self._make_producer(producer_config(self._job.options))
         else:
             from confluent_kafka import Producer as KafkaProducer
 
-            producer = KafkaProducer(self._producer_config())
+            producer = KafkaProducer(producer_config(self._job.options))
         fault = self._job.options.fault
         return producer if fault is None else _FaultyProducer(producer, fault)
-
-    def _producer_config(self) -> dict[str, Any]:
-        options = self._job.options
-        assert options.bootstrap is not None
-        connection = {**options.kafka_config, "bootstrap.servers": options.bootstrap}
-        return replay_producer_config(connection, delivery_timeout_s=options.delivery_timeout_s)
 
     def _replay_chunk(self, replayer: Replayer, chunk: Sequence[Mapping[str, Any]]) -> None:
         """The shared routine on one chunk; its outcomes are counted even when it raises."""
@@ -312,6 +306,22 @@ class SegmentReplayer:
             self.counts.skipped += 1
         else:
             self.counts.in_doubt += 1
+
+
+def producer_config(options: ReplayOptions) -> dict[str, Any]:
+    """The librdkafka properties of a task's producer: every replay's (`kafka.producer`) on
+    the run's broker, reporting through `KafkaLog`, so a broker that goes away is one
+    logged line per cause in the executor's log, not librdkafka's own line at every
+    refused connect. Imports confluent-kafka (through `kafka.logs`): call it where the
+    producer is built."""
+    from triage_proxy.kafka.logs import KafkaLog
+
+    assert options.bootstrap is not None
+    connection = {**options.kafka_config, "bootstrap.servers": options.bootstrap}
+    return {
+        **replay_producer_config(connection, delivery_timeout_s=options.delivery_timeout_s),
+        **KafkaLog().config(),
+    }
 
 
 def replay_partition(job: SegmentJob, segments: Iterable[int]) -> Iterator[SegmentCounts]:

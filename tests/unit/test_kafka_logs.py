@@ -26,11 +26,13 @@ KAFKA_LOG = kafka_log.name
 CHILD = """
 import logging, sys, threading, time
 
-from confluent_kafka import Consumer
+from confluent_kafka import Consumer, Producer
 
-from triage_proxy.config.settings import KafkaSettings
+from triage_proxy.config.settings import DeadLetterSettings, KafkaSettings
 from triage_proxy.kafka.client import consumer_config
 from triage_proxy.kafka.groups import admin_client
+from triage_replay.options import ReplayOptions
+from triage_replay.segment import producer_config
 
 reported = threading.Event()
 
@@ -44,6 +46,7 @@ class Seen(logging.Handler):
 logging.getLogger("triage_proxy.kafka").addHandler(Seen())
 logging.getLogger("triage_proxy.kafka").setLevel(logging.DEBUG)
 settings = KafkaSettings("127.0.0.1:{port}", "t", "g")
+replay = ReplayOptions(DeadLetterSettings("unused"), group="g", bootstrap="127.0.0.1:{port}")
 client = {build}
 deadline = time.monotonic() + 20
 while not reported.is_set() and time.monotonic() < deadline:
@@ -57,6 +60,8 @@ BUILDS = {
     "admin": "admin_client(settings)",
     # the fetching consumer of a pinned partition and of a fleet process's reader
     "consumer": "Consumer(consumer_config(settings))",
+    # a Spark replay task's producer, on an executor
+    "replay": "Producer(producer_config(replay))",
 }
 
 
