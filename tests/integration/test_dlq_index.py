@@ -5,6 +5,7 @@ a status keeps `dl_state` current, and a table made before the index is migrated
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from tests.integration.harness import create_unindexed_table, dynamodb, write_de
 from tests.samples import GROUP
 from triage_cli.embedded import EmbeddedAWS
 from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.store import aws as store_aws
 from triage_proxy.store.items import STATE_ATTR, STATE_INDEX, state_key
 from triage_proxy.store.migrate import Indexing
 from triage_proxy.store.provisioning import create_table, state_index_status
@@ -60,6 +62,40 @@ def test_a_new_table_is_indexed_and_every_status_change_moves_the_item(
     assert index_states(client, unique_name, "discarded") == [2]
     create_table(settings)  # again: idempotent, index kept
     assert state_index_status(client, unique_name) == "ACTIVE"
+
+
+def test_creating_a_table_describes_it_once_and_indexes_an_old_one(
+    aws: EmbeddedAWS, unique_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`triage dev`, `deploy` and every test that makes a table call `create_table`: one
+    DescribeTable answers whether the table is ACTIVE, its key schema and its index."""
+    calls: Counter[str] = Counter()
+    make_client = store_aws._client
+
+    def counted(service: str, options: dict[str, Any]) -> Any:
+        client = make_client(service, options)
+        client.meta.events.register(
+            "before-call.dynamodb.*", lambda model, **_: calls.update([model.name])
+        )
+        return client
+
+    monkeypatch.setattr(store_aws, "_client", counted)
+    settings = DeadLetterSettings(table=unique_name, endpoint_url=aws.endpoint_url)
+    create_table(settings)
+    assert calls["DescribeTable"] == 1, calls
+    calls.clear()
+    create_table(settings)  # again: it exists, indexed
+    assert calls == Counter(CreateTable=1, DescribeTable=1), calls
+
+    old = f"{unique_name}-old"
+    client = dynamodb(aws)
+    create_unindexed_table(client, old)
+    client.put_item(TableName=old, Item=old_item(0))
+    old_settings = DeadLetterSettings(table=old, endpoint_url=aws.endpoint_url)
+    create_table(old_settings)
+    assert state_index_status(client, old) == "ACTIVE"  # added (UpdateTable), waited for
+    with DeadLetterTable(old_settings, group=GROUP) as table:
+        assert not table.indexed()  # its item has no dl_state yet: no marker until migrated
 
 
 def test_an_old_table_is_migrated_then_indexed_idempotently(

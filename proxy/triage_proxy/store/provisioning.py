@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from triage_proxy.config.settings import DeadLetterSettings
@@ -56,6 +57,8 @@ PITR_TIMEOUT_S = 120.0
 """How long a new table may refuse point-in-time recovery before giving up."""
 PITR_POLL_S = 2.0
 INDEX_POLL_S = 1.0
+TABLE_POLL_S = 1.0
+"""How often a table that is not ACTIVE yet is described again (boto3's waiter's pace)."""
 STATE_INDEX_SPEC: Any = {
     "IndexName": STATE_INDEX,
     "KeySchema": [
@@ -99,11 +102,8 @@ def create_table(settings: DeadLetterSettings, *, timeout_s: float = 120.0) -> N
                 logger.debug("table %s already exists", settings.table)
             else:
                 logger.info("created table %s", settings.table)
-            client.get_waiter("table_exists").wait(
-                TableName=settings.table,
-                WaiterConfig={"Delay": 1, "MaxAttempts": max(1, int(timeout_s))},
-            )
-            schema = client.describe_table(TableName=settings.table)["Table"].get("KeySchema", [])
+            described = _wait_active(client, settings.table, timeout_s)
+            schema = described.get("KeySchema", [])
             found = [(k["AttributeName"], k["KeyType"]) for k in schema]
             if found != KEY_SCHEMA:
                 raise ConfigError(
@@ -112,7 +112,7 @@ def create_table(settings: DeadLetterSettings, *, timeout_s: float = 120.0) -> N
                 )
             if not exists:
                 mark_indexed(client, settings.table)
-            _ensure_state_index(client, settings.table, timeout_s)
+            _ensure_state_index(client, settings.table, timeout_s, described=described)
             if settings.ttl_days is not None:
                 _enable_ttl(client, settings.table)
     finally:
@@ -134,7 +134,11 @@ def ensure_state_index(settings: DeadLetterSettings, *, timeout_s: float = 120.0
 def state_index_status(client: DynamoDBClient, table: str) -> str | None:
     """The `IndexStatus` of the table's `by-state` index (ACTIVE, CREATING, ...); None
     when the table has no such index. Botocore errors pass through (callers wrap)."""
-    described = client.describe_table(TableName=table)["Table"]
+    return _index_status(client.describe_table(TableName=table)["Table"])
+
+
+def _index_status(described: Mapping[str, Any]) -> str | None:
+    """`state_index_status` of a DescribeTable answer's `Table`."""
     for index in described.get("GlobalSecondaryIndexes", []):
         if index.get("IndexName") == STATE_INDEX:
             return str(index.get("IndexStatus", "ACTIVE"))
@@ -152,8 +156,46 @@ def mark_indexed(client: DynamoDBClient, table: str) -> None:
     )
 
 
-def _ensure_state_index(client: DynamoDBClient, table: str, timeout_s: float) -> bool:
-    status = state_index_status(client, table)
+def _wait_active(client: DynamoDBClient, table: str, timeout_s: float) -> Mapping[str, Any]:
+    """The table's description once its status is ACTIVE, asked every TABLE_POLL_S.
+
+    What boto3's `table_exists` waiter does, but it returns the answer, which holds the
+    key schema and the index status `create_table` checks next: one DescribeTable for a
+    table that is ready, not one per question. A table not found yet (just created, on an
+    eventually consistent endpoint) is waited for too. Raises DeadLetterUnavailable after
+    `timeout_s`; other botocore errors pass through (the caller wraps)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with aws_errors(
+            f"describing table {table!r}",
+            DeadLetterUnavailable,
+            expect={"ResourceNotFoundException"},
+        ) as missing:
+            described = client.describe_table(TableName=table)["Table"]
+        status = None if missing else described.get("TableStatus")
+        if status == "ACTIVE":
+            return described
+        if time.monotonic() > deadline:
+            raise DeadLetterUnavailable(
+                f"table {table!r} is {status or 'not found'} after {timeout_s:.0f} s"
+            )
+        time.sleep(TABLE_POLL_S)
+
+
+def _ensure_state_index(
+    client: DynamoDBClient,
+    table: str,
+    timeout_s: float,
+    *,
+    described: Mapping[str, Any] | None = None,
+) -> bool:
+    """Add the index unless `described` (or a fresh DescribeTable) shows it; wait until it
+    is ACTIVE. True when it is."""
+    status = (
+        _index_status(described) if described is not None else state_index_status(client, table)
+    )
+    if status == "ACTIVE":
+        return True
     if status is None:
         with aws_errors(
             f"adding index {STATE_INDEX} to {table!r}",
