@@ -147,13 +147,24 @@ def listeners(port: int) -> set[int] | None:
         pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
     except OSError:
         return None
-    found: set[int] = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            fds = f"/proc/{pid}/fd"
-            if any(os.readlink(f"{fds}/{fd}") in inodes for fd in os.listdir(fds)):
-                found.add(pid)
-    return found
+    return {pid for pid in pids if _holds(pid, inodes)}
+
+
+def _holds(pid: int, inodes: set[str]) -> bool:
+    """Whether `pid` has one of the sockets `inodes` open. An fd closed between the
+    listing and its readlink is skipped, not the process: a busy process (a test worker,
+    a proxy) opens and closes descriptors all the time, and one that vanished below the
+    listener's must not hide it."""
+    fds = f"/proc/{pid}/fd"
+    try:
+        listed = os.listdir(fds)
+    except OSError:  # gone, or not ours to read
+        return False
+    for fd in listed:
+        with contextlib.suppress(OSError):  # closed since listed
+            if os.readlink(f"{fds}/{fd}") in inodes:
+                return True
+    return False
 
 
 def descends(pid: int, ancestor: int) -> bool:

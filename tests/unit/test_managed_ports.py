@@ -5,9 +5,11 @@ the wrong one): the process is given another port instead."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -87,3 +89,31 @@ def test_a_listener_of_a_process_the_started_one_started_is_its_own() -> None:
         subprocess.run(["pkill", "-P", str(proc.pid)], check=False)
         proc.kill()
         proc.wait()
+
+
+def test_a_listener_is_seen_while_its_process_opens_and_closes_other_descriptors() -> None:
+    """A test worker or a proxy opens and closes descriptors all the time. One closed
+    between `listeners`' listing of a process's fds and its look at each once hid the
+    whole process, so `wait_for_port` took another process's listener for the started
+    one's (a run beside two busy loops failed the first test above that way)."""
+    below = [os.open(os.devnull, os.O_RDONLY) for _ in range(30)]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        for fd in below:  # free the numbers under the listener's, for the churn to take
+            os.close(fd)
+        stop = threading.Event()
+
+        def churn() -> None:
+            while not stop.is_set():
+                for fd in [os.open(os.devnull, os.O_RDONLY) for _ in range(20)]:
+                    os.close(fd)
+
+        thread = threading.Thread(target=churn)
+        thread.start()
+        try:
+            seen = [listeners(sock.getsockname()[1]) for _ in range(100)]
+        finally:
+            stop.set()
+            thread.join()
+    assert seen == [{os.getpid()}] * 100
