@@ -107,12 +107,17 @@ class Stack:
         from confluent_kafka import Consumer
 
         from triage_proxy.config.settings import load_settings
+        from triage_proxy.kafka.logs import KafkaLog
         from triage_proxy.store.aws import read_secret
         from triage_proxy.store.query import DeadLetterTable
 
         self._dev.start()
         self._watcher = Consumer(
-            {"bootstrap.servers": self._dev.broker.bootstrap, "group.id": self._dev.group_id}
+            {
+                "bootstrap.servers": self._dev.broker.bootstrap,
+                "group.id": self._dev.group_id,
+                **KafkaLog(TOPIC).config(),
+            }
         )
         settings = load_settings(self._dev.config_path, fetch_secret=read_secret)
         self._table = DeadLetterTable(settings.dead_letters, group=settings.kafka.group_id)
@@ -148,11 +153,14 @@ class Stack:
         """Produce `messages` round-robin over the partitions; return them with offsets."""
         from confluent_kafka import Producer
 
+        from triage_proxy.kafka.logs import KafkaLog
+
         producer = Producer(
             {
                 "bootstrap.servers": self._dev.broker.bootstrap,
                 "linger.ms": 2,
                 "message.max.bytes": 8 * 1024 * 1024,
+                **KafkaLog(TOPIC).config(),
             }
         )
         produced: list[Produced | None] = [None] * len(messages)

@@ -4,10 +4,11 @@ Why: left alone, librdkafka prints its own `%3|...|FAIL|...` lines to stderr (th
 spilled onto `triage status`'s output), and every failed connect while the broker is
 down arrives twice, once as a log line and once through `error_cb` (~38 lines a
 second). So no Kafka client Triage builds is left with librdkafka's defaults: the
-proxy's, the group queries', `triage status`'s, the dev stack's, the demo's and a Spark
-replay task's producer pass `KafkaLog(...).config()` (the group membership consumer routes
-its own, `assignment.py`; `triage dlq` and `triage init`, which report a failure
-themselves, keep only librdkafka's errors or none). `KafkaLog`:
+proxy's, the group queries', `triage status`'s, the dev stack's, the demo's, the
+conformance kit's and a Spark replay task's producer pass `KafkaLog(...).config()` (the
+group membership consumer routes its own, `assignment.py`; `triage dlq` and `triage
+init`, which report a failure themselves, keep only librdkafka's errors or none).
+`KafkaLog`:
 
 - `error_cb` is the one report of a client error, rate-limited per error code through
   `logthrottle.LogThrottle` (WARNING; DEBUG with `quiet`, for a command that reports
