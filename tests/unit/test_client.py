@@ -327,7 +327,10 @@ def test_a_running_handler_is_extended_until_it_finishes(proxy: FakeProxy, kind:
     run.stop()
     frames = [offsets for _, offsets in proxy.extends]
     assert sum(0 in offsets for offsets in frames) >= 2, frames
-    assert all(offsets in ([0], [4]) for offsets in frames), "only a running handler is extended"
+    # Offsets 1-3 return at once, but a tick may still list one that is running when a
+    # busy machine delays its thread: what the client promises, and the fake proxy checks
+    # exactly, is that no offset is extended once its settlement has been sent.
+    assert frames[-1] == [4], "a settled handler still extended beside the running one"
     assert proxy.stale_extends == [], "extended after its settlement"
     assert proxy.expired == [], "a lease lapsed although its handler was running"
     assert sorted(proxy.acked()) == [0, 1, 2, 3, 4]
@@ -345,9 +348,10 @@ def test_extends_list_every_running_handler_and_only_while_it_runs(
     proxy.wait_for(lambda: len(proxy.acks) == 3, "3 acks")
     run.stop()
     frames = [offsets for _, offsets in proxy.extends]
-    assert [0, 1] in frames, "one Extend for all running handlers"
+    assert any({0, 1} <= set(offsets) for offsets in frames), "one Extend for all running"
     assert frames[-1] == [0], "offset 1 is no longer extended once its handler finished"
-    assert not any(2 in offsets for offsets in frames), "a fast handler is never extended"
+    # Offset 2 returns at once; a tick that comes while its thread waits for a busy CPU
+    # lists it, rightly. Never after its ack: stale_extends.
     assert (proxy.stale_extends, proxy.expired) == ([], [])
     assert run.consumer.stats.extended == sum(map(len, frames))
 
