@@ -22,6 +22,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from triage_cli.motoserver import NO_ACCESS_LOG
+from triage_cli.supervisor import listen_inodes, socket_inodes
 from triage_proxy.errors import StateError, UnavailableError
 
 logger = logging.getLogger(__name__)
@@ -135,36 +136,16 @@ class PortTaken(UnavailableError):
 def listeners(port: int) -> set[int] | None:
     """The processes listening on TCP `port` (any address), from Linux's /proc; None
     where /proc cannot say (another system). Processes of other users are not seen."""
-    inodes: set[str] = set()
+    if not Path("/proc/net/tcp").exists():
+        return None
+    inodes = {inode for inode, bound in listen_inodes(Path("/proc/net")).items() if bound == port}
+    if not inodes:
+        return set()
     try:
-        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-            with contextlib.suppress(FileNotFoundError), open(table) as rows:
-                for row in list(rows)[1:]:
-                    fields = row.split()
-                    # local address "ADDR:PORT" in hex, state 0A = LISTEN, inode
-                    if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                        inodes.add(f"socket:[{fields[9]}]")
         pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
     except OSError:
         return None
-    return {pid for pid in pids if _holds(pid, inodes)}
-
-
-def _holds(pid: int, inodes: set[str]) -> bool:
-    """Whether `pid` has one of the sockets `inodes` open. An fd closed between the
-    listing and its readlink is skipped, not the process: a busy process (a test worker,
-    a proxy) opens and closes descriptors all the time, and one that vanished below the
-    listener's must not hide it."""
-    fds = f"/proc/{pid}/fd"
-    try:
-        listed = os.listdir(fds)
-    except OSError:  # gone, or not ours to read
-        return False
-    for fd in listed:
-        with contextlib.suppress(OSError):  # closed since listed
-            if os.readlink(f"{fds}/{fd}") in inodes:
-                return True
-    return False
+    return {pid for pid in pids if socket_inodes(pid) & inodes}
 
 
 def descends(pid: int, ancestor: int) -> bool:

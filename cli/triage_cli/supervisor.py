@@ -225,31 +225,49 @@ def listening_ports(pid: int) -> set[int] | None:
     How deploy knows a port that answers belongs to the proxy it started, not to
     another deployment (or anything else) that already held it. A process that is gone
     listens on nothing."""
-    proc = Path(f"/proc/{pid}")
     if not Path("/proc/self/net/tcp").exists():
         return None
-    sockets: set[str] = set()
+    sockets = socket_inodes(pid)
+    if not sockets:
+        return set()
+    listening = listen_inodes(Path(f"/proc/{pid}/net"))
+    return {port for inode, port in listening.items() if inode in sockets}
+
+
+def socket_inodes(pid: int) -> set[str]:
+    """The inodes of the sockets `pid` holds open, from /proc/PID/fd; empty when it is
+    gone or not ours to read. A descriptor closed between the listing and its readlink is
+    skipped alone: a busy process (a test worker, a proxy) opens and closes descriptors
+    all the time, and one that vanished must not hide the others."""
     try:
-        fds = list(proc.joinpath("fd").iterdir())
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
     except OSError:  # gone, or not ours to read
         return set()
+    sockets: set[str] = set()
     for fd in fds:
         with contextlib.suppress(OSError):  # closed since listed
             target = os.readlink(fd)
             if target.startswith("socket:["):
                 sockets.add(target[len("socket:[") : -1])
-    ports: set[int] = set()
+    return sockets
+
+
+def listen_inodes(net: Path) -> dict[str, int]:
+    """inode -> port of every listening TCP socket (IPv4 and IPv6) in the `tcp` and
+    `tcp6` tables of `net` (/proc/net, or /proc/PID/net for that process's network
+    namespace); a table that cannot be read is skipped."""
+    listening: dict[str, int] = {}
     for table in ("tcp", "tcp6"):
         try:
-            lines = proc.joinpath("net", table).read_text().splitlines()[1:]
+            lines = net.joinpath(table).read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
             fields = line.split()
             # sl local_address rem_address st ... inode; st 0A is LISTEN
-            if len(fields) > 9 and fields[3] == "0A" and fields[9] in sockets:
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
+            if len(fields) > 9 and fields[3] == "0A":
+                listening[fields[9]] = int(fields[1].rsplit(":", 1)[1], 16)
+    return listening
 
 
 def wait_gone(pids: Sequence[int], timeout_s: float, marker: str | None = None) -> list[int]:
