@@ -31,7 +31,7 @@ from triage_cli.embedded import (
     stop_process,
     wait_for_port,
 )
-from triage_cli.signals import stop_on_signals
+from triage_cli.signals import stop_on_signals, stop_signals_held
 from triage_cli.supervisor import proxy_command
 from triage_proxy.errors import ConfigError, StateError, UnavailableError
 
@@ -219,12 +219,14 @@ class DevStack:
             proc.stdout.close()
 
     def stop(self) -> None:
-        """Stop every process this stack started, the console and proxies first; safe twice."""
-        self._stop_console()
-        for partition in range(len(self._proxies)):
-            self.stop_proxy(partition)
-        self.aws.stop()
-        self.broker.stop()
+        """Stop every process this stack started, the console and proxies first; safe twice.
+        A second Ctrl-C meanwhile changes nothing (each stop is bounded)."""
+        with stop_signals_held():
+            self._stop_console()
+            for partition in range(len(self._proxies)):
+                self.stop_proxy(partition)
+            self.aws.stop()
+            self.broker.stop()
 
     def __enter__(self) -> DevStack:
         self.start()
@@ -388,7 +390,9 @@ class DevStack:
         )
 
     def wait_for_signal(self) -> None:
-        """Block until SIGINT or SIGTERM, or until a proxy process dies."""
+        """Block until SIGINT or SIGTERM, then stop the stack; or raise when a proxy
+        process dies. The stop runs before the handler goes, so a second signal that
+        comes meanwhile only sets `stop` again."""
         with stop_on_signals() as stop:
             while not stop.wait(0.5):
                 for partition, proc in enumerate(self._proxies):
@@ -397,3 +401,4 @@ class DevStack:
                             f"proxy for partition {partition} exited with {proc.returncode}; "
                             f"see {self.state_dir / f'proxy-{partition}.log'}"
                         )
+            self.stop()

@@ -5,6 +5,7 @@ same way.
     on_stop_signals(callback)        either signal calls `callback` while the block runs
     on_stop_signals(callback, loop)  the same, from an asyncio loop (the proxy)
     stop_on_signals()                an Event either signal sets, for polling loops
+    stop_signals_held()              neither signal does anything: a stop underway ends
     on_stop_signals(interrupt)       either signal raises KeyboardInterrupt, for blocking
                                      work that cannot poll (`exitcodes.exit_on_errors`
                                      does this around every command's body)
@@ -73,3 +74,13 @@ def stop_on_signals() -> Iterator[threading.Event]:
 def interrupt() -> None:
     """A callback for `on_stop_signals` that ends blocking work the way Ctrl-C does."""
     raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM do nothing while the block runs: for a stop already underway
+    that stops processes by PID, each within its bound. A second Ctrl-C raised
+    KeyboardInterrupt inside it and left what it had not reached yet running, orphaned
+    (`triage dev`'s broker and moto server)."""
+    with on_stop_signals(lambda: None):
+        yield

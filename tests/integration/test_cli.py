@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -245,6 +246,45 @@ def test_dev_json_prints_one_line_and_stops_everything_on_sigterm(tmp_path: Path
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream:
+                stream.close()
+
+
+def test_dev_stops_everything_on_a_second_ctrl_c_during_the_first(tmp_path: Path) -> None:
+    """Ctrl-C twice, as an impatient person does: the second one came while the first was
+    stopping the stack, cut the stop short, and left the broker and moto server running
+    with nobody to stop them."""
+    proc = subprocess.Popen(
+        [*TRIAGE, "dev", "--json", "--state-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    children: list[psutil.Process] = []
+    try:
+        assert proc.stdout is not None
+        json.loads(proc.stdout.readline())
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 3  # broker, moto, a proxy
+        proxies = [c for c in children if "proxy" in c.cmdline()]
+        assert len(proxies) == 1, [c.cmdline() for c in children]
+        proc.send_signal(signal.SIGINT)
+        # The second once the stop is underway: the proxy goes first, then moto and Tansu.
+        assert wait_until(lambda: not proxies[0].is_running(), timeout=60, interval=0.005)
+        proc.send_signal(signal.SIGINT)
+        # 0 once it waits for a signal; 130 (interrupted) when the first came just before
+        assert proc.wait(60) in (0, 130)
+        assert wait_until(lambda: not any(c.is_running() for c in children), timeout=30), [
+            c.cmdline() for c in children if c.is_running()
+        ]
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for child in children:  # what the bug left, orphaned
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
         for stream in (proc.stdout, proc.stderr):
             if stream:
                 stream.close()
