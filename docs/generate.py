@@ -204,6 +204,7 @@ def _option_rows(command: Any) -> Iterator[str]:
         if param.param_type_name == "argument":
             name = f"{name} (argument)"
         envvar = f" (environment: `{param.envvar}`)" if param.envvar else ""
+        helptext = helptext.replace("\\[", "[")  # `plain` (triage_cli/helptext.py)
         yield f"| `{_cell(name)}` | {_cell(helptext + envvar)} |\n"
 
 

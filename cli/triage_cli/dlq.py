@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
+from triage_cli.helptext import plain
 from triage_cli.signals import stop_on_signals as _stop_on_signals
 
 if TYPE_CHECKING:
@@ -89,8 +90,10 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable outpu
 GroupOption = Annotated[
     str | None,
     typer.Option(
-        help="The deployment (a Kafka group id) whose dead letters to act on "
-        "[default: the config's kafka.group_id].",
+        help=plain(
+            "The deployment (a Kafka group id) whose dead letters to act on "
+            "[default: the config's kafka.group_id]."
+        ),
         show_default=False,
     ),
 ]

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
+from triage_cli.helptext import plain
 
 if TYPE_CHECKING:
     from triage_proxy.config.push import PushTargetSettings
@@ -280,8 +281,10 @@ def init(
         typer.Option(
             "--push",
             metavar="URL",
-            help="Also deliver the records to this http(s) URL: a [[push]] table named "
-            "after --app-name (no client library needed).",
+            help=plain(
+                "Also deliver the records to this http(s) URL: a [[push]] table named "
+                "after --app-name (no client library needed)."
+            ),
         ),
     ] = None,
     push_batch: Annotated[

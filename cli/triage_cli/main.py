@@ -7,9 +7,7 @@ same graceful path everywhere.
 
 from __future__ import annotations
 
-import inspect
 import logging
-import re
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -20,6 +18,7 @@ from triage_cli.console.command import console
 from triage_cli.deploy import deploy, destroy, supervise
 from triage_cli.dlq import dlq_app
 from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
+from triage_cli.helptext import reflow_help
 from triage_cli.init import config_app, init
 from triage_cli.produce import produce
 from triage_cli.status import status
@@ -91,7 +90,7 @@ def proxy(
     topic's fleet: the deployment's consumer group assigns it partitions, and it serves
     each one once it holds that partition's lease.
 
-    SIGHUP re-reads the \\[auth] section of the config: revoked tokens are refused from
+    SIGHUP re-reads the [auth] section of the config: revoked tokens are refused from
     then on and their open streams end; a bad file keeps the current tokens."""
     import asyncio
     import dataclasses
@@ -253,34 +252,6 @@ app.command(hidden=True)(supervise)
 app.command()(status)
 app.command()(produce)
 app.command()(console)
-
-
-VERBATIM = re.compile(r"^(\s|[-*] |\d+[.)] |\x08)", re.MULTILINE)
-"""A paragraph with a line like these (indented, a list item, click's \\b) keeps its line
-breaks in `--help`."""
-
-
-def reflowed(doc: str) -> str:
-    """`doc` with each paragraph's line breaks made spaces (but VERBATIM paragraphs')."""
-    paragraphs = inspect.cleandoc(doc).split("\n\n")
-    return "\n\n".join(p if VERBATIM.search(p) else " ".join(p.split()) for p in paragraphs)
-
-
-def reflow_help(typer_app: typer.Typer) -> None:
-    """Every command's `--help`, and its summary in the commands list, is its docstring
-    with each paragraph on one line, which rich wraps to the terminal. typer's rich help
-    prints a docstring's line breaks as they are: a docstring wrapped at 90 columns came
-    out ragged on an 80-column terminal, and summaries were cut mid-sentence. Sub-apps
-    (`dlq`, `config`) too."""
-    for info in typer_app.registered_commands:
-        doc = info.help or (info.callback.__doc__ if info.callback is not None else None)
-        if doc:
-            info.help = reflowed(doc)
-            if info.short_help is None:
-                info.short_help = info.help.split("\n\n")[0]
-    for group in typer_app.registered_groups:
-        if group.typer_instance is not None:
-            reflow_help(group.typer_instance)
 
 
 reflow_help(app)

@@ -6,11 +6,17 @@ and left long help ragged."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
+import typer.main
 import typer.rich_utils
 from typer.testing import CliRunner
 
-from triage_cli.main import app, reflowed
+from triage_cli.helptext import reflowed
+from triage_cli.main import app
 
 
 def help_lines(args: list[str], monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -83,3 +89,32 @@ def test_lists_and_indented_paragraphs_keep_their_line_breaks() -> None:
     assert reflowed(doc) == (
         "Summary wrapped.\n\n- one item\n- another\n\n    indented\n    code\n\nProse that wraps."
     )
+
+
+def commands(group: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """The path of every command below `group` (hidden ones too; a click command of
+    typer's own click)."""
+    for name, command in getattr(group, "commands", {}).items():
+        yield (*path, name)
+        yield from commands(command, (*path, name))
+
+
+def test_help_text_prints_as_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Brackets in a command's docstring or an option's help (`topic[partition]@offset`,
+    `[[push]]`, `[auth]`, `[default: ...]`) print as they are: rich reads help as markup
+    and dropped what looked like a style tag, unless it was written through `plain`."""
+    root: Any = typer.main.get_command(app)
+    checked = 0
+    for path in commands(root):
+        command = root
+        for name in path:
+            command = command.commands[name]
+        texts = [command.help or ""] + [getattr(p, "help", None) or "" for p in command.params]
+        shown = " ".join(
+            " ".join(line.strip("│ ").split()) for line in help_lines(list(path), monkeypatch)
+        )
+        for text in texts:
+            for bracketed in re.findall(r"\[[^\]]*\]+", text.replace("\\[", "[")):
+                assert " ".join(bracketed.split()) in shown, (path, bracketed)
+                checked += 1
+    assert checked >= 4  # produce, proxy, init --push and the dlq commands' --group at least
