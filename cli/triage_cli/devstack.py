@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from triage_cli.embedded import (
     HOST,
@@ -34,6 +34,9 @@ from triage_cli.embedded import (
 from triage_cli.signals import stop_on_signals, stop_signals_held
 from triage_cli.supervisor import proxy_command
 from triage_proxy.errors import ConfigError, StateError, UnavailableError
+
+if TYPE_CHECKING:
+    from triage_proxy.config.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,16 @@ def write_config(path: Path, values: dict[str, Any]) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as out:
         tomli_w.dump(values, out)
+
+
+def command(name: str) -> str:
+    """`name` from this interpreter's folder (the venv's bin/), shown relative when
+    under the current folder (`.venv/bin/triage`): what a person pastes works whether
+    or not they activated the venv."""
+    bindir = Path(sys.executable).parent
+    with contextlib.suppress(ValueError):
+        bindir = bindir.relative_to(Path.cwd())
+    return str(bindir / name)
 
 
 class DevStack:
@@ -250,14 +263,17 @@ class DevStack:
     def describe(self) -> dict[str, Any]:
         """What a person or a script needs: the stack's addresses, the token, and
         `endpoint`, the one address a `Consumer` is given (any proxy answers Topology:
-        here partition 0's, as the config advertises it)."""
-        from triage_proxy.config.settings import load_settings
-        from triage_proxy.store.aws import read_secret
-
+        here partition 0's, as the config advertises it). Each proxy's `http` is where
+        it answers `/status`, `/metrics` and `/readyz` (None with the endpoint off)."""
+        server = self._server_settings()
         endpoint = None
         if self.proxy_ports:
-            server = load_settings(self.config_path, fetch_secret=read_secret).server
             endpoint = server.advertised_endpoint(0, self.proxy_ports[0])
+        proxies = []
+        for partition, port in enumerate(self.proxy_ports):
+            address = server.http_address(partition)
+            http = None if address is None else f"http://{address[0]}:{address[1]}"
+            proxies.append({"partition": partition, "target": f"{HOST}:{port}", "http": http})
         return {
             "bootstrap": self.broker.bootstrap,
             "dynamodb_endpoint": self.aws.endpoint_url,
@@ -266,26 +282,25 @@ class DevStack:
             "token": self.token,
             "config": str(self.config_path),
             "endpoint": endpoint,
-            "proxies": [
-                {"partition": p, "target": f"{HOST}:{port}"}
-                for p, port in enumerate(self.proxy_ports)
-            ],
-            "push": self.describe_push(),
+            "proxies": proxies,
+            "push": self.describe_push(server),
             "console": self.console_url,
         }
 
-    def describe_push(self) -> list[dict[str, Any]]:
+    def _server_settings(self) -> ServerSettings:
+        from triage_proxy.config.settings import load_settings
+        from triage_proxy.store.aws import read_secret
+
+        return load_settings(self.config_path, fetch_secret=read_secret).server
+
+    def describe_push(self, server: ServerSettings) -> list[dict[str, Any]]:
         """The `[[push]]` targets the proxies deliver to. A registration target (mode
         "grpc") names where a consumer registers: each proxy's `GET /consumers` (a
         consumer gets the records of the partitions of the proxy it registered with),
         with the raw token as `Authorization` and its own port as `grpcport`."""
-        from triage_proxy.config.settings import load_settings
-        from triage_proxy.store.aws import read_secret
-
         tables = self._overrides.get("push") or []
         if not tables:
             return []
-        server = load_settings(self.config_path, fetch_secret=read_secret).server
         out: list[dict[str, Any]] = []
         for table in tables:
             if table.get("mode", "http") == "http":
@@ -330,6 +345,8 @@ class DevStack:
         table.add_row("consumer endpoint", str(info["endpoint"]))
         for proxy in info["proxies"]:
             table.add_row(f"proxy partition {proxy['partition']}", proxy["target"])
+            if proxy["http"]:
+                table.add_row("  status, metrics", f"{proxy['http']}/status, /metrics")
         for push in info["push"]:
             if push["mode"] == "http":
                 table.add_row(f"push {push['name']}", f"{push['url']} (batch {push['batch']})")
@@ -354,23 +371,25 @@ class DevStack:
                 )
         if info["push"]:
             hint += (
-                f"triage status --config {info['config']} shows each push target's limit, "
-                "latency and errors.\n"
+                f"{command('triage')} status --config {info['config']} shows each push "
+                "target's limit, latency and errors.\n"
             )
         if info["console"]:
             hint += f"Web console (opening the URL logs you in):\n  {info['console']}\n"
         else:
-            hint += f"Web console: triage console -c {info['config']}  (or triage dev --console)\n"
-        if hint:
-            console.print(hint, end="")
+            hint += (
+                f"Web console: {command('triage')} console -c {info['config']}  "
+                "(or triage dev --console)\n"
+            )
         # Plain print, never wrapped: these lines are meant to be copied as they are.
-        print(self.next_steps(info), file=sys.stderr, flush=True)
+        print(hint + self.next_steps(info), file=sys.stderr, flush=True)
         console.print("Ctrl-C stops everything.")
 
     @staticmethod
     def next_steps(info: dict[str, Any]) -> str:
         """What docs/getting-started.md has a newcomer run next, with this stack's values:
-        the environment a consumer reads, and a test message to produce."""
+        the environment a consumer reads, and a test message to produce. With push
+        targets, no consumer: the proxies deliver to them."""
         env = " ".join(
             f"{name}={shlex.quote(str(info[key]))}"
             for name, key in (
@@ -379,15 +398,13 @@ class DevStack:
                 ("TRIAGE_CONFIG", "config"),
             )
         )
-        bindir = Path(sys.executable).parent
-        with contextlib.suppress(ValueError):  # shown relative when under this folder
-            bindir = bindir.relative_to(Path.cwd())
-        return (
-            "In another terminal (docs/getting-started.md):\n"
-            f"  export {env}\n"
-            f"  {bindir / 'python'} consumer.py\n"
-            f'  {bindir / "triage"} produce -c "$TRIAGE_CONFIG" --key order-1 --value hello'
+        lines = ["In another terminal (docs/getting-started.md):", f"  export {env}"]
+        if not info["push"]:
+            lines.append(f"  {command('python')} consumer.py")
+        lines.append(
+            f'  {command("triage")} produce -c "$TRIAGE_CONFIG" --key order-1 --value hello'
         )
+        return "\n".join(lines)
 
     def wait_for_signal(self) -> None:
         """Block until SIGINT or SIGTERM, then stop the stack; or raise when a proxy

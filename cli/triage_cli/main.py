@@ -161,7 +161,10 @@ def dev(
     messages: Annotated[int, typer.Option(help="Demo: messages to produce.", min=10)] = 2000,
     state_dir: Annotated[
         Path | None,
-        typer.Option(help="Where config and logs go (default: a temp folder, removed at exit)."),
+        typer.Option(
+            help="Where config and logs go (default: a temp folder, removed after a clean "
+            "stop and kept after a failure, for its logs)."
+        ),
     ] = None,
     keep_state: Annotated[
         bool, typer.Option("--keep-state", help="Keep the temp folder (logs, config) at exit.")

@@ -5,6 +5,7 @@ const consumer = new Consumer({
   token: process.env.TRIAGE_TOKEN!,
   concurrency: 32,
   handler: async (message) => { // resolve: ack; throw: nack (a dead letter)
+    if (message.value?.toString() === "poison") throw new Error("cannot handle this one");
     console.log(`partition ${message.partition} offset ${message.offset}: ${message.value}`);
   },
 });

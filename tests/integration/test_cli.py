@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -221,6 +222,10 @@ def test_dev_json_prints_one_line_and_stops_everything_on_sigterm(tmp_path: Path
         assert info["push"] == []  # no --push
         assert info["console"] is None  # no --console
         assert [p["partition"] for p in info["proxies"]] == [0, 1]
+        for proxy in info["proxies"]:  # where the runbooks look first
+            with urllib.request.urlopen(proxy["http"] + "/status", timeout=60) as answer:
+                assert answer.status == 200
+                assert json.loads(answer.read())["partitions"], proxy
         assert info["endpoint"] == info["proxies"][0]["target"]  # what a Consumer is given
         assert Path(info["config"]).is_file()
         children = psutil.Process(proc.pid).children(recursive=True)
@@ -291,8 +296,6 @@ def test_dev_stops_everything_on_a_second_ctrl_c_during_the_first(tmp_path: Path
 
 
 def test_dev_console_serves_the_stack_and_stops_with_it(tmp_path: Path) -> None:
-    import urllib.request
-
     proc = subprocess.Popen(
         [*TRIAGE, "dev", "--json", "--console", "--console-port", "0",
          "--state-dir", str(tmp_path)],

@@ -47,6 +47,22 @@ def page_commands() -> list[str]:
     return [line.strip() for block in blocks for line in block.splitlines() if line.strip()]
 
 
+def page_sample() -> list[str]:
+    """The lines of the page's sample of what `triage dev` prints (its ```text block)."""
+    blocks: list[str] = re.findall(r"```text\n(.*?)```", PAGE.read_text(), re.DOTALL)
+    (block,) = blocks
+    return block.splitlines()
+
+
+def sample_shape(lines: list[str]) -> list[str]:
+    """What a sample of `triage dev`'s output must share with it: the table's row names,
+    then each line below the table with its ports, token and paths left out."""
+    rows = [line.split("│")[1].rstrip() for line in lines if line.startswith("│")]
+    end = max(i for i, line in enumerate(lines) if line.startswith("└"))
+    values = r"(127\.0\.0\.1:\d+|/tmp/triage-dev-[^/ ]+|TRIAGE_TOKEN=\S+)"
+    return rows + [re.sub(values, "...", line) for line in lines[end + 1 :]]
+
+
 def shown(command: str) -> str:
     """`command`, which must be on the page as written."""
     assert command in page_commands(), f"docs/getting-started.md no longer shows: {command}"
@@ -166,9 +182,17 @@ def dev_stack(folder: Path, command: str) -> Iterator[dict[str, str]]:
         # The next lines it prints are the page's commands.
         # (They name this interpreter's folder, which is `.venv/bin` from the repo root.)
         bindir = str(Path(sys.executable).parent)
-        for pattern in (r"^\s+(\S+ consumer\.py)$", r"^\s+(\S+ produce .*)$"):
+        push = "--push" in command  # the proxy delivers: no consumer to start
+        consumer = r"^\s+(\S+ consumer\.py)$"
+        for pattern in ([] if push else [consumer]) + [r"^\s+(\S+ produce .*)$"]:
             line = err.wait_for(pattern).group(1).replace(bindir, ".venv/bin")
             assert line in page_commands(), line
+        err.wait_for(r"^Ctrl-C stops everything\.$")
+        if push:
+            assert not any(re.search(consumer, line) for line in err.seen), err.seen
+        else:  # the page's sample of this output has its rows and lines
+            printed = [line.replace(bindir, ".venv/bin") for line in err.seen]
+            assert sample_shape(printed) == sample_shape(page_sample()), printed
         yield env
         stop(proc, err)
 
@@ -197,14 +221,19 @@ def test_the_python_path_works_as_written(folder: Path) -> None:
             out.wait_for(rf": b'{n}'$")
 
         shell(shown('.venv/bin/triage produce -c "$TRIAGE_CONFIG" --value poison'), folder, env)
-        listing = shown('.venv/bin/triage dlq list -c "$TRIAGE_CONFIG"')
-        wide = {**env, "COLUMNS": "200"}  # a terminal wide enough for the reason
-        deadline = time.monotonic() + WAIT_S
-        while "cannot handle this one" not in (text := shell(listing, folder, wide)):
-            assert time.monotonic() < deadline, f"no dead letter listed:\n{text}"
-            time.sleep(0.5)
-        assert "ValueError" in text
+        dead_letter_listed(folder, env, "ValueError: cannot handle this one")
         stop(consumer, err)
+
+
+def dead_letter_listed(folder: Path, env: dict[str, str], reason: str) -> str:
+    """`triage dlq list` as the page runs it, until it lists a dead letter for `reason`."""
+    listing = shown('.venv/bin/triage dlq list -c "$TRIAGE_CONFIG"')
+    wide = {**env, "COLUMNS": "200"}  # a terminal wide enough for the reason
+    deadline = time.monotonic() + WAIT_S
+    while reason not in (text := shell(listing, folder, wide)):
+        assert time.monotonic() < deadline, f"no dead letter for {reason!r} listed:\n{text}"
+        time.sleep(0.5)
+    return text
 
 
 def free_port() -> int:
@@ -273,29 +302,27 @@ def test_the_typescript_path_works_as_written(folder: Path, shared_dir: Path) ->
         packed = npm("pack", "--ignore-scripts", "--pack-destination", str(folder), cwd=TS_PACKAGE)
         tarball = packed.strip().splitlines()[-1]
     assert f"npm install /path/to/triage/clients/typescript/{tarball}" in guide
-    (folder / "package.json").write_text('{"name": "my-consumer", "private": true}\n')
-    npm("install", "--prefer-offline", str(folder / tarball), cwd=folder)
-    types = folder / "node_modules" / "@types" / "node"  # `--types node`: Node's own API
-    if not types.exists():  # (protobufjs, a dependency of the package, brings it along)
-        types.parent.mkdir(exist_ok=True)
-        types.symlink_to(TS_PACKAGE / "node_modules" / "@types" / "node")
+    # The page's commands in a folder of one's own, the tarball's path made this one's.
+    for line in (
+        shown("npm init -y"),
+        shown(f"npm install /path/to/triage/clients/typescript/{tarball}"),
+        shown("npm install --save-dev typescript@5 @types/node@20"),
+    ):
+        args = shlex.split(line.replace("/path/to/triage/clients/typescript", str(folder)))
+        npm(*args[1:], "--prefer-offline", cwd=folder)
     compile_and_run = shown(
         "npx tsc --strict --skipLibCheck --module nodenext --target es2022 --types node"
         " consumer.mts && node consumer.mjs"
     )
-    tsc = [tool("node"), str(TS_PACKAGE / "node_modules" / "typescript" / "bin" / "tsc")]
-    # `npx tsc` is the project's TypeScript; here the client package's, to stay offline.
+    compile_only, run = compile_and_run.split(" && ")
+    npx, *args = shlex.split(compile_only)  # the project's own TypeScript, just installed
     compiled = subprocess.run(
-        [*tsc, *shlex.split(compile_and_run.split(" && ")[0])[2:]],
-        cwd=folder,
-        capture_output=True,
-        text=True,
-        timeout=180,
+        [tool(npx), *args], cwd=folder, capture_output=True, text=True, timeout=180
     )
     assert compiled.returncode == 0, compiled.stdout + compiled.stderr
     with (
         dev_stack(folder, shown(".venv/bin/triage dev")) as env,
-        started(compile_and_run.split(" && ")[1], folder, env) as (consumer, out, err),
+        started(run, folder, env) as (consumer, out, err),
     ):
         landed = shell(
             shown('.venv/bin/triage produce -c "$TRIAGE_CONFIG" --key order-1 --value hello'),
@@ -304,4 +331,7 @@ def test_the_typescript_path_works_as_written(folder: Path, shared_dir: Path) ->
         )
         offset = landed.split("@")[1].strip()
         out.wait_for(rf"^partition 0 offset {offset}: hello$")
+        shell('.venv/bin/triage produce -c "$TRIAGE_CONFIG" --value poison', folder, env)
+        listed = dead_letter_listed(folder, env, "Error: cannot handle this one")
+        assert "poison" not in "\n".join(out.seen), listed  # nacked, never printed
         stop(consumer, err)
