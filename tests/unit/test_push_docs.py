@@ -1,7 +1,10 @@
 """docs/guides/push.md against the code it describes: its receiver recipes and signature checks
 (Python, and TypeScript compiled with the client package's `tsc` and run by `node`) run
 on what the proxy really sends (push/cloudevents.py, push/signing.py) and recover every
-byte; its config examples load; its tables name every `[[push]]` key with its default,
+byte, saved as the files the page names (a receiver imports its recover module); the
+receivers bind loopback and answer what the proxy reads as ack, nack and retry; every
+package a Python block imports beyond the standard library has its install command on
+the page; its config examples load; its tables name every `[[push]]` key with its default,
 every /status field and metric, and the verdicts responses.py gives; its links resolve.
 
 A doc that drifts from the code fails here rather than in a receiver team's production.
@@ -11,21 +14,25 @@ client's tests): a missing one fails with a clear message.
 
 from __future__ import annotations
 
+import ast
 import base64
 import hashlib
 import hmac
 import http.client
+import http.server
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 import threading
 import tomllib
 import unicodedata
 from collections.abc import Iterator
 from dataclasses import MISSING, fields
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -140,7 +147,47 @@ def run_python(*tags: str) -> dict[str, Any]:
     return namespace
 
 
+def run_python_receiver(name: str = "push_docs_recipe") -> dict[str, Any]:
+    """The receiver as the page has a reader save it: python-recover as `recover.py`, and
+    python-receiver (which imports `recover`) executed under `name`."""
+    recover = ModuleType("recover")
+    recover.__file__ = "recover.py"
+    exec(
+        compile(tagged("python-recover"), "docs/guides/push.md[python-recover]", "exec"),
+        vars(recover),
+    )
+    saved = sys.modules.get("recover")
+    sys.modules["recover"] = recover
+    try:
+        namespace: dict[str, Any] = {"__name__": name}
+        receiver = tagged("python-receiver")
+        exec(compile(receiver, "docs/guides/push.md[python-receiver]", "exec"), namespace)
+    finally:
+        if saved is None:
+            del sys.modules["recover"]
+        else:
+            sys.modules["recover"] = saved
+    return namespace
+
+
 # --- the Python recipes -------------------------------------------------------------------
+
+
+def test_every_package_a_python_block_needs_has_its_install_command() -> None:
+    installs = " ".join(re.findall(r"`[^`\n]*pip install ([^`\n]+)`", doc()))
+    local = {"recover"}  # the page's own file, beside the receiver
+    for block in code_blocks("python"):
+        for node in ast.walk(ast.parse(block)):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module is not None:
+                names = [node.module]
+            else:
+                continue
+            for top in {name.split(".")[0] for name in names}:
+                if top in sys.stdlib_module_names or top in local:
+                    continue
+                assert top in installs, f"no `pip install {top}` on the page for:\n{block}"
 
 
 def test_the_python_recipe_recovers_every_byte_in_binary_mode() -> None:
@@ -171,7 +218,7 @@ class Served:
     was given: ValueError for a value of b"poison", RuntimeError for b"flaky"."""
 
     def __init__(self) -> None:
-        namespace = run_python("python-recover", "python-receiver")
+        namespace = run_python_receiver()
         self.seen: list[Recovered] = []
 
         def handle(record_id: str, key: Any, value: Any, headers: Any) -> None:
@@ -246,6 +293,23 @@ def test_the_python_receiver_answers_a_batch_with_its_failures(served: Served) -
         event_id(POISON): (Verdict.NACK, "poison pill"),
         event_id(FLAKY): (Verdict.RETRY, "try later"),
     }
+
+
+def test_the_python_receiver_run_as_a_script_binds_loopback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bound: list[tuple[str, int]] = []
+
+    class NotServing:
+        def __init__(self, address: tuple[str, int], handler: type) -> None:
+            bound.append(address)
+
+        def serve_forever(self) -> None:
+            pass
+
+    monkeypatch.setattr(http.server, "ThreadingHTTPServer", NotServing)
+    run_python_receiver("__main__")
+    assert bound == [("127.0.0.1", 8080)]
 
 
 # --- the signature ------------------------------------------------------------------------
@@ -343,6 +407,52 @@ process.stdout.write(
 """
 
 
+# The page's receiver, run as `node receiver.mjs` would run it (PORT=0: a free port), with a
+# `handle` that throws Poison for a value of "poison" and an Error for "flaky": it POSTs
+# each case (given on stdin) to the address the receiver listens on.
+RECEIVER_HARNESS = """
+import { readFileSync } from "node:fs";
+import { Server, request } from "node:http";
+
+const input = JSON.parse(readFileSync(0, "utf8"));
+let server;
+const listen = Server.prototype.listen;
+Server.prototype.listen = function (...args) {
+  server = this;
+  return listen.apply(this, args);
+};
+await import("./receiver_run.mjs");
+if (!server.listening) await new Promise((resolve) => server.once("listening", resolve));
+const { address, port } = server.address();
+const post = ({ headers, body }) =>
+  new Promise((resolve, reject) => {
+    const req = request(
+      { host: address, port, method: "POST", path: "/", headers, agent: false },
+      (res) => {
+        const chunks = [];
+        res.on("data", (c) => chunks.push(c));
+        res.on("end", () =>
+          resolve([res.statusCode, res.headers, Buffer.concat(chunks).toString("base64")]),
+        );
+      },
+    );
+    req.on("error", reject);
+    req.end(Buffer.from(body, "base64"));
+  });
+const answers = [];
+for (const c of input) answers.push(await post(c));
+server.close();
+process.stdout.write(JSON.stringify({ address, answers }));
+"""
+
+YOUR_WORK = (
+    "  // Your work: throw Poison to dead-letter the record, anything else to redeliver it.\n"
+)
+TEST_WORK = """  if (record.value?.toString() === "poison") throw new Poison("poison pill");
+  if (record.value?.toString() === "flaky") throw new Error("try later");
+"""
+
+
 def tool(name: str) -> str:
     path = shutil.which(name)
     if path is None:
@@ -354,9 +464,10 @@ def tool(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory: pytest.TempPathFactory, shared_dir: Path) -> Path:
-    """The doc's TypeScript blocks type-checked (strict, against @types/node) and compiled
-    with the client package's TypeScript: recover.mjs and verify.mjs to run, and the
-    receiver (with recover, as one file) checked only, since it listens when loaded."""
+    """The doc's TypeScript blocks saved as the files the page names, type-checked (strict,
+    against @types/node) and compiled with the client package's TypeScript, as the page's
+    `npx tsc` line does: recover.mjs and verify.mjs, receiver.mjs (which imports
+    ./recover.mjs), and receiver_run.mjs, the receiver with a `handle` to run it by."""
     node = tool("node")
     tsc = TS_PACKAGE / "node_modules" / "typescript" / "bin" / "tsc"
     installed = shared_dir / TS_INSTALLED
@@ -377,7 +488,10 @@ def compiled(tmp_path_factory: pytest.TempPathFactory, shared_dir: Path) -> Path
     src = work / "src"
     src.mkdir()
     (src / "recover.mts").write_text(tagged("ts-recover"))
-    (src / "receiver.mts").write_text(tagged("ts-recover") + tagged("ts-receiver"))
+    receiver = tagged("ts-receiver")
+    (src / "receiver.mts").write_text(receiver)
+    assert receiver.count(YOUR_WORK) == 1, "the TypeScript receiver's `handle` has changed"
+    (src / "receiver_run.mts").write_text(receiver.replace(YOUR_WORK, TEST_WORK))
     (src / "verify.mts").write_text(tagged("ts-verify"))
     out = subprocess.run(
         [
@@ -408,6 +522,7 @@ def compiled(tmp_path_factory: pytest.TempPathFactory, shared_dir: Path) -> Path
     )
     assert out.returncode == 0, f"docs/guides/push.md's TypeScript does not compile:\n{out.stdout}"
     (work / "harness.mjs").write_text(HARNESS)
+    (work / "receiver_harness.mjs").write_text(RECEIVER_HARNESS)
     return work
 
 
@@ -464,6 +579,56 @@ def test_the_typescript_verification_accepts_the_proxys_signature_and_refuses_th
     ts_results: dict[str, Any],
 ) -> None:
     assert ts_results["verify"] == [accepted for *_, accepted in signature_cases()]
+
+
+@pytest.fixture(scope="module")
+def ts_receiver(compiled: Path) -> dict[str, Any]:
+    """The address the doc's TypeScript receiver listens on, and its answers (status,
+    headers, base64 body) to each record of RECORDS, POISON and FLAKY in binary mode, then
+    to all of them as one batch."""
+    records = [*RECORDS, POISON, FLAKY]
+    cases = [{"headers": binary_headers(r, SHAPE), "body": b64(r.value or b"")} for r in records]
+    batch = batch_body([batch_event(r, SHAPE) for r in records])
+    cases.append({"headers": {"content-type": BATCH_CONTENT_TYPE}, "body": b64(batch)})
+    out = subprocess.run(
+        [tool("node"), str(compiled / "receiver_harness.mjs")],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "PORT": "0"},
+    )
+    assert out.returncode == 0, out.stderr
+    result: dict[str, Any] = json.loads(out.stdout)
+    return result
+
+
+def test_the_typescript_receiver_binds_loopback(ts_receiver: dict[str, Any]) -> None:
+    assert ts_receiver["address"] == "127.0.0.1"
+
+
+def test_the_typescript_receiver_answers_what_the_proxy_reads_as_ack_nack_retry(
+    ts_receiver: dict[str, Any],
+) -> None:
+    *binary, batch = [
+        classify(status, headers, base64.b64decode(body))
+        for status, headers, body in ts_receiver["answers"]
+    ]
+    *acked, poison, flaky = binary
+    assert {outcome.verdict for outcome in acked} == {Verdict.ACK}
+    assert (poison.verdict, poison.reason) == (Verdict.NACK, "HTTP 422: Poison: poison pill")
+    assert flaky.verdict is Verdict.RETRY
+    # The batch: acked, with the failures in the body, reasons as the page gives them.
+    assert batch.verdict is Verdict.ACK
+    body = ts_receiver["answers"][-1][2]
+    records = [*RECORDS, POISON, FLAKY]
+    failures = batch_failures(base64.b64decode(body), {event_id(r) for r in records})
+    assert failures is not None
+    assert {i: (o.verdict, o.reason) for i, o in failures.items()} == {
+        event_id(POISON): (Verdict.NACK, "Poison: poison pill"),
+        event_id(FLAKY): (Verdict.RETRY, "Error: try later"),
+    }
 
 
 # --- the tables ---------------------------------------------------------------------------
