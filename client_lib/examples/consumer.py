@@ -1,6 +1,9 @@
 """A runnable Triage consumer: prints what it handles and fails values starting with b"poison".
 
-    TRIAGE_TOKEN=... python client_lib/examples/consumer.py --target localhost:7700
+    TRIAGE_TOKEN=... python client_lib/examples/consumer.py --endpoint HOST:PORT
+
+(or with `triage dev`'s `export` line run first, no option at all: the endpoint and the
+token come from TRIAGE_ENDPOINT and TRIAGE_TOKEN)
 
 Returning from the handler acks the message; raising nacks it, and the proxy writes it to the
 dead-letter table instead of blocking the partition. Values starting with b"busy" raise
@@ -39,7 +42,15 @@ async def handle(message: Message) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", required=True, help="any proxy of the deployment, HOST:PORT")
+    endpoint = os.environ.get("TRIAGE_ENDPOINT")
+    parser.add_argument(
+        "--endpoint",
+        "--target",  # the name older scripts pass
+        default=endpoint,
+        required=endpoint is None,
+        help="the consumer endpoint, any proxy of the deployment: HOST:PORT "
+        "(default: $TRIAGE_ENDPOINT)",
+    )
     parser.add_argument(
         "--token-env",
         default="TRIAGE_TOKEN",
@@ -54,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
     consumer = Consumer(
-        args.target,
+        args.endpoint,
         token,
         handle,
         concurrency=args.concurrency,

@@ -7,6 +7,8 @@
  *
  *     npm run build
  *     TRIAGE_TOKEN=... node examples/consumer.js --endpoint HOST:PORT [--concurrency 32]
+ *
+ * (or with `triage dev`'s `export` line run first, no --endpoint: TRIAGE_ENDPOINT is read)
  */
 "use strict";
 
@@ -31,7 +33,7 @@ async function handle(message) {
 
 async function main() {
   const consumer = new Consumer({
-    endpoint: option("endpoint", "127.0.0.1:7700"),
+    endpoint: option("endpoint", process.env.TRIAGE_ENDPOINT ?? "127.0.0.1:7700"),
     token: process.env.TRIAGE_TOKEN ?? "",
     concurrency: Number(option("concurrency", "32")),
     consumerId: option("id", ""),
