@@ -10,12 +10,16 @@ import time
 
 from confluent_kafka import Consumer, TopicPartition
 
+from triage_proxy.kafka.logs import KafkaLog
+
 
 class CommitWatcher:
     """Polls a group's committed offsets (one long-lived client, cheap to poll)."""
 
     def __init__(self, bootstrap: str, group: str, topic: str, partitions: int) -> None:
-        self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+        self._consumer = Consumer(
+            {"bootstrap.servers": bootstrap, "group.id": group, **KafkaLog().config()}
+        )
         self._tps = [TopicPartition(topic, p) for p in range(partitions)]
         self.reached: dict[int, float] = {}
         """Partition -> time.time() of the poll that first saw its expected offset

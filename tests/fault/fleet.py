@@ -78,6 +78,7 @@ from tests.fault.verify import (
 from triage_cli.devstack import DevStack
 from triage_cli.embedded import HOST
 from triage_cli.supervisor import fleet_command
+from triage_proxy.kafka.logs import KafkaLog
 
 logger = logging.getLogger(__name__)
 
@@ -447,7 +448,11 @@ class TopicLog:
 
         self._partitions = partitions
         self._consumer = Consumer(
-            {"bootstrap.servers": bootstrap, "group.id": f"fault-log-{time.time_ns()}"}
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": f"fault-log-{time.time_ns()}",
+                **KafkaLog().config(),
+            }
         )
 
     def ends(self) -> dict[int, int]:

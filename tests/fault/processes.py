@@ -25,6 +25,7 @@ from confluent_kafka import KafkaException, Producer
 from tests.commit_watcher import CommitWatcher
 from tests.fault.scenario import SLOW_FACTOR, TOPIC, Fault, Options, Workload
 from triage_cli.devstack import DevStack
+from triage_proxy.kafka.logs import KafkaLog
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class Production(threading.Thread):
                 "request.timeout.ms": patience_ms,
                 "socket.timeout.ms": patience_ms,
                 "message.timeout.ms": 0,
+                **KafkaLog().config(),
             }
         )
         self._workload = workload

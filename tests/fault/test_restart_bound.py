@@ -30,6 +30,7 @@ from tests.fault.report import Report
 from tests.fault.scenario import TOPIC, Options, Workload, proxy_overrides
 from tests.fault.verify import scan_dead_letters, verify
 from triage_cli.devstack import DevStack
+from triage_proxy.kafka.logs import KafkaLog
 
 # Kills inside catch-up bursts want the CPU the bursts need: with the other CPU-heavy
 # tests on one worker (--dist loadgroup).
@@ -75,7 +76,7 @@ class Logs:
 
 def produce(bootstrap: str, workload: Workload, indexes: range, offsets: dict[int, int]) -> None:
     """Produce `indexes` of the workload and wait for every delivery report."""
-    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, **KafkaLog().config()})
 
     def delivered(err: object, msg: object) -> None:
         assert err is None, err

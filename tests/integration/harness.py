@@ -35,6 +35,7 @@ from triage_proxy.app import Proxy
 from triage_proxy.config.settings import DeadLetterSettings, Settings, settings_from_dict
 from triage_proxy.deadletters.writer import DeadLetterWriter
 from triage_proxy.kafka.client import PartitionLog
+from triage_proxy.kafka.logs import KafkaLog
 from triage_proxy.store.deadletter_store import DynamoDBStore
 from triage_proxy.store.items import dead_letter_from_item
 from triage_proxy.store.provisioning import KEY_ATTRIBUTES, KEY_SCHEMA_SPEC, create_table
@@ -96,14 +97,14 @@ def headers_of(msg: KafkaMessage) -> list[tuple[str, bytes | None]]:
 
 
 def create_topic(bootstrap: str, topic: str, partitions: int = 1) -> None:
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient({"bootstrap.servers": bootstrap, **KafkaLog().config()})
     for future in admin.create_topics([NewTopic(topic, partitions, 1)]).values():
         future.result(timeout=30)
 
 
 def produce(bootstrap: str, topic: str, messages: Iterable[Message], partition: int = 0) -> int:
     """Produce (key, value, headers) tuples to one partition; return how many."""
-    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 2})
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 2, **KafkaLog().config()})
     n = 0
     for key, value, headers in messages:
         # a copy typed as the stub's list (invariant) of str or bytes values; ours are bytes
@@ -115,7 +116,7 @@ def produce(bootstrap: str, topic: str, messages: Iterable[Message], partition: 
 
 
 def committed(bootstrap: str, group: str, topic: str, partition: int = 0) -> int:
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, **KafkaLog().config()})
     try:
         return int(consumer.committed([TopicPartition(topic, partition)], 10)[0].offset)
     finally:

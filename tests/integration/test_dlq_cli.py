@@ -22,6 +22,7 @@ from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port
 from triage_cli.exitcodes import ExitCode
 from triage_cli.main import app
 from triage_proxy.config.settings import DeadLetterSettings, load_settings
+from triage_proxy.kafka.logs import KafkaLog
 from triage_proxy.store.items import MAX_ITEM_BYTES
 from triage_proxy.store.provisioning import create_bucket, create_table
 from triage_proxy.store.query import DeadLetterTable, Filters
@@ -117,7 +118,13 @@ def status_of(stack: Stack, partition: int, offset: int) -> str:
 def consume_all(bootstrap: str, topic: str, partitions: int = 2) -> list[Any]:
     from confluent_kafka import Consumer, TopicPartition
 
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"c-{time.monotonic_ns()}"})
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"c-{time.monotonic_ns()}",
+            **KafkaLog().config(),
+        }
+    )
     consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
     found = []
     quiet = time.monotonic() + 3
@@ -313,7 +320,9 @@ def test_sigint_during_replay_says_it_was_interrupted_and_what_remains(
         stderr=subprocess.PIPE,
         text=True,
     )
-    watcher = Consumer({"bootstrap.servers": stack.bootstrap, "group.id": f"w-{topic}"})
+    watcher = Consumer(
+        {"bootstrap.servers": stack.bootstrap, "group.id": f"w-{topic}", **KafkaLog().config()}
+    )
     watcher.assign([TopicPartition(topic, 0, 0)])
     try:
         deadline = time.monotonic() + 120
