@@ -234,9 +234,12 @@ class Proxy:
 
     @property
     def is_ready(self) -> bool:
-        """Readiness: running, and delivering every partition it should serve now."""
+        """Readiness: running, a member of the group (fleet), and delivering every
+        partition it should serve now."""
         if self._state is not ProxyState.RUNNING:
             return False
+        if self._fleet is not None and not self._fleet.member:
+            return False  # a lost session: it serves nothing, and may own nothing
         wanted = self._wanted()
         return all(
             (p := self.pipelines.get(n)) is not None and p.state is PipelineState.RUNNING
@@ -292,6 +295,7 @@ class Proxy:
             owner=self.owner,
             pid=os.getpid(),
             mode="pinned" if self.pins is not None else "fleet",
+            member=self._fleet is None or self._fleet.member,
             assigned=tuple(sorted(self._wanted())),
             partitions=tuple(self.snapshot(p, now=now) for p in shown),
             push=self.push.snapshot(),

@@ -48,6 +48,11 @@ class FleetMembership:
     def joined(self) -> bool:
         return self.membership is not None and self.membership.joined
 
+    @property
+    def member(self) -> bool:
+        """Holds the group's current assignment (False from a lost session until the next)."""
+        return self.membership is not None and self.membership.member
+
     async def join(self, stack: contextlib.AsyncExitStack) -> Membership:
         """Join the deployment's consumer group; it is left as `stack` unwinds."""
         membership = self.membership

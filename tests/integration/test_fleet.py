@@ -34,6 +34,7 @@ from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, free_port_block
 from triage_client import Consumer, Message
 from triage_proxy.app import Proxy
+from triage_proxy.observe.endpoint import NOT_A_MEMBER
 
 pytestmark = pytest.mark.integration
 
@@ -174,6 +175,22 @@ def served_by(http_port: int) -> list[int] | None:
     except (OSError, http.client.HTTPException):
         return None
     return list(doc["served"])
+
+
+def readyz(http_port: int) -> tuple[int, str] | None:
+    """The fleet process's /readyz: (status, body); None when none answers."""
+    import http.client
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/readyz", timeout=2) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as refused:
+        with refused:
+            return refused.code, refused.read().decode()
+    except (OSError, http.client.HTTPException):
+        return None
 
 
 def test_two_fleet_processes_split_six_partitions_and_one_leaving_hands_its_over(
@@ -394,11 +411,14 @@ def test_a_fleet_process_that_loses_the_group_coordinator_stops_delivering(
             try:
                 assert wait_until(lambda: served_by(http) == [], 30), served_by(http)
                 drained_after = time.monotonic() - stopped
+                # Serving nothing of nothing assigned is not ready: out of the group.
+                assert readyz(http) == (503, f"{NOT_A_MEMBER}\n"), readyz(http)
                 assert wait_until(lambda: leases_live() == [], 30), leases_live()
                 assert proc.poll() is None  # it stays up, delivering nothing
             finally:
                 broker.signal(signal.SIGCONT)
             assert wait_until(lambda: served_by(http) == [0, 1], 90), served_by(http)
+            assert wait_until(lambda: (readyz(http) or (0, ""))[0] == 200, 30), readyz(http)
         finally:
             kill_processes([proc])
             reader.close()

@@ -23,6 +23,7 @@ folder), tests/unit/test_init_push.py (init's next steps), tests/unit/test_statu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import subprocess
@@ -41,9 +42,14 @@ from triage_cli.main import app
 from triage_protocol import triage_pb2 as pb
 from triage_proxy.errors import FrameError
 from triage_proxy.observe import endpoint as endpoint_module
-from triage_proxy.observe.endpoint import BROKER_GONE, HttpEndpoint, not_ready_because
+from triage_proxy.observe.endpoint import (
+    BROKER_GONE,
+    NOT_A_MEMBER,
+    HttpEndpoint,
+    not_ready_because,
+)
 from triage_proxy.observe.logthrottle import LogThrottle, throttle_decision
-from triage_proxy.observe.snapshot import ProxySnapshot
+from triage_proxy.observe.snapshot import ProcessSnapshot, ProxySnapshot
 from triage_proxy.server.grammar import checked_frames
 
 TOKEN = "unit-test-token-0123456789"
@@ -603,6 +609,19 @@ def test_readiness_is_false_while_the_broker_is_gone_and_nothing_is_left(
     base: dict[str, Any] = {"topic": "t", "partition": 0, "alive": True, "grpc_port": 1}
     base.update({"window_max_messages": 1, "window_max_bytes": 1, "advertised_endpoint": ""})
     assert not_ready_because(ProxySnapshot(**base, **snap)) == why
+
+
+@pytest.mark.parametrize(
+    ("state", "member", "why"),
+    [
+        pytest.param("running", False, NOT_A_MEMBER, id="session-lost"),
+        pytest.param("starting", False, "starting", id="not-joined-yet"),
+    ],
+)
+def test_a_fleet_process_out_of_its_group_is_not_ready(state: str, member: bool, why: str) -> None:
+    """A lost group session empties the assignment: serving "all of nothing" is not ready."""
+    snap = ProcessSnapshot(topic="t", state=state, ready=False, alive=True, mode="fleet")
+    assert not_ready_because(dataclasses.replace(snap, member=member)) == why
 
 
 def test_the_throttle_policy_logs_first_then_counts() -> None:

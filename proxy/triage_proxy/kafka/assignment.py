@@ -107,6 +107,10 @@ class Membership(Protocol):
 
     joined: bool
     """An assignment was received since start (even an empty one)."""
+    member: bool
+    """It holds the coordinator's current assignment: set by each assignment, cleared
+    when the session is lost until the next one (what a fleet process's /readyz needs:
+    an empty assignment is a member with nothing to do, a lost session is not)."""
     changed: asyncio.Event
     """Set whenever `target()` may have changed; the reader clears it."""
 
@@ -148,6 +152,7 @@ class Assignment:
         self._grace_s = grace_s
         self._monotonic = monotonic
         self.joined = False
+        self.member = False
         self.changed = asyncio.Event()
         self.assigned: frozenset[int] = frozenset()
         """What the coordinator gave this member last (emptied when the session is lost)."""
@@ -297,7 +302,7 @@ class Assignment:
     def _assigned(self, partitions: frozenset[int]) -> None:
         self.assigned = partitions
         self._revoked_at = None
-        self.joined = True
+        self.joined = self.member = True
         self.rebalances += 1
         self.changed.set()
         logger.info("group assigned partitions %s here", sorted(partitions))
@@ -310,6 +315,7 @@ class Assignment:
 
     def _lost(self) -> None:
         self.assigned = frozenset()
+        self.member = False
         self._revoked_at = None
         self.changed.set()
         logger.warning("group session lost: every partition drains now")

@@ -183,6 +183,7 @@ class HttpEndpoint:
 
 
 BROKER_GONE = "broker unreachable and nothing left to deliver"
+NOT_A_MEMBER = "not a member of the consumer group (its session was lost): rejoining"
 
 
 def not_ready_because(snap: ProcessSnapshot | ProxySnapshot) -> str | None:
@@ -195,7 +196,8 @@ def not_ready_because(snap: ProcessSnapshot | ProxySnapshot) -> str | None:
     ready; the first good answer from the broker makes it ready again (the watermark is
     asked every 2 s, see logend.py)."""
     if not snap.ready:
-        return snap.state
+        lost = isinstance(snap, ProcessSnapshot) and not snap.member
+        return NOT_A_MEMBER if lost and snap.state == "running" else snap.state
     parts = snap.partitions if isinstance(snap, ProcessSnapshot) else (snap,)
     for part in parts:
         broker_gone = "fetch" in part.degraded or "log_end" in part.degraded

@@ -345,6 +345,9 @@ class ProcessSnapshot:
     """Its operating-system process id."""
     mode: str = "pinned"
     """"pinned" (`--partition`) or "fleet" (assigned by the consumer group)."""
+    member: bool = True
+    """Fleet: it holds the group's current assignment (False from a lost group session
+    until the coordinator assigns again); pinned: always True."""
     assigned: tuple[int, ...] = ()
     """Pinned: the pins; fleet: what the group coordinator assigned it last."""
     partitions: tuple[ProxySnapshot, ...] = ()
@@ -375,6 +378,7 @@ class ProcessSnapshot:
             owner=self.owner,
             pid=self.pid,
             mode=self.mode,
+            member=self.member,
             assigned=list(self.assigned),
             served=self.served,
             partitions=[p.to_json() for p in self.partitions],
