@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -33,7 +34,7 @@ from tests.integration.harness import (
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
 from triage_proxy.app import Proxy, ProxyState
-from triage_proxy.errors import OwnershipLost
+from triage_proxy.errors import NotFoundError, OwnershipLost
 from triage_proxy.store.items import lease_source
 from triage_proxy.store.leases import DynamoDBLeases, Lease
 from triage_proxy.store.query import DeadLetterTable, Filters
@@ -144,6 +145,24 @@ class Recorder:
                 if task is not None and task.cancelling():
                     raise asyncio.CancelledError from None
                 await asyncio.sleep(0.05)
+
+
+def test_a_lease_call_on_a_missing_table_says_what_it_read_and_which_table(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, unique_name: str
+) -> None:
+    settings = settings_for(broker, aws, unique_name)
+    gone = dataclasses.replace(settings.dead_letters, table=f"{unique_name}-missing")
+    leases = DynamoDBLeases(gone, unique_name, 0, settings.kafka.group_id)
+    try:
+        with pytest.raises(NotFoundError) as read:
+            leases.get()
+        with pytest.raises(NotFoundError) as acquired:  # reads an old proxy's lease first
+            leases.acquire("a", 1_000, 3_000)
+    finally:
+        leases.close()
+    table = f"the dead-letter table '{unique_name}-missing' does not exist"
+    assert str(read.value).startswith(f"reading the partition lease: {table}")
+    assert str(acquired.value).startswith(f"reading the partition's legacy lease: {table}")
 
 
 def test_standby_takes_over_after_kill_9_and_never_delivers_at_once(

@@ -122,32 +122,29 @@ class DynamoDBLeases:
         )
 
     def _conditional(self, what: str, call: Callable[[], Any]) -> bool:
-        with aws_errors(
-            f"{what} the partition lease",
-            TableUnavailable,
-            expect={CONDITION_FAILED, TABLE_MISSING},
-        ) as refused:
+        doing = f"{what} the partition lease"
+        expect = {CONDITION_FAILED, TABLE_MISSING}
+        with aws_errors(doing, TableUnavailable, expect=expect) as refused:
             call()
         if refused.code == TABLE_MISSING:
-            raise self._missing(what) from refused.error
+            raise self._missing(doing) from refused.error
         return not refused
 
-    def _missing(self, what: str) -> NotFoundError:
+    def _missing(self, doing: str) -> NotFoundError:
         # Waiting cannot help (a standby would wait forever): say which table.
         return NotFoundError(
-            f"{what} the partition lease: the dead-letter table {self._table!r} does not "
-            f"exist (create it: `triage deploy` does; `triage config check --connect` "
-            f"checks it)"
+            f"{doing}: the dead-letter table {self._table!r} does not exist (create it: "
+            f"`triage deploy` does; `triage config check --connect` checks it)"
         )
 
     def _read(self, what: str, key: Mapping[str, Any]) -> Mapping[str, Any] | None:
-        """The item at `key` (a consistent read), None when there is none."""
-        with aws_errors(
-            f"{what} the partition lease", TableUnavailable, expect={TABLE_MISSING}
-        ) as refused:
+        """The item at `key` (a consistent read; `what` it is, for errors), None when there
+        is none."""
+        doing = f"reading {what}"
+        with aws_errors(doing, TableUnavailable, expect={TABLE_MISSING}) as refused:
             found = self._client.get_item(TableName=self._table, Key=key, ConsistentRead=True)
         if refused.code == TABLE_MISSING:
-            raise self._missing(what) from refused.error
+            raise self._missing(doing) from refused.error
         item: Mapping[str, Any] | None = found.get("Item")
         return item
 
@@ -222,13 +219,13 @@ class DynamoDBLeases:
         )
 
     def get(self) -> Lease | None:
-        item = self._read("reading", self._key)
+        item = self._read("the partition lease", self._key)
         return None if item is None else lease_from_item(item)
 
     def _live_legacy(self, now_ms: int) -> Lease | None:
         """The legacy lease item of an old proxy if it is live at `now_ms` (its owner
         marked as such); None when there is none or it lapsed."""
-        item = self._read("reading the legacy", self._legacy_key)
+        item = self._read("the partition's legacy lease", self._legacy_key)
         if item is None:
             return None
         lease = lease_from_item(item)
