@@ -341,7 +341,11 @@ class Ownership:
         logger.debug("lease %s", "released" if done else "was no longer ours to release")
 
     def lost_error(self) -> OwnershipLost:
+        """What ends the pipeline. True in both modes: a pinned process then exits 3 and
+        its supervisor restarts it as a standby; a fleet process goes on, and serves the
+        partition again once assigned it and holding its lease."""
         why = f": {self.lost_reason}" if self.lost_reason else ""
         return OwnershipLost(
-            f"lost the partition lease (owner {self.owner}){why}; restart to wait as a standby"
+            f"lost the partition lease (owner {self.owner}){why}; it stops delivering the "
+            "partition until it holds the lease again"
         )
