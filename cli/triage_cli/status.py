@@ -8,10 +8,15 @@ Each row joins three sources, so one that is down costs only its own columns:
   (high watermark); lag = log end - committed (log end - low watermark when nothing is
   committed yet). The partition count is `kafka.partitions`, else the topic's metadata.
 - each proxy process's `/status` (`server.http_host`, or `--host`, at `server.http_port + k`
-  for k in 0..partitions-1: one process per partition, or a fleet's process slots). A
-  process lists the partitions it runs (`partitions`); a partition's row comes from the
-  process that serves it (`served_by`: its pid, owner id and endpoint), so a fleet shows
-  which process serves which partition. A partition no process lists is down. With
+  for each process slot k; `process_slots` says which). A local deployment's record
+  (`.triage/state.json` next to the config, written by its supervisor) names its slots:
+  a fleet's N processes, or one per partition; each recorded slot is a process that
+  should run, so one that does not answer is down. Without a record (processes started
+  by hand, or on another host) slots 0..partitions-1 are asked, and in a fleet a slot
+  above the last one answering is no process of it. A process lists the partitions it
+  runs (`partitions`); a partition's row comes from the process that serves it
+  (`served_by`: its pid, owner id and endpoint), so a fleet shows which process serves
+  which partition. A partition no process lists is down. With
   `--target aws` the processes are the deployment's running ECS tasks (`aws.fleet_hosts`),
   each asked at `server.http_port` on its private IP. Per row:
   state, the endpoint it advertises to consumers (`server.advertised_*`, what the lease
@@ -31,8 +36,11 @@ state ("ok", or why delivery waits, e.g. an outage). `--json` has them under `pu
 
 Only this config's processes count: a process that answers at one of its ports for
 another topic, group or dead-letter table (`/status` names them) is another deployment's,
-and its partition is down; when no process of this deployment answers, the report says
-plainly that nothing is deployed for it (and which deployment answers instead).
+and its partition is down; when no process of this deployment answers and no supervisor
+of it is alive, the report says plainly that nothing is deployed for it (and which
+deployment answers instead). Processes that answer but serve no partition (during a
+broker outage a fleet's processes lose their group session and drain everything) are
+said to be so, with the broker's error, not taken for an absent deployment.
 
 Exit codes (`exitcodes.ExitCode`): 0 every proxy answered; 1 some proxy is down, or
 nothing is deployed (the report is still printed); 2 bad config or flags; 3 the broker
@@ -110,6 +118,66 @@ class ProxyView:
 
 
 @dataclass(frozen=True)
+class LocalDeployment:
+    """What the supervisor's state.json records of this config's local deployment."""
+
+    fleet: bool
+    """N fleet processes share the partitions (else one pinned process per partition)."""
+    slots: int
+    """Process slots the supervisor keeps running: each should answer at its port."""
+    topic_partitions: int | None
+    """The topic's partition count when it was deployed."""
+    supervisor_pid: int
+    """The supervisor's pid (it runs the processes, restarting those that die)."""
+
+
+def local_deployment(state: Mapping[str, Any] | None, config: Path) -> LocalDeployment | None:
+    """The deployment `state` (state.json) records, if it is `config`'s (pure); None when
+    there is no record, or it is another config's (a shared or wrong state folder)."""
+    if not state or not isinstance(state.get("config"), str):
+        return None
+    if Path(state["config"]) != config:
+        return None
+    fleet = state.get("mode") == "fleet"
+    entries = state.get("proxies" if fleet else "partitions")
+    pid = state.get("supervisor_pid")
+    if not isinstance(entries, list) or not entries or not isinstance(pid, int):
+        return None
+    partitions = state.get("topic_partitions")
+    return LocalDeployment(
+        fleet=fleet,
+        slots=len(entries),
+        topic_partitions=partitions if isinstance(partitions, int) else None,
+        supervisor_pid=pid,
+    )
+
+
+def process_slots(deployment: LocalDeployment | None, partitions: int) -> int:
+    """How many process slots to ask (pure): a recorded fleet's slots (a slot past them is
+    no process: asking it showed a phantom down process); otherwise one per partition,
+    the most either layout runs."""
+    if deployment is not None and deployment.fleet:
+        return deployment.slots
+    return partitions
+
+
+def is_fleet(views: Sequence[ProxyView], deployment: LocalDeployment | None) -> bool:
+    """Whether the processes are a fleet (pure): the record says so, or one answers so."""
+    if deployment is not None:
+        return deployment.fleet
+    return any(v.doc is not None and v.doc.get("mode") == "fleet" for v in views)
+
+
+def unrecorded_slots(views: Sequence[ProxyView]) -> list[ProxyView]:
+    """A fleet's views without a record of its size (pure): the slots above the last one
+    that answers are dropped, since nothing says a process should run there; a slot below
+    it that does not answer is a gap in the fleet, so a process that is down. (With a
+    record, `process_slots` asks exactly the recorded slots and keeps every one.)"""
+    answered = [k for k, v in enumerate(views) if v.doc is not None or v.foreign]
+    return list(views[: answered[-1] + 1]) if answered else list(views)
+
+
+@dataclass(frozen=True)
 class Report:
     """Everything `triage status` prints, for every partition."""
 
@@ -135,15 +203,36 @@ class Report:
     """This config's dead-letter table."""
     processes: Sequence[dict[str, Any]] = ()
     """One row per proxy process asked (`process_rows`)."""
+    supervisor_pid: int | None = None
+    """The live supervisor of this config's local deployment (None: none runs)."""
 
     @property
     def proxies_down(self) -> list[int]:
         return [row["partition"] for row in self.partitions if row["proxy"] == "down"]
 
     @property
+    def processes_down(self) -> list[str]:
+        """The URLs of the process slots asked that did not answer as this deployment's:
+        with a record, every one is a process that should run (a killed fleet process is
+        down even while the others serve its partitions)."""
+        return [row["url"] for row in self.processes if row["state"] == "down"]
+
+    @property
+    def answering(self) -> list[dict[str, Any]]:
+        """The processes of this deployment that answered /status."""
+        return [row for row in self.processes if row["state"] != "down"]
+
+    @property
     def deployed(self) -> bool:
-        """Some process of this deployment answered (or none could be asked: HTTP off)."""
-        return not self.partitions or any(row["proxy"] != "down" for row in self.partitions)
+        """Some process of this deployment answered, or its supervisor is alive (or none
+        could be asked: HTTP off). Not whether partitions are served: during a broker
+        outage a fleet's processes answer yet serve nothing, and are still deployed."""
+        return (
+            not self.partitions
+            or any(row["proxy"] != "down" for row in self.partitions)
+            or bool(self.answering)
+            or self.supervisor_pid is not None
+        )
 
     def to_json(self) -> dict[str, Any]:
         def total(key: str) -> int | None:
@@ -158,6 +247,7 @@ class Report:
             "dead_letters_error": self.dead_letters_error,
             "legacy_dead_letters": list(self.legacy_partitions),
             "deployed": self.deployed,
+            "supervisor_pid": self.supervisor_pid,
             "dead_letters_missing": self.dead_letters_missing,
             "other_deployments": list(self.foreign),
             "totals": {
@@ -165,6 +255,7 @@ class Report:
                 "in_flight": total("in_flight"),
                 "dead_letters_pending": total("dead_letters_pending"),
                 "proxies_down": len(self.proxies_down),
+                "processes_down": len(self.processes_down),
             },
             "partitions": list(self.partitions),
             "push": list(self.push),
@@ -187,7 +278,7 @@ def partition_row(
             lag = max(0, log_end - committed)
         elif partition in broker.low:
             lag = max(0, log_end - broker.low[partition])
-    if proxy.url is None:
+    if proxy.url is None and proxy.error is None:
         state = "unobserved"
     elif proxy.doc is None:
         state = "down"
@@ -250,6 +341,8 @@ def process_rows(views: Sequence[ProxyView]) -> list[dict[str, Any]]:
                 "pid": doc.get("pid"),
                 "owner": doc.get("owner"),
                 "mode": doc.get("mode"),
+                "member": doc.get("member"),
+                "ready": doc.get("ready"),
                 "endpoint": doc.get("advertised_endpoint") or None,
                 "assigned": list(doc.get("assigned") or []),
                 "served": list(doc.get("served") or []),
@@ -279,7 +372,11 @@ class Sources:
     """The clients one `triage status` run reads from (kept across --watch refreshes)."""
 
     def __init__(
-        self, settings: Settings, host: str | None, hosts: Sequence[str] | None = None
+        self,
+        settings: Settings,
+        host: str | None,
+        hosts: Sequence[str] | None = None,
+        state_dir: Path | None = None,
     ) -> None:
         from confluent_kafka import Consumer
 
@@ -292,7 +389,10 @@ class Sources:
         """Fleet processes each on its own host at slot 0 (AWS tasks), instead of slots
         0, 1, ... on one host."""
         self.config = "<config>"
-        """The config file's path, as the migrate hint names it."""
+        """The config file's path, as the migrate hint names it; with it, the local
+        deployment's record is found (`deployment`)."""
+        self._state_dir = state_dir
+        """The local deployment's project folder (default `.triage/` by the config)."""
         config = {
             **settings.kafka.librdkafka_config(),
             "group.id": settings.kafka.group_id,
@@ -358,6 +458,26 @@ class Sources:
             host = f"[{host}]"
         return f"http://{host}:{address[1]}/status"
 
+    @property
+    def on_hosts(self) -> bool:
+        """The processes are a list of hosts (`--target aws`), not slots on one host."""
+        return self._hosts is not None
+
+    def deployment(self) -> LocalDeployment | None:
+        """This config's local deployment, as its supervisor records it, while that
+        supervisor is alive (None: no record, another config's, a dead one's, or the
+        processes are ECS tasks)."""
+        from triage_cli.supervisor import ProjectDir, pid_alive
+
+        if self.on_hosts or self.config == "<config>":
+            return None
+        config = Path(self.config).resolve()
+        project = ProjectDir.for_config(config, self._state_dir)
+        found = local_deployment(project.read_state(), config)
+        if found is None or not pid_alive(found.supervisor_pid, str(config)):
+            return None
+        return found
+
     def answering_proxies(self, most: int = MAX_PROBED_PARTITIONS) -> int:
         """How many proxies answer /status in a row from partition 0: the partition
         count when neither the config nor the broker can say."""
@@ -366,9 +486,10 @@ class Sources:
                 return partition
         return most
 
-    def ask_proxies(self, partitions: int) -> list[Future[ProxyView]]:
-        """Ask every proxy at once, in the background; the futures hold the answers."""
-        count = partitions if self._hosts is None else len(self._hosts)
+    def ask_proxies(self, slots: int) -> list[Future[ProxyView]]:
+        """Ask the processes at `slots` slots (on AWS: every task) at once, in the
+        background; the futures hold the answers."""
+        count = slots if self._hosts is None else len(self._hosts)
         return [self._pool.submit(self._proxy, p) for p in range(count)]
 
     def _proxy(self, partition: int) -> ProxyView:
@@ -472,11 +593,63 @@ def not_deployed_note(report: Report) -> str:
     return note
 
 
-def partition_views(views: Sequence[ProxyView], partitions: int) -> list[ProxyView]:
+def unserved_note(report: Report) -> str | None:
+    """Why partitions are down while this deployment's processes answer (pure): they
+    serve none of them. In a fleet a process that lost its group session (`member`
+    false: the broker was unreachable for the session timeout) drains every partition and
+    rejoins once the broker answers; that is a broker outage, not a missing deployment,
+    and the note says so. When none answers but the supervisor is alive, the note says
+    that. None when no partition is down for want of a serving process."""
+    down = [
+        row["partition"]
+        for row in report.partitions
+        if row["proxy"] == "down" and row["proxy_url"] is None and row["proxy_error"]
+    ]
+    answering = report.answering
+    if down and not answering and report.supervisor_pid is not None:
+        return (
+            f"partition(s) {', '.join(map(str, down))} not served: the supervisor (pid "
+            f"{report.supervisor_pid}) of this deployment is alive, but none of its processes "
+            f"answers /status"
+        )
+    if not down or not answering:
+        return None
+    lost = [row for row in answering if row.get("member") is False]
+    parts = ", ".join(map(str, down))
+    note = (
+        f"partition(s) {parts} not served, though {len(answering)} process(es) of this "
+        f"deployment answer"
+    )
+    if lost:
+        pids = ", ".join(str(row.get("pid")) for row in lost)
+        note += (
+            f"; {len(lost)} (pid {pids}) lost the consumer group session and serve "
+            f"nothing until they rejoin"
+        )
+    if report.broker_error:
+        note += f"; the broker is unreachable ({report.broker_error}): they rejoin once it answers"
+    return note
+
+
+def down_notes(row: Mapping[str, Any], *, deployed: bool) -> list[str]:
+    """Why a row's partition is down, in words (pure). Pinned, a partition's proxy is its
+    slot's process, named with its URL; in a fleet no one process is a partition's. When
+    nothing is deployed `not_deployed_note` says it once, not a line per partition."""
+    if row["proxy"] != "down" or not deployed:
+        return []
+    if row["proxy_url"] is None:
+        return [f"partition {row['partition']} down: {row['proxy_error']}"]
+    return [f"proxy {row['partition']} down ({row['proxy_url']}): {row['proxy_error']}"]
+
+
+def partition_views(
+    views: Sequence[ProxyView], partitions: int, *, fleet: bool = False
+) -> list[ProxyView]:
     """Each partition's view, from the process that runs it (pure). A process document
     lists its partitions (`partitions`); an older one-partition proxy's document is its
-    partition's. A partition no process lists keeps its own slot's view (down, or a
-    process serving other partitions: then down with that reason)."""
+    partition's. A partition no process lists is down: pinned, with its own slot's view
+    (down, or a process serving other partitions: then with that reason); in a `fleet`
+    slots are not partitions, so with no url, only the reason."""
     found: dict[int, ProxyView] = {}
     for view in views:
         doc = view.doc
@@ -498,6 +671,9 @@ def partition_views(views: Sequence[ProxyView], partitions: int) -> list[ProxyVi
         if p in found:
             out.append(found[p])
             continue
+        if fleet and any(v.url is not None for v in views):  # HTTP off: unobserved
+            out.append(ProxyView(url=None, error=f"no proxy process serves partition {p}"))
+            continue
         own = views[p] if p < len(views) else ProxyView(url=None)
         if own.doc is not None and isinstance(own.doc.get("partitions"), list):
             own = ProxyView(url=own.url, error=f"no proxy process serves partition {p}")
@@ -507,23 +683,31 @@ def partition_views(views: Sequence[ProxyView], partitions: int) -> list[ProxyVi
 
 def gather(sources: Sources, *, now: Callable[[], float] = time.time) -> Report:
     """Read every source once. Without `kafka.partitions` and without the broker, the
-    partitions are the proxies that answer (0, 1, ... up to the first that does not);
-    raises BrokerUnavailable only when not even proxy 0 answers."""
+    partitions are what the local deployment's record says, else the proxies that answer
+    (0, 1, ... up to the first that does not); raises BrokerUnavailable only when neither
+    says (not even proxy 0 answers)."""
     from triage_proxy.errors import BrokerUnavailable
 
     settings = sources.settings
+    deployment = sources.deployment()
     try:
         count = sources.partitions()
     except BrokerUnavailable:
-        count = sources.answering_proxies()
-        if count == 0:
-            raise
-    asked = sources.ask_proxies(count)
+        if deployment is not None and deployment.topic_partitions:
+            count = deployment.topic_partitions
+        else:
+            count = sources.answering_proxies()
+            if count == 0:
+                raise
+    asked = sources.ask_proxies(process_slots(deployment, count))
     broker = sources.broker(count)
     pending, dl_error, dl_missing = sources.dead_letters(count)
     legacy = sources.legacy_partitions(count) if dl_error is None else []
     answers = [future.result() for future in asked]
-    views = partition_views(answers, count)
+    fleet = is_fleet(answers, deployment)
+    if fleet and deployment is None and not sources.on_hosts:  # an ECS task is no guess
+        answers = unrecorded_slots(answers)
+    views = partition_views(answers, count, fleet=fleet)
     rows = [partition_row(p, broker, views[p], pending.get(p)) for p in range(count)]
     stamp = datetime.fromtimestamp(now(), UTC).isoformat(timespec="seconds")
     return Report(
@@ -540,6 +724,7 @@ def gather(sources: Sources, *, now: Callable[[], float] = time.time) -> Report:
         foreign=[a.foreign for a in answers if a.foreign],
         table=settings.dead_letters.table,
         processes=process_rows(answers),
+        supervisor_pid=None if deployment is None else deployment.supervisor_pid,
     )
 
 
@@ -609,6 +794,9 @@ def render_table(report: Report) -> Table:
     notes = []
     if not report.deployed:
         notes.append(not_deployed_note(report))
+    unserved = unserved_note(report)
+    if unserved:
+        notes.append(unserved)
     endpoints = [
         f"{row['partition']} {row['endpoint']}" for row in report.partitions if row.get("endpoint")
     ]
@@ -628,10 +816,15 @@ def render_table(report: Report) -> Table:
             "warning: " + legacy_warning(report.topic, report.legacy_partitions, report.config)
         )
     for row in report.partitions:
-        if row["proxy"] == "down":
-            where = f"proxy {row['partition']} down ({row['proxy_url']})"
-            notes.append(f"{where}: {row['proxy_error']}")
+        notes.extend(down_notes(row, deployed=report.deployed))
         notes.extend(degraded_notes(row))
+    if report.deployed:
+        named = {row["proxy_url"] for row in report.partitions}
+        notes.extend(
+            f"process {row['url']} down: {row['error']}"
+            for row in report.processes
+            if row["state"] == "down" and row["url"] not in named
+        )
     if notes:
         table.caption = "\n".join(notes)
         table.caption_justify = "left"
@@ -808,7 +1001,7 @@ def status(
             raise typer.Exit(int(ExitCode.UNAVAILABLE))
         if report.dead_letters_missing:
             raise CommandFailed(ExitCode.NOT_FOUND, str(report.dead_letters_error))
-        if report.proxies_down:
+        if report.proxies_down or report.processes_down:
             raise typer.Exit(int(ExitCode.FAILURE))
 
 

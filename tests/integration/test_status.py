@@ -101,7 +101,7 @@ def test_status_reports_known_lag_in_flight_dead_letters_and_a_down_proxy(
     assert p0["proxy_error"]
     assert p0["dead_letters_pending"] == 0
     assert doc["totals"] == {"lag": 8, "in_flight": None, "dead_letters_pending": 0,
-                             "proxies_down": 2}  # fmt: skip
+                             "proxies_down": 2, "processes_down": 2}  # fmt: skip
     assert doc["broker_error"] is None
 
     with open(tmp_path / "proxy-0.log", "wb") as log:

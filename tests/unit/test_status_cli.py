@@ -78,6 +78,7 @@ def test_totals_are_unknown_when_any_partition_is() -> None:
         "in_flight": None,  # partition 1's proxy is down
         "dead_letters_pending": 2,
         "proxies_down": 1,
+        "processes_down": 0,  # no process was asked in this report
     }
     assert report().proxies_down == [1]
 
