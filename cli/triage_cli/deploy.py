@@ -14,7 +14,8 @@ layout before fleets), and returns once every proxy it started is ready (a fleet
 process ready and every partition served; HTTP /readyz when the proxy serves it, else
 its gRPC port accepts), counting only answers from a port that process holds: a port
 answered by another deployment is not readiness. A proxy the supervisor gives up (e.g.
-its port is in use) fails the deploy with the cause from its log.
+its port is in use) fails the deploy with the cause from its log, and stops and cleans
+up what it started (pid files and state.json; the logs stay).
 State lives in the project folder (default `.triage/` next to the config). A second
 deploy is refused while the first one lives; a dead one's leftovers are cleaned up.
 The token is never printed: deploy prints its NAME and the file that holds it (the
@@ -28,9 +29,10 @@ Each acts only on its own config's deployment: a state folder that records anoth
 config (state.json's `config`, or a live process's `--config`) is refused, exit 5,
 touching nothing (deploy: only while that deployment is live).
 
-Exit codes (`exitcodes.ExitCode`): 2 bad config or flag; 3 broker/AWS unreachable or a
-proxy failed or never became ready; 5 a live local deployment already exists, or the
-state folder is another deployment's; 1 other failures.
+Exit codes (`exitcodes.ExitCode`): 2 bad config or flag, also a proxy given up because it
+exited 2 itself (its config is bad: e.g. its port is in use, a TLS file is missing); 3
+broker/AWS unreachable, or a proxy failed otherwise or never became ready; 5 a live local
+deployment already exists, or the state folder is another deployment's; 1 other failures.
 """
 
 from __future__ import annotations
@@ -329,7 +331,7 @@ def _wait_fleet_ready(
         exited = proc.poll()
         # First: a process it gave up is named with its cause (raised here), which says
         # more than the supervisor's own exit after giving every process up.
-        running = _running_pids(project, proc.pid, key="proxies", what="fleet process")
+        running = _running_pids(project, proc.pid, key="proxies", what="proxy in slot")
         if exited is not None:
             raise CommandFailed(
                 ExitCode.UNAVAILABLE,
@@ -400,7 +402,8 @@ def _running_pids(
     what: str = "proxy for partition",
 ) -> dict[int, int]:
     """Pid per partition of the proxies supervisor `supervisor_pid` runs now, from
-    state.json; raises naming the cause when it gave one up."""
+    state.json; raises naming the cause when it gave one up (exit 2 when the proxy itself
+    exited 2, a config error, so scripts can tell it from an outage; else 3)."""
     state = project.read_state() or {}
     if state.get("supervisor_pid") != supervisor_pid:
         return {}  # not written yet by the supervisor just started
@@ -411,7 +414,7 @@ def _running_pids(
             log = Path(entry["log"])
             cause = last_error(log)
             raise CommandFailed(
-                ExitCode.UNAVAILABLE,
+                given_up_code(entry.get("last_exit")),
                 f"the {what} {entry[index]} was given up (last exit "
                 f"status {entry.get('last_exit')})"
                 + (f": {cause}" if cause else "")
@@ -420,6 +423,13 @@ def _running_pids(
         if entry.get("status") == "running" and entry.get("pid"):
             running[int(entry[index])] = int(entry["pid"])
     return running
+
+
+def given_up_code(last_exit: object) -> ExitCode:
+    """Deploy's exit code for a proxy the supervisor gave up: BAD_INPUT when the proxy
+    itself exited BAD_INPUT (its config is bad, which the deployer must fix), else
+    UNAVAILABLE (it kept crashing)."""
+    return ExitCode.BAD_INPUT if last_exit == ExitCode.BAD_INPUT else ExitCode.UNAVAILABLE
 
 
 LOG_TAIL_BYTES = 16384

@@ -4,11 +4,14 @@ deployment's consumer group and serves what the group coordinator assigns it).
 
 `triage deploy --target local` starts `triage supervise` detached (its own session, so a
 Ctrl-C in the deploying terminal does not reach it) and returns once every proxy is
-ready. The supervisor restarts a proxy that dies, with exponential backoff, and gives a
-partition up after repeated fast crashes (or at once when the proxy says its config is
-bad: restarting cannot fix that). SIGTERM (what `triage destroy` sends) stops it:
-SIGTERM every proxy -> wait for them to drain (shutdown.drain_timeout_s + a margin) ->
-SIGKILL what is left -> remove the pid files -> exit 0.
+ready. The supervisor restarts a proxy that dies, with exponential backoff, and gives it
+(its partition, or its slot in a fleet) up after repeated fast crashes (or at once when
+the proxy says its config is bad: restarting cannot fix that). SIGTERM (what `triage
+destroy` sends) stops it: SIGTERM every proxy -> wait for them to drain
+(shutdown.drain_timeout_s + a margin) -> SIGKILL what is left -> remove the pid files ->
+exit 0. SIGHUP is passed on to every proxy it runs (each re-reads the config's [auth]
+section), so revoking a token is one `kill -HUP $(cat .triage/supervisor.pid)`; the
+supervisor itself goes on.
 
 Everything lives in one project folder (default `.triage/` next to the config):
 
@@ -30,9 +33,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from triage_cli.exitcodes import ExitCode
@@ -60,7 +64,7 @@ class RestartPolicy:
     fast_crash_s: float = 10.0
     """A run shorter than this counts as a fast crash; a longer one resets the count."""
     max_fast_crashes: int = 5
-    """Consecutive fast crashes after which the partition is given up."""
+    """Consecutive fast crashes after which the process (partition or slot) is given up."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,7 @@ class RestartDecision:
     fast_crashes: int
     """Consecutive fast crashes, counting this exit."""
     delay_s: float | None
-    """Wait before restarting; None: give the partition up."""
+    """Wait before restarting; None: give the process up."""
 
 
 def restart_decision(
@@ -315,6 +319,15 @@ def fleet_command(config: Path, slot: int) -> list[str]:
     ]
 
 
+def _ignore_sighup() -> None:
+    """Run in a proxy child between fork and exec: it starts with SIGHUP ignored, as it
+    did when the supervisor ignored SIGHUP itself. An ignored signal stays ignored across
+    exec, a handled one does not, so without this a SIGHUP passed on while a proxy is
+    still starting (before it installs its reload handler) would kill it. The supervisor
+    runs no threads, which is what makes a preexec_fn safe here."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
 def supervisor_command(
     config: Path, project: ProjectDir, partitions: int, proxies: int | None = None
 ) -> list[str]:
@@ -349,10 +362,17 @@ class _Child:
     last_exit: int | None = None
 
 
+def _named(child: _Child, fleet: bool) -> str:
+    """How log lines name a child: a fleet's by its process slot, a pinned one's by its
+    partition (a fleet process serves whatever partitions the group assigns it)."""
+    return f"proxy in slot {child.partition}" if fleet else f"proxy for partition {child.partition}"
+
+
 class Supervisor:
     """Keeps one proxy process per partition (or `proxies` fleet processes) alive until
     stopped (runs in the foreground of the detached `triage supervise` process; `stop()`
-    is signal-safe). A fleet child's `partition` field is its slot."""
+    and `reload()` are signal-safe: they set an event the loop acts on). A fleet child's
+    `partition` field is its slot."""
 
     def __init__(
         self,
@@ -362,6 +382,7 @@ class Supervisor:
         partitions: int,
         policy: RestartPolicy | None = None,
         proxies: int | None = None,
+        command: Callable[[Path, int], list[str]] | None = None,
     ) -> None:
         self.config = config
         self.project = project
@@ -371,10 +392,17 @@ class Supervisor:
         """N fleet processes instead of one pinned process per partition."""
         self.partitions = partitions
         self.children = [_Child(p) for p in range(partitions if proxies is None else proxies)]
+        self.command = command or (fleet_command if self.fleet else proxy_command)
+        """(config, partition or slot) -> the child's command line (tests give their own)."""
         self._stopping = threading.Event()
+        self._reloading = threading.Event()
 
     def stop(self) -> None:
         self._stopping.set()
+
+    def reload(self) -> None:
+        """Ask the loop to pass SIGHUP on to every proxy (safe from a signal handler)."""
+        self._reloading.set()
 
     def run(self) -> int:
         """Start every proxy, keep them alive until stop(), then stop them; exit status."""
@@ -391,9 +419,15 @@ class Supervisor:
                 if self._tick(time.monotonic()):
                     self._write_state("running")
                 if all(c.status == "failed" for c in self.children):
-                    logger.error("every partition was given up; the supervisor exits")
+                    logger.error(
+                        "every %s was given up; the supervisor exits",
+                        "fleet process" if self.fleet else "partition's proxy",
+                    )
                     code = ExitCode.FAILURE
                     break
+                if self._reloading.is_set():
+                    self._reloading.clear()
+                    self._forward_reload()
                 self._stopping.wait(POLL_S)
         finally:
             self._stop_children()
@@ -402,6 +436,21 @@ class Supervisor:
                 self.project.supervisor_pid_file.unlink(missing_ok=True)
             logger.info("supervisor stopped")
         return int(code)
+
+    def _forward_reload(self) -> None:
+        """SIGHUP every running proxy: each re-reads [auth] (idempotent in the proxy). One
+        that is not running now reads the config afresh when it (re)starts."""
+        pids = []
+        for child in self.children:
+            if child.proc is not None and child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGHUP)
+                pids.append(child.proc.pid)
+        logger.info(
+            "SIGHUP passed on to %d proxies (pids %s): they re-read [auth] from %s",
+            len(pids),
+            ", ".join(map(str, pids)) or "none",
+            self.config,
+        )
 
     def _tick(self, now: float) -> bool:
         """Reap exited proxies and (re)start due ones; True if anything changed."""
@@ -426,9 +475,8 @@ class Supervisor:
         if decision.delay_s is None:
             child.status = "failed"
             logger.error(
-                "proxy for partition %d exited with status %s (%d fast exit(s) in a row); "
-                "giving it up (see %s)",
-                child.partition,
+                "%s exited with status %s (%d fast exit(s) in a row); giving it up (see %s)",
+                _named(child, self.fleet),
                 code,
                 decision.fast_crashes,
                 self.project.proxy_log(child.partition),
@@ -437,8 +485,8 @@ class Supervisor:
         child.status = "restarting"
         child.next_start_at = now + decision.delay_s
         logger.warning(
-            "proxy for partition %d exited with %s; restarting in %.1fs",
-            child.partition,
+            "%s exited with %s; restarting in %.1fs",
+            _named(child, self.fleet),
             code,
             decision.delay_s,
         )
@@ -446,26 +494,26 @@ class Supervisor:
     def _start(self, child: _Child, now: float) -> None:
         log = open(self.project.proxy_log(child.partition), "ab")  # noqa: SIM115
         with log:
-            command = fleet_command if self.fleet else proxy_command
             child.proc = subprocess.Popen(
-                command(self.config, child.partition),
+                self.command(self.config, child.partition),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
+                preexec_fn=_ignore_sighup,  # safe: no threads here, see _ignore_sighup
             )
         if child.started_at:
             child.restarts += 1
         child.started_at = now
         child.status = "running"
         self.project.write_pid(self.project.proxy_pid_file(child.partition), child.proc.pid)
-        logger.info("proxy for partition %d started pid=%d", child.partition, child.proc.pid)
+        logger.info("%s started pid=%d", _named(child, self.fleet), child.proc.pid)
 
     def _stop_children(self) -> None:
         """SIGTERM every proxy, wait for the drain, SIGKILL what outlives it."""
         live = [c for c in self.children if c.proc is not None]
         for child in live:
             assert child.proc is not None
-            logger.debug("stopping proxy for partition %d", child.partition)
+            logger.debug("stopping %s", _named(child, self.fleet))
             signal_pid(child.proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.settings.shutdown.drain_timeout_s + STOP_MARGIN_S
         for child in live:
@@ -473,7 +521,7 @@ class Supervisor:
             try:
                 child.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                logger.warning("proxy for partition %d ignored SIGTERM; killing", child.partition)
+                logger.warning("%s ignored SIGTERM; killing", _named(child, self.fleet))
                 child.proc.kill()
                 child.proc.wait()
             child.last_exit = child.proc.returncode
@@ -524,13 +572,26 @@ def describe(supervisor: Supervisor, status: str) -> dict[str, Any]:
 def run_supervisor(
     config: Path, project: ProjectDir, partitions: int, proxies: int | None = None
 ) -> int:
-    """Body of `triage supervise`: SIGTERM/SIGINT stop it gracefully, SIGHUP is ignored
-    (it outlives the terminal that deployed it)."""
+    """Body of `triage supervise` (see `serve` for its signals)."""
     from triage_proxy.config.settings import load_settings
     from triage_proxy.store.aws import read_secret
 
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # no proxy to pass it on to yet
     settings = load_settings(config, fetch_secret=read_secret)
-    supervisor = Supervisor(config, project, settings, partitions, proxies=proxies)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    with on_stop_signals(supervisor.stop):
-        return supervisor.run()
+    return serve(Supervisor(config, project, settings, partitions, proxies=proxies))
+
+
+def serve(supervisor: Supervisor) -> int:
+    """Run `supervisor` until SIGTERM/SIGINT stops it gracefully. SIGHUP is passed on to
+    its proxies (they re-read [auth]) and does not end it, so it also outlives the
+    terminal that deployed it. The handlers only set events; the loop does the work."""
+
+    def hangup(signum: int, frame: FrameType | None) -> None:
+        supervisor.reload()
+
+    previous = signal.signal(signal.SIGHUP, hangup)
+    try:
+        with on_stop_signals(supervisor.stop):
+            return supervisor.run()
+    finally:
+        signal.signal(signal.SIGHUP, previous)

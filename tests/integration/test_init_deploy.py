@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import signal
 import stat
 import subprocess
@@ -415,6 +416,19 @@ def test_deploy_local_pinned_runs_one_process_per_partition(
             value = f"pinned-{p}".encode()
             produce(broker.bootstrap, settings.kafka.topic, [(None, value, None)], p)
             asyncio.run(_consume_one(targets[p], token, value))
+        # A token added to the file is accepted by every proxy after one SIGHUP to the
+        # supervisor, which passes it on (docs/guides/security.md), restarting nothing.
+        rotated = "rotated-" + secrets.token_urlsafe(24)
+        line = f'consumer = "{token}"\n'
+        assert line in config.read_text()
+        config.write_text(config.read_text().replace(line, f'{line}next = "{rotated}"\n'))
+        os.kill(deployment.supervisor_pid(), signal.SIGHUP)
+        for p in (0, 1):
+            value = f"rotated-{p}".encode()
+            produce(broker.bootstrap, settings.kafka.topic, [(None, value, None)], p)
+            asyncio.run(_consume_one(targets[p], rotated, value))
+        assert deployment.pids() == pids
+        assert "SIGHUP passed on to 2 proxies" in deployment.project.supervisor_log.read_text()
         both = run_triage(
             "deploy", "--target", "local", "--config", str(config), "--pinned", "--proxies", "2"
         )
@@ -445,15 +459,21 @@ def test_destroy_cleans_up_after_a_dead_supervisor(deployment: Deployment) -> No
 
 
 def test_deploy_reports_a_proxy_that_cannot_start(deployment: Deployment) -> None:
-    """A proxy that exits on a config error is given up at once (no restart loop); deploy
-    says so, exits 3 and leaves nothing running."""
+    """A proxy that exits on a config error (its exit 2) is given up at once (no restart
+    loop); deploy says so, exits 2 like the proxy (a config error, not an outage), and
+    leaves nothing running: pid files and state.json removed, the logs kept."""
     with deployment.config.open("a") as config:
         config.write('\n[tls]\ncert_file = "/nonexistent/c.pem"\nkey_file = "/nonexistent/k.pem"\n')
     out = run_triage("deploy", "--target", "local", "--config", str(deployment.config))
-    assert out.returncode == 3, out.stderr
-    assert "given up" in out.stderr
+    assert out.returncode == 2, out.stderr
+    assert "given up (last exit status 2)" in out.stderr
+    assert "tls." in out.stderr  # the cause, from the proxy's log
+    assert "the proxy in slot " in out.stderr  # the default is a fleet: named by slot
     assert "proxy-" in out.stderr  # points at the log
     assert not list(deployment.project.root.glob("*.pid"))
+    assert not deployment.project.state_file.exists()
+    assert "giving it up" in deployment.project.supervisor_log.read_text()
+    assert list(deployment.project.root.glob("proxy-*.log"))
     assert not any(_alive(pid) for pid in deployment.seen)
 
 
@@ -463,7 +483,8 @@ def test_a_second_deployment_whose_ports_are_taken_fails_naming_the_cause(
 ) -> None:
     """Issue 10: the same config deployed again with another --state-dir. Its proxies
     cannot bind the ports the first deployment holds; the first deployment's answers on
-    those ports are not the second one's readiness, so deploy exits 3 naming the cause."""
+    those ports are not the second one's readiness, so deploy names the cause and exits 2:
+    the proxy exited 2 (a port in use is a config error to fix, not an outage)."""
     first = run_triage("deploy", *deployment.args())
     deployment.state()
     assert first.returncode == 0, first.stderr + first.stdout
@@ -472,7 +493,7 @@ def test_a_second_deployment_whose_ports_are_taken_fails_naming_the_cause(
     try:
         out = run_triage("deploy", *second.args())
         second.state()
-        assert out.returncode == 3, out.stdout + out.stderr
+        assert out.returncode == 2, out.stdout + out.stderr
         assert "Deployed" not in out.stdout
         http_port = load_settings(deployment.config).server.http_port
         assert "given up" in out.stderr
