@@ -954,6 +954,13 @@ def status(
             "the deployment at server.http_port (run inside the VPC)."
         ),
     ] = "local",
+    state_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="local: the deployment's project folder, as given to deploy (default: "
+            ".triage/ by the config): its record names the processes that should run."
+        ),
+    ] = None,
 ) -> None:
     """Per partition: committed offset, log end, lag, in-flight, instances, dead letters;
     then each push target: limit, in-flight, latency, responses, errors and state."""
@@ -973,7 +980,7 @@ def status(
             from triage_cli.aws import fleet_hosts
 
             hosts = fleet_hosts(config)
-        sources = Sources(settings, host, hosts)
+        sources = Sources(settings, host, hosts, state_dir)
         sources.config = str(config)
         console = Console(highlight=False)
         try:

@@ -317,6 +317,16 @@ def test_sources_find_the_record_only_while_its_supervisor_runs(tmp_path: Path) 
             assert sources.deployment() == LocalDeployment(
                 fleet=True, slots=2, topic_partitions=3, supervisor_pid=stand_in.pid
             )
+            moved = tmp_path / "elsewhere"  # `deploy --state-dir`, so `status --state-dir`
+            project.root.rename(moved)
+            assert sources.deployment() is None
+            elsewhere = Sources(make_settings(), None, state_dir=moved)
+            elsewhere.config = str(config)
+            try:
+                assert elsewhere.deployment() is not None
+            finally:
+                elsewhere.close()
+            moved.rename(project.root)
             stand_in.kill()
             stand_in.wait()
             assert sources.deployment() is None  # a dead supervisor's record
