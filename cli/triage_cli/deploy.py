@@ -43,8 +43,9 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -346,28 +347,63 @@ def _wait_fleet_ready(
             return served
         if time.monotonic() > deadline:
             missing = sorted(set(range(partitions)) - set(covered))
+            docs = {slot: fleet_status(settings, slot) for slot in sorted(running)}
             raise CommandFailed(
                 ExitCode.UNAVAILABLE,
                 f"fleet not ready after {timeout_s:g}s: {len(served)} of {proxies} processes "
-                f"ready, partition(s) {missing} not served; see {project.root}",
+                f"ready, partition(s) {missing} not served "
+                f"({fleet_not_ready_detail(docs, settings.kafka.group_id)}); "
+                f"see {project.root}",
             )
         time.sleep(0.2)
 
 
-def fleet_served(settings: Settings, slot: int) -> list[int]:
-    """The partitions fleet process `slot` serves now, from its /status ([] if none)."""
+def fleet_status(settings: Settings, slot: int) -> dict[str, Any] | None:
+    """Fleet process `slot`'s /status document; None when it does not answer."""
     import json
 
     http = settings.server.http_address(slot)
     if http is None or not http[1]:
-        return []
+        return None
     try:
         url = f"http://{_dialable(http[0])}:{http[1]}/status"
         with urllib.request.urlopen(url, timeout=1) as response:
             doc = json.loads(response.read())
     except (OSError, ValueError):
-        return []
-    return [int(p) for p in doc.get("served", [])]
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def fleet_served(settings: Settings, slot: int) -> list[int]:
+    """The partitions fleet process `slot` serves now, from its /status ([] if none)."""
+    doc = fleet_status(settings, slot)
+    return [] if doc is None else [int(p) for p in doc.get("served", [])]
+
+
+def fleet_not_ready_detail(docs: Mapping[int, Mapping[str, Any] | None], group: str) -> str:
+    """What each fleet process says of itself, for deploy's not-ready error (pure). A
+    process that never got an assignment from the group coordinator (`member` false) is
+    waiting on the broker's group, not on Triage: when none has one, that is said
+    plainly (a broker whose group state is stuck shows so)."""
+    parts = []
+    for slot, doc in sorted(docs.items()):
+        if doc is None:
+            parts.append(f"slot {slot}: no /status answer")
+        elif doc.get("member") is False:
+            parts.append(f"slot {slot}: {doc.get('state')}, no assignment from the group yet")
+        else:
+            parts.append(
+                f"slot {slot}: {doc.get('state')}, assigned {list(doc.get('assigned') or [])}, "
+                f"serving {list(doc.get('served') or [])}"
+            )
+    detail = "; ".join(parts) or "no process running"
+    if docs and all(doc is not None and doc.get("member") is False for doc in docs.values()):
+        detail += (
+            f"; no process was given partitions by consumer group {group!r}'s coordinator: "
+            "check that the broker answers group requests (`triage status`, the proxies' "
+            "logs say `joining group`)"
+        )
+    return detail
 
 
 def _print_fleet(

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from triage_cli.deploy import _running_pids, given_up_code
+from triage_cli.deploy import _running_pids, fleet_not_ready_detail, given_up_code
 from triage_cli.exitcodes import CommandFailed, ExitCode
 from triage_cli.supervisor import ProjectDir, RestartPolicy, Supervisor
 from triage_proxy.config.settings import settings_from_dict
@@ -237,3 +237,24 @@ def test_deploy_exits_2_when_the_proxy_it_gave_up_exited_2(
     assert "given up" in str(failed.value)
     assert "cannot listen on 127.0.0.1:9700" in str(failed.value)
     assert json.loads(project.state_file.read_text())[key][0]["status"] == "failed"
+
+
+# --- deploy's not-ready error names what each fleet process says ---------------------------
+
+
+def test_a_fleet_no_process_of_which_has_an_assignment_says_the_group_is_waited_on() -> None:
+    """An operator's deploy after a stalled broker: both processes joined the group and
+    were never assigned anything; the error said only "0 of 2 processes ready"."""
+    waiting = {"state": "running", "member": False, "assigned": [], "served": []}
+    detail = fleet_not_ready_detail({0: waiting, 1: waiting}, "orders-local")
+    assert detail.startswith(
+        "slot 0: running, no assignment from the group yet; "
+        "slot 1: running, no assignment from the group yet; "
+        "no process was given partitions by consumer group 'orders-local'"
+    )
+
+
+def test_a_fleet_partly_ready_says_what_each_process_serves() -> None:
+    serving = {"state": "running", "member": True, "assigned": [0, 1], "served": [0]}
+    detail = fleet_not_ready_detail({0: serving, 1: None}, "g")
+    assert detail == "slot 0: running, assigned [0, 1], serving [0]; slot 1: no /status answer"
