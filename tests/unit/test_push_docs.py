@@ -552,13 +552,19 @@ def ts_results(compiled: Path) -> dict[str, Any]:
         "batch": b64(batch_body([batch_event(r, SHAPE) for r in RECORDS])),
         "verify": [[secret, b64(body), header, NOW] for secret, body, header, _ in cases],
     }
+    return run_node(compiled / "harness.mjs", given)
+
+
+def run_node(script: Path, given: Any, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """`node SCRIPT` with `given` as JSON on stdin; the JSON document it prints."""
     out = subprocess.run(
-        [tool("node"), str(compiled / "harness.mjs")],
+        [tool("node"), str(script)],
         input=json.dumps(given),
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
+        env={**os.environ, **(env or {})},
     )
     assert out.returncode == 0, out.stderr
     result: dict[str, Any] = json.loads(out.stdout)
@@ -590,18 +596,7 @@ def ts_receiver(compiled: Path) -> dict[str, Any]:
     cases = [{"headers": binary_headers(r, SHAPE), "body": b64(r.value or b"")} for r in records]
     batch = batch_body([batch_event(r, SHAPE) for r in records])
     cases.append({"headers": {"content-type": BATCH_CONTENT_TYPE}, "body": b64(batch)})
-    out = subprocess.run(
-        [tool("node"), str(compiled / "receiver_harness.mjs")],
-        input=json.dumps(cases),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env={**os.environ, "PORT": "0"},
-    )
-    assert out.returncode == 0, out.stderr
-    result: dict[str, Any] = json.loads(out.stdout)
-    return result
+    return run_node(compiled / "receiver_harness.mjs", cases, {"PORT": "0"})
 
 
 def test_the_typescript_receiver_binds_loopback(ts_receiver: dict[str, Any]) -> None:
