@@ -18,6 +18,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from triage_cli import status as status_module
+from triage_cli.console.sampler import CachedSources
 from triage_cli.exitcodes import ExitCode
 from triage_cli.status import (
     BrokerView,
@@ -321,11 +322,14 @@ def test_sources_find_the_record_only_while_its_supervisor_runs(tmp_path: Path) 
             project.root.rename(moved)
             assert sources.deployment() is None
             elsewhere = Sources(make_settings(), None, state_dir=moved)
-            elsewhere.config = str(config)
+            console = CachedSources(make_settings(), None, state_dir=moved)  # the console's
             try:
-                assert elsewhere.deployment() is not None
+                for other in (elsewhere, console):
+                    other.config = str(config)
+                    assert other.deployment() is not None
             finally:
                 elsewhere.close()
+                console.close()
             moved.rename(project.root)
             stand_in.kill()
             stand_in.wait()

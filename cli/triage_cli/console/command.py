@@ -54,6 +54,13 @@ def console(
     proxy_host: Annotated[
         str | None, typer.Option(help="Ask the proxies on this host instead of server.http_host.")
     ] = None,
+    state_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="local: the deployment's project folder, as given to deploy (default: "
+            ".triage/ by the config): its record names the processes that should run."
+        ),
+    ] = None,
 ) -> None:
     """Serve the web console: lag and what blocks each partition's commit, plots, dead
     letters to browse, replay and discard, and the fleet. Prints a URL with a login token."""
@@ -63,7 +70,7 @@ def console(
     with exit_on_errors():
         settings = load_settings(config, fetch_secret=read_secret)
         with contextlib.suppress(KeyboardInterrupt):  # a second signal while stopping
-            asyncio.run(_serve(settings, host, port, interval, proxy_host, str(config)))
+            asyncio.run(_serve(settings, host, port, interval, proxy_host, str(config), state_dir))
 
 
 async def _serve(
@@ -73,6 +80,7 @@ async def _serve(
     interval: float,
     proxy_host: str | None,
     config: str,
+    state_dir: Path | None = None,
 ) -> None:
     from aiohttp import web
 
@@ -87,6 +95,7 @@ async def _serve(
         interval_s=interval,
         proxy_host=proxy_host,
         config=config,
+        state_dir=state_dir,
     )
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()

@@ -20,9 +20,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from triage_cli.console.history import History
@@ -55,8 +57,9 @@ class CachedSources(Sources):
         *,
         every_s: float = PENDING_EVERY_S,
         clock: Callable[[], float] = time.monotonic,
+        state_dir: Path | None = None,
     ) -> None:
-        super().__init__(settings, host)
+        super().__init__(settings, host, state_dir=state_dir)
         self._every_s = every_s
         self._clock = clock
         self._counted: tuple[float, int, tuple[dict[int, int | None], str | None, bool]] | None = (
@@ -120,12 +123,15 @@ class Sampler:
         host: str | None = None,
         config: str = "<config>",
         wall: Callable[[], float] = time.time,
+        state_dir: Path | None = None,
     ) -> None:
         self.settings = settings
         self.interval_s = interval_s
         self.history = History()
         self._host = host
         self._config = config
+        self._state_dir = state_dir
+        """The local deployment's project folder (`triage status --state-dir`)."""
         self._wall = wall
         self._sources: CachedSources | None = None
         self._task: asyncio.Task[None] | None = None
@@ -143,7 +149,9 @@ class Sampler:
         if self._state is not SamplerState.NEW:
             raise StateError("the sampler was started already")
         self._state = SamplerState.RUNNING
-        self._sources = await asyncio.to_thread(CachedSources, self.settings, self._host)
+        self._sources = await asyncio.to_thread(
+            functools.partial(CachedSources, state_dir=self._state_dir), self.settings, self._host
+        )
         self._sources.config = self._config
         self._task = asyncio.create_task(self._run(), name="console-sampler")
         logger.info("sampling the fleet every %.1f s", self.interval_s)

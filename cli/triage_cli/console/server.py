@@ -367,6 +367,7 @@ def make_app(
     interval_s: float,
     proxy_host: str | None = None,
     config: str = "<config>",
+    state_dir: Path | None = None,
 ) -> web.Application:
     """The console for `settings`' deployment. The sampler starts with the app and stops
     (after the jobs, which are signalled first) when it is cleaned up."""
@@ -376,7 +377,9 @@ def make_app(
     app[AUTH] = auth
     app[DEADLETTERS] = deadletters
     app[JOBS] = Jobs(deadletters)
-    app[SAMPLER] = Sampler(settings, interval_s=interval_s, host=proxy_host, config=config)
+    app[SAMPLER] = Sampler(
+        settings, interval_s=interval_s, host=proxy_host, config=config, state_dir=state_dir
+    )
 
     async def on_startup(app: web.Application) -> None:
         await app[SAMPLER].start()
