@@ -73,7 +73,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from triage_proxy.config.settings import DEFAULT_REGION, DeadLetterSettings, load_settings
-from triage_proxy.errors import ConfigError, TriageError, UnavailableError
+from triage_proxy.errors import ConfigError, NotFoundError, TriageError, UnavailableError
 from triage_proxy.exitcodes import ExitCode, exit_code_for
 from triage_proxy.store.aws import read_secret
 from triage_proxy.store.items import STATUSES
@@ -86,6 +86,7 @@ from triage_replay.segment import (
     SegmentCounts,
     SegmentJob,
     export_partition,
+    producer_config,
     replay_partition,
 )
 
@@ -248,6 +249,7 @@ def run_replay(options: ReplayOptions, *, spark: SparkSession | None = None) -> 
     started = time.monotonic()
     with DeadLetterTable(options.dead_letters, group=options.group) as table:
         table.check()
+    check_target(options)
     session, owned = (spark, False) if spark is not None else _session(options.master)
     try:
         sc = session.sparkContext
@@ -288,6 +290,27 @@ def run_replay(options: ReplayOptions, *, spark: SparkSession | None = None) -> 
     summary = replace(summary, elapsed_s=time.monotonic() - started)
     logger.info("%s", summary)
     return summary
+
+
+def check_target(options: ReplayOptions) -> None:
+    """From the driver, before any Spark work: the broker answers and the topic a replay
+    writes to exists (`to_topic`, else the filter's source topic when it names one), as
+    `triage dlq replay` checks without --spark. A producer writing to a missing topic
+    creates it wherever the broker creates topics on demand (Kafka's default, Tansu), so
+    a mistyped --to-topic made a topic and marked the dead letters replayed into it.
+    Raises NotFoundError (exit 4) or BrokerUnavailable (exit 3)."""
+    target = options.to_topic or options.filters.topic
+    if options.mode != "replay" or target is None:
+        return
+    from confluent_kafka import Producer
+
+    from triage_proxy.kafka.errors import kafka_errors
+
+    producer = Producer(producer_config(options))
+    with kafka_errors(f"cannot reach Kafka at {options.bootstrap}"):
+        topics = producer.list_topics(timeout=10).topics  # all of them: creates none
+    if target not in topics:
+        raise NotFoundError(f"topic {target} does not exist on {options.bootstrap}")
 
 
 def _session(master: str | None) -> tuple[SparkSession, bool]:

@@ -26,6 +26,7 @@ from typing import Any
 import boto3
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from tests import samples
 from tests.integration.harness import TOKEN, create_topic, headers_of
@@ -34,7 +35,8 @@ from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_cli.exitcodes import ExitCode
 from triage_proxy.config.settings import DeadLetterSettings, load_settings
-from triage_proxy.errors import ConfigError
+from triage_proxy.errors import ConfigError, NotFoundError
+from triage_proxy.kafka.logs import KafkaLog
 from triage_proxy.store.deadletter_store import DynamoDBStore
 from triage_proxy.store.items import item_from_dead_letter
 from triage_proxy.store.provisioning import create_bucket, create_table
@@ -598,6 +600,24 @@ def test_python_for_workers_is_absolute(monkeypatch: pytest.MonkeyPatch, tmp_pat
     monkeypatch.setenv("PYSPARK_PYTHON", "python3.11")  # a name: looked up on the PATH
     python_for_workers(default=sys.executable)
     assert os.environ["PYSPARK_PYTHON"] == "python3.11"
+
+
+def test_a_missing_target_topic_fails_before_spark_starts_and_creates_none(
+    spark: Any, broker: EmbeddedBroker, table: DeadLetterSettings, dynamodb: Any, unique_name: str
+) -> None:
+    """As `triage dlq replay` without --spark: a mistyped --to-topic made the producer
+    create the topic (the broker creates topics on demand) and the items were marked
+    replayed into it."""
+    dls = [make_dl(unique_name, 0, o) for o in range(3)]
+    write(dynamodb, table.table, dls)
+    typo = f"{unique_name}-typo"
+    with pytest.raises(NotFoundError, match=f"topic {typo} does not exist"):
+        run_replay(options(table, broker, to_topic=typo), spark=spark)
+    with pytest.raises(NotFoundError, match=f"topic {typo} does not exist"):  # the filter's
+        run_replay(options(table, broker, filters=Filters(topic=typo)), spark=spark)
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap, **KafkaLog().config()})
+    assert typo not in admin.list_topics(timeout=30).topics
+    assert {item["status"]["S"] for item in items(dynamodb, table.table).values()} == {"pending"}
 
 
 def test_unknown_table_fails_before_spark_starts(spark: Any, aws: EmbeddedAWS) -> None:
