@@ -804,6 +804,13 @@ def migrate(
     dry_run: Annotated[
         bool, typer.Option(help="Only say what would be moved; change nothing.")
     ] = False,
+    drop_conflicts: Annotated[
+        bool,
+        typer.Option(
+            help="Delete a legacy dead letter whose offset this deployment already replayed "
+            "or discarded (a conflict), keeping the deployment's."
+        ),
+    ] = False,
     json_: JsonOption = False,
 ) -> None:
     """Move the topic's dead letters written before deployment keys to this deployment,
@@ -813,7 +820,9 @@ def migrate(
     under the topic and partition only; no command sees them until they are moved. Each
     is moved in one transaction (copy, then delete the old item), so a crash loses
     nothing and a rerun continues. Items being replayed, or whose offset this deployment
-    already replayed or discarded, are left and reported (exit 1). Stop every proxy that
+    already replayed or discarded (conflicts), are left and reported (exit 1); with
+    --drop-conflicts a conflict is deleted instead, the deployment's settlement standing.
+    Stop every proxy that
     predates deployment keys first (it would write more of them); run with --dry-run to
     see the plan.
 
@@ -828,19 +837,24 @@ def migrate(
         Move.REPLACED: "replaced",
         Move.IN_USE: "IN USE",
         Move.CONFLICT: "CONFLICT",
+        Move.DROPPED: "dropped",
         Move.CHANGED: "CHANGED",
     }
     why = {
         Move.REPLACED: "over this deployment's pending copy of the same message",
         Move.IN_USE: "claimed by a running replay; rerun once it is done",
-        Move.CONFLICT: "this deployment already replayed, discarded or claims that offset",
+        Move.CONFLICT: (
+            "this deployment already replayed, discarded or claims that offset "
+            "(--drop-conflicts deletes this legacy copy)"
+        ),
+        Move.DROPPED: "this deployment had settled that offset already",
         Move.CHANGED: "written meanwhile (by an old proxy or tool?); rerun",
     }
     with exit_on_errors():
         settings, table = _open(config, group)
         with table, _stop_on_signals() as stop:
             migration = Migration(table, settings.kafka.topic)
-            result = migration.run(apply=not dry_run, stop=stop)
+            result = migration.run(apply=not dry_run, stop=stop, drop_conflicts=drop_conflicts)
             indexing = Indexing(table).run(apply=not dry_run, stop=stop)
         index = {
             "active": indexing.index_active,

@@ -360,6 +360,20 @@ def test_legacy_dead_letters_are_migrated_then_listed_and_replayed(
     [again] = json_lines(rerun.stdout)
     assert (again["moved"], again["replaced"], again["in_use"], again["conflict"]) == (0, 0, 1, 1)
 
+    # The conflict is the operator's to settle: the deployment replayed offset 4 already,
+    # so its legacy copy goes (else it warns forever); the one in use stays.
+    dropped = triage("dlq", "migrate", "-c", config, "--drop-conflicts", "--json")
+    assert dropped.exit_code == ExitCode.FAILURE, dropped.output  # offset 2 is still in use
+    [settled] = json_lines(dropped.stdout)
+    assert (settled["dropped"], settled["conflict"], settled["in_use"]) == (1, 0, 1)
+    left = {
+        int(i["offset"]["N"])
+        for i in dynamodb.scan(TableName=dead.table)["Items"]
+        if "group" not in i and int(i["offset"]["N"]) >= 0
+    }
+    assert left == {0, 2}
+    assert listed(config)[4]["status"] == "replayed"  # the deployment's own item stands
+
     # The migrated items replay like any other, the S3 payload byte-exact from its old key.
     out = triage("dlq", "replay", "-c", config, "--all", "--to-topic", f"{topic}-fixed")
     assert out.exit_code == 0, out.output

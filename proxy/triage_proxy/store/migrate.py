@@ -20,7 +20,10 @@ One legacy item L at (topic, partition, offset), with N the deployment's item th
                                                  new proxy; N := L (L's status wins, so a
                                                  replayed L keeps a second replay away)
     N replayed, discarded or claimed  conflict   both left as they are and reported: the
-                                                 deployment already settled that offset
+                                                 deployment already settled that offset;
+                                                 with `drop_conflicts` L is deleted
+                                                 (dropped): the operator's call that N's
+                                                 settlement stands
 
 A move is ONE TransactWriteItems: put N (if N is still as planned: absent, or pending and
 unclaimed) and delete L (if L is still as read: same status, `dead_lettered_at` and
@@ -152,6 +155,9 @@ class Move(enum.Enum):
     """Left: a live replay claims it."""
     CONFLICT = "conflict"
     """Left: the deployment's item there is replayed, discarded or claimed."""
+    DROPPED = "dropped"
+    """Deleted (`drop_conflicts`): a conflict resolved for the deployment's item, which
+    settled that offset already; without it the legacy copy warns forever."""
     CHANGED = "changed"
     """Left: it (or the deployment's item) changed between the read and the move."""
 
@@ -229,16 +235,27 @@ class Migration:
                 return
             kwargs["ExclusiveStartKey"] = last
 
-    def run(self, *, apply: bool, stop: threading.Event | None = None) -> MigrationResult:
-        """Plan every legacy item and, with `apply`, move it; `stop` is checked between
-        items (each move is atomic on its own)."""
+    def run(
+        self,
+        *,
+        apply: bool,
+        stop: threading.Event | None = None,
+        drop_conflicts: bool = False,
+    ) -> MigrationResult:
+        """Plan every legacy item and, with `apply`, move it (and with `drop_conflicts`
+        delete a conflicting one); `stop` is checked between items (each step is atomic
+        on its own)."""
         result = MigrationResult()
         for item in self.legacy_items():
             if stop is not None and stop.is_set():
                 result.interrupted = True
                 return result
             move = self.plan(item)
+            if move is Move.CONFLICT and drop_conflicts:
+                move = Move.DROPPED
             if apply and move in (Move.MOVED, Move.REPLACED) and not self.move(item, move):
+                move = Move.CHANGED
+            if apply and move is Move.DROPPED and not self.drop(item):
                 move = Move.CHANGED
             result.moves[move].append(item_key(item))
         return result
@@ -271,28 +288,9 @@ class Migration:
         }
         if put_values:
             put["ExpressionAttributeValues"] = put_values
-        delete_names = {"#s": "status", "#at": "dead_lettered_at", "#c": CLAIM_ATTR}
-        delete_values: dict[str, Any] = {
-            ":status": legacy["status"],
-            ":at": legacy["dead_lettered_at"],
-        }
-        if CLAIM_ATTR in legacy:
-            delete_names["#cu"] = CLAIM_UNTIL_ATTR
-            delete_values[":claim"] = legacy[CLAIM_ATTR]
-            delete_values[":until"] = legacy.get(CLAIM_UNTIL_ATTR, {"N": "0"})
-            claim = "#c = :claim AND #cu = :until"
-        else:
-            claim = "attribute_not_exists(#c)"
-        delete = {
-            "TableName": self.table.table,
-            "Key": table_key(legacy_dead_letter_source(topic, partition), offset),
-            "ConditionExpression": f"#s = :status AND #at = :at AND {claim}",
-            "ExpressionAttributeNames": delete_names,
-            "ExpressionAttributeValues": delete_values,
-        }
         call: Any = self.table.client.transact_write_items
         with self.table.errors("TransactWriteItems", expect={TRANSACTION_CANCELLED}) as refused:
-            call(TransactItems=[{"Put": put}, {"Delete": delete}])
+            call(TransactItems=[{"Put": put}, {"Delete": self._delete(legacy)}])
         if not refused:
             return True
         if CHECK_FAILED not in refused.reasons:  # a conflicting transaction: try next run
@@ -304,6 +302,34 @@ class Migration:
                 refused.describe(),
             )
         return False
+
+    def drop(self, legacy: Mapping[str, Any]) -> bool:
+        """Delete `legacy` (a conflict) if it is still as read; False if not (it changed:
+        a rerun plans it again)."""
+        with self.table.errors("DeleteItem", expect={CONDITION_FAILED}) as refused:
+            self.table.client.delete_item(**self._delete(legacy))
+        return not refused
+
+    def _delete(self, legacy: Mapping[str, Any]) -> dict[str, Any]:
+        """The deletion of `legacy`, on condition that it is still as read (status,
+        `dead_lettered_at` and claim): an old proxy or tool that wrote it meanwhile wins."""
+        topic, partition, offset = item_key(legacy)
+        names = {"#s": "status", "#at": "dead_lettered_at", "#c": CLAIM_ATTR}
+        values: dict[str, Any] = {":status": legacy["status"], ":at": legacy["dead_lettered_at"]}
+        if CLAIM_ATTR in legacy:
+            names["#cu"] = CLAIM_UNTIL_ATTR
+            values[":claim"] = legacy[CLAIM_ATTR]
+            values[":until"] = legacy.get(CLAIM_UNTIL_ATTR, {"N": "0"})
+            claim = "#c = :claim AND #cu = :until"
+        else:
+            claim = "attribute_not_exists(#c)"
+        return {
+            "TableName": self.table.table,
+            "Key": table_key(legacy_dead_letter_source(topic, partition), offset),
+            "ConditionExpression": f"#s = :status AND #at = :at AND {claim}",
+            "ExpressionAttributeNames": names,
+            "ExpressionAttributeValues": values,
+        }
 
 
 # --- indexing -----------------------------------------------------------------------
