@@ -92,6 +92,13 @@ def alive(pid: int) -> bool:
     return not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def sighup_ignored(pid: int) -> bool:
+    """Whether process `pid` ignores SIGHUP (its SigIgn mask in /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = next(line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:"))
+    return bool(int(mask, 16) & (1 << (signal.SIGHUP - 1)))
+
+
 @pytest.fixture
 def supervised(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[subprocess.Popen[str]]:
     """A supervisor (the real `serve`, so the real signal handlers) running two stand-in
@@ -149,10 +156,14 @@ def test_sighup_to_the_supervisor_reaches_every_proxy_and_stops_nothing(
     os.kill(supervisor_pid, signal.SIGHUP)  # a second one is passed on too
     assert wait_for(lambda: lines(tmp_path / "signals-0").count("HUP") == 2)
 
-    time.sleep(0.5)  # a restart, had a SIGHUP killed anything, would show by now
+    assert wait_for(
+        lambda: (tmp_path / "supervisor.log").read_text().count("SIGHUP passed on") == 2
+    )
     log = (tmp_path / "supervisor.log").read_text()
     assert supervised.poll() is None, log
-    # The proxy still starting (no handler yet) inherited SIGHUP ignored: not killed.
+    # The proxy still starting (no handler yet) inherited SIGHUP ignored, so the signal
+    # cannot kill it: read from its own mask, not from waiting to see it survive.
+    assert sighup_ignored(before[1]), log
     assert all(alive(pid) for pid in before.values()), log
     after = {e.get("slot", e.get("partition")): e["pid"] for e in _entries(project)}
     assert after == before
