@@ -82,6 +82,10 @@ if TYPE_CHECKING:
 PROXY_TIMEOUT_S = 2.0
 """How long one proxy's /status may take before it counts as down."""
 BROKER_TIMEOUT_S = 5.0
+TABLE_ATTEMPTS = 2
+"""botocore's attempts per dead-letter table call: status only reads and says what
+failed, and the tools' 5 attempts (query.TABLE_ATTEMPTS) at the 5 s read timeout kept an
+operator waiting 25 s for the report while DynamoDB did not answer."""
 DEFAULT_WATCH_INTERVAL_S = 2.0
 ANY_INTERFACE = ("", "0.0.0.0", "::")
 MAX_PROBED_PARTITIONS = 1024
@@ -381,6 +385,7 @@ class Sources:
         from confluent_kafka import Consumer
 
         from triage_proxy.kafka.logs import KafkaLog
+        from triage_proxy.store.aws import dynamodb_client
         from triage_proxy.store.query import DeadLetterTable
 
         self.settings = settings
@@ -401,13 +406,17 @@ class Sources:
             **KafkaLog(settings.kafka.topic, quiet=True).config(),
         }
         self._consumer: Any = Consumer(config)
-        self._table = DeadLetterTable(settings.dead_letters, group=settings.kafka.group_id)
+        self._dynamodb = dynamodb_client(settings.dead_letters, max_attempts=TABLE_ATTEMPTS)
+        self._table = DeadLetterTable(
+            settings.dead_letters, group=settings.kafka.group_id, dynamodb=self._dynamodb
+        )
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="status")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._consumer.close()
         self._table.close()
+        self._dynamodb.close()
 
     def partitions(self) -> int:
         """`kafka.partitions`, else the topic's partition count from the broker."""

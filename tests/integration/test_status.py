@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -216,3 +217,43 @@ def test_status_without_partition_count_or_broker_fails_cleanly(
     assert out.returncode == ExitCode.UNAVAILABLE
     assert "error:" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_dead_letter_counts_give_up_within_seconds_while_dynamodb_does_not_answer(
+    unique_name: str,
+) -> None:
+    """Its own DynamoDB endpoint, frozen with SIGSTOP (it accepts connections and never
+    answers): the counts fail with the cause after TABLE_ATTEMPTS read timeouts, where
+    the tools' five kept an operator waiting 25 s for the report."""
+    from triage_cli.status import TABLE_ATTEMPTS, Sources
+    from triage_proxy.config.settings import settings_from_dict
+    from triage_proxy.store.aws import DEFAULT_READ_TIMEOUT_S
+
+    with EmbeddedAWS() as frozen:
+        table = f"dlq-{unique_name}"
+        create_table(DeadLetterSettings(table=table, endpoint_url=frozen.endpoint_url))
+        raw = {
+            "kafka": {
+                "bootstrap_servers": "127.0.0.1:9",
+                "topic": unique_name,
+                "group_id": f"g-{unique_name}",
+                "partitions": 1,
+            },
+            "auth": {"token": TOKEN},
+            "dead_letters": {"table": table, "endpoint_url": frozen.endpoint_url},
+        }
+        sources = Sources(settings_from_dict(raw, {}), None)
+        frozen.signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            counts, error, missing = sources.dead_letters(1)
+            took = time.monotonic() - started
+        finally:
+            frozen.signal(signal.SIGCONT)
+            sources.close()
+    assert counts == {0: None}
+    assert error
+    assert not missing
+    # Each attempt waits out the read timeout: five took 26 s, two take 10-11 s; the bound
+    # leaves a busy machine a third more.
+    assert TABLE_ATTEMPTS * DEFAULT_READ_TIMEOUT_S <= took < 18.0, took
