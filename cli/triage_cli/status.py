@@ -82,6 +82,14 @@ if TYPE_CHECKING:
 PROXY_TIMEOUT_S = 2.0
 """How long one proxy's /status may take before it counts as down."""
 BROKER_TIMEOUT_S = 5.0
+DeploymentDirOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="local: the deployment's project folder, as given to deploy (default: "
+        ".triage/ by the config): its record names the processes that should run."
+    ),
+]
+"""`--state-dir` of the commands that read a local deployment's record (status, console)."""
 TABLE_ATTEMPTS = 2
 """botocore's attempts per dead-letter table call: status only reads and says what
 failed, and the tools' 5 attempts (query.TABLE_ATTEMPTS) at the 5 s read timeout kept an
@@ -963,13 +971,7 @@ def status(
             "the deployment at server.http_port (run inside the VPC)."
         ),
     ] = "local",
-    state_dir: Annotated[
-        Path | None,
-        typer.Option(
-            help="local: the deployment's project folder, as given to deploy (default: "
-            ".triage/ by the config): its record names the processes that should run."
-        ),
-    ] = None,
+    state_dir: DeploymentDirOption = None,
 ) -> None:
     """Per partition: committed offset, log end, lag, in-flight, instances, dead letters;
     then each push target: limit, in-flight, latency, responses, errors and state."""

@@ -23,6 +23,7 @@ from typing import Annotated
 import typer
 
 from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
+from triage_cli.status import DeploymentDirOption
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9800
@@ -54,13 +55,7 @@ def console(
     proxy_host: Annotated[
         str | None, typer.Option(help="Ask the proxies on this host instead of server.http_host.")
     ] = None,
-    state_dir: Annotated[
-        Path | None,
-        typer.Option(
-            help="local: the deployment's project folder, as given to deploy (default: "
-            ".triage/ by the config): its record names the processes that should run."
-        ),
-    ] = None,
+    state_dir: DeploymentDirOption = None,
 ) -> None:
     """Serve the web console: lag and what blocks each partition's commit, plots, dead
     letters to browse, replay and discard, and the fleet. Prints a URL with a login token."""
