@@ -822,9 +822,8 @@ def migrate(
     nothing and a rerun continues. Items being replayed, or whose offset this deployment
     already replayed or discarded (conflicts), are left and reported (exit 1); with
     --drop-conflicts a conflict is deleted instead, the deployment's settlement standing.
-    Stop every proxy that
-    predates deployment keys first (it would write more of them); run with --dry-run to
-    see the plan.
+    Stop every proxy that predates deployment keys first (it would write more of them);
+    run with --dry-run to see the plan.
 
     Then it adds the by-state index to a table created before it and gives every dead
     letter (of every deployment) the attribute that index is keyed on; until that is
