@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from tests.samples import GROUP, T0, item, make_dl
 from triage_proxy.config.settings import DeadLetterSettings
 from triage_proxy.deadletters.writer import DeadLetterWriter
+from triage_proxy.errors import DeadLetterUnavailable
+from triage_proxy.store import provisioning
 from triage_proxy.store.deadletter_store import MemoryStore, writable
 from triage_proxy.store.items import (
     MAX_ITEM_BYTES,
@@ -294,3 +296,63 @@ def test_replay_result_sorts_outcomes() -> None:
     assert result.in_doubt == [(("t", 0, 2), "maybe")]
     assert result.failed == [(("t", 0, 3), "no")]
     assert result.skipped == [(("t", 0, 4), "done")]
+
+
+class _Clock:
+    """A clock that moves only when the poll sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_poll_returns_the_first_answer_that_is_done_without_sleeping_after_it() -> None:
+    clock = _Clock()
+    answers = iter(["CREATING", "CREATING", "ACTIVE", "unreached"])
+    got = provisioning.poll(
+        lambda: next(answers),
+        lambda s: s == "ACTIVE",
+        timeout_s=10.0,
+        every_s=1.0,
+        sleep=clock.sleep,
+        clock=lambda: clock.now,
+    )
+    assert got == "ACTIVE"
+    assert clock.slept == [1.0, 1.0]
+
+
+def test_poll_gives_the_last_answer_once_the_time_is_up() -> None:
+    clock = _Clock()
+    asked: list[float] = []
+
+    def ask() -> str:
+        asked.append(clock.now)
+        return "CREATING"
+
+    got = provisioning.poll(
+        ask,
+        lambda s: s == "ACTIVE",
+        timeout_s=2.5,
+        every_s=1.0,
+        sleep=clock.sleep,
+        clock=lambda: clock.now,
+    )
+    assert got == "CREATING"
+    # asked at 100, 101, 102 and once past the deadline (102.5), then no further sleep
+    assert asked == [100.0, 101.0, 102.0, 103.0]
+    assert clock.slept == [1.0, 1.0, 1.0]
+
+
+def test_poll_lets_an_error_of_the_question_through() -> None:
+    clock = _Clock()
+
+    def ask() -> str:
+        raise DeadLetterUnavailable("describing table 't' failed: refused")
+
+    with pytest.raises(DeadLetterUnavailable, match="refused"):
+        provisioning.poll(ask, bool, timeout_s=5.0, every_s=1.0, sleep=clock.sleep)
+    assert clock.slept == []

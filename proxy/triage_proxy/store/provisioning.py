@@ -20,12 +20,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from triage_proxy.config.settings import DeadLetterSettings
 from triage_proxy.errors import ConfigError, DeadLetterUnavailable
-from triage_proxy.store.aws import aws_errors, dynamodb_client, s3_client
+from triage_proxy.store.aws import AwsAnswer, aws_errors, dynamodb_client, s3_client
 from triage_proxy.store.items import (
     AT_ATTR,
     EXPIRES_AT_ATTR,
@@ -72,6 +72,31 @@ STATE_INDEX_ATTRIBUTES: list[Any] = [
     {"AttributeName": STATE_ATTR, "AttributeType": "S"},
     {"AttributeName": AT_ATTR, "AttributeType": "S"},
 ]
+
+
+T = TypeVar("T")
+
+
+def poll(
+    ask: Callable[[], T],
+    done: Callable[[T], bool],
+    *,
+    timeout_s: float,
+    every_s: float,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> T:
+    """Ask until `done(answer)` or `timeout_s` has passed, every `every_s`; the last
+    answer either way (the caller says what running out of time means).
+
+    Provisioning's one wait: a table, an index or a backup setting that AWS brings up in
+    the background. Errors `ask` raises pass through. `sleep` and `clock` are test seams."""
+    deadline = clock() + timeout_s
+    while True:
+        answer = ask()
+        if done(answer) or clock() > deadline:
+            return answer
+        sleep(every_s)
 
 
 def create_table(settings: DeadLetterSettings, *, timeout_s: float = 120.0) -> None:
@@ -164,22 +189,27 @@ def _wait_active(client: DynamoDBClient, table: str, timeout_s: float) -> Mappin
     table that is ready, not one per question. A table not found yet (just created, on an
     eventually consistent endpoint) is waited for too. Raises DeadLetterUnavailable after
     `timeout_s`; other botocore errors pass through (the caller wraps)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def describe() -> Mapping[str, Any] | None:
         with aws_errors(
             f"describing table {table!r}",
             DeadLetterUnavailable,
             expect={"ResourceNotFoundException"},
         ) as missing:
-            described = client.describe_table(TableName=table)["Table"]
-        status = None if missing else described.get("TableStatus")
-        if status == "ACTIVE":
-            return described
-        if time.monotonic() > deadline:
-            raise DeadLetterUnavailable(
-                f"table {table!r} is {status or 'not found'} after {timeout_s:.0f} s"
-            )
-        time.sleep(TABLE_POLL_S)
+            described: Mapping[str, Any] = client.describe_table(TableName=table)["Table"]
+        return None if missing else described
+
+    def status(described: Mapping[str, Any] | None) -> str | None:
+        return None if described is None else described.get("TableStatus")
+
+    described = poll(
+        describe, lambda d: status(d) == "ACTIVE", timeout_s=timeout_s, every_s=TABLE_POLL_S
+    )
+    if described is None or status(described) != "ACTIVE":
+        raise DeadLetterUnavailable(
+            f"table {table!r} is {status(described) or 'not found'} after {timeout_s:.0f} s"
+        )
+    return described
 
 
 def _ensure_state_index(
@@ -211,21 +241,22 @@ def _ensure_state_index(
             logger.warning("could not add index %s to %s yet: %s", STATE_INDEX, table, busy)
             return False
         logger.info("adding index %s to table %s", STATE_INDEX, table)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        status = state_index_status(client, table)
-        if status == "ACTIVE":
-            return True
-        if time.monotonic() > deadline:
-            logger.warning(
-                "index %s of %s is %s after %.0f s; the tools scan until it is ACTIVE",
-                STATE_INDEX,
-                table,
-                status,
-                timeout_s,
-            )
-            return False
-        time.sleep(INDEX_POLL_S)
+    status = poll(
+        lambda: state_index_status(client, table),
+        lambda s: s == "ACTIVE",
+        timeout_s=timeout_s,
+        every_s=INDEX_POLL_S,
+    )
+    if status == "ACTIVE":
+        return True
+    logger.warning(
+        "index %s of %s is %s after %.0f s; the tools scan until it is ACTIVE",
+        STATE_INDEX,
+        table,
+        status,
+        timeout_s,
+    )
+    return False
 
 
 def _enable_ttl(client: DynamoDBClient, table: str) -> None:
@@ -256,25 +287,25 @@ def enable_point_in_time_recovery(
     """
     what = f"enabling point-in-time recovery on {settings.table!r}"
     client = dynamodb_client(settings)
-    deadline = time.monotonic() + timeout_s
+
+    def enable() -> AwsAnswer:
+        with aws_errors(
+            what,
+            DeadLetterUnavailable,
+            expect={"ContinuousBackupsUnavailableException"},
+        ) as busy:
+            client.update_continuous_backups(
+                TableName=settings.table,
+                PointInTimeRecoverySpecification={"PointInTimeRecoveryEnabled": True},
+            )
+        return busy
+
     try:
-        while True:
-            with aws_errors(
-                what,
-                DeadLetterUnavailable,
-                expect={"ContinuousBackupsUnavailableException"},
-            ) as busy:
-                client.update_continuous_backups(
-                    TableName=settings.table,
-                    PointInTimeRecoverySpecification={"PointInTimeRecoveryEnabled": True},
-                )
-            if not busy:
-                return
-            if time.monotonic() > deadline:
-                raise DeadLetterUnavailable(f"{what} failed: {busy.describe()}") from busy.error
-            time.sleep(PITR_POLL_S)
+        busy = poll(enable, lambda b: not b, timeout_s=timeout_s, every_s=PITR_POLL_S)
     finally:
         client.close()
+    if busy:
+        raise DeadLetterUnavailable(f"{what} failed: {busy.describe()}") from busy.error
 
 
 def create_bucket(settings: DeadLetterSettings) -> None:
