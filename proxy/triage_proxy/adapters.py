@@ -155,7 +155,6 @@ class Adapters:
             close,
             buffered=None if read is None else read.take_buffered,
             arm=None if read is None else read.arm,
-            commits_apart=self._fleet is not None,
             fence=fence,
         )
 

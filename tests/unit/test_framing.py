@@ -82,7 +82,6 @@ def test_entries_built_in_bulk_are_ready_and_fresh(
             "attempt": 0,
             "holder": None,
             "state": EntryState.READY,
-            "last_cause": "",
             "deadline": 0.0,
             "suspect": False,
             "fetched_at": fetched_at,

@@ -95,11 +95,6 @@ class PartitionParts:
     arm: Callable[[Callable[[], None]], bool] | None = None
     """With `buffered`: has the reader call a function once records come in, so an empty
     buffer is waited for on the event loop (`ReaderPartition.arm`)."""
-    commits_apart: bool = False
-    """The log commits through another Kafka client (a fleet's group member). Every
-    commit waits on a thread of its own, not on the fetch's (see `_serve`), so this
-    only says where the commit goes; a member's commit takes up to two of the member's
-    polls plus the broker's answer."""
 
 
 class Routes(Protocol):
@@ -236,8 +231,10 @@ class PartitionPipeline:
             # The fetch has a thread of its own; the commit and the broker queries (log
             # end, partition count) each have theirs, so neither holds up a fetch: on the
             # fetch's thread a synchronous commit (p90 20-106 ms on Tansu) and a log-end
-            # query (up to 200 ms) delayed 2-3% of records by up to 100 ms. librdkafka's
-            # handle is thread-safe; only one thread ever consumes.
+            # query (up to 200 ms) delayed 2-3% of records by up to 100 ms; a fleet
+            # member's commit (through the group's client: up to two of its polls plus
+            # the broker's answer) waits on the commit thread too. librdkafka's handle is
+            # thread-safe; only one thread ever consumes.
             thread = KafkaThread("kafka-fetch")
             stack.callback(thread.shutdown)
             lease_lost = ownership.lost if ownership is not None else asyncio.Event()

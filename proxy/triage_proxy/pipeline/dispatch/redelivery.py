@@ -76,7 +76,6 @@ class Redelivery:
     def failed(self, entry: Entry, cause: str, consumer_id: str) -> bool:
         """A delivery of `entry` failed: True to redeliver, False if it was dead-lettered."""
         entry.holder = None
-        entry.last_cause = cause
         self._window.carryover.count_failure(entry)
         if after_failure(entry.attempt, self._max_attempts) is Outcome.DEAD_LETTER:
             self.dead_letter(

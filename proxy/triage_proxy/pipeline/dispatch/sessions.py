@@ -160,10 +160,6 @@ class Sessions:
         session.stopping = True
         session.credits = 0
 
-    def with_credit(self) -> list[Session]:
-        """The sessions that may take a delivery now, in serving order."""
-        return [s for s in self._sessions if s.available > 0]
-
     def rotate(self) -> None:
         """The first in line goes last (fairness between pumps)."""
         self._sessions.append(self._sessions.pop(0))

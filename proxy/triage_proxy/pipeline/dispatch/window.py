@@ -69,7 +69,6 @@ class Entry:
         "delivered_at",
         "fetched_at",
         "holder",
-        "last_cause",
         "record",
         "size",
         "state",
@@ -83,7 +82,6 @@ class Entry:
     """Deliveries so far (the current one included while HELD)."""
     holder: Session | None
     state: EntryState
-    last_cause: str
     deadline: float
     """When the current delivery's lease expires (monotonic seconds)."""
     suspect: bool
@@ -119,7 +117,6 @@ class Entry:
             entry.attempt = 0
             entry.holder = None
             entry.state = ready
-            entry.last_cause = ""
             entry.deadline = 0.0
             entry.suspect = False
             entry.fetched_at = fetched_at
