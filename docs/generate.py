@@ -254,16 +254,23 @@ def metrics() -> str:
     )
 
     # A snapshot with every optional part present, so every family the registry can
-    # export is exported once.
+    # export is exported once: a gauge yields no family while its value is None, so each
+    # optional number is given one here, found from the fields (a family added for a new
+    # optional field cannot be left out of the page).
+    hints = typing.get_type_hints(ProxySnapshot)
+    numbers: dict[str, Any] = {}
+    for f in dataclasses.fields(ProxySnapshot):
+        kind = next(iter(set(typing.get_args(hints[f.name])) - {type(None)}), None)
+        if f.default is None and kind in (int, float):
+            numbers[f.name] = kind(1)
     snap = ProxySnapshot(
         topic="t",
         partition=0,
         state="running",
         ready=True,
         grpc_port=1,
-        committed_offset=1,
-        log_end_offset=2,
         settle_latency=LatencyHistogram(),
+        **{**numbers, "log_end_offset": 2},
     )
     target = PushTargetSnapshot(
         name="p",

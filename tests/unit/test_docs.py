@@ -55,6 +55,32 @@ def test_the_reference_names_every_setting_command_and_metric() -> None:
         assert f"`{name}`" in metrics
 
 
+def test_the_module_overviews_name_every_key_and_family() -> None:
+    """config/settings.py's and observe/metrics.py's docstrings list every key and metric
+    family by hand, as an overview for a reader of the module; the reference pages are
+    generated, so only this catches a key or family added without its line there."""
+    import dataclasses
+
+    from triage_proxy.config import settings
+    from triage_proxy.observe import metrics
+
+    assert settings.__doc__ is not None
+    for section, cls in settings._SECTIONS.items():
+        block = re.search(rf"(?s)\[{section}\](.*?)(?=\n    \[|\n\n)", settings.__doc__)
+        assert block is not None, f"settings.py's docstring lacks [{section}]"
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("config_key", True):
+                assert re.search(rf"\b{f.name}\b", block.group(1)), (
+                    f"settings.py's docstring lacks {section}.{f.name}"
+                )
+    assert metrics.__doc__ is not None
+    page = (DOCS / "reference" / "metrics.md").read_text()
+    for name in re.findall(r"(?m)^\| `(triage_\w+)` ", page):
+        assert re.search(rf"\b{name.removesuffix('_total')}", metrics.__doc__), (
+            f"metrics.py's docstring lacks {name}"
+        )
+
+
 def test_a_stale_page_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gen = generator()
     for name in gen.PAGES:
