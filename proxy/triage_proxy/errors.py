@@ -1,7 +1,8 @@
 """The one error tree of the proxy, grouped by what the caller does next.
 
     TriageError                      root; `retriable` says whether trying again can help
-    +-- ConfigError                  fix the config file or flag it names (not retriable)
+    +-- ConfigError                  fix the config file or flag it names (not retriable;
+    |                                ExportExists in triage_replay/job.py)
     +-- AuthError                    wrong, missing or revoked token: refuse the call
     +-- FrameError                   a consumer broke the stream protocol (no Hello, bad
     |                                credits): refuse its stream
@@ -14,11 +15,15 @@
     |   +-- DeadLetterUnavailable    the dead-letter table did not take a write
     |   +-- TableUnavailable         the table did not answer a lease or checkpoint call
     |   +-- OwnershipLost            the partition lease lapsed or was taken: stop delivering,
-    |                                exit, restart as a standby (ownership.py)
+    |   |                            exit, restart as a standby (ownership.py)
+    |   +-- (elsewhere)              NotifyUnavailable (deadletters/notifier.py), PortTaken
+    |                                (triage_cli/embedded.py), ReplayFailed (triage_replay/job.py)
     +-- NotFoundError                the table or item asked for does not exist (store/query.py
     |                                has the specific ones: TableNotFound, DeadLetterNotFound)
     +-- BadInput                     an argument a tool was handed is malformed (store/pages.py:
     |                                InvalidCursor): fix it, asking again cannot help
+    +-- CheckpointError              commit metadata or a checkpoint that cannot be trusted:
+    |                                ignore it and redeliver (pipeline/settled.py)
     +-- StateError                   a lifecycle method called in the wrong state (a bug)
     +-- DeployError                  `triage deploy/destroy` could not finish: the cloud
                                      refused a call or a stack failed; read why, fix, rerun
