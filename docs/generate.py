@@ -12,9 +12,9 @@
                                       turned into paths
 
 `--check` writes nothing and exits 1 naming each page that differs from what the code says
-now; tests/unit/test_docs.py runs it, so a stale page fails the tests. Field docstrings are
-read with `ast` (Python keeps no attribute docstrings at run time); everything else comes
-from the live objects.
+now, with the start of the difference; tests/unit/test_docs.py runs it, so a stale page
+fails the tests. Field docstrings are read with `ast` (Python keeps no attribute
+docstrings at run time); everything else comes from the live objects.
 """
 
 from __future__ import annotations
@@ -383,6 +383,21 @@ def stale() -> list[str]:
     ]
 
 
+def _diff(name: str, most: int = 40) -> str:
+    """How page `name` differs from what the code says now (its first `most` lines)."""
+    import difflib
+
+    page = REFERENCE / name
+    old = page.read_text().splitlines() if page.is_file() else []
+    lines = list(
+        difflib.unified_diff(
+            old, PAGES[name]().splitlines(), f"docs/reference/{name}", "generated", lineterm=""
+        )
+    )
+    more = [f"... {len(lines) - most} more lines"] if len(lines) > most else []
+    return "\n".join(lines[:most] + more)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only say which pages are stale")
@@ -391,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         names = stale()
         for name in names:
             print(f"docs/reference/{name} is stale: run python docs/generate.py", file=sys.stderr)
+            print(_diff(name), file=sys.stderr)
         return 1 if names else 0
     REFERENCE.mkdir(parents=True, exist_ok=True)
     for name, render in PAGES.items():

@@ -29,9 +29,11 @@ def generator() -> ModuleType:
 
 
 def test_the_generated_reference_pages_are_current() -> None:
-    stale = generator().stale()
+    gen = generator()
+    stale = gen.stale()
     assert not stale, (
-        f"docs/reference/{', '.join(stale)} differ from the code: run `python docs/generate.py`"
+        f"docs/reference/{', '.join(stale)} differ from the code: run `python docs/generate.py`\n"
+        + "\n".join(gen._diff(name) for name in stale)
     )
 
 
