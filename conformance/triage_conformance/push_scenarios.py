@@ -20,6 +20,7 @@ from triage_conformance.scenarios import (
     COMMIT_TIMEOUT_S,
     EXIT_TIMEOUT_S,
     START_TIMEOUT_S,
+    byte_exact_messages,
     run_judged,
 )
 from triage_conformance.stack import Message, Produced, Stack
@@ -103,22 +104,9 @@ def push_retry(ctx: PushContext, outcome: Outcome) -> None:
 
 
 def push_bytes(ctx: PushContext, outcome: Outcome) -> None:
-    """Null, empty and binary keys, null and empty values, binary, null and duplicate
-    headers: the receiver recovers every byte from the CloudEvent, and a rejected one is
-    dead-lettered byte-exact."""
-    every = bytes(range(256))
-    headers = (("bin", every), ("null", None), ("dup", b"1"), ("dup", b"2"), ("ünï", b"\x00"))
-    messages = [
-        Message(None, key=None),
-        Message(b"", key=b""),
-        Message(every, key=b"\x00\xff\xfe", headers=headers),
-        Message(None, key=every, headers=(("only-null", None),)),
-        Message(b"\xc3\x28 bad UTF-8 \x00 nul", "fail", key=None, headers=headers),
-        Message(every, key=None),
-        Message(None, key=b""),
-        Message(b"", key=every),
-        Message(b"\x00", key='ü "%\n<'.encode()),
-    ]
+    """`byte_exact_messages`: the receiver recovers every byte from the CloudEvent, and a
+    rejected one is dead-lettered byte-exact."""
+    messages = byte_exact_messages()
     ctx.spawn("bytes")
     produced = ctx.stack.produce(messages)
     ctx.finish(outcome, produced)

@@ -197,13 +197,13 @@ def large(ctx: Context, outcome: Outcome) -> None:
     ctx.finish(outcome, produced)
 
 
-def byte_exact(ctx: Context, outcome: Outcome) -> None:
-    """Null keys and values, empty ones, every byte value, binary and null headers,
-    duplicate header names: all reach the handler and the dead letter byte-exact, also
-    records without any header (a proxy sends those packed to a client that asks)."""
+def byte_exact_messages() -> list[Message]:
+    """Null, empty and binary keys and values, every byte value, binary, null and duplicate
+    header names, a key a URL or header would have to escape; one poison ("fail"). Pulled
+    (`byte_exact`) and pushed (`push_bytes`) alike, so both paths answer for the same bytes."""
     every = bytes(range(256))
     headers = (("bin", every), ("null", None), ("dup", b"1"), ("dup", b"2"), ("ünï", b"\x00"))
-    messages = [
+    return [
         Message(None, key=None),
         Message(b"", key=b""),
         Message(every, key=b"\x00\xff\xfe", headers=headers),
@@ -212,9 +212,14 @@ def byte_exact(ctx: Context, outcome: Outcome) -> None:
         Message(every, key=None),
         Message(None, key=b""),
         Message(b"", key=every),
-        Message(b"\x00", key=None),
+        Message(b"\x00", key='ü "%\n<'.encode()),
     ]
-    produced = ctx.stack.produce(messages)
+
+
+def byte_exact(ctx: Context, outcome: Outcome) -> None:
+    """`byte_exact_messages` reach the handler and the dead letter byte-exact, also as
+    records without any header (a proxy sends those packed to a client that asks)."""
+    produced = ctx.stack.produce(byte_exact_messages())
     ctx.spawn("bytes")
     ctx.finish(outcome, produced)
 
