@@ -21,7 +21,7 @@ from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
 from triage_cli.helptext import reflow_help
 from triage_cli.init import config_app, init
 from triage_cli.produce import produce
-from triage_cli.status import status
+from triage_cli.status.command import status
 
 app = typer.Typer(
     name="triage",

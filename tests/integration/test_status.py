@@ -225,7 +225,7 @@ def test_dead_letter_counts_give_up_within_seconds_while_dynamodb_does_not_answe
     """Its own DynamoDB endpoint, frozen with SIGSTOP (it accepts connections and never
     answers): the counts fail with the cause after TABLE_ATTEMPTS read timeouts, where
     the tools' five kept an operator waiting 25 s for the report."""
-    from triage_cli.status import TABLE_ATTEMPTS, Sources
+    from triage_cli.status.sources import TABLE_ATTEMPTS, Sources
     from triage_proxy.config.settings import settings_from_dict
     from triage_proxy.store.aws import DEFAULT_READ_TIMEOUT_S
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from prometheus_client.core import Metric
 
 from triage_cli.deploy import default_proxies
-from triage_cli.status import ProxyView, partition_views, served_by_notes
+from triage_cli.status.render import served_by_notes
+from triage_cli.status.report import ProxyView, partition_views
 from triage_proxy.kafka.assignment import serving_target
 from triage_proxy.observe.metrics import metric_families
 from triage_proxy.observe.snapshot import ProcessSnapshot, ProxySnapshot, as_process

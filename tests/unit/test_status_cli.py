@@ -8,17 +8,16 @@ from typing import Any
 
 from rich.console import Console
 
-from triage_cli.status import (
+from triage_cli.status.render import render_table
+from triage_cli.status.report import (
     BrokerView,
     ProxyView,
     Report,
-    Sources,
-    fetch_status,
     mine_only,
     missing_table_hint,
     partition_row,
-    render_table,
 )
+from triage_cli.status.sources import Sources, fetch_status
 from triage_proxy.config.settings import Settings, settings_from_dict
 
 RUNNING: dict[str, Any] = {

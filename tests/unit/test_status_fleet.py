@@ -17,20 +17,19 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from triage_cli import status as status_module
 from triage_cli.console.sampler import CachedSources
 from triage_cli.exitcodes import ExitCode
-from triage_cli.status import (
+from triage_cli.status import command as status_command
+from triage_cli.status.render import render_table
+from triage_cli.status.report import (
     BrokerView,
     LocalDeployment,
     ProxyView,
     Report,
-    Sources,
-    gather,
     local_deployment,
     process_slots,
-    render_table,
 )
+from triage_cli.status.sources import Sources, gather
 from triage_proxy.config.settings import Settings, settings_from_dict
 
 PARTITIONS = 3
@@ -262,7 +261,7 @@ def stubbed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
     monkeypatch.setattr(settings_module, "load_settings", lambda *a, **k: make_settings())
     monkeypatch.setattr(
-        status_module,
+        status_command,
         "Sources",
         lambda *a, **k: StubSources(outage_docs(), broker=OUTAGE),
     )

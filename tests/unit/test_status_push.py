@@ -7,15 +7,8 @@ from typing import Any
 
 from rich.console import Console
 
-from triage_cli.status import (
-    BrokerView,
-    ProxyView,
-    Report,
-    partition_row,
-    push_rows,
-    render_push_table,
-    render_report,
-)
+from triage_cli.status.render import render_push_table, render_report
+from triage_cli.status.report import BrokerView, ProxyView, Report, partition_row, push_rows
 from triage_proxy.observe.snapshot import PUSH_BUCKETS_S, LatencyHistogram, PushTargetSnapshot
 
 OUTAGE = "outage: cannot connect to 127.0.0.1:9 (Connection refused) (waiting 3.2 s)"

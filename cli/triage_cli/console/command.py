@@ -23,7 +23,7 @@ from typing import Annotated
 import typer
 
 from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
-from triage_cli.status import DeploymentDirOption
+from triage_cli.status.command import DeploymentDirOption
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9800

@@ -1,6 +1,6 @@
 """The console's one background reader: every few seconds, what `triage status` reads.
 
-`Sampler` owns one task. Each round it runs `triage_cli.status.gather` (the broker's
+`Sampler` owns one task. Each round it runs `triage_cli.status.sources.gather` (the broker's
 committed offsets and log ends, every proxy's /status, the table's pending counts) and
 reads the partitions' lease items, in a worker thread, then adds the report to the
 `History` the plots are drawn from. The pages read `latest()`; they never wait on a
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from triage_cli.console.history import History
-from triage_cli.status import Sources, gather
+from triage_cli.status.sources import Sources, gather
 
 if TYPE_CHECKING:
     from triage_proxy.config.settings import Settings
