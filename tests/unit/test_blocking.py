@@ -61,6 +61,7 @@ def test_status_json_ages_it_and_says_it_in_words() -> None:
         "age_s": 12.346,
         "attempt": 2,
         "holder": "w-1",
+        "suspect": False,
     }
     snap = ProxySnapshot(topic="t", partition=0, state="running", ready=True, grpc_port=1,
                          blocking=blocking, taken_at=101.0)  # fmt: skip

@@ -117,3 +117,38 @@ def test_a_crash_pill_among_16_in_flight_neighbours_of_an_isolating_process() ->
     assert crashes <= 5 + 1
     d.dead_letter_written(dead[0])
     assert tracker.committable == 16
+
+
+def test_a_blocking_suspect_says_it_waits_for_its_turn_not_for_credit_or_a_handler() -> None:
+    """After a consumer crash every record it held is a suspect: an instance takes one at a
+    time, and its process runs one at a time. /status must not say the others wait for "an
+    instance with credit" (the instance has credit) or "a handler" (none runs them)."""
+    d, _, _ = make(max_attempts=5, span_s=0)
+    d.add(records(0, 3))
+    a = isolating(d, "a", 10)
+    take(a)
+    d.close_session(a)  # it crashed holding all three: all suspects, none blamed
+    b = isolating(d, "b", 10)
+    assert take(b)[1] == [0]
+    c = isolating(d, "c", 10)
+    assert take(c)[1] == [1]
+    d.close_session(b)  # never started 0: not blamed, queued again; c holds a suspect
+    blocking = d.blocking
+    assert blocking is not None
+    assert (blocking.offset, blocking.state, blocking.holder) == (0, "ready", None)
+    assert c.available > 0
+    assert blocking.waiting_for == "its turn as a suspect: an instance takes one at a time"
+    assert blocking.to_json(0.0)["suspect"] is True
+
+    for offset in (1, 2):  # suspects take turns: 2 was queued before 0 came back
+        d.settle(c, [offset], [])
+        assert take(c)[1] == [2 if offset == 1 else 0]
+    # c's turn for 0: held, flagged, not yet started
+    blocking = d.blocking
+    assert blocking is not None
+    assert (blocking.offset, blocking.state, blocking.holder) == (0, "held", "c")
+    assert blocking.waiting_for == "its turn in the consumer process: one suspect runs at a time"
+    d.started(c, [0])  # the process's turn came: now a handler runs it
+    blocking = d.blocking
+    assert blocking is not None
+    assert blocking.waiting_for == "a handler"

@@ -155,6 +155,15 @@ BLOCKING_REASONS = {
 }
 """What the record that blocks the commit waits for, by its window state (the keys are
 `pipeline.dispatch.window.EntryState` values)."""
+SUSPECT_REASONS = {
+    "ready": "its turn as a suspect: an instance takes one at a time",
+    "held": "its turn in the consumer process: one suspect runs at a time",
+}
+"""What a suspect (its earlier holder vanished) that blocks the commit waits for, where it
+is not what `BLOCKING_REASONS` says: queued while every instance with credit holds a
+suspect already, or held by an isolating instance that has not reported it started (it
+waits, leased, for its process's one isolated delivery at a time; see
+docs/concepts/suspects-and-blame.md)."""
 
 
 @dataclass(frozen=True)
@@ -171,16 +180,29 @@ class Blocking:
     """Deliveries so far."""
     holder: str | None = None
     """The consumer id of the instance holding it, while a handler runs it."""
+    suspect: bool = False
+    """Its earlier holder vanished (or its lease lapsed): it goes out one at a time."""
+    started: bool = True
+    """While held: its handler may be running (False: an isolated suspect its instance has
+    not reported started, waiting for its process's turn)."""
+
+    @property
+    def waiting_for(self) -> str:
+        """What it waits for, in words."""
+        if self.suspect and (self.state == "ready" or (self.state == "held" and not self.started)):
+            return SUSPECT_REASONS[self.state]
+        return BLOCKING_REASONS.get(self.state, self.state)
 
     def to_json(self, now: float) -> dict[str, Any]:
         """Its entry in /status, aged at `now` (monotonic seconds)."""
         return {
             "offset": self.offset,
             "state": self.state,
-            "waiting_for": BLOCKING_REASONS.get(self.state, self.state),
+            "waiting_for": self.waiting_for,
             "age_s": round(max(0.0, now - self.fetched_at), 3),
             "attempt": self.attempt,
             "holder": self.holder,
+            "suspect": self.suspect,
         }
 
 

@@ -187,12 +187,15 @@ class Dispatcher:
         if entry is None:
             return None
         holder = entry.holder
+        offset = entry.record.offset
         return Blocking(
-            offset=entry.record.offset,
+            offset=offset,
             state=entry.state.value,
             fetched_at=entry.fetched_at,
             attempt=entry.attempt,
             holder=holder.consumer_id if holder is not None else None,
+            suspect=entry.suspect,
+            started=holder is None or not holder.isolating or offset in holder.started,
         )
 
     @property
