@@ -313,8 +313,9 @@ def test_crash_type_poison_pill_is_dead_lettered_after_max_attempts() -> None:
     assert len(dead) == 1
     assert dead[0].attempts == 3
     assert dead[0].reason == (
-        "delivery attempts exhausted (3): instance i3 disconnected while handling it"
+        "delivery attempts exhausted (3): its instance disconnected while handling it"
     )
+    assert dead[0].consumer_id == "i3"  # in its own field: the reason is every pill's
     d.dead_letter_written(dead[0])
     assert tracker.committable == 1
 
@@ -491,7 +492,8 @@ def test_expiry_counts_as_an_attempt_until_dead_lettered() -> None:
         clock.now += 11
         d.tick()
     assert [x.attempts for x in dead] == [2]
-    assert "ack deadline of 10 s passed at instance a" in dead[0].reason
+    assert "ack deadline of 10 s passed at its instance" in dead[0].reason
+    assert dead[0].consumer_id == "a"
 
 
 def key_records(keys: list[bytes | None]) -> list[Record]:

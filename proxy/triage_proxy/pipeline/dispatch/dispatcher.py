@@ -301,7 +301,9 @@ class Dispatcher:
             session.outlet.end()
             self._window.update_events()
             return
-        cause = f"instance {session.consumer_id} disconnected while handling it"
+        # The consumer id goes in the dead letter's own field, not in the reason: one reason
+        # for every crash pill, so grouping dead letters by reason groups them.
+        cause = "its instance disconnected while handling it"
         back: list[Entry] = []
         cleared: list[Entry] = []
         started = session.started
@@ -441,7 +443,7 @@ class Dispatcher:
         back: list[Entry] = []
         deadline_s = self._leases.ack_deadline_s
         for entry, session in self._leases.expire(now):
-            cause = f"ack deadline of {deadline_s:g} s passed at instance {session.consumer_id}"
+            cause = f"ack deadline of {deadline_s:g} s passed at its instance"
             if self._redelivery.failed(entry, cause, session.consumer_id):
                 back.append(entry)
         if back:
