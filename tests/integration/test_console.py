@@ -380,6 +380,10 @@ def test_filter_by_reason_hex_view_replay_and_replay_again(stack: Stack, page: W
     p.goto(stack.base + "/deadletters")
     p.wait_for_selector("#reason-counts")
     p.wait_for_function("() => document.querySelectorAll('#items tbody tr').length > 1")
+    # The list shows the table's UTC time; the overview and fleet show the browser's local
+    # time: the column says which it is.
+    headers = p.locator("#items thead th").all_inner_texts()
+    assert "dead-lettered at (UTC)" in headers, headers
     _shot(stack, page, "deadletters")
     p.fill("input[name=reason]", "BINARY payload")
     p.click("#apply")
@@ -401,6 +405,12 @@ def test_filter_by_reason_hex_view_replay_and_replay_again(stack: Stack, page: W
         assert p.locator("body").get_attribute("data-outcome") == "replayed"
         assert p.locator("dd[data-field='state']").inner_text() == "replayed"
         assert p.locator("dd[data-field='replayed to']").inner_text().startswith(stack.topic)
+        # No longer pending: both actions are off, and look it (a coloured button that
+        # does nothing read as one that would discard a replayed item).
+        for action in ("#replay", "#discard"):
+            assert p.locator(action).is_disabled()
+            faded = p.eval_on_selector(action, "b => Number(getComputedStyle(b).opacity)")
+            assert faded < 0.6, (action, faded)
         # Consumed again, through the proxy, with its provenance.
         assert _until(lambda: f"{stack.topic}/0/1000" in seen.replays), seen.replays
         assert BINARY_VALUE in seen.values

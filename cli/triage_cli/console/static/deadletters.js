@@ -57,7 +57,7 @@
       el("td", { class: "cut", text: item.payload_s3 ? "(in S3)" : num(item.key) }),
       el("td", { class: "cut reason", text: item.reason })));
     list.append(el("table", { id: "items" },
-      el("thead", {}, el("tr", {}, ["dead letter", "state", "attempts", "dead-lettered at",
+      el("thead", {}, el("tr", {}, ["dead letter", "state", "attempts", "dead-lettered at (UTC)",
         "key", "reason"].map((h) => el("th", { text: h })))),
       el("tbody", {}, rows)));
   }
