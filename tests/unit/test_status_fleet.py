@@ -246,6 +246,17 @@ def test_processes_that_lost_the_group_during_an_outage_are_deployed(
     assert "the broker is unreachable" in text
 
 
+def test_a_restarted_process_joining_the_group_is_not_said_to_have_lost_its_session() -> None:
+    """Seen after `kill -9` of a fleet process: the supervisor restarted it, and until the
+    group assigns it partitions it answers /status as starting, not a member."""
+    joining = {**fleet_doc(13, [], member=False), "state": "starting"}
+    report = gather(StubSources([joining, fleet_doc(12, [1])], deployment=FLEET_OF_2))
+    text = " ".join(text_of(report).split())
+    assert "partition(s) 0, 2 not served" in text, text
+    assert "lost the consumer group session" not in text
+    assert "1 (pid 13) started and is joining the consumer group" in text
+
+
 def test_a_live_supervisor_is_a_deployment_even_when_no_process_answers() -> None:
     report = gather(StubSources([None, None], deployment=FLEET_OF_2, broker=OUTAGE))
     assert report.deployed

@@ -228,6 +228,10 @@ def not_deployed_note(report: Report) -> str:
     return note
 
 
+JOINING_STATES = ("new", "starting")
+"""Process states (`/status` `state`) of a fleet process that has not yet joined its group."""
+
+
 def unserved_note(report: Report) -> str | None:
     """Why partitions are down while this deployment's processes answer (pure): they
     serve none of them. In a fleet a process that lost its group session (`member`
@@ -249,12 +253,22 @@ def unserved_note(report: Report) -> str | None:
         )
     if not down or not answering:
         return None
-    lost = [row for row in answering if row.get("member") is False]
+    outside = [row for row in answering if row.get("member") is False]
+    # A process that has not started yet (a restarted one, joining the group) is not one
+    # that lost its session: that would send the reader after a broker outage.
+    joining = [row for row in outside if row.get("state") in JOINING_STATES]
+    lost = [row for row in outside if row.get("state") not in JOINING_STATES]
     parts = ", ".join(map(str, down))
     note = (
         f"partition(s) {parts} not served, though {len(answering)} process(es) of this "
         f"deployment answer"
     )
+    if joining:
+        pids = ", ".join(str(row.get("pid")) for row in joining)
+        note += (
+            f"; {len(joining)} (pid {pids}) started and is joining the consumer group: "
+            f"partitions move to it once the group assigns them and their leases lapse"
+        )
     if lost:
         pids = ", ".join(str(row.get("pid")) for row in lost)
         note += (
