@@ -137,7 +137,7 @@ def test_a_blocking_suspect_says_it_waits_for_its_turn_not_for_credit_or_a_handl
     assert blocking is not None
     assert (blocking.offset, blocking.state, blocking.holder) == (0, "ready", None)
     assert c.available > 0
-    assert blocking.waiting_for == "its turn as a suspect: an instance takes one at a time"
+    assert blocking.waiting_for == "its turn as a suspect"
     assert blocking.to_json(0.0)["suspect"] is True
 
     for offset in (1, 2):  # suspects take turns: 2 was queued before 0 came back
@@ -147,7 +147,7 @@ def test_a_blocking_suspect_says_it_waits_for_its_turn_not_for_credit_or_a_handl
     blocking = d.blocking
     assert blocking is not None
     assert (blocking.offset, blocking.state, blocking.holder) == (0, "held", "c")
-    assert blocking.waiting_for == "its turn in the consumer process: one suspect runs at a time"
+    assert blocking.waiting_for == "its turn in the consumer process"
     d.started(c, [0])  # the process's turn came: now a handler runs it
     blocking = d.blocking
     assert blocking is not None

@@ -156,8 +156,8 @@ BLOCKING_REASONS = {
 """What the record that blocks the commit waits for, by its window state (the keys are
 `pipeline.dispatch.window.EntryState` values)."""
 SUSPECT_REASONS = {
-    "ready": "its turn as a suspect: an instance takes one at a time",
-    "held": "its turn in the consumer process: one suspect runs at a time",
+    "ready": "its turn as a suspect",
+    "held": "its turn in the consumer process",
 }
 """What a suspect (its earlier holder vanished) that blocks the commit waits for, where it
 is not what `BLOCKING_REASONS` says: queued while every instance with credit holds a
