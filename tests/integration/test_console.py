@@ -328,6 +328,16 @@ def test_token_url_logs_in_and_overview_plots_lag(stack: Stack, page: Watched) -
     row = p.locator("tr[data-partition='0']")
     assert row.locator("td.lag").inner_text() == str(BACKLOG)
     assert p.locator("#plot-lag canvas").count() == 1
+    # On a 1280-pixel laptop screen the partitions table fits: no column (the dead
+    # letters pending, last) hides past the right edge, and the page does not scroll
+    # sideways past its own header bar.
+    p.set_viewport_size({"width": 1280, "height": 1000})
+    p.wait_for_timeout(300)
+    widths = p.evaluate(
+        "[document.documentElement.scrollWidth, document.documentElement.clientWidth]"
+    )
+    assert widths[0] <= widths[1], widths
+    p.set_viewport_size({"width": 1500, "height": 1000})
     _shot(stack, page, "overview")
     p.goto(stack.base + "/fleet")
     p.wait_for_selector("#process-table td.served")
