@@ -208,7 +208,11 @@ def test_a_crash_pill_reaches_its_limit_across_a_proxy_kill_9(
         assert wait_until(lambda: dead_letters(settings), timeout=WAIT_S)
         (dl,) = dead_letters(settings)
         assert (dl.record.offset, dl.record.value, dl.attempts) == (0, b"crash", MAX_ATTEMPTS)
-        assert dl.reason.startswith(f"delivery attempts exhausted ({MAX_ATTEMPTS}): instance raw-")
+        assert dl.reason == (
+            f"delivery attempts exhausted ({MAX_ATTEMPTS}): its instance disconnected while "
+            "handling it"
+        )
+        assert dl.consumer_id.startswith("raw-")
         assert wait_until(lambda: committed(broker.bootstrap, group, topic) == 1, timeout=WAIT_S)
     finally:
         checkpoints.close()
