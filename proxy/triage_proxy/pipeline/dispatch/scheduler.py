@@ -1,8 +1,9 @@
 """The scheduler: hands queued records to instances by credit, fairly, within rate caps.
 
-It owns the queues: `ready` (in offset order, retries at the front), `suspects` and
-`large`. Each pump gives every instance with credit an even share of what is queued and
-then rotates the session table, so the first in line changes from pump to pump. A pump
+It owns the queues: `ready` (in offset order, retries at the front), `suspects` (by
+offset: `SuspectQueue`) and `large`. Each pump gives every instance with credit an even
+share of what is queued and then rotates the session table, so the first in line changes
+from pump to pump. A pump
 hands each instance one batch; the window marks it held (`Window.hand_out`), the
 instance's outlet (the server) encodes it into frames, and the leases start:
 
@@ -42,6 +43,7 @@ pump is scheduled for when they refill.
 from __future__ import annotations
 
 import asyncio
+import heapq
 from collections import deque
 from collections.abc import Callable, Iterable
 
@@ -58,6 +60,36 @@ REFILL_LINGER_S = 0.005
 
 DeadLetterEntry = Callable[[Entry, str, str], None]
 """Hands an entry to the dead-letter writer with a reason and the consumer id."""
+
+
+class SuspectQueue:
+    """Suspects waiting for an instance, smallest offset first (a deque's `popleft`,
+    `[0]`, `extend`, `len`). Offset order, not arrival: a suspect back from its
+    redelivery gap (a crash pill, blamed) holds the commit at the smallest offset, and
+    after a crash its partition may have as many suspects queued as the process held
+    deliveries, each run one at a time; at the back of them it waited out all of them
+    (55 s after an 8.6 s gap, measured), not its gap."""
+
+    __slots__ = ("_heap",)
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, Entry]] = []  # offsets are unique within a partition
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __getitem__(self, index: int) -> Entry:
+        if index != 0:
+            raise IndexError("only the first suspect can be read")
+        return self._heap[0][1]
+
+    def extend(self, entries: Iterable[Entry]) -> None:
+        heap = self._heap
+        for entry in entries:
+            heapq.heappush(heap, (entry.record.offset, entry))
+
+    def popleft(self) -> Entry:
+        return heapq.heappop(self._heap)[1]
 
 
 class Scheduler:
@@ -86,7 +118,7 @@ class Scheduler:
         self._dead_letter = dead_letter
         self._monotonic = monotonic
         self._ready: deque[Entry] = deque()
-        self._suspects: deque[Entry] = deque()
+        self._suspects = SuspectQueue()
         self._large: deque[Entry] = deque()
         self._delivering = True
 
@@ -113,7 +145,7 @@ class Scheduler:
         self._ready.appendleft(entry)
 
     def queue_suspects(self, entries: list[Entry]) -> None:
-        """READY suspects (in offset order) wait for an instance that holds none."""
+        """READY suspects wait for an instance that holds none, smallest offset first."""
         self._suspects.extend(entries)
 
     # --- pumping --------------------------------------------------------------------------
@@ -192,7 +224,9 @@ class Scheduler:
         rate, now = self._rate, self._monotonic()
         assert rate is not None
         batch: list[Entry] = []
-        queues = (self._suspects, self._ready) if suspect_first else (self._ready,)
+        queues: tuple[SuspectQueue | deque[Entry], ...] = (
+            (self._suspects, self._ready) if suspect_first else (self._ready,)
+        )
         for queue in queues:
             while queue and len(batch) < n:
                 size = queue[0].size
