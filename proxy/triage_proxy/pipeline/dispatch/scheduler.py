@@ -78,6 +78,9 @@ class SuspectQueue:
     def __len__(self) -> int:
         return len(self._heap)
 
+    def __bool__(self) -> bool:  # tested on every pump
+        return bool(self._heap)
+
     def __getitem__(self, index: int) -> Entry:
         if index != 0:
             raise IndexError("only the first suspect can be read")
