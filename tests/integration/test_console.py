@@ -385,6 +385,36 @@ def test_requests_without_the_cookie_get_401_and_posts_need_the_csrf_token(
     assert _api(page.page, "GET", item)["body"]["status"] == "pending"
 
 
+def test_an_unserved_fleet_partition_is_named_plainly(stack: Stack, page: Watched) -> None:
+    """Seen after `kill -9` of a fleet process: its partitions have no proxy of their own
+    (`proxy_url` null) until another serves them. The banner printed "(null: no proxy
+    process serves partition 1)", and the row said "nothing unsettled", which nobody
+    knows while no proxy answers. The overview here is the console's own, with its one
+    partition made unserved on the way to the page."""
+    p = page.page
+    p.wait_for_selector("tr[data-partition='0'] td.lag")
+    real = _api(p, "GET", "/api/overview")["body"]
+    row = real["report"]["partitions"][0]
+    row.update(proxy="down", proxy_url=None, served_by=None, blocking=None,
+               proxy_error="no proxy process serves partition 0")  # fmt: skip
+    p.route(
+        "**/api/overview",
+        lambda route: route.fulfill(
+            status=200, content_type="application/json", body=json.dumps(real)
+        ),
+    )
+    try:
+        p.reload()
+        banner = p.locator("#problems .notice.bad").first
+        banner.wait_for()
+        assert banner.inner_text() == "Partition 0 down: no proxy process serves partition 0"
+        cells = p.locator("tr[data-partition='0'] td").all_inner_texts()
+        assert "nothing unsettled" not in cells, cells
+        assert "null" not in " ".join(cells), cells
+    finally:
+        p.unroute("**/api/overview")
+
+
 def test_filter_by_reason_hex_view_replay_and_replay_again(stack: Stack, page: Watched) -> None:
     p = page.page
     p.goto(stack.base + "/deadletters")

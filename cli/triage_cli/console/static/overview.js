@@ -78,9 +78,12 @@
     if (report.dead_letters_error) problems.append(el("p", { class: "notice bad",
       id: "table-error", text: "Dead-letter table: " + report.dead_letters_error }));
     for (const row of report.partitions) {
+      // A fleet's unserved partition has no proxy of its own (proxy_url null): the error
+      // alone says why.
       if (row.proxy === "down") problems.append(el("p", { class: "notice bad",
-        text: "Partition " + row.partition + ": no proxy answers (" + row.proxy_url + ": " +
-          row.proxy_error + ")" }));
+        text: "Partition " + row.partition + " down: " + (row.proxy_url
+          ? "no proxy answers (" + row.proxy_url + ": " + row.proxy_error + ")"
+          : (row.proxy_error || "no proxy process serves it")) }));
       for (const d of row.degraded || []) problems.append(el("p", { class: "notice",
         text: "Partition " + row.partition + " degraded: " + d }));
       for (const u of row.unwritable_dead_letters || []) problems.append(el("p", {
@@ -96,7 +99,8 @@
         el("td", { class: "num", text: num(row.committed_offset) }),
         el("td", { class: "num", text: num(row.log_end_offset) }),
         el("td", { class: "num lag", text: num(row.lag) }),
-        blockingCells(row.blocking),
+        ...(row.proxy === "down" ? [el("td", { text: "–" }), el("td"), el("td")]  // unknown
+          : blockingCells(row.blocking)),
         el("td", { class: "num", text: rate(doc.rates, row.partition, "acked") }),
         el("td", { class: "num", text: rate(doc.rates, row.partition, "nacked") }),
         el("td", { class: "num", text: rate(doc.rates, row.partition, "dead_lettered") }),
