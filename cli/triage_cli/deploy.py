@@ -401,7 +401,9 @@ def fleet_not_ready_detail(docs: Mapping[int, Mapping[str, Any] | None], group: 
         detail += (
             f"; no process was given partitions by consumer group {group!r}'s coordinator: "
             "check that the broker answers group requests (`triage status`, the proxies' "
-            "logs say `joining group`)"
+            "logs say `joining group`). On the embedded broker (Tansu 0.6) a group whose "
+            "processes all stopped at once (`triage destroy`) is never assigned again: "
+            "restart the broker or set a new kafka.group_id (docs/guides/deploy-local.md)"
         )
     return detail
 

@@ -263,6 +263,9 @@ def test_a_fleet_no_process_of_which_has_an_assignment_says_the_group_is_waited_
         "slot 1: running, no assignment from the group yet; "
         "no process was given partitions by consumer group 'orders-local'"
     )
+    # Seen on the embedded broker after `triage destroy` then `triage deploy`: the way out.
+    assert "On the embedded broker (Tansu 0.6) a group whose processes all stopped" in detail
+    assert "set a new kafka.group_id (docs/guides/deploy-local.md)" in detail
 
 
 def test_a_fleet_partly_ready_says_what_each_process_serves() -> None:
