@@ -1,12 +1,13 @@
 """A consumer instance for the benchmarks, run as its own process.
 
-The value of each message says what the handler does: `poison...` raises,
-`slow...` sleeps 500 ms, `ordinary...` sleeps 2 ms, `sleep:<ms>` sleeps that
-long, anything else returns at once (no-op). Handlers are async (asyncio.sleep),
-the client's fast path. On SIGTERM it stops gracefully and prints one JSON line:
-handled, acked, nacked, the first handler start, first and last handler finish times
-(time.time()), every finish as (time, was-ordinary) for the stall measurement, and per
-partition the messages handled and the last finish time.
+The value of each message says what the handler does: `poison...` raises, `crash...`
+ends the process at once (os._exit(1), a crash-type poison pill), `slow...` sleeps 500
+ms, `ordinary...` sleeps 2 ms, `sleep:<ms>` sleeps that long, anything else returns at
+once (no-op). Handlers are async (asyncio.sleep), the client's fast path. On SIGTERM it
+stops gracefully and prints one JSON line: handled, acked, nacked, the first handler
+start, first and last handler finish times (time.time()), every finish as (time,
+was-ordinary) for the stall measurement, and per partition the messages handled and the
+last finish time.
 
 With `--lean` the handler is a true no-op that only counts and stamps its finish: the
 throughput benchmark's handler. The default one's bookkeeping (a tuple per finish, four
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 from tests.consumer_process import instance_arguments, run_consumer
@@ -40,6 +42,8 @@ def main() -> None:
     finish_partitions: list[int] = []
 
     async def work(value: bytes) -> None:
+        if value.startswith(b"crash"):
+            os._exit(1)
         if value.startswith(b"poison"):
             raise ValueError("poison pill")
         if value.startswith(b"slow"):
