@@ -356,9 +356,9 @@ class Consumer:
 def test_a_grpc_consumer_killed_mid_run_loses_nothing_and_may_register_again(
     broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
 ) -> None:
-    """The original Triage's consumer is killed -9 with calls in flight: UNAVAILABLE gives
-    its records back without an attempt (one allowed), the proxy forgets it, and once it
-    registers again on the same port it receives the rest."""
+    """The original Triage's consumer is killed -9 with calls in flight: the proxy forgets
+    it, the records of those calls come back as suspects (a kill during several calls blames
+    none of them), and once it registers again on the same port it receives the rest."""
     total = 600
     produce(broker.bootstrap, topic, records(total))
     port = free_port()
@@ -366,7 +366,7 @@ def test_a_grpc_consumer_killed_mid_run_loses_nothing_and_may_register_again(
 
     async def scenario() -> None:
         target = [{"name": "go", "mode": "grpc", "registration": True, "max_concurrency": 8}]
-        settings = settings_for(broker, aws, topic, push=target, delivery={"max_attempts": 1})
+        settings = settings_for(broker, aws, topic, push=target, delivery={"max_attempts": 2})
         async with Proxy(settings, 0) as proxy:
             options = {
                 "port": port,
@@ -396,6 +396,57 @@ def test_a_grpc_consumer_killed_mid_run_loses_nothing_and_may_register_again(
         for consumer in consumers:
             consumer.kill()
     assert dead_letters(settings_for(broker, aws, topic)) == []
+
+
+def test_a_record_that_crashes_the_grpc_consumer_is_dead_lettered_and_nothing_else(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    """A crash-type poison pill for the original Triage's consumer: the process exits
+    whenever it is handed one record, and (as a process manager would) it is started again
+    and registers again. The pill is blamed as the vanished consumer's one suspect, so it
+    is dead-lettered after `max_attempts + 1` crashes at most; the records in flight beside
+    it lose nothing, and the partition commits to the end."""
+    values = [b"v%d" % i for i in range(200)]
+    values[60] = b"crash"
+    produce(broker.bootstrap, topic, [(None, v, None) for v in values])
+    port = free_port()
+    consumers: list[Consumer] = []
+
+    async def scenario() -> None:
+        target = [{"name": "go", "mode": "grpc", "registration": True, "max_concurrency": 8}]
+        settings = settings_for(
+            broker,
+            aws,
+            topic,
+            push=target,
+            delivery={"max_attempts": 2, "redelivery_span_s": 1},
+        )
+        async with Proxy(settings, 0) as proxy:
+            options = {
+                "port": port,
+                "register": f"http://127.0.0.1:{proxy.http_port}/consumers",
+                "token": TOKEN,
+                "delay_ms": 5,
+                "crash_on": "crash",
+            }
+            group = settings.kafka.group_id
+            deadline = time.monotonic() + 90
+            while committed(broker.bootstrap, group, topic) < len(values):
+                assert time.monotonic() < deadline, f"{len(consumers)} consumer starts"
+                if not consumers or consumers[-1].proc.poll() is not None:
+                    consumers.append(await asyncio.to_thread(Consumer, options))
+                await asyncio.sleep(0.2)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for consumer in consumers:
+            consumer.kill()
+    (dl,) = dead_letters(settings_for(broker, aws, topic))
+    assert (dl.record.offset, dl.record.value, dl.attempts) == (60, b"crash", 2)
+    cause = f"instance push:go@127.0.0.1:{port} disconnected while handling it"
+    assert dl.reason == f"delivery attempts exhausted (2): {cause}"
+    assert len(consumers) <= 4  # max_attempts + 1 crashes, then one that stays
 
 
 def test_a_record_that_keeps_failing_is_dead_lettered_after_its_attempts(

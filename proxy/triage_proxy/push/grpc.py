@@ -18,8 +18,14 @@ per record, `body` being the record value as text:
     status 1             ack
     status -1            nack: dead letter now
     any other status     an attempt used (redelivered after backoff)
-    UNAVAILABLE          the consumer is gone: its records go back without an attempt,
+    cannot connect       the consumer is gone: its records go back without an attempt,
                          and it is forgotten until it registers again
+    UNAVAILABLE          the consumer vanished during the call (the call went out on a
+                         connection that was up): forgotten too, and what its calls
+                         carried is judged as for a client that vanished
+                         (policies.blamed_on_vanish): a call it held alone, or its one
+                         suspect, uses an attempt; the rest come back as suspects. So a
+                         record that crashes the consumer is dead-lettered in the end
     DEADLINE_EXCEEDED    an attempt used; the limit falls (a timeout)
     RESOURCE_EXHAUSTED   overloaded: no attempt, the limit falls
     any other failure    an attempt used
@@ -31,6 +37,7 @@ its own (its own adaptive limit), so a slow consumer holds back only itself.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import logging
@@ -108,6 +115,10 @@ class GrpcTarget(PushTarget):
             text = (record.value or b"").decode("utf-8")
         except UnicodeDecodeError:
             return Call([Outcome(Verdict.NACK, NOT_UTF8)], dropped=False, kind="not-utf8")
+        if not await self._connected():
+            self._on_gone(self)
+            reason = f"cannot connect to the consumer at {self.address}"
+            return Call([Outcome(Verdict.OUTAGE, reason)], dropped=False, kind="unavailable")
         try:
             answer = await self._stub.SendMessage(
                 handler_pb2.Message(body=text), timeout=self.shape.timeout_s
@@ -122,12 +133,38 @@ class GrpcTarget(PushTarget):
         reason = f"consumer answered status {answer.status}: {answer.body}"
         return Call([Outcome(Verdict.RETRY, reason)], dropped=False, kind="ok")
 
+    async def _connected(self) -> bool:
+        """Whether the channel to the consumer is up, connecting first if it is not (at
+        most `timeout_s`): a call is only made on a connection that is up, so that an
+        UNAVAILABLE answer means the consumer went away during the call, not that it
+        could not be reached."""
+        assert self._channel is not None, "start() first"
+        channel = self._channel
+        ready = grpc.ChannelConnectivity.READY
+        state = channel.get_state(try_to_connect=True)
+        try:
+            async with asyncio.timeout(self.shape.timeout_s):
+                while state is not ready:
+                    if state in (
+                        grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                        grpc.ChannelConnectivity.SHUTDOWN,
+                    ):
+                        return False
+                    await channel.wait_for_state_change(state)
+                    state = channel.get_state(try_to_connect=True)
+        except TimeoutError:
+            return False
+        return True
+
     def _failed(self, exc: grpc.aio.AioRpcError) -> Call:
         code = exc.code()
         reason = f"gRPC {code.name}: {exc.details() or ''}"[:500]
         if code is grpc.StatusCode.UNAVAILABLE:
+            # The call went out on a connection that was up (`_connected`): the consumer
+            # vanished while it held this record, perhaps because of it.
+            self.vanished = True
             self._on_gone(self)
-            return Call([Outcome(Verdict.OUTAGE, reason)], dropped=False, kind="unavailable")
+            return Call([Outcome(Verdict.VANISHED, reason)], dropped=False, kind="unavailable")
         if code is grpc.StatusCode.DEADLINE_EXCEEDED:
             return Call([Outcome(Verdict.RETRY, reason)], dropped=True, kind="timeout")
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED:

@@ -20,6 +20,9 @@
     other 4xx                                RETRY      used      redelivered after backoff
     connection refused, DNS failure          OUTAGE     none      given back; the target
                                                                   pauses with backoff
+    a registered gRPC consumer vanished      VANISHED   blame     held until its sessions
+      during the call (UNAVAILABLE on a                           close; then the blame rule
+      connection that was up)                                     (policies.blamed_on_vanish)
 
 Why REFUSED uses no attempt: a wrong path or an expired credential says nothing about the
 record, and dead-lettering every healthy record because a URL was mistyped is the failure
@@ -79,10 +82,16 @@ class Verdict(enum.Enum):
     OVERLOAD = "overload"
     REFUSED = "refused"
     OUTAGE = "outage"
+    VANISHED = "vanished"
+    """The endpoint went away while it held the record (a gRPC consumer that crashed
+    during the call): the record stays with the target's sessions, and when they close
+    the dispatcher's blame rule says whether it used an attempt, as for a client that
+    vanished (a crash-type pill is blamed; the records beside it come back as suspects)."""
 
     @property
     def uses_attempt(self) -> bool:
-        """Whether the records lose one of their delivery attempts."""
+        """Whether the records lose one of their delivery attempts (VANISHED: the blame
+        rule decides, when the target's sessions close)."""
         return self in (Verdict.NACK, Verdict.RETRY)
 
 

@@ -26,6 +26,13 @@ Shutdown (the pipeline's drain, then `end_sessions`): a lane's `end` stops its w
 from starting requests; requests in flight finish until `stop()` cancels them; whatever
 a lane still holds is then given back without an attempt (`close_session` after the
 dispatcher's streams ended).
+
+A gRPC consumer that vanishes during a call (`vanished`) is the one exception: what its
+requests carried is not given back but stays held, and each lane's `close_session`
+judges it as for a client instance that vanished (policies.blamed_on_vanish): a
+delivery held alone, or the lane's one suspect, uses an attempt; the rest come back as
+suspects. So a record that crashes the consumer every time is dead-lettered, and the
+records in flight beside it lose nothing.
 """
 
 from __future__ import annotations
@@ -243,7 +250,11 @@ class PushTarget:
         self.records: dict[str, int] = {}
         """Records by verdict: ack, nack, retry, overload, refused, outage."""
         self.errors = 0
-        """Requests that failed without an HTTP answer (timeouts, resets, refusals)."""
+        """Requests that failed without an answer (timeouts, resets, refusals)."""
+        self.vanished = False
+        """The endpoint went away with requests in flight (a gRPC consumer crashed): what
+        the requests carried stays held, and closing the sessions judges it
+        (Verdict.VANISHED)."""
 
     # --- partitions ----------------------------------------------------------------------
 
@@ -328,7 +339,8 @@ class PushTarget:
         try:
             result = await self.call(records, payloads)
         except asyncio.CancelledError:
-            lane.give_back([r.offset for r in records])
+            if not self.vanished:  # else they stay held: closing the session judges them
+                lane.give_back([r.offset for r in records])
             self.release_slot()
             raise
         now = self._monotonic()
@@ -356,6 +368,8 @@ class PushTarget:
                 nacks.append(PushNack(record.offset, outcome.reason, False))
             elif verdict is Verdict.RETRY:
                 nacks.append(PushNack(record.offset, outcome.reason, True))
+            elif verdict is Verdict.VANISHED:
+                continue  # held until the session closes: the blame rule decides
             else:
                 back.append(record.offset)
                 pause = outcome
