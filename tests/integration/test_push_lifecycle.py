@@ -632,6 +632,9 @@ def test_grpc_answers_use_an_attempt_or_not_as_the_table_says(
                 assert target.responses.get("exhausted") == 2
                 assert target.responses.get("timeout") == 1
                 assert target.responses.get("internal") == 1
+                # Only the timeout got no answer; every other call's round trip is latency.
+                assert target.errors == 1
+                assert target.latency.count == sum(target.responses.values()) - 1
         finally:
             await server.stop(None)
 

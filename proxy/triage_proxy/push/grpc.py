@@ -114,11 +114,15 @@ class GrpcTarget(PushTarget):
         try:
             text = (record.value or b"").decode("utf-8")
         except UnicodeDecodeError:
-            return Call([Outcome(Verdict.NACK, NOT_UTF8)], dropped=False, kind="not-utf8")
+            return Call(
+                [Outcome(Verdict.NACK, NOT_UTF8)], dropped=False, kind="not-utf8", answered=False
+            )
         if not await self._connected():
             self._on_gone(self)
             reason = f"cannot connect to the consumer at {self.address}"
-            return Call([Outcome(Verdict.OUTAGE, reason)], dropped=False, kind="unavailable")
+            return Call(
+                [Outcome(Verdict.OUTAGE, reason)], dropped=False, kind="unavailable", answered=False
+            )
         try:
             answer = await self._stub.SendMessage(
                 handler_pb2.Message(body=text), timeout=self.shape.timeout_s
@@ -164,9 +168,16 @@ class GrpcTarget(PushTarget):
             # vanished while it held this record, perhaps because of it.
             self.vanished = True
             self._on_gone(self)
-            return Call([Outcome(Verdict.VANISHED, reason)], dropped=False, kind="unavailable")
+            return Call(
+                [Outcome(Verdict.VANISHED, reason)],
+                dropped=False,
+                kind="unavailable",
+                answered=False,
+            )
         if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-            return Call([Outcome(Verdict.RETRY, reason)], dropped=True, kind="timeout")
+            return Call(
+                [Outcome(Verdict.RETRY, reason)], dropped=True, kind="timeout", answered=False
+            )
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
             return Call([Outcome(Verdict.OVERLOAD, reason)], dropped=True, kind="exhausted")
         return Call([Outcome(Verdict.RETRY, reason)], dropped=False, kind=code.name.lower())

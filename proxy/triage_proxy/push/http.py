@@ -126,12 +126,21 @@ class HttpTarget(PushTarget):
             response = await self._client.post(headers, body, self.shape.timeout_s)
         except TimeoutError:
             reason = f"no answer within {self.shape.timeout_s:g} s"
-            return Call([Outcome(Verdict.RETRY, reason)] * n, dropped=True, kind="timeout")
+            return Call(
+                [Outcome(Verdict.RETRY, reason)] * n, dropped=True, kind="timeout", answered=False
+            )
         except ConnectError as exc:
-            return Call([Outcome(Verdict.OUTAGE, str(exc))] * n, dropped=False, kind="refused")
+            return Call(
+                [Outcome(Verdict.OUTAGE, str(exc))] * n,
+                dropped=False,
+                kind="refused",
+                answered=False,
+            )
         except OSError as exc:
             reason = f"request failed: {exc}"[:500]
-            return Call([Outcome(Verdict.RETRY, reason)] * n, dropped=False, kind="reset")
+            return Call(
+                [Outcome(Verdict.RETRY, reason)] * n, dropped=False, kind="reset", answered=False
+            )
         status = response.status
         kind = f"{status // 100}xx"
         outcome = classify(

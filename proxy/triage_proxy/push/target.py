@@ -92,11 +92,15 @@ class TargetShape:
 
 class Call(NamedTuple):
     """One request's result: an outcome per record (in the order sent), whether the
-    endpoint dropped it as overloaded (a limiter signal), and the response class."""
+    endpoint dropped it as overloaded (a limiter signal), the response class, and whether
+    the endpoint answered (an HTTP status, a gRPC response or status of the consumer's):
+    round trips that got no answer (a timeout, a reset, no connection) count as errors,
+    the others as latency."""
 
     outcomes: list[Outcome]
     dropped: bool
     kind: str
+    answered: bool = True
 
 
 class Lane:
@@ -345,7 +349,7 @@ class PushTarget:
             raise
         now = self._monotonic()
         self.responses[result.kind] = self.responses.get(result.kind, 0) + 1
-        if result.kind.endswith("xx"):
+        if result.answered:
             self.latency.observe(now - started)
         else:
             self.errors += 1
