@@ -118,3 +118,27 @@ def test_it_falls_when_the_endpoint_slows_and_recovers_after() -> None:
     assert min(limit for _, limit in slow) < before
     _, after = simulate(limiter, 15.0, capacity=16, service_s=0.02, start=20.0)
     assert [limit for t, limit in after if t >= 34.0 and not 12 <= limit <= 24] == []
+
+
+def test_a_slow_record_among_fast_ones_is_not_queueing() -> None:
+    """One record that takes 3 s (its own work, a slow downstream call) while the others
+    take 10 ms says nothing about the endpoint queueing: the limit must not fall, or every
+    record behind the next slow one would wait for it (head-of-line blocking)."""
+    limiter = AdaptiveLimit(settings(initial=8))
+    for _ in range(200):
+        limiter.on_sample(1.0, 0.01, limiter.limit, dropped=False)
+    before = limiter.limit
+    trace = [limiter.on_sample(2.0, 3.0, before, dropped=False)]
+    for _ in range(100):
+        trace.append(limiter.on_sample(3.0, 0.01, limiter.limit, dropped=False))
+    assert min(trace) >= before
+
+
+def test_a_steady_share_of_slow_records_keeps_the_limit_up() -> None:
+    """The head-of-line workload's shape: 1 record in 20 takes 500 ms, the rest 2 ms."""
+    limiter = AdaptiveLimit(settings(initial=8))
+    trace = []
+    for i in range(2000):
+        rtt = 0.5 if i % 20 == 19 else 0.002
+        trace.append(limiter.on_sample(float(i), rtt, limiter.limit, dropped=False))
+    assert min(trace[100:]) >= 8

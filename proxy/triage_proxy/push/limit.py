@@ -12,8 +12,14 @@ Two rules, one for each signal an endpoint gives:
   limit was cut were sent under the old limit, and their drops say nothing new. Without
   that, one burst of 503s would cut the limit once per request and collapse it.
 - **Latency (gradient).** The limit follows the ratio of the long-run round trip (a slow
-  average, what the endpoint does when it is not queueing) to the recent one (a fast
-  average). Below `tolerance` x the long-run round trip nothing changes; above it the
+  average, what the endpoint does when it is not queueing) to the recent one (the median
+  of the last `SHORT_WINDOW` round trips). A median, not an average: a record that is
+  slow for its own reasons (a slow downstream call) among fast ones is not queueing, and
+  one 3 s round trip among 10 ms ones would hold a recent average high for dozens of
+  samples, cutting the limit to its floor; the next slow record would then hold up every
+  record behind it, the head-of-line blocking push exists to remove. When the endpoint
+  itself slows down, most round trips do, and the median follows within a few samples.
+  Below `tolerance` x the long-run round trip nothing changes; above it the
   limit shrinks toward the concurrency that keeps the recent round trip near the
   long-run one. While the endpoint keeps up, the limit grows by one per round trip
   (additive increase), only when the requests in flight actually use the limit, so an
@@ -26,6 +32,8 @@ round trip"), and `limit` rounds it down, never below `min_limit` nor above `max
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 __all__ = ["AdaptiveLimit", "LimitSettings"]
@@ -40,7 +48,7 @@ shrinks: an endpoint's latency varies that much without queueing."""
 LONG_WINDOW = 200
 """Samples the long-run round trip averages over (an exponential average's span)."""
 SHORT_WINDOW = 10
-"""Samples the recent round trip averages over."""
+"""Samples the recent round trip is the median of."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +82,14 @@ class LimitSettings:
 class AdaptiveLimit:
     """One target's concurrency limit, moved by samples (see the module docstring)."""
 
-    __slots__ = ("_cut_at", "_limit", "_long_rtt", "_short_rtt", "settings")
+    __slots__ = ("_cut_at", "_limit", "_long_rtt", "_recent", "_short_rtt", "settings")
 
     def __init__(self, settings: LimitSettings) -> None:
         self.settings = settings
         self._limit = float(settings.initial)
         self._long_rtt = 0.0
         self._short_rtt = 0.0
+        self._recent: deque[float] = deque(maxlen=SHORT_WINDOW)
         self._cut_at = -math.inf
 
     @property
@@ -110,10 +119,11 @@ class AdaptiveLimit:
         if rtt <= 0 or not math.isfinite(rtt):
             return self.limit
         if self._long_rtt == 0.0:
-            self._long_rtt = self._short_rtt = rtt
+            self._long_rtt = rtt
         else:
             self._long_rtt += (rtt - self._long_rtt) / LONG_WINDOW
-            self._short_rtt += (rtt - self._short_rtt) / SHORT_WINDOW
+        self._recent.append(rtt)
+        self._short_rtt = statistics.median(self._recent)
         limit = self._limit
         gradient = min(1.0, s.tolerance * self._long_rtt / self._short_rtt)
         if gradient < 1.0:
