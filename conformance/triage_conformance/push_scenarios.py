@@ -115,7 +115,7 @@ def push_bytes(ctx: PushContext, outcome: Outcome) -> None:
 def push_restart(ctx: PushContext, outcome: Outcome) -> None:
     """The receiver is killed -9 with requests in flight and started again on the same
     port: what it held is delivered again, nothing is lost, nothing healthy is
-    dead-lettered (a reset uses an attempt, a refused connection none)."""
+    dead-lettered (a reset makes suspects, a refused connection uses no attempt)."""
     # Each record keeps the receiver busy 1 s: the kill lands while requests are in flight
     # even when the kit sees the fourth record late (at 200 ms a loaded machine once saw
     # the first receiver finish all 24 before the kill).

@@ -12,6 +12,7 @@ import os
 import signal
 import ssl
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -355,6 +356,74 @@ def test_a_receiver_killed_and_restarted_mid_run_loses_and_dead_letters_nothing(
         for receiver in receivers:
             receiver.kill()
     assert dead_letters(settings_for(broker, aws, topic)) == []
+
+
+class CrashReceiver:
+    """tests/integration/crash_receiver.py as a child process on a fixed port."""
+
+    def __init__(self, port: int, options: dict[str, Any]) -> None:
+        command = [sys.executable, "-m", "tests.integration.crash_receiver"]
+        self.proc = subprocess.Popen(
+            [*command, json.dumps({**options, "port": port})],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        json.loads(self.proc.stdout.readline())  # it listens
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def test_a_record_that_crashes_the_receiver_is_dead_lettered_and_nothing_else(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    """A crash-type poison pill: the receiver exits whenever it is handed one record, with
+    other requests in flight, and (as a process manager would) it is started again. Those
+    other records come back as suspects without using an attempt, and the pill is blamed
+    once it crashes the receiver as a suspect: it alone is dead-lettered, after at most
+    `max_attempts + 1` crashes, and the partition commits to the end."""
+    values = [b"v%d" % i for i in range(300)]
+    values[100] = b"crash"
+    produce(broker.bootstrap, topic, [(None, v, None) for v in values])
+    port = free_port()
+    options = {"work_ms": 100, "crash_on": "crash"}
+    receivers: list[CrashReceiver] = []
+
+    async def scenario() -> None:
+        url = f"http://127.0.0.1:{port}/"
+        settings = settings_for(
+            broker,
+            aws,
+            topic,
+            push=push_target(url, min_concurrency=8, initial_concurrency=8, max_concurrency=8),
+            delivery={"max_attempts": 2, "redelivery_span_s": 1},
+            retry={"initial_backoff_s": 0.05, "max_backoff_s": 0.1},
+        )
+        async with Proxy(settings, 0):
+            group = settings.kafka.group_id
+            deadline = time.monotonic() + 90
+            while committed(broker.bootstrap, group, topic) < len(values):
+                assert time.monotonic() < deadline, f"{len(receivers)} receiver starts"
+                if not receivers or receivers[-1].proc.poll() is not None:
+                    receivers.append(await asyncio.to_thread(CrashReceiver, port, options))
+                await asyncio.sleep(0.1)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for receiver_ in receivers:
+            receiver_.kill()
+    assert [
+        (dl.record.offset, dl.record.value, dl.attempts)
+        for dl in dead_letters(settings_for(broker, aws, topic))
+    ] == [(100, b"crash", 2)]
+    assert len(receivers) <= 4  # max_attempts + 1 crashes, then one that stays
 
 
 def test_a_proxy_killed_mid_run_loses_nothing(

@@ -444,7 +444,7 @@ def test_a_record_that_crashes_the_grpc_consumer_is_dead_lettered_and_nothing_el
             consumer.kill()
     (dl,) = dead_letters(settings_for(broker, aws, topic))
     assert (dl.record.offset, dl.record.value, dl.attempts) == (60, b"crash", 2)
-    cause = f"instance push:go@127.0.0.1:{port} disconnected while handling it"
+    cause = f"the consumer at 127.0.0.1:{port} went away during the call"
     assert dl.reason == f"delivery attempts exhausted (2): {cause}"
     assert len(consumers) <= 4  # max_attempts + 1 crashes, then one that stays
 

@@ -320,6 +320,37 @@ def test_crash_type_poison_pill_is_dead_lettered_after_max_attempts() -> None:
     assert tracker.committable == 1
 
 
+def test_records_of_an_endpoint_gone_mid_request_blame_only_a_suspect() -> None:
+    """A push lane's session stays open when its receiver crashes during requests
+    (`vanished`): even one record alone comes back a suspect without an attempt; a
+    suspect uses one. A pill that crashes the receiver each time is dead-lettered after
+    `max_attempts + 1` crashes; the records beside it keep their attempts."""
+    d, tracker, dead = make(max_attempts=2, span_s=0)
+    lane = connect(d, "push:r", 4)
+    d.add(records(0, 1))
+    assert [(x.offset, x.attempt) for x in drain(lane)] == [(0, 1)]
+    d.vanished(lane, [0], "reset")  # alone, but not yet a suspect: no attempt
+    assert d.failures() == {}
+    d.add(records(1, 4))
+    for crash in (1, 2):
+        got = [(x.offset, x.attempt) for x in drain(lane)]
+        assert (0, crash) in got  # the pill, now a suspect, beside ordinary records
+        offsets = [o for o, _ in got]
+        d.vanished(lane, offsets, f"reset {crash}")  # the pill crashes it with them
+        assert d.failures().get(0) == crash
+    (dl,) = dead
+    assert (dl.record.offset, dl.attempts, dl.reason) == (
+        0,
+        2,
+        "delivery attempts exhausted (2): reset 2",
+    )
+    d.dead_letter_written(dl)
+    while batch := drain(lane):
+        assert all(x.attempt == 1 for x in batch)  # the neighbours lost nothing
+        d.settle(lane, [x.offset for x in batch], [])
+    assert tracker.committable == 4
+
+
 def test_retry_nack_waits_out_its_backoff_without_blocking_others() -> None:
     clock = Clock()
     d, _, dead = make(max_attempts=3, clock=clock)

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["ConnectError", "HttpClient", "Response", "ResponseError"]
+__all__ = ["ConnectError", "ConnectionLost", "HttpClient", "Response", "ResponseError"]
 
 MAX_HEADER_BYTES = 64 * 1024
 """An answer's header block larger than this is refused (and its connection dropped)."""
@@ -39,6 +39,11 @@ class ConnectError(OSError):
 
 class ResponseError(OSError):
     """The answer broke HTTP/1.1 (or its limits), or the connection ended before it."""
+
+
+class ConnectionLost(ResponseError):
+    """The connection ended before the whole answer came: the receiver went away during
+    the request (it crashed, was killed, or closed the connection)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +90,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.usable = False
-        self._fail(ResponseError(f"connection closed before the answer ended ({exc or 'EOF'})"))
+        self._fail(ConnectionLost(f"connection closed before the answer ended ({exc or 'EOF'})"))
 
     # --- httptools callbacks -------------------------------------------------------------
 

@@ -22,10 +22,10 @@ per record, `body` being the record value as text:
                          and it is forgotten until it registers again
     UNAVAILABLE          the consumer vanished during the call (the call went out on a
                          connection that was up): forgotten too, and what its calls
-                         carried is judged as for a client that vanished
-                         (policies.blamed_on_vanish): a call it held alone, or its one
-                         suspect, uses an attempt; the rest come back as suspects. So a
-                         record that crashes the consumer is dead-lettered in the end
+                         carried is judged as for a client that vanished (the
+                         dispatcher's `vanished`): a suspect uses an attempt, the rest
+                         come back as suspects. So a record that crashes the consumer
+                         is dead-lettered in the end
     DEADLINE_EXCEEDED    an attempt used; the limit falls (a timeout)
     RESOURCE_EXHAUSTED   overloaded: no attempt, the limit falls
     any other failure    an attempt used
@@ -166,10 +166,10 @@ class GrpcTarget(PushTarget):
         if code is grpc.StatusCode.UNAVAILABLE:
             # The call went out on a connection that was up (`_connected`): the consumer
             # vanished while it held this record, perhaps because of it.
-            self.vanished = True
+            self.vanished = f"the consumer at {self.address} went away during the call"
             self._on_gone(self)
             return Call(
-                [Outcome(Verdict.VANISHED, reason)],
+                [Outcome(Verdict.VANISHED, self.vanished)],
                 dropped=False,
                 kind="unavailable",
                 answered=False,

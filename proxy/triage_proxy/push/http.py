@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
 
-from triage_proxy.push.client import ConnectError, HttpClient
+from triage_proxy.push.client import ConnectError, ConnectionLost, HttpClient, ResponseError
 from triage_proxy.push.cloudevents import (
     BATCH_CONTENT_TYPE,
     EventShape,
@@ -138,9 +138,12 @@ class HttpTarget(PushTarget):
             )
         except OSError as exc:
             reason = f"request failed: {exc}"[:500]
-            return Call(
-                [Outcome(Verdict.RETRY, reason)] * n, dropped=False, kind="reset", answered=False
-            )
+            # A malformed answer is the receiver's answer: an attempt. A connection that
+            # ended before its answer is a receiver gone during the request (a crash):
+            # the blame rule decides (Verdict.VANISHED).
+            broken = isinstance(exc, ResponseError) and not isinstance(exc, ConnectionLost)
+            verdict = Verdict.RETRY if broken else Verdict.VANISHED
+            return Call([Outcome(verdict, reason)] * n, dropped=False, kind="reset", answered=False)
         status = response.status
         kind = f"{status // 100}xx"
         outcome = classify(

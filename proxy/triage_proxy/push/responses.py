@@ -12,7 +12,12 @@
                                                                   Retry-After (without it:
                                                                   backs off once the limit
                                                                   is at its floor)
-    other 5xx; a timeout; a reset            RETRY      used      redelivered after backoff
+    other 5xx; a timeout                     RETRY      used      redelivered after backoff
+    a reset (the connection closed before    VANISHED   blame     as for a vanished client
+      the answer ended)                                           (blamed_on_vanish): a
+                                                                  suspect uses an attempt,
+                                                                  the rest go back as
+                                                                  suspects without one
     3xx, 401, 403, 404, 405, 407, 421        REFUSED    none      given back; the target
                                                                   pauses with backoff and
                                                                   says why (a misconfigured
@@ -20,9 +25,9 @@
     other 4xx                                RETRY      used      redelivered after backoff
     connection refused, DNS failure          OUTAGE     none      given back; the target
                                                                   pauses with backoff
-    a registered gRPC consumer vanished      VANISHED   blame     held until its sessions
-      during the call (UNAVAILABLE on a                           close; then the blame rule
-      connection that was up)                                     (policies.blamed_on_vanish)
+    a registered gRPC consumer vanished      VANISHED   blame     the same
+      during the call (UNAVAILABLE on a
+      connection that was up)
 
 Why REFUSED uses no attempt: a wrong path or an expired credential says nothing about the
 record, and dead-lettering every healthy record because a URL was mistyped is the failure
@@ -83,15 +88,15 @@ class Verdict(enum.Enum):
     REFUSED = "refused"
     OUTAGE = "outage"
     VANISHED = "vanished"
-    """The endpoint went away while it held the record (a gRPC consumer that crashed
-    during the call): the record stays with the target's sessions, and when they close
-    the dispatcher's blame rule says whether it used an attempt, as for a client that
-    vanished (a crash-type pill is blamed; the records beside it come back as suspects)."""
+    """The endpoint went away while it held the record (a receiver that crashed during
+    the request, a reset connection): judged as a client that vanished (the dispatcher's
+    `vanished`): a suspect uses an attempt, the others go back as suspects without one,
+    so a crash-type pill is dead-lettered and the records beside it lose nothing."""
 
     @property
     def uses_attempt(self) -> bool:
         """Whether the records lose one of their delivery attempts (VANISHED: the blame
-        rule decides, when the target's sessions close)."""
+        rule decides)."""
         return self in (Verdict.NACK, Verdict.RETRY)
 
 

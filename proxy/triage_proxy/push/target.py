@@ -27,12 +27,13 @@ from starting requests; requests in flight finish until `stop()` cancels them; w
 a lane still holds is then given back without an attempt (`close_session` after the
 dispatcher's streams ended).
 
-A gRPC consumer that vanishes during a call (`vanished`) is the one exception: what its
-requests carried is not given back but stays held, and each lane's `close_session`
-judges it as for a client instance that vanished (policies.blamed_on_vanish): a
-delivery held alone, or the lane's one suspect, uses an attempt; the rest come back as
-suspects. So a record that crashes the consumer every time is dead-lettered, and the
-records in flight beside it lose nothing.
+An endpoint that goes away during requests (a reset connection; a gRPC consumer gone,
+`vanished`, whose cancelled calls count too) is judged as a client instance that
+vanished, each record of those requests started (Verdict.VANISHED, the dispatcher's
+`vanished`, policies.blamed_on_vanish): a suspect uses an attempt, the rest go back as
+suspects without one, and the scheduler gives each lane at most one suspect at a time.
+So a record that crashes the receiver every time is dead-lettered after at most
+`max_attempts + 1` crashes, and the records in flight beside it lose nothing.
 """
 
 from __future__ import annotations
@@ -228,6 +229,13 @@ class Lane:
         if offsets and not self.session.closed:
             self.dispatcher.give_back(self.session, offsets)
 
+    def vanished(self, offsets: list[int], cause: str) -> None:
+        """The endpoint went away while these were in flight: the blame rule judges them
+        (a suspect uses an attempt, the rest go back as suspects)."""
+        if offsets and not self.session.closed:
+            self.flush()  # answers that came before, first
+            self.dispatcher.vanished(self.session, offsets, cause)
+
 
 class PushTarget:
     """One `[[push]]` target in this process; subclasses say how a call is made."""
@@ -255,10 +263,10 @@ class PushTarget:
         """Records by verdict: ack, nack, retry, overload, refused, outage."""
         self.errors = 0
         """Requests that failed without an answer (timeouts, resets, refusals)."""
-        self.vanished = False
-        """The endpoint went away with requests in flight (a gRPC consumer crashed): what
-        the requests carried stays held, and closing the sessions judges it
-        (Verdict.VANISHED)."""
+        self.vanished = ""
+        """Why the endpoint is gone for good ("" while it is not: a gRPC consumer that
+        went away): a call cancelled when the target closes was in flight to it, and is
+        judged so, with this reason."""
 
     # --- partitions ----------------------------------------------------------------------
 
@@ -343,8 +351,11 @@ class PushTarget:
         try:
             result = await self.call(records, payloads)
         except asyncio.CancelledError:
-            if not self.vanished:  # else they stay held: closing the session judges them
-                lane.give_back([r.offset for r in records])
+            offsets = [r.offset for r in records]
+            if self.vanished:  # the endpoint went away: this call was in flight to it
+                lane.vanished(offsets, self.vanished)
+            else:
+                lane.give_back(offsets)
             self.release_slot()
             raise
         now = self._monotonic()
@@ -362,6 +373,8 @@ class PushTarget:
         acks: list[int] = []
         nacks: list[PushNack] = []
         back: list[int] = []
+        gone: list[int] = []
+        gone_reason = ""
         pause: Outcome | None = None
         for record, outcome in zip(records, outcomes, strict=True):
             verdict = outcome.verdict
@@ -373,7 +386,8 @@ class PushTarget:
             elif verdict is Verdict.RETRY:
                 nacks.append(PushNack(record.offset, outcome.reason, True))
             elif verdict is Verdict.VANISHED:
-                continue  # held until the session closes: the blame rule decides
+                gone.append(record.offset)
+                gone_reason = outcome.reason
             else:
                 back.append(record.offset)
                 pause = outcome
@@ -385,6 +399,8 @@ class PushTarget:
             lane.settle_soon(acks, nacks)
         if back:
             lane.give_back(back)
+        if gone:
+            lane.vanished(gone, gone_reason)
         if pause is not None:
             self._pause(pause)
 

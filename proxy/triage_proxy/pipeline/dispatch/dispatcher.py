@@ -417,6 +417,28 @@ class Dispatcher:
         self._scheduler.pump()
         return rejected
 
+    def vanished(self, session: Session, offsets: Sequence[int], cause: str) -> list[int]:
+        """A push target's endpoint went away while these were in flight to it (a reset
+        connection, a gRPC consumer gone): judged as the deliveries of an instance that
+        vanished, each of them started (policies.blamed_on_vanish). A suspect uses an
+        attempt (a crash-type pill is one from its second crash on); the others go back
+        as suspects without one. Returns the offsets it did not hold."""
+        back, rejected = self._window.release(session, offsets)
+        again: list[Entry] = []
+        cleared: list[Entry] = []
+        blamed = blamed_on_vanish([e.suspect for e in back], [True] * len(back))
+        for entry, guilty in zip(back, blamed, strict=True):
+            if not guilty:
+                cleared.append(entry)
+            elif self._redelivery.failed(entry, cause, session.consumer_id):
+                again.append(entry)
+        self._redelivery.redeliver(again)
+        self._redelivery.clear(cleared)
+        self.counters.rejected += len(rejected)
+        self._window.update_events()
+        self._scheduler.pump()
+        return rejected
+
     # --- what the dead-letter writer says -------------------------------------------------
 
     def dead_letter_written(self, dl: DeadLetter) -> None:
