@@ -108,6 +108,10 @@ class GrpcTarget(PushTarget):
         if self._channel is not None:
             await self._channel.close()
 
+    async def finish(self) -> None:
+        await super().finish()
+        await self.aclose()
+
     async def call(self, records: list[Record], payloads: list[object]) -> Call:
         assert self._stub is not None, "start() first"
         (record,) = records
@@ -166,10 +170,10 @@ class GrpcTarget(PushTarget):
         if code is grpc.StatusCode.UNAVAILABLE:
             # The call went out on a connection that was up (`_connected`): the consumer
             # vanished while it held this record, perhaps because of it.
-            self.vanished = f"the consumer at {self.address} went away during the call"
             self._on_gone(self)
+            reason = f"the consumer at {self.address} went away during the call"
             return Call(
-                [Outcome(Verdict.VANISHED, self.vanished)],
+                [Outcome(Verdict.VANISHED, reason)],
                 dropped=False,
                 kind="unavailable",
                 answered=False,

@@ -27,13 +27,15 @@ from starting requests; requests in flight finish until `stop()` cancels them; w
 a lane still holds is then given back without an attempt (`close_session` after the
 dispatcher's streams ended).
 
-An endpoint that goes away during requests (a reset connection; a gRPC consumer gone,
-`vanished`, whose cancelled calls count too) is judged as a client instance that
-vanished, each record of those requests started (Verdict.VANISHED, the dispatcher's
-`vanished`, policies.blamed_on_vanish): a suspect uses an attempt, the rest go back as
-suspects without one, and the scheduler gives each lane at most one suspect at a time.
-So a record that crashes the receiver every time is dead-lettered after at most
-`max_attempts + 1` crashes, and the records in flight beside it lose nothing.
+An endpoint that goes away during requests (a reset connection; a gRPC consumer gone)
+is judged as a client instance that vanished, each record of those requests started
+(Verdict.VANISHED, the dispatcher's `vanished`, policies.blamed_on_vanish): a suspect
+uses an attempt, the rest go back as suspects without one, and the scheduler gives each
+lane at most one suspect at a time. So a record that crashes the receiver every time is
+dead-lettered after at most `max_attempts + 1` crashes, and the records in flight beside
+it lose nothing. A gRPC consumer that is gone is closed with `finish`, not `aclose`: its
+calls in flight end by themselves (each with its own answer, so each is judged), and
+none starts after.
 """
 
 from __future__ import annotations
@@ -198,17 +200,25 @@ class Lane:
                 task = asyncio.create_task(target.deliver(self, entries, payloads))
                 self.inflight.add(task)
                 task.add_done_callback(self.inflight.discard)
+            self.stop_taking()
             if self.inflight:
                 await asyncio.wait(set(self.inflight))
         finally:
+            self.stop_taking()
             for task in list(self.inflight):
                 task.cancel()  # a cancelled request gives its records back
             if self.inflight:
                 await asyncio.wait(set(self.inflight))
             self.flush()
-            # Never sent: back without an attempt, so closing fails nothing of this lane's.
-            self.give_back(self.take_unsent())
+            self.stop_taking()
             self.dispatcher.close_session(self.session)
+
+    def stop_taking(self) -> None:
+        """The lane ends: the dispatcher sends it nothing more (records that requests in
+        flight give back would otherwise come straight back to it, and be held when its
+        session closes), and what it queued, never sent, goes back without an attempt."""
+        if not self.session.closed:
+            self.dispatcher.release(self.session, self.take_unsent())
 
     def settle_soon(self, acks: list[int], nacks: list[PushNack]) -> None:
         self.acks += acks
@@ -263,10 +273,6 @@ class PushTarget:
         """Records by verdict: ack, nack, retry, overload, refused, outage."""
         self.errors = 0
         """Requests that failed without an answer (timeouts, resets, refusals)."""
-        self.vanished = ""
-        """Why the endpoint is gone for good ("" while it is not: a gRPC consumer that
-        went away): a call cancelled when the target closes was in flight to it, and is
-        judged so, with this reason."""
 
     # --- partitions ----------------------------------------------------------------------
 
@@ -351,11 +357,7 @@ class PushTarget:
         try:
             result = await self.call(records, payloads)
         except asyncio.CancelledError:
-            offsets = [r.offset for r in records]
-            if self.vanished:  # the endpoint went away: this call was in flight to it
-                lane.vanished(offsets, self.vanished)
-            else:
-                lane.give_back(offsets)
+            lane.give_back([r.offset for r in records])
             self.release_slot()
             raise
         now = self._monotonic()
@@ -430,6 +432,15 @@ class PushTarget:
         self._regrant()
 
     # --- lifecycle -----------------------------------------------------------------------
+
+    async def finish(self) -> None:
+        """End every lane and wait for the requests in flight to end by themselves (at
+        most `timeout_s`): the endpoint is gone, and each request's own answer says what
+        becomes of its records, where cancelling it would give them back untried."""
+        for partition in list(self._lanes):
+            self.detach(partition)
+        if self._workers:
+            await asyncio.wait(set(self._workers))
 
     async def aclose(self) -> None:
         """End every lane and wait for the workers (their requests are cancelled)."""

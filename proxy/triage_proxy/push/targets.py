@@ -162,7 +162,7 @@ class PushTargets:
         del self._registered[target.address]
         self._targets.remove(target)
         logger.warning("push consumer at %s is gone (UNAVAILABLE)", target.address)
-        task = asyncio.get_running_loop().create_task(target.aclose())
+        task = asyncio.get_running_loop().create_task(target.finish())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
