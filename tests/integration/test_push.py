@@ -165,6 +165,50 @@ def test_batch_mode_partial_failures_and_byte_exact_records(
     assert (dl.record.value, dl.reason) == (b"poison", "bad")
 
 
+def test_a_record_that_hangs_its_batch_is_dead_lettered_and_its_batch_mates_are_not(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
+) -> None:
+    """A receiver that never answers a batch holding one particular record: the batch
+    times out, and nothing says which record hung it. Its records come back as suspects
+    without using an attempt, and the hanging one is blamed each time it hangs a batch as
+    a suspect: it alone is dead-lettered."""
+    values = [b"v%d" % i for i in range(40)]
+    values[15] = b"hang"
+    produce(broker.bootstrap, topic, [(None, v, None) for v in values])
+    acked: set[bytes] = set()
+
+    async def handle(request: web.Request) -> web.Response:
+        events = json.loads(await request.read())
+        got = [base64.b64decode(e["data_base64"]) for e in events]
+        if b"hang" in got:
+            await asyncio.sleep(3)  # past timeout_s: no answer in time
+        acked.update(got)
+        return web.Response(status=200)
+
+    async def scenario() -> None:
+        async with receiver(handle) as url:
+            target = [{"name": "batched", "url": url, "batch": 10, "timeout_s": 1}]
+            settings = settings_for(
+                broker,
+                aws,
+                topic,
+                push=target,
+                delivery={"max_attempts": 2, "redelivery_span_s": 1},
+                retry={"initial_backoff_s": 0.05, "max_backoff_s": 0.1},
+            )
+            async with Proxy(settings, 0):
+                group = settings.kafka.group_id
+                assert await await_until(
+                    lambda: committed(broker.bootstrap, group, topic) == len(values), 60
+                )
+
+    asyncio.run(scenario())
+    dls = dead_letters(settings_for(broker, aws, topic))
+    assert [(dl.record.offset, dl.record.value, dl.reason) for dl in dls] == [
+        (15, b"hang", "delivery attempts exhausted (2): no answer within 1 s")
+    ]
+
+
 def test_a_receiver_that_is_down_then_back_dead_letters_nothing(
     broker: EmbeddedBroker, aws: EmbeddedAWS, topic: str
 ) -> None:

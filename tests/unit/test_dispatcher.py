@@ -322,21 +322,21 @@ def test_crash_type_poison_pill_is_dead_lettered_after_max_attempts() -> None:
 
 def test_records_of_an_endpoint_gone_mid_request_blame_only_a_suspect() -> None:
     """A push lane's session stays open when its receiver crashes during requests
-    (`vanished`): even one record alone comes back a suspect without an attempt; a
+    (`suspect`): even one record alone comes back a suspect without an attempt; a
     suspect uses one. A pill that crashes the receiver each time is dead-lettered after
     `max_attempts + 1` crashes; the records beside it keep their attempts."""
     d, tracker, dead = make(max_attempts=2, span_s=0)
     lane = connect(d, "push:r", 4)
     d.add(records(0, 1))
     assert [(x.offset, x.attempt) for x in drain(lane)] == [(0, 1)]
-    d.vanished(lane, [0], "reset")  # alone, but not yet a suspect: no attempt
+    d.suspect(lane, [0], "reset")  # alone, but not yet a suspect: no attempt
     assert d.failures() == {}
     d.add(records(1, 4))
     for crash in (1, 2):
         got = [(x.offset, x.attempt) for x in drain(lane)]
         assert (0, crash) in got  # the pill, now a suspect, beside ordinary records
         offsets = [o for o, _ in got]
-        d.vanished(lane, offsets, f"reset {crash}")  # the pill crashes it with them
+        d.suspect(lane, offsets, f"reset {crash}")  # the pill crashes it with them
         assert d.failures().get(0) == crash
     (dl,) = dead
     assert (dl.record.offset, dl.attempts, dl.reason) == (

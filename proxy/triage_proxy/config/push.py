@@ -79,7 +79,8 @@ class PushTargetSettings:
     max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES
     """Bytes of a batched request's body at most (a larger record goes alone)."""
     timeout_s: float = DEFAULT_TIMEOUT_S
-    """A request's deadline; a timeout uses an attempt and lowers the limit."""
+    """A request's deadline; a timeout lowers the limit and uses an attempt of a lone record
+    (a batch's records come back as suspects)."""
     min_concurrency: int = DEFAULT_MIN_CONCURRENCY
     """The adaptive limit never goes below this many requests in flight."""
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY

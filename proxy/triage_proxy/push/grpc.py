@@ -23,7 +23,7 @@ per record, `body` being the record value as text:
     UNAVAILABLE          the consumer vanished during the call (the call went out on a
                          connection that was up): forgotten too, and what its calls
                          carried is judged as for a client that vanished (the
-                         dispatcher's `vanished`): a suspect uses an attempt, the rest
+                         dispatcher's `suspect`): a suspect uses an attempt, the rest
                          come back as suspects. So a record that crashes the consumer
                          is dead-lettered in the end
     DEADLINE_EXCEEDED    an attempt used; the limit falls (a timeout)
@@ -173,7 +173,7 @@ class GrpcTarget(PushTarget):
             self._on_gone(self)
             reason = f"the consumer at {self.address} went away during the call"
             return Call(
-                [Outcome(Verdict.VANISHED, reason)],
+                [Outcome(Verdict.SUSPECT, reason)],
                 dropped=False,
                 kind="unavailable",
                 answered=False,

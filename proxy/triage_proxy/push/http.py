@@ -126,8 +126,11 @@ class HttpTarget(PushTarget):
             response = await self._client.post(headers, body, self.shape.timeout_s)
         except TimeoutError:
             reason = f"no answer within {self.shape.timeout_s:g} s"
+            # One record: it took too long. A batch: any one of its records may hang the
+            # receiver, and charging all of them would dead-letter its batch-mates with it.
+            verdict = Verdict.RETRY if n == 1 else Verdict.SUSPECT
             return Call(
-                [Outcome(Verdict.RETRY, reason)] * n, dropped=True, kind="timeout", answered=False
+                [Outcome(verdict, reason)] * n, dropped=True, kind="timeout", answered=False
             )
         except ConnectError as exc:
             return Call(
@@ -140,9 +143,9 @@ class HttpTarget(PushTarget):
             reason = f"request failed: {exc}"[:500]
             # A malformed answer is the receiver's answer: an attempt. A connection that
             # ended before its answer is a receiver gone during the request (a crash):
-            # the blame rule decides (Verdict.VANISHED).
+            # the blame rule decides (Verdict.SUSPECT).
             broken = isinstance(exc, ResponseError) and not isinstance(exc, ConnectionLost)
-            verdict = Verdict.RETRY if broken else Verdict.VANISHED
+            verdict = Verdict.RETRY if broken else Verdict.SUSPECT
             return Call([Outcome(verdict, reason)] * n, dropped=False, kind="reset", answered=False)
         status = response.status
         kind = f"{status // 100}xx"

@@ -12,10 +12,10 @@
                                                                   Retry-After (without it:
                                                                   backs off once the limit
                                                                   is at its floor)
-    other 5xx; a timeout                     RETRY      used      redelivered after backoff
-    a reset (the connection closed before    VANISHED   blame     as for a vanished client
-      the answer ended)                                           (blamed_on_vanish): a
-                                                                  suspect uses an attempt,
+    other 5xx; a timeout (one record)        RETRY      used      redelivered after backoff
+    a reset (the connection closed before    SUSPECT    blame     as for a vanished client
+      the answer ended); a timeout of a                           (blamed_on_vanish): a
+      batch (several records)                                     suspect uses an attempt,
                                                                   the rest go back as
                                                                   suspects without one
     3xx, 401, 403, 404, 405, 407, 421        REFUSED    none      given back; the target
@@ -25,7 +25,7 @@
     other 4xx                                RETRY      used      redelivered after backoff
     connection refused, DNS failure          OUTAGE     none      given back; the target
                                                                   pauses with backoff
-    a registered gRPC consumer vanished      VANISHED   blame     the same
+    a registered gRPC consumer vanished      SUSPECT    blame     the same
       during the call (UNAVAILABLE on a
       connection that was up)
 
@@ -87,15 +87,17 @@ class Verdict(enum.Enum):
     OVERLOAD = "overload"
     REFUSED = "refused"
     OUTAGE = "outage"
-    VANISHED = "vanished"
-    """The endpoint went away while it held the record (a receiver that crashed during
-    the request, a reset connection): judged as a client that vanished (the dispatcher's
-    `vanished`): a suspect uses an attempt, the others go back as suspects without one,
-    so a crash-type pill is dead-lettered and the records beside it lose nothing."""
+    SUSPECT = "suspect"
+    """The request failed, and nothing says which of its records caused it: the endpoint
+    went away during it (a receiver that crashed, a reset connection), or a batch got no
+    answer in time (one record of it may hang the receiver). Judged as a client that
+    vanished (the dispatcher's `suspect`): a suspect uses an attempt, the others go back
+    as suspects without one, so a crash-type pill (or a record that hangs its batch) is
+    dead-lettered and the records beside it lose nothing."""
 
     @property
     def uses_attempt(self) -> bool:
-        """Whether the records lose one of their delivery attempts (VANISHED: the blame
+        """Whether the records lose one of their delivery attempts (SUSPECT: the blame
         rule decides)."""
         return self in (Verdict.NACK, Verdict.RETRY)
 

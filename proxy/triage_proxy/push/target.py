@@ -27,9 +27,10 @@ from starting requests; requests in flight finish until `stop()` cancels them; w
 a lane still holds is then given back without an attempt (`close_session` after the
 dispatcher's streams ended).
 
-An endpoint that goes away during requests (a reset connection; a gRPC consumer gone)
-is judged as a client instance that vanished, each record of those requests started
-(Verdict.VANISHED, the dispatcher's `vanished`, policies.blamed_on_vanish): a suspect
+An endpoint that goes away during requests (a reset connection; a gRPC consumer gone),
+or a batch that gets no answer in time, is judged as a client instance that vanished,
+each record of those requests started (Verdict.SUSPECT, the dispatcher's `suspect`,
+policies.blamed_on_vanish): a suspect
 uses an attempt, the rest go back as suspects without one, and the scheduler gives each
 lane at most one suspect at a time. So a record that crashes the receiver every time is
 dead-lettered after at most `max_attempts + 1` crashes, and the records in flight beside
@@ -239,12 +240,13 @@ class Lane:
         if offsets and not self.session.closed:
             self.dispatcher.give_back(self.session, offsets)
 
-    def vanished(self, offsets: list[int], cause: str) -> None:
-        """The endpoint went away while these were in flight: the blame rule judges them
-        (a suspect uses an attempt, the rest go back as suspects)."""
+    def suspect(self, offsets: list[int], cause: str) -> None:
+        """These failed together and nothing says which one caused it (Verdict.SUSPECT):
+        the blame rule judges them (a suspect uses an attempt, the rest go back as
+        suspects)."""
         if offsets and not self.session.closed:
             self.flush()  # answers that came before, first
-            self.dispatcher.vanished(self.session, offsets, cause)
+            self.dispatcher.suspect(self.session, offsets, cause)
 
 
 class PushTarget:
@@ -375,8 +377,8 @@ class PushTarget:
         acks: list[int] = []
         nacks: list[PushNack] = []
         back: list[int] = []
-        gone: list[int] = []
-        gone_reason = ""
+        suspects: list[int] = []
+        suspect_reason = ""
         pause: Outcome | None = None
         for record, outcome in zip(records, outcomes, strict=True):
             verdict = outcome.verdict
@@ -387,9 +389,9 @@ class PushTarget:
                 nacks.append(PushNack(record.offset, outcome.reason, False))
             elif verdict is Verdict.RETRY:
                 nacks.append(PushNack(record.offset, outcome.reason, True))
-            elif verdict is Verdict.VANISHED:
-                gone.append(record.offset)
-                gone_reason = outcome.reason
+            elif verdict is Verdict.SUSPECT:
+                suspects.append(record.offset)
+                suspect_reason = outcome.reason
             else:
                 back.append(record.offset)
                 pause = outcome
@@ -401,8 +403,8 @@ class PushTarget:
             lane.settle_soon(acks, nacks)
         if back:
             lane.give_back(back)
-        if gone:
-            lane.vanished(gone, gone_reason)
+        if suspects:
+            lane.suspect(suspects, suspect_reason)
         if pause is not None:
             self._pause(pause)
 

@@ -417,10 +417,11 @@ class Dispatcher:
         self._scheduler.pump()
         return rejected
 
-    def vanished(self, session: Session, offsets: Sequence[int], cause: str) -> list[int]:
-        """A push target's endpoint went away while these were in flight to it (a reset
-        connection, a gRPC consumer gone): judged as the deliveries of an instance that
-        vanished, each of them started (policies.blamed_on_vanish). A suspect uses an
+    def suspect(self, session: Session, offsets: Sequence[int], cause: str) -> list[int]:
+        """These failed together at a push target, and nothing says which one caused it
+        (the endpoint went away while they were in flight to it, a batch got no answer in
+        time): judged as the deliveries of an instance that vanished, each of them
+        started (policies.blamed_on_vanish). A suspect uses an
         attempt (a crash-type pill is one from its second crash on); the others go back
         as suspects without one. Returns the offsets it did not hold."""
         back, rejected = self._window.release(session, offsets)
