@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -417,3 +418,28 @@ def kill_processes(procs: Iterable[subprocess.Popen[bytes]]) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+class ChildProcess:
+    """A test helper module (`python -m <module> '<json options>'`) run as its own process,
+    so a test can kill it -9 as a crash would: its first line (JSON) says it is ready, and
+    it is killed by PID, never left running."""
+
+    def __init__(self, module: str, options: dict[str, Any]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, json.dumps(options)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        self.ready: dict[str, Any] = json.loads(line) if line else {}
+        """What its first line said (empty: it ended before saying anything)."""
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()

@@ -12,7 +12,6 @@ import os
 import signal
 import ssl
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from cloudevents.v1.http import from_http, from_json
 from tests.integration.harness import (
     LEASE_S,
     TOKEN,
+    ChildProcess,
     RawConsumer,
     await_until,
     committed,
@@ -402,26 +402,11 @@ def test_a_receiver_killed_and_restarted_mid_run_loses_and_dead_letters_nothing(
     assert dead_letters(settings_for(broker, aws, topic)) == []
 
 
-class CrashReceiver:
+def crash_receiver(port: int, options: dict[str, Any]) -> ChildProcess:
     """tests/integration/crash_receiver.py as a child process on a fixed port."""
-
-    def __init__(self, port: int, options: dict[str, Any]) -> None:
-        command = [sys.executable, "-m", "tests.integration.crash_receiver"]
-        self.proc = subprocess.Popen(
-            [*command, json.dumps({**options, "port": port})],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        json.loads(self.proc.stdout.readline())  # it listens
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+    receiver = ChildProcess("tests.integration.crash_receiver", {**options, "port": port})
+    assert receiver.ready, "the crash receiver ended before it listened"
+    return receiver
 
 
 def test_a_record_that_crashes_the_receiver_is_dead_lettered_and_nothing_else(
@@ -437,7 +422,7 @@ def test_a_record_that_crashes_the_receiver_is_dead_lettered_and_nothing_else(
     produce(broker.bootstrap, topic, [(None, v, None) for v in values])
     port = free_port()
     options = {"work_ms": 100, "crash_on": "crash"}
-    receivers: list[CrashReceiver] = []
+    receivers: list[ChildProcess] = []
 
     async def scenario() -> None:
         url = f"http://127.0.0.1:{port}/"
@@ -455,7 +440,7 @@ def test_a_record_that_crashes_the_receiver_is_dead_lettered_and_nothing_else(
             while committed(broker.bootstrap, group, topic) < len(values):
                 assert time.monotonic() < deadline, f"{len(receivers)} receiver starts"
                 if not receivers or receivers[-1].proc.poll() is not None:
-                    receivers.append(await asyncio.to_thread(CrashReceiver, port, options))
+                    receivers.append(await asyncio.to_thread(crash_receiver, port, options))
                 await asyncio.sleep(0.1)
 
     try:

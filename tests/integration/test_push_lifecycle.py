@@ -8,10 +8,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -26,6 +24,7 @@ from aiohttp import web
 from tests.integration.harness import (
     LEASE_S,
     TOKEN,
+    ChildProcess,
     await_until,
     committed,
     dead_letters,
@@ -331,26 +330,11 @@ def test_the_rate_limit_holds_for_pushed_records(
         assert i + 1 <= cap + cap * (t - opened) + 1
 
 
-class Consumer:
-    """tests/integration/grpc_consumer.py as a child process, killed by PID."""
-
-    def __init__(self, options: dict[str, Any]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.integration.grpc_consumer", json.dumps(options)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert json.loads(line)["registered"] == 200, line
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+def grpc_consumer(options: dict[str, Any]) -> ChildProcess:
+    """tests/integration/grpc_consumer.py as a child process, registered with the proxy."""
+    consumer = ChildProcess("tests.integration.grpc_consumer", options)
+    assert consumer.ready.get("registered") == 200, consumer.ready
+    return consumer
 
 
 def test_a_grpc_consumer_killed_mid_run_loses_nothing_and_may_register_again(
@@ -362,7 +346,7 @@ def test_a_grpc_consumer_killed_mid_run_loses_nothing_and_may_register_again(
     total = 600
     produce(broker.bootstrap, topic, records(total))
     port = free_port()
-    consumers: list[Consumer] = []
+    consumers: list[ChildProcess] = []
 
     async def scenario() -> None:
         target = [{"name": "go", "mode": "grpc", "registration": True, "max_concurrency": 8}]
@@ -378,13 +362,13 @@ def test_a_grpc_consumer_killed_mid_run_loses_nothing_and_may_register_again(
             def acked() -> int:
                 return sum(t.records.get("ack", 0) for t in proxy.status().push)
 
-            consumers.append(await asyncio.to_thread(Consumer, options))
+            consumers.append(await asyncio.to_thread(grpc_consumer, options))
             assert await await_until(lambda: acked() >= 100, 30)
             consumers[0].kill()  # kill -9 with calls in flight
             assert await await_until(lambda: proxy.status().push == (), 15)
             group = settings.kafka.group_id
             assert committed(broker.bootstrap, group, topic) < total
-            consumers.append(await asyncio.to_thread(Consumer, options))
+            consumers.append(await asyncio.to_thread(grpc_consumer, options))
             assert await await_until(lambda: committed(broker.bootstrap, group, topic) == total, 60)
             assert proxy.snapshot().counters["dead_lettered"] == 0
             (again,) = proxy.status().push
@@ -410,7 +394,7 @@ def test_a_record_that_crashes_the_grpc_consumer_is_dead_lettered_and_nothing_el
     values[60] = b"crash"
     produce(broker.bootstrap, topic, [(None, v, None) for v in values])
     port = free_port()
-    consumers: list[Consumer] = []
+    consumers: list[ChildProcess] = []
 
     async def scenario() -> None:
         target = [{"name": "go", "mode": "grpc", "registration": True, "max_concurrency": 8}]
@@ -434,7 +418,7 @@ def test_a_record_that_crashes_the_grpc_consumer_is_dead_lettered_and_nothing_el
             while committed(broker.bootstrap, group, topic) < len(values):
                 assert time.monotonic() < deadline, f"{len(consumers)} consumer starts"
                 if not consumers or consumers[-1].proc.poll() is not None:
-                    consumers.append(await asyncio.to_thread(Consumer, options))
+                    consumers.append(await asyncio.to_thread(grpc_consumer, options))
                 await asyncio.sleep(0.2)
 
     try:

@@ -317,7 +317,7 @@ class PushTargetSnapshot:
     responses: dict[str, int]
     """Requests by answer class (2xx, 4xx, 5xx, timeout, refused, reset, ...)."""
     records: dict[str, int]
-    """Records by verdict (ack, nack, retry, overload, refused, outage, vanished)."""
+    """Records by verdict (ack, nack, retry, overload, refused, outage, suspect)."""
     errors: int
     """Requests that failed without an answer."""
 

@@ -272,7 +272,7 @@ class PushTarget:
         self.responses: dict[str, int] = {}
         """Requests by answer class: 2xx, 4xx, 5xx, timeout, refused, reset, ..."""
         self.records: dict[str, int] = {}
-        """Records by verdict: ack, nack, retry, overload, refused, outage."""
+        """Records by verdict: ack, nack, retry, overload, refused, outage, suspect."""
         self.errors = 0
         """Requests that failed without an answer (timeouts, resets, refusals)."""
 
