@@ -18,6 +18,7 @@ from aiohttp import web
 from tests.integration.harness import await_until, produce
 from tests.integration.receivers import Handler, receiver
 from tests.integration.test_cli import TRIAGE, run_triage
+from triage_proxy.push.targets import UNREGISTERED
 
 pytestmark = pytest.mark.integration
 
@@ -99,7 +100,14 @@ def test_dev_push_delivers_to_the_url_and_status_shows_the_target(tmp_path: Path
                     await asyncio.sleep(0.2)
                     doc = await asyncio.to_thread(status_json, config)
                 assert acked(doc) == 2 * PER_PARTITION
-                rows = sorted(doc["push"], key=lambda row: row["partitions"])
+                # The gRPC table no consumer registered with: one row per process, waiting.
+                waiting = [row for row in doc["push"] if row["name"] == "dev-grpc"]
+                assert sorted(row["partitions"] for row in waiting) == [[0], [1]]
+                assert {row["state"] for row in waiting} == {UNREGISTERED}
+                rows = sorted(
+                    (row for row in doc["push"] if row["name"] == "dev"),
+                    key=lambda row: row["partitions"],
+                )
                 assert [(row["name"], row["partitions"]) for row in rows] == [
                     ("dev", [0]),
                     ("dev", [1]),
@@ -116,6 +124,7 @@ def test_dev_push_delivers_to_the_url_and_status_shows_the_target(tmp_path: Path
                 assert table.returncode == 0, table.stderr
                 assert "push targets" in table.stdout
                 assert "2xx 5" in table.stdout
+                assert "no consumer registered" in table.stdout
 
                 proc.send_signal(signal.SIGTERM)
                 assert await asyncio.wait_for(proc.wait(), 60) == 0

@@ -5,7 +5,9 @@ The proxy calls `serve(partition, dispatcher)` when a pipeline starts delivering
 `withdraw(partition)` when it stops; each target then opens (or ends) its lane in that
 partition's dispatcher. Targets from `[[push]]` with mode "http" exist from `start()`; a
 mode "grpc" table adds one target per consumer that registers (`GET /consumers`), and
-drops it when the consumer is gone (UNAVAILABLE), until it registers again.
+drops it when the consumer is gone (UNAVAILABLE), until it registers again; while none
+is registered, the table shows in status and metrics as one target that waits
+(`UNREGISTERED`).
 
 Order at stop: the pipelines drain first (their dispatchers stop handing out records and
 wait for what is in flight), then `aclose()` ends every lane and closes the connections.
@@ -23,7 +25,7 @@ from aiohttp import web
 
 from triage_proxy.config.push import PushTargetSettings
 from triage_proxy.config.settings import Settings
-from triage_proxy.observe.snapshot import PushTargetSnapshot
+from triage_proxy.observe.snapshot import PUSH_BUCKETS_S, LatencyHistogram, PushTargetSnapshot
 from triage_proxy.pipeline.dispatch import Dispatcher
 from triage_proxy.push.cloudevents import EventShape
 from triage_proxy.push.grpc import GrpcTarget, Registration
@@ -97,6 +99,10 @@ def _grpc_credentials(target: PushTargetSettings) -> grpc.ChannelCredentials | N
     return grpc.ssl_channel_credentials(
         read(target.ca_file), read(target.key_file), read(target.cert_file)
     )
+
+
+UNREGISTERED = "no consumer registered: it delivers once one registers (GET /consumers)"
+"""The state of a mode "grpc" target no consumer has registered with."""
 
 
 class PushTargets:
@@ -188,4 +194,20 @@ class PushTargets:
             await asyncio.wait(set(self._closing))
 
     def snapshot(self) -> tuple[PushTargetSnapshot, ...]:
-        return tuple(target.snapshot() for target in self._targets)
+        """Every target now; a mode "grpc" target no consumer has registered with shows as
+        one row that waits (`UNREGISTERED`), so status says why it delivers nothing."""
+        shown = tuple(target.snapshot() for target in self._targets)
+        if self._grpc is None or self._registered:
+            return shown
+        waiting = PushTargetSnapshot(
+            name=self._grpc.name,
+            limit=0,
+            in_flight=0,
+            partitions=tuple(sorted(self._serving)),
+            state=UNREGISTERED,
+            latency=LatencyHistogram(PUSH_BUCKETS_S),
+            responses={},
+            records={},
+            errors=0,
+        )
+        return (*shown, waiting)
