@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -443,3 +443,23 @@ class ChildProcess:
         self.proc.wait(10)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+
+
+async def restart_until_committed(
+    start: Callable[[], ChildProcess],
+    children: list[ChildProcess],
+    bootstrap: str,
+    group: str,
+    topic: str,
+    total: int,
+    timeout_s: float = 90.0,
+) -> None:
+    """Keep one child running (`start` another whenever the last one died, as a process
+    manager would) until `group` has committed `total` records of partition 0 of `topic`.
+    `children` collects every start, for the test to count and to kill."""
+    deadline = time.monotonic() + timeout_s
+    while committed(bootstrap, group, topic) < total:
+        assert time.monotonic() < deadline, f"{len(children)} starts, not all committed"
+        if not children or children[-1].proc.poll() is not None:
+            children.append(await asyncio.to_thread(start))
+        await asyncio.sleep(0.1)

@@ -124,7 +124,8 @@ def test_dev_push_delivers_to_the_url_and_status_shows_the_target(tmp_path: Path
                 assert table.returncode == 0, table.stderr
                 assert "push targets" in table.stdout
                 assert "2xx 5" in table.stdout
-                assert "no consumer registered" in table.stdout
+                assert "unregistered" in table.stdout
+                assert "no consumer has registered yet" in table.stdout
 
                 proc.send_signal(signal.SIGTERM)
                 assert await asyncio.wait_for(proc.wait(), 60) == 0

@@ -33,6 +33,7 @@ from tests.integration.harness import (
     dead_letters,
     kill_processes,
     produce,
+    restart_until_committed,
     settings_for,
     start_proxy_process,
 )
@@ -435,13 +436,14 @@ def test_a_record_that_crashes_the_receiver_is_dead_lettered_and_nothing_else(
             retry={"initial_backoff_s": 0.05, "max_backoff_s": 0.1},
         )
         async with Proxy(settings, 0):
-            group = settings.kafka.group_id
-            deadline = time.monotonic() + 90
-            while committed(broker.bootstrap, group, topic) < len(values):
-                assert time.monotonic() < deadline, f"{len(receivers)} receiver starts"
-                if not receivers or receivers[-1].proc.poll() is not None:
-                    receivers.append(await asyncio.to_thread(crash_receiver, port, options))
-                await asyncio.sleep(0.1)
+            await restart_until_committed(
+                lambda: crash_receiver(port, options),
+                receivers,
+                broker.bootstrap,
+                settings.kafka.group_id,
+                topic,
+                len(values),
+            )
 
     try:
         asyncio.run(scenario())

@@ -30,6 +30,7 @@ from tests.integration.harness import (
     dead_letters,
     kill_processes,
     produce,
+    restart_until_committed,
     settings_for,
     start_proxy_process,
 )
@@ -418,13 +419,14 @@ def test_a_record_that_crashes_the_grpc_consumer_is_dead_lettered_and_nothing_el
                 "delay_ms": 5,
                 "crash_on": "crash",
             }
-            group = settings.kafka.group_id
-            deadline = time.monotonic() + 90
-            while committed(broker.bootstrap, group, topic) < len(values):
-                assert time.monotonic() < deadline, f"{len(consumers)} consumer starts"
-                if not consumers or consumers[-1].proc.poll() is not None:
-                    consumers.append(await asyncio.to_thread(grpc_consumer, options))
-                await asyncio.sleep(0.2)
+            await restart_until_committed(
+                lambda: grpc_consumer(options),
+                consumers,
+                broker.bootstrap,
+                settings.kafka.group_id,
+                topic,
+                len(values),
+            )
 
     try:
         asyncio.run(scenario())

@@ -101,8 +101,12 @@ def _grpc_credentials(target: PushTargetSettings) -> grpc.ChannelCredentials | N
     )
 
 
-UNREGISTERED = "no consumer registered: it delivers once one registers (GET /consumers)"
-"""The state of a mode "grpc" target no consumer has registered with."""
+UNREGISTERED = (
+    "unregistered: no consumer has registered yet; it delivers once one does (GET /consumers)"
+)
+"""The state of a mode "grpc" target no consumer has registered with. Its first word is
+short: `triage status` shows the state's first word in an 80-column table, the rest under
+it."""
 
 
 class PushTargets:
