@@ -304,24 +304,15 @@ class Dispatcher:
         # The consumer id goes in the dead letter's own field, not in the reason: one reason
         # for every crash pill, so grouping dead letters by reason groups them.
         cause = "its instance disconnected while handling it"
-        back: list[Entry] = []
-        cleared: list[Entry] = []
         started = session.started
         began = [e.record.offset in started for e in held] if session.isolating else None
-        blamed = blamed_on_vanish([e.suspect for e in held], began)
-        for entry, guilty in zip(held, blamed, strict=True):
-            if not guilty:
-                cleared.append(entry)
-            elif self._redelivery.failed(entry, cause, session.consumer_id):
-                back.append(entry)
-        later = self._redelivery.redeliver(back)
-        self._redelivery.clear(cleared)
+        blamed, back, later = self._judge_vanished(held, began, cause, session.consumer_id)
         logger.info(
             "instance %s disconnected; %d records back to the queue (%d blamed, %d after "
             "a backoff)",
             for_log(session.consumer_id),
-            len(back) + len(cleared),
-            len(held) - len(cleared),
+            back,
+            blamed,
             later,
         )
         session.outlet.end()
@@ -425,20 +416,30 @@ class Dispatcher:
         attempt (a crash-type pill is one from its second crash on); the others go back
         as suspects without one. Returns the offsets it did not hold."""
         back, rejected = self._window.release(session, offsets)
-        again: list[Entry] = []
-        cleared: list[Entry] = []
-        blamed = blamed_on_vanish([e.suspect for e in back], [True] * len(back))
-        for entry, guilty in zip(back, blamed, strict=True):
-            if not guilty:
-                cleared.append(entry)
-            elif self._redelivery.failed(entry, cause, session.consumer_id):
-                again.append(entry)
-        self._redelivery.redeliver(again)
-        self._redelivery.clear(cleared)
+        self._judge_vanished(back, [True] * len(back), cause, session.consumer_id)
         self.counters.rejected += len(rejected)
         self._window.update_events()
         self._scheduler.pump()
         return rejected
+
+    def _judge_vanished(
+        self, held: list[Entry], began: list[bool] | None, cause: str, consumer_id: str
+    ) -> tuple[int, int, int]:
+        """`held` comes back from a holder that vanished (`began`: which it reported
+        started, None when it reports nothing): `blamed_on_vanish` says who uses an
+        attempt, the rest go back as suspects without one. Returns (blamed, back in the
+        queue, of those after a backoff); a blamed one out of attempts is dead-lettered."""
+        again: list[Entry] = []
+        cleared: list[Entry] = []
+        blamed = blamed_on_vanish([e.suspect for e in held], began)
+        for entry, guilty in zip(held, blamed, strict=True):
+            if not guilty:
+                cleared.append(entry)
+            elif self._redelivery.failed(entry, cause, consumer_id):
+                again.append(entry)
+        later = self._redelivery.redeliver(again)
+        self._redelivery.clear(cleared)
+        return len(held) - len(cleared), len(again) + len(cleared), later
 
     # --- what the dead-letter writer says -------------------------------------------------
 
