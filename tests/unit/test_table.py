@@ -4,6 +4,7 @@ provenance headers, the S3 payload format and the idempotent MemoryStore."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -309,18 +310,22 @@ class _Clock:
         self.slept.append(seconds)
         self.now += seconds
 
+    def poll(self, ask: Callable[[], str], timeout_s: float) -> str:
+        """`provisioning.poll` until "ACTIVE", every second, on this clock."""
+        return provisioning.poll(
+            ask,
+            lambda s: s == "ACTIVE",
+            timeout_s=timeout_s,
+            every_s=1.0,
+            sleep=self.sleep,
+            clock=lambda: self.now,
+        )
+
 
 def test_poll_returns_the_first_answer_that_is_done_without_sleeping_after_it() -> None:
     clock = _Clock()
     answers = iter(["CREATING", "CREATING", "ACTIVE", "unreached"])
-    got = provisioning.poll(
-        lambda: next(answers),
-        lambda s: s == "ACTIVE",
-        timeout_s=10.0,
-        every_s=1.0,
-        sleep=clock.sleep,
-        clock=lambda: clock.now,
-    )
+    got = clock.poll(lambda: next(answers), timeout_s=10.0)
     assert got == "ACTIVE"
     assert clock.slept == [1.0, 1.0]
 
@@ -333,14 +338,7 @@ def test_poll_gives_the_last_answer_once_the_time_is_up() -> None:
         asked.append(clock.now)
         return "CREATING"
 
-    got = provisioning.poll(
-        ask,
-        lambda s: s == "ACTIVE",
-        timeout_s=2.5,
-        every_s=1.0,
-        sleep=clock.sleep,
-        clock=lambda: clock.now,
-    )
+    got = clock.poll(ask, timeout_s=2.5)
     assert got == "CREATING"
     # asked at 100, 101, 102 and once past the deadline (102.5), then no further sleep
     assert asked == [100.0, 101.0, 102.0, 103.0]
@@ -354,5 +352,5 @@ def test_poll_lets_an_error_of_the_question_through() -> None:
         raise DeadLetterUnavailable("describing table 't' failed: refused")
 
     with pytest.raises(DeadLetterUnavailable, match="refused"):
-        provisioning.poll(ask, bool, timeout_s=5.0, every_s=1.0, sleep=clock.sleep)
+        clock.poll(ask, timeout_s=5.0)
     assert clock.slept == []
