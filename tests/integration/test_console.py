@@ -331,8 +331,16 @@ def test_token_url_logs_in_and_overview_plots_lag(stack: Stack, page: Watched) -
     # On a 1280-pixel laptop screen the partitions table fits: no column (the dead
     # letters pending, last) hides past the right edge, and the page does not scroll
     # sideways past its own header bar.
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     p.set_viewport_size({"width": 1280, "height": 1000})
-    p.wait_for_timeout(300)
+    # The plots resize on the window's resize event: wait for the layout to settle (a
+    # page that stays too wide times out here, and the assertion below says by how much).
+    with contextlib.suppress(PlaywrightTimeout):
+        p.wait_for_function(
+            "document.documentElement.scrollWidth <= document.documentElement.clientWidth",
+            timeout=10_000,
+        )
     widths = p.evaluate(
         "[document.documentElement.scrollWidth, document.documentElement.clientWidth]"
     )
