@@ -328,6 +328,17 @@ def test_token_url_logs_in_and_overview_plots_lag(stack: Stack, page: Watched) -
     row = p.locator("tr[data-partition='0']")
     assert row.locator("td.lag").inner_text() == str(BACKLOG)
     assert p.locator("#plot-lag canvas").count() == 1
+    # Counts tick at whole numbers, and the dead-letter plot's count (pending, 0 here) has
+    # an axis of its own rather than sharing the rate's, which ticked at 0.2, 0.4 ... items.
+    axes = p.evaluate(
+        "() => { const c = window.triageConsole.charts;"
+        " return { lag: c.lag.axes[1]._splits, dl: c.deadletters.axes.map(a => a.scale),"
+        " pending: c.deadletters.axes[2] && c.deadletters.axes[2]._splits }; }"
+    )
+    assert axes["dl"] == ["x", "rate", "count"], axes
+    for name in ("lag", "pending"):
+        assert axes[name], axes
+        assert all(float(v).is_integer() for v in axes[name]), axes
     # On a 1280-pixel laptop screen the partitions table fits: no column (the dead
     # letters pending, last) hides past the right edge, and the page does not scroll
     # sideways past its own header bar.

@@ -10,7 +10,30 @@
     return Math.max(300, Math.min(560, Math.floor((document.body.clientWidth - 80) / 3)));
   }
 
-  function draw(name, target, labels, columns) {
+  // Counts (lag, items pending) are whole numbers: their axis steps by whole numbers, or
+  // a count of 1 would show ticks at 0.2, 0.4 ... (uPlot's default steps are decimal).
+  const WHOLE_STEPS = [];
+  for (let e = 0; e <= 12; e++) [1, 2, 5].forEach((m) => WHOLE_STEPS.push(m * 10 ** e));
+
+  // One y axis per kind of series ("count" or "rate"), in the order they first appear: the
+  // first on the left, a second on the right in its series' colour, so a rate and a count
+  // in one plot do not share a scale.
+  function yAxes(kinds) {
+    const seen = [];
+    kinds.forEach((kind, i) => { if (!seen.some((s) => s.kind === kind)) seen.push({ kind, i }); });
+    return seen.map((s, n) => {
+      const axis = { scale: s.kind, size: 60 };
+      if (s.kind === "count") axis.incrs = WHOLE_STEPS;
+      if (n > 0) {
+        axis.side = 1;
+        axis.grid = { show: false };
+        axis.stroke = COLORS[s.i % COLORS.length];
+      }
+      return axis;
+    });
+  }
+
+  function draw(name, target, labels, kinds, columns) {
     const key = labels.join("|");
     const chart = charts[name];
     if (chart && chart._key === key) {
@@ -19,12 +42,13 @@
     }
     if (chart) chart.destroy();
     const series = [{}].concat(labels.map((label, i) => ({
-      label: label, stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: false,
+      label: label, scale: kinds[i], stroke: COLORS[i % COLORS.length], width: 1.5,
+      spanGaps: false,
     })));
     const made = new uPlot({
       width: plotWidth(), height: 200, series: series,
       scales: { x: { time: true } },
-      axes: [{}, { size: 60 }],
+      axes: [{}].concat(yAxes(kinds)),
       legend: { show: true },
     }, columns, document.getElementById(target));
     made._key = key;
@@ -34,11 +58,13 @@
   function plots(h) {
     const t = h.t || [];
     const parts = Object.keys(h.lag || {}).sort((a, b) => Number(a) - Number(b));
-    draw("lag", "plot-lag", ["total"].concat(parts.map((p) => "partition " + p)),
+    const lagLabels = ["total"].concat(parts.map((p) => "partition " + p));
+    draw("lag", "plot-lag", lagLabels, lagLabels.map(() => "count"),
       [t, h.lag_total].concat(parts.map((p) => h.lag[p])));
-    draw("throughput", "plot-throughput", ["acks/s", "nacks/s"], [t, h.acked, h.nacked]);
+    draw("throughput", "plot-throughput", ["acks/s", "nacks/s"], ["rate", "rate"],
+      [t, h.acked, h.nacked]);
     draw("deadletters", "plot-deadletters", ["dead-lettered/s", "pending in table"],
-      [t, h.dead_lettered, h.pending]);
+      ["rate", "count"], [t, h.dead_lettered, h.pending]);
   }
 
   function table(headers, rows) {
