@@ -1,7 +1,7 @@
 """Write the reference pages that come from the code: `python docs/generate.py`.
 
     docs/reference/configuration.md   every key of the settings objects (proxy/triage_proxy/
-                                      config/settings.py and config/push.py): type, default,
+                                      config/sections.py and config/push.py): type, default,
                                       bounds and the field's docstring
     docs/reference/cli.md             every command and option of the typer app
                                       (cli/triage_cli/main.py)
@@ -120,10 +120,10 @@ def _push_bounds() -> dict[str, str]:
 
 
 def configuration() -> str:
-    from triage_proxy.config import settings as s
+    from triage_proxy.config import sections, settings, validation
     from triage_proxy.config.push import PushTargetSettings
 
-    numeric = s.numeric_settings()
+    numeric = settings.numeric_settings()
     out = [
         HEADER.format(source="proxy/triage_proxy/config/"),
         "# Configuration\n\n",
@@ -138,7 +138,7 @@ def configuration() -> str:
         "1 ms and at most 4294967.295 s (a uint32 of milliseconds) unless its range says "
         "otherwise; `nan` and infinities are always refused.\n\n",
     ]
-    for section, cls in s._SECTIONS.items():
+    for section, cls in sections._SECTIONS.items():
         out.append(f"## `[{section}]`\n\n")
         doc = inspect.getdoc(cls)
         if doc and not doc.startswith(cls.__name__ + "("):
@@ -183,11 +183,11 @@ def configuration() -> str:
         "Extra librdkafka properties go to every Kafka client Triage builds. These are "
         "refused, whatever the value, because the proxy's guarantees rest on them (the "
         "proxy applies its own values last). A property whose name contains "
-        + ", ".join(f"`{w}`" for w in s.SECRET_PROPERTY_WORDS)
+        + ", ".join(f"`{w}`" for w in validation.SECRET_PROPERTY_WORDS)
         + ' is a secret and must be given as `"env:VAR"` or `"secret:NAME"`.\n\n'
         "| property | why |\n|---|---|\n"
     )
-    for name, why in s.RESERVED_CLIENT_PROPERTIES.items():
+    for name, why in validation.RESERVED_CLIENT_PROPERTIES.items():
         out.append(f"| `{name}` | {_cell(why)} |\n")
     return "".join(out)
 

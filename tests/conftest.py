@@ -45,7 +45,7 @@ from tests import leftovers
 from tests.bytecode import allow_writes, compile_ahead
 from tests.runlock import shared_lock
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
-from triage_proxy.config.settings import DEFAULT_HTTP_PORT, DEFAULT_PORT
+from triage_proxy.config.sections import DEFAULT_HTTP_PORT, DEFAULT_PORT
 from triage_proxy.gctuning import freeze_startup_heap, set_collection_policy
 
 # Properties check behaviour, not speed: on CI's 2 shared cores one example of a stateful

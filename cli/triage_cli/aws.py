@@ -45,13 +45,10 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn
 from triage_cli.awsstack import LOG_RETENTION_DAYS, SERVICE_NAME, render
 from triage_proxy.config.checks import check_tls
 from triage_proxy.config.ecs import ECS_ADDRESS_KINDS, ECS_TASK_DNS
+from triage_proxy.config.loader import load_settings, settings_from_dict
 from triage_proxy.config.secrets import secret_reference
-from triage_proxy.config.settings import (
-    DeadLetterSettings,
-    Settings,
-    load_settings,
-    settings_from_dict,
-)
+from triage_proxy.config.sections import DeadLetterSettings
+from triage_proxy.config.settings import Settings
 from triage_proxy.errors import ConfigError, DeployError, TriageError
 from triage_proxy.store.aws import (
     ANY_CODE,

@@ -264,7 +264,7 @@ def wait_for_commits(
 
 
 def count_dead_letters(endpoint_url: str, table: str) -> int:
-    from triage_proxy.config.settings import DeadLetterSettings
+    from triage_proxy.config.sections import DeadLetterSettings
     from triage_proxy.store.aws import dynamodb_client
 
     client = dynamodb_client(DeadLetterSettings(table=table, endpoint_url=endpoint_url))

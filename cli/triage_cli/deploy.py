@@ -197,7 +197,7 @@ def deploy_local(
     config: Path, state_dir: Path | None, timeout: float | None, proxies: int | None = 0
 ) -> None:
     """`proxies`: fleet processes (0: default_proxies); None: pinned, one per partition."""
-    from triage_proxy.config.settings import load_settings
+    from triage_proxy.config.loader import load_settings
     from triage_proxy.errors import ConfigError
     from triage_proxy.store.aws import read_secret
     from triage_proxy.store.provisioning import create_bucket, create_table
@@ -547,7 +547,7 @@ def _print_deployment(
 
 
 def destroy_local(config: Path, state_dir: Path | None) -> None:
-    from triage_proxy.config.settings import load_settings
+    from triage_proxy.config.loader import load_settings
     from triage_proxy.errors import ConfigError
     from triage_proxy.store.aws import read_secret
 

@@ -36,7 +36,7 @@ from triage_cli.supervisor import proxy_command
 from triage_proxy.errors import ConfigError, StateError, UnavailableError
 
 if TYPE_CHECKING:
-    from triage_proxy.config.settings import ServerSettings
+    from triage_proxy.config.sections import ServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class DevStack:
         *,
         keep_state: bool = False,
     ) -> None:
-        from triage_proxy.config.settings import topic_problem
+        from triage_proxy.config.validation import topic_problem
 
         problem = topic_problem(topic)
         if problem is not None:
@@ -168,7 +168,7 @@ class DevStack:
             future.result(timeout=30)
 
     def _create_table(self) -> None:
-        from triage_proxy.config.settings import DeadLetterSettings
+        from triage_proxy.config.sections import DeadLetterSettings
         from triage_proxy.store.provisioning import create_bucket, create_table
 
         settings = DeadLetterSettings(
@@ -179,7 +179,7 @@ class DevStack:
 
     def start_proxy(self, partition: int) -> subprocess.Popen[bytes]:
         """Start (or restart) the proxy process for `partition` and wait until it listens."""
-        from triage_proxy.config.settings import load_settings
+        from triage_proxy.config.loader import load_settings
         from triage_proxy.store.aws import read_secret
 
         port = load_settings(self.config_path, fetch_secret=read_secret).server.port + partition
@@ -288,7 +288,7 @@ class DevStack:
         }
 
     def _server_settings(self) -> ServerSettings:
-        from triage_proxy.config.settings import load_settings
+        from triage_proxy.config.loader import load_settings
         from triage_proxy.store.aws import read_secret
 
         return load_settings(self.config_path, fetch_secret=read_secret).server

@@ -102,7 +102,7 @@ GroupOption = Annotated[
 def _open(config: Path, group: str | None = None) -> tuple[Settings, DeadLetterTable]:
     """Settings from the config file and the deployment's view of the table (`group`, or
     the config's group id), checked to exist and answer."""
-    from triage_proxy.config.settings import load_settings
+    from triage_proxy.config.loader import load_settings
     from triage_proxy.store.aws import read_secret
     from triage_proxy.store.query import DeadLetterTable
 
@@ -623,7 +623,7 @@ def _spark_replay(
     import dataclasses
     import importlib.util
 
-    from triage_proxy.config.settings import load_settings
+    from triage_proxy.config.loader import load_settings
     from triage_proxy.store.aws import read_secret
     from triage_replay import ReplayOptions, run_replay
 

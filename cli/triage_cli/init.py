@@ -153,7 +153,7 @@ def discover_partitions(kafka: dict[str, Any], timeout_s: float = DISCOVERY_TIME
     from confluent_kafka.admin import AdminClient
 
     from triage_proxy.config.secrets import Secrets
-    from triage_proxy.config.settings import KafkaSettings
+    from triage_proxy.config.sections import KafkaSettings
     from triage_proxy.errors import ConfigError, UnavailableError
     from triage_proxy.kafka.errors import kafka_errors
     from triage_proxy.store.aws import read_secret
@@ -188,7 +188,7 @@ def render_config(raw: dict[str, Any]) -> str:
     """The TOML text of `raw`, validated first with the proxy's own loader."""
     import tomli_w
 
-    from triage_proxy.config.settings import settings_from_dict
+    from triage_proxy.config.loader import settings_from_dict
     from triage_proxy.store.aws import read_secret
 
     settings_from_dict(raw, {}, fetch_secret=read_secret)  # tokens inline: no environment
@@ -325,15 +325,15 @@ def init(
 ) -> None:
     """Write a validated triage.toml (mode 0600) with a fresh token; never overwrites."""
     from triage_cli.push import http_table
-    from triage_proxy.config.settings import (
+    from triage_proxy.config.sections import (
         DEFAULT_HTTP_PORT,
         DEFAULT_PORT,
         DEFAULT_REGION,
         SASL_MECHANISMS,
         SECURITY_PROTOCOLS,
         AwsSettings,
-        topic_problem,
     )
+    from triage_proxy.config.validation import topic_problem
 
     with exit_on_errors():
         if config.exists() and not force:
@@ -419,7 +419,7 @@ def warn_group_in_use(config: Path) -> None:
     """Warn on stderr when the config's consumer group is in use on the broker already
     (live members, or committed offsets on the topic): two deployments with one group id
     and two dead-letter tables are fenced only by the group (kafka/groups.py)."""
-    from triage_proxy.config.settings import load_settings
+    from triage_proxy.config.loader import load_settings
     from triage_proxy.kafka.groups import group_in_use
     from triage_proxy.store.aws import read_secret
 
@@ -519,7 +519,7 @@ def check(
     """Validate a config and what it points at (TLS files, addresses, secret references,
     librdkafka properties) as the proxy will at start; on error name the key and exit 2."""
     from triage_proxy.config.checks import file_warnings
-    from triage_proxy.config.settings import load_settings
+    from triage_proxy.config.loader import load_settings
     from triage_proxy.deadletters.writer import overflow_warning
     from triage_proxy.preflight import preflight
     from triage_proxy.store.aws import read_secret

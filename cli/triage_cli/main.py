@@ -101,7 +101,7 @@ def proxy(
     from triage_proxy.app import Proxy
     from triage_proxy.config.checks import file_warnings
     from triage_proxy.config.ecs import resolve_advertised_host
-    from triage_proxy.config.settings import load_settings
+    from triage_proxy.config.loader import load_settings
     from triage_proxy.gctuning import freeze_when_ready, set_collection_policy
     from triage_proxy.preflight import preflight
     from triage_proxy.store.aws import read_secret

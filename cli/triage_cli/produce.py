@@ -62,7 +62,7 @@ def produce(
     """Produce records to the deployment's topic and print where each landed
     (topic[partition]@offset)."""
     from triage_cli.dlq import producer_config
-    from triage_proxy.config.settings import load_settings
+    from triage_proxy.config.loader import load_settings
     from triage_proxy.store.aws import read_secret
 
     with exit_on_errors():

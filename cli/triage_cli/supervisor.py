@@ -573,7 +573,7 @@ def run_supervisor(
     config: Path, project: ProjectDir, partitions: int, proxies: int | None = None
 ) -> int:
     """Body of `triage supervise` (see `serve` for its signals)."""
-    from triage_proxy.config.settings import load_settings
+    from triage_proxy.config.loader import load_settings
     from triage_proxy.store.aws import read_secret
 
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # no proxy to pass it on to yet

@@ -106,7 +106,7 @@ class Stack:
     def start(self) -> None:
         from confluent_kafka import Consumer
 
-        from triage_proxy.config.settings import load_settings
+        from triage_proxy.config.loader import load_settings
         from triage_proxy.kafka.logs import KafkaLog
         from triage_proxy.store.aws import read_secret
         from triage_proxy.store.query import DeadLetterTable

@@ -57,7 +57,8 @@ from typing import TYPE_CHECKING
 import grpc
 
 from triage_proxy.adapters import Adapters, PartsFactory
-from triage_proxy.config.settings import AuthSettings, Settings
+from triage_proxy.config.sections import AuthSettings
+from triage_proxy.config.settings import Settings
 from triage_proxy.deadletters.writer import overflow_warning
 from triage_proxy.errors import (
     BrokerUnavailable,

@@ -72,7 +72,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from triage_proxy.config.settings import DEFAULT_REGION, DeadLetterSettings, load_settings
+from triage_proxy.config.loader import load_settings
+from triage_proxy.config.sections import DEFAULT_REGION, DeadLetterSettings
 from triage_proxy.errors import ConfigError, NotFoundError, TriageError, UnavailableError
 from triage_proxy.exitcodes import ExitCode, exit_code_for
 from triage_proxy.store.aws import read_secret

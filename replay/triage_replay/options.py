@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from triage_proxy.config.settings import DeadLetterSettings, Settings
+from triage_proxy.config.sections import DeadLetterSettings
+from triage_proxy.config.settings import Settings
 from triage_proxy.errors import ConfigError
 from triage_proxy.kafka.producer import REPLAY_DELIVERY_TIMEOUT_S
 from triage_proxy.store.items import check_group

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.kafka.producer import never_written, replay_producer_config
 from triage_proxy.store.aws import dynamodb_client
 from triage_proxy.store.query import TABLE_ATTEMPTS, DeadLetterTable

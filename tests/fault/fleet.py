@@ -137,7 +137,7 @@ class ProxyFleet:
     """The fleet processes by slot; each stopped by PID on the way out."""
 
     def __init__(self, stack: DevStack, run_dir: Path) -> None:
-        from triage_proxy.config.settings import load_settings
+        from triage_proxy.config.loader import load_settings
 
         self._stack = stack
         self._dir = run_dir
@@ -671,7 +671,7 @@ def run_fleet(options: FleetOptions) -> FleetReport:
         )
         stack.start()
         cleanup.callback(stack.stop)
-        from triage_proxy.config.settings import load_settings
+        from triage_proxy.config.loader import load_settings
 
         settings = load_settings(stack.config_path)
         report.window = min(base.in_flight_window, settings.window.max_messages)

@@ -33,7 +33,9 @@ from triage_client.message import unpack_messages
 from triage_protocol import triage_pb2 as pb
 from triage_protocol import triage_pb2_grpc as pb_grpc
 from triage_proxy.app import Proxy
-from triage_proxy.config.settings import DeadLetterSettings, Settings, settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
+from triage_proxy.config.sections import DeadLetterSettings
+from triage_proxy.config.settings import Settings
 from triage_proxy.deadletters.writer import DeadLetterWriter
 from triage_proxy.kafka.client import PartitionLog
 from triage_proxy.kafka.logs import KafkaLog

@@ -30,7 +30,7 @@ from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
 from triage_protocol import triage_pb2 as pb
 from triage_protocol import triage_pb2_grpc as pb_grpc
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.store.provisioning import create_table
 
 pytestmark = pytest.mark.integration

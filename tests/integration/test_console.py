@@ -33,7 +33,7 @@ import pytest
 from tests.integration.harness import TOKEN, create_topic, produce, write_dead_letters
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port_block, stop_process
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.store.provisioning import create_bucket, create_table
 from triage_proxy.structs import DeadLetter, Record
 

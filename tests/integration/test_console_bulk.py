@@ -16,7 +16,8 @@ from tests.integration.harness import write_dead_letters
 from tests.samples import GROUP, T0
 from triage_cli.console.deadletters import BulkResult, DeadLetters
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
-from triage_proxy.config.settings import Settings, settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
+from triage_proxy.config.settings import Settings
 from triage_proxy.kafka.producer import never_written
 from triage_proxy.store.bulk import BULK_CHUNK, replay_matching
 from triage_proxy.store.items import DeadLetterKey, dead_letter_table_key

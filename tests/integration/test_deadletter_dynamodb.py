@@ -23,7 +23,7 @@ from tests.integration.harness import wait_until
 from tests.samples import GROUP, T0
 from triage_cli.embedded import EmbeddedAWS, free_port
 from triage_protocol.constants import MAX_CONSUMER_ID_CHARS, MAX_REASON_CHARS
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.deadletters.writer import DeadLetterWriter
 from triage_proxy.errors import ConfigError, DeadLetterUnavailable
 from triage_proxy.store.deadletter_store import DynamoDBStore

@@ -43,7 +43,7 @@ from triage_client import Consumer, Message
 from triage_protocol import triage_pb2 as pb
 from triage_protocol import triage_pb2_grpc as pb_grpc
 from triage_proxy.config.ecs import METADATA_ENV
-from triage_proxy.config.settings import load_settings, settings_from_dict
+from triage_proxy.config.loader import load_settings, settings_from_dict
 from triage_proxy.errors import ConfigError, DeployError
 from triage_proxy.store.aws import read_secret
 

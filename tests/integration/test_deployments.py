@@ -39,7 +39,8 @@ from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_cli.exitcodes import ExitCode
 from triage_cli.main import app
 from triage_proxy.app import Proxy
-from triage_proxy.config.settings import DeadLetterSettings, Settings
+from triage_proxy.config.sections import DeadLetterSettings
+from triage_proxy.config.settings import Settings
 from triage_proxy.store.checkpoints import DynamoDBCheckpoints
 from triage_proxy.store.items import LEASE_OFFSET, item_from_dead_letter, pointer_item
 from triage_proxy.store.leases import DynamoDBLeases, Lease

@@ -21,7 +21,8 @@ from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port
 from triage_cli.exitcodes import ExitCode
 from triage_cli.main import app
-from triage_proxy.config.settings import DeadLetterSettings, load_settings
+from triage_proxy.config.loader import load_settings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.kafka.logs import KafkaLog
 from triage_proxy.store.items import MAX_ITEM_BYTES
 from triage_proxy.store.provisioning import create_bucket, create_table

@@ -14,7 +14,7 @@ from tests import samples
 from tests.integration.harness import create_unindexed_table, dynamodb, write_dead_letters
 from tests.samples import GROUP
 from triage_cli.embedded import EmbeddedAWS
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.store import aws as store_aws
 from triage_proxy.store.items import STATE_ATTR, STATE_INDEX, state_key
 from triage_proxy.store.migrate import Indexing

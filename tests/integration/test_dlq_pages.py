@@ -20,7 +20,7 @@ from tests.samples import GROUP, T0
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS
 from triage_cli.main import app
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.exitcodes import ExitCode
 from triage_proxy.kafka.producer import never_written
 from triage_proxy.store.items import STATE_ATTR, item_key

@@ -22,7 +22,7 @@ from tests import samples
 from tests.integration.harness import create_topic, write_dead_letters
 from tests.samples import GROUP, T0
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.deadletters.notifier import notifier_from_settings
 from triage_proxy.deadletters.writer import DeadLetterWriter
 from triage_proxy.kafka.producer import never_written

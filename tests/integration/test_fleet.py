@@ -196,7 +196,7 @@ def readyz(http_port: int) -> tuple[int, str] | None:
 def test_two_fleet_processes_split_six_partitions_and_one_leaving_hands_its_over(
     broker: EmbeddedBroker, aws: EmbeddedAWS, unique_name: str, tmp_path: Path
 ) -> None:
-    from triage_proxy.config.settings import load_settings
+    from triage_proxy.config.loader import load_settings
 
     create_topic(broker.bootstrap, unique_name, partitions=6)
     config = fleet_config(tmp_path, broker, aws, unique_name, 2)
@@ -386,7 +386,7 @@ def test_a_fleet_process_that_loses_the_group_coordinator_stops_delivering(
     stays up, and serves again once the coordinator answers."""
     import signal
 
-    from triage_proxy.config.settings import load_settings
+    from triage_proxy.config.loader import load_settings
     from triage_proxy.store.leases import DynamoDBLeaseReader
 
     with EmbeddedBroker() as broker:

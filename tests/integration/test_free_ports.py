@@ -13,7 +13,7 @@ import socket
 import pytest
 
 from tests.conftest import DEFAULT_PORTS
-from triage_proxy.config.settings import DEFAULT_HTTP_PORT, DEFAULT_PORT
+from triage_proxy.config.sections import DEFAULT_HTTP_PORT, DEFAULT_PORT
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,7 @@ from confluent_kafka.admin import AdminClient
 from tests.integration.harness import await_until, create_topic, settings_for
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port
 from triage_proxy.app import Proxy
-from triage_proxy.config.settings import KafkaSettings
+from triage_proxy.config.sections import KafkaSettings
 from triage_proxy.kafka import assignment, groups
 
 pytestmark = pytest.mark.integration

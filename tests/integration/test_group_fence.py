@@ -33,7 +33,7 @@ from tests.integration.harness import (
 )
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for_port
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.exitcodes import ExitCode
 from triage_proxy.store.provisioning import create_table
 

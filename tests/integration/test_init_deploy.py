@@ -24,7 +24,7 @@ from tests.integration.harness import RawConsumer, create_topic, produce, wait_u
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, free_port_block
 from triage_cli.main import app
 from triage_cli.supervisor import ProjectDir
-from triage_proxy.config.settings import load_settings
+from triage_proxy.config.loader import load_settings
 
 pytestmark = pytest.mark.integration
 

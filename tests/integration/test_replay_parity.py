@@ -36,7 +36,8 @@ from confluent_kafka import KafkaError, Producer
 from tests.integration.harness import create_topic
 from tests.samples import GROUP
 from triage_cli.dlq import producer_config
-from triage_proxy.config.settings import DeadLetterSettings, settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.kafka.producer import never_written
 from triage_proxy.store.deadletter_store import MAX_BATCH, DynamoDBStore
 from triage_proxy.store.provisioning import create_table

@@ -31,7 +31,7 @@ from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, wait_for
 from triage_cli.main import quiet_noisy_loggers
 from triage_client import Consumer, Message
 from triage_proxy.app import Proxy
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.observe.logthrottle import LogThrottle
 from triage_proxy.server import service
 from triage_proxy.store.provisioning import create_table

@@ -45,7 +45,7 @@ from tests.integration.test_spark_replay import (
     write,
 )
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.store.provisioning import create_table
 from triage_proxy.structs import DeadLetter
 

@@ -34,7 +34,8 @@ from tests.samples import GROUP
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
 from triage_cli.exitcodes import ExitCode
-from triage_proxy.config.settings import DeadLetterSettings, load_settings
+from triage_proxy.config.loader import load_settings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.errors import ConfigError, NotFoundError
 from triage_proxy.kafka.logs import KafkaLog
 from triage_proxy.store.deadletter_store import DynamoDBStore

@@ -19,7 +19,7 @@ from tests.integration.harness import TOKEN, RawConsumer, create_topic, produce
 from triage_cli.devstack import write_config
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker, free_port, free_port_block
 from triage_cli.exitcodes import ExitCode
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.store.provisioning import create_table
 
 pytestmark = pytest.mark.integration
@@ -226,7 +226,7 @@ def test_dead_letter_counts_give_up_within_seconds_while_dynamodb_does_not_answe
     answers): the counts fail with the cause after TABLE_ATTEMPTS read timeouts, where
     the tools' five kept an operator waiting 25 s for the report."""
     from triage_cli.status.sources import TABLE_ATTEMPTS, Sources
-    from triage_proxy.config.settings import settings_from_dict
+    from triage_proxy.config.loader import settings_from_dict
     from triage_proxy.store.aws import DEFAULT_READ_TIMEOUT_S
 
     with EmbeddedAWS() as frozen:

@@ -20,7 +20,7 @@ import boto3
 
 from triage_cli.console.deadletters import DeadLetters, Page
 from triage_cli.embedded import EmbeddedAWS
-from triage_proxy.config.settings import settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
 from triage_proxy.errors import TriageError
 from triage_proxy.store.items import item_from_dead_letter
 from triage_proxy.store.provisioning import create_table

@@ -31,7 +31,7 @@ import boto3
 
 from tests.samples import GROUP
 from triage_cli.embedded import EmbeddedAWS
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.deadletters.writer import DEFAULT_MAX_IN_FLIGHT, DeadLetterWriter
 from triage_proxy.store.deadletter_store import DynamoDBStore
 from triage_proxy.store.provisioning import create_table

@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 from confluent_kafka import TIMESTAMP_CREATE_TIME, Message
 
-from triage_proxy.config.settings import settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
 from triage_proxy.kafka.client import records_of
 from triage_proxy.pipeline.dispatch import Dispatcher, Session
 from triage_proxy.pipeline.tracker import CommitTracker

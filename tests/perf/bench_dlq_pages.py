@@ -36,7 +36,7 @@ import boto3
 
 from tests.samples import GROUP, T0
 from triage_cli.embedded import EmbeddedAWS
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.store.items import STATE_ATTR, item_from_dead_letter, state_key
 from triage_proxy.store.pages import page, reason_counts
 from triage_proxy.store.provisioning import create_table

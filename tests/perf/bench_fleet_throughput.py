@@ -81,7 +81,7 @@ def frame_counts(http_port: int) -> str:
 
 def measure_fleet(args: argparse.Namespace) -> float:
     """Messages/s of one fleet process serving `args.partitions` partitions."""
-    from triage_proxy.config.settings import load_settings
+    from triage_proxy.config.loader import load_settings
 
     overrides: dict[str, Any] = {"commit": {"interval_s": 0.1}}
     with DevStack(

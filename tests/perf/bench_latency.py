@@ -119,7 +119,7 @@ from tests.perf.common import ROOT, table
 from triage_cli.devstack import DevStack
 from triage_cli.embedded import HOST, stop_process, wait_for_port
 from triage_cli.supervisor import proxy_command
-from triage_proxy.config.settings import load_settings
+from triage_proxy.config.loader import load_settings
 
 TARGETS = {1000: (2.0, 10.0), 10_000: (None, 20.0)}
 """rate -> (added p50, added p99) targets in ms (None: no target)."""

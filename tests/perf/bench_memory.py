@@ -34,7 +34,7 @@ from tests.commit_watcher import CommitWatcher
 from tests.perf.common import Instances, status, table
 from triage_cli.demo import count_dead_letters
 from triage_cli.devstack import DevStack
-from triage_proxy.config.settings import DEFAULT_WINDOW_BYTES
+from triage_proxy.config.sections import DEFAULT_WINDOW_BYTES
 
 RECORD_BYTES = 1024 * 1024
 HEADROOM = 200 * 1000 * 1000

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from triage_protocol.constants import DEFAULT_FRAME_BYTES
-from triage_proxy.config.settings import settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
 from triage_proxy.observe.snapshot import LatencyHistogram
 from triage_proxy.pipeline.dispatch import Dispatcher
 from triage_proxy.pipeline.tracker import CommitTracker

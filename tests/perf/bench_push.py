@@ -97,7 +97,7 @@ class Run:
 
 
 def push_status(stack: DevStack) -> dict[str, Any]:
-    from triage_proxy.config.settings import load_settings
+    from triage_proxy.config.loader import load_settings
 
     port = load_settings(stack.config_path).server.http_port
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as answer:

@@ -74,7 +74,7 @@ from pyspark import SparkContext
 from tests.integration.harness import create_topic
 from tests.samples import GROUP
 from triage_cli.embedded import EmbeddedAWS, EmbeddedBroker
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.store.aws import dynamodb_client
 from triage_proxy.store.items import item_from_dead_letter, item_key
 from triage_proxy.store.provisioning import create_table

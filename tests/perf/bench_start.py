@@ -107,7 +107,7 @@ def main() -> int:
     print(f"start-up cost on {os.cpu_count()} cores, load average {load}, {args.rounds} rounds")
     figures = {python: Figures() for python in pythons}
     with DevStack(topic="bench-start", start_proxies=False) as stack:
-        from triage_proxy.config.settings import load_settings
+        from triage_proxy.config.loader import load_settings
 
         config = stack.config_path
         port = load_settings(config).server.port

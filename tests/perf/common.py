@@ -199,7 +199,7 @@ def status(stack: DevStack, partition: int = 0) -> dict[str, Any]:
     """The proxy's /status document (window, fetch_paused, counters)."""
     import urllib.request
 
-    from triage_proxy.config.settings import load_settings
+    from triage_proxy.config.loader import load_settings
 
     address = load_settings(stack.config_path).server.http_address(partition)
     if address is None:

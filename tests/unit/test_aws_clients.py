@@ -8,7 +8,7 @@ loaded models; each is still separate (its own timeouts) and its caller's to clo
 
 from __future__ import annotations
 
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.store.aws import aws_client, dynamodb_client, s3_client
 
 LOCAL = DeadLetterSettings(table="t", endpoint_url="http://127.0.0.1:1")

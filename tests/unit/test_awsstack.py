@@ -19,7 +19,7 @@ from triage_cli.awsstack import (
     render,
     template,
 )
-from triage_proxy.config.settings import settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
 from triage_proxy.errors import ConfigError
 
 

@@ -697,7 +697,7 @@ def test_an_idle_http_connection_is_closed(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_revoking_a_name_revokes_its_token_under_every_name() -> None:
-    from triage_proxy.config.settings import AuthSettings
+    from triage_proxy.config.sections import AuthSettings
 
     shared, other = "shared-token-0123456789", "other-token-0123456789"
     auth = AuthSettings(

@@ -21,7 +21,9 @@ from triage_proxy.clienttext import (
     consumer_id_problem,
     for_log,
 )
-from triage_proxy.config.settings import DeadLetterSettings, Settings, settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
+from triage_proxy.config.sections import DeadLetterSettings
+from triage_proxy.config.settings import Settings
 from triage_proxy.deadletters.writer import DeadLetterWriter
 from triage_proxy.errors import FrameError
 from triage_proxy.pipeline.dispatch import Dispatcher

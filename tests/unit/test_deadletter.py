@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from tests import samples, waiting
 from tests.samples import GROUP, T0
 from tests.unit import virtual_time
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.deadletters.writer import DeadLetterWriter, WriterState, backoff_delay
 from triage_proxy.errors import ConfigError, DeadLetterTooLarge, DeadLetterUnavailable, StateError
 from triage_proxy.store.deadletter_store import MemoryStore

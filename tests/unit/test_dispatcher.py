@@ -12,7 +12,8 @@ import pytest
 from tests.waiting import eventually
 from triage_protocol import triage_pb2 as pb
 from triage_protocol.constants import DEFAULT_FRAME_BYTES
-from triage_proxy.config.settings import Settings, settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
+from triage_proxy.config.settings import Settings
 from triage_proxy.pipeline.dispatch import Dispatcher, Session
 from triage_proxy.pipeline.dispatch.scheduler import REFILL_LINGER_S, REFILL_MIN_CREDITS
 from triage_proxy.pipeline.tracker import CommitTracker

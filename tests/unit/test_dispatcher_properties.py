@@ -8,7 +8,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from tests.unit.test_dispatcher import connect, frames_of
 from triage_protocol import triage_pb2 as pb
-from triage_proxy.config.settings import settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
 from triage_proxy.pipeline.dispatch import Dispatcher, Session
 from triage_proxy.pipeline.tracker import CommitTracker
 from triage_proxy.structs import DeadLetter, Record

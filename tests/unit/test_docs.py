@@ -58,22 +58,22 @@ def test_the_reference_names_every_setting_command_and_metric() -> None:
 
 
 def test_the_module_overviews_name_every_key_and_family() -> None:
-    """config/settings.py's and observe/metrics.py's docstrings list every key and metric
+    """config/sections.py's and observe/metrics.py's docstrings list every key and metric
     family by hand, as an overview for a reader of the module; the reference pages are
     generated, so only this catches a key or family added without its line there."""
     import dataclasses
 
-    from triage_proxy.config import settings
+    from triage_proxy.config import sections
     from triage_proxy.observe import metrics
 
-    assert settings.__doc__ is not None
-    for section, cls in settings._SECTIONS.items():
-        block = re.search(rf"(?s)\[{section}\](.*?)(?=\n    \[|\n\n)", settings.__doc__)
-        assert block is not None, f"settings.py's docstring lacks [{section}]"
+    assert sections.__doc__ is not None
+    for section, cls in sections._SECTIONS.items():
+        block = re.search(rf"(?s)\[{section}\](.*?)(?=\n    \[|\n\n)", sections.__doc__)
+        assert block is not None, f"sections.py's docstring lacks [{section}]"
         for f in dataclasses.fields(cls):
             if f.metadata.get("config_key", True):
                 assert re.search(rf"\b{f.name}\b", block.group(1)), (
-                    f"settings.py's docstring lacks {section}.{f.name}"
+                    f"sections.py's docstring lacks {section}.{f.name}"
                 )
     assert metrics.__doc__ is not None
     page = (DOCS / "reference" / "metrics.md").read_text()

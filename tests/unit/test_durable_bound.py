@@ -30,7 +30,7 @@ from tests.unit.test_dispatcher import connect, frames_of
 from tests.unit.twins import KAFKA_CALL_S, FlakyPartition, InlineKafkaThread, TimedCheckpoints
 from tests.unit.virtual_time import run, until
 from triage_protocol import triage_pb2 as pb
-from triage_proxy.config.settings import settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
 from triage_proxy.errors import TableUnavailable
 from triage_proxy.pipeline.committer import Committer
 from triage_proxy.pipeline.dispatch import Dispatcher, Session

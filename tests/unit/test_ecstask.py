@@ -19,7 +19,7 @@ from triage_proxy.config.ecs import (
     resolve_advertised_host,
     task_address,
 )
-from triage_proxy.config.settings import ServerSettings
+from triage_proxy.config.sections import ServerSettings
 from triage_proxy.errors import ConfigError
 
 CONTAINER = {

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from triage_proxy.config.settings import KafkaSettings, settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
+from triage_proxy.config.sections import KafkaSettings
 from triage_proxy.errors import BrokerUnavailable, ConfigError, UnavailableError
 from triage_proxy.kafka.errors import (
     admin_answer,
@@ -209,7 +210,7 @@ def test_config_imports_neither_the_store_nor_boto3() -> None:
         if module.startswith(("triage_proxy.store", "boto3", "botocore"))
     ]
     assert found == []
-    assert {"boto3", "botocore"} & loaded_after_import("triage_proxy.config.settings") == set()
+    assert {"boto3", "botocore"} & loaded_after_import("triage_proxy.config.loader") == set()
 
 
 def test_every_loader_call_is_given_the_secrets_fetcher() -> None:

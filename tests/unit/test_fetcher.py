@@ -16,7 +16,7 @@ import pytest
 from tests.unit.test_dispatcher import connect
 from tests.unit.twins import KAFKA_CALL_S, FlakyPartition, InlineKafkaThread
 from tests.unit.virtual_time import gaps, run, until
-from triage_proxy.config.settings import settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
 from triage_proxy.errors import BrokerUnavailable
 from triage_proxy.pipeline.dispatch import Dispatcher
 from triage_proxy.pipeline.fetcher import Fetcher

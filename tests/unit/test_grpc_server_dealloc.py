@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import asyncio, gc, logging, socket, sys
 
-from triage_proxy.config.settings import settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
 from triage_proxy.errors import ConfigError
 from triage_proxy.server.service import TriageService, create_server
 from triage_proxy.server.topology import Topology

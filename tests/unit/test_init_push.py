@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from triage_cli import init as init_module
 from triage_cli.main import app
-from triage_proxy.config.settings import load_settings
+from triage_proxy.config.loader import load_settings
 
 
 @pytest.fixture(autouse=True)

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from triage_cli.exitcodes import CommandFailed, ExitCode
 from triage_cli.init import render_config, summary, write_private
 from triage_cli.supervisor import RestartPolicy, pid_alive, restart_decision
+from triage_proxy.config.loader import settings_from_dict
 from triage_proxy.config.secrets import secret_reference
-from triage_proxy.config.settings import settings_from_dict
 from triage_proxy.errors import ConfigError
 
 RAW: dict[str, Any] = {

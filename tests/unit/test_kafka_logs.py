@@ -16,7 +16,7 @@ import textwrap
 import pytest
 
 from triage_cli.embedded import free_port
-from triage_proxy.config.settings import KafkaSettings
+from triage_proxy.config.sections import KafkaSettings
 from triage_proxy.kafka.groups import GroupFence
 from triage_proxy.kafka.logs import logger as kafka_log
 
@@ -28,7 +28,7 @@ import logging, sys, threading, time
 
 from confluent_kafka import Consumer, Producer
 
-from triage_proxy.config.settings import DeadLetterSettings, KafkaSettings
+from triage_proxy.config.sections import DeadLetterSettings, KafkaSettings
 from triage_proxy.kafka.client import consumer_config
 from triage_proxy.kafka.groups import admin_client
 from triage_replay.options import ReplayOptions

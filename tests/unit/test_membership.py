@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from triage_proxy.config.settings import KafkaSettings
+from triage_proxy.config.sections import KafkaSettings
 from triage_proxy.errors import BrokerUnavailable
 from triage_proxy.kafka import assignment
 from triage_proxy.kafka.assignment import Assignment

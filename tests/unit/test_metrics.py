@@ -14,7 +14,8 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from tests.waiting import eventually
 from triage_proxy.app import Proxy
-from triage_proxy.config.settings import Settings, settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
+from triage_proxy.config.settings import Settings
 from triage_proxy.errors import BrokerUnavailable, ConfigError
 from triage_proxy.kafka.client import KafkaThread, MemoryPartition
 from triage_proxy.observe.endpoint import HttpEndpoint

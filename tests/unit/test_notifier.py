@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tests import samples
 from tests.samples import T0
 from tests.unit import virtual_time
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.deadletters.notifier import (
     MAX_TRACKED_REASONS,
     SUMMARY_REASON_CHARS,

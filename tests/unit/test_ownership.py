@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tests.waiting import eventually
-from triage_proxy.config.settings import OwnershipSettings
+from triage_proxy.config.sections import OwnershipSettings
 from triage_proxy.errors import OwnershipLost, StateError
 from triage_proxy.pipeline.ownership import Ownership, OwnershipState, wall_ms
 from triage_proxy.store.leases import Lease, MemoryLeases

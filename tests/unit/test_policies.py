@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from triage_protocol.constants import UINT32_MAX
-from triage_proxy.config.settings import MAX_DURATION_S, RetrySettings
+from triage_proxy.config.bounds import MAX_DURATION_S
+from triage_proxy.config.sections import RetrySettings
 from triage_proxy.pipeline.policies import (
     SPAN_DOUBLINGS,
     Outcome,

@@ -11,7 +11,8 @@ from collections.abc import Callable
 import pytest
 
 from triage_proxy.app import Proxy
-from triage_proxy.config.settings import Settings, settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
+from triage_proxy.config.settings import Settings
 from triage_proxy.kafka.client import MemoryPartition
 from triage_proxy.pipeline import partition
 from triage_proxy.pipeline.settled import encode_attempts, encode_settled

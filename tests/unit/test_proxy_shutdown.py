@@ -20,7 +20,8 @@ from tests.unit.wire import consume_call, hello, serving, take
 from tests.waiting import eventually
 from triage_protocol import triage_pb2 as pb
 from triage_proxy.app import Proxy, ProxyState
-from triage_proxy.config.settings import Settings, settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
+from triage_proxy.config.settings import Settings
 from triage_proxy.kafka.client import MemoryPartition
 from triage_proxy.store.checkpoints import MemoryCheckpoints
 from triage_proxy.store.deadletter_store import MemoryStore

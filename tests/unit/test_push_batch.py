@@ -8,7 +8,7 @@ import asyncio
 import random
 
 from tests.unit.test_dispatcher import BASE
-from triage_proxy.config.settings import settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
 from triage_proxy.pipeline.dispatch import Dispatcher
 from triage_proxy.pipeline.tracker import CommitTracker
 from triage_proxy.push.cloudevents import EventShape, batch_body

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from triage_proxy.config.settings import settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
 from triage_proxy.errors import ConfigError
 from triage_proxy.push.targets import http_target
 

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from tests.unit.test_dispatcher import BASE, Clock, connect, drain, outbox_of, records
-from triage_proxy.config.settings import RateLimitSettings, settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
+from triage_proxy.config.sections import RateLimitSettings
 from triage_proxy.errors import ConfigError
 from triage_proxy.pipeline.dispatch import Dispatcher
 from triage_proxy.pipeline.policies import RateLimit, TokenBucket, rate_limit

@@ -9,7 +9,8 @@ import pytest
 import trustme
 
 from triage_client import Consumer
-from triage_proxy.config.settings import TlsSettings, settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
+from triage_proxy.config.sections import TlsSettings
 from triage_proxy.errors import AuthError, ConfigError, FrameError, ShuttingDown
 from triage_proxy.server.service import TokenInterceptor, server_credentials
 from triage_proxy.server.status import grpc_status

@@ -12,7 +12,8 @@ import pytest
 
 from tests.unit import virtual_time
 from triage_protocol import triage_pb2 as pb
-from triage_proxy.config.settings import Settings, settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
+from triage_proxy.config.settings import Settings
 from triage_proxy.errors import FrameError, PartitionNotServed
 from triage_proxy.pipeline.dispatch import Dispatcher
 from triage_proxy.server.service import TriageService

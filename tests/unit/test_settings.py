@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from triage_proxy.config.settings import DEFAULT_WINDOW_MESSAGES, load_settings, settings_from_dict
+from triage_proxy.config.loader import load_settings, settings_from_dict
+from triage_proxy.config.sections import DEFAULT_WINDOW_MESSAGES
 from triage_proxy.errors import ConfigError
 
 MINIMAL = {

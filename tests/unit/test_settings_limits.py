@@ -18,16 +18,11 @@ from typer.testing import CliRunner
 
 from triage_protocol import triage_pb2 as pb
 from triage_protocol.constants import UINT32_MAX
-from triage_proxy.config.settings import (
-    MIN_FRAME_BYTES,
-    RESERVED_CLIENT_PROPERTIES,
-    Bounds,
-    KafkaSettings,
-    Settings,
-    load_settings,
-    numeric_settings,
-    settings_from_dict,
-)
+from triage_proxy.config.bounds import MIN_FRAME_BYTES, Bounds
+from triage_proxy.config.loader import load_settings, settings_from_dict
+from triage_proxy.config.sections import KafkaSettings
+from triage_proxy.config.settings import Settings, numeric_settings
+from triage_proxy.config.validation import RESERVED_CLIENT_PROPERTIES
 from triage_proxy.errors import ConfigError
 from triage_proxy.kafka.assignment import STRATEGY, Assignment
 from triage_proxy.kafka.client import ConfluentPartition

@@ -18,7 +18,8 @@ from triage_cli.status.report import (
     partition_row,
 )
 from triage_cli.status.sources import Sources, fetch_status
-from triage_proxy.config.settings import Settings, settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
+from triage_proxy.config.settings import Settings
 
 RUNNING: dict[str, Any] = {
     "state": "running",

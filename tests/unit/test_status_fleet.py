@@ -30,7 +30,8 @@ from triage_cli.status.report import (
     process_slots,
 )
 from triage_cli.status.sources import Sources, gather
-from triage_proxy.config.settings import Settings, settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
+from triage_proxy.config.settings import Settings
 
 PARTITIONS = 3
 BASE = 19700
@@ -268,9 +269,9 @@ def test_a_live_supervisor_is_a_deployment_even_when_no_process_answers() -> Non
 @pytest.fixture
 def stubbed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """`triage status` reads StubSources with the outage's answers."""
-    import triage_proxy.config.settings as settings_module
+    import triage_proxy.config.loader as loader_module
 
-    monkeypatch.setattr(settings_module, "load_settings", lambda *a, **k: make_settings())
+    monkeypatch.setattr(loader_module, "load_settings", lambda *a, **k: make_settings())
     monkeypatch.setattr(
         status_command,
         "Sources",

@@ -20,7 +20,7 @@ import pytest
 from triage_cli.deploy import _running_pids, fleet_not_ready_detail, given_up_code
 from triage_cli.exitcodes import CommandFailed, ExitCode
 from triage_cli.supervisor import ProjectDir, RestartPolicy, Supervisor
-from triage_proxy.config.settings import settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
 
 RAW: dict[str, Any] = {
     "kafka": {"bootstrap_servers": "b:9092", "topic": "orders", "group_id": "g", "partitions": 2},
@@ -47,7 +47,7 @@ SUPERVISOR = """
 import logging, sys
 from pathlib import Path
 from triage_cli.supervisor import ProjectDir, Supervisor, serve
-from triage_proxy.config.settings import settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
 root, child, fleet = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "fleet"

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.samples import GROUP, T0, item, make_dl
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.deadletters.writer import DeadLetterWriter
 from triage_proxy.errors import DeadLetterUnavailable
 from triage_proxy.store import provisioning

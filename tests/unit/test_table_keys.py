@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.samples import GROUP, item, make_dl
-from triage_proxy.config.settings import MAX_GROUP_BYTES
+from triage_proxy.config.validation import MAX_GROUP_BYTES
 from triage_proxy.errors import ConfigError
 from triage_proxy.store.deadletter_store import MemoryStore
 from triage_proxy.store.items import (

@@ -16,7 +16,9 @@ from triage_protocol import triage_pb2 as pb
 from triage_protocol import triage_pb2_grpc as pb_grpc
 from triage_protocol.constants import OWNER_ENDPOINT_METADATA
 from triage_proxy.app import Proxy
-from triage_proxy.config.settings import OwnershipSettings, Settings, settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
+from triage_proxy.config.sections import OwnershipSettings
+from triage_proxy.config.settings import Settings
 from triage_proxy.errors import BrokerUnavailable, ConfigError, PartitionNotServed
 from triage_proxy.kafka.client import MemoryPartition
 from triage_proxy.pipeline.ownership import Ownership, wall_ms

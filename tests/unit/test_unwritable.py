@@ -23,7 +23,9 @@ from tests.waiting import eventually
 from triage_protocol import triage_pb2 as pb
 from triage_proxy.app import Proxy, ProxyState
 from triage_proxy.clienttext import for_log
-from triage_proxy.config.settings import DeadLetterSettings, Settings, settings_from_dict
+from triage_proxy.config.loader import settings_from_dict
+from triage_proxy.config.sections import DeadLetterSettings
+from triage_proxy.config.settings import Settings
 from triage_proxy.deadletters.writer import NO_BUCKET_FIX, DeadLetterWriter, overflow_warning
 from triage_proxy.kafka.client import MemoryPartition
 from triage_proxy.observe.metrics import metric_families

@@ -59,7 +59,7 @@ def console(
 ) -> None:
     """Serve the web console: lag and what blocks each partition's commit, plots, dead
     letters to browse, replay and discard, and the fleet. Prints a URL with a login token."""
-    from triage_proxy.config.settings import load_settings
+    from triage_proxy.config.loader import load_settings
     from triage_proxy.store.aws import read_secret
 
     with exit_on_errors():

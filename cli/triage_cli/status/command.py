@@ -50,7 +50,7 @@ def status(
     then each push target: limit, in-flight, latency, responses, errors and state."""
     from rich.console import Console
 
-    from triage_proxy.config.settings import load_settings
+    from triage_proxy.config.loader import load_settings
     from triage_proxy.store.aws import read_secret
 
     with exit_on_errors():

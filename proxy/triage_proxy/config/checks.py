@@ -1,7 +1,7 @@
 """The checks of what a config points at (files, addresses, secrets), run by the proxy's
 preflight (`triage_proxy/preflight.py`) before anything starts.
 
-`settings.py` checks what the file says; these check what it points at:
+`settings.py` (with `validation.py`) checks what the file says; these check what it points at:
 
     TLS files       each PEM parses, the key is not encrypted and matches the certificate,
                     the client CA parses (OpenSSL through `ssl`, as the listener will)
@@ -27,7 +27,9 @@ from pathlib import Path
 
 from triage_proxy.config.files import read_regular_file, read_text_file
 from triage_proxy.config.secrets import secret_reference
-from triage_proxy.config.settings import Settings, TlsSettings, client_key, is_secret_property
+from triage_proxy.config.sections import TlsSettings
+from triage_proxy.config.settings import Settings
+from triage_proxy.config.validation import client_key, is_secret_property
 from triage_proxy.errors import ConfigError
 
 # --- TLS ---------------------------------------------------------------------------------

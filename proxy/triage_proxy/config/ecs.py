@@ -27,7 +27,7 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
-from triage_proxy.config.settings import ServerSettings
+from triage_proxy.config.sections import ServerSettings
 from triage_proxy.errors import ConfigError
 
 logger = logging.getLogger(__name__)

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.errors import ConfigError, UnavailableError
 from triage_proxy.lifecycle import Lifecycle, State
 from triage_proxy.store.aws import aws_client, aws_errors

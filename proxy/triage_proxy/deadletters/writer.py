@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from triage_proxy.clienttext import for_log
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.errors import ConfigError, DeadLetterUnavailable, StateError
 from triage_proxy.lifecycle import Lifecycle, State
 from triage_proxy.observe.snapshot import UnwritableDeadLetter

@@ -17,7 +17,7 @@ and takes it with assign(), and a revoke takes every partition. Under a cooperat
 strategy librdkafka refuses assign() in the callback (changes must then be made with
 incremental_assign()). So the strategy is the proxy's own: `[kafka.client]` cannot set
 `partition.assignment.strategy` (the loader refuses it, `RESERVED_CLIENT_PROPERTIES` in
-config/settings.py); of the group's properties it may set `session.timeout.ms`.
+config/validation.py); of the group's properties it may set `session.timeout.ms`.
 
 The callbacks only record what happened; the proxy reads `target()` (app.py `_follow`):
 
@@ -61,7 +61,7 @@ from typing import Any, Protocol, TypeVar
 
 from confluent_kafka import Consumer, TopicPartition
 
-from triage_proxy.config.settings import KafkaSettings
+from triage_proxy.config.sections import KafkaSettings
 from triage_proxy.errors import BrokerUnavailable, ConfigError
 from triage_proxy.kafka.client import PartitionLog, count_partitions
 from triage_proxy.kafka.errors import admin_answer, describe, kafka_errors, kafka_warnings

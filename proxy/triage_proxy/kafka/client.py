@@ -36,7 +36,7 @@ from typing import Any, Protocol, TypeVar
 
 from confluent_kafka import OFFSET_INVALID, Consumer, TopicPartition
 
-from triage_proxy.config.settings import KafkaSettings
+from triage_proxy.config.sections import KafkaSettings
 from triage_proxy.errors import BrokerUnavailable
 from triage_proxy.kafka.errors import kafka_errors, opening_errors
 from triage_proxy.kafka.logs import KafkaLog

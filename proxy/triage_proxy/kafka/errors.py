@@ -34,7 +34,8 @@ from typing import Any, NoReturn, TypeVar
 
 from confluent_kafka import KafkaError, KafkaException
 
-from triage_proxy.config.settings import KafkaSettings, client_key
+from triage_proxy.config.sections import KafkaSettings
+from triage_proxy.config.validation import client_key
 from triage_proxy.errors import BrokerUnavailable, ConfigError, NotFoundError, TriageError
 
 logger = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from typing import Any
 from confluent_kafka import ConsumerGroupState, ConsumerGroupTopicPartitions, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from triage_proxy.config.settings import KafkaSettings
+from triage_proxy.config.sections import KafkaSettings
 from triage_proxy.errors import BrokerUnavailable
 from triage_proxy.kafka.errors import admin_answer, kafka_errors
 from triage_proxy.kafka.logs import KafkaLog

@@ -8,7 +8,8 @@ from typing import Any
 
 from confluent_kafka import Consumer
 
-from triage_proxy.config.settings import Settings, is_secret_property
+from triage_proxy.config.settings import Settings
+from triage_proxy.config.validation import is_secret_property
 from triage_proxy.kafka.errors import client_config_errors
 from triage_proxy.kafka.logs import KafkaLog
 

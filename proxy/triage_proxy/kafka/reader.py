@@ -58,7 +58,7 @@ from typing import Any, TypeVar
 
 from confluent_kafka import OFFSET_INVALID, Consumer, TopicPartition
 
-from triage_proxy.config.settings import KafkaSettings
+from triage_proxy.config.sections import KafkaSettings
 from triage_proxy.errors import BrokerUnavailable, StateError
 from triage_proxy.kafka.client import (
     BROKER_TIMEOUT_S,

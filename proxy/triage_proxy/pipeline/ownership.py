@@ -47,7 +47,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from triage_proxy.config.settings import OwnershipSettings
+from triage_proxy.config.sections import OwnershipSettings
 from triage_proxy.errors import OwnershipLost, StateError, TableUnavailable
 from triage_proxy.pipeline.policies import backoff
 from triage_proxy.store.items import format_iso_ms

@@ -14,7 +14,7 @@ import enum
 import math
 from collections.abc import Sequence
 
-from triage_proxy.config.settings import RateLimitSettings, RetrySettings
+from triage_proxy.config.sections import RateLimitSettings, RetrySettings
 
 __all__ = [
     "Outcome",

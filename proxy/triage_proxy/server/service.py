@@ -52,7 +52,8 @@ from triage_protocol.constants import HELLO_TIMEOUT_S, MAX_CREDITS
 from triage_proxy.clienttext import consumer_id_problem, for_log
 from triage_proxy.config.checks import bind_error, check_tls
 from triage_proxy.config.files import read_regular_file
-from triage_proxy.config.settings import Settings, TlsSettings
+from triage_proxy.config.sections import TlsSettings
+from triage_proxy.config.settings import Settings
 from triage_proxy.errors import (
     AuthError,
     ConfigError,

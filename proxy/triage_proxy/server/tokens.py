@@ -12,7 +12,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Collection, Mapping
 
-from triage_proxy.config.settings import AuthSettings
+from triage_proxy.config.sections import AuthSettings
 from triage_proxy.errors import TriageError
 from triage_proxy.waiting import wait_any
 

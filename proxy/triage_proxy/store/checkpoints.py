@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol
 
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.errors import TableUnavailable
 from triage_proxy.store.aws import aws_errors, dynamodb_client
 from triage_proxy.store.items import CHECKPOINT_OFFSET, checkpoint_source, table_key

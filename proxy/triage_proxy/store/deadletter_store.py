@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
-from triage_proxy.config.settings import DEFAULT_DLQ_BATCH, DeadLetterSettings
+from triage_proxy.config.sections import DEFAULT_DLQ_BATCH, DeadLetterSettings
 from triage_proxy.errors import DeadLetterUnavailable
 from triage_proxy.store.aws import (
     ANY_CODE,

@@ -75,9 +75,9 @@ from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from triage_proxy.config.settings import (  # noqa: F401  MAX_GROUP_BYTES: re-exported
+from triage_proxy.config.sections import DeadLetterSettings
+from triage_proxy.config.validation import (  # noqa: F401  MAX_GROUP_BYTES: re-exported
     MAX_GROUP_BYTES,
-    DeadLetterSettings,
     group_problem,
 )
 from triage_proxy.errors import ConfigError, DeadLetterTooLarge

@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.errors import NotFoundError, TableUnavailable
 from triage_proxy.store.aws import CONDITION_FAILED, TABLE_MISSING, aws_errors, dynamodb_client
 from triage_proxy.store.items import (

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.errors import ConfigError, DeadLetterUnavailable
 from triage_proxy.store.aws import AwsAnswer, aws_errors, dynamodb_client, s3_client
 from triage_proxy.store.items import (

@@ -52,7 +52,7 @@ from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
-from triage_proxy.config.settings import DeadLetterSettings
+from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.errors import DeadLetterUnavailable, NotFoundError
 from triage_proxy.store.aws import (
     CONDITION_FAILED,

@@ -31,7 +31,7 @@ import operator
 from collections.abc import Callable, Sequence
 
 from triage_protocol.constants import MAX_REASON_CHARS
-from triage_proxy.config.settings import RetrySettings
+from triage_proxy.config.sections import RetrySettings
 from triage_proxy.pipeline.dispatch.keylocks import KeyLocks
 from triage_proxy.pipeline.dispatch.scheduler import Scheduler
 from triage_proxy.pipeline.dispatch.window import Counters, Entry, EntryState, Nack, Window
