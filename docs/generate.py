@@ -138,7 +138,7 @@ def configuration() -> str:
         "1 ms and at most 4294967.295 s (a uint32 of milliseconds) unless its range says "
         "otherwise; `nan` and infinities are always refused.\n\n",
     ]
-    for section, cls in sections._SECTIONS.items():
+    for section, cls in sections.SECTIONS.items():
         out.append(f"## `[{section}]`\n\n")
         doc = inspect.getdoc(cls)
         if doc and not doc.startswith(cls.__name__ + "("):

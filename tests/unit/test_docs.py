@@ -67,7 +67,7 @@ def test_the_module_overviews_name_every_key_and_family() -> None:
     from triage_proxy.observe import metrics
 
     assert sections.__doc__ is not None
-    for section, cls in sections._SECTIONS.items():
+    for section, cls in sections.SECTIONS.items():
         block = re.search(rf"(?s)\[{section}\](.*?)(?=\n    \[|\n\n)", sections.__doc__)
         assert block is not None, f"sections.py's docstring lacks [{section}]"
         for f in dataclasses.fields(cls):

@@ -1,5 +1,5 @@
 """The bounds of the numeric settings: each numeric field of a section carries its
-`Bounds` (declared with `_bounded` or `_duration`), and `_number` is the one check of a
+`Bounds` (declared with `bounded` or `duration`), and `check_number` is the one check of a
 value against them: its type (a TOML `true` is not a number), finiteness and a range
 whose upper bound is what the field feeds can hold (a uint32 on the wire, a C int in
 gRPC, ...). The constants name those bounds."""
@@ -45,7 +45,7 @@ MAX_WINDOW_MESSAGES = 10_000_000
 MAX_WINDOW_BYTES = 2**40
 MAX_RETRY_MULTIPLIER = 1000.0
 MAX_RATE_PER_S = 1e12
-_NO_CAP = "beyond any machine; for no cap leave the key out"
+NO_CAP = "beyond any machine; for no cap leave the key out"
 MAX_TTL_DAYS = 36_500
 MAX_PARTITIONS = MAX_PORT
 """Each partition's proxy listens on its own port (server.port + p)."""
@@ -86,19 +86,19 @@ def _fmt(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
-def _bounded(default: _T, lo: float, hi: float, *, above: bool = False, why: str = "") -> _T:
+def bounded(default: _T, lo: float, hi: float, *, above: bool = False, why: str = "") -> _T:
     """A dataclass field whose value must lie in [lo, hi] (or (lo, hi] with `above`)."""
     return field(default=default, metadata={"bounds": Bounds(lo, hi, above, why)})
 
 
-def _duration(
+def duration(
     default: _T, lo: float = MIN_DURATION_S, why: str = "about 49.7 days, a uint32 of milliseconds"
 ) -> _T:
     """A duration in seconds: at least a millisecond (or `lo`), at most MAX_DURATION_S."""
-    return _bounded(default, lo, MAX_DURATION_S, why=why)
+    return bounded(default, lo, MAX_DURATION_S, why=why)
 
 
-def _numeric_kind(hint: Any) -> type | None:
+def numeric_kind(hint: Any) -> type | None:
     """int or float for `int`, `float` and their `| None` forms; None for anything else."""
     if typing.get_origin(hint) in (types.UnionType, typing.Union):
         options = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -106,7 +106,7 @@ def _numeric_kind(hint: Any) -> type | None:
     return hint if hint in (int, float) else None
 
 
-def _number(key: str, value: object, kind: type, bounds: Bounds) -> None:
+def check_number(key: str, value: object, kind: type, bounds: Bounds) -> None:
     """The one numeric check: right type (a bool is no number), finite, within bounds."""
     if (
         isinstance(value, bool)

@@ -20,7 +20,7 @@ from typing import Any
 from triage_proxy.config.files import read_text_file
 from triage_proxy.config.push import push_targets
 from triage_proxy.config.secrets import SecretFetcher, Secrets
-from triage_proxy.config.sections import _SECTIONS
+from triage_proxy.config.sections import SECTIONS
 from triage_proxy.config.settings import Settings
 from triage_proxy.errors import ConfigError
 
@@ -53,10 +53,10 @@ def settings_from_dict(
     a client is built: from the process environment then, and through `fetch_secret`."""
     secrets = Secrets(env, fetch_secret)
     for name in raw:
-        if name not in _SECTIONS and name != "push":
-            raise ConfigError.unknown(name, "section", (*_SECTIONS, "push"))
+        if name not in SECTIONS and name != "push":
+            raise ConfigError.unknown(name, "section", (*SECTIONS, "push"))
     sections: dict[str, Any] = {}
-    for name, cls in _SECTIONS.items():
+    for name, cls in SECTIONS.items():
         table = raw.get(name, {})
         if not isinstance(table, dict):
             raise ConfigError(name, "must be a table")

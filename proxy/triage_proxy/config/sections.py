@@ -1,5 +1,5 @@
 """The sections of the settings, one frozen dataclass each, their fields' defaults and
-bounds; `_SECTIONS` maps each TOML table to its dataclass. The keys, by section:
+bounds; `SECTIONS` maps each TOML table to its dataclass. The keys, by section:
 
     [kafka]        bootstrap_servers, topic, group_id, fetch_batch, fetch_wait_ms, partitions,
                    security_protocol,
@@ -42,7 +42,6 @@ from typing import Any
 
 from triage_protocol.constants import UINT32_MAX
 from triage_proxy.config.bounds import (
-    _NO_CAP,
     FARGATE_CPU,
     FARGATE_MEMORY_MB,
     MAX_AWS_PROXIES,
@@ -60,8 +59,9 @@ from triage_proxy.config.bounds import (
     MAX_WINDOW_BYTES,
     MAX_WINDOW_MESSAGES,
     MIN_FRAME_BYTES,
-    _bounded,
-    _duration,
+    NO_CAP,
+    bounded,
+    duration,
 )
 from triage_proxy.config.secrets import SecretResolver, Secrets
 from triage_proxy.config.validation import (
@@ -119,18 +119,18 @@ class KafkaSettings:
     """The topic whose partitions the proxies own."""
     group_id: str
     """Consumer group under which offsets are committed."""
-    fetch_batch: int = _bounded(
+    fetch_batch: int = bounded(
         DEFAULT_FETCH_BATCH, 1, MAX_FETCH_BATCH, why="confluent-kafka's consume() limit"
     )
     """Most messages taken from librdkafka per fetch."""
-    fetch_wait_ms: int = _bounded(
+    fetch_wait_ms: int = bounded(
         DEFAULT_FETCH_WAIT_MS, 1, MAX_FETCH_WAIT_MS, why="librdkafka's fetch.wait.max.ms range"
     )
     """How long the broker may hold a fetch that finds nothing new (librdkafka's
     fetch.wait.max.ms, which `[kafka.client]` may not set: the proxy sizes its prefetch).
     A broker that answers such a fetch only when this runs out (Tansu) delays a record
     by up to this much; a shorter wait costs the broker more empty fetches."""
-    partitions: int | None = _bounded(
+    partitions: int | None = bounded(
         None, 1, MAX_PARTITIONS, why="each partition listens on its own port"
     )
     """Partitions to deploy proxies for (`triage init` writes what the broker reported);
@@ -174,17 +174,17 @@ class KafkaSettings:
 class ServerSettings:
     host: str = "127.0.0.1"
     """Interface the gRPC listener binds."""
-    port: int = _bounded(DEFAULT_PORT, 0, MAX_PORT, why="a TCP port")
+    port: int = bounded(DEFAULT_PORT, 0, MAX_PORT, why="a TCP port")
     """Base port: a proxy process listens on port + its slot (the partition when it pins
     exactly one, else `triage proxy --slot K`, default 0); 0 picks a free port."""
-    max_frame_bytes: int = _bounded(
+    max_frame_bytes: int = bounded(
         DEFAULT_MAX_FRAME_BYTES,
         MIN_FRAME_BYTES,
         MAX_FRAME_BYTES,
         why="64 KiB of framing plus 64 KiB for a record, up to gRPC's C int",
     )
     """Largest gRPC frame either side may send; bounds one oversized message."""
-    http_port: int = _bounded(DEFAULT_HTTP_PORT, 0, MAX_PORT, why="a TCP port")
+    http_port: int = bounded(DEFAULT_HTTP_PORT, 0, MAX_PORT, why="a TCP port")
     """Base port of the HTTP endpoint (/metrics, /healthz, /readyz, /status): a process
     serves it on http_port + its slot, as `port`; 0 picks a free port. `http_enabled =
     false` turns it off."""
@@ -198,7 +198,7 @@ class ServerSettings:
     """Host consumers are given for this deployment's proxies (Topology, the lease item),
     e.g. a load balancer's name. Default: `host`, or this machine's host name when `host`
     is a wildcard (0.0.0.0, :: or empty), since a wildcard cannot be dialled."""
-    advertised_port: int | None = _bounded(None, 1, MAX_PORT, why="a TCP port")
+    advertised_port: int | None = bounded(None, 1, MAX_PORT, why="a TCP port")
     """Base port consumers are given: partition p at advertised_port + p (a load
     balancer's listeners). Default: the port bound (port + slot, or the free one picked when
     `port` is 0)."""
@@ -284,9 +284,9 @@ class TlsSettings:
 class OwnershipSettings:
     enabled: bool = True
     """Hold a DynamoDB lease on the partition, so two proxies never deliver it at once."""
-    lease_s: float = _duration(DEFAULT_LEASE_S)
+    lease_s: float = duration(DEFAULT_LEASE_S)
     """How long a lease lives without renewal; a standby takes over after it lapses."""
-    renew_interval_s: float | None = _duration(None)
+    renew_interval_s: float | None = duration(None)
     """How often the holder renews (default: lease_s / 3)."""
 
     @property
@@ -300,7 +300,7 @@ class AwsSettings:
 
     image: str | None = None
     """Container image of the proxy (built from infra/Dockerfile); --image overrides."""
-    proxies: int | None = _bounded(None, 1, MAX_AWS_PROXIES, why="ECS's tasks per service")
+    proxies: int | None = bounded(None, 1, MAX_AWS_PROXIES, why="ECS's tasks per service")
     """Fleet tasks the one ECS service runs (the consumer group spreads the partitions
     over them). None: `aws_proxies(partitions)`, min(partitions, DEFAULT_AWS_PROXIES)."""
     certificate_arn: str | None = None
@@ -317,11 +317,11 @@ class AwsSettings:
     """Addresses allowed to reach the listener ports."""
     assign_public_ip: bool = False
     """Give tasks a public IP (public subnets without a NAT gateway need it to pull)."""
-    cpu: int = _bounded(DEFAULT_AWS_CPU, *FARGATE_CPU, why="Fargate's range")
+    cpu: int = bounded(DEFAULT_AWS_CPU, *FARGATE_CPU, why="Fargate's range")
     """Fargate CPU units per proxy task (256, 512, 1024, ...)."""
-    memory_mb: int = _bounded(DEFAULT_AWS_MEMORY_MB, *FARGATE_MEMORY_MB, why="Fargate's range")
+    memory_mb: int = bounded(DEFAULT_AWS_MEMORY_MB, *FARGATE_MEMORY_MB, why="Fargate's range")
     """Fargate memory per proxy task, MiB (must suit cpu)."""
-    log_retention_days: int = _bounded(
+    log_retention_days: int = bounded(
         DEFAULT_LOG_RETENTION_DAYS, 1, MAX_LOG_RETENTION_DAYS, why="CloudWatch Logs' longest"
     )
     """How long CloudWatch keeps the proxies' logs."""
@@ -339,9 +339,9 @@ class AwsSettings:
 
 @dataclass(frozen=True)
 class RateLimitSettings:
-    messages_per_s: float | None = _bounded(None, 0, MAX_RATE_PER_S, above=True, why=_NO_CAP)
+    messages_per_s: float | None = bounded(None, 0, MAX_RATE_PER_S, above=True, why=NO_CAP)
     """Most messages delivered per second by this proxy (None: no cap)."""
-    bytes_per_s: float | None = _bounded(None, 0, MAX_RATE_PER_S, above=True, why=_NO_CAP)
+    bytes_per_s: float | None = bounded(None, 0, MAX_RATE_PER_S, above=True, why=NO_CAP)
     """Most payload bytes delivered per second by this proxy (None: no cap)."""
 
 
@@ -353,49 +353,49 @@ class DeadLetterSettings:
     """AWS region of the table."""
     endpoint_url: str | None = None
     """Override for a local endpoint (moto server); None means AWS itself."""
-    batch_size: int = _bounded(DEFAULT_DLQ_BATCH, 1, MAX_DLQ_BATCH, why="DynamoDB's limit")
+    batch_size: int = bounded(DEFAULT_DLQ_BATCH, 1, MAX_DLQ_BATCH, why="DynamoDB's limit")
     """Items per BatchWriteItem call (1..25)."""
-    flush_interval_ms: int = _bounded(
+    flush_interval_ms: int = bounded(
         DEFAULT_DLQ_FLUSH_MS, 0, MAX_DURATION_MS, why="a uint32 of milliseconds"
     )
     """How long a dead letter may wait for others to share its batch."""
-    retry_max_s: float = _duration(DEFAULT_DLQ_RETRY_MAX_S)
+    retry_max_s: float = duration(DEFAULT_DLQ_RETRY_MAX_S)
     """Cap of the exponential backoff between failed writes."""
     overflow_bucket: str | None = None
     """S3 bucket for payloads too large for a DynamoDB item (None: such items wait)."""
-    ttl_days: float | None = _bounded(None, 0, MAX_TTL_DAYS, above=True, why="a century")
+    ttl_days: float | None = bounded(None, 0, MAX_TTL_DAYS, above=True, why="a century")
     """Replayed and discarded items expire this long after (DynamoDB TTL); None keeps them."""
     notify_sns_topic_arn: str | None = None
     """SNS topic that gets aggregated dead-letter notifications."""
     notify_webhook_url: str | None = None
     """Alternative to SNS: a URL that gets the same summaries as JSON POSTs."""
-    notify_interval_s: float = _duration(60.0)
+    notify_interval_s: float = duration(60.0)
     """Longest a notification waits to aggregate more dead letters into one summary."""
 
 
 @dataclass(frozen=True)
 class WindowSettings:
-    max_messages: int = _bounded(
+    max_messages: int = bounded(
         DEFAULT_WINDOW_MESSAGES, 1, MAX_WINDOW_MESSAGES, why="held in memory"
     )
     """Most fetched-but-unsettled messages; fetching pauses beyond it. With
     commit.encode_settled, most fetched messages whose settlement no commit or checkpoint
     recorded yet: what one kill -9 redelivers at most."""
-    max_bytes: int = _bounded(DEFAULT_WINDOW_BYTES, 1, MAX_WINDOW_BYTES, why="held in memory")
+    max_bytes: int = bounded(DEFAULT_WINDOW_BYTES, 1, MAX_WINDOW_BYTES, why="held in memory")
     """Most fetched-but-unsettled payload bytes; fetching pauses beyond it."""
 
 
 @dataclass(frozen=True)
 class DeliverySettings:
-    ack_deadline_s: float = _duration(
+    ack_deadline_s: float = duration(
         DEFAULT_ACK_DEADLINE_S, why="Welcome.ack_deadline_ms is a uint32"
     )
     """Time a delivery may stay unsettled before it is redelivered."""
-    max_attempts: int = _bounded(
+    max_attempts: int = bounded(
         DEFAULT_MAX_ATTEMPTS, 1, UINT32_MAX, why="Welcome.max_attempts is a uint32"
     )
     """Deliveries of one message before it is dead-lettered."""
-    redelivery_span_s: float = _duration(DEFAULT_REDELIVERY_SPAN_S, lo=0)
+    redelivery_span_s: float = duration(DEFAULT_REDELIVERY_SPAN_S, lo=0)
     """Least time from a message's first failed delivery to its dead letter when its
     instances vanish or its leases lapse: redeliveries after those back off (the first is
     immediate, then the gaps double and sum to this; policies.redelivery_delay), so a
@@ -408,11 +408,11 @@ class DeliverySettings:
 
 @dataclass(frozen=True)
 class RetrySettings:
-    initial_backoff_s: float = _duration(DEFAULT_RETRY_INITIAL_S)
+    initial_backoff_s: float = duration(DEFAULT_RETRY_INITIAL_S)
     """Wait before the first redelivery of a message nacked with retry."""
-    max_backoff_s: float = _duration(DEFAULT_RETRY_MAX_S)
+    max_backoff_s: float = duration(DEFAULT_RETRY_MAX_S)
     """Cap of the wait between redeliveries."""
-    multiplier: float = _bounded(
+    multiplier: float = bounded(
         DEFAULT_RETRY_MULTIPLIER, 1, MAX_RETRY_MULTIPLIER, why="growth per attempt"
     )
     """Growth of the wait per attempt."""
@@ -420,7 +420,7 @@ class RetrySettings:
 
 @dataclass(frozen=True)
 class CommitSettings:
-    interval_s: float = _duration(DEFAULT_COMMIT_INTERVAL_S)
+    interval_s: float = duration(DEFAULT_COMMIT_INTERVAL_S)
     """How often the committable offset is committed when it advanced."""
     encode_settled: bool = True
     """Encode offsets settled above the committed one into the commit (and a checkpoint
@@ -429,11 +429,11 @@ class CommitSettings:
 
 @dataclass(frozen=True)
 class ShutdownSettings:
-    drain_timeout_s: float = _duration(DEFAULT_DRAIN_TIMEOUT_S, lo=0)
+    drain_timeout_s: float = duration(DEFAULT_DRAIN_TIMEOUT_S, lo=0)
     """How long SIGTERM waits for in-flight work to settle."""
 
 
-_SECTIONS: dict[str, type[Any]] = {
+SECTIONS: dict[str, type[Any]] = {
     "kafka": KafkaSettings,
     "server": ServerSettings,
     "auth": AuthSettings,

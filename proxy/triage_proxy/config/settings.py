@@ -19,7 +19,7 @@ import functools
 import typing
 from dataclasses import dataclass, field
 
-from triage_proxy.config.bounds import Bounds, _number, _numeric_kind
+from triage_proxy.config.bounds import Bounds, check_number, numeric_kind
 from triage_proxy.config.push import PushTargetSettings
 from triage_proxy.config.secrets import secret_reference
 from triage_proxy.config.sections import (
@@ -42,11 +42,11 @@ from triage_proxy.config.sections import (
     WindowSettings,
 )
 from triage_proxy.config.validation import (
-    _check_client,
-    _overflow,
     bootstrap_problem,
+    check_client,
     group_problem,
     host_problem,
+    port_overflow,
     region_problem,
     slot_port,
     table_problem,
@@ -80,8 +80,8 @@ class Settings:
             section, name = key.split(".")
             value = getattr(getattr(self, section), name)
             if value is not None:
-                _number(key, value, kind, bounds)
-        _check_client(self.kafka.client)
+                check_number(key, value, kind, bounds)
+        check_client(self.kafka.client)
         if self.delivery.ordering not in ORDERINGS:
             raise ConfigError("delivery.ordering", f"must be one of {', '.join(ORDERINGS)}")
         if not self.auth.active():
@@ -143,7 +143,7 @@ class Settings:
             return []
         last = self.kafka.partitions - 1
         return [
-            (key, _overflow(key, base, last))
+            (key, port_overflow(key, base, last))
             for key, base in (
                 ("server.port", self.server.port),
                 ("server.http_port", self.server.http_port),
@@ -159,7 +159,7 @@ class Settings:
 def numeric_settings() -> dict[str, tuple[type, Bounds]]:
     """Every numeric setting as "section.key" -> (int or float, Bounds), found by walking
     the Settings dataclasses, so a new numeric field is validated without being listed.
-    A numeric field declared without bounds (`_bounded`, `_duration`) is a bug: TypeError,
+    A numeric field declared without bounds (`bounded`, `duration`) is a bug: TypeError,
     raised at import (see the end of this module)."""
     found: dict[str, tuple[type, Bounds]] = {}
     for section in dataclasses.fields(Settings):
@@ -168,7 +168,7 @@ def numeric_settings() -> dict[str, tuple[type, Bounds]]:
             continue  # `push`, a list of tables, checks its own numbers (config/push.py)
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            kind = _numeric_kind(hints[f.name])
+            kind = numeric_kind(hints[f.name])
             if kind is None:
                 continue
             bounds = f.metadata.get("bounds")

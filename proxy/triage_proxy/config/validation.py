@@ -65,13 +65,13 @@ reference, resolved when the client is built, like kafka.sasl_password."""
 def slot_port(key: str, base: int, slot: int) -> int:
     """`base + slot`, the port of one slot (0 stays 0: a free port). Over MAX_PORT is a
     ConfigError naming `key`: the OS would bind another port than the one configured."""
-    problem = _overflow(key, base, slot)
+    problem = port_overflow(key, base, slot)
     if problem is not None:
         raise ConfigError(key, problem)
     return base + slot if base else 0
 
 
-def _overflow(key: str, base: int, slot: int) -> str | None:
+def port_overflow(key: str, base: int, slot: int) -> str | None:
     if not base or base + slot <= MAX_PORT:
         return None
     return (
@@ -225,7 +225,7 @@ def is_secret_property(name: str) -> bool:
     return any(word in name for word in SECRET_PROPERTY_WORDS)
 
 
-def _check_client(client: Mapping[str, str | int | bool]) -> None:
+def check_client(client: Mapping[str, str | int | bool]) -> None:
     """Refuse what `[kafka.client]` may not set, and a secret given inline."""
     for name, value in client.items():
         why = RESERVED_CLIENT_PROPERTIES.get(name)
