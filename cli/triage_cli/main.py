@@ -16,7 +16,7 @@ import typer
 
 from triage_cli.console.command import console
 from triage_cli.deploy import deploy, destroy, supervise
-from triage_cli.dlq import dlq_app
+from triage_cli.dlq.command import dlq_app
 from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
 from triage_cli.helptext import reflow_help
 from triage_cli.init import config_app, init

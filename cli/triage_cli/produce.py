@@ -61,7 +61,7 @@ def produce(
 ) -> None:
     """Produce records to the deployment's topic and print where each landed
     (topic[partition]@offset)."""
-    from triage_cli.dlq import producer_config
+    from triage_cli.dlq.broker import producer_config
     from triage_proxy.config.loader import load_settings
     from triage_proxy.store.aws import read_secret
 

@@ -16,7 +16,7 @@ and with `--to-topic`, a key lands on the same partition from either path (the J
 client's, `kafka.producer.replay_producer_config`).
 
 The CLI side is `store.replay.replay` with `triage dlq replay`'s producer configuration
-(`triage_cli.dlq.producer_config`); the Spark side is `SegmentReplayer` run in this
+(`triage_cli.dlq.broker.producer_config`); the Spark side is `SegmentReplayer` run in this
 process (no Spark needed to run one segment), which configures its own producer.
 """
 
@@ -35,7 +35,7 @@ from confluent_kafka import KafkaError, Producer
 
 from tests.integration.harness import create_topic
 from tests.samples import GROUP
-from triage_cli.dlq import producer_config
+from triage_cli.dlq.broker import producer_config
 from triage_proxy.config.loader import settings_from_dict
 from triage_proxy.config.sections import DeadLetterSettings
 from triage_proxy.kafka.producer import never_written

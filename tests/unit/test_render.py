@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.samples import item
-from triage_cli.dlq import dead_letter_table
+from triage_cli.dlq.render import dead_letter_table
 from triage_cli.render import (
     hex_dump,
     item_summary,

@@ -368,7 +368,7 @@ class DeadLetters:
         `topic` exists (BrokerUnavailable, NotFoundError otherwise)."""
         from confluent_kafka import Producer
 
-        from triage_cli.dlq import producer_config
+        from triage_cli.dlq.broker import producer_config
         from triage_proxy.errors import BrokerUnavailable, NotFoundError
         from triage_proxy.kafka.errors import kafka_errors
 

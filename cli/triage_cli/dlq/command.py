@@ -1,56 +1,33 @@
-"""`triage dlq`: find out why messages died, then put them back or let them go.
-
-Why a CLI next to the Spark job: most incidents are a handful of dead letters that a
-person wants to read, fix the cause of, and replay, using the same config file the
-proxy runs from (the one `triage dev` writes works as is). The selection, rendering
-and replay protocol live in the `triage_proxy.store` package (`query.py`, `replay.py`;
-`pages.py` and `bulk.py` for paged reads and bulk actions; the console uses them too),
-shared with the Spark job, so the two never disagree about which items a filter selects
-or whether an item was replayed; rendering for people is `render.py`.
-
-    triage dlq list    --config F [filters] [--json] [--limit N] [--cursor C]
-    triage dlq show    --config F TOPIC PARTITION OFFSET [--json]
-    triage dlq replay  --config F (filters | --offset N | --all) [--to-topic T] [--dry-run]
-    triage dlq discard --config F (filters | --offset N | --all) [--dry-run]
-    triage dlq migrate --config F [--dry-run] [--json]
-
-Every command acts on one deployment's dead letters: those of the config's
-`kafka.group_id`, or of `--group G` (another app reading the same topic into the same
-table has its own, which these commands never touch). `migrate` moves the dead letters
-written before deployment keys (no group) of the config's topic to that deployment
-(`triage_proxy.store.migrate`).
-
-Filters: --topic, --partition, --status (list only; replay and discard act on
-pending items), --reason SUBSTRING (case-insensitive), --since/--until (ISO-8601 or an
-age like 30m, 1h, 2d; on dead_lettered_at, since inclusive, until exclusive).
-
-Exit codes (`exitcodes.ExitCode`): 0 ok; 1 some items failed to replay or are in doubt
-(maybe delivered, still claimed); 2 bad config or bad arguments (malformed time range,
-a cursor this listing did not hand out ...); 3 DynamoDB, S3 or Kafka unreachable; 4 the
-table or the item does not exist; 130 interrupted (SIGINT or SIGTERM: a replay finishes
-and marks the chunk in flight, then stops).
-
-Heavy modules (boto3, confluent-kafka, rich) are imported inside the commands.
-"""
+"""The `triage dlq` typer app: its options and the list, show, replay, discard and
+migrate commands (the package's docstring says what each does)."""
 
 from __future__ import annotations
 
 import contextlib
 import enum
-import json
-from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from triage_cli.dlq.broker import _partition_count, _producer
+from triage_cli.dlq.render import (
+    _coords,
+    _indexing_summary,
+    _json_line,
+    _print_table,
+    _report_replay,
+    _show_json,
+    _show_selection,
+    _show_text,
+)
+from triage_cli.dlq.selection import _dry_run, _filters, _open, _pending, _require_filter
 from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
 from triage_cli.helptext import plain
 from triage_cli.signals import stop_on_signals as _stop_on_signals
 
 if TYPE_CHECKING:
     from triage_proxy.config.settings import Settings
-    from triage_proxy.store.bulk import Count
     from triage_proxy.store.query import DeadLetterTable, Filters
 
 dlq_app = typer.Typer(
@@ -97,161 +74,6 @@ GroupOption = Annotated[
         show_default=False,
     ),
 ]
-
-
-def _open(config: Path, group: str | None = None) -> tuple[Settings, DeadLetterTable]:
-    """Settings from the config file and the deployment's view of the table (`group`, or
-    the config's group id), checked to exist and answer."""
-    from triage_proxy.config.loader import load_settings
-    from triage_proxy.store.aws import read_secret
-    from triage_proxy.store.query import DeadLetterTable
-
-    settings = load_settings(config, fetch_secret=read_secret)
-    table = DeadLetterTable(settings.dead_letters, group=group or settings.kafka.group_id)
-    try:
-        table.check()
-    except BaseException:
-        table.close()
-        raise
-    return settings, table
-
-
-def _filters(
-    *,
-    topic: str | None,
-    partition: int | None,
-    offset: int | None = None,
-    status: str | None = None,
-    reason: str | None = None,
-    since: str | None = None,
-    until: str | None = None,
-) -> Filters:
-    import time
-
-    from triage_proxy.store.query import Filters, parse_time
-
-    if offset is not None and (topic is None or partition is None):
-        raise CommandFailed(ExitCode.BAD_INPUT, "--offset needs --topic and --partition")
-    now_ms = int(time.time() * 1000)
-    times: dict[str, int | None] = {"since": None, "until": None}
-    for name, text in (("since", since), ("until", until)):
-        if text is not None:
-            try:
-                times[name] = parse_time(text, now_ms)
-            except ValueError as exc:
-                raise CommandFailed(ExitCode.BAD_INPUT, f"malformed --{name}: {exc}") from None
-    try:
-        return Filters(
-            topic=topic,
-            partition=partition,
-            offset=offset,
-            status=status,
-            reason=reason,
-            since_ms=times["since"],
-            until_ms=times["until"],
-        )
-    except ValueError as exc:
-        raise CommandFailed(ExitCode.BAD_INPUT, str(exc)) from None
-
-
-def _show_selection(items: list[dict[str, Any]], json_: bool, would_be: str) -> None:
-    """What a --dry-run selected: one JSON line per item, or a table."""
-    from triage_cli.render import item_summary
-
-    if json_:
-        for item in items:
-            _json_line(item_summary(item))
-    else:
-        _print_table(items, f"{len(items)} dead letters would be {would_be}")
-
-
-def _print_table(items: list[dict[str, Any]], title: str) -> None:
-    """The table on stdout: cut to the terminal's width in a terminal; whole cells, each
-    line as long as it needs, when stdout is a file or a pipe (`grep`, `less`, a log)."""
-    from rich.console import Console
-
-    console = Console(highlight=False)
-    full = not console.is_terminal
-    if full:
-        console = Console(highlight=False, width=UNCUT_WIDTH)
-    console.print(dead_letter_table(items, title, full=full))
-
-
-UNCUT_WIDTH = 1_000_000
-"""The console width when stdout is not a terminal: wide enough that nothing is cut (a
-rich table is only as wide as its cells)."""
-
-TERMINAL_REASON = 80
-"""Characters of a reason shown in a terminal (`triage dlq show` or --json give it all)."""
-
-
-def dead_letter_table(items: list[dict[str, Any]], title: str, *, full: bool) -> Any:
-    """`triage dlq list`'s table (pure): one line per dead letter, control characters
-    escaped visibly (a newline in a reason is `\\n`). In a terminal (`full` false) the
-    wide columns are cut with an ellipsis; `full` keeps topic and reason whole."""
-    from rich import box
-    from rich.table import Table
-    from rich.text import Text
-
-    from triage_cli.render import item_summary, one_line, short_text
-
-    # One line per dead letter at any width: the wide columns are cut with an ellipsis
-    # (never folded: a folded cell in a narrow terminal grew every row by empty lines);
-    # `triage dlq show` or --json give the whole text.
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, collapse_padding=True)
-    for name, justify, flexible in (
-        ("topic", "left", True),
-        ("part", "right", False),
-        ("offset", "right", False),
-        ("status", "left", False),
-        ("att", "right", False),
-        ("dead-lettered at", "left", False),
-        ("key", "left", True),
-        ("reason", "left", True),
-    ):
-        table.add_column(
-            name,
-            justify=justify,  # type: ignore[arg-type]
-            # Only the flexible columns give way when the terminal is narrow (rich shrinks
-            # wrappable columns first); their cells never wrap, see `cut` below.
-            no_wrap=not flexible,
-            overflow="ellipsis",
-            min_width=6 if flexible else None,
-        )
-
-    def cut(text: str) -> Text:
-        return Text(text, no_wrap=True, overflow="ellipsis")
-
-    for item in items:
-        info = item_summary(item)
-        if info["payload_s3"] is not None:
-            key = "(in S3)"
-        else:
-            key = short_text(bytes(item["key"]["B"]) if "key" in item else None, 24)
-        reason = one_line(info["reason"] or "")
-        if not full and len(reason) > TERMINAL_REASON:
-            reason = reason[: TERMINAL_REASON - 1] + "…"
-        table.add_row(
-            cut(one_line(info["topic"] or "")),
-            str(info["partition"]),
-            str(info["offset"]),
-            Text(info["status"] or ""),
-            str(info["attempts"]),
-            Text((info["dead_lettered_at"] or "")[:19].replace("T", " ")),  # to the second
-            cut(key),
-            cut(reason),
-        )
-    return table
-
-
-def _sorted(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from triage_proxy.store.items import item_key
-
-    return sorted(items, key=item_key)
-
-
-def _json_line(value: Any) -> None:
-    typer.echo(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
 
 
 # --- list -----------------------------------------------------------------------------
@@ -351,29 +173,6 @@ def _warn_legacy(
             typer.echo(f"warning: {legacy_warning(topic, found, str(config))}", err=True)
 
 
-LEGACY_METADATA_TIMEOUT_S = 3.0
-
-
-def _partition_count(settings: Settings, topic: str) -> int:
-    """The topic's partition count from the broker; 1 (partition 0 only) when it does not
-    answer in LEGACY_METADATA_TIMEOUT_S (dlq works without a broker)."""
-    from confluent_kafka.admin import AdminClient
-
-    from triage_proxy.errors import BrokerUnavailable
-    from triage_proxy.kafka.errors import kafka_errors
-
-    config = {**settings.kafka.librdkafka_config(), "logger": _quiet_kafka_logger()}
-    try:
-        with kafka_errors(f"reading the metadata of {topic}"):
-            meta = AdminClient(config).list_topics(topic, timeout=LEGACY_METADATA_TIMEOUT_S)
-    except BrokerUnavailable:
-        return 1
-    found = meta.topics.get(topic)
-    if found is None or found.error is not None or not found.partitions:
-        return 1
-    return len(found.partitions)
-
-
 # --- show -----------------------------------------------------------------------------
 
 
@@ -401,114 +200,7 @@ def show(
                 typer.echo(_show_text(item, dl))
 
 
-def _show_json(item: dict[str, Any], dl: Any) -> dict[str, Any]:
-    import base64
-
-    from triage_cli.render import item_summary, render_bytes
-
-    def blob(data: bytes | None) -> dict[str, Any]:
-        shown = render_bytes(data)
-        encoded = None if data is None else base64.b64encode(data).decode("ascii")
-        return {"kind": shown.kind, "text": shown.text, "base64": encoded}
-
-    out = item_summary(item)
-    out["key"] = blob(dl.record.key)
-    out["value"] = blob(dl.record.value)
-    out["headers"] = [{"name": name, **blob(value)} for name, value in dl.record.headers]
-    return out
-
-
-def _show_text(item: dict[str, Any], dl: Any) -> str:
-    from triage_cli.render import item_summary, one_line, render_bytes
-
-    info = item_summary(item)
-    record = dl.record
-    rows = [
-        ("dead letter", f"{record.topic}/{record.partition}/{record.offset}"),
-        ("status", info["status"]),
-        ("reason", info["reason"]),
-        ("attempts", info["attempts"]),
-        ("consumer", info["consumer_id"] or "-"),
-        ("dead-lettered at", info["dead_lettered_at"]),
-        ("kafka timestamp", f"{record.timestamp_ms} ms"),
-    ]
-    if info["payload_s3"]:
-        rows.append(("payload", f"{info['payload_s3']} ({info['payload_bytes']} bytes)"))
-    for name in ("replayed_at", "replayed_to", "replay_id", "replay_count", "discarded_at"):
-        if info[name] is not None:
-            rows.append((name.replace("_", " "), info[name]))
-    if info["expires_at"] is not None:
-        rows.append(("expires at (epoch s)", info["expires_at"]))
-    if info["replay_claim"] is not None:
-        rows.append(("being replayed by", info["replay_claim"]))
-    width = max(len(name) for name, _ in rows)
-    # One line per field: a newline or a control character in a reason is escaped
-    # visibly (\\n, \\x1b), never printed as extra lines or sent to the terminal.
-    lines = [f"{name:<{width}}  {one_line(str(value))}" for name, value in rows]
-
-    def block(title: str, data: bytes | None) -> None:
-        shown = render_bytes(data)
-        size = "" if data is None else f", {len(data)} bytes"
-        lines.append(f"{title} ({shown.kind}{size}):")
-        lines.extend(f"  {line}" for line in shown.text.split("\n"))
-
-    block("key", record.key)
-    lines.append(f"headers ({len(record.headers)}):")
-    for name, value in record.headers:
-        shown = render_bytes(value)
-        size = "" if value is None else f", {len(value)} bytes"
-        lines.append(f"  {one_line(name) or '(empty name)'} ({shown.kind}{size}):")
-        lines.extend(f"    {line}" for line in shown.text.split("\n"))
-    block("value", record.value)
-    return "\n".join(lines)
-
-
 # --- replay and discard ---------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _pending(
-    config: Path, filters: Filters, everything: bool, *, what: str, group: str | None
-) -> Iterator[tuple[Settings, DeadLetterTable, Count]]:
-    """The settings, the open table and how many pending items replay and discard act on
-    (`store.bulk.count_pending`; one `get` first for --offset, to say why not)."""
-    from triage_proxy.store.bulk import Count, count_pending
-    from triage_proxy.store.items import STATUS_PENDING
-
-    settings, table = _open(config, group)
-    with table:
-        _require_filter(filters, everything, what)
-        if filters.offset is not None:
-            assert filters.topic is not None
-            assert filters.partition is not None
-            item = table.get((filters.topic, filters.partition, filters.offset))
-            status = item["status"]["S"]
-            if status != STATUS_PENDING:
-                typer.echo(f"nothing to {what}: that dead letter is {status}", err=True)
-                yield settings, table, Count(0, True, frozenset())
-                return
-        yield settings, table, count_pending(table, filters)
-
-
-def _dry_run(table: DeadLetterTable, filters: Filters, json_: bool, would_be: str) -> None:
-    """What a bulk action would act on, listed (sorted by topic, partition, offset)."""
-    from triage_proxy.store.bulk import pending_filters
-    from triage_proxy.store.pages import select
-
-    _show_selection(_sorted(list(select(table, pending_filters(filters)))), json_, would_be)
-
-
-def _coords(key: tuple[str, int, int]) -> str:
-    """topic/partition/offset, how a dead letter is named in output."""
-    return "/".join(map(str, key))
-
-
-def _require_filter(filters: Filters, everything: bool, what: str) -> None:
-    if not filters.narrows and not everything:
-        raise CommandFailed(
-            ExitCode.BAD_INPUT,
-            f"refusing to {what} every pending dead letter: give a filter or --all",
-        )
 
 
 @dlq_app.command()
@@ -646,97 +338,6 @@ def _spark_replay(
         typer.echo(str(summary))
     if not summary.ok:
         raise typer.Exit(int(ExitCode.FAILURE))
-
-
-def _report_replay(
-    result: Any,
-    selected: int,
-    json_: bool,
-    replay_id: str | None = None,
-    *,
-    interrupted: bool = False,
-) -> None:
-    """The summary line (or JSON line); an interrupted run also says so on stderr, with
-    how many selected items it did not get to (still pending: a rerun replays them)."""
-    replayed = len(result.replayed) if result else 0
-    skipped = len(result.skipped) if result else 0
-    failed = len(result.failed) if result else 0
-    in_doubt = len(result.in_doubt) if result else 0
-    remaining = max(0, selected - replayed - skipped - failed - in_doubt)
-    if json_:
-        _json_line(
-            {
-                "replay_id": replay_id,
-                "selected": selected,
-                "replayed": replayed,
-                "skipped": skipped,
-                "failed": failed,
-                "failures": [
-                    {"dead_letter": _coords(key), "why": why}
-                    for key, why in (result.failed if result else [])
-                ],
-                "in_doubt": in_doubt,
-                "doubts": [
-                    {"dead_letter": _coords(key), "why": why}
-                    for key, why in (result.in_doubt if result else [])
-                ],
-                "interrupted": interrupted,
-                "remaining": remaining,
-            }
-        )
-    else:
-        suffix = f" (replay id {replay_id})" if replay_id else ""
-        typer.echo(
-            f"selected {selected}, replayed {replayed}, skipped {skipped}, failed {failed}, "
-            f"in doubt {in_doubt}{suffix}"
-        )
-    if interrupted:
-        typer.secho(
-            f"interrupted: replayed {replayed} of {selected}; {remaining} not reached and still "
-            "pending. Run the same command again to replay them (what was replayed is not "
-            "replayed twice).",
-            err=True,
-            fg=typer.colors.YELLOW,
-        )
-
-
-def producer_config(settings: Settings) -> dict[str, Any]:
-    """The replay producer every tool shares (`kafka.producer`), on this config's broker;
-    a broker that does not answer fails the command in 10 s, quietly."""
-    from triage_proxy.kafka.producer import replay_producer_config
-
-    return {
-        **replay_producer_config(settings.kafka.librdkafka_config()),
-        "socket.connection.setup.timeout.ms": 10_000,
-        "logger": _quiet_kafka_logger(),
-    }
-
-
-def _producer(settings: Settings, to_topic: str | None, topics: Collection[str]) -> Any:
-    """A confluent-kafka producer, after checking the broker answers and the targets
-    (`to_topic`, or the dead letters' source `topics`) exist."""
-    from confluent_kafka import Producer
-
-    from triage_proxy.kafka.errors import kafka_errors
-
-    producer = Producer(producer_config(settings))
-    unreachable = f"cannot reach Kafka at {settings.kafka.bootstrap_servers}"
-    with kafka_errors(unreachable, lambda why: CommandFailed(ExitCode.UNAVAILABLE, why)):
-        metadata = producer.list_topics(timeout=10)
-    wanted = {to_topic} if to_topic else set(topics)
-    missing = sorted(t for t in wanted if t not in metadata.topics)
-    if missing:
-        raise CommandFailed(ExitCode.NOT_FOUND, f"topic {', '.join(missing)} does not exist")
-    return producer
-
-
-def _quiet_kafka_logger() -> Any:
-    """librdkafka's own log lines go to a logger that only shows errors."""
-    import logging
-
-    log = logging.getLogger("triage_cli.dlq.kafka")
-    log.setLevel(logging.ERROR)
-    return log
 
 
 @dlq_app.command()
@@ -901,23 +502,3 @@ def migrate(
             raise typer.Exit(int(ExitCode.INTERRUPTED))
         if not dry_run and (result.left or not indexing.complete):
             raise typer.Exit(int(ExitCode.FAILURE))
-
-
-def _indexing_summary(indexing: Any, dry_run: bool) -> str:
-    """One line on the by-state index: what was (or would be) indexed, and whether
-    listings use the index now."""
-    from triage_proxy.store.items import STATE_INDEX
-
-    if dry_run:
-        return f"dry run: {indexing.indexed} dead letters would be indexed ({STATE_INDEX})"
-    if indexing.complete:
-        return f"indexed {indexing.indexed} dead letters; listings use the {STATE_INDEX} index"
-    why = (
-        f"{indexing.changed} changed while being indexed"
-        if indexing.changed
-        else f"the {STATE_INDEX} index is not ACTIVE yet"
-    )
-    return (
-        f"indexed {indexing.indexed} dead letters, not complete: {why}; rerun "
-        "(listings scan until it is complete)"
-    )
