@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 LEGACY_METADATA_TIMEOUT_S = 3.0
 
 
-def _partition_count(settings: Settings, topic: str) -> int:
+def partition_count(settings: Settings, topic: str) -> int:
     """The topic's partition count from the broker; 1 (partition 0 only) when it does not
     answer in LEGACY_METADATA_TIMEOUT_S (dlq works without a broker)."""
     from confluent_kafka.admin import AdminClient
@@ -48,7 +48,7 @@ def producer_config(settings: Settings) -> dict[str, Any]:
     }
 
 
-def _producer(settings: Settings, to_topic: str | None, topics: Collection[str]) -> Any:
+def replay_producer(settings: Settings, to_topic: str | None, topics: Collection[str]) -> Any:
     """A confluent-kafka producer, after checking the broker answers and the targets
     (`to_topic`, or the dead letters' source `topics`) exist."""
     from confluent_kafka import Producer

@@ -10,18 +10,24 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from triage_cli.dlq.broker import _partition_count, _producer
+from triage_cli.dlq.broker import partition_count, replay_producer
 from triage_cli.dlq.render import (
-    _coords,
-    _indexing_summary,
-    _json_line,
-    _print_table,
-    _report_replay,
-    _show_json,
-    _show_selection,
-    _show_text,
+    coords,
+    indexing_summary,
+    json_line,
+    print_table,
+    report_replay,
+    show_json,
+    show_selection,
+    show_text,
 )
-from triage_cli.dlq.selection import _dry_run, _filters, _open, _pending, _require_filter
+from triage_cli.dlq.selection import (
+    open_pending,
+    open_table,
+    parse_filters,
+    require_filter,
+    show_dry_run,
+)
 from triage_cli.exitcodes import CommandFailed, ExitCode, exit_on_errors
 from triage_cli.helptext import plain
 from triage_cli.signals import stop_on_signals as _stop_on_signals
@@ -107,7 +113,7 @@ def list_(
     from triage_proxy.store.pages import MAX_PAGE_SIZE, page
 
     with exit_on_errors():
-        filters = _filters(
+        filters = parse_filters(
             topic=topic,
             partition=partition,
             status=status.value if status else None,
@@ -115,7 +121,7 @@ def list_(
             since=since,
             until=until,
         )
-        settings, table = _open(config, group)
+        settings, table = open_table(config, group)
         with table:
             rows: list[dict[str, Any]] = []  # for the table; --json streams instead
             count = 0
@@ -128,16 +134,14 @@ def list_(
                 count += len(got.items)
                 if json_:
                     for item in got.items:
-                        _json_line(item_summary(item))
+                        json_line(item_summary(item))
                 else:
                     rows.extend(got.items)
                 if cursor is None or (limit is not None and count >= limit):
                     break
             if not json_:
                 more = " (more: see below)" if cursor is not None else ""
-                _print_table(
-                    rows, f"{count} dead letters of {table.group!r} in {table.table}{more}"
-                )
+                print_table(rows, f"{count} dead letters of {table.group!r} in {table.table}{more}")
             if cursor is not None:
                 typer.echo(f"more dead letters: --cursor {cursor}", err=True)
             if scanned:
@@ -166,7 +170,7 @@ def _warn_legacy(
         partitions: list[int] = [partition]
     else:
         count = settings.kafka.partitions if topic == settings.kafka.topic else None
-        partitions = list(range(count if count is not None else _partition_count(settings, topic)))
+        partitions = list(range(count if count is not None else partition_count(settings, topic)))
     with contextlib.suppress(TriageError):  # the listing worked; the hint is a bonus
         found = legacy_partitions(table, topic, partitions)
         if found:
@@ -187,7 +191,7 @@ def show(
 ) -> None:
     """Show one dead letter with its key, headers and value rendered safely."""
     with exit_on_errors():
-        _, table = _open(config, group)
+        _, table = open_table(config, group)
         with table:
             item = table.get((topic, partition, offset))
             try:
@@ -195,9 +199,9 @@ def show(
             except ValueError as exc:
                 raise CommandFailed(ExitCode.FAILURE, str(exc)) from None
             if json_:
-                _json_line(_show_json(item, dl))
+                json_line(show_json(item, dl))
             else:
-                typer.echo(_show_text(item, dl))
+                typer.echo(show_text(item, dl))
 
 
 # --- replay and discard ---------------------------------------------------------------
@@ -250,30 +254,30 @@ def replay(
     from triage_proxy.store.replay import new_replay_id
 
     with exit_on_errors():
-        filters = _filters(
+        filters = parse_filters(
             topic=topic, partition=partition, offset=offset, reason=reason, since=since, until=until
         )
         if to_topic is not None and (not to_topic or "#" in to_topic):
             raise CommandFailed(ExitCode.BAD_INPUT, f"not a Kafka topic name: {to_topic!r}")
         if spark and not dry_run:
-            _require_filter(filters, everything, "replay")
+            require_filter(filters, everything, "replay")
             _spark_replay(config, filters, to_topic, master, json_, group)
             return
-        with _pending(config, filters, everything, what="replay", group=group) as (
+        with open_pending(config, filters, everything, what="replay", group=group) as (
             settings,
             table,
             count,
         ):
             if dry_run:
                 if count.selected:
-                    _dry_run(table, filters, json_, "replayed")
+                    show_dry_run(table, filters, json_, "replayed")
                 else:
-                    _show_selection([], json_, "replayed")
+                    show_selection([], json_, "replayed")
                 return
             if not count.selected:
-                _report_replay(None, 0, json_)
+                report_replay(None, 0, json_)
                 return
-            producer = _producer(settings, to_topic, count.topics)
+            producer = replay_producer(settings, to_topic, count.topics)
             replay_id = new_replay_id()
             with _stop_on_signals() as stop:
                 result = replay_matching(
@@ -288,15 +292,15 @@ def replay(
                 )
             if not json_:
                 for key in result.replayed:
-                    typer.echo(f"replayed  {_coords(key)}")
+                    typer.echo(f"replayed  {coords(key)}")
                 for key, why in result.skipped:
-                    typer.echo(f"skipped   {_coords(key)}: {why}")
+                    typer.echo(f"skipped   {coords(key)}: {why}")
                 for key, why in result.failed:
-                    typer.echo(f"FAILED    {_coords(key)}: {why}", err=True)
+                    typer.echo(f"FAILED    {coords(key)}: {why}", err=True)
                 for key, why in result.in_doubt:
-                    typer.echo(f"IN DOUBT  {_coords(key)}: {why}", err=True)
+                    typer.echo(f"IN DOUBT  {coords(key)}: {why}", err=True)
             interrupted = result.interrupted or stop.is_set()
-            _report_replay(result, count.selected, json_, replay_id, interrupted=interrupted)
+            report_replay(result, count.selected, json_, replay_id, interrupted=interrupted)
             if interrupted:
                 raise typer.Exit(int(ExitCode.INTERRUPTED))
             if result.failed or result.in_doubt:
@@ -333,7 +337,7 @@ def _spark_replay(
     )
     summary = run_replay(options)  # its session sets PYSPARK_PYTHON for any master
     if json_:
-        _json_line({**dataclasses.asdict(summary), "ok": summary.ok})
+        json_line({**dataclasses.asdict(summary), "ok": summary.ok})
     else:
         typer.echo(str(summary))
     if not summary.ok:
@@ -360,19 +364,19 @@ def discard(
     from triage_proxy.store.bulk import discard_matching
 
     with exit_on_errors():
-        filters = _filters(
+        filters = parse_filters(
             topic=topic, partition=partition, offset=offset, reason=reason, since=since, until=until
         )
-        with _pending(config, filters, everything, what="discard", group=group) as (
+        with open_pending(config, filters, everything, what="discard", group=group) as (
             _,
             table,
             count,
         ):
             if dry_run:
                 if count.selected:
-                    _dry_run(table, filters, json_, "discarded")
+                    show_dry_run(table, filters, json_, "discarded")
                 else:
-                    _show_selection([], json_, "discarded")
+                    show_selection([], json_, "discarded")
                 return
             with _stop_on_signals() as stop:
                 result = (
@@ -384,11 +388,11 @@ def discard(
             skipped = len(result.skipped) if result else 0
             if result is not None and not json_:
                 for key in result.discarded:
-                    typer.echo(f"discarded {_coords(key)}")
+                    typer.echo(f"discarded {coords(key)}")
                 for key, why in result.skipped:
-                    typer.echo(f"skipped   {_coords(key)}: {why}")
+                    typer.echo(f"skipped   {coords(key)}: {why}")
             if json_:
-                _json_line({"selected": count.selected, "discarded": discarded, "skipped": skipped})
+                json_line({"selected": count.selected, "discarded": discarded, "skipped": skipped})
             else:
                 typer.echo(f"selected {count.selected}, discarded {discarded}, skipped {skipped}")
             if stop.is_set() or (result is not None and result.interrupted):
@@ -451,7 +455,7 @@ def migrate(
         Move.CHANGED: "written meanwhile (by an old proxy or tool?); rerun",
     }
     with exit_on_errors():
-        settings, table = _open(config, group)
+        settings, table = open_table(config, group)
         with table, _stop_on_signals() as stop:
             migration = Migration(table, settings.kafka.topic)
             result = migration.run(apply=not dry_run, stop=stop, drop_conflicts=drop_conflicts)
@@ -465,11 +469,11 @@ def migrate(
         counts = {move.value: result.count(move) for move in Move}
         if json_:
             left = [
-                {"dead_letter": _coords(key), "outcome": move.value}
+                {"dead_letter": coords(key), "outcome": move.value}
                 for move in (Move.IN_USE, Move.CONFLICT, Move.CHANGED)
                 for key in result.moves[move]
             ]
-            _json_line(
+            json_line(
                 {
                     "group": table.group,
                     "topic": settings.kafka.topic,
@@ -486,7 +490,7 @@ def migrate(
                 for key in result.moves[move]:
                     note = f": {why[move]}" if move in why else ""
                     typer.echo(
-                        f"{prefix}{labels[move]:<9} {_coords(key)}{note}",
+                        f"{prefix}{labels[move]:<9} {coords(key)}{note}",
                         err=move in (Move.IN_USE, Move.CONFLICT, Move.CHANGED),
                     )
             summary = ", ".join(f"{labels[m].lower()} {result.count(m)}" for m in Move)
@@ -496,7 +500,7 @@ def migrate(
                 f"{table.group!r}: {summary}"
             )
             typer.echo(
-                _indexing_summary(indexing, dry_run), err=not dry_run and not indexing.complete
+                indexing_summary(indexing, dry_run), err=not dry_run and not indexing.complete
             )
         if result.interrupted or indexing.interrupted:
             raise typer.Exit(int(ExitCode.INTERRUPTED))

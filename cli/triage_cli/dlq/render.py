@@ -9,18 +9,18 @@ from typing import Any
 import typer
 
 
-def _show_selection(items: list[dict[str, Any]], json_: bool, would_be: str) -> None:
+def show_selection(items: list[dict[str, Any]], json_: bool, would_be: str) -> None:
     """What a --dry-run selected: one JSON line per item, or a table."""
     from triage_cli.render import item_summary
 
     if json_:
         for item in items:
-            _json_line(item_summary(item))
+            json_line(item_summary(item))
     else:
-        _print_table(items, f"{len(items)} dead letters would be {would_be}")
+        print_table(items, f"{len(items)} dead letters would be {would_be}")
 
 
-def _print_table(items: list[dict[str, Any]], title: str) -> None:
+def print_table(items: list[dict[str, Any]], title: str) -> None:
     """The table on stdout: cut to the terminal's width in a terminal; whole cells, each
     line as long as it needs, when stdout is a file or a pipe (`grep`, `less`, a log)."""
     from rich.console import Console
@@ -99,11 +99,11 @@ def dead_letter_table(items: list[dict[str, Any]], title: str, *, full: bool) ->
     return table
 
 
-def _json_line(value: Any) -> None:
+def json_line(value: Any) -> None:
     typer.echo(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
 
 
-def _show_json(item: dict[str, Any], dl: Any) -> dict[str, Any]:
+def show_json(item: dict[str, Any], dl: Any) -> dict[str, Any]:
     import base64
 
     from triage_cli.render import item_summary, render_bytes
@@ -120,7 +120,7 @@ def _show_json(item: dict[str, Any], dl: Any) -> dict[str, Any]:
     return out
 
 
-def _show_text(item: dict[str, Any], dl: Any) -> str:
+def show_text(item: dict[str, Any], dl: Any) -> str:
     from triage_cli.render import item_summary, one_line, render_bytes
 
     info = item_summary(item)
@@ -165,12 +165,12 @@ def _show_text(item: dict[str, Any], dl: Any) -> str:
     return "\n".join(lines)
 
 
-def _coords(key: tuple[str, int, int]) -> str:
+def coords(key: tuple[str, int, int]) -> str:
     """topic/partition/offset, how a dead letter is named in output."""
     return "/".join(map(str, key))
 
 
-def _report_replay(
+def report_replay(
     result: Any,
     selected: int,
     json_: bool,
@@ -186,7 +186,7 @@ def _report_replay(
     in_doubt = len(result.in_doubt) if result else 0
     remaining = max(0, selected - replayed - skipped - failed - in_doubt)
     if json_:
-        _json_line(
+        json_line(
             {
                 "replay_id": replay_id,
                 "selected": selected,
@@ -194,12 +194,12 @@ def _report_replay(
                 "skipped": skipped,
                 "failed": failed,
                 "failures": [
-                    {"dead_letter": _coords(key), "why": why}
+                    {"dead_letter": coords(key), "why": why}
                     for key, why in (result.failed if result else [])
                 ],
                 "in_doubt": in_doubt,
                 "doubts": [
-                    {"dead_letter": _coords(key), "why": why}
+                    {"dead_letter": coords(key), "why": why}
                     for key, why in (result.in_doubt if result else [])
                 ],
                 "interrupted": interrupted,
@@ -222,7 +222,7 @@ def _report_replay(
         )
 
 
-def _indexing_summary(indexing: Any, dry_run: bool) -> str:
+def indexing_summary(indexing: Any, dry_run: bool) -> str:
     """One line on the by-state index: what was (or would be) indexed, and whether
     listings use the index now."""
     from triage_proxy.store.items import STATE_INDEX

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from triage_cli.dlq.render import _show_selection
+from triage_cli.dlq.render import show_selection
 from triage_cli.exitcodes import CommandFailed, ExitCode
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from triage_proxy.store.query import DeadLetterTable, Filters
 
 
-def _open(config: Path, group: str | None = None) -> tuple[Settings, DeadLetterTable]:
+def open_table(config: Path, group: str | None = None) -> tuple[Settings, DeadLetterTable]:
     """Settings from the config file and the deployment's view of the table (`group`, or
     the config's group id), checked to exist and answer."""
     from triage_proxy.config.loader import load_settings
@@ -37,7 +37,7 @@ def _open(config: Path, group: str | None = None) -> tuple[Settings, DeadLetterT
     return settings, table
 
 
-def _filters(
+def parse_filters(
     *,
     topic: str | None,
     partition: int | None,
@@ -82,7 +82,7 @@ def _sorted(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def _pending(
+def open_pending(
     config: Path, filters: Filters, everything: bool, *, what: str, group: str | None
 ) -> Iterator[tuple[Settings, DeadLetterTable, Count]]:
     """The settings, the open table and how many pending items replay and discard act on
@@ -90,9 +90,9 @@ def _pending(
     from triage_proxy.store.bulk import Count, count_pending
     from triage_proxy.store.items import STATUS_PENDING
 
-    settings, table = _open(config, group)
+    settings, table = open_table(config, group)
     with table:
-        _require_filter(filters, everything, what)
+        require_filter(filters, everything, what)
         if filters.offset is not None:
             assert filters.topic is not None
             assert filters.partition is not None
@@ -105,15 +105,15 @@ def _pending(
         yield settings, table, count_pending(table, filters)
 
 
-def _dry_run(table: DeadLetterTable, filters: Filters, json_: bool, would_be: str) -> None:
+def show_dry_run(table: DeadLetterTable, filters: Filters, json_: bool, would_be: str) -> None:
     """What a bulk action would act on, listed (sorted by topic, partition, offset)."""
     from triage_proxy.store.bulk import pending_filters
     from triage_proxy.store.pages import select
 
-    _show_selection(_sorted(list(select(table, pending_filters(filters)))), json_, would_be)
+    show_selection(_sorted(list(select(table, pending_filters(filters)))), json_, would_be)
 
 
-def _require_filter(filters: Filters, everything: bool, what: str) -> None:
+def require_filter(filters: Filters, everything: bool, what: str) -> None:
     if not filters.narrows and not everything:
         raise CommandFailed(
             ExitCode.BAD_INPUT,
