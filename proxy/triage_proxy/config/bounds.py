@@ -17,12 +17,11 @@ from triage_proxy.errors import ConfigError
 
 _T = TypeVar("_T")
 
+# Bounds of the numeric settings (see `Bounds`): the upper ones are what the field a
+# setting feeds can hold, or where a larger value can only be a typo.
 MAX_FETCH_WAIT_MS = 300_000
 MAX_DLQ_BATCH = 25
 """DynamoDB's BatchWriteItem takes at most 25 items."""
-
-# Bounds of the numeric settings (see `Bounds`): the upper ones are what the field a
-# setting feeds can hold, or where a larger value can only be a typo.
 INT32_MAX = 2**31 - 1
 """Largest C int: gRPC's message size options are ints."""
 MAX_PORT = 65535

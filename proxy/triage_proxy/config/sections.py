@@ -448,3 +448,5 @@ SECTIONS: dict[str, type[Any]] = {
     "rate_limit": RateLimitSettings,
     "aws": AwsSettings,
 }
+"""Each TOML table and its section's dataclass, in the order the configuration reference
+lists them (the loader reads `[[push]]` apart: config/push.py)."""
