@@ -30,7 +30,7 @@ a cursor this listing did not hand out ...); 3 DynamoDB, S3 or Kafka unreachable
 table or the item does not exist; 130 interrupted (SIGINT or SIGTERM: a replay finishes
 and marks the chunk in flight, then stops).
 
-Heavy modules (boto3, confluent-kafka, rich) are imported inside the commands.
+Heavy modules (boto3, confluent-kafka, rich) are imported inside the functions.
 
 The package, by role: `command.py` the typer app, its options and the five commands;
 `selection.py` which dead letters a command acts on (the config's table, the filters
