@@ -1,7 +1,7 @@
 """Push delivery benchmarks: the proxy POSTs to a receiver on loopback (Node's `http`
 module, tests/perf/push_receiver.js, so the receiver is not the limit).
 
-    .venv/bin/python -m tests.perf.bench_push [--only single,batch,hol,adaptive]
+    .venv/bin/python -m tests.perf.bench_push [--only single,batch,hol,adaptive,mixed]
 
 Scenarios and targets (one partition, the embedded stack: Tansu, moto server, one proxy
 process started after the records are produced):
@@ -18,6 +18,12 @@ process started after the records are produced):
               throughput >= 85% of capacity with 0 dead letters and the limit within 12-24
               after 10 s; then the receiver slows 10x for 10 s: the limit falls, and is back
               within 12-24 at most 15 s after the slowdown ends, 0 dead letters
+    mixed     batch = 10 to a receiver that serves 16 requests at once (503 beyond) at 20 ms
+              a record (800 records/s whatever the batch size), the records in spells
+              that alternate requests of 1 record (4 KiB values, alone in a request) and
+              full batches of 10 (small values): throughput >= 85% of capacity, 0 dead
+              letters, and the limit never below 8 after the first 2 s (a 10-record
+              request takes 10x a 1-record one, which is not queueing)
 
 Messages/s is records / (the receiver's first request -> the commit of the last offset).
 Each scenario prints PASS or FAIL; the exit status is 1 if any failed.
@@ -317,15 +323,99 @@ def adaptive(args: argparse.Namespace) -> bool:
     return ok
 
 
+MIXED_SPELLS = 3
+"""Spells of 1-record requests, each followed by a spell of 10-record requests."""
+MIXED_BATCH = 10
+MIXED_MAX_BATCH_BYTES = 4096
+"""Ten small records' events fit in a request; one 4 KiB value's does not, so it goes
+alone."""
+
+
+def mixed(args: argparse.Namespace) -> bool:
+    """Requests of 1 and of 10 records in turns, against a receiver whose cost is per
+    record: the adaptive limit must read their different round trips as size, not
+    queueing."""
+    capacity = 16 / 0.020  # records/s: 16 at once, 20 ms a record
+    alone = args.mixed_alone
+    batched = args.mixed_batched
+    values: list[bytes] = []
+    for spell in range(MIXED_SPELLS):
+        values += [b"%06d" % spell + b"x" * MIXED_MAX_BATCH_BYTES for _ in range(alone)]
+        values += [b"v%d" % i for i in range(batched)]
+    trace: list[tuple[float, int]] = []
+
+    def follow(stack: DevStack) -> None:
+        def sample() -> None:
+            start = time.time()
+            while True:
+                try:
+                    limit = int(push_status(stack).get("limit", 0))
+                except OSError:
+                    return
+                trace.append((time.time() - start, limit))
+                time.sleep(0.25)
+
+        threading.Thread(target=sample, daemon=True).start()
+
+    options = {"mode": "capacity", "capacity": 16, "delay_ms": 20, "per_record": True}
+    with Receiver(options) as receiver:
+        target = {
+            "batch": MIXED_BATCH,
+            "max_batch_bytes": MIXED_MAX_BATCH_BYTES,
+            "min_concurrency": 1,
+            "max_concurrency": 64,
+            "initial_concurrency": 4,
+        }
+        run, _ = run_push(receiver, values, target, "bench-push-mixed", during=follow)
+        stats = receiver.stats()
+    expected_s = len(values) / capacity
+    efficiency = expected_s / run.seconds
+    late = [limit for t, limit in trace if t >= 2.0]
+    floor = min(late, default=0)
+    ok = run.dead == 0 and efficiency >= 0.85 and bool(late) and floor >= 8
+    requests = stats["requests"] - stats["shed"]
+    print(
+        table(
+            [
+                (
+                    "scenario",
+                    "mixed: batch = 10, 16 at once (503 beyond) x 20 ms a record, "
+                    "spells of 1-record and 10-record requests",
+                ),
+                ("records", f"{len(values)} ({MIXED_SPELLS} x ({alone} alone, {batched} small))"),
+                (
+                    "requests answered 200",
+                    f"{requests} ({run.records / max(requests, 1):.1f} records each)",
+                ),
+                ("seconds", f"{run.seconds:.2f} (ideal at capacity: {expected_s:.2f})"),
+                ("throughput / capacity", f"{efficiency:.1%} (target >= 85%)"),
+                ("limit after 2 s", f"{floor}-{max(late, default=0)} (target >= 8)"),
+                ("503s answered", stats["shed"]),
+                ("dead letters", f"{run.dead} (target 0)"),
+                ("result", "PASS" if ok else "FAIL"),
+            ]
+        )
+    )
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="single,batch,hol,adaptive")
+    parser.add_argument("--only", default="single,batch,hol,adaptive,mixed")
     parser.add_argument("--single-records", type=int, default=20_000)
     parser.add_argument("--batch-records", type=int, default=200_000)
     parser.add_argument("--hol-records", type=int, default=5_000)
     parser.add_argument("--adaptive-records", type=int, default=24_000)
+    parser.add_argument("--mixed-alone", type=int, default=400)
+    parser.add_argument("--mixed-batched", type=int, default=2_000)
     args = parser.parse_args()
-    scenarios = {"single": single, "batch": batch, "hol": hol, "adaptive": adaptive}
+    scenarios = {
+        "single": single,
+        "batch": batch,
+        "hol": hol,
+        "adaptive": adaptive,
+        "mixed": mixed,
+    }
     results = [scenarios[name](args) for name in args.only.split(",") if name in scenarios]
     return 0 if all(results) else 1
 

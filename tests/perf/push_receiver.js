@@ -10,8 +10,9 @@
 //   demo      the head-of-line demo's work: a value starting "slow" takes slow_ms, one
 //             starting "poison" answers 400, any other takes work_ms; at most `handlers`
 //             at once, the rest wait their turn (a service with that many workers)
-//   capacity  at most `capacity` requests at once, each delay_ms x the current factor;
-//             beyond that, 503 at once (a service that sheds load)
+//   capacity  at most `capacity` requests at once, each delay_ms x the current factor
+//             (x the records it carries with "per_record": true); beyond that, 503 at
+//             once (a service that sheds load)
 //
 // Lines on stdin: "factor F" multiplies delay_ms from now on; "stats" prints
 // {"requests": n, "records": n, "shed": n, "max_active": n}; "reset" zeroes the counters.
@@ -21,7 +22,15 @@ const http = require("node:http");
 const readline = require("node:readline");
 
 const options = Object.assign(
-  { mode: "noop", handlers: 32, work_ms: 2, slow_ms: 500, capacity: 16, delay_ms: 20 },
+  {
+    mode: "noop",
+    handlers: 32,
+    work_ms: 2,
+    slow_ms: 500,
+    capacity: 16,
+    delay_ms: 20,
+    per_record: false,
+  },
   JSON.parse(process.argv[2] || "{}"),
 );
 let factor = 1;
@@ -66,8 +75,9 @@ function release() {
 }
 
 function handle(req, res, body) {
+  const n = countRecords(req, body);
   requests += 1;
-  records += countRecords(req, body);
+  records += n;
   if (options.mode === "noop") return finish(res, 200, "");
   if (options.mode === "capacity") {
     if (active >= options.capacity) {
@@ -79,7 +89,7 @@ function handle(req, res, body) {
     setTimeout(() => {
       active -= 1;
       finish(res, 200, "");
-    }, options.delay_ms * factor);
+    }, options.delay_ms * factor * (options.per_record ? n : 1));
     return undefined;
   }
   // demo

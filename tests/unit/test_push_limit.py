@@ -6,7 +6,7 @@ import heapq
 
 import pytest
 
-from triage_proxy.push.limit import AdaptiveLimit, LimitSettings
+from triage_proxy.push.limit import AdaptiveLimit, LimitSettings, size_class
 
 
 def settings(**kw: float) -> LimitSettings:
@@ -142,3 +142,83 @@ def test_a_steady_share_of_slow_records_keeps_the_limit_up() -> None:
         rtt = 0.5 if i % 20 == 19 else 0.002
         trace.append(limiter.on_sample(float(i), rtt, limiter.limit, dropped=False))
     assert min(trace[100:]) >= 8
+
+
+def test_alternating_batch_sizes_are_not_queueing() -> None:
+    """A batched target whose requests alternate between 1 record and 10 (a trickle
+    between bursts): the endpoint spends 2 ms a record, so a 10-record request takes
+    10x as long as a 1-record one. That is the requests' size, not the endpoint
+    queueing: the limit must not fall."""
+    limiter = AdaptiveLimit(settings(initial=16))
+    trace = []
+    for i in range(2000):
+        records = 1 if i % 2 == 0 else 10
+        rtt = 0.002 * records
+        trace.append(
+            limiter.on_sample(i * 0.001, rtt, limiter.limit, dropped=False, records=records)
+        )
+    assert min(trace) >= 16
+
+
+def test_bursts_of_full_batches_after_a_trickle_are_not_queueing() -> None:
+    """Load that comes and goes: a quiet spell of 1-record requests, then a burst whose
+    requests are full batches of 10 (10x the round trip), and again. The limit is needed
+    most in the burst; it must not fall there."""
+    limiter = AdaptiveLimit(settings(initial=16))
+    trace = []
+    now = 0.0
+    for _ in range(5):
+        for records, count in ((1, 500), (10, 500)):
+            for _ in range(count):
+                now += 0.001
+                trace.append(
+                    limiter.on_sample(
+                        now, 0.002 * records, limiter.limit, dropped=False, records=records
+                    )
+                )
+    assert min(trace) >= 16
+
+
+def test_a_fixed_cost_per_request_does_not_make_small_requests_look_slow() -> None:
+    """An endpoint whose cost is mostly per request (5 ms, then 0.1 ms a record): a
+    request of 1 record takes 5.1 ms, one of 500 takes 55 ms. Per record the small one
+    is 47x slower; that says nothing about queueing either way."""
+    limiter = AdaptiveLimit(settings(initial=16))
+    trace = []
+    for i in range(2000):
+        records = 500 if (i // 300) % 2 == 0 else 1
+        rtt = 0.005 + 0.0001 * records
+        trace.append(
+            limiter.on_sample(i * 0.001, rtt, limiter.limit, dropped=False, records=records)
+        )
+    assert min(trace) >= 16
+
+
+def test_queueing_shows_in_batched_requests_too() -> None:
+    """Requests of mixed sizes that all get 4x slower (the endpoint queueing): the limit
+    falls, as it does for requests of one record (by as much as the same slowdown of
+    one-record requests moved it before size classes)."""
+    limiter = AdaptiveLimit(settings(initial=32))
+    for i in range(1000):
+        records = 1 if i % 2 == 0 else 10
+        limiter.on_sample(i * 0.001, 0.002 * records, 32, dropped=False, records=records)
+    before = limiter.limit
+    for i in range(100):
+        records = 1 if i % 2 == 0 else 10
+        limiter.on_sample(2 + i * 0.001, 0.008 * records, 32, dropped=False, records=records)
+    assert limiter.limit <= before * 0.75
+
+
+def test_size_classes_span_a_factor_of_two() -> None:
+    assert [size_class(n) for n in (1, 2, 3, 4, 7, 8, 15, 16, 500, 10_000)] == [
+        0,
+        1,
+        1,
+        2,
+        2,
+        3,
+        3,
+        4,
+        8,
+        13,
+    ]

@@ -2,8 +2,8 @@
 
 A pure policy fed samples, in the manner of Netflix's concurrency-limits: the caller owns
 the clock and the in-flight count and reports each finished request with
-`on_sample(now, rtt, inflight, dropped)`; the limiter returns the new limit. Nothing here
-does I/O or reads a clock, so tests feed it sequences.
+`on_sample(now, rtt, inflight, dropped, records)`; the limiter returns the new limit.
+Nothing here does I/O or reads a clock, so tests feed it sequences.
 
 Two rules, one for each signal an endpoint gives:
 
@@ -25,6 +25,18 @@ Two rules, one for each signal an endpoint gives:
   (additive increase), only when the requests in flight actually use the limit, so an
   idle target does not inflate its limit.
 
+**Round trips are compared by request size.** A batched target's requests carry from 1
+record to `batch`, and a request of 500 records takes longer than one of 1 for reasons
+that are not queueing. So each size class (record counts within a factor of 2: 1, 2-3,
+4-7, 8-15, ...) keeps its own long-run and recent round trip, and a sample is judged
+against its own class: requests of 1 record between bursts of full batches do not make
+the batches look like queueing, and an endpoint that queues slows every class, so every
+class says so. Not the round trip per record: an endpoint's cost is often mostly per
+request (a connection, a transaction per batch), and then a small request's round trip
+per record is many times a large one's. Within a class sizes differ at most 2x, which the
+default `tolerance` absorbs. One record per request (gRPC, `batch = 1`) is one class:
+exactly the two rules above.
+
 The limit is a float internally (fractional growth of 1/limit per sample makes "one per
 round trip"), and `limit` rounds it down, never below `min_limit` nor above `max_limit`.
 """
@@ -36,7 +48,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["AdaptiveLimit", "LimitSettings"]
+__all__ = ["AdaptiveLimit", "LimitSettings", "size_class"]
 
 DEFAULT_BACKOFF_RATIO = 0.9
 """The multiplicative decrease on an overload response (TCP Reno uses 0.5; endpoints that
@@ -79,17 +91,43 @@ class LimitSettings:
             raise ValueError(f"tolerance must be finite and >= 1, got {self.tolerance}")
 
 
+class _RoundTrips:
+    """The long-run and recent round trips of one request size class."""
+
+    __slots__ = ("long", "recent", "short")
+
+    def __init__(self) -> None:
+        self.long = 0.0
+        """The exponential average over LONG_WINDOW samples (0 before any)."""
+        self.short = 0.0
+        """The median of `recent` (0 before any sample)."""
+        self.recent: deque[float] = deque(maxlen=SHORT_WINDOW)
+
+    def add(self, rtt: float) -> None:
+        if self.long == 0.0:
+            self.long = rtt
+        else:
+            self.long += (rtt - self.long) / LONG_WINDOW
+        self.recent.append(rtt)
+        self.short = statistics.median(self.recent)
+
+
+def size_class(records: int) -> int:
+    """The size class of a request of `records` records: 0 for 1, 1 for 2-3, 2 for 4-7..."""
+    return max(records, 1).bit_length() - 1
+
+
 class AdaptiveLimit:
     """One target's concurrency limit, moved by samples (see the module docstring)."""
 
-    __slots__ = ("_cut_at", "_limit", "_long_rtt", "_recent", "_short_rtt", "settings")
+    __slots__ = ("_classes", "_cut_at", "_last", "_limit", "settings")
 
     def __init__(self, settings: LimitSettings) -> None:
         self.settings = settings
         self._limit = float(settings.initial)
-        self._long_rtt = 0.0
-        self._short_rtt = 0.0
-        self._recent: deque[float] = deque(maxlen=SHORT_WINDOW)
+        self._classes: dict[int, _RoundTrips] = {}
+        self._last: _RoundTrips | None = None
+        """The class of the last sample that got an answer (what `rtt` shows)."""
         self._cut_at = -math.inf
 
     @property
@@ -99,15 +137,19 @@ class AdaptiveLimit:
 
     @property
     def rtt(self) -> float:
-        """The recent round trip in seconds (0 before any sample)."""
-        return self._short_rtt
+        """The recent round trip in seconds, of the size class sampled last (0 before any
+        sample)."""
+        return 0.0 if self._last is None else self._last.short
 
-    def on_sample(self, now: float, rtt: float, inflight: int, dropped: bool) -> int:
+    def on_sample(
+        self, now: float, rtt: float, inflight: int, dropped: bool, records: int = 1
+    ) -> int:
         """Account one finished request and return the new limit.
 
         `now`: when it finished (any monotonic clock, seconds); `rtt`: how long it took;
         `inflight`: requests in flight when it was sent (including itself); `dropped`:
-        the endpoint refused it as overloaded (429/503) or it timed out.
+        the endpoint refused it as overloaded (429/503) or it timed out; `records`: how
+        many records it carried (its size class).
         """
         s = self.settings
         if dropped:
@@ -118,14 +160,13 @@ class AdaptiveLimit:
             return self.limit
         if rtt <= 0 or not math.isfinite(rtt):
             return self.limit
-        if self._long_rtt == 0.0:
-            self._long_rtt = rtt
-        else:
-            self._long_rtt += (rtt - self._long_rtt) / LONG_WINDOW
-        self._recent.append(rtt)
-        self._short_rtt = statistics.median(self._recent)
+        trips = self._classes.get(size_class(records))
+        if trips is None:
+            trips = self._classes[size_class(records)] = _RoundTrips()
+        trips.add(rtt)
+        self._last = trips
         limit = self._limit
-        gradient = min(1.0, s.tolerance * self._long_rtt / self._short_rtt)
+        gradient = min(1.0, s.tolerance * trips.long / trips.short)
         if gradient < 1.0:
             # Queueing at the endpoint: shrink toward what keeps the round trip level,
             # smoothed over a round trip's samples so one slow request moves it little.

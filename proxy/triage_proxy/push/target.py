@@ -368,7 +368,7 @@ class PushTarget:
             self.latency.observe(now - started)
         else:
             self.errors += 1
-        self.limiter.on_sample(now, now - started, inflight, result.dropped)
+        self.limiter.on_sample(now, now - started, inflight, result.dropped, len(records))
         self.release_slot()
         self._apply(lane, records, result.outcomes)
         self._regrant()
