@@ -343,8 +343,8 @@ class Proxy:
                 stack.push_async_callback(asyncio.to_thread, kafka_reader.close)
             self._service = service = TriageService(settings, {}, topology)
             self.topology = topology
+            stack.push_async_callback(self.push.stop)  # safe before start, and twice
             await self.push.start()
-            stack.push_async_callback(self.push.aclose)
             servers: list[grpc.aio.Server] = []
             if self._fleet is not None:
                 servers.append(await self._listen(stack, service, credentials))
@@ -384,7 +384,7 @@ class Proxy:
                 for pipeline in pipelines:
                     pipeline.stop(finish=False)
                 await asyncio.gather(*(p.drained.wait() for p in pipelines))
-                await self.push.aclose()
+                await self.push.stop()
                 for server in servers:
                     await server.stop(SERVER_GRACE_S)
                 await service.stop()

@@ -1,10 +1,10 @@
 """The one start/stop state machine of a component that runs one background task.
 
-Why: the dead-letter writer and the notifier each run a task until told to stop, and
-both must start once, stop safely twice (or before they started, or from two callers
-at once), give their task a bounded time to finish, and surface a bug it died of. That
-logic lives here once; a component supplies its task (`_run`) and what to log or
-release at each step (the `_on_*` hooks).
+Why: the dead-letter writer, the notifier and the push targets (each target, and the
+table of them) each run a task until told to stop, and all must start once, stop safely
+twice (or before they started, or from two callers at once), give their task a bounded
+time to finish, and surface a bug it died of. That logic lives here once; a component
+supplies its task (`_run`) and what to log or release at each step (the `_on_*` hooks).
 
 `stop()`: signal `_closing` -> let the task finish on its own, up to `stop_timeout_s`
 -> cancel it only if it outlives that -> STOPPED, then re-raise what the task died of.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from types import TracebackType
-from typing import ClassVar, Self
+from typing import Self
 
 from triage_proxy.errors import StateError
 
@@ -31,8 +31,9 @@ class State(enum.Enum):
 class Lifecycle:
     """Base of a component with one background task: `start()`, `stop()`, `async with`."""
 
-    name: ClassVar[str]
-    """What the component is, for errors and its task's name (e.g. "dead-letter writer")."""
+    name: str
+    """What the component is, for errors and its task's name (e.g. "dead-letter writer";
+    a class attribute, or set per instance: "push target orders")."""
 
     def __init__(self, stop_timeout_s: float) -> None:
         self._stop_timeout_s = stop_timeout_s

@@ -177,7 +177,7 @@ def test_a_name_that_does_not_resolve_is_an_outage_that_uses_no_attempt() -> Non
         try:
             return await target.call([record], [record])
         finally:
-            await target.aclose()
+            await target.stop()
 
     call = asyncio.run(scenario())
     (outcome,) = call.outcomes

@@ -9,6 +9,7 @@ A consumer registers with `GET /consumers` on the proxy's HTTP port:
     401 Malformed or invalid authorization token
     400 Missing gRPC port header            (or: a port outside 1-65535)
     403 the source address is outside the allow-list
+    503 the proxy is stopping
     200 registered (again: still registered)
 
 The proxy dials back the request's source address (the first X-Forwarded-For value when
@@ -49,6 +50,7 @@ from aiohttp import web
 
 from triage_protocol import handler_pb2, handler_pb2_grpc
 from triage_proxy.config.push import DEFAULT_ALLOW
+from triage_proxy.errors import ShuttingDown
 from triage_proxy.push.responses import Outcome, Verdict
 from triage_proxy.push.target import Call, PushTarget, TargetShape
 from triage_proxy.structs import Record
@@ -96,24 +98,20 @@ class GrpcTarget(PushTarget):
         self._channel: grpc.aio.Channel | None = None
         self._stub: handler_pb2_grpc.MessageHandlerAsyncStub | None = None
 
-    async def start(self) -> None:
+    def _connect(self) -> None:
         if self._credentials is None:
             self._channel = grpc.aio.insecure_channel(self.address)
         else:
             self._channel = grpc.aio.secure_channel(self.address, self._credentials)
         self._stub = handler_pb2_grpc.MessageHandlerStub(self._channel)
 
-    async def aclose(self) -> None:
-        await super().aclose()
+    async def _disconnect(self) -> None:
         if self._channel is not None:
             await self._channel.close()
 
-    async def finish(self) -> None:
-        await super().finish()
-        await self.aclose()
-
     async def call(self, records: list[Record], payloads: list[object]) -> Call:
-        assert self._stub is not None, "start() first"
+        self._check_sending()
+        assert self._stub is not None  # connected at start
         (record,) = records
         try:
             text = (record.value or b"").decode("utf-8")
@@ -230,5 +228,8 @@ class Registration:
         if not address_allowed(host, self._allow):
             return web.Response(status=403, text=f"Address {host} may not register")
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        await self._register(address)
+        try:
+            await self._register(address)
+        except ShuttingDown:
+            return web.Response(status=503, text="The proxy is stopping; register again later")
         return web.Response(status=200, text="registered")

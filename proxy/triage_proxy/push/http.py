@@ -83,7 +83,7 @@ class HttpTarget(PushTarget):
         self._client: HttpClient | None = None
         self._batched = shape.batch > 1
 
-    async def start(self) -> None:
+    def _connect(self) -> None:
         """Open the connection pool (one per target: a hung receiver holds only its own)."""
         self._client = HttpClient(
             self.endpoint.url,
@@ -92,8 +92,7 @@ class HttpTarget(PushTarget):
             user_agent=USER_AGENT,
         )
 
-    async def aclose(self) -> None:
-        await super().aclose()
+    async def _disconnect(self) -> None:
         if self._client is not None:
             self._client.close()
 
@@ -108,7 +107,8 @@ class HttpTarget(PushTarget):
         return event, len(event) + 1  # and its comma
 
     async def call(self, records: list[Record], payloads: list[object]) -> Call:
-        assert self._client is not None, "start() first"
+        self._check_sending()
+        assert self._client is not None  # connected at start
         endpoint = self.endpoint
         if self._batched:
             body = batch_body(cast("list[bytes]", payloads))

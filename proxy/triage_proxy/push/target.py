@@ -22,10 +22,17 @@ records the dispatcher hands over are the ones the requests can carry soon; a re
 queued in a lane is leased, and a lease that lapsed while queued would cost an attempt.
 The lease of what a request carries is renewed when the request starts.
 
-Shutdown (the pipeline's drain, then `end_sessions`): a lane's `end` stops its worker
-from starting requests; requests in flight finish until `stop()` cancels them; whatever
-a lane still holds is then given back without an attempt (`close_session` after the
-dispatcher's streams ended).
+Lifecycle (`lifecycle.Lifecycle`, as the dead-letter writer's): `start()` once (opens the
+connection pool or channel; a second start raises StateError), `stop()` safe twice or
+before start, `async with`. Partitions are attached only while it runs, and a request
+is sent only before it stopped (StateError otherwise: a send after close is a bug). The
+target's task waits for `stop()`, then: every lane ends (its worker starts no request)
+-> the requests in flight end by themselves, up to the stop timeout (`timeout_s` twice,
+the longest a request can take, plus a second) -> what outlives it is cancelled, and a
+cancelled request gives its records back without an attempt -> each lane gives back what
+it queued and closes its session -> the connections close. `stop(abandon=True)` cancels
+the requests in flight at once: the proxy's shutdown, once the pipelines drained (their
+drain timeout is the deadline, and it has passed).
 
 An endpoint that goes away during requests (a reset connection; a gRPC consumer gone),
 or a batch that gets no answer in time, is judged as a client instance that vanished,
@@ -34,8 +41,8 @@ policies.blamed_on_vanish): a suspect
 uses an attempt, the rest go back as suspects without one, and the scheduler gives each
 lane at most one suspect at a time. So a record that crashes the receiver every time is
 dead-lettered after at most `max_attempts + 1` crashes, and the records in flight beside
-it lose nothing. A gRPC consumer that is gone is closed with `finish`, not `aclose`: its
-calls in flight end by themselves (each with its own answer, so each is judged), and
+it lose nothing. A gRPC consumer that is gone is stopped with `stop()`, not abandoned:
+its calls in flight end by themselves (each with its own answer, so each is judged), and
 none starts after.
 """
 
@@ -50,6 +57,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from triage_proxy.errors import StateError
+from triage_proxy.lifecycle import Lifecycle, State
 from triage_proxy.observe.snapshot import PUSH_BUCKETS_S, LatencyHistogram, PushTargetSnapshot
 from triage_proxy.pipeline.dispatch import Dispatcher, Entry, Session
 from triage_proxy.pipeline.policies import backoff
@@ -68,6 +77,9 @@ PAUSE_MAX_S = 30.0
 """The longest pause: an endpoint back up is found within this."""
 LANE_FRAME_BYTES = 2**31 - 1
 """A lane takes any record: the request's size is the target's concern (batch bytes)."""
+STOP_MARGIN_S = 1.0
+"""At stop, requests in flight get the longest they can take (`timeout_s` twice: a gRPC
+call may wait that long for its connection, then as long for its answer) and this."""
 
 
 class PushNack(NamedTuple):
@@ -249,23 +261,32 @@ class Lane:
             self.dispatcher.suspect(self.session, offsets, cause)
 
 
-class PushTarget:
-    """One `[[push]]` target in this process; subclasses say how a call is made."""
+class PushTarget(Lifecycle):
+    """One `[[push]]` target in this process; subclasses say how a call is made (`call`)
+    and what they connect and disconnect (`_connect`, `_disconnect`). Its lifecycle is
+    `lifecycle.Lifecycle` (the module docstring has the order at stop)."""
 
     def __init__(
         self, shape: TargetShape, *, monotonic: Callable[[], float] = time.monotonic
     ) -> None:
+        super().__init__(stop_timeout_s=2 * shape.timeout_s + STOP_MARGIN_S)
+        self.name = f"push target {shape.name}"
         self.shape = shape
         self.limiter = AdaptiveLimit(shape.limit)
         self._monotonic = monotonic
         self._lanes: dict[int, Lane] = {}
         self._workers: set[asyncio.Task[None]] = set()
+        self._idle = asyncio.Event()
+        """Set while no lane worker runs."""
+        self._idle.set()
+        self._abandon = asyncio.Event()
+        """Set by stop(abandon=True): cancel the requests in flight now."""
         self._inflight = 0
         self._slot_freed = asyncio.Event()
         self._paused_until = 0.0
         self._failures = 0
         self._credits = 0
-        self.state = "ok"
+        self.condition = "ok"
         """What the target is doing, for status: ok, or why it waits."""
         self.latency = LatencyHistogram(PUSH_BUCKETS_S)
         """Request round trips that got an answer."""
@@ -279,15 +300,24 @@ class PushTarget:
     # --- partitions ----------------------------------------------------------------------
 
     def attach(self, partition: int, dispatcher: Dispatcher) -> None:
-        """Serve `partition` too: a session in its dispatcher, and a worker."""
+        """Serve `partition` too: a session in its dispatcher, and a worker. Only while
+        the target runs (StateError otherwise)."""
+        if self._state is not State.RUNNING:
+            raise StateError(f"{self.name} is {self._state.value}: it takes no partition")
         if partition in self._lanes:
             return
         lane = Lane(self, dispatcher)
         self._lanes[partition] = lane
         task = asyncio.create_task(lane.run(), name=f"push {self.shape.name} p{partition}")
         self._workers.add(task)
-        task.add_done_callback(self._workers.discard)
+        self._idle.clear()
+        task.add_done_callback(self._worker_ended)
         self._regrant()
+
+    def _worker_ended(self, task: asyncio.Task[None]) -> None:
+        self._workers.discard(task)
+        if not self._workers:
+            self._idle.set()
 
     def detach(self, partition: int) -> None:
         """Stop serving `partition` (its pipeline stops): the lane ends after its requests."""
@@ -348,8 +378,15 @@ class PushTarget:
         return record, record.size
 
     async def call(self, records: list[Record], payloads: list[object]) -> Call:
-        """Send `records` (prepared as `payloads`) in one request; an outcome per record."""
+        """Send `records` (prepared as `payloads`) in one request; an outcome per record.
+        Subclasses call `_check_sending()` first."""
         raise NotImplementedError
+
+    def _check_sending(self) -> None:
+        """A request goes out only between start() and the end of stop() (the requests
+        a stopping target finishes included): StateError otherwise."""
+        if self._state in (State.NEW, State.STOPPED):
+            raise StateError(f"{self.name} is {self._state.value}: it sends nothing")
 
     async def deliver(self, lane: Lane, entries: list[Entry], payloads: list[object]) -> None:
         """One request: call, then settle what it says (owned by the lane's set)."""
@@ -397,9 +434,9 @@ class PushTarget:
                 pause = outcome
         if acks or nacks:
             self._failures = 0 if not back else self._failures
-            if self.state != "ok" and not back:
+            if self.condition != "ok" and not back:
                 logger.info("push target %s: delivering again", self.shape.name)
-                self.state = "ok"
+                self.condition = "ok"
             lane.settle_soon(acks, nacks)
         if back:
             lane.give_back(back)
@@ -427,31 +464,66 @@ class PushTarget:
         if delay is None:
             delay = backoff(self._failures, initial=PAUSE_INITIAL_S, cap=PAUSE_MAX_S)
         self._paused_until = now + delay
-        self.state = f"{outcome.verdict.value}: {outcome.reason} (waiting {delay:.1f} s)"
-        logger.warning("push target %s paused: %s", self.shape.name, self.state)
+        self.condition = f"{outcome.verdict.value}: {outcome.reason} (waiting {delay:.1f} s)"
+        logger.warning("push target %s paused: %s", self.shape.name, self.condition)
         for lane in self._lanes.values():
             lane.give_back(lane.take_unsent())
         self._regrant()
 
-    # --- lifecycle -----------------------------------------------------------------------
+    # --- lifecycle (see lifecycle.Lifecycle and the module docstring) -------------------
 
-    async def finish(self) -> None:
-        """End every lane and wait for the requests in flight to end by themselves (at
-        most `timeout_s`): the endpoint is gone, and each request's own answer says what
-        becomes of its records, where cancelling it would give them back untried."""
-        for partition in list(self._lanes):
-            self.detach(partition)
-        if self._workers:
-            await asyncio.wait(set(self._workers))
+    async def stop(self, *, abandon: bool = False) -> None:
+        """End every lane; the requests in flight end by themselves up to the stop
+        timeout, or are cancelled at once with `abandon` (their records go back without
+        an attempt); then the connections close. Safe twice; `abandon` also cuts short a
+        stop() already waiting."""
+        if abandon:
+            self._abandon.set()
+        await super().stop()
 
-    async def aclose(self) -> None:
-        """End every lane and wait for the workers (their requests are cancelled)."""
-        for partition in list(self._lanes):
-            self.detach(partition)
-        for task in list(self._workers):
-            task.cancel()
-        if self._workers:
-            await asyncio.wait(set(self._workers))
+    async def _run(self) -> None:
+        try:
+            await self._closing.wait()
+            for partition in list(self._lanes):
+                self.detach(partition)
+            await wait_any(self._idle, self._abandon)
+        finally:
+            # Abandoned, or past the stop timeout (this task is cancelled): a cancelled
+            # worker cancels its requests, and they give their records back.
+            for task in list(self._workers):
+                task.cancel()
+            if self._workers:
+                await asyncio.wait(set(self._workers))
+            await self._disconnect()
+
+    def _connect(self) -> None:
+        """Open the connection pool or channel (at start)."""
+
+    async def _disconnect(self) -> None:
+        """Close what `_connect` opened (at the end of stop, once no request is left)."""
+
+    def _on_started(self) -> None:
+        self._connect()
+        logger.debug("%s started", self.name)
+
+    def _on_stopping(self) -> None:
+        logger.debug(
+            "%s stopping: %d requests in flight%s",
+            self.name,
+            self._inflight,
+            " (cancelled)" if self._abandon.is_set() else "",
+        )
+
+    def _on_overran(self) -> None:
+        logger.warning(
+            "%s: requests in flight outlived the %.1f s stop timeout; cancelled, their "
+            "records go back without an attempt",
+            self.name,
+            self._stop_timeout_s,
+        )
+
+    def _on_finished(self) -> None:
+        logger.debug("%s stopped", self.name)
 
     def snapshot(self) -> PushTargetSnapshot:
         """What status and metrics show of this target now."""
@@ -460,7 +532,7 @@ class PushTarget:
             limit=self.limiter.limit,
             in_flight=self._inflight,
             partitions=tuple(sorted(self._lanes)),
-            state=self.state,
+            state=self.condition,
             latency=self.latency.copy(),
             responses=dict(self.responses),
             records=dict(self.records),

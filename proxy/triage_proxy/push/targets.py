@@ -9,8 +9,15 @@ drops it when the consumer is gone (UNAVAILABLE), until it registers again; whil
 is registered, the table shows in status and metrics as one target that waits
 (`UNREGISTERED`).
 
+Lifecycle (`lifecycle.Lifecycle`, as each target's): `start()` once, `stop()` safe twice
+or before start, `async with`. A target that fails to start stops the ones started before
+it, and the table ends STOPPED. The table's task owns the stopping of the gRPC consumers
+that are gone (each stopped gracefully: its calls in flight end with their own answers).
 Order at stop: the pipelines drain first (their dispatchers stop handing out records and
-wait for what is in flight), then `aclose()` ends every lane and closes the connections.
+wait for what is in flight), then `stop()` ends every target's lanes, cancels the
+requests still in flight (the drain's deadline has passed: `stop(abandon=True)`) and
+closes the connections. A consumer that registers once the table is stopping is refused
+(ShuttingDown: `GET /consumers` answers 503); a partition offered then is ignored.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from aiohttp import web
 
 from triage_proxy.config.push import PushTargetSettings
 from triage_proxy.config.settings import Settings
+from triage_proxy.errors import ShuttingDown, StateError
+from triage_proxy.lifecycle import Lifecycle, State
 from triage_proxy.observe.snapshot import PUSH_BUCKETS_S, LatencyHistogram, PushTargetSnapshot
 from triage_proxy.pipeline.dispatch import Dispatcher
 from triage_proxy.push.cloudevents import EventShape
@@ -32,6 +41,7 @@ from triage_proxy.push.grpc import GrpcTarget, Registration
 from triage_proxy.push.http import HttpEndpoint, HttpTarget
 from triage_proxy.push.limit import LimitSettings
 from triage_proxy.push.target import PushTarget, TargetShape
+from triage_proxy.waiting import wait_any
 
 __all__ = ["PushTargets", "default_source"]
 
@@ -109,29 +119,56 @@ short: `triage status` shows the state's first word in an 80-column table, the r
 it."""
 
 
-class PushTargets:
+STOP_TIMEOUT_S = 30.0
+"""How long the table's task may take at stop: each target's requests are cancelled at
+once then, so this bounds only a target stuck closing its connections."""
+
+
+class PushTargets(Lifecycle):
     """The process's push targets; see the module docstring."""
 
+    name = "push targets"
+
     def __init__(self, settings: Settings, tokens: Callable[[], Iterable[str]]) -> None:
+        super().__init__(stop_timeout_s=STOP_TIMEOUT_S)
         self._settings = settings
         self._tokens = tokens
         self._targets: list[PushTarget] = []
         self._registered: dict[str, GrpcTarget] = {}
         self._grpc = next((t for t in settings.push if t.mode == "grpc"), None)
         self._serving: dict[int, Dispatcher] = {}
-        self._closing: set[asyncio.Task[None]] = set()
+        self._gone: list[GrpcTarget] = []
+        """Consumers gone, for the table's task to stop."""
+        self._wake = asyncio.Event()
+        """Set when `_gone` has a target."""
 
     def __bool__(self) -> bool:
         return bool(self._settings.push)
 
     async def start(self) -> None:
-        """Open the HTTP targets' connection pools."""
-        for table in self._settings.push:
-            if table.mode == "http":
-                target = http_target(self._settings, table)
-                await target.start()
-                self._targets.append(target)
-                logger.info("push target %s: %s", table.name, table.url)
+        """Open the HTTP targets' connection pools. A target that fails to start stops
+        the table (and the targets started before it), then its error is raised."""
+        await super().start()
+        try:
+            for table in self._settings.push:
+                if table.mode == "http":
+                    target = http_target(self._settings, table)
+                    await self._add(target)
+                    logger.info("push target %s: %s", table.name, table.url)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _add(self, target: PushTarget) -> None:
+        """Start `target` and hand it every partition served; ShuttingDown when the table
+        stopped meanwhile (the target is stopped again)."""
+        await target.start()
+        if self._state is not State.RUNNING:
+            await target.stop(abandon=True)
+            raise ShuttingDown(f"{self.name} {self._state.value}: {target.name} not added")
+        self._targets.append(target)
+        for partition, dispatcher in self._serving.items():
+            target.attach(partition, dispatcher)
 
     def registration(self) -> Registration | None:
         """The `GET /consumers` handler, when a mode "grpc" target takes registrations."""
@@ -150,34 +187,42 @@ class PushTargets:
         return [] if registration is None else [web.get("/consumers", registration.handle)]
 
     async def register(self, address: str) -> None:
-        """A consumer at `address` serves triage.MessageHandler: deliver to it too."""
+        """A consumer at `address` serves triage.MessageHandler: deliver to it too.
+        ShuttingDown once the table is stopping (StateError before it started)."""
+        if self._state is State.NEW:
+            raise StateError(f"{self.name} not started: no registration yet")
+        if self._state is not State.RUNNING:
+            raise ShuttingDown(f"{self.name} {self._state.value}: no new consumer")
         if self._grpc is None or address in self._registered:
             return
         target = GrpcTarget(
             shape_of(self._grpc, f"{self._grpc.name}@{address}"),
             address,
             credentials=_grpc_credentials(self._grpc),
-            on_gone=self._gone,
+            on_gone=self._on_gone,
         )
-        await target.start()
+        await self._add(target)
         self._registered[address] = target
-        self._targets.append(target)
-        for partition, dispatcher in self._serving.items():
-            target.attach(partition, dispatcher)
         logger.info("push consumer registered at %s", address)
 
-    def _gone(self, target: GrpcTarget) -> None:
+    def _on_gone(self, target: GrpcTarget) -> None:
+        """The consumer is gone (UNAVAILABLE): forget it; the table's task stops it."""
         if self._registered.get(target.address) is not target:
             return
         del self._registered[target.address]
         self._targets.remove(target)
         logger.warning("push consumer at %s is gone (UNAVAILABLE)", target.address)
-        task = asyncio.get_running_loop().create_task(target.finish())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        self._gone.append(target)
+        self._wake.set()
 
     def serve(self, partition: int, dispatcher: Dispatcher) -> None:
-        """`partition` delivers now: every target takes from it."""
+        """`partition` delivers now: every target takes from it. Ignored once the table
+        is stopping (nothing would take from it); StateError before it started."""
+        if self._state is State.NEW:
+            raise StateError(f"{self.name} not started: cannot serve partition {partition}")
+        if self._state is not State.RUNNING:
+            logger.debug("%s %s: not serving partition %d", self.name, self._state.value, partition)
+            return
         self._serving[partition] = dispatcher
         for target in self._targets:
             target.attach(partition, dispatcher)
@@ -188,14 +233,44 @@ class PushTargets:
         for target in self._targets:
             target.detach(partition)
 
-    async def aclose(self) -> None:
-        """End every lane and close every connection (after the pipelines drained)."""
-        for target in list(self._targets):
-            await target.aclose()
-        self._targets.clear()
-        self._registered.clear()
-        if self._closing:
-            await asyncio.wait(set(self._closing))
+    # --- lifecycle (see lifecycle.Lifecycle) -----------------------------------------
+
+    async def _run(self) -> None:
+        """Stop each consumer that is gone, gracefully, until stop(); then every target,
+        abandoning its requests in flight (the pipelines drained before)."""
+        stopping: dict[asyncio.Task[None], PushTarget] = {}
+
+        def stopped(task: asyncio.Task[None]) -> None:
+            target = stopping.pop(task, None)
+            if target is not None and not task.cancelled() and task.exception() is not None:
+                logger.error("%s failed to stop", target.name, exc_info=task.exception())
+
+        try:
+            while not self._closing.is_set():
+                self._wake.clear()
+                for target in self._gone:
+                    task = asyncio.create_task(target.stop(), name=f"stop {target.name}")
+                    stopping[task] = target
+                    task.add_done_callback(stopped)
+                self._gone.clear()
+                await wait_any(self._wake, self._closing)
+        finally:
+            targets = [*self._targets, *self._gone, *stopping.values()]
+            self._targets.clear()
+            self._registered.clear()
+            self._gone.clear()
+            self._serving.clear()
+            ends = [asyncio.create_task(t.stop(abandon=True)) for t in targets]
+            # A gone consumer's stop already under way ends too (abandoned): wait for it.
+            pending = [*ends, *stopping]
+            if pending:
+                await asyncio.wait(pending)
+        for task in ends:
+            if not task.cancelled() and (exc := task.exception()) is not None:
+                raise exc
+
+    def _on_stopping(self) -> None:
+        logger.debug("%s stopping: %d targets", self.name, len(self._targets))
 
     def snapshot(self) -> tuple[PushTargetSnapshot, ...]:
         """Every target now; a mode "grpc" target no consumer has registered with shows as
