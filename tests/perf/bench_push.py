@@ -46,6 +46,7 @@ from tests.commit_watcher import CommitWatcher
 from tests.perf.common import produce_values, table
 from triage_cli.demo import Kind, Workload, count_dead_letters, run_serial_baseline
 from triage_cli.devstack import DevStack
+from triage_proxy.errors import ConfigError
 
 RECEIVER = Path(__file__).with_name("push_receiver.js")
 
@@ -259,7 +260,7 @@ def adaptive(args: argparse.Namespace) -> bool:
                 now = time.time() - start
                 try:
                     limit = int(push_status(stack).get("limit", 0))
-                except OSError:
+                except (OSError, ConfigError):  # the stack is gone: the run ended
                     return
                 trace.append((now, limit))
                 if not slowed and now >= 10.0:
@@ -350,7 +351,7 @@ def mixed(args: argparse.Namespace) -> bool:
             while True:
                 try:
                     limit = int(push_status(stack).get("limit", 0))
-                except OSError:
+                except (OSError, ConfigError):  # the stack is gone: the run ended
                     return
                 trace.append((time.time() - start, limit))
                 time.sleep(0.25)
