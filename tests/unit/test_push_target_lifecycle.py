@@ -15,7 +15,7 @@ from aiohttp.test_utils import make_mocked_request
 
 from tests.unit.test_dispatcher import BASE
 from triage_proxy.config.loader import settings_from_dict
-from triage_proxy.errors import ShuttingDown, StateError
+from triage_proxy.errors import ConfigError, ShuttingDown, StateError
 from triage_proxy.lifecycle import State
 from triage_proxy.pipeline.dispatch import Dispatcher
 from triage_proxy.pipeline.tracker import CommitTracker
@@ -257,6 +257,24 @@ def test_the_table_starts_once_and_stops_safely_twice() -> None:
     run(main())
 
 
+def test_a_close_during_the_tables_start_leaves_nothing_running() -> None:
+    async def main() -> None:
+        first = table(HTTP, GRPC)
+        await asyncio.gather(first.start(), first.stop())
+        assert first.state is State.STOPPED
+        assert not others()
+        second = table(HTTP)
+        stopped, started = await asyncio.gather(
+            second.stop(), second.start(), return_exceptions=True
+        )
+        assert stopped is None
+        assert isinstance(started, StateError)
+        assert second.snapshot() == ()
+        assert not others()
+
+    run(main())
+
+
 def test_a_table_that_fails_to_start_stops_what_it_started() -> None:
     """The second target's token names an environment variable that is not set: the
     first target, already started, is stopped again, and the error surfaces."""
@@ -264,7 +282,7 @@ def test_a_table_that_fails_to_start_stops_what_it_started() -> None:
 
     async def main() -> None:
         targets = table(HTTP, broken)
-        with pytest.raises(Exception, match="TRIAGE_TEST_UNSET_X"):
+        with pytest.raises(ConfigError, match="TRIAGE_TEST_UNSET_X is not set"):
             await targets.start()
         assert targets.state is State.STOPPED
         assert not others()
