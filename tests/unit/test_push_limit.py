@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import heapq
+import math
+import statistics
+from collections import deque
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from triage_proxy.push.limit import AdaptiveLimit, LimitSettings, size_class
+from triage_proxy.push.limit import (
+    LONG_WINDOW,
+    SHORT_WINDOW,
+    AdaptiveLimit,
+    LimitSettings,
+    size_class,
+)
 
 
 def settings(**kw: float) -> LimitSettings:
@@ -222,3 +233,62 @@ def test_size_classes_span_a_factor_of_two() -> None:
         8,
         13,
     ]
+
+
+class OneClass:
+    """The limiter as it was with one long-run and one recent round trip for every
+    request: what requests of one record each must still get."""
+
+    def __init__(self, s: LimitSettings) -> None:
+        self.s = s
+        self.limit = float(s.initial)
+        self.long = 0.0
+        self.recent: deque[float] = deque(maxlen=SHORT_WINDOW)
+        self.cut_at = -math.inf
+
+    def on_sample(self, now: float, rtt: float, inflight: int, dropped: bool) -> int:
+        s = self.s
+        if dropped:
+            if now - rtt >= self.cut_at:
+                self.limit = max(float(s.min_limit), self.limit * s.backoff_ratio)
+                self.cut_at = now
+            return int(self.limit)
+        if rtt <= 0 or not math.isfinite(rtt):
+            return int(self.limit)
+        self.long = rtt if self.long == 0.0 else self.long + (rtt - self.long) / LONG_WINDOW
+        self.recent.append(rtt)
+        short = statistics.median(self.recent)
+        limit = self.limit
+        gradient = min(1.0, s.tolerance * self.long / short)
+        if gradient < 1.0:
+            limit -= (limit - max(float(s.min_limit), limit * gradient)) / max(limit, 1.0)
+        elif inflight * 2 >= limit:
+            limit += 1.0 / limit
+        self.limit = min(float(s.max_limit), max(float(s.min_limit), limit))
+        return int(self.limit)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(0.0, 1.0),  # time since the last sample
+            st.floats(0.0001, 5.0),  # round trip
+            st.integers(1, 64),  # in flight
+            st.booleans(),  # dropped
+        ),
+        max_size=300,
+    )
+)
+def test_requests_of_one_record_are_judged_as_with_one_class(
+    samples: list[tuple[float, float, int, bool]],
+) -> None:
+    """`batch = 1` and gRPC targets: every request is one class, so the size classes
+    change nothing for them."""
+    s = settings(min_limit=1, max_limit=64, initial=8)
+    limiter, reference = AdaptiveLimit(s), OneClass(s)
+    now = 0.0
+    for dt, rtt, inflight, dropped in samples:
+        now += dt
+        assert limiter.on_sample(now, rtt, inflight, dropped) == reference.on_sample(
+            now, rtt, inflight, dropped
+        )
