@@ -20,12 +20,14 @@ __all__ = [
     "Outcome",
     "RateLimit",
     "TokenBucket",
+    "Verdict",
     "after_failure",
     "backoff",
     "blamed_on_vanish",
     "checkpoint_due",
     "durability_due",
     "held_burst",
+    "judged_on_vanish",
     "rate_limit",
     "redelivery_delay",
     "retry_delay",
@@ -40,6 +42,19 @@ class Outcome(enum.Enum):
     """Hand it out again (after the retry delay when it was nacked with retry)."""
     DEAD_LETTER = "dead_letter"
     """Write it to the dead-letter table; it will not be delivered again."""
+
+
+class Verdict(enum.Enum):
+    """What becomes of a delivery its holder vanished with (`judged_on_vanish`)."""
+
+    BLAMED = "blamed"
+    """The evidence points at it: it uses an attempt and goes back as a suspect."""
+    SUSPECT = "suspect"
+    """Nothing explains the crash, or it was a suspect already: back as a suspect, no
+    attempt used."""
+    ACQUITTED = "acquitted"
+    """The one blamed delivery explains the crash: back as an ordinary delivery, no
+    attempt used, remembering whom the crash was blamed on."""
 
 
 def backoff(failures: int, *, initial: float, cap: float, multiplier: float = 2.0) -> float:
@@ -273,6 +288,59 @@ def blamed_on_vanish(suspects: Sequence[bool], started: Sequence[bool] | None = 
     if len(suspects) == 1:
         return [True]
     return list(suspects)
+
+
+def judged_on_vanish(
+    offsets: Sequence[int],
+    suspects: Sequence[bool],
+    acquittals: Sequence[tuple[int, int]],
+    started: Sequence[bool] | None = None,
+    *,
+    isolating: bool = True,
+) -> list[Verdict]:
+    """What becomes of each delivery of an instance's stream that vanished, given their
+    offsets, which were suspects, each one's acquittals at earlier crashes (how many, and
+    the offset of the record the last one blamed: (0, -1) for none), and which suspects
+    it started (`isolating`: reported by the instance itself, Hello.isolation; a push
+    target's records all count as started, `isolating` False).
+
+    `blamed_on_vanish` names who uses an attempt. When it names the one started isolated
+    suspect of an isolating instance, that one explains the crash, and a delivery held
+    beside it that is no suspect goes back as an ordinary delivery (`ACQUITTED`), at
+    full concurrency: an isolated crash-type pill costs its neighbours neither an attempt
+    nor a turn in the suspects' one-at-a-time lane. Everything else held goes back as a
+    suspect, as after a crash nothing explains (a pill on its first delivery) and after
+    any crash of an older client or a push target: their one suspect ran beside the
+    others, which proves less.
+
+    A delivery is acquitted at most twice, and the second time only for the record its
+    first acquittal blamed: a blamed pill goes out again at once (`redelivery_delay` is 0
+    after the first failure) and crashes the next process too, which may hold the
+    records acquitted at the first crash. Held at any other crash it becomes a suspect.
+
+    Why the bound: the evidence is wrong only when a pill on its first delivery crashes
+    a process in the moments a healthy suspect is its started isolated delivery (the
+    coincidence of `blamed_on_vanish`); the pill is then acquitted, and each crash it is
+    acquitted at may blame a healthy record. So one pill costs healthy records at most
+    three attempts this way (one without acquittals), and is a suspect from its third
+    crash at the latest. Acquittals, like suspicion, are not persisted.
+    """
+    blamed = blamed_on_vanish(suspects, started)
+    culprits = [offset for offset, guilty in zip(offsets, blamed, strict=True) if guilty]
+    culprit = culprits[0] if len(culprits) == 1 and started is not None and isolating else None
+    verdicts: list[Verdict] = []
+    for guilty, suspect, (times, blamed_then) in zip(blamed, suspects, acquittals, strict=True):
+        if guilty:
+            verdicts.append(Verdict.BLAMED)
+        elif (
+            suspect
+            or culprit is None
+            or not (times == 0 or (times == 1 and blamed_then == culprit))
+        ):
+            verdicts.append(Verdict.SUSPECT)
+        else:
+            verdicts.append(Verdict.ACQUITTED)
+    return verdicts
 
 
 _SLACK = 1e-9
