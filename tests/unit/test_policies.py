@@ -15,8 +15,8 @@ from triage_proxy.config.bounds import MAX_DURATION_S
 from triage_proxy.config.sections import RetrySettings
 from triage_proxy.pipeline.policies import (
     SPAN_DOUBLINGS,
+    Judgement,
     Outcome,
-    Verdict,
     after_failure,
     backoff,
     blamed_on_vanish,
@@ -457,7 +457,7 @@ def test_a_process_with_one_started_isolated_delivery_loses_at_most_one_attempt(
 # --- acquittals: what a crash blamed on one record makes of its neighbours ------------------
 
 NONE = (0, -1)
-B, S, A = Verdict.BLAMED, Verdict.SUSPECT, Verdict.ACQUITTED
+B, S, A = Judgement.BLAMED, Judgement.SUSPECT, Judgement.ACQUITTED
 
 
 def test_the_neighbours_of_a_blamed_started_isolated_suspect_are_acquitted() -> None:
@@ -511,7 +511,7 @@ def test_a_pill_is_acquitted_at_most_twice_before_it_is_a_suspect(
     pill costs healthy records at most 3 attempts and is isolated by its third crash."""
     pill = 99
     acquittal = NONE
-    verdicts: list[Verdict] = []
+    verdicts: list[Judgement] = []
     for culprit in crashes:
         if culprit is None:
             (verdict,) = judged_on_vanish([pill], [False], [acquittal], [False])

@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from triage_proxy.config.sections import RateLimitSettings, RetrySettings
 
 __all__ = [
+    "Judgement",
     "Outcome",
     "RateLimit",
     "TokenBucket",
-    "Verdict",
     "after_failure",
     "backoff",
     "blamed_on_vanish",
@@ -44,7 +44,7 @@ class Outcome(enum.Enum):
     """Write it to the dead-letter table; it will not be delivered again."""
 
 
-class Verdict(enum.Enum):
+class Judgement(enum.Enum):
     """What becomes of a delivery its holder vanished with (`judged_on_vanish`)."""
 
     BLAMED = "blamed"
@@ -297,7 +297,7 @@ def judged_on_vanish(
     started: Sequence[bool] | None = None,
     *,
     isolating: bool = True,
-) -> list[Verdict]:
+) -> list[Judgement]:
     """What becomes of each delivery of an instance's stream that vanished, given their
     offsets, which were suspects, each one's acquittals at earlier crashes (how many, and
     the offset of the record the last one blamed: (0, -1) for none), and which suspects
@@ -328,18 +328,18 @@ def judged_on_vanish(
     blamed = blamed_on_vanish(suspects, started)
     culprits = [offset for offset, guilty in zip(offsets, blamed, strict=True) if guilty]
     culprit = culprits[0] if len(culprits) == 1 and started is not None and isolating else None
-    verdicts: list[Verdict] = []
+    verdicts: list[Judgement] = []
     for guilty, suspect, (times, blamed_then) in zip(blamed, suspects, acquittals, strict=True):
         if guilty:
-            verdicts.append(Verdict.BLAMED)
+            verdicts.append(Judgement.BLAMED)
         elif (
             suspect
             or culprit is None
             or not (times == 0 or (times == 1 and blamed_then == culprit))
         ):
-            verdicts.append(Verdict.SUSPECT)
+            verdicts.append(Judgement.SUSPECT)
         else:
-            verdicts.append(Verdict.ACQUITTED)
+            verdicts.append(Judgement.ACQUITTED)
     return verdicts
 
 

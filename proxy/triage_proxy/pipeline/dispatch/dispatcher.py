@@ -44,7 +44,7 @@ from triage_proxy.pipeline.dispatch.redelivery import Redelivery
 from triage_proxy.pipeline.dispatch.scheduler import Scheduler
 from triage_proxy.pipeline.dispatch.sessions import Outlet, Session, Sessions
 from triage_proxy.pipeline.dispatch.window import SIZE, Counters, Entry, Nack, Span, Window
-from triage_proxy.pipeline.policies import Verdict, judged_on_vanish, rate_limit
+from triage_proxy.pipeline.policies import Judgement, judged_on_vanish, rate_limit
 from triage_proxy.pipeline.tracker import CommitTracker
 from triage_proxy.structs import DeadLetter, Record
 from triage_proxy.waiting import wait_any
@@ -449,9 +449,9 @@ class Dispatcher:
         )
         culprit = -1
         for entry, verdict in zip(held, verdicts, strict=True):
-            if verdict is Verdict.SUSPECT:
+            if verdict is Judgement.SUSPECT:
                 cleared.append(entry)
-            elif verdict is Verdict.ACQUITTED:
+            elif verdict is Judgement.ACQUITTED:
                 acquitted.append(entry)
             else:
                 culprit = entry.record.offset
