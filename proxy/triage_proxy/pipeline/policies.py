@@ -260,12 +260,14 @@ def blamed_on_vanish(suspects: Sequence[bool], started: Sequence[bool] | None = 
     its streams, to every proxy) and reports it Started, and waits for the proxy's answer,
     before its handler runs. So at any crash the process has at most one started isolated
     delivery, and only that one is blamed: a delivery held alone, a suspect waiting for its
-    turn, and every delivery on the process's other streams go back as suspects without
-    losing an attempt. A crash-type pill is blamed from its second crash on (its first
-    makes it a suspect), each time it crashes a process as the one isolated delivery
-    running there: `max_attempts + 1` crashes in one proxy run, as below. A healthy record
-    loses an attempt only when a pill on its first delivery (not isolated yet) crashes the
-    process in the moments the healthy one is the process's started isolated delivery.
+    turn, and every delivery on the process's other streams go back without losing an
+    attempt (as suspects, or acquitted: `judged_on_vanish`). A crash-type pill is blamed
+    from its second crash on (its first makes it a suspect), each time it crashes a
+    process as the one isolated delivery running there: `max_attempts + 1` crashes in one
+    proxy run, as below. A healthy record loses an attempt only when a pill on its first
+    delivery (not isolated yet) crashes the process in the moments the healthy one is the
+    process's started isolated delivery (then the pill may be acquitted at up to two
+    crashes more: `judged_on_vanish`).
 
     Without `started` (an older client), per stream:
 

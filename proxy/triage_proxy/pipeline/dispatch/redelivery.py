@@ -126,8 +126,9 @@ class Redelivery:
         return waiting
 
     def clear(self, entries: list[Entry]) -> None:
-        """`entries` were held by an instance that vanished, and nothing points at them
-        (`blamed_on_vanish`): back as suspects at once, without using an attempt."""
+        """`entries` were held by an instance that vanished, nothing points at them, and
+        nothing explains the crash (`judged_on_vanish`): back as suspects at once, without
+        using an attempt."""
         for entry in entries:
             entry.holder = None
             entry.attempt -= 1
