@@ -306,14 +306,17 @@ class Dispatcher:
         cause = "its instance disconnected while handling it"
         started = session.started
         began = [e.record.offset in started for e in held] if session.isolating else None
-        blamed, back, later = self._judge_vanished(held, began, cause, session.consumer_id)
+        blamed, back, later, acquitted = self._judge_vanished(
+            held, began, cause, session.consumer_id
+        )
         logger.info(
             "instance %s disconnected; %d records back to the queue (%d blamed, %d after "
-            "a backoff; see policies.judged_on_vanish)",
+            "a backoff, %d acquitted: see policies.judged_on_vanish)",
             for_log(session.consumer_id),
             back,
             blamed,
             later,
+            acquitted,
         )
         session.outlet.end()
         self._window.update_events()
@@ -430,13 +433,14 @@ class Dispatcher:
         consumer_id: str,
         *,
         isolating: bool = True,
-    ) -> tuple[int, int, int]:
+    ) -> tuple[int, int, int, int]:
         """`held` comes back from a holder that vanished (`began`: which it started, None
         when it reports nothing; `isolating`: the holder's own Started reports, not a push
         target's every record): `judged_on_vanish` says who uses an
         attempt; the rest go back without one, as ordinary deliveries when the crash is
         blamed on one of them, else as suspects. Returns (blamed, back in the queue, of
-        those after a backoff); a blamed one out of attempts is dead-lettered."""
+        those after a backoff, of those acquitted); a blamed one out of attempts is
+        dead-lettered."""
         again: list[Entry] = []
         cleared: list[Entry] = []
         acquitted: list[Entry] = []
@@ -462,7 +466,7 @@ class Dispatcher:
         if acquitted:
             self._redelivery.acquit(acquitted, culprit)
         back = len(again) + len(cleared) + len(acquitted)
-        return len(held) - len(cleared) - len(acquitted), back, later
+        return len(held) - len(cleared) - len(acquitted), back, later, len(acquitted)
 
     # --- what the dead-letter writer says -------------------------------------------------
 
