@@ -2,7 +2,7 @@
 `triage proxy` walks before it binds a port or takes a lease, and `triage config check`
 walks to say OK.
 
-    ports           config/settings.py: server.port + slot and server.http_port + slot
+    ports           config/validation.py: server.port + slot and server.http_port + slot
                     fit in 65535
     TLS files       config/checks.py: each PEM parses, the key matches the certificate
     addresses       config/checks.py: server.host and server.http_host can be bound
