@@ -6,7 +6,8 @@ proxy runs from (the one `triage dev` writes works as is). The selection, render
 and replay protocol live in the `triage_proxy.store` package (`query.py`, `replay.py`;
 `pages.py` and `bulk.py` for paged reads and bulk actions; the console uses them too),
 shared with the Spark job, so the two never disagree about which items a filter selects
-or whether an item was replayed; rendering for people is `triage_cli/render.py`.
+or whether an item was replayed; how a dead letter's bytes are shown to people is
+`triage_cli/render.py` (the console's too), which this package's `render.py` uses.
 
     triage dlq list    --config F [filters] [--json] [--limit N] [--cursor C]
     triage dlq show    --config F TOPIC PARTITION OFFSET [--json]
