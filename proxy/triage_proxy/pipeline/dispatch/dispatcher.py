@@ -437,8 +437,8 @@ class Dispatcher:
         """`held` comes back from a holder that vanished (`began`: which it started, None
         when it reports nothing; `isolating`: the holder's own Started reports, not a push
         target's every record): `judged_on_vanish` says who uses an
-        attempt; the rest go back without one, as ordinary deliveries when the crash is
-        blamed on one of them, else as suspects. Returns (blamed, back in the queue, of
+        attempt; the rest go back without one, acquitted (as ordinary deliveries) or as
+        suspects. Returns (blamed, back in the queue, of
         those after a backoff, of those acquitted); a blamed one out of attempts is
         dead-lettered."""
         again: list[Entry] = []

@@ -5,7 +5,8 @@ deadline passes (its lease expires), or when its instance vanishes and the evide
 points at it (`judged_on_vanish`: the isolated suspect it reported started, or for an
 older client the only delivery it held or its one suspect); the other deliveries of a
 vanished instance go back without using an attempt, as ordinary deliveries when the
-crash was blamed on one of them (`acquit`), else as suspects (`clear`). The pure policy
+crash was blamed on one of them and they were no suspects (`acquit`, at most twice in a
+row), else as suspects (`clear`). The pure policy
 `after_failure` then says: redeliver or, once the attempts are exhausted, dead-letter it
 with the last cause. A retry nack waits `retry_delay` in BACKOFF; a vanished instance or
 a lapsed lease waits `redelivery_delay` (the first time not at all, then gaps that add
@@ -127,8 +128,9 @@ class Redelivery:
 
     def clear(self, entries: list[Entry]) -> None:
         """`entries` were held by an instance that vanished, nothing points at them, and
-        nothing explains the crash (`judged_on_vanish`): back as suspects at once, without
-        using an attempt."""
+        they are not acquitted (`judged_on_vanish`: nothing explains the crash, or they
+        were suspects already, or were acquitted as often as it allows): back as suspects
+        at once, without using an attempt."""
         for entry in entries:
             entry.holder = None
             entry.attempt -= 1

@@ -94,8 +94,8 @@ class Entry:
     Set from then until it is settled or handled (see scheduler.py, `suspects`)."""
     acquittals: tuple[int, int]
     """How often it was held at a crash blamed on another record and went back as no
-    suspect, and that record's offset the last time: NOT_ACQUITTED, or after that until
-    it becomes a suspect (policies.judged_on_vanish)."""
+    suspect, and that record's offset the last time: NOT_ACQUITTED until its first
+    acquittal, and again once it becomes a suspect (policies.judged_on_vanish)."""
     fetched_at: float
     """When it entered the window (monotonic seconds; for the oldest unsettled age)."""
     delivered_at: float
