@@ -266,8 +266,9 @@ def blamed_on_vanish(suspects: Sequence[bool], started: Sequence[bool] | None = 
     process as the one isolated delivery running there: `max_attempts + 1` crashes in one
     proxy run, as below. A healthy record loses an attempt only when a pill on its first
     delivery (not isolated yet) crashes the process in the moments the healthy one is the
-    process's started isolated delivery (then the pill may be acquitted at up to two
-    crashes more: `judged_on_vanish`).
+    process's started isolated delivery (then the pill is acquitted, at that crash and at
+    most one more, and the crashes until it is a suspect may blame a healthy record
+    again: `judged_on_vanish`).
 
     Without `started` (an older client), per stream:
 
