@@ -311,7 +311,8 @@ class Dispatcher:
         )
         logger.info(
             "instance %s disconnected; %d records back to the queue (%d blamed, %d after "
-            "a backoff, %d acquitted: see policies.judged_on_vanish)",
+            "a backoff, %d acquitted as ordinary deliveries, the crash being blamed on "
+            "its started suspect)",
             for_log(session.consumer_id),
             back,
             blamed,
