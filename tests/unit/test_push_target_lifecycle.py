@@ -170,16 +170,23 @@ def test_a_target_sends_nothing_and_takes_no_partition_unless_running() -> None:
     run(main())
 
 
+async def _stopping(target: Twin, dispatcher: Dispatcher) -> asyncio.Task[None]:
+    """Start `target` on `dispatcher`'s partition, wait for a request in flight (held at
+    the target's gate), and begin a graceful stop: the stop's task, in STOPPING."""
+    await target.start()
+    target.attach(0, dispatcher)
+    await asyncio.wait_for(target.calling.wait(), BOUND_S)
+    stopping = asyncio.create_task(target.stop())
+    await asyncio.sleep(0)  # the stop task runs to its first wait
+    assert target.state is State.STOPPING
+    return stopping
+
+
 def test_stop_lets_the_requests_in_flight_end_with_their_answers() -> None:
     async def main() -> None:
         target = Twin()
         dispatcher = dispatcher_with(3)
-        await target.start()
-        target.attach(0, dispatcher)
-        await asyncio.wait_for(target.calling.wait(), BOUND_S)
-        stopping = asyncio.create_task(target.stop())
-        await asyncio.sleep(0)  # the stop task runs to its first wait
-        assert target.state is State.STOPPING
+        stopping = await _stopping(target, dispatcher)
         target.gate.set()
         await asyncio.wait_for(stopping, BOUND_S)
         assert target.answered >= 1
@@ -195,12 +202,7 @@ def test_stop_abandoning_cancels_the_requests_and_gives_their_records_back() -> 
     async def main() -> None:
         target = Twin()
         dispatcher = dispatcher_with(3)
-        await target.start()
-        target.attach(0, dispatcher)
-        await asyncio.wait_for(target.calling.wait(), BOUND_S)
-        graceful = asyncio.create_task(target.stop())  # would wait for the gate
-        await asyncio.sleep(0)  # the stop task runs to its first wait
-        assert target.state is State.STOPPING
+        graceful = await _stopping(target, dispatcher)  # would wait for the gate
         await asyncio.wait_for(target.stop(abandon=True), BOUND_S)  # cuts it short
         await asyncio.wait_for(graceful, BOUND_S)
         assert target.answered == 0
