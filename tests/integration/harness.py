@@ -15,9 +15,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import boto3
 import grpc
@@ -445,6 +445,22 @@ class ChildProcess:
         self.proc.wait(10)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+
+
+class Killable(Protocol):
+    def kill(self) -> None: ...
+
+
+def run_then_kill(
+    scenario: Callable[[], Coroutine[Any, Any, None]], children: Sequence[Killable]
+) -> None:
+    """Run a test's `scenario` in its own event loop, then kill every child it started,
+    also when it failed: no receiver or consumer outlives its test."""
+    try:
+        asyncio.run(scenario())
+    finally:
+        for child in children:
+            child.kill()
 
 
 async def restart_until_committed(

@@ -34,6 +34,7 @@ from tests.integration.harness import (
     kill_processes,
     produce,
     restart_until_committed,
+    run_then_kill,
     settings_for,
     start_proxy_process,
 )
@@ -395,11 +396,7 @@ def test_a_receiver_killed_and_restarted_mid_run_loses_and_dead_letters_nothing(
             )
             assert proxy.snapshot().counters["dead_lettered"] == 0
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        for receiver in receivers:
-            receiver.kill()
+    run_then_kill(scenario, receivers)
     assert dead_letters(settings_for(broker, aws, topic)) == []
 
 
@@ -445,11 +442,7 @@ def test_a_record_that_crashes_the_receiver_is_dead_lettered_and_nothing_else(
                 len(values),
             )
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        for receiver_ in receivers:
-            receiver_.kill()
+    run_then_kill(scenario, receivers)
     assert [
         (dl.record.offset, dl.record.value, dl.attempts)
         for dl in dead_letters(settings_for(broker, aws, topic))

@@ -31,6 +31,7 @@ from tests.integration.harness import (
     kill_processes,
     produce,
     restart_until_committed,
+    run_then_kill,
     settings_for,
     start_proxy_process,
 )
@@ -380,11 +381,7 @@ def test_a_grpc_consumer_killed_mid_run_loses_nothing_and_may_register_again(
             (again,) = proxy.status().push
             assert again.name == f"go@127.0.0.1:{port}"
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        for consumer in consumers:
-            consumer.kill()
+    run_then_kill(scenario, consumers)
     assert dead_letters(settings_for(broker, aws, topic)) == []
 
 
@@ -428,11 +425,7 @@ def test_a_record_that_crashes_the_grpc_consumer_is_dead_lettered_and_nothing_el
                 len(values),
             )
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        for consumer in consumers:
-            consumer.kill()
+    run_then_kill(scenario, consumers)
     (dl,) = dead_letters(settings_for(broker, aws, topic))
     assert (dl.record.offset, dl.record.value, dl.attempts) == (60, b"crash", 2)
     cause = f"the consumer at 127.0.0.1:{port} went away during the call"
