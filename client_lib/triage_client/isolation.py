@@ -7,13 +7,23 @@ reported started; so the process runs at most one isolated delivery at a time, a
 its streams and Consumers (one process holds streams to several proxies, and a crash pill
 on one partition takes down the handlers of every other one):
 
-    Deliveries.isolated ─> Ticket ─> GATE.enter ─> (its turn) stream.on_admitted
+    Deliveries.isolated ─> Ticket ─> GATE.enter ─> (its turn) GATE.hush
         ─> Started(offset) ─> the proxy records it and answers Started ─> handler slot
         ─> its Settle written ─> GATE.leave ─> the next ticket's turn
 
 The others wait here, queued and leased (their offsets are in the Extend), never started:
 if the process dies meanwhile, nobody blames them. A ticket leaves early when its stream
 ends (its epoch is over: the proxy redelivers what it held) or gives it back unstarted.
+
+The hush: from a ticket's turn until its Settle is written (at most HUSH_S), the process's
+handler pools start no other delivery (`IsolationGate.hushed`; the ones already running go
+on). Why: a crash in that time is blamed on the isolated delivery, and without the hush a
+crash pill on its first delivery (not isolated: nobody suspects it yet) that a fresh
+process picked from a batch arriving on another stream crashed it there. In a crash storm
+(each restarted process gets the same smallest-offset suspect and a batch holding a new
+pill) one healthy suspect was blamed again and again until it was dead-lettered. With the
+hush, a pill that arrived first has crashed the process before the Started was sent (an
+async handler runs to its first await without yielding), and one that arrives later waits.
 
 Thread-safe: tickets come from the event loops of any Consumer in the process; a ticket's
 turn is handed to its own loop (`call_soon_threadsafe`).
@@ -36,6 +46,11 @@ if TYPE_CHECKING:
     from triage_protocol import triage_pb2
 
 __all__ = ["GATE", "IsolationGate", "StreamTurn", "Ticket"]
+
+HUSH_S = 0.05
+"""Longest the process starts nothing new for an isolated delivery (`IsolationGate.hush`):
+its Started round trip and a quick handler fit; a slow one runs on beside the others, so a
+process working through a crash's suspects one by one keeps most of its throughput."""
 
 TURN_POLL_S = 0.05
 """How often a stream whose connection ended looks whether its isolated delivery's handler,
@@ -74,6 +89,43 @@ class IsolationGate:
         self._lock = threading.Lock()
         self._waiting: deque[Ticket] = deque()
         self._holder: Ticket | None = None
+        self.hushed: Message | None = None
+        """The isolated delivery the process is hushed for (`hush`): the pools start only
+        it; None: they start anything. Read without the lock (one attribute)."""
+        self._hush_for: Ticket | None = None
+        self._listeners: dict[object, tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = {}
+
+    def listen(
+        self, owner: object, loop: asyncio.AbstractEventLoop, on_unhush: Callable[[], None]
+    ) -> None:
+        """`owner` (a handler pool) wants `on_unhush` called on `loop` when a hush ends."""
+        with self._lock:
+            self._listeners[owner] = (loop, on_unhush)
+
+    def unlisten(self, owner: object) -> None:
+        with self._lock:
+            self._listeners.pop(owner, None)
+
+    def hush(self, ticket: Ticket) -> None:
+        """`ticket`'s turn came (called on its loop): the process starts nothing else until
+        it leaves, or for HUSH_S."""
+        with self._lock:
+            if self._holder is not ticket:
+                return
+            self._hush_for = ticket
+            self.hushed = ticket.message
+        ticket.loop.call_later(HUSH_S, self._unhush, ticket)
+
+    def _unhush(self, ticket: Ticket) -> None:
+        with self._lock:
+            if self._hush_for is not ticket:
+                return
+            self._hush_for = None
+            self.hushed = None
+            listeners = list(self._listeners.values())
+        for loop, on_unhush in listeners:
+            with suppress(RuntimeError):  # its loop is closed: its Consumer is gone
+                loop.call_soon_threadsafe(on_unhush)
 
     @property
     def holder(self) -> Ticket | None:
@@ -101,6 +153,7 @@ class IsolationGate:
                 with suppress(ValueError):
                     self._waiting.remove(ticket)
                 return
+        self._unhush(ticket)
         self._next()
 
     def drop_waiting(self, owner: object) -> None:
@@ -116,6 +169,7 @@ class IsolationGate:
             if holder is None or holder.owner is not owner:
                 return
             self._holder = None
+        self._unhush(holder)
         self._next()
 
     def _next(self) -> None:
@@ -178,6 +232,7 @@ class StreamTurn:
             GATE.leave(ticket)  # its connection ended: the proxy redelivers it
             return
         self._turn = ticket
+        GATE.hush(ticket)
         self._writer.started(ticket.message.offset)
 
     def on_started(self, offsets: Iterable[int]) -> None:

@@ -37,6 +37,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from triage_client.isolation import GATE, IsolationGate
 from triage_client.message import Message
 from triage_protocol import triage_pb2
 
@@ -108,7 +109,11 @@ class Account:
 class Ledger:
     """The counts the handler pool and its streams share (see the module doc)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gate: IsolationGate = GATE) -> None:
+        self._gate = gate
+        """While it is hushed for an isolated delivery, `pick` starts only that one."""
+        self._admitted: Account | None = None
+        """The stream whose queue an isolated delivery was last admitted to the front of."""
         self.lock = threading.Lock()
         """Guards what handler threads touch (see the module doc)."""
         self.outstanding = 0
@@ -166,12 +171,22 @@ class Ledger:
                 self.ready.append(account)
             account.queued.appendleft(message)
             self.queued += 1
+            self._admitted = account
         return True
+
+    @property
+    def hushed(self) -> bool:
+        """The process is hushed for an isolated delivery (isolation.py): a slot that finds
+        nothing to start is not idle for want of deliveries."""
+        return self._gate.hushed is not None
 
     def pick(self) -> tuple[Account, Message] | None:
         """The next delivery for a free slot, counted as running: from the stream with the
         fewest running handlers among those under their cap, ties round-robin; None when
-        every stream with queued deliveries is at its cap (or none has any)."""
+        every stream with queued deliveries is at its cap (or none has any). While the
+        process is hushed for an isolated delivery, only that one, if it is queued here."""
+        if self._gate.hushed is not None:
+            return self._pick_hushed()
         ready = self.ready
         count = len(ready)
         if count == 1:
@@ -203,6 +218,18 @@ class Ledger:
         self.queued -= 1
         if not queued:
             del ready[index]
+        account.busy += 1
+        return account, message
+
+    def _pick_hushed(self) -> tuple[Account, Message] | None:
+        account = self._admitted
+        hushed = self._gate.hushed
+        if account is None or not account.queued or account.queued[0] is not hushed:
+            return None
+        message = account.queued.popleft()
+        self.queued -= 1
+        if not account.queued:
+            self.ready.remove(account)
         account.busy += 1
         return account, message
 

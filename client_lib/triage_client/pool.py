@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from typing import Any, cast
 
+from triage_client.isolation import GATE
 from triage_client.ledger import RELEASE, Account, Ledger, Result
 from triage_client.message import Message
 from triage_protocol import triage_pb2
@@ -129,6 +130,7 @@ class HandlerPool:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        GATE.listen(self, loop, self.kick)  # a hush ended: slots may start what waited
         if self.is_async:
             self._workers = [
                 loop.create_task(self._worker(), name=f"triage-handler-{i}")
@@ -140,6 +142,7 @@ class HandlerPool:
     async def close(self, clean: bool) -> None:
         """Idle workers exit when woken; after a failure, running ones are cancelled too."""
         self._closing = True
+        GATE.unlisten(self)
         with self._lock:
             tick, self._tick = self._tick, None
         if tick is not None:
@@ -202,7 +205,8 @@ class HandlerPool:
         return taken
 
     def kick(self) -> None:
-        """Caps were raised (on the loop): put idle slots to work on what they allow now."""
+        """Caps were raised or a hush ended (on the loop): put idle slots to work on what
+        they allow now."""
         queued = self.ledger.queued
         if not queued:
             return
@@ -246,7 +250,7 @@ class HandlerPool:
         while not self._closing:
             picked = pick() if ready else None
             if picked is None:
-                if streak:
+                if streak and not ledger.hushed:
                     ledger.idle()
                     if self.on_idle is not None:
                         self.on_idle()
@@ -318,7 +322,8 @@ class HandlerPool:
                 picked = ledger.pick()
                 if picked is None:
                     self._jobs -= 1
-                    ledger.idle()
+                    if not ledger.hushed:
+                        ledger.idle()
                 else:
                     account, message = picked
                     epoch, running = account.epoch, account.running

@@ -8,9 +8,10 @@ import asyncio
 import threading
 from typing import Any, cast
 
-from triage_client import Message
-from triage_client.isolation import IsolationGate, Ticket
+from triage_client import Message, isolation
+from triage_client.isolation import GATE, IsolationGate, Ticket
 from triage_client.ledger import Ledger
+from triage_client.pool import HandlerPool
 
 
 def message(offset: int) -> Message:
@@ -162,3 +163,109 @@ def test_a_streams_take_back_includes_what_is_held_back_for_the_turn() -> None:
     assert sorted(m.offset for m in taken) == [5, 6]
     assert (ledger.outstanding, a.outstanding, a.running) == (0, 0, set())
     assert not ledger.admit(a, held)  # given back: its turn passes on
+
+
+def test_a_hushed_process_starts_only_its_isolated_delivery_until_it_leaves() -> None:
+    """From an isolated delivery's turn until it leaves, no slot starts another delivery
+    of any stream: a crash meanwhile is its own, or a handler's already running."""
+    gate = IsolationGate()
+    ledger = Ledger(gate)
+    a, b = ledger.open(cast(Any, "a")), ledger.open(cast(Any, "b"))
+    ledger.queue(a, [message(1)])
+    ledger.queue(b, [message(2)])
+    held = message(7)
+    ledger.hold(a, [held])
+    unhushed: list[str] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        gate.listen("pool", loop, lambda: unhushed.append("kick"))
+        ticket = Ticket("a", held, 0, loop, gate.hush)
+        gate.enter(ticket)
+        await asyncio.sleep(0)  # its turn: hushed
+        assert gate.hushed is held
+        assert ledger.hushed
+        assert ledger.pick() is None, "nothing else starts while the Started is on its way"
+        assert ledger.admit(a, held)
+        picked = ledger.pick()
+        assert picked is not None
+        assert picked[1] is held
+        assert ledger.pick() is None, "nor while the isolated delivery runs"
+        gate.leave(ticket)
+        assert gate.hushed is None
+        await asyncio.sleep(0)
+        assert unhushed == ["kick"]
+        picks = [ledger.pick(), ledger.pick()]
+        assert sorted(p[1].offset for p in picks if p is not None) == [1, 2]
+
+    asyncio.run(main())
+
+
+def test_a_hush_ends_after_hush_s_while_a_slow_isolated_delivery_runs_on() -> None:
+    gate = IsolationGate()
+    ledger = Ledger(gate)
+    a = ledger.open(cast(Any, "a"))
+    ledger.queue(a, [message(1)])
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        ended = asyncio.Event()
+        gate.listen("pool", loop, ended.set)
+        ticket = Ticket("a", message(7), 0, loop, gate.hush)
+        started = loop.time()
+        gate.enter(ticket)
+        await asyncio.wait_for(ended.wait(), 30)
+        assert loop.time() - started >= isolation.HUSH_S
+        assert gate.holder is ticket, "the turn stays with the slow delivery"
+        picked = ledger.pick()
+        assert picked is not None
+        assert picked[1].offset == 1
+        gate.unlisten("pool")
+
+    asyncio.run(main())
+
+
+def test_a_pool_runs_no_other_handler_while_the_process_is_hushed() -> None:
+    """The real pool and the process's gate: deliveries queued during the hush wait for the
+    isolated one to leave, then run."""
+    ran: list[int] = []
+    isolated_ran = asyncio.Event()
+    all_ran = asyncio.Event()
+
+    async def handler(m: Message) -> None:
+        ran.append(m.offset)
+        if m.offset == 7:
+            isolated_ran.set()
+        if len(ran) == 4:
+            all_ran.set()
+
+    class Stream:
+        def after_settle(self, drained: bool) -> bool:
+            return False
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        pool = HandlerPool(handler, 4, (), 16)
+        pool.start(loop)
+        account = pool.ledger.open(cast(Any, Stream()))
+        held = message(7)
+        pool.isolate(account, [held])
+        ticket = Ticket("s", held, 0, loop, GATE.hush)
+        GATE.enter(ticket)
+        await asyncio.sleep(0)
+        try:
+            assert GATE.hushed is held
+            pool.submit(account, [message(1), message(2), message(3)])
+            assert pool.run_isolated(account, held)
+            await asyncio.wait_for(isolated_ran.wait(), 30)
+            for _ in range(3):
+                await asyncio.sleep(0)  # the workers' turns: they find nothing to start
+            assert ran == [7]
+            GATE.leave(ticket)
+            await asyncio.wait_for(all_ran.wait(), 30)
+            assert sorted(ran) == [1, 2, 3, 7]
+        finally:
+            GATE.leave(ticket)
+            await pool.close(clean=False)
+
+    asyncio.run(main())
