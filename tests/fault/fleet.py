@@ -408,7 +408,10 @@ class FleetReport:
     """Records the producer wrote twice (a resent batch): each copy must be settled."""
     collateral_dead: int = 0
     """Dead-lettered messages whose behaviour never asked for it (attempts used up by
-    crashes of the instance they were in flight at): reported, not judged."""
+    crashes of the instance they were in flight at)."""
+    collateral: list[str] = field(default_factory=list)
+    """Each of those: where it was, and the attempts its handler ran (an attempt missing
+    there was used up by a crash before its handler started)."""
 
 
 def cause_of(prev: Invocation, cur: Invocation, move_times: list[float]) -> str:
@@ -538,6 +541,12 @@ def verify_fleet(
             report.not_exact.append(pos)
         elif workload.behaviours[found] not in ("nack", "crash"):
             report.collateral_dead += 1
+            ran = sorted({inv.attempt for inv in by_record.get(pos, [])})
+            report.collateral.append(
+                f"partition {pos[0]} offset {pos[1]} (index {found}, "
+                f"{workload.behaviours[found]}): dead-lettered at attempts {dl.attempts}, "
+                f"its handler ran at attempts {ran}"
+            )
     for pos, index in sorted(records.items()):
         partition, offset = pos
         if pos not in acked and pos not in dead_at and offset < report.committed.get(partition, -1):
@@ -628,6 +637,8 @@ def render(report: FleetReport) -> str:
         f"  redeliveries by cause     {dict(report.causes.most_common())}",
         f"  in-flight window          {report.window} per partition",
     ]
+    for text in report.collateral[:10]:
+        lines.append(f"  dead-lettered, not asked: {text}")
     for event in report.events:
         lines.append(f"  event {event.kind:<8} slot {event.slot}: {event.detail}")
     for p in sorted(report.ends):
