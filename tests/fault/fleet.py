@@ -409,6 +409,11 @@ class FleetReport:
     collateral_dead: int = 0
     """Dead-lettered messages whose behaviour never asked for it (attempts used up by
     crashes of the instance they were in flight at)."""
+    blamed_unrun: Counter[tuple[int, int]] = field(default_factory=Counter)
+    """Healthy messages' attempts used up with no handler run (an attempt number missing
+    from the message's invocations below its last one): a crash blamed it while it was
+    reported started and not yet running. Reported, not judged: it shows how close the
+    run came to dead-lettering a healthy message."""
     collateral: list[str] = field(default_factory=list)
     """Each of those: where it was, and the attempts its handler ran (an attempt missing
     there was used up by a crash before its handler started)."""
@@ -547,6 +552,13 @@ def verify_fleet(
                 f"{workload.behaviours[found]}): dead-lettered at attempts {dl.attempts}, "
                 f"its handler ran at attempts {ran}"
             )
+    for pos, invs in by_record.items():
+        if workload.behaviours[invs[0].index] in ("nack", "crash"):
+            continue
+        tried = {inv.attempt for inv in invs}
+        missing = sum(1 for attempt in range(1, max(tried)) if attempt not in tried)
+        if missing:
+            report.blamed_unrun[pos] = missing
     for pos, index in sorted(records.items()):
         partition, offset = pos
         if pos not in acked and pos not in dead_at and offset < report.committed.get(partition, -1):
@@ -633,6 +645,9 @@ def render(report: FleetReport) -> str:
         f"(attempts: {dict(sorted(report.crash_attempts.items()))})",
         f"  instance crashes          {report.instance_crashes}",
         f"  dead-lettered, not asked  {report.collateral_dead} (attempts used up by crashes)",
+        f"  healthy attempts blamed   {sum(report.blamed_unrun.values())} with no handler run, "
+        f"on {len(report.blamed_unrun)} messages (most on one: "
+        f"{max(report.blamed_unrun.values(), default=0)})",
         f"  invocations               {report.invocations}",
         f"  redeliveries by cause     {dict(report.causes.most_common())}",
         f"  in-flight window          {report.window} per partition",
