@@ -9,19 +9,37 @@
  * Consumers (one process holds streams to several proxies, and a crash pill on one partition
  * takes down the handlers of every other one):
  *
- *     Deliveries.isolated -> Ticket -> GATE.enter -> (its turn) stream's onTurn
+ *     Deliveries.isolated -> Ticket -> GATE.enter -> (its turn) GATE.hush
  *         -> Started(offset) -> the proxy records it and answers Started -> handler slot
  *         -> its Settle written -> GATE.leave -> the next ticket's turn
  *
  * The others wait here, queued and leased (their offsets are in the Extend), never started:
  * if the process dies meanwhile, nobody blames them. A ticket leaves early when its stream ends
  * (the proxy redelivers what it held) or gives it back unstarted.
+ *
+ * The hush: from a ticket's turn until it leaves (its Settle written, or its stream ended or
+ * gave it back), or for HUSH_MS at most, the process's handler pools start no other delivery
+ * (`IsolationGate.hushed`; the ones already running go on). Why: a crash in that time is
+ * blamed on the isolated delivery, and without the hush a crash pill on its first delivery
+ * (not isolated: nobody suspects it yet) that a fresh process picked from a batch arriving on
+ * another stream crashed it there. In a crash storm (each restarted process gets the same
+ * smallest-offset suspect and a batch holding a new pill) one healthy suspect was blamed again
+ * and again until it was dead-lettered. With the hush, a pill that arrived first has crashed
+ * the process before the Started was sent (a handler runs to its first await at once), and one
+ * that arrives later waits.
  */
 
 import type { Message } from "./message";
 import type { Nack } from "./proto";
 import type { PartitionStream, StreamContext } from "./stream";
 import type { StreamWriter } from "./writer";
+
+/**
+ * Longest the process starts nothing new for an isolated delivery (`IsolationGate.hush`): its
+ * Started round trip and a quick handler fit; a slow one runs on beside the others, so a
+ * process working through a crash's suspects one by one keeps most of its throughput.
+ */
+export const HUSH_MS = 50;
 
 /**
  * How often a stream whose connection ended looks whether its isolated delivery's handler,
@@ -49,6 +67,18 @@ export class Ticket {
 export class IsolationGate {
   private waitingList: Ticket[] = [];
   private holding: Ticket | null = null;
+  private hushing: Message | null = null;
+  private hushFor: Ticket | null = null;
+  private hushTimer: NodeJS.Timeout | null = null;
+  private readonly listeners = new Map<object, () => void>();
+
+  /**
+   * The isolated delivery the process is hushed for (`hush`): the pools start only it; null:
+   * they start anything.
+   */
+  get hushed(): Message | null {
+    return this.hushing;
+  }
 
   /** The ticket whose turn it is (null: nobody's). */
   get holder(): Ticket | null {
@@ -58,6 +88,26 @@ export class IsolationGate {
   /** Tickets waiting for their turn. */
   get waiting(): number {
     return this.waitingList.length;
+  }
+
+  /** `owner` (a handler pool) wants `onUnhush` called (on a later microtask) when a hush ends. */
+  listen(owner: object, onUnhush: () => void): void {
+    this.listeners.set(owner, onUnhush);
+  }
+
+  unlisten(owner: object): void {
+    this.listeners.delete(owner);
+  }
+
+  /** `ticket`'s turn came: the process starts nothing else until it leaves, or for HUSH_MS. */
+  hush(ticket: Ticket): void {
+    if (this.holding !== ticket) {
+      return;
+    }
+    this.hushFor = ticket;
+    this.hushing = ticket.message;
+    this.hushTimer = setTimeout(() => this.unhush(ticket), HUSH_MS);
+    this.hushTimer.unref(); // a hush never keeps the process alive
   }
 
   /** Queue `ticket`; its turn comes when every ticket before it has left. */
@@ -73,6 +123,7 @@ export class IsolationGate {
   leave(ticket: Ticket): void {
     if (this.holding === ticket) {
       this.holding = null;
+      this.unhush(ticket);
       this.next();
     } else {
       const index = this.waitingList.indexOf(ticket);
@@ -90,9 +141,25 @@ export class IsolationGate {
   /** `owner`'s connection ended: its tickets go (the proxy redelivers them). */
   drop(owner: object): void {
     this.dropWaiting(owner);
-    if (this.holding !== null && this.holding.owner === owner) {
+    const holder = this.holding;
+    if (holder !== null && holder.owner === owner) {
       this.holding = null;
+      this.unhush(holder);
       this.next();
+    }
+  }
+
+  /** `ticket`'s hush is over (it left, or HUSH_MS passed): every pool's idle slots go to work. */
+  private unhush(ticket: Ticket | null): void {
+    if (ticket === null || this.hushFor !== ticket) {
+      return;
+    }
+    clearTimeout(this.hushTimer!);
+    this.hushTimer = null;
+    this.hushFor = null;
+    this.hushing = null;
+    for (const onUnhush of this.listeners.values()) {
+      queueMicrotask(onUnhush); // not inside the caller: a pool may be mid-pump
     }
   }
 
@@ -151,12 +218,13 @@ export class StreamTurn {
 
   /** `ticket`'s turn came: ask the proxy to record it started. */
   private onTurn(ticket: Ticket): void {
-    if (
-      ticket.epoch !== this.stream.account.epoch ||
-      this.ctx.stopping() ||
-      !this.writer.started(ticket.message.offset)
-    ) {
+    if (ticket.epoch !== this.stream.account.epoch || this.ctx.stopping()) {
       GATE.leave(ticket); // its connection ended (the proxy redelivers it), or stop() began
+      return;
+    }
+    GATE.hush(ticket); // before the Started: nothing else starts while it may be blamed
+    if (!this.writer.started(ticket.message.offset)) {
+      GATE.leave(ticket); // its connection ended: the proxy redelivers it
       return;
     }
     this.turn = ticket;
