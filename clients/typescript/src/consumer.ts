@@ -294,6 +294,7 @@ export class Consumer {
       return Promise.reject(new StateError("a Consumer starts once; create a new one"));
     }
     this.state = "running";
+    this.pool.start();
     this.logger.info(
       `consumer ${this.id} starting: endpoint ${this.endpoint}, partitions ` +
         `${this.wanted === null ? "all" : `[${this.wanted.join(", ")}]`}, concurrency ` +
@@ -354,6 +355,7 @@ export class Consumer {
       this.beginStop();
       await Promise.all(this.tasks);
     } finally {
+      this.pool.close();
       this.channels.close();
       this.state = "stopped";
       const failure = this.failure;

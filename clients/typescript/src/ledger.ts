@@ -24,6 +24,7 @@
  * small).
  */
 
+import { GATE, type IsolationGate } from "./isolation";
 import type { Message } from "./message";
 import type { Nack } from "./proto";
 import type { PartitionStream } from "./stream";
@@ -84,15 +85,26 @@ export class Ledger {
   private outstandingCount = 0;
   private readonly readyList: Entry[] = []; // accounts with queued deliveries
   private turn = 0; // where the next tie-break starts, for round-robin among equals
+  /** The stream whose queue an isolated delivery was last admitted to the front of. */
+  private admitted: Entry | null = null;
+
+  constructor(
+    /** While it is hushed for an isolated delivery, `pick` gives only that one. */
+    private readonly gate: IsolationGate = GATE,
+  ) {}
 
   /** Deliveries queued or running, of any stream and epoch. */
   get outstanding(): number {
     return this.outstandingCount;
   }
 
-  /** Some stream has deliveries queued. */
+  /**
+   * A free slot may start a delivery now: some stream has deliveries queued and, while the
+   * process is hushed for an isolated delivery (isolation.ts), it is first in its stream's
+   * queue here.
+   */
   get ready(): boolean {
-    return this.readyList.length > 0;
+    return this.readyList.length > 0 && (this.gate.hushed === null || this.hushedReady());
   }
 
   /** A new stream's account. */
@@ -160,14 +172,19 @@ export class Ledger {
     } else {
       entry.queue.unshift(message);
     }
+    this.admitted = entry;
     return true;
   }
 
   /**
    * The account whose queue gives the next delivery: fewest running handlers, ties
-   * round-robin. Only while `ready`.
+   * round-robin; while the process is hushed, the one whose queue starts with the isolated
+   * delivery. Only while `ready`.
    */
   pick(): Account {
+    if (this.gate.hushed !== null) {
+      return this.admitted!;
+    }
     const ready = this.readyList;
     const count = ready.length;
     if (count === 1) {
@@ -242,6 +259,9 @@ export class Ledger {
    */
   takeBack(account: Account, nextEpoch = false): Message[] {
     const entry = account as Entry;
+    if (this.admitted === entry) {
+      this.admitted = null; // whatever it held back goes now
+    }
     if (nextEpoch) {
       entry.epoch += 1;
       entry.leases = new Set();
@@ -301,6 +321,11 @@ export class Ledger {
     entry.acks = [];
     entry.nacks = [];
     return settlements;
+  }
+
+  private hushedReady(): boolean {
+    const entry = this.admitted;
+    return entry !== null && entry.queued > 0 && entry.queue[entry.head] === this.gate.hushed;
   }
 
   private unready(entry: Entry): void {

@@ -16,6 +16,7 @@
 
 import { Retry } from "./errors";
 import { MAX_REASON_CHARS } from "./generated/constants";
+import { GATE } from "./isolation";
 import { type Account, Ledger } from "./ledger";
 import type { Message } from "./message";
 import type { Nack } from "./proto";
@@ -96,6 +97,16 @@ export class HandlerPool {
     private readonly retryOn: readonly ErrorClass[],
   ) {}
 
+  /** The Consumer starts: a hush ending (isolation.ts) puts idle slots to work on what waited. */
+  start(): void {
+    GATE.listen(this, () => this.pump());
+  }
+
+  /** The Consumer stopped: no more hush ends to hear of. Safe twice. */
+  close(): void {
+    GATE.unlisten(this);
+  }
+
   /** Deliveries queued or running, of any stream and epoch. */
   get outstanding(): number {
     return this.ledger.outstanding;
@@ -152,14 +163,14 @@ export class HandlerPool {
     try {
       while (this.running < this.concurrency && ledger.ready) {
         const account = ledger.pick();
-        this.start(account, ledger.take(account));
+        this.startHandler(account, ledger.take(account));
       }
     } finally {
       this.pumping = false;
     }
   }
 
-  private start(account: Account, message: Message): void {
+  private startHandler(account: Account, message: Message): void {
     this.running += 1;
     const epoch = account.epoch;
     const leases = account.leases; // this epoch's: see Account.leases

@@ -3,10 +3,12 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
-import { IsolationGate, Ticket } from "../src/isolation.js";
+import { GATE, HUSH_MS, IsolationGate, Ticket } from "../src/isolation.js";
 import { Ledger } from "../src/ledger.js";
 import type { Message } from "../src/message.js";
+import { HandlerPool } from "../src/pool.js";
 import type { PartitionStream } from "../src/stream.js";
+import { within } from "./fake.js";
 
 function message(offset: number): Message {
   return {
@@ -98,4 +100,98 @@ test("ledger: a stream's take-back includes what is held back for the turn", () 
   assert.deepEqual(taken.map((m) => m.offset).sort(), [5, 6]);
   assert.deepEqual([ledger.outstanding, a.outstanding, a.leases.size], [0, 0, 0]);
   assert.equal(ledger.admit(a, held), false); // given back: its turn passes
+});
+
+test("isolation: a hushed process starts only its isolated delivery until it leaves", async () => {
+  // From an isolated delivery's turn until it leaves, no slot starts another delivery of any
+  // stream: a crash meanwhile is its own, or a handler's already running.
+  const gate = new IsolationGate();
+  const ledger = new Ledger(gate);
+  const a = ledger.open("a" as unknown as PartitionStream);
+  const b = ledger.open("b" as unknown as PartitionStream);
+  ledger.queue(a, [message(1)]);
+  ledger.queue(b, [message(2)]);
+  const held = message(7);
+  ledger.hold(a, [held]);
+  const pool = { name: "pool" };
+  const unhushed: string[] = [];
+  gate.listen(pool, () => unhushed.push("kick"));
+  const ticket = new Ticket(a, held, 0, (t) => gate.hush(t));
+  gate.enter(ticket);
+  await settle(); // its turn: hushed
+  assert.equal(gate.hushed, held);
+  assert.equal(ledger.ready, false, "nothing else starts while the Started is on its way");
+  assert.equal(ledger.admit(a, held), true);
+  assert.equal(ledger.ready, true);
+  assert.equal(ledger.take(ledger.pick()), held);
+  assert.equal(ledger.ready, false, "nor while the isolated delivery runs");
+  gate.leave(ticket);
+  assert.equal(gate.hushed, null);
+  await settle();
+  assert.deepEqual(unhushed, ["kick"]);
+  const picked = [ledger.take(ledger.pick()), ledger.take(ledger.pick())];
+  assert.deepEqual(picked.map((m) => m.offset).sort(), [1, 2]);
+});
+
+test("isolation: a hush ends after HUSH_MS while a slow isolated delivery keeps the turn", async () => {
+  const gate = new IsolationGate();
+  const ledger = new Ledger(gate);
+  const a = ledger.open("a" as unknown as PartitionStream);
+  ledger.queue(a, [message(1)]);
+  const pool = { name: "pool" };
+  const ended = new Promise<void>((resolve) => gate.listen(pool, resolve));
+  const ticket = new Ticket(a, message(7), 0, (t) => gate.hush(t));
+  const began = performance.now();
+  gate.enter(ticket);
+  await within(ended, 30_000, "the hush's end");
+  // libuv's timers count whole milliseconds from the loop's cached time: up to 1 ms early
+  assert.ok(performance.now() - began >= HUSH_MS - 1);
+  assert.equal(gate.holder, ticket, "the turn stays with the slow delivery");
+  assert.equal(ledger.ready, true);
+  assert.equal(ledger.take(ledger.pick()).offset, 1);
+  gate.unlisten(pool);
+});
+
+test("isolation: a pool runs no other handler while the process is hushed", async () => {
+  // The real pool and the process's gate: deliveries queued during the hush wait for the
+  // isolated one to leave, then run.
+  const ran: number[] = [];
+  let isolatedRan!: () => void;
+  let allRan!: () => void;
+  const isolated = new Promise<void>((resolve) => (isolatedRan = resolve));
+  const all = new Promise<void>((resolve) => (allRan = resolve));
+  const pool = new HandlerPool(
+    async (m: Message) => {
+      ran.push(m.offset);
+      if (m.offset === 7) {
+        isolatedRan();
+      }
+      if (ran.length === 4) {
+        allRan();
+      }
+    },
+    4,
+    [],
+  );
+  pool.start();
+  const account = pool.ledger.open({ afterSettle() {} } as unknown as PartitionStream);
+  const held = message(7);
+  pool.isolate(account, [held]);
+  const ticket = new Ticket(account, held, 0, (t) => GATE.hush(t));
+  GATE.enter(ticket);
+  await settle();
+  try {
+    assert.equal(GATE.hushed, held);
+    pool.submit(account, [message(1), message(2), message(3)]);
+    assert.equal(pool.runIsolated(account, held), true);
+    await within(isolated, 30_000, "the isolated handler");
+    await settle(); // the handler's result: its slot frees and finds nothing to start
+    assert.deepEqual(ran, [7]);
+    GATE.leave(ticket);
+    await within(all, 30_000, "the other handlers");
+    assert.deepEqual([...ran].sort(), [1, 2, 3, 7]);
+  } finally {
+    GATE.leave(ticket);
+    pool.close();
+  }
 });
