@@ -200,6 +200,29 @@ def test_status_with_the_broker_unreachable_exits_unavailable_and_still_reports(
     assert p0["dead_letters_pending"] == 0
 
 
+def test_status_with_the_dead_letter_table_unreachable_exits_unavailable_and_still_reports(
+    broker: EmbeddedBroker, aws: EmbeddedAWS, unique_name: str, tmp_path: Path
+) -> None:
+    create_topic(broker.bootstrap, unique_name, partitions=1)
+    config = write_stack_config(
+        tmp_path / "triage.toml",
+        broker.bootstrap,
+        aws.endpoint_url,
+        unique_name,
+        free_port_block(2),
+        partitions=1,
+    )
+    closed = f"http://127.0.0.1:{free_port()}"  # nothing listens here
+    config.write_text(config.read_text().replace(aws.endpoint_url, closed))
+    code, doc = status_json(config)
+    assert code == ExitCode.UNAVAILABLE
+    assert doc["dead_letters_error"]
+    assert not doc["dead_letters_missing"]
+    assert doc["broker_error"] is None
+    (p0,) = doc["partitions"]
+    assert p0["dead_letters_pending"] is None  # unknown, not 0
+
+
 def test_status_without_partition_count_or_broker_fails_cleanly(
     aws: EmbeddedAWS, unique_name: str, tmp_path: Path
 ) -> None:

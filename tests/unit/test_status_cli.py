@@ -20,6 +20,7 @@ from triage_cli.status.report import (
 from triage_cli.status.sources import Sources, fetch_status
 from triage_proxy.config.loader import settings_from_dict
 from triage_proxy.config.settings import Settings
+from triage_proxy.exitcodes import ExitCode
 
 RUNNING: dict[str, Any] = {
     "state": "running",
@@ -235,3 +236,18 @@ def test_a_missing_dead_letter_table_says_what_to_do() -> None:
     hint = missing_table_hint("table 'dlq' does not exist", "triage.toml")
     assert "triage deploy --config triage.toml" in hint
     assert "dead_letters.table" in hint
+
+
+def test_the_exit_code_puts_an_unread_source_before_a_missing_table_before_a_down_proxy() -> None:
+    """A dead-letter table that could not be read is an outage (3) like the broker's, not
+    a clean report: with every proxy up, status exited 0 while DynamoDB was down."""
+    up = Report("orders", "g", [partition_row(0, BrokerView(), ProxyView("u0", doc=RUNNING), 0)])
+    down = report()  # partition 1's proxy is down
+    assert up.exit_code is ExitCode.OK
+    assert down.exit_code is ExitCode.FAILURE
+    unread = "Could not connect to the endpoint URL"
+    assert dataclasses.replace(up, dead_letters_error=unread).exit_code is ExitCode.UNAVAILABLE
+    assert dataclasses.replace(down, dead_letters_error=unread).exit_code is ExitCode.UNAVAILABLE
+    missing = dataclasses.replace(down, dead_letters_error="no table", dead_letters_missing=True)
+    assert missing.exit_code is ExitCode.NOT_FOUND
+    assert dataclasses.replace(missing, broker_error="down").exit_code is ExitCode.UNAVAILABLE

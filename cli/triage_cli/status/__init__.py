@@ -46,7 +46,8 @@ Exit codes (`exitcodes.ExitCode`): 0 every proxy answered; 1 some proxy (or reco
 process) is down, or nothing is deployed (the report is still printed); 2 bad config or
 flags; 3 the broker could not be read (what could be read is printed: without
 `kafka.partitions` the partitions are then the proxies that answer, 0, 1, ... up to the
-first that does not; when none answers, no report); 4 the dead-letter table does not
+first that does not; when none answers, no report), or the dead-letter table could not be
+read (the report is printed, its pending counts unknown); 4 the dead-letter table does not
 exist (the report is printed, then what to do: deploy, or fix `dead_letters.table`);
 `--watch` runs until Ctrl-C or SIGTERM and exits 0 (both end it the same way:
 `exit_on_errors` turns SIGTERM into KeyboardInterrupt).

@@ -88,12 +88,11 @@ def status(
                 )
         else:
             console.print(render_report(report))
-        if report.broker_error:
-            raise typer.Exit(int(ExitCode.UNAVAILABLE))
-        if report.dead_letters_missing:
-            raise CommandFailed(ExitCode.NOT_FOUND, str(report.dead_letters_error))
-        if report.proxies_down or report.processes_down:
-            raise typer.Exit(int(ExitCode.FAILURE))
+        code = report.exit_code
+        if code is ExitCode.NOT_FOUND:
+            raise CommandFailed(code, str(report.dead_letters_error))
+        if code is not ExitCode.OK:
+            raise typer.Exit(int(code))
 
 
 def _watch(sources: Sources, console: Any, interval: float) -> None:

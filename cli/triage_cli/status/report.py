@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from triage_proxy.exitcodes import ExitCode
+
 if TYPE_CHECKING:
     from triage_proxy.config.settings import Settings
 
@@ -146,6 +148,21 @@ class Report:
     def answering(self) -> list[dict[str, Any]]:
         """The processes of this deployment that answered /status."""
         return [row for row in self.processes if row["state"] != "down"]
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """What `triage status` exits with (pure, see the package doc): a source that could
+        not be read first (the broker, then the dead-letter table: the report is partial),
+        then a table that does not exist, then a proxy or process that is down."""
+        if self.broker_error:
+            return ExitCode.UNAVAILABLE
+        if self.dead_letters_missing:
+            return ExitCode.NOT_FOUND
+        if self.dead_letters_error:
+            return ExitCode.UNAVAILABLE
+        if self.proxies_down or self.processes_down:
+            return ExitCode.FAILURE
+        return ExitCode.OK
 
     @property
     def deployed(self) -> bool:
