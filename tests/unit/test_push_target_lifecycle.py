@@ -6,6 +6,7 @@ in-memory twin whose requests wait on a gate; the dispatcher is the real one."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Coroutine
 from typing import Any
 
@@ -325,3 +326,51 @@ def test_a_registration_while_the_proxy_stops_is_answered_503() -> None:
     response = asyncio.run(main())
     assert response.status == 503
     assert response.text == "The proxy is stopping; register again later"
+
+
+class Buggy(Twin):
+    """A target whose request-slot accounting has a bug: its lane worker dies of it."""
+
+    async def acquire(self, lane: Any) -> bool:
+        raise RuntimeError("a bug in acquire")
+
+
+class Errors(logging.Handler):
+    """Sets `logged` at the first ERROR record."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.logged = asyncio.Event()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        self.logged.set()
+
+
+def test_a_lane_that_dies_of_a_bug_is_logged_at_once_gives_back_and_fails_stop() -> None:
+    async def main() -> None:
+        errors = Errors()
+        log = logging.getLogger("triage_proxy.push.target")
+        log.addHandler(errors)
+        try:
+            target = Buggy()
+            dispatcher = dispatcher_with(3)
+            await target.start()
+            target.attach(0, dispatcher)
+            await asyncio.wait_for(errors.logged.wait(), BOUND_S)
+        finally:
+            log.removeHandler(errors)
+        (record,) = errors.records
+        assert "partition 0" in record.getMessage()
+        assert "died of a bug" in record.getMessage()
+        assert record.exc_info is not None
+        assert "a bug in acquire" in str(record.exc_info[1])
+        assert dispatcher.in_flight == 0  # its records went back
+        assert target.snapshot().partitions == ()
+        with pytest.raises(RuntimeError, match="a bug in acquire"):
+            await target.stop()
+        assert target.state is State.STOPPED
+        assert not others()
+
+    run(main())

@@ -279,6 +279,8 @@ class PushTarget(Lifecycle):
         self._idle = asyncio.Event()
         """Set while no lane worker runs."""
         self._idle.set()
+        self._lane_failure: BaseException | None = None
+        """What the first lane worker that died of a bug raised: stop() re-raises it."""
         self._abandon = asyncio.Event()
         """Set by stop(abandon=True): cancel the requests in flight now."""
         self._inflight = 0
@@ -311,13 +313,29 @@ class PushTarget(Lifecycle):
         task = asyncio.create_task(lane.run(), name=f"push {self.shape.name} p{partition}")
         self._workers.add(task)
         self._idle.clear()
-        task.add_done_callback(self._worker_ended)
+        task.add_done_callback(lambda t: self._worker_ended(t, partition, lane))
         self._regrant()
 
-    def _worker_ended(self, task: asyncio.Task[None]) -> None:
+    def _worker_ended(self, task: asyncio.Task[None], partition: int, lane: Lane) -> None:
+        """A lane worker ended. One that died of a bug has given its records back (its
+        `finally`), but its partition would go unserved without a word until stop():
+        say so at once, let the partition be attached again, and re-raise it at stop()."""
         self._workers.discard(task)
         if not self._workers:
             self._idle.set()
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        logger.error(
+            "%s: the worker of partition %d died of a bug; the partition is not pushed "
+            "until it is assigned here again",
+            self.name,
+            partition,
+            exc_info=exc,
+        )
+        if self._lanes.get(partition) is lane:
+            del self._lanes[partition]
+        if self._lane_failure is None:
+            self._lane_failure = exc
 
     def detach(self, partition: int) -> None:
         """Stop serving `partition` (its pipeline stops): the lane ends after its requests."""
@@ -495,6 +513,8 @@ class PushTarget(Lifecycle):
             if self._workers:
                 await asyncio.wait(set(self._workers))
             await self._disconnect()
+        if self._lane_failure is not None:
+            raise self._lane_failure
 
     def _connect(self) -> None:
         """Open the connection pool or channel (at start)."""
