@@ -19,10 +19,10 @@ The hush: from a ticket's turn until its Settle is written (at most HUSH_S), the
 handler pools start no other delivery (`IsolationGate.hushed`; the ones already running go
 on). Why: a crash in that time is blamed on the isolated delivery, and without the hush a
 crash pill on its first delivery (not isolated: nobody suspects it yet) that a fresh
-process picked from a batch arriving on another stream crashed it there. In a crash storm
-(each restarted process gets the same smallest-offset suspect and a batch holding a new
-pill) one healthy suspect was blamed again and again until it was dead-lettered. With the
-hush, a pill that arrived first has crashed the process before the Started was sent (an
+process picks from a batch arriving on another stream would crash it in that time. In a crash
+storm (each restarted process gets the same smallest-offset suspect and a batch holding a
+new pill) one healthy suspect would be blamed again and again until dead-lettered. With
+the hush, a pill that arrived first has crashed the process before the Started was sent (an
 async handler runs to its first await without yielding), and one that arrives later waits.
 
 Thread-safe: tickets come from the event loops of any Consumer in the process; a ticket's
