@@ -181,3 +181,57 @@ def test_a_blamed_suspect_back_from_its_backoff_goes_before_the_later_suspects()
     assert order == list(range(10))  # 0 first again, not after 1..9
     assert not dead
     assert tracker.committable == 10
+
+
+def test_the_neighbours_of_a_blamed_isolated_pill_go_out_beside_it_not_one_at_a_time() -> None:
+    """The pill, a suspect its process started, crashes it holding 15 fresh records: it
+    is blamed and they go back as ordinary deliveries, so the next process gets them all
+    at once, unflagged and at their first counted attempt, beside the pill. The pill goes
+    out again at once and crashes that process too: blamed on the same record, they stay
+    ordinary. A crash nothing explains makes them suspects, one per instance again."""
+    d, _, dead = make(max_attempts=5, span_s=0)
+    d.add(records(0, 1))
+    a = isolating(d, "a", 16)
+    take(a)
+    d.close_session(a)  # the pill's first crash, nothing started: it is a suspect
+    d.add(records(1, 16))
+    b = isolating(d, "b", 16)
+    got, flagged = take(b)
+    assert flagged == [0]
+    assert sorted(x.offset for x in got) == list(range(16))
+    d.started(b, flagged)
+    d.close_session(b)  # blamed on 0; 1..15 acquitted
+
+    for name in ("c", "e"):
+        s = isolating(d, name, 16)
+        got, flagged = take(s)
+        assert flagged == [0]  # the pill, alone and flagged
+        neighbours = sorted((x.offset, x.attempt) for x in got if x.offset != 0)
+        assert neighbours == [(o, 1) for o in range(1, 16)]  # all at once, no attempt used
+        d.started(s, flagged)
+        d.close_session(s)  # blamed on 0 again
+    assert len(dead) == 0
+
+    f = isolating(d, "f", 16)
+    got, flagged = take(f)
+    assert flagged == [0]
+    assert sorted(x.offset for x in got) == [0]  # 1..15 were acquitted twice: suspects now
+    d.settle(f, [0], [])  # say the pill was handled this time
+    got, flagged = take(f)
+    assert [x.offset for x in got] == flagged == [1]  # one suspect at a time again
+
+
+def test_an_older_clients_crash_blamed_on_its_suspect_acquits_no_one() -> None:
+    """An older client runs its one suspect beside the others: that is weaker evidence, so
+    the others of its crash come back as suspects, one per instance."""
+    d, _, _ = make(max_attempts=5, span_s=0)
+    d.add(records(0, 1))
+    a = d.open_session("a", 4, Outbox("t", 0, 1 << 20, False))
+    take(a)
+    d.close_session(a)  # its lone delivery: blamed, back as a suspect
+    d.add(records(1, 4))
+    b = d.open_session("b", 4, Outbox("t", 0, 1 << 20, False))
+    assert sorted(x.offset for x in take(b)[0]) == [0, 1, 2, 3]
+    d.close_session(b)  # blamed on its suspect 0; 1..3 are suspects
+    c = d.open_session("c", 4, Outbox("t", 0, 1 << 20, False))
+    assert len(take(c)[0]) == 1

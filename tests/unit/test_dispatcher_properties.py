@@ -10,7 +10,9 @@ from tests.unit.test_dispatcher import connect, frames_of
 from triage_protocol import triage_pb2 as pb
 from triage_proxy.config.loader import settings_from_dict
 from triage_proxy.pipeline.dispatch import Dispatcher, Session
+from triage_proxy.pipeline.dispatch.window import NOT_ACQUITTED
 from triage_proxy.pipeline.tracker import CommitTracker
+from triage_proxy.server.outbox import Outbox
 from triage_proxy.structs import DeadLetter, Record
 
 KEYS = [b"a", b"b", b"c", None]
@@ -74,6 +76,21 @@ class DispatcherMachine(RuleBasedStateMachine):
     def connect(self, credits: int) -> None:
         self.sessions.append(connect(self.d, f"i{len(self.sessions)}", credits))
         self._drain()
+
+    @rule(credits=st.integers(1, 4))
+    def connect_isolating(self, credits: int) -> None:
+        """An instance whose Hello set `isolation` (its suspects go flagged, alone)."""
+        outbox = Outbox("t", 0, 1 << 20, False)
+        session = self.d.open_session(f"i{len(self.sessions)}", credits, outbox, isolating=True)
+        self.sessions.append(session)
+        self._drain()
+
+    @precondition(lambda self: self.sessions)
+    @rule(data=st.data())
+    def report_started(self, data: st.DataObject) -> None:
+        """An isolating instance's process starts the suspect it holds (Started)."""
+        s = data.draw(st.sampled_from(self.sessions))
+        self.d.started(s, [o for o, e in s.held.items() if e.suspect])
 
     @precondition(lambda self: self.sessions)
     @rule(data=st.data())
@@ -148,6 +165,12 @@ class DispatcherMachine(RuleBasedStateMachine):
     def an_instance_holds_at_most_one_suspect(self) -> None:
         for s in self.sessions:
             assert sum(1 for e in s.held.values() if e.suspect) == s.suspects <= 1
+
+    @invariant()
+    def a_suspect_is_never_acquitted_and_no_one_more_than_twice(self) -> None:
+        for e in self.d._window.entries.values():
+            assert not (e.suspect and e.acquittals != NOT_ACQUITTED)
+            assert 0 <= e.acquittals[0] <= 2
 
     @invariant()
     def failed_counts_are_of_unsettled_records_within_the_limit(self) -> None:

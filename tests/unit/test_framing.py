@@ -84,6 +84,7 @@ def test_entries_built_in_bulk_are_ready_and_fresh(
             "state": EntryState.READY,
             "deadline": 0.0,
             "suspect": False,
+            "acquittals": (0, -1),
             "fetched_at": fetched_at,
             "delivered_at": 0.0,
         }

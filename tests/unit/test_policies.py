@@ -15,6 +15,7 @@ from triage_proxy.config.bounds import MAX_DURATION_S
 from triage_proxy.config.sections import RetrySettings
 from triage_proxy.pipeline.policies import (
     SPAN_DOUBLINGS,
+    Judgement,
     Outcome,
     after_failure,
     backoff,
@@ -22,6 +23,7 @@ from triage_proxy.pipeline.policies import (
     checkpoint_due,
     early_commit_worth,
     held_burst,
+    judged_on_vanish,
     redelivery_delay,
     retry_delay,
 )
@@ -450,3 +452,107 @@ def test_a_process_with_one_started_isolated_delivery_loses_at_most_one_attempt(
         assert hits == [chosen]
         assert chosen is not None  # a hit is a chosen cell
         assert suspects[chosen[0]][chosen[1]]
+
+
+# --- acquittals: what a crash blamed on one record makes of its neighbours ------------------
+
+NONE = (0, -1)
+B, S, A = Judgement.BLAMED, Judgement.SUSPECT, Judgement.ACQUITTED
+
+
+def test_the_neighbours_of_a_blamed_started_isolated_suspect_are_acquitted() -> None:
+    """The pill at offset 7, the isolated suspect the process started, crashes it with 15
+    neighbours in flight: it alone is blamed, and they go back as ordinary deliveries (a
+    suspect among them stays one)."""
+    offsets = list(range(16))
+    suspects = [o in (7, 9) for o in offsets]
+    verdicts = judged_on_vanish(offsets, suspects, [NONE] * 16, [o == 7 for o in offsets])
+    assert verdicts == [A] * 7 + [B, A, S] + [A] * 6
+
+
+def test_a_crash_nothing_explains_makes_every_delivery_a_suspect() -> None:
+    offsets = list(range(4))
+    # An isolating process that started no suspect (a pill on its first delivery).
+    assert judged_on_vanish(offsets, [False] * 4, [NONE] * 4, [False] * 4) == [S] * 4
+    # An older client holding several, none a suspect.
+    assert judged_on_vanish(offsets, [False] * 4, [NONE] * 4) == [S] * 4
+
+
+def test_an_older_client_or_a_push_target_acquits_no_one() -> None:
+    """Their one suspect ran beside the others: it is blamed, the others are suspects."""
+    offsets, suspects = [0, 1, 2], [False, True, False]
+    assert judged_on_vanish(offsets, suspects, [NONE] * 3) == [S, B, S]
+    push = judged_on_vanish(offsets, suspects, [NONE] * 3, [True] * 3, isolating=False)
+    assert push == [S, B, S]
+    assert judged_on_vanish([5], [False], [NONE]) == [B]  # an older client's lone delivery
+
+
+def test_an_acquittal_holds_for_one_more_crash_blamed_on_the_same_record_only() -> None:
+    """A blamed pill goes out again at once and crashes the next process, which may hold
+    the records acquitted at the first crash: they stay acquitted; a third crash, or one
+    blamed on another record, makes them suspects."""
+    blamed_on_7 = ([3, 7], [False, True], [False, True])
+    offsets, suspects, started = blamed_on_7
+    assert judged_on_vanish(offsets, suspects, [NONE, NONE], started) == [A, B]
+    assert judged_on_vanish(offsets, suspects, [(1, 7), NONE], started) == [A, B]
+    assert judged_on_vanish(offsets, suspects, [(2, 7), NONE], started) == [S, B]
+    assert judged_on_vanish(offsets, suspects, [(1, 8), NONE], started) == [S, B]
+    # Unexplained: a suspect, acquitted or not.
+    assert judged_on_vanish([3, 4], [False, False], [(1, 7), NONE], [False, False]) == [S, S]
+
+
+@given(st.lists(st.none() | st.integers(0, 3), min_size=1, max_size=12))
+def test_a_pill_is_acquitted_at_most_twice_before_it_is_a_suspect(
+    crashes: list[int | None],
+) -> None:
+    """A record on its first deliveries (the pill of the coincidence) held at any run of
+    crashes, each blamed on a started isolated suspect at offset 0-3 or on no one (None):
+    it is acquitted at most twice, then a suspect (whose rules never acquit it), so one
+    pill costs healthy records at most 3 attempts and is isolated by its third crash."""
+    pill = 99
+    acquittal = NONE
+    verdicts: list[Judgement] = []
+    for culprit in crashes:
+        if culprit is None:
+            (verdict,) = judged_on_vanish([pill], [False], [acquittal], [False])
+        else:
+            verdict, blamed = judged_on_vanish(
+                [pill, culprit], [False, True], [acquittal, NONE], [False, True]
+            )
+            assert blamed is B
+        verdicts.append(verdict)
+        if verdict is not A:
+            break
+        acquittal = (acquittal[0] + 1, culprit if culprit is not None else -1)
+    assert verdicts.count(A) <= 2
+    assert A not in verdicts[2:]
+    assert B not in verdicts
+
+
+@given(
+    st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=20),
+    st.lists(st.tuples(st.integers(0, 2), st.integers(-1, 20)), min_size=20, max_size=20),
+    st.booleans(),
+    st.booleans(),
+)
+def test_verdicts_agree_with_blame_and_acquit_only_beside_one_isolated_culprit(
+    held: list[tuple[bool, bool]],
+    acquittals: list[tuple[int, int]],
+    reported: bool,
+    isolating: bool,
+) -> None:
+    offsets = list(range(len(held)))
+    suspects = [suspect for suspect, _ in held]
+    started = [began for _, began in held] if reported else None
+    acq = acquittals[: len(held)]
+    verdicts = judged_on_vanish(offsets, suspects, acq, started, isolating=isolating)
+    blamed = blamed_on_vanish(suspects, started)
+    assert [v is B for v in verdicts] == blamed  # the attempts are blamed_on_vanish's
+    if A in verdicts:
+        assert reported
+        assert isolating
+        assert blamed.count(True) == 1
+    for v, suspect, (times, _) in zip(verdicts, suspects, acq, strict=True):
+        if v is A:
+            assert not suspect
+            assert times <= 1

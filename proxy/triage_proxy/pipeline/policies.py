@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from triage_proxy.config.sections import RateLimitSettings, RetrySettings
 
 __all__ = [
+    "Judgement",
     "Outcome",
     "RateLimit",
     "TokenBucket",
@@ -26,6 +27,7 @@ __all__ = [
     "checkpoint_due",
     "durability_due",
     "held_burst",
+    "judged_on_vanish",
     "rate_limit",
     "redelivery_delay",
     "retry_delay",
@@ -40,6 +42,19 @@ class Outcome(enum.Enum):
     """Hand it out again (after the retry delay when it was nacked with retry)."""
     DEAD_LETTER = "dead_letter"
     """Write it to the dead-letter table; it will not be delivered again."""
+
+
+class Judgement(enum.Enum):
+    """What becomes of a delivery its holder vanished with (`judged_on_vanish`)."""
+
+    BLAMED = "blamed"
+    """The evidence points at it: it uses an attempt and goes back as a suspect."""
+    SUSPECT = "suspect"
+    """Nothing explains the crash, or it was a suspect already: back as a suspect, no
+    attempt used."""
+    ACQUITTED = "acquitted"
+    """The one blamed delivery explains the crash: back as an ordinary delivery, no
+    attempt used, remembering whom the crash was blamed on."""
 
 
 def backoff(failures: int, *, initial: float, cap: float, multiplier: float = 2.0) -> float:
@@ -245,12 +260,15 @@ def blamed_on_vanish(suspects: Sequence[bool], started: Sequence[bool] | None = 
     its streams, to every proxy) and reports it Started, and waits for the proxy's answer,
     before its handler runs. So at any crash the process has at most one started isolated
     delivery, and only that one is blamed: a delivery held alone, a suspect waiting for its
-    turn, and every delivery on the process's other streams go back as suspects without
-    losing an attempt. A crash-type pill is blamed from its second crash on (its first
-    makes it a suspect), each time it crashes a process as the one isolated delivery
-    running there: `max_attempts + 1` crashes in one proxy run, as below. A healthy record
-    loses an attempt only when a pill on its first delivery (not isolated yet) crashes the
-    process in the moments the healthy one is the process's started isolated delivery.
+    turn, and every delivery on the process's other streams go back without losing an
+    attempt (as suspects, or acquitted: `judged_on_vanish`). A crash-type pill is blamed
+    from its second crash on (its first makes it a suspect), each time it crashes a
+    process as the one isolated delivery running there: `max_attempts + 1` crashes in one
+    proxy run, as below. A healthy record loses an attempt only when a pill on its first
+    delivery (not isolated yet) crashes the process in the moments the healthy one is the
+    process's started isolated delivery (then the pill is acquitted, at that crash and at
+    most one more, and the crashes until it is a suspect may blame a healthy record
+    again: `judged_on_vanish`).
 
     Without `started` (an older client), per stream:
 
@@ -273,6 +291,59 @@ def blamed_on_vanish(suspects: Sequence[bool], started: Sequence[bool] | None = 
     if len(suspects) == 1:
         return [True]
     return list(suspects)
+
+
+def judged_on_vanish(
+    offsets: Sequence[int],
+    suspects: Sequence[bool],
+    acquittals: Sequence[tuple[int, int]],
+    started: Sequence[bool] | None = None,
+    *,
+    isolating: bool = True,
+) -> list[Judgement]:
+    """What becomes of each delivery of an instance's stream that vanished, given their
+    offsets, which were suspects, each one's acquittals at earlier crashes (how many, and
+    the offset of the record the last one blamed: (0, -1) for none), and which suspects
+    it started (`isolating`: reported by the instance itself, Hello.isolation; a push
+    target's records all count as started, `isolating` False).
+
+    `blamed_on_vanish` names who uses an attempt. When it names the one started isolated
+    suspect of an isolating instance, that one explains the crash, and a delivery held
+    beside it that is no suspect goes back as an ordinary delivery (`ACQUITTED`), at
+    full concurrency: an isolated crash-type pill costs its neighbours neither an attempt
+    nor a turn in the suspects' one-at-a-time lane. Everything else held goes back as a
+    suspect, as after a crash nothing explains (a pill on its first delivery) and after
+    any crash of an older client or a push target: their one suspect ran beside the
+    others, which proves less.
+
+    A delivery is acquitted at most twice, and the second time only for the record its
+    first acquittal blamed: a blamed pill goes out again at once (`redelivery_delay` is 0
+    after the first failure) and crashes the next process too, which may hold the
+    records acquitted at the first crash. Held at any other crash it becomes a suspect.
+
+    Why the bound: the evidence is wrong only when a pill on its first delivery crashes
+    a process in the moments a healthy suspect is its started isolated delivery (the
+    coincidence of `blamed_on_vanish`); the pill is then acquitted, and each crash it is
+    acquitted at may blame a healthy record. So one pill costs healthy records at most
+    three attempts this way (one without acquittals), and is a suspect from its third
+    crash at the latest. Acquittals, like suspicion, are not persisted.
+    """
+    blamed = blamed_on_vanish(suspects, started)
+    culprits = [offset for offset, guilty in zip(offsets, blamed, strict=True) if guilty]
+    culprit = culprits[0] if len(culprits) == 1 and started is not None and isolating else None
+    verdicts: list[Judgement] = []
+    for guilty, suspect, (times, blamed_then) in zip(blamed, suspects, acquittals, strict=True):
+        if guilty:
+            verdicts.append(Judgement.BLAMED)
+        elif (
+            suspect
+            or culprit is None
+            or not (times == 0 or (times == 1 and blamed_then == culprit))
+        ):
+            verdicts.append(Judgement.SUSPECT)
+        else:
+            verdicts.append(Judgement.ACQUITTED)
+    return verdicts
 
 
 _SLACK = 1e-9

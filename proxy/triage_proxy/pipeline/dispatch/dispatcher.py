@@ -44,7 +44,7 @@ from triage_proxy.pipeline.dispatch.redelivery import Redelivery
 from triage_proxy.pipeline.dispatch.scheduler import Scheduler
 from triage_proxy.pipeline.dispatch.sessions import Outlet, Session, Sessions
 from triage_proxy.pipeline.dispatch.window import SIZE, Counters, Entry, Nack, Span, Window
-from triage_proxy.pipeline.policies import blamed_on_vanish, rate_limit
+from triage_proxy.pipeline.policies import Judgement, judged_on_vanish, rate_limit
 from triage_proxy.pipeline.tracker import CommitTracker
 from triage_proxy.structs import DeadLetter, Record
 from triage_proxy.waiting import wait_any
@@ -275,7 +275,7 @@ class Dispatcher:
         self, consumer_id: str, credits: int, outlet: Outlet, *, isolating: bool = False
     ) -> Session:
         """A new instance's session; its deliveries go to `outlet` (`isolating`: its Hello
-        set `isolation`, see policies.blamed_on_vanish)."""
+        set `isolation`, see policies.judged_on_vanish)."""
         session = self._sessions.open(consumer_id, credits, outlet, isolating=isolating)
         self._scheduler.pump()
         return session
@@ -306,14 +306,18 @@ class Dispatcher:
         cause = "its instance disconnected while handling it"
         started = session.started
         began = [e.record.offset in started for e in held] if session.isolating else None
-        blamed, back, later = self._judge_vanished(held, began, cause, session.consumer_id)
+        blamed, back, later, acquitted = self._judge_vanished(
+            held, began, cause, session.consumer_id
+        )
         logger.info(
             "instance %s disconnected; %d records back to the queue (%d blamed, %d after "
-            "a backoff)",
+            "a backoff, %d acquitted as ordinary deliveries, the crash being blamed on "
+            "its started suspect)",
             for_log(session.consumer_id),
             back,
             blamed,
             later,
+            acquitted,
         )
         session.outlet.end()
         self._window.update_events()
@@ -412,34 +416,58 @@ class Dispatcher:
         """These failed together at a push target, and nothing says which one caused it
         (the endpoint went away while they were in flight to it, a batch got no answer in
         time): judged as the deliveries of an instance that vanished, each of them
-        started (policies.blamed_on_vanish). A suspect uses an
-        attempt (a crash-type pill is one from its second crash on); the others go back
-        as suspects without one. Returns the offsets it did not hold."""
+        started (policies.judged_on_vanish). A suspect uses an attempt (a crash-type
+        pill is one from its second crash on); the others go back as suspects without one.
+        Returns the offsets it did not hold."""
         back, rejected = self._window.release(session, offsets)
-        self._judge_vanished(back, [True] * len(back), cause, session.consumer_id)
+        self._judge_vanished(back, [True] * len(back), cause, session.consumer_id, isolating=False)
         self.counters.rejected += len(rejected)
         self._window.update_events()
         self._scheduler.pump()
         return rejected
 
     def _judge_vanished(
-        self, held: list[Entry], began: list[bool] | None, cause: str, consumer_id: str
-    ) -> tuple[int, int, int]:
-        """`held` comes back from a holder that vanished (`began`: which it reported
-        started, None when it reports nothing): `blamed_on_vanish` says who uses an
-        attempt, the rest go back as suspects without one. Returns (blamed, back in the
-        queue, of those after a backoff); a blamed one out of attempts is dead-lettered."""
+        self,
+        held: list[Entry],
+        began: list[bool] | None,
+        cause: str,
+        consumer_id: str,
+        *,
+        isolating: bool = True,
+    ) -> tuple[int, int, int, int]:
+        """`held` comes back from a holder that vanished (`began`: which it started, None
+        when it reports nothing; `isolating`: the holder's own Started reports, not a push
+        target's every record): `judged_on_vanish` says who uses an
+        attempt; the rest go back without one, acquitted (as ordinary deliveries) or as
+        suspects. Returns (blamed, back in the queue, of
+        those after a backoff, of those acquitted); a blamed one out of attempts is
+        dead-lettered."""
         again: list[Entry] = []
         cleared: list[Entry] = []
-        blamed = blamed_on_vanish([e.suspect for e in held], began)
-        for entry, guilty in zip(held, blamed, strict=True):
-            if not guilty:
+        acquitted: list[Entry] = []
+        verdicts = judged_on_vanish(
+            [e.record.offset for e in held],
+            [e.suspect for e in held],
+            [e.acquittals for e in held],
+            began,
+            isolating=isolating,
+        )
+        culprit = -1
+        for entry, verdict in zip(held, verdicts, strict=True):
+            if verdict is Judgement.SUSPECT:
                 cleared.append(entry)
-            elif self._redelivery.failed(entry, cause, consumer_id):
-                again.append(entry)
+            elif verdict is Judgement.ACQUITTED:
+                acquitted.append(entry)
+            else:
+                culprit = entry.record.offset
+                if self._redelivery.failed(entry, cause, consumer_id):
+                    again.append(entry)
         later = self._redelivery.redeliver(again)
         self._redelivery.clear(cleared)
-        return len(held) - len(cleared), len(again) + len(cleared), later
+        if acquitted:
+            self._redelivery.acquit(acquitted, culprit)
+        back = len(again) + len(cleared) + len(acquitted)
+        return len(held) - len(cleared) - len(acquitted), back, later, len(acquitted)
 
     # --- what the dead-letter writer says -------------------------------------------------
 

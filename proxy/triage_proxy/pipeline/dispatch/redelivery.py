@@ -2,9 +2,11 @@
 
 A delivery fails (and uses up its attempt) when it is nacked with retry, when its ack
 deadline passes (its lease expires), or when its instance vanishes and the evidence
-points at it (`blamed_on_vanish`: it was the only delivery the instance held, or its one
-suspect); the other deliveries of a vanished instance go back as suspects without using
-an attempt (`clear`). The pure policy
+points at it (`judged_on_vanish`: the isolated suspect it reported started, or for an
+older client the only delivery it held or its one suspect); the other deliveries of a
+vanished instance go back without using an attempt, as ordinary deliveries when the
+crash was blamed on one of them and they were no suspects (`acquit`, at most twice in a
+row), else as suspects (`clear`). The pure policy
 `after_failure` then says: redeliver or, once the attempts are exhausted, dead-letter it
 with the last cause. A retry nack waits `retry_delay` in BACKOFF; a vanished instance or
 a lapsed lease waits `redelivery_delay` (the first time not at all, then gaps that add
@@ -34,7 +36,14 @@ from triage_protocol.constants import MAX_REASON_CHARS
 from triage_proxy.config.sections import RetrySettings
 from triage_proxy.pipeline.dispatch.keylocks import KeyLocks
 from triage_proxy.pipeline.dispatch.scheduler import Scheduler
-from triage_proxy.pipeline.dispatch.window import Counters, Entry, EntryState, Nack, Window
+from triage_proxy.pipeline.dispatch.window import (
+    NOT_ACQUITTED,
+    Counters,
+    Entry,
+    EntryState,
+    Nack,
+    Window,
+)
 from triage_proxy.pipeline.policies import Outcome, after_failure, redelivery_delay, retry_delay
 from triage_proxy.pipeline.timers import Timers
 from triage_proxy.structs import DeadLetter
@@ -109,6 +118,7 @@ class Redelivery:
             if delay > 0:
                 entry.state = EntryState.BACKOFF
                 entry.suspect = True
+                entry.acquittals = NOT_ACQUITTED
                 self._backoffs.schedule(entry.record.offset, at + delay)
                 waiting += 1
             else:
@@ -117,12 +127,27 @@ class Redelivery:
         return waiting
 
     def clear(self, entries: list[Entry]) -> None:
-        """`entries` were held by an instance that vanished, and nothing points at them
-        (`blamed_on_vanish`): back as suspects at once, without using an attempt."""
+        """`entries` were held by an instance that vanished, nothing points at them, and
+        they are not acquitted (`judged_on_vanish`: nothing explains the crash, or they
+        were suspects already, or were acquitted as often as it allows): back as suspects
+        at once, without using an attempt."""
         for entry in entries:
             entry.holder = None
             entry.attempt -= 1
         self._suspect(entries)
+
+    def acquit(self, entries: list[Entry], culprit: int) -> None:
+        """`entries` were held by an instance that vanished, and the crash was blamed on
+        the record at `culprit` (policies.judged_on_vanish): back to the front of the
+        queue as ordinary deliveries, without using an attempt."""
+        for entry in entries:
+            entry.holder = None
+            entry.attempt -= 1
+            times, _ = entry.acquittals
+            entry.acquittals = (times + 1, culprit)
+            entry.state = EntryState.READY
+        entries.sort(key=_BY_OFFSET)
+        self._scheduler.queue_front(entries)
 
     def give_back(self, entries: list[Entry]) -> int:
         """`entries`, taken from an instance, go back to the queue without using an
@@ -199,4 +224,5 @@ class Redelivery:
         for entry in entries:
             entry.state = EntryState.READY
             entry.suspect = True
+            entry.acquittals = NOT_ACQUITTED
         self._scheduler.queue_suspects(entries)

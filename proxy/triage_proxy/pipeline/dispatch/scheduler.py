@@ -29,7 +29,9 @@ healthy neighbours do not follow the pill from instance to instance until they r
 of attempts with it. To an `isolating` instance (Hello.isolation) the suspect goes alone in
 a frame flagged isolated (`Outlet.send_isolated`), and the instance's other streams, to
 this proxy or others, see to it that its process runs one such delivery at a time (see
-policies.blamed_on_vanish).
+policies.blamed_on_vanish). The deliveries that were no suspects, held beside a suspect
+an isolating instance started and crashed on, do not become suspects: they come back to
+the front of `ready` (policies.judged_on_vanish, acquitted).
 
 Large records: a delivery over the frame limit of the instance it was about to go to
 waits in `large` for a connected instance whose limit takes it, and is dead-lettered once

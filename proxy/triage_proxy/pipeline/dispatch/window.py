@@ -60,10 +60,15 @@ class EntryState(enum.Enum):
     """Its dead letter can never be written (deadletters/writer.py): unsettled until a restart."""
 
 
+NOT_ACQUITTED = (0, -1)
+"""`Entry.acquittals` of a record never acquitted at a crash (or a suspect since)."""
+
+
 class Entry:
     """One unsettled record in the window, with its delivery state."""
 
     __slots__ = (
+        "acquittals",
         "attempt",
         "deadline",
         "delivered_at",
@@ -87,6 +92,10 @@ class Entry:
     suspect: bool
     """Its instance vanished (or its lease lapsed) while holding it: maybe a poison pill.
     Set from then until it is settled or handled (see scheduler.py, `suspects`)."""
+    acquittals: tuple[int, int]
+    """How often it was held at a crash blamed on another record and went back as no
+    suspect, and that record's offset the last time: NOT_ACQUITTED until its first
+    acquittal, and again once it becomes a suspect (policies.judged_on_vanish)."""
     fetched_at: float
     """When it entered the window (monotonic seconds; for the oldest unsettled age)."""
     delivered_at: float
@@ -119,6 +128,7 @@ class Entry:
             entry.state = ready
             entry.deadline = 0.0
             entry.suspect = False
+            entry.acquittals = NOT_ACQUITTED
             entry.fetched_at = fetched_at
             entry.delivered_at = 0.0
             append(entry)
