@@ -60,6 +60,12 @@ when the worker exits, which may be just after xdist's controller stops waiting 
 
 
 def ends_alone(process: Leftover) -> bool:
+    """A helper of ENDS_ALONE, or a process caught exiting: its memory (so its command
+    line) was gone when `marked` read it, after its environment had matched (reported at
+    once, it failed a run whose every test passed). One still there after the grace is
+    killed and named like any other."""
+    if not process.command:
+        return True
     return any(f"from {module} import main" in process.command for module in ENDS_ALONE)
 
 

@@ -86,3 +86,11 @@ def test_a_process_that_is_no_helper_is_killed_at_once() -> None:
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_process_caught_exiting_gets_the_grace_and_any_other_is_killed_at_once() -> None:
+    """`marked` read its environment, then found its command line gone: it is exiting."""
+    assert leftovers.ends_alone(leftovers.Leftover(1, ""))
+    assert not leftovers.ends_alone(leftovers.Leftover(1, "python -c import time"))
+    tracker = "python -c from multiprocessing.resource_tracker import main;main(5)"
+    assert leftovers.ends_alone(leftovers.Leftover(1, tracker))
