@@ -72,6 +72,9 @@ export class IsolationGate {
   private hushTimer: NodeJS.Timeout | null = null;
   private readonly listeners = new Map<object, () => void>();
 
+  /** `hushMs`: the longest hush (HUSH_MS; a test that must not see it end sets more). */
+  constructor(private readonly hushMs = HUSH_MS) {}
+
   /**
    * The isolated delivery the process is hushed for (`hush`): the pools start only it; null:
    * they start anything.
@@ -106,7 +109,7 @@ export class IsolationGate {
     }
     this.hushFor = ticket;
     this.hushing = ticket.message;
-    this.hushTimer = setTimeout(() => this.unhush(ticket), HUSH_MS);
+    this.hushTimer = setTimeout(() => this.unhush(ticket), this.hushMs);
     this.hushTimer.unref(); // a hush never keeps the process alive
   }
 

@@ -16,7 +16,7 @@
 
 import { Retry } from "./errors";
 import { MAX_REASON_CHARS } from "./generated/constants";
-import { GATE } from "./isolation";
+import { GATE, type IsolationGate } from "./isolation";
 import { type Account, Ledger } from "./ledger";
 import type { Message } from "./message";
 import type { Nack } from "./proto";
@@ -86,7 +86,7 @@ function isThenable(value: unknown): value is PromiseLike<unknown> {
 /** `concurrency` handler slots fed by every stream's local queue (see the module doc). */
 export class HandlerPool {
   /** What each stream has queued, running and finished (ledger.ts). */
-  readonly ledger = new Ledger();
+  readonly ledger: Ledger;
   private running = 0;
   private pumping = false; // pump() is on the stack: a handler settling inside it must not recurse
   private drainedWaiters: (() => void)[] = [];
@@ -95,16 +95,20 @@ export class HandlerPool {
     private readonly handler: Handler,
     private readonly concurrency: number,
     private readonly retryOn: readonly ErrorClass[],
-  ) {}
+    /** The process's isolation gate (a test gives its own). */
+    private readonly gate: IsolationGate = GATE,
+  ) {
+    this.ledger = new Ledger(gate);
+  }
 
   /** The Consumer starts: a hush ending (isolation.ts) puts idle slots to work on what waited. */
   start(): void {
-    GATE.listen(this, () => this.pump());
+    this.gate.listen(this, () => this.pump());
   }
 
   /** The Consumer stopped: no more hush ends to hear of. Safe twice. */
   close(): void {
-    GATE.unlisten(this);
+    this.gate.unlisten(this);
   }
 
   /** Deliveries queued or running, of any stream and epoch. */

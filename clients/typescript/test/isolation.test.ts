@@ -3,7 +3,7 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
-import { GATE, HUSH_MS, IsolationGate, Ticket } from "../src/isolation.js";
+import { HUSH_MS, IsolationGate, Ticket } from "../src/isolation.js";
 import { Ledger } from "../src/ledger.js";
 import type { Message } from "../src/message.js";
 import { HandlerPool } from "../src/pool.js";
@@ -153,8 +153,10 @@ test("isolation: a hush ends after HUSH_MS while a slow isolated delivery keeps 
 });
 
 test("isolation: a pool runs no other handler while the process is hushed", async () => {
-  // The real pool and the process's gate: deliveries queued during the hush wait for the
-  // isolated one to leave, then run.
+  // The real pool and a gate whose hush outlasts the test (a busy machine must not see the
+  // HUSH_MS timer end it early): deliveries queued during the hush wait for the isolated
+  // one to leave, then run.
+  const gate = new IsolationGate(600_000);
   const ran: number[] = [];
   let isolatedRan!: () => void;
   let allRan!: () => void;
@@ -172,26 +174,27 @@ test("isolation: a pool runs no other handler while the process is hushed", asyn
     },
     4,
     [],
+    gate,
   );
   pool.start();
   const account = pool.ledger.open({ afterSettle() {} } as unknown as PartitionStream);
   const held = message(7);
   pool.isolate(account, [held]);
-  const ticket = new Ticket(account, held, 0, (t) => GATE.hush(t));
-  GATE.enter(ticket);
+  const ticket = new Ticket(account, held, 0, (t) => gate.hush(t));
+  gate.enter(ticket);
   await settle();
   try {
-    assert.equal(GATE.hushed, held);
+    assert.equal(gate.hushed, held);
     pool.submit(account, [message(1), message(2), message(3)]);
     assert.equal(pool.runIsolated(account, held), true);
     await within(isolated, 30_000, "the isolated handler");
     await settle(); // the handler's result: its slot frees and finds nothing to start
     assert.deepEqual(ran, [7]);
-    GATE.leave(ticket);
+    gate.leave(ticket);
     await within(all, 30_000, "the other handlers");
     assert.deepEqual([...ran].sort(), [1, 2, 3, 7]);
   } finally {
-    GATE.leave(ticket);
+    gate.leave(ticket);
     pool.close();
   }
 });
