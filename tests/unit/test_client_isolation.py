@@ -227,68 +227,21 @@ def test_a_hush_ends_after_hush_s_while_a_slow_isolated_delivery_runs_on() -> No
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("sync", [False, True], ids=["async handler", "sync handler"])
 def test_a_pool_runs_no_other_handler_while_the_process_is_hushed(
-    monkeypatch: pytest.MonkeyPatch,
+    sync: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The real pool and the process's gate: deliveries queued during the hush wait for the
-    isolated one to leave, then run. The hush outlasts the test (a busy machine must not see
-    HUSH_S end it early)."""
-    monkeypatch.setattr(isolation, "HUSH_S", 600.0)
-    ran: list[int] = []
-    isolated_ran = asyncio.Event()
-    all_ran = asyncio.Event()
-
-    async def handler(m: Message) -> None:
-        ran.append(m.offset)
-        if m.offset == 7:
-            isolated_ran.set()
-        if len(ran) == 4:
-            all_ran.set()
-
-    class Stream:
-        def after_settle(self, drained: bool) -> bool:
-            return False
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        pool = HandlerPool(handler, 4, (), 16)
-        pool.start(loop)
-        account = pool.ledger.open(cast(Any, Stream()))
-        held = message(7)
-        pool.isolate(account, [held])
-        ticket = Ticket("s", held, 0, loop, GATE.hush)
-        GATE.enter(ticket)
-        await asyncio.sleep(0)
-        try:
-            assert GATE.hushed is held
-            pool.submit(account, [message(1), message(2), message(3)])
-            assert pool.run_isolated(account, held)
-            await asyncio.wait_for(isolated_ran.wait(), 30)
-            for _ in range(3):
-                await asyncio.sleep(0)  # the workers' turns: they find nothing to start
-            assert ran == [7]
-            GATE.leave(ticket)
-            await asyncio.wait_for(all_ran.wait(), 30)
-            assert sorted(ran) == [1, 2, 3, 7]
-        finally:
-            GATE.leave(ticket)
-            await pool.close(clean=False)
-
-    asyncio.run(main())
-
-
-def test_a_sync_pool_runs_no_other_handler_while_the_process_is_hushed(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The same with a sync handler: threads that find the process hushed end their drain
-    job, and the hush's end submits new ones."""
+    isolated one to leave, then run (sync handlers: threads that find the process hushed end
+    their drain job, and the hush's end submits new ones). The hush outlasts the test (a
+    busy machine must not see HUSH_S end it early)."""
     monkeypatch.setattr(isolation, "HUSH_S", 600.0)
     ran: list[int] = []
     lock = threading.Lock()
     isolated_ran = threading.Event()
     all_ran = threading.Event()
 
-    def handler(m: Message) -> None:
+    def record(m: Message) -> None:
         with lock:
             ran.append(m.offset)
             if m.offset == 7:
@@ -296,13 +249,16 @@ def test_a_sync_pool_runs_no_other_handler_while_the_process_is_hushed(
             if len(ran) == 4:
                 all_ran.set()
 
+    async def record_async(m: Message) -> None:
+        record(m)
+
     class Stream:
         def after_settle(self, drained: bool, **_: Any) -> bool:
             return False
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        pool = HandlerPool(handler, 4, (), 16)
+        pool = HandlerPool(record if sync else record_async, 4, (), 16)
         pool.start(loop)
         account = pool.ledger.open(cast(Any, Stream()))
         held = message(7)
@@ -315,6 +271,8 @@ def test_a_sync_pool_runs_no_other_handler_while_the_process_is_hushed(
             pool.submit(account, [message(1), message(2), message(3)])
             assert pool.run_isolated(account, held)
             assert await asyncio.to_thread(isolated_ran.wait, 30)
+            for _ in range(3):
+                await asyncio.sleep(0)  # the workers' turns: they find nothing to start
             with lock:
                 assert ran == [7]
             GATE.leave(ticket)

@@ -334,6 +334,7 @@ class PushTarget(Lifecycle):
         )
         if self._lanes.get(partition) is lane:
             del self._lanes[partition]
+            self._regrant()  # the other lanes share what it had
         if self._lane_failure is None:
             self._lane_failure = exc
 
