@@ -185,8 +185,9 @@ class Ledger:
         fewest running handlers among those under their cap, ties round-robin; None when
         every stream with queued deliveries is at its cap (or none has any). While the
         process is hushed for an isolated delivery, only that one, if it is queued here."""
-        if self._gate.hushed is not None:
-            return self._pick_hushed()
+        hushed = self._gate.hushed
+        if hushed is not None:
+            return self._pick_hushed(hushed)
         ready = self.ready
         count = len(ready)
         if count == 1:
@@ -221,9 +222,8 @@ class Ledger:
         account.busy += 1
         return account, message
 
-    def _pick_hushed(self) -> tuple[Account, Message] | None:
+    def _pick_hushed(self, hushed: Message) -> tuple[Account, Message] | None:
         account = self._admitted
-        hushed = self._gate.hushed
         if account is None or not account.queued or account.queued[0] is not hushed:
             return None
         message = account.queued.popleft()

@@ -160,9 +160,10 @@ class AdaptiveLimit:
             return self.limit
         if rtt <= 0 or not math.isfinite(rtt):
             return self.limit
-        trips = self._classes.get(size_class(records))
+        key = size_class(records)
+        trips = self._classes.get(key)
         if trips is None:
-            trips = self._classes[size_class(records)] = _RoundTrips()
+            trips = self._classes[key] = _RoundTrips()
         trips.add(rtt)
         self._last = trips
         limit = self._limit
