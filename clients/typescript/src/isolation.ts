@@ -36,10 +36,13 @@ import type { StreamWriter } from "./writer";
 
 /**
  * Longest the process starts nothing new for an isolated delivery (`IsolationGate.hush`): its
- * Started round trip and a quick handler fit; a slow one runs on beside the others, so a
- * process working through a crash's suspects one by one keeps most of its throughput.
+ * Started round trip and a handler of up to about a second fit, so a crash pill on its first
+ * delivery cannot start beside such a suspect and get it blamed. A slower one runs on beside
+ * the others after it, so a process working through a crash's suspects of many seconds each
+ * keeps its throughput. The price is time after a crash: each suspect up to this long alone
+ * (the Python client's HUSH_S, measured there).
  */
-export const HUSH_MS = 50;
+export const HUSH_MS = 1000;
 
 /**
  * How often a stream whose connection ended looks whether its isolated delivery's handler,
