@@ -8,22 +8,24 @@ its streams and Consumers (one process holds streams to several proxies, and a c
 on one partition takes down the handlers of every other one):
 
     Deliveries.isolated ─> Ticket ─> GATE.enter ─> (its turn) GATE.hush
-        ─> Started(offset) ─> the proxy records it and answers Started ─> handler slot
+        ─> (no other handler runs, or HUSH_S passed) Started(offset)
+        ─> the proxy records it and answers Started ─> handler slot
         ─> its Settle written ─> GATE.leave ─> the next ticket's turn
 
 The others wait here, queued and leased (their offsets are in the Extend), never started:
 if the process dies meanwhile, nobody blames them. A ticket leaves early when its stream
 ends (its epoch is over: the proxy redelivers what it held) or gives it back unstarted.
 
-The hush: from a ticket's turn until its Settle is written (at most HUSH_S), the process's
-handler pools start no other delivery (`IsolationGate.hushed`; the ones already running go
-on). Why: a crash in that time is blamed on the isolated delivery, and without the hush a
-crash pill on its first delivery (not isolated: nobody suspects it yet) that a fresh
-process picks from a batch arriving on another stream would crash it in that time. In a crash
+The hush: from a ticket's turn until its Settle is written, the process's handler pools
+start no other delivery (`IsolationGate.hushed`), and the Started waits until the handlers
+already running are done; each wait at most HUSH_S. Why: a crash while the isolated
+delivery is started is blamed on it, and a crash pill on its first delivery (not isolated:
+nobody suspects it yet) would otherwise crash the process in that time: one already running
+that crashes late, or one the process picks from a batch arriving meanwhile. In a crash
 storm (each restarted process gets the same smallest-offset suspect and a batch holding a
-new pill) one healthy suspect would be blamed again and again until dead-lettered. With
-the hush, a pill that arrived first has crashed the process before the Started was sent (an
-async handler runs to its first await without yielding), and one that arrives later waits.
+new pill) one healthy suspect would be blamed again and again until dead-lettered. With the
+hush, a pill that was running has crashed the process before the Started was sent, and one
+that arrives later waits.
 
 Thread-safe: tickets come from the event loops of any Consumer in the process; a ticket's
 turn is handed to its own loop (`call_soon_threadsafe`).
@@ -57,6 +59,10 @@ price is time after a crash: each suspect up to this long alone (bench_crash_cos
 pill among 400 messages of 100 ms, 1.40x the time without it against 1.17x with 50 ms;
 with eight pills, no healthy attempt blamed against 14-18, and faster: 3.88x against
 3.57-4.39x)."""
+
+QUIET_POLL_S = 0.005
+"""How often an isolated delivery whose turn came looks whether the handlers already
+running in the process are done (then its Started goes out)."""
 
 TURN_POLL_S = 0.05
 """How often a stream whose connection ended looks whether its isolated delivery's handler,
@@ -99,28 +105,49 @@ class IsolationGate:
         """The isolated delivery the process is hushed for (`hush`): the pools start only
         it; None: they start anything. Read without the lock (one attribute)."""
         self._hush_for: Ticket | None = None
-        self._listeners: dict[object, tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = {}
+        self._hush_timer: tuple[Ticket, asyncio.TimerHandle] | None = None
+        self._listeners: dict[
+            object,
+            tuple[asyncio.AbstractEventLoop, Callable[[], None], Callable[[], int]],
+        ] = {}
 
     def listen(
-        self, owner: object, loop: asyncio.AbstractEventLoop, on_unhush: Callable[[], None]
+        self,
+        owner: object,
+        loop: asyncio.AbstractEventLoop,
+        on_unhush: Callable[[], None],
+        running: Callable[[], int] = lambda: 0,
     ) -> None:
-        """`owner` (a handler pool) wants `on_unhush` called on `loop` when a hush ends."""
+        """`owner` (a handler pool) wants `on_unhush` called on `loop` when a hush ends;
+        `running` says how many handlers it runs (`quiet`)."""
         with self._lock:
-            self._listeners[owner] = (loop, on_unhush)
+            self._listeners[owner] = (loop, on_unhush, running)
+
+    def quiet(self) -> bool:
+        """No handler runs in any pool of the process. Read without the pools' locks: while
+        the process is hushed their counts only fall, and a stale read waits one poll."""
+        with self._lock:
+            counts = [running for _, _, running in self._listeners.values()]
+        return not any(running() for running in counts)
 
     def unlisten(self, owner: object) -> None:
         with self._lock:
             self._listeners.pop(owner, None)
 
     def hush(self, ticket: Ticket) -> None:
-        """`ticket`'s turn came (called on its loop): the process starts nothing else until
-        it leaves, or for HUSH_S."""
+        """`ticket`'s turn came, or its Started goes out (called on its loop): the process
+        starts nothing else until it leaves, or for HUSH_S from now."""
         with self._lock:
             if self._holder is not ticket:
                 return
             self._hush_for = ticket
             self.hushed = ticket.message
-        ticket.loop.call_later(HUSH_S, self._unhush, ticket)
+            armed, self._hush_timer = self._hush_timer, None
+        if armed is not None and armed[0] is ticket:
+            armed[1].cancel()  # its own earlier bound, on this loop; another's is stale
+        timer = ticket.loop.call_later(HUSH_S, self._unhush, ticket)
+        with self._lock:
+            self._hush_timer = (ticket, timer)
 
     def _unhush(self, ticket: Ticket) -> None:
         with self._lock:
@@ -129,7 +156,7 @@ class IsolationGate:
             self._hush_for = None
             self.hushed = None
             listeners = list(self._listeners.values())
-        for loop, on_unhush in listeners:
+        for loop, on_unhush, _ in listeners:
             with suppress(RuntimeError):  # its loop is closed: its Consumer is gone
                 loop.call_soon_threadsafe(on_unhush)
 
@@ -239,6 +266,26 @@ class StreamTurn:
             return
         self._turn = ticket
         GATE.hush(ticket)
+        self._when_quiet(ticket, ticket.loop.time() + HUSH_S)
+
+    def _when_quiet(self, ticket: Ticket, deadline: float) -> None:
+        """Send `ticket`'s Started once no other handler runs in the process, or at
+        `deadline`. Why wait: a crash is blamed on the started isolated delivery, and a
+        crash pill already running (on its first delivery, so not isolated) that crashes
+        late would get this one blamed. While it waits the process is hushed, so the
+        handlers running can only finish; one that crashes costs this one nothing."""
+        if self._turn is not ticket or ticket.started:
+            return  # given back or its connection ended meanwhile
+        stream = self._stream
+        if ticket.epoch != stream.account.epoch or stream.call is None:
+            self._turn = None
+            GATE.leave(ticket)  # its connection ended: the proxy redelivers it
+            return
+        loop = ticket.loop
+        if not GATE.quiet() and loop.time() < deadline:
+            loop.call_later(QUIET_POLL_S, self._when_quiet, ticket, deadline)
+            return
+        GATE.hush(ticket)  # the whole bound again, for its own run
         self._writer.started(ticket.message.offset)
 
     def on_started(self, offsets: Iterable[int]) -> None:

@@ -124,6 +124,9 @@ class Ledger:
         """Accounts with queued deliveries."""
         self.idled = 0
         """Times a slot found nothing queued after a delivery, since `take_idled`."""
+        self.busy = 0
+        """Handlers running in the pool's slots, of any stream and epoch (the isolation
+        gate waits for none to run before an isolated delivery's Started)."""
         self._turn = 0  # where the next tie-break starts, for round-robin among equals
 
     def open(self, stream: PartitionStream) -> Account:
@@ -220,6 +223,7 @@ class Ledger:
         if not queued:
             del ready[index]
         account.busy += 1
+        self.busy += 1
         return account, message
 
     def _pick_hushed(self, hushed: Message) -> tuple[Account, Message] | None:
@@ -231,6 +235,7 @@ class Ledger:
         if not account.queued:
             self.ready.remove(account)
         account.busy += 1
+        self.busy += 1
         return account, message
 
     def finished(
@@ -246,6 +251,7 @@ class Ledger:
         connection ended meanwhile. True when the stream has nothing queued behind it."""
         running.discard(offset)
         account.busy -= 1
+        self.busy -= 1
         self.outstanding -= 1
         if epoch != account.epoch:
             account.dropped += 1  # its connection ended: the proxy redelivers it
@@ -263,6 +269,7 @@ class Ledger:
         lapses and the proxy redelivers it)."""
         running.discard(offset)
         account.busy -= 1
+        self.busy -= 1
 
     def idle(self) -> None:
         """A slot found nothing queued after a delivery."""

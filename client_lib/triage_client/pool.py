@@ -130,7 +130,8 @@ class HandlerPool:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        GATE.listen(self, loop, self.kick)  # a hush ended: slots may start what waited
+        # A hush ended: slots may start what waited. The gate reads the running count.
+        GATE.listen(self, loop, self.kick, self._running)
         if self.is_async:
             self._workers = [
                 loop.create_task(self._worker(), name=f"triage-handler-{i}")
@@ -162,6 +163,10 @@ class HandlerPool:
         self._loop = None
 
     # -- the loop side ---------------------------------------------------------------------
+
+    def _running(self) -> int:
+        """Handlers running in the slots (any thread: one read of a count)."""
+        return self.ledger.busy
 
     @property
     def outstanding(self) -> int:

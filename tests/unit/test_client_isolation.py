@@ -286,3 +286,125 @@ def test_a_pool_runs_no_other_handler_while_the_process_is_hushed(
             await pool.close(clean=True)
 
     asyncio.run(main())
+
+
+class _Writer:
+    """A stream writer that records the Started frames it is asked to send."""
+
+    def __init__(self) -> None:
+        self.started_offsets: list[int] = []
+        self.sent = asyncio.Event()
+
+    def started(self, offset: int) -> None:
+        self.started_offsets.append(offset)
+        self.sent.set()
+
+
+class _Stream:
+    def __init__(self, pool: HandlerPool, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.call = object()  # connected
+        self.account = pool.ledger.open(cast(Any, self))
+
+    def after_settle(self, drained: bool, **_: Any) -> bool:
+        return False
+
+
+class _Context:
+    def __init__(self, pool: HandlerPool) -> None:
+        self.pool = pool
+        self.stopping = asyncio.Event()
+
+
+def test_an_isolated_deliverys_started_waits_for_the_handlers_already_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A crash pill already running when a suspect's turn comes (not isolated: its first
+    delivery) may crash the process late: the suspect's Started waits until no handler
+    runs, so that crash cannot be blamed on it. The real pool and the process's gate."""
+    monkeypatch.setattr(isolation, "HUSH_S", 600.0)  # no deadline within the test
+    polls = 0
+    polled = asyncio.Event()
+    quiet = GATE.quiet
+
+    def counting_quiet() -> bool:
+        nonlocal polls
+        polls += 1
+        if polls >= 3:
+            polled.set()
+        return quiet()
+
+    monkeypatch.setattr(GATE, "quiet", counting_quiet)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        release = asyncio.Event()
+        began = asyncio.Event()
+
+        async def handler(m: Message) -> None:
+            began.set()
+            await release.wait()
+
+        pool = HandlerPool(handler, 4, (), 16)
+        pool.start(loop)
+        stream = _Stream(pool, loop)
+        writer = _Writer()
+        turn = isolation.StreamTurn(cast(Any, stream), cast(Any, _Context(pool)), cast(Any, writer))
+        try:
+            pool.submit(stream.account, [message(1)])
+            await asyncio.wait_for(began.wait(), 30)
+            turn.isolate([message(7)], [7])
+            await asyncio.wait_for(polled.wait(), 30)  # it looked, and found one running
+            assert writer.started_offsets == []
+            assert GATE.hushed is not None, "nothing new starts meanwhile"
+            release.set()  # the running handler ends: the Started goes out
+            await asyncio.wait_for(writer.sent.wait(), 30)
+            assert writer.started_offsets == [7]
+        finally:
+            release.set()
+            turn.give_back()
+            if GATE.holder is not None:
+                GATE.leave(GATE.holder)
+            await pool.close(clean=True)
+
+    asyncio.run(main())
+
+
+def test_an_isolated_deliverys_started_waits_no_longer_than_hush_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A handler that runs on (a slow one, or a hung one) holds the Started back for HUSH_S
+    at most: the suspect is not starved."""
+    monkeypatch.setattr(isolation, "HUSH_S", 0.2)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        release = asyncio.Event()
+        began = asyncio.Event()
+
+        async def handler(m: Message) -> None:
+            began.set()
+            await release.wait()
+
+        pool = HandlerPool(handler, 4, (), 16)
+        pool.start(loop)
+        stream = _Stream(pool, loop)
+        writer = _Writer()
+        turn = isolation.StreamTurn(cast(Any, stream), cast(Any, _Context(pool)), cast(Any, writer))
+        try:
+            pool.submit(stream.account, [message(1)])
+            await asyncio.wait_for(began.wait(), 30)
+            turned = loop.time()
+            turn.isolate([message(7)], [7])
+            await asyncio.wait_for(writer.sent.wait(), 30)
+            assert loop.time() - turned >= isolation.HUSH_S
+            assert writer.started_offsets == [7]
+            assert pool.ledger.busy == 1, "the slow handler still runs"
+        finally:
+            release.set()
+            turn.give_back()
+            if GATE.holder is not None:
+                GATE.leave(GATE.holder)
+            await pool.close(clean=True)
+
+    asyncio.run(main())

@@ -10,6 +10,7 @@
  * takes down the handlers of every other one):
  *
  *     Deliveries.isolated -> Ticket -> GATE.enter -> (its turn) GATE.hush
+ *         -> (no other handler runs, or HUSH_MS passed)
  *         -> Started(offset) -> the proxy records it and answers Started -> handler slot
  *         -> its Settle written -> GATE.leave -> the next ticket's turn
  *
@@ -18,15 +19,15 @@
  * (the proxy redelivers what it held) or gives it back unstarted.
  *
  * The hush: from a ticket's turn until it leaves (its Settle written, or its stream ended or
- * gave it back), or for HUSH_MS at most, the process's handler pools start no other delivery
- * (`IsolationGate.hushed`; the ones already running go on). Why: a crash in that time is
- * blamed on the isolated delivery, and without the hush a crash pill on its first delivery
- * (not isolated: nobody suspects it yet) that a fresh process picks from a batch arriving on
- * another stream would crash it in that time. In a crash storm (each restarted process gets the same
+ * gave it back), the process's handler pools start no other delivery (`IsolationGate.hushed`),
+ * and the Started waits until the handlers already running are done; each wait HUSH_MS at
+ * most. Why: a crash while the isolated delivery is started is blamed on it, and a crash pill
+ * on its first delivery (not isolated: nobody suspects it yet) would otherwise crash the
+ * process in that time: one already running that crashes late, or one the process picks from
+ * a batch arriving meanwhile. In a crash storm (each restarted process gets the same
  * smallest-offset suspect and a batch holding a new pill) one healthy suspect would be blamed
- * again and again until dead-lettered. With the hush, a pill that arrived first has crashed
- * the process before the Started was sent (a handler runs to its first await at once), and one
- * that arrives later waits.
+ * again and again until dead-lettered. With the hush, a pill that was running has crashed the
+ * process before the Started was sent, and one that arrives later waits.
  */
 
 import type { Message } from "./message";
@@ -43,6 +44,12 @@ import type { StreamWriter } from "./writer";
  * (the Python client's HUSH_S, measured there).
  */
 export const HUSH_MS = 1000;
+
+/**
+ * How often an isolated delivery whose turn came looks whether the handlers already running in
+ * the process are done (then its Started goes out).
+ */
+const QUIET_POLL_MS = 5;
 
 /**
  * How often a stream whose connection ended looks whether its isolated delivery's handler,
@@ -73,10 +80,10 @@ export class IsolationGate {
   private hushing: Message | null = null;
   private hushFor: Ticket | null = null;
   private hushTimer: NodeJS.Timeout | null = null;
-  private readonly listeners = new Map<object, () => void>();
+  private readonly listeners = new Map<object, { onUnhush: () => void; running: () => number }>();
 
   /** `hushMs`: the longest hush (HUSH_MS; a test that must not see it end sets more). */
-  constructor(private readonly hushMs = HUSH_MS) {}
+  constructor(readonly hushMs = HUSH_MS) {}
 
   /**
    * The isolated delivery the process is hushed for (`hush`): the pools start only it; null:
@@ -96,19 +103,38 @@ export class IsolationGate {
     return this.waitingList.length;
   }
 
-  /** `owner` (a handler pool) wants `onUnhush` called (on a later microtask) when a hush ends. */
-  listen(owner: object, onUnhush: () => void): void {
-    this.listeners.set(owner, onUnhush);
+  /**
+   * `owner` (a handler pool) wants `onUnhush` called (on a later microtask) when a hush ends;
+   * `running` says how many handlers it runs (`quiet`).
+   */
+  listen(owner: object, onUnhush: () => void, running: () => number = () => 0): void {
+    this.listeners.set(owner, { onUnhush, running });
+  }
+
+  /** No handler runs in any pool of the process. */
+  quiet(): boolean {
+    for (const { running } of this.listeners.values()) {
+      if (running() > 0) {
+        return false;
+      }
+    }
+    return true;
   }
 
   unlisten(owner: object): void {
     this.listeners.delete(owner);
   }
 
-  /** `ticket`'s turn came: the process starts nothing else until it leaves, or for HUSH_MS. */
+  /**
+   * `ticket`'s turn came, or its Started goes out: the process starts nothing else until it
+   * leaves, or for HUSH_MS from now.
+   */
   hush(ticket: Ticket): void {
     if (this.holding !== ticket) {
       return;
+    }
+    if (this.hushTimer !== null) {
+      clearTimeout(this.hushTimer); // its own earlier bound: only the holder is hushed for
     }
     this.hushFor = ticket;
     this.hushing = ticket.message;
@@ -164,7 +190,7 @@ export class IsolationGate {
     this.hushTimer = null;
     this.hushFor = null;
     this.hushing = null;
-    for (const onUnhush of this.listeners.values()) {
+    for (const { onUnhush } of this.listeners.values()) {
       queueMicrotask(onUnhush); // not inside the caller: a pool may be mid-pump
     }
   }
@@ -198,6 +224,8 @@ export class StreamTurn {
     private readonly stream: PartitionStream,
     private readonly ctx: StreamContext,
     private readonly writer: StreamWriter,
+    /** The process's isolation gate (a test gives its own). */
+    private readonly gate: IsolationGate = GATE,
   ) {}
 
   /**
@@ -218,22 +246,46 @@ export class StreamTurn {
     this.ctx.pool.isolate(account, held);
     const epoch = account.epoch;
     for (const message of held) {
-      GATE.enter(new Ticket(this.stream, message, epoch, (ticket) => this.onTurn(ticket)));
+      this.gate.enter(new Ticket(this.stream, message, epoch, (ticket) => this.onTurn(ticket)));
     }
   }
 
   /** `ticket`'s turn came: ask the proxy to record it started. */
   private onTurn(ticket: Ticket): void {
     if (ticket.epoch !== this.stream.account.epoch || this.ctx.stopping()) {
-      GATE.leave(ticket); // its connection ended (the proxy redelivers it), or stop() began
+      this.gate.leave(ticket); // its connection ended (the proxy redelivers it), or stop() began
       return;
     }
-    GATE.hush(ticket); // before the Started: nothing else starts while it may be blamed
-    if (!this.writer.started(ticket.message.offset)) {
-      GATE.leave(ticket); // its connection ended: the proxy redelivers it
-      return;
-    }
+    this.gate.hush(ticket); // before the Started: nothing else starts while it may be blamed
     this.turn = ticket;
+    this.whenQuiet(ticket, performance.now() + this.gate.hushMs);
+  }
+
+  /**
+   * Send `ticket`'s Started once no other handler runs in the process, or at `deadline`. Why
+   * wait: a crash is blamed on the started isolated delivery, and a crash pill already running
+   * (on its first delivery, so not isolated) that crashes late would get this one blamed. While
+   * it waits the process is hushed, so the handlers running can only finish; one that crashes
+   * costs this one nothing.
+   */
+  private whenQuiet(ticket: Ticket, deadline: number): void {
+    if (this.turn !== ticket || ticket.started) {
+      return; // given back, or its connection ended, meanwhile
+    }
+    if (ticket.epoch !== this.stream.account.epoch || this.ctx.stopping()) {
+      this.turn = null;
+      this.gate.leave(ticket);
+      return;
+    }
+    if (!this.gate.quiet() && performance.now() < deadline) {
+      setTimeout(() => this.whenQuiet(ticket, deadline), QUIET_POLL_MS).unref();
+      return;
+    }
+    this.gate.hush(ticket); // the whole bound again, for its own run
+    if (!this.writer.started(ticket.message.offset)) {
+      this.turn = null;
+      this.gate.leave(ticket); // its connection ended: the proxy redelivers it
+    }
   }
 
   /** The proxy recorded the Started: the delivery takes the next handler slot. */
@@ -245,7 +297,7 @@ export class StreamTurn {
     turn.started = true;
     if (!this.ctx.pool.runIsolated(this.stream.account, turn.message)) {
       this.turn = null; // given back meanwhile
-      GATE.leave(turn);
+      this.gate.leave(turn);
     }
   }
 
@@ -256,7 +308,7 @@ export class StreamTurn {
       const offset = turn.message.offset;
       if (acks.includes(offset) || nacks.some((n) => n.offset === offset)) {
         this.turn = null;
-        GATE.leave(turn); // its result is on the wire: the next one's turn
+        this.gate.leave(turn); // its result is on the wire: the next one's turn
       }
     }
   }
@@ -266,9 +318,9 @@ export class StreamTurn {
     const turn = this.turn;
     if (turn !== null && !turn.started) {
       this.turn = null;
-      GATE.leave(turn); // given back unstarted
+      this.gate.leave(turn); // given back unstarted
     }
-    GATE.dropWaiting(this.stream);
+    this.gate.dropWaiting(this.stream);
   }
 
   /**
@@ -277,14 +329,14 @@ export class StreamTurn {
    * handler, if it still runs, is done.
    */
   connectionEnded(leases: ReadonlySet<number>, taken: readonly Message[]): void {
-    GATE.dropWaiting(this.stream); // a pending turn sees its epoch
+    this.gate.dropWaiting(this.stream); // a pending turn sees its epoch
     const turn = this.turn;
     this.turn = null;
     if (turn !== null) {
       if (turn.started && leases.has(turn.message.offset) && !taken.includes(turn.message)) {
-        leaveWhenDone(turn, leases); // its handler still runs
+        leaveWhenDone(this.gate, turn, leases); // its handler still runs
       } else {
-        GATE.leave(turn);
+        this.gate.leave(turn);
       }
     }
   }
@@ -295,10 +347,10 @@ export class StreamTurn {
  * done (its offset leaves the ended connection's lease set): until then it is the process's
  * one started isolated delivery, and may still crash it.
  */
-function leaveWhenDone(turn: Ticket, leases: ReadonlySet<number>): void {
+function leaveWhenDone(gate: IsolationGate, turn: Ticket, leases: ReadonlySet<number>): void {
   if (!leases.has(turn.message.offset)) {
-    GATE.leave(turn);
+    gate.leave(turn);
     return;
   }
-  setTimeout(() => leaveWhenDone(turn, leases), TURN_POLL_MS).unref();
+  setTimeout(() => leaveWhenDone(gate, turn, leases), TURN_POLL_MS).unref();
 }

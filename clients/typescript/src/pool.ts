@@ -103,7 +103,11 @@ export class HandlerPool {
 
   /** The Consumer starts: a hush ending (isolation.ts) puts idle slots to work on what waited. */
   start(): void {
-    this.gate.listen(this, () => this.pump());
+    this.gate.listen(
+      this,
+      () => this.pump(),
+      () => this.running,
+    );
   }
 
   /** The Consumer stopped: no more hush ends to hear of. Safe twice. */

@@ -3,11 +3,12 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
-import { IsolationGate, Ticket } from "../src/isolation.js";
+import { IsolationGate, StreamTurn, Ticket } from "../src/isolation.js";
 import { Ledger } from "../src/ledger.js";
 import type { Message } from "../src/message.js";
 import { HandlerPool } from "../src/pool.js";
-import type { PartitionStream } from "../src/stream.js";
+import type { PartitionStream, StreamContext } from "../src/stream.js";
+import type { StreamWriter } from "../src/writer.js";
 import { within } from "./fake.js";
 
 function message(offset: number): Message {
@@ -196,6 +197,101 @@ test("isolation: a pool runs no other handler while the process is hushed", asyn
     assert.deepEqual([...ran].sort(), [1, 2, 3, 7]);
   } finally {
     gate.leave(ticket);
+    pool.close();
+  }
+});
+
+/** A real pool on `gate` whose handler for offset 1 runs until `release`, and a stream turn. */
+function slowNeighbour(gate: IsolationGate) {
+  let release!: () => void;
+  const released = new Promise<void>((resolve) => (release = resolve));
+  let began!: () => void;
+  const running = new Promise<void>((resolve) => (began = resolve));
+  const pool = new HandlerPool(
+    async (m: Message) => {
+      if (m.offset === 1) {
+        began();
+        await released;
+      }
+    },
+    4,
+    [],
+    gate,
+  );
+  pool.start();
+  const stream = { afterSettle() {} } as unknown as PartitionStream;
+  const account = pool.ledger.open(stream);
+  (stream as unknown as { account: typeof account }).account = account;
+  const sent: number[] = [];
+  let onSent!: () => void;
+  const started = new Promise<void>((resolve) => (onSent = resolve));
+  const writer = {
+    started(offset: number): boolean {
+      sent.push(offset);
+      onSent();
+      return true;
+    },
+  } as unknown as StreamWriter;
+  const ctx = { pool, stopping: () => false } as unknown as StreamContext;
+  const turn = new StreamTurn(stream, ctx, writer, gate);
+  return { pool, account, turn, sent, started, running, release };
+}
+
+test("isolation: an isolated delivery's Started waits for the handlers already running", async () => {
+  // A crash pill already running when a suspect's turn comes (its first delivery: not
+  // isolated) may crash the process late: the Started waits until no handler runs, so that
+  // crash cannot be blamed on the suspect. The gate's bound outlasts the test.
+  const gate = new IsolationGate(600_000);
+  let polls = 0;
+  let onPolled!: () => void;
+  const polled = new Promise<void>((resolve) => (onPolled = resolve));
+  const quiet = gate.quiet.bind(gate);
+  gate.quiet = () => {
+    polls += 1;
+    if (polls >= 3) {
+      onPolled();
+    }
+    return quiet();
+  };
+  const { pool, account, turn, sent, started, running, release } = slowNeighbour(gate);
+  try {
+    pool.submit(account, [message(1)]);
+    await within(running, 30_000, "the running handler");
+    turn.isolate([message(7)], [7]);
+    await within(polled, 30_000, "the gate's polls");
+    assert.deepEqual(sent, [], "no Started while another handler runs");
+    assert.notEqual(gate.hushed, null, "nothing new starts meanwhile");
+    release();
+    await within(started, 30_000, "the Started");
+    assert.deepEqual(sent, [7]);
+  } finally {
+    release();
+    turn.giveBack();
+    if (gate.holder !== null) {
+      gate.leave(gate.holder);
+    }
+    pool.close();
+  }
+});
+
+test("isolation: an isolated delivery's Started waits no longer than the hush's bound", async () => {
+  const gate = new IsolationGate(200);
+  const { pool, account, turn, sent, started, running, release } = slowNeighbour(gate);
+  try {
+    pool.submit(account, [message(1)]);
+    await within(running, 30_000, "the running handler");
+    const turned = performance.now();
+    turn.isolate([message(7)], [7]);
+    await within(started, 30_000, "the Started");
+    // libuv's timers count whole milliseconds from the loop's cached time: up to 1 ms early
+    assert.ok(performance.now() - turned >= 200 - 1);
+    assert.deepEqual(sent, [7]);
+  } finally {
+    release();
+    turn.giveBack();
+    if (gate.holder !== null) {
+      gate.leave(gate.holder);
+    }
     pool.close();
   }
 });
