@@ -50,15 +50,15 @@ if TYPE_CHECKING:
 __all__ = ["GATE", "IsolationGate", "StreamTurn", "Ticket"]
 
 HUSH_S = 1.0
-"""Longest the process starts nothing new for an isolated delivery (`IsolationGate.hush`).
-Its Started round trip and a handler of up to about a second fit, so a crash pill on its
-first delivery cannot start beside such a suspect and get it blamed. A slower one runs on
-beside the others after it: a process working through a crash's suspects of many seconds
-each keeps its throughput, and the blame is then as good as a coincidence allows. The
-price is time after a crash: each suspect up to this long alone (bench_crash_cost: one
-pill among 400 messages of 100 ms, 1.40x the time without it against 1.17x with 50 ms;
-with eight pills, no healthy attempt blamed against 14-18, and faster: 3.88x against
-3.57-4.39x)."""
+"""Longest the process starts nothing new for an isolated delivery (`IsolationGate.hush`),
+and longest its Started waits for the handlers already running (`StreamTurn._when_quiet`).
+A suspect of up to about a second runs alone, so a crash pill on its first delivery can
+neither start beside it nor, already running, crash after its Started and get it blamed.
+A slower one runs on beside the others after it, so a process working through a crash's
+suspects of many seconds each keeps its throughput. The price is time after a crash
+(bench_crash_cost, against a 50 ms hush that did not wait: one pill among 400 messages of
+100 ms, 1.38x the time without it against 1.16x; with eight pills, no healthy attempt
+blamed against 13-16)."""
 
 QUIET_POLL_S = 0.005
 """How often an isolated delivery whose turn came looks whether the handlers already

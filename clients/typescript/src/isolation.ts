@@ -36,12 +36,13 @@ import type { PartitionStream, StreamContext } from "./stream";
 import type { StreamWriter } from "./writer";
 
 /**
- * Longest the process starts nothing new for an isolated delivery (`IsolationGate.hush`): its
- * Started round trip and a handler of up to about a second fit, so a crash pill on its first
- * delivery cannot start beside such a suspect and get it blamed. A slower one runs on beside
- * the others after it, so a process working through a crash's suspects of many seconds each
- * keeps its throughput. The price is time after a crash: each suspect up to this long alone
- * (the Python client's HUSH_S, measured there).
+ * Longest the process starts nothing new for an isolated delivery (`IsolationGate.hush`), and
+ * longest its Started waits for the handlers already running (`StreamTurn.whenQuiet`). A
+ * suspect of up to about a second runs alone, so a crash pill on its first delivery can neither
+ * start beside it nor, already running, crash after its Started and get it blamed. A slower one
+ * runs on beside the others after it, so a process working through a crash's suspects of many
+ * seconds each keeps its throughput. The price is time after a crash (the Python client's
+ * HUSH_S, measured there).
  */
 export const HUSH_MS = 1000;
 
