@@ -316,6 +316,37 @@ class _Context:
         self.stopping = asyncio.Event()
 
 
+class _SlowNeighbour:
+    """The real pool on the process's gate, one handler in it running until `release`,
+    and a stream's turn whose Started frames `writer` records."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.release = asyncio.Event()
+        self.began = asyncio.Event()
+        self.pool = HandlerPool(self._handler, 4, (), 16)
+        self.pool.start(loop)
+        self.stream = _Stream(self.pool, loop)
+        self.writer = _Writer()
+        context = cast(Any, _Context(self.pool))
+        self.turn = isolation.StreamTurn(cast(Any, self.stream), context, cast(Any, self.writer))
+
+    async def _handler(self, m: Message) -> None:
+        self.began.set()
+        await self.release.wait()
+
+    async def __aenter__(self) -> _SlowNeighbour:
+        self.pool.submit(self.stream.account, [message(1)])
+        await asyncio.wait_for(self.began.wait(), 30)
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        self.release.set()
+        self.turn.give_back()
+        if GATE.holder is not None:
+            GATE.leave(GATE.holder)
+        await self.pool.close(clean=True)
+
+
 def test_an_isolated_deliverys_started_waits_for_the_handlers_already_running(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -337,35 +368,14 @@ def test_an_isolated_deliverys_started_waits_for_the_handlers_already_running(
     monkeypatch.setattr(GATE, "quiet", counting_quiet)
 
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        release = asyncio.Event()
-        began = asyncio.Event()
-
-        async def handler(m: Message) -> None:
-            began.set()
-            await release.wait()
-
-        pool = HandlerPool(handler, 4, (), 16)
-        pool.start(loop)
-        stream = _Stream(pool, loop)
-        writer = _Writer()
-        turn = isolation.StreamTurn(cast(Any, stream), cast(Any, _Context(pool)), cast(Any, writer))
-        try:
-            pool.submit(stream.account, [message(1)])
-            await asyncio.wait_for(began.wait(), 30)
-            turn.isolate([message(7)], [7])
+        async with _SlowNeighbour(asyncio.get_running_loop()) as it:
+            it.turn.isolate([message(7)], [7])
             await asyncio.wait_for(polled.wait(), 30)  # it looked, and found one running
-            assert writer.started_offsets == []
+            assert it.writer.started_offsets == []
             assert GATE.hushed is not None, "nothing new starts meanwhile"
-            release.set()  # the running handler ends: the Started goes out
-            await asyncio.wait_for(writer.sent.wait(), 30)
-            assert writer.started_offsets == [7]
-        finally:
-            release.set()
-            turn.give_back()
-            if GATE.holder is not None:
-                GATE.leave(GATE.holder)
-            await pool.close(clean=True)
+            it.release.set()  # the running handler ends: the Started goes out
+            await asyncio.wait_for(it.writer.sent.wait(), 30)
+            assert it.writer.started_offsets == [7]
 
     asyncio.run(main())
 
@@ -379,32 +389,12 @@ def test_an_isolated_deliverys_started_waits_no_longer_than_hush_s(
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        release = asyncio.Event()
-        began = asyncio.Event()
-
-        async def handler(m: Message) -> None:
-            began.set()
-            await release.wait()
-
-        pool = HandlerPool(handler, 4, (), 16)
-        pool.start(loop)
-        stream = _Stream(pool, loop)
-        writer = _Writer()
-        turn = isolation.StreamTurn(cast(Any, stream), cast(Any, _Context(pool)), cast(Any, writer))
-        try:
-            pool.submit(stream.account, [message(1)])
-            await asyncio.wait_for(began.wait(), 30)
+        async with _SlowNeighbour(loop) as it:
             turned = loop.time()
-            turn.isolate([message(7)], [7])
-            await asyncio.wait_for(writer.sent.wait(), 30)
+            it.turn.isolate([message(7)], [7])
+            await asyncio.wait_for(it.writer.sent.wait(), 30)
             assert loop.time() - turned >= isolation.HUSH_S
-            assert writer.started_offsets == [7]
-            assert pool.ledger.busy == 1, "the slow handler still runs"
-        finally:
-            release.set()
-            turn.give_back()
-            if GATE.holder is not None:
-                GATE.leave(GATE.holder)
-            await pool.close(clean=True)
+            assert it.writer.started_offsets == [7]
+            assert it.pool.ledger.busy == 1, "the slow handler still runs"
 
     asyncio.run(main())

@@ -234,7 +234,15 @@ function slowNeighbour(gate: IsolationGate) {
   } as unknown as StreamWriter;
   const ctx = { pool, stopping: () => false } as unknown as StreamContext;
   const turn = new StreamTurn(stream, ctx, writer, gate);
-  return { pool, account, turn, sent, started, running, release };
+  const close = (): void => {
+    release();
+    turn.giveBack();
+    if (gate.holder !== null) {
+      gate.leave(gate.holder);
+    }
+    pool.close();
+  };
+  return { pool, account, turn, sent, started, running, release, close };
 }
 
 test("isolation: an isolated delivery's Started waits for the handlers already running", async () => {
@@ -253,7 +261,7 @@ test("isolation: an isolated delivery's Started waits for the handlers already r
     }
     return quiet();
   };
-  const { pool, account, turn, sent, started, running, release } = slowNeighbour(gate);
+  const { pool, account, turn, sent, started, running, release, close } = slowNeighbour(gate);
   try {
     pool.submit(account, [message(1)]);
     await within(running, 30_000, "the running handler");
@@ -265,18 +273,13 @@ test("isolation: an isolated delivery's Started waits for the handlers already r
     await within(started, 30_000, "the Started");
     assert.deepEqual(sent, [7]);
   } finally {
-    release();
-    turn.giveBack();
-    if (gate.holder !== null) {
-      gate.leave(gate.holder);
-    }
-    pool.close();
+    close();
   }
 });
 
 test("isolation: an isolated delivery's Started waits no longer than the hush's bound", async () => {
   const gate = new IsolationGate(200);
-  const { pool, account, turn, sent, started, running, release } = slowNeighbour(gate);
+  const { pool, account, turn, sent, started, running, close } = slowNeighbour(gate);
   try {
     pool.submit(account, [message(1)]);
     await within(running, 30_000, "the running handler");
@@ -287,11 +290,6 @@ test("isolation: an isolated delivery's Started waits no longer than the hush's 
     assert.ok(performance.now() - turned >= 200 - 1);
     assert.deepEqual(sent, [7]);
   } finally {
-    release();
-    turn.giveBack();
-    if (gate.holder !== null) {
-      gate.leave(gate.holder);
-    }
-    pool.close();
+    close();
   }
 });
