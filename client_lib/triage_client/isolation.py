@@ -105,7 +105,6 @@ class IsolationGate:
         """The isolated delivery the process is hushed for (`hush`): the pools start only
         it; None: they start anything. Read without the lock (one attribute)."""
         self._hush_for: Ticket | None = None
-        self._hush_timer: tuple[Ticket, asyncio.TimerHandle] | None = None
         self._listeners: dict[
             object,
             tuple[asyncio.AbstractEventLoop, Callable[[], None], Callable[[], int]],
@@ -134,20 +133,18 @@ class IsolationGate:
         with self._lock:
             self._listeners.pop(owner, None)
 
-    def hush(self, ticket: Ticket) -> None:
-        """`ticket`'s turn came, or its Started goes out (called on its loop): the process
-        starts nothing else until it leaves, or for HUSH_S from now."""
+    def hush(self, ticket: Ticket, *, bounded: bool = True) -> None:
+        """`ticket`'s turn came (called on its loop): the process starts nothing else until
+        it leaves, or for HUSH_S from now. Unbounded (`bounded=False`) for a caller that
+        bounds the wait itself and then hushes again with the bound (StreamTurn: the
+        Started's wait, then the run)."""
         with self._lock:
             if self._holder is not ticket:
                 return
             self._hush_for = ticket
             self.hushed = ticket.message
-            armed, self._hush_timer = self._hush_timer, None
-        if armed is not None and armed[0] is ticket:
-            armed[1].cancel()  # its own earlier bound, on this loop; another's is stale
-        timer = ticket.loop.call_later(HUSH_S, self._unhush, ticket)
-        with self._lock:
-            self._hush_timer = (ticket, timer)
+        if bounded:
+            ticket.loop.call_later(HUSH_S, self._unhush, ticket)
 
     def _unhush(self, ticket: Ticket) -> None:
         with self._lock:
@@ -265,7 +262,7 @@ class StreamTurn:
             GATE.leave(ticket)  # its connection ended: the proxy redelivers it
             return
         self._turn = ticket
-        GATE.hush(ticket)
+        GATE.hush(ticket, bounded=False)  # until the Started: `_when_quiet` bounds it
         self._when_quiet(ticket, ticket.loop.time() + HUSH_S)
 
     def _when_quiet(self, ticket: Ticket, deadline: float) -> None:
@@ -285,7 +282,7 @@ class StreamTurn:
         if not GATE.quiet() and loop.time() < deadline:
             loop.call_later(QUIET_POLL_S, self._when_quiet, ticket, deadline)
             return
-        GATE.hush(ticket)  # the whole bound again, for its own run
+        GATE.hush(ticket)  # the bound, for its own run
         self._writer.started(ticket.message.offset)
 
     def on_started(self, offsets: Iterable[int]) -> None:

@@ -127,20 +127,20 @@ export class IsolationGate {
   }
 
   /**
-   * `ticket`'s turn came, or its Started goes out: the process starts nothing else until it
-   * leaves, or for HUSH_MS from now.
+   * `ticket`'s turn came: the process starts nothing else until it leaves, or for HUSH_MS from
+   * now. Unbounded (`bounded` false) for a caller that bounds the wait itself and then hushes
+   * again with the bound (StreamTurn: the Started's wait, then the run).
    */
-  hush(ticket: Ticket): void {
+  hush(ticket: Ticket, bounded = true): void {
     if (this.holding !== ticket) {
       return;
     }
-    if (this.hushTimer !== null) {
-      clearTimeout(this.hushTimer); // its own earlier bound: only the holder is hushed for
-    }
     this.hushFor = ticket;
     this.hushing = ticket.message;
-    this.hushTimer = setTimeout(() => this.unhush(ticket), this.hushMs);
-    this.hushTimer.unref(); // a hush never keeps the process alive
+    if (bounded) {
+      this.hushTimer = setTimeout(() => this.unhush(ticket), this.hushMs);
+      this.hushTimer.unref(); // a hush never keeps the process alive
+    }
   }
 
   /** Queue `ticket`; its turn comes when every ticket before it has left. */
@@ -187,8 +187,10 @@ export class IsolationGate {
     if (ticket === null || this.hushFor !== ticket) {
       return;
     }
-    clearTimeout(this.hushTimer!);
-    this.hushTimer = null;
+    if (this.hushTimer !== null) {
+      clearTimeout(this.hushTimer);
+      this.hushTimer = null;
+    }
     this.hushFor = null;
     this.hushing = null;
     for (const { onUnhush } of this.listeners.values()) {
@@ -257,7 +259,7 @@ export class StreamTurn {
       this.gate.leave(ticket); // its connection ended (the proxy redelivers it), or stop() began
       return;
     }
-    this.gate.hush(ticket); // before the Started: nothing else starts while it may be blamed
+    this.gate.hush(ticket, false); // nothing new starts; `whenQuiet` bounds the wait
     this.turn = ticket;
     this.whenQuiet(ticket, performance.now() + this.gate.hushMs);
   }
@@ -282,7 +284,7 @@ export class StreamTurn {
       setTimeout(() => this.whenQuiet(ticket, deadline), QUIET_POLL_MS).unref();
       return;
     }
-    this.gate.hush(ticket); // the whole bound again, for its own run
+    this.gate.hush(ticket); // the bound, for its own run
     if (!this.writer.started(ticket.message.offset)) {
       this.turn = null;
       this.gate.leave(ticket); // its connection ended: the proxy redelivers it
